@@ -1,0 +1,125 @@
+"""checkpoint → model graph → compiled artifact → engine directory, written atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+from camshaft.builder.checkpoint import Checkpoint
+from camshaft.builder.config import BuildConfig
+from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
+from camshaft.builder.graph.ops import GraphWriter, save_model
+
+from camshaft.errors import BuildConfigError
+from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
+from camshaft.version import __version__
+
+GRAPH_NAME = "graph.onnx"
+GRAPH_DATA = "graph.onnx.data"
+
+Progress = Callable[[str], None]
+
+
+def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
+                progress: Progress = lambda _: None) -> Path:
+    """The portable model graph (standard ONNX ops, external weights) for a checkpoint."""
+    graph_path = out_dir / GRAPH_NAME
+    with open(out_dir / GRAPH_DATA, "wb") as data:
+        writer = GraphWriter(data, GRAPH_DATA)
+        DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress).lower()
+    model = writer.model(OPSET)
+    save_model(model, graph_path)
+    return graph_path
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Manifest:
+    output = Path(config.output_dir)
+    _check_output(output)
+    started = time.perf_counter()
+    with Checkpoint(config.model_dir) as checkpoint:
+        model = checkpoint.config
+        limits = BuildLimits(
+            max_batch_size=config.max_batch_size,
+            max_seq_len=config.resolved_max_seq_len(model.max_position_embeddings),
+            max_num_tokens=config.max_num_tokens,
+            kv_block_size=config.kv_block_size,
+        )
+        dtype = config.resolved_dtype
+        staging = output.parent / f".{output.name}.partial-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            progress("writing model graph")
+            graph_path = write_graph(checkpoint, limits, dtype, staging, progress)
+            graph_hash = file_sha256(graph_path)
+            progress(f"compiling for {config.target}")
+            artifact, files, target_options = _compile(config.target, graph_path, staging)
+            tok_dir = staging / TOKENIZER_DIR
+            tok_dir.mkdir()
+            for file in checkpoint.tokenizer_files():
+                shutil.copy2(file, tok_dir / file.name)
+            import onnxruntime
+
+            manifest = Manifest(
+                model=model,
+                limits=limits,
+                dtype=dtype,
+                target=config.target,
+                artifact=artifact,
+                inputs=step_inputs(model),
+                outputs=(TensorSpec("logits", "float32", ("N", model.vocab_size)),),
+                kv_cache=kv_layout(model, limits, dtype),
+                tools={"camshaft": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+                files={name: (staging / name).stat().st_size for name in files},
+                graph_sha256=graph_hash,
+                target_options={**target_options, "build_seconds": round(time.perf_counter() - started, 2)},
+            )
+            manifest.write(staging)
+            _swap_into_place(staging, output)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    progress(f"engine written to {output}")
+    return manifest
+
+
+def _compile(target: str, graph_path: Path, staging: Path) -> tuple[str, list[str], dict[str, object]]:
+    if target == "onnxruntime":
+        from camshaft.builder.targets import onnxruntime as ort_target
+
+        options = ort_target.compile_graph(graph_path, staging)
+        graph_path.unlink()
+        (staging / GRAPH_DATA).unlink()
+        return ort_target.ARTIFACT, [ort_target.ARTIFACT, ort_target.ARTIFACT_DATA], options
+    raise BuildConfigError(f"target {target!r} is not available in this build of camshaft yet")
+
+
+def _check_output(output: Path) -> None:
+    if output.exists() and not output.is_dir():
+        raise BuildConfigError(f"--output {output} exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()) and not (output / MANIFEST_NAME).exists():
+        raise BuildConfigError(
+            f"--output {output} is a non-empty directory that is not an engine; refusing to overwrite it. "
+            "Choose an empty or new directory."
+        )
+
+
+def _swap_into_place(staging: Path, output: Path) -> None:
+    old = output.parent / f".{output.name}.old-{os.getpid()}"
+    if output.exists():
+        os.replace(output, old)
+    os.replace(staging, output)
+    shutil.rmtree(old, ignore_errors=True)

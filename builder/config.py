@@ -1,0 +1,59 @@
+"""Build options: frozen, validated on construction, never silently changed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from camshaft.errors import BuildConfigError
+
+TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
+DTYPES = ("auto", "float32", "float16")
+TARGET_DTYPES = {"onnxruntime": ("float32",), "tensorrt": ("float16",), "tensorrt-rtx": ("float16",)}
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    model_dir: Path
+    output_dir: Path
+    target: str = "onnxruntime"
+    dtype: str = "auto"
+    max_batch_size: int = 32
+    max_seq_len: int | None = None
+    max_num_tokens: int = 512
+    kv_block_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise BuildConfigError(f"unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
+        if self.dtype not in DTYPES:
+            raise BuildConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in TARGET_DTYPES[self.target]:
+            raise BuildConfigError(
+                f"target {self.target} builds {'/'.join(TARGET_DTYPES[self.target])} engines, not {self.dtype}; "
+                f"drop --dtype or pass --dtype {TARGET_DTYPES[self.target][0]}"
+            )
+        for name in ("max_batch_size", "max_num_tokens", "kv_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise BuildConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len <= 1):
+            raise BuildConfigError(f"--max-seq-len must be an integer > 1, got {self.max_seq_len!r}")
+        if self.kv_block_size & (self.kv_block_size - 1):
+            raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
+        if Path(self.model_dir).resolve() == Path(self.output_dir).resolve():
+            raise BuildConfigError("--output must differ from --model: the engine would overwrite the checkpoint")
+
+    @property
+    def resolved_dtype(self) -> str:
+        return TARGET_DTYPES[self.target][0] if self.dtype == "auto" else self.dtype
+
+    def resolved_max_seq_len(self, max_position_embeddings: int) -> int:
+        if self.max_seq_len is None:
+            return min(max_position_embeddings, 4096)
+        if self.max_seq_len > max_position_embeddings:
+            raise BuildConfigError(
+                f"--max-seq-len {self.max_seq_len} exceeds the model's max_position_embeddings "
+                f"({max_position_embeddings}); pass --max-seq-len {max_position_embeddings} or less"
+            )
+        return self.max_seq_len

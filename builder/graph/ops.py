@@ -1,0 +1,96 @@
+"""A small ONNX graph writer: nodes, inputs and outputs in memory, weights streamed to one external data file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ALIGN = 64
+ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+
+class GraphWriter:
+    def __init__(self, data_file: BinaryIO, data_location: str) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._data = data_file
+        self._location = data_location
+        self._offset = 0
+        self._counter = 0
+        self._const_cache: dict[tuple, str] = {}
+
+    def _name(self, hint: str) -> str:
+        self._counter += 1
+        return f"{hint}_{self._counter}"
+
+    def input(self, name: str, elem_type: int, shape: list[str | int]) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def output(self, name: str, elem_type: int, shape: list[str | int]) -> None:
+        self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        """A large tensor, written to the external data file now so memory stays flat."""
+        array = np.ascontiguousarray(array)
+        pad = (-self._offset) % ALIGN
+        if pad:
+            self._data.write(b"\0" * pad)
+            self._offset += pad
+        raw = array.tobytes()
+        self._data.write(raw)
+        tensor = onnx.TensorProto()
+        tensor.name = name
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+        tensor.dims.extend(array.shape)
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self._location), ("offset", str(self._offset)), ("length", str(len(raw)))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        self._offset += len(raw)
+        self.initializers.append(tensor)
+        return name
+
+    def const(self, array: np.ndarray, hint: str = "const") -> str:
+        """A small constant kept inside the graph; identical constants are shared."""
+        array = np.asarray(array)
+        key = (array.dtype.str, array.shape, array.tobytes()) if array.size <= 64 else None
+        if key is not None and key in self._const_cache:
+            return self._const_cache[key]
+        name = self._name(hint)
+        self.initializers.append(numpy_helper.from_array(array, name))
+        if key is not None:
+            self._const_cache[key] = name
+        return name
+
+    def ints(self, values: list[int]) -> str:
+        return self.const(np.array(values, dtype=np.int64), "shape")
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, name: str | None = None,
+           domain: str = "", **attrs) -> str | list[str]:
+        node_name = name or self._name(op_type)
+        outputs = [f"{node_name}/out{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=node_name, domain=domain, **attrs))
+        return outputs[0] if n_out == 1 else outputs
+
+    def op_to(self, op_type: str, inputs: list[str], output: str, **attrs) -> str:
+        self.nodes.append(helper.make_node(op_type, inputs, [output], name=self._name(op_type), **attrs))
+        return output
+
+    def model(self, opset: int, name: str = "camshaft") -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="camshaft")
+        model.ir_version = 10
+        return model
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    """Save a graph whose initializers already live in external data (the proto itself stays small)."""
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())

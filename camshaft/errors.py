@@ -1,0 +1,33 @@
+"""Errors a user can act on. Each message says what went wrong and what to do."""
+
+
+class CamshaftError(Exception):
+    """Base class: the CLI prints these without a traceback."""
+
+
+class CheckpointError(CamshaftError):
+    """A Hugging Face checkpoint is missing, malformed or unsupported."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint's architecture or a feature of it is not supported."""
+
+
+class BuildConfigError(CamshaftError):
+    """Build options are invalid or contradict each other."""
+
+
+class EngineError(CamshaftError):
+    """An engine directory is missing, half-written, corrupt or incompatible."""
+
+
+class RequestError(CamshaftError):
+    """A generation request is invalid (prompt, sampling parameters, limits)."""
+
+
+class CapacityError(RequestError):
+    """A request can never fit the engine's KV cache or limits."""
+
+
+class FetchError(CamshaftError):
+    """A model could not be fetched or converted."""

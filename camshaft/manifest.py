@@ -1,0 +1,152 @@
+"""The engine directory's manifest: the whole contract between build and run.
+
+An engine directory holds `manifest.json`, the compiled artifact and `tokenizer/`. The manifest is written last,
+so a directory without one (or with `complete` false) was never finished and never loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from camshaft.errors import EngineError
+from camshaft.model_config import ModelConfig
+from camshaft.version import ENGINE_FORMAT_VERSION, __version__
+
+MANIFEST_NAME = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+@dataclass(frozen=True)
+class BuildLimits:
+    max_batch_size: int
+    max_seq_len: int
+    max_num_tokens: int
+    kv_block_size: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.kv_block_size)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Per layer one K and one V tensor of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Block 0 is the null block: padding in block tables points at it and it is never allocated.
+    """
+
+    dtype: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    key_inputs: tuple[str, ...]
+    value_inputs: tuple[str, ...]
+    key_outputs: tuple[str, ...]
+    value_outputs: tuple[str, ...]
+    layout: str = "num_blocks,block_size,num_kv_heads,head_dim"
+
+    def bytes_per_block(self, itemsize: int) -> int:
+        return 2 * len(self.key_inputs) * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: ModelConfig
+    limits: BuildLimits
+    dtype: str
+    target: str
+    artifact: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    kv_cache: KVCacheLayout
+    quantization: dict[str, Any] = field(default_factory=dict)
+    tools: dict[str, str] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)
+    graph_sha256: str = ""
+    target_options: dict[str, Any] = field(default_factory=dict)
+    format_version: int = ENGINE_FORMAT_VERSION
+    camshaft_version: str = __version__
+    complete: bool = True
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False)
+
+    def write(self, engine_dir: Path) -> None:
+        write_atomic(Path(engine_dir) / MANIFEST_NAME, self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        data = dict(data)
+        data["model"] = ModelConfig.from_dict(data["model"])
+        data["limits"] = BuildLimits(**data["limits"])
+        data["inputs"] = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in data["inputs"])
+        data["outputs"] = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in data["outputs"])
+        kv = dict(data["kv_cache"])
+        for key in ("key_inputs", "value_inputs", "key_outputs", "value_outputs"):
+            kv[key] = tuple(kv[key])
+        data["kv_cache"] = KVCacheLayout(**kv)
+        return cls(**data)
+
+
+def read_manifest(engine_dir: str | Path) -> Manifest:
+    """Read and validate an engine directory's manifest; every failure is an EngineError saying what to do."""
+    engine_dir = Path(engine_dir)
+    if not engine_dir.is_dir():
+        raise EngineError(f"engine directory {engine_dir} does not exist; build one with `camshaft build`")
+    path = engine_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise EngineError(
+            f"{engine_dir} has no {MANIFEST_NAME}: it is not an engine directory, or its build never finished. "
+            "Rebuild it with `camshaft build`."
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineError(f"{path} is corrupt ({exc}); rebuild the engine with `camshaft build`") from exc
+    if not isinstance(raw, dict):
+        raise EngineError(f"{path} is corrupt (not a JSON object); rebuild the engine with `camshaft build`")
+    version = raw.get("format_version")
+    if version != ENGINE_FORMAT_VERSION:
+        raise EngineError(
+            f"{engine_dir} was built by camshaft {raw.get('camshaft_version', '?')} (engine format {version}); "
+            f"this is camshaft {__version__} (engine format {ENGINE_FORMAT_VERSION}). Rebuild the engine with "
+            "this version's `camshaft build`."
+        )
+    if not raw.get("complete", False):
+        raise EngineError(f"{engine_dir}: the build never finished; rebuild it with `camshaft build`")
+    try:
+        manifest = Manifest.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {exc}); rebuild the engine") from exc
+    for name, size in manifest.files.items():
+        file = engine_dir / name
+        if not file.is_file():
+            raise EngineError(f"{engine_dir} is missing {name}; rebuild the engine with `camshaft build`")
+        if file.stat().st_size != size:
+            raise EngineError(
+                f"{file} has {file.stat().st_size} bytes but the manifest expects {size}: the file is truncated "
+                "or was replaced. Rebuild the engine with `camshaft build`."
+            )
+    return manifest
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

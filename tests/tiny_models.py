@@ -1,0 +1,76 @@
+"""Tiny random-weight checkpoints of every supported architecture, made with transformers configs.
+
+Biases and norm weights are randomised: transformers' default init (biases 0, norms 1) would hide bugs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+BASE = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama3-rope": ("LlamaConfig", dict(
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=32),
+    )),
+    "llama-mqa-headdim": ("LlamaConfig", dict(num_key_value_heads=1, head_dim=24, attention_bias=True)),
+    "mistral-sliding": ("MistralConfig", dict(sliding_window=7, num_key_value_heads=2, head_dim=16)),
+    "qwen2-bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3-qknorm": ("Qwen3Config", dict(head_dim=32, num_key_value_heads=4)),
+}
+
+
+def make_tiny_model(name: str, out_dir: Path, seed: int = 0) -> Path:
+    config_cls, extra = VARIANTS[name]
+    config = getattr(transformers, config_cls)(**{**BASE, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if pname.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "norm" in pname:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(out_dir)
+    tokenizer_json(out_dir, config.vocab_size)
+    return out_dir
+
+
+def tokenizer_json(out_dir: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer with a small vocabulary (no merges beyond bytes) and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bytes_vocab = pre_tokenizers.ByteLevel.alphabet()
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(bytes_vocab))}
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", pad_token="<|im_end|>")
+    fast.chat_template = (
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+        "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    fast.save_pretrained(out_dir)

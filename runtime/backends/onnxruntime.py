@@ -1,0 +1,76 @@
+"""ONNX Runtime backend: one session, KV caches bound as input and output so ScatterND writes in place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from camshaft.errors import EngineError
+from camshaft.manifest import Manifest
+
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def physical_cores() -> int:
+    available = len(os.sched_getaffinity(0))
+    try:
+        import psutil
+
+        return max(1, min(available, psutil.cpu_count(logical=False) or available))
+    except ImportError:
+        return available
+
+
+def check_compatible(manifest: Manifest) -> None:
+    built = manifest.tools.get("onnxruntime", "")
+    if built.split(".")[:2] != ort.__version__.split(".")[:2]:
+        raise EngineError(
+            f"this engine was built with onnxruntime {built}, but onnxruntime {ort.__version__} is installed; "
+            f"rebuild the engine with `camshaft build` or install onnxruntime=={built}"
+        )
+
+
+class OnnxRuntimeBackend:
+    def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
+                 spin_wait: bool = True) -> None:
+        check_compatible(manifest)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        options.intra_op_num_threads = threads or physical_cores()
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait else "0")
+        try:
+            self.session = ort.InferenceSession(str(engine_dir / manifest.artifact), options,
+                                                providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
+            path = engine_dir / manifest.artifact
+            raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
+        kv = manifest.kv_cache
+        shape = (num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        self.num_blocks = num_blocks
+        self.binding = self.session.io_binding()
+        self.caches: list[np.ndarray] = []
+        names = zip(kv.key_inputs + kv.value_inputs, kv.key_outputs + kv.value_outputs, strict=True)
+        for input_name, output_name in names:
+            cache = np.zeros(shape, dtype=NUMPY_DTYPES[kv.dtype])
+            value = ort.OrtValue.ortvalue_from_numpy(cache)
+            self.binding.bind_ortvalue_input(input_name, value)
+            self.binding.bind_ortvalue_output(output_name, value)
+            self.caches.append(cache)
+        self.binding.bind_output("logits", "cpu")
+
+    def step(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        for name, array in feeds.items():
+            self.binding.bind_cpu_input(name, array)
+        self.binding.bind_output("logits", "cpu")
+        self.session.run_with_iobinding(self.binding)
+        # Outputs come back in binding order: the caches first, then logits.
+        return self.binding.get_outputs()[len(self.caches)].numpy()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)

@@ -1,0 +1,63 @@
+"""An engine directory loaded for running: manifest, backend, KV block pool and tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from camshaft.errors import EngineError
+from camshaft.manifest import TOKENIZER_DIR, Manifest, read_manifest
+from camshaft.runtime.batch import Chunk, StepBatch, build_step
+from camshaft.runtime.kv_cache import BlockPool, pool_blocks
+
+
+def load_tokenizer(engine_dir: Path):
+    from transformers import AutoTokenizer
+
+    path = engine_dir / TOKENIZER_DIR
+    if not path.is_dir():
+        raise EngineError(f"{engine_dir} has no {TOKENIZER_DIR}/ directory; rebuild the engine")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many types for a broken tokenizer
+        raise EngineError(f"the tokenizer in {path} could not be loaded ({exc}); rebuild the engine") from exc
+
+
+class Engine:
+    def __init__(self, engine_dir: str | Path, *, max_sequences: int = 1, kv_cache_memory: int | None = None,
+                 threads: int | None = None, spin_wait: bool = True) -> None:
+        self.dir = Path(engine_dir)
+        self.manifest: Manifest = read_manifest(self.dir)
+        m = self.manifest
+        num_blocks = pool_blocks(m, max_sequences, kv_cache_memory)
+        self.backend = self._backend(num_blocks, threads, spin_wait)
+        self.pool = BlockPool(num_blocks)
+        self.tokenizer = load_tokenizer(self.dir)
+        config = m.model
+        self.sliding_window = config.sliding_window if config.has_sliding_layers else None
+        self.eos_token_ids = tuple(config.eos_token_ids) or tuple(
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+
+    def _backend(self, num_blocks: int, threads: int | None, spin_wait: bool):
+        target = self.manifest.target
+        if target == "onnxruntime":
+            from camshaft.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+            return OnnxRuntimeBackend(self.dir, self.manifest, num_blocks, threads, spin_wait)
+        raise EngineError(f"{self.dir}: engines for target {target!r} cannot run in this build of camshaft")
+
+    @property
+    def limits(self):
+        return self.manifest.limits
+
+    @property
+    def block_size(self) -> int:
+        return self.manifest.limits.kv_block_size
+
+    def prepare(self, chunks: list[Chunk]) -> StepBatch:
+        return build_step(chunks, self.block_size, self.sliding_window)
+
+    def step(self, chunks: list[Chunk]) -> np.ndarray:
+        """Run one step; returns logits [rows, vocab] for the chunks that asked for them, in chunk order."""
+        return self.backend.step(self.prepare(chunks).feeds)

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx
+
 from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
 from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
 from camshaft.builder.graph.ops import GraphWriter, save_model
-
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
 from camshaft.version import __version__

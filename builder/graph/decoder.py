@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
-from camshaft.builder.graph.rope import cos_sin_tables
 from onnx import TensorProto
 
+from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
+from camshaft.builder.graph.rope import cos_sin_tables
 from camshaft.manifest import BuildLimits, KVCacheLayout, TensorSpec
 from camshaft.model_config import ModelConfig
 

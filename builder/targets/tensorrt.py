@@ -1,0 +1,284 @@
+"""The TensorRT targets: the model graph compiled into a serialized TensorRT plan.
+
+One adapter serves both products:
+  "tensorrt-rtx" (module `tensorrt_rtx`): builds ahead of time on a machine without a GPU, for the compute
+      capability the caller names (`IBuilderConfig.num_compute_capabilities` + `set_compute_capability`);
+  "tensorrt" (module `tensorrt`, the datacenter product): builds for the GPU it runs on, which must be the target.
+Both networks are strongly typed: precision comes from the graph's dtypes (build the float16 graph), not from
+builder flags. The product is imported inside functions only, so camshaft imports without it.
+
+The plan holds one optimisation profile covering every dynamic input dimension of the graph (see `profile_ranges`).
+Every group is at least one row: a step without decode tokens still passes one padding decode row (and likewise for
+prefill), as the onnxruntime target's runtime does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from camshaft.errors import BuildConfigError
+from camshaft.manifest import BuildLimits
+
+Progress = Callable[[str], None]
+
+PRODUCTS = {"tensorrt-rtx": "tensorrt_rtx", "tensorrt": "tensorrt"}
+INSTALL_HINT = {
+    "tensorrt-rtx": "pip install 'camshaft[tensorrt-rtx]'",
+    "tensorrt": "pip install 'camshaft[tensorrt]'",
+}
+ARTIFACT = "model.plan"
+
+
+def import_product(product: str) -> Any:
+    """The product's Python module, or a BuildConfigError that says how to install it."""
+    if product not in PRODUCTS:
+        raise BuildConfigError(f"unknown TensorRT product {product!r}; choose one of {', '.join(PRODUCTS)}")
+    import importlib
+
+    try:
+        return importlib.import_module(PRODUCTS[product])
+    except ImportError as exc:
+        raise BuildConfigError(
+            f"the {product} target needs the {PRODUCTS[product]} Python package, which is not importable here "
+            f"({exc}). Install it with: {INSTALL_HINT[product]}"
+        ) from exc
+
+
+def parse_arch(gpu_arch: str) -> int:
+    """"sm89", "sm_89", "SM89", "89" or "8.9" → 89."""
+    text = gpu_arch.strip().lower()
+    match = re.fullmatch(r"(?:sm_?)?(\d{2,3})", text) or re.fullmatch(r"(\d{1,2})\.(\d)", text)
+    if match is None:
+        raise BuildConfigError(f"{gpu_arch!r} is not a GPU architecture; write it like sm89 (or 8.9)")
+    return int("".join(match.groups()))
+
+
+def supported_archs(trt: Any, product: str) -> list[int]:
+    """The compute capabilities a plan can be built for with this product, as integers (89 for SM 8.9)."""
+    if product == "tensorrt-rtx":
+        return sorted(int(m.value) for n, m in trt.ComputeCapability.__members__.items() if n.startswith("SM"))
+    return [_local_arch(product)]
+
+
+def _local_arch(product: str) -> int:
+    """The compute capability of GPU 0, probed through cuda-python (creating a TensorRT runtime without a driver can
+    crash the process, so TensorRT itself is never asked)."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError as exc:
+        raise BuildConfigError(
+            f"the {product} target needs cuda-python to find the GPU; install it with: {INSTALL_HINT[product]}"
+        ) from exc
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or count == 0:
+        raise BuildConfigError(
+            f"the {product} target builds plans on a GPU of the target architecture and this machine has none "
+            f"({getattr(err, 'name', err)}). Build on such a GPU, or use the tensorrt-rtx target, which builds ahead "
+            "of time without a GPU."
+        )
+    attr = cudart.cudaDeviceAttr
+    _, major = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, 0)
+    _, minor = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, 0)
+    return major * 10 + minor
+
+
+def check_arch(trt: Any, product: str, gpu_arch: str) -> int:
+    arch = parse_arch(gpu_arch)
+    supported = supported_archs(trt, product)
+    if arch not in supported:
+        names = ", ".join(f"sm{a}" for a in supported)
+        if product == "tensorrt-rtx":
+            raise BuildConfigError(
+                f"{product} {trt.__version__} cannot build for sm{arch}; it supports {names}. "
+                "(Datacenter GPUs such as sm90 need the tensorrt target, built on such a GPU.)"
+            )
+        raise BuildConfigError(
+            f"{product} builds for the GPU it runs on, which is {names}, not sm{arch}: build on an sm{arch} GPU "
+            f"or target {names}"
+        )
+    return arch
+
+
+def profile_ranges(limits: BuildLimits, num_blocks_max: int) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) of every symbolic graph dimension.
+
+    opt favours the steady state of serving: a full decode batch with half-length contexts, one prefill chunk
+    filling the step's token budget.
+    """
+    if num_blocks_max < 2:
+        raise BuildConfigError(f"num_blocks_max must be at least 2 (block 0 is the null block), not {num_blocks_max}")
+    tokens, batch, bs = limits.max_num_tokens, limits.max_batch_size, limits.kv_block_size
+    blocks = limits.max_blocks_per_seq
+    query = min(tokens, limits.max_seq_len)
+    decode_blocks = max(1, blocks // 2)
+    prefill_blocks = min(blocks, -(-query // bs))
+    return {
+        "T": (1, tokens, tokens),
+        "N": (1, min(batch, tokens), tokens),
+        "Bd": (1, batch, batch),
+        "NBd": (1, decode_blocks, blocks),
+        "Ld": (bs, decode_blocks * bs, blocks * bs),
+        "Bp": (1, 1, batch),
+        "Qp": (1, query, query),
+        "NBp": (1, prefill_blocks, blocks),
+        "Lp": (bs, prefill_blocks * bs, blocks * bs),
+        "num_blocks": (2, num_blocks_max, num_blocks_max),
+    }
+
+
+def _input_dims(graph_path: Path) -> dict[str, list[int | str]]:
+    import onnx
+
+    model = onnx.load(str(graph_path), load_external_data=False)
+    initializers = {t.name for t in model.graph.initializer}
+    dims = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        dims[value.name] = [d.dim_param if d.HasField("dim_param") else d.dim_value
+                            for d in value.type.tensor_type.shape.dim]
+    return dims
+
+
+def _float_type(graph_path: Path) -> str:
+    """The element type of the graph's first floating-point input (the KV cache's), as a dtype name."""
+    import onnx
+
+    model = onnx.load(str(graph_path), load_external_data=False)
+    names = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+             onnx.TensorProto.BFLOAT16: "bfloat16"}
+    for value in model.graph.input:
+        if value.type.tensor_type.elem_type in names:
+            return names[value.type.tensor_type.elem_type]
+    return "unknown"
+
+
+def _shapes(dims: list[int | str], ranges: dict[str, tuple[int, int, int]], name: str) -> tuple[list[int], ...]:
+    out: tuple[list[int], ...] = ([], [], [])
+    for d in dims:
+        if isinstance(d, int) and d > 0:
+            lo = opt = hi = d
+        elif d in ranges:
+            lo, opt, hi = ranges[d]
+        else:
+            raise BuildConfigError(
+                f"graph input {name} has a dimension {d!r} the TensorRT target has no range for; the graph and the "
+                "target are out of step (a camshaft bug)"
+            )
+        for shape, value in zip(out, (lo, opt, hi), strict=True):
+            shape.append(value)
+    return out
+
+
+def _logger(trt: Any, progress: Progress, messages: list[str]) -> Any:
+    severity = trt.ILogger.Severity
+
+    class Logger(trt.ILogger):
+        def log(self, level: Any, msg: str) -> None:
+            if level in (severity.INTERNAL_ERROR, severity.ERROR):
+                messages.append(msg)
+                progress(f"TensorRT error: {msg}")
+            elif level == severity.WARNING and "Int64 binding" not in msg:
+                messages.append(msg)
+
+    logger = Logger()
+    return logger
+
+
+def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str, limits: BuildLimits,
+               num_blocks_max: int, progress: Progress = lambda _: None,
+               timing_cache: Path | None = None) -> dict[str, object]:
+    """Compile an ONNX graph (with external data beside it) into a TensorRT plan written atomically at plan_path.
+
+    `timing_cache` (datacenter TensorRT only) is loaded if it exists and saved back after the build. TensorRT-RTX
+    has no use for one: its timing cache does not change the plan and makes the builder look for a GPU.
+    """
+    graph_path, plan_path = Path(graph_path), Path(plan_path)
+    trt = import_product(product)
+    arch = check_arch(trt, product, gpu_arch)
+    ranges = profile_ranges(limits, num_blocks_max)
+    if not graph_path.is_file():
+        raise BuildConfigError(f"model graph {graph_path} does not exist")
+    input_dims = _input_dims(graph_path)
+    started = time.perf_counter()
+
+    messages: list[str] = []
+    logger = _logger(trt, progress, messages)
+    builder = trt.Builder(logger)
+    flag = trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED
+    network = builder.create_network(1 << int(flag))
+    parser = trt.OnnxParser(network, logger)
+    progress(f"parsing {graph_path.name} with {product} {trt.__version__}")
+    if not parser.parse_from_file(str(graph_path)):
+        errors = []
+        for i in range(parser.num_errors):
+            e = parser.get_error(i)
+            errors.append(f"  node {e.node()} {e.node_name() or '?'} ({e.node_operator() or '?'}): {e.desc()}")
+        raise BuildConfigError(
+            f"{product} {trt.__version__} cannot parse the model graph {graph_path} "
+            f"({parser.num_errors} error(s)):\n" + "\n".join(errors or messages or ["  (no details)"])
+            + "\nThis model cannot be built for this target; use the onnxruntime target for it."
+        )
+
+    config = builder.create_builder_config()
+    if product == "tensorrt-rtx":
+        config.num_compute_capabilities = 1
+        if not config.set_compute_capability(getattr(trt.ComputeCapability, f"SM{arch}"), 0):
+            raise BuildConfigError(f"{product} refused compute capability sm{arch}")
+    cache = None
+    if product == "tensorrt":
+        blob = timing_cache.read_bytes() if timing_cache is not None and timing_cache.is_file() else b""
+        cache = config.create_timing_cache(blob)
+        config.set_timing_cache(cache, ignore_mismatch=False)
+
+    profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        tensor = network.get_input(i)
+        dims = input_dims.get(tensor.name)
+        if dims is None:
+            raise BuildConfigError(f"{product} sees a graph input {tensor.name} that the ONNX graph does not list")
+        lo, opt, hi = _shapes(dims, ranges, tensor.name)
+        profile.set_shape(tensor.name, lo, opt, hi)
+    config.add_optimization_profile(profile)
+
+    progress(f"building the {product} plan for sm{arch}")
+    plan = builder.build_serialized_network(network, config)
+    if plan is None or plan.nbytes == 0:
+        detail = "\n".join(f"  {m}" for m in messages[-20:]) or "  (no messages)"
+        if any("Attention" in m for m in messages) and _float_type(graph_path) == "float32":
+            detail += "\nThe graph is float32 and TensorRT has no float32 attention kernel: build it as float16."
+        raise BuildConfigError(f"{product} {trt.__version__} failed to build a plan for sm{arch}:\n{detail}")
+    _write_atomic(plan_path, memoryview(plan))
+    if cache is not None and timing_cache is not None:
+        _write_atomic(timing_cache, memoryview(cache.serialize()))
+    seconds = time.perf_counter() - started
+    progress(f"{product} plan: {plan.nbytes / 2**20:.1f} MiB in {seconds:.1f} s")
+    return {
+        "product": product,
+        "version": trt.__version__,
+        "gpu_arch": f"sm{arch}",
+        "plan_bytes": plan.nbytes,
+        "build_seconds": round(seconds, 2),
+        "profile": {name: list(r) for name, r in ranges.items()},
+        "timing_cache": str(timing_cache) if cache is not None and timing_cache is not None else None,
+    }
+
+
+def _write_atomic(path: Path, data: memoryview) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

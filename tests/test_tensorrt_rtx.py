@@ -1,0 +1,90 @@
+"""TensorRT-RTX plans built ahead of time on the CPU from every tiny variant's float16 graph."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from camshaft.builder.build import write_graph
+from camshaft.builder.checkpoint import Checkpoint
+from camshaft.errors import BuildConfigError
+from camshaft.manifest import BuildLimits
+
+from tiny_models import VARIANTS, make_tiny_model
+
+pytestmark = [
+    pytest.mark.tensorrt,
+    pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None,
+                       reason="tensorrt_rtx is not installed (pip install 'camshaft[tensorrt-rtx]')"),
+]
+
+LIMITS = BuildLimits(max_batch_size=4, max_seq_len=128, max_num_tokens=32, kv_block_size=4)
+NUM_BLOCKS = 64
+
+
+def fp16_graph(root: Path, name: str) -> Path:
+    model_dir = make_tiny_model(name, root / name)
+    out = root / f"{name}-graph"
+    out.mkdir()
+    with Checkpoint(model_dir) as checkpoint:
+        return write_graph(checkpoint, LIMITS, "float16", out)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_builds_sm89_plan(tmp_path: Path, name: str) -> None:
+    import tensorrt_rtx
+
+    from camshaft.builder.targets.tensorrt import build_plan
+
+    graph = fp16_graph(tmp_path, name)
+    plan = tmp_path / "engine" / "model.plan"
+    meta = build_plan(graph, plan, product="tensorrt-rtx", gpu_arch="sm89", limits=LIMITS,
+                      num_blocks_max=NUM_BLOCKS)
+    assert plan.is_file() and plan.stat().st_size > 0
+    assert meta["plan_bytes"] == plan.stat().st_size
+    assert meta["product"] == "tensorrt-rtx"
+    assert meta["version"] == tensorrt_rtx.__version__
+    assert meta["gpu_arch"] == "sm89"
+    assert meta["build_seconds"] > 0
+    assert not list(plan.parent.glob(".*")), "the atomic write left a temporary file behind"
+
+
+def test_unsupported_arch_is_a_clear_error(tmp_path: Path) -> None:
+    from camshaft.builder.targets.tensorrt import build_plan
+
+    plan = tmp_path / "model.plan"
+    with pytest.raises(BuildConfigError, match=r"sm90.*sm89") as info:
+        build_plan(tmp_path / "missing.onnx", plan, product="tensorrt-rtx", gpu_arch="sm90", limits=LIMITS,
+                   num_blocks_max=NUM_BLOCKS)
+    assert "sm120" in str(info.value)
+    with pytest.raises(BuildConfigError, match="not a GPU architecture"):
+        build_plan(tmp_path / "missing.onnx", plan, product="tensorrt-rtx", gpu_arch="hopper", limits=LIMITS,
+                   num_blocks_max=NUM_BLOCKS)
+    assert not plan.exists()
+
+
+def test_arch_spellings() -> None:
+    from camshaft.builder.targets.tensorrt import parse_arch
+
+    assert {parse_arch(a) for a in ("sm89", "SM_89", "89", "8.9")} == {89}
+    assert parse_arch("sm120") == 120 and parse_arch("12.0") == 120
+
+
+def test_parser_errors_name_the_node(tmp_path: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    from camshaft.builder.targets.tensorrt import build_plan
+
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], name="the_bad_node", domain="camshaft.test")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["T", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["T", 4])])
+    opsets = [helper.make_opsetid("", 23), helper.make_opsetid("camshaft.test", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    path = tmp_path / "bad.onnx"
+    onnx.save(model, path)
+    with pytest.raises(BuildConfigError, match=r"cannot parse(.|\n)*the_bad_node \(NoSuchOp\)"):
+        build_plan(path, tmp_path / "model.plan", product="tensorrt-rtx", gpu_arch="sm89", limits=LIMITS,
+                   num_blocks_max=NUM_BLOCKS)

@@ -16,13 +16,12 @@ class Chunk:
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
-    want_logits: bool = True
+    num_logits: int = 1  # logits rows wanted for this chunk's last tokens (0: none; len(token_ids): all)
 
 
 @dataclass(frozen=True)
 class StepBatch:
     feeds: dict[str, np.ndarray]
-    logits_rows: list[int]
     num_tokens: int
 
 
@@ -63,12 +62,12 @@ def build_step(chunks: list[Chunk], block_size: int, sliding_window: int | None)
     offsets = np.cumsum([0] + [len(c.token_ids) for c in chunks])
     decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
-    logits_rows = [i for i, c in enumerate(chunks) if c.want_logits]
+    logits_index = [t for i, c in enumerate(chunks) for t in range(offsets[i + 1] - c.num_logits, offsets[i + 1])]
     feeds: dict[str, np.ndarray] = {
         "input_ids": np.asarray(ids, dtype=np.int64),
         "positions": positions_arr,
         "kv_write_index": write_index,
-        "logits_index": np.asarray([offsets[i + 1] - 1 for i in logits_rows], dtype=np.int64),
+        "logits_index": np.asarray(logits_index, dtype=np.int64),
     }
     attn_index = np.empty(num_tokens, dtype=np.int64)
 
@@ -105,4 +104,4 @@ def build_step(chunks: list[Chunk], block_size: int, sliding_window: int | None)
         n = offsets[i + 1] - offsets[i]
         attn_index[offsets[i]: offsets[i + 1]] = bd + row * q_len + np.arange(n)
     feeds["attn_output_index"] = attn_index
-    return StepBatch(feeds, logits_rows, num_tokens)
+    return StepBatch(feeds, num_tokens)

@@ -59,5 +59,5 @@ class Engine:
         return build_step(chunks, self.block_size, self.sliding_window)
 
     def step(self, chunks: list[Chunk]) -> np.ndarray:
-        """Run one step; returns logits [rows, vocab] for the chunks that asked for them, in chunk order."""
+        """Run one step; returns logits [rows, vocab]: each chunk's `num_logits` last tokens, in chunk order."""
         return self.backend.step(self.prepare(chunks).feeds)

@@ -15,3 +15,22 @@ SMOLLM2 = "smollm2-135m-instruct"
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a float32 HF checkpoint, fetched once into the camshaft cache and reused across runs."""
     return fetch_model(SMOLLM2, default_model_dir(SMOLLM2))
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CPU engine of SmolLM2-135M-Instruct, built once per test session."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    out = tmp_path_factory.mktemp("smollm2") / "engine"
+    build_engine(BuildConfig(smollm2_dir, out, max_seq_len=1024, max_num_tokens=256))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_dir: Path):
+    """transformers' float32 model of the same checkpoint: the numerics reference."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype="float32").eval()

@@ -91,7 +91,7 @@ def test_logits_only_for_requested_rows(variant):
     ids = rng.integers(3, engine.manifest.model.vocab_size, 10).tolist()
     seq = PagedSequence(engine, ids, rng)
     first = seq.chunk(6)
-    no_logits = Chunk(first.token_ids, first.start_pos, first.block_table, want_logits=False)
+    no_logits = Chunk(first.token_ids, first.start_pos, first.block_table, num_logits=0)
     assert engine.step([no_logits]).shape[0] == 0
     logits = engine.step([seq.chunk(4)])
     assert_close(logits[0], reference_logits(reference, ids)[9], f"{name} after a logits-free chunk")

@@ -1,0 +1,147 @@
+"""The engine directory contract: atomic builds, and clear errors for anything half-written or mismatched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import BuildConfigError, CheckpointError, EngineError
+from camshaft.manifest import read_manifest
+from camshaft.runtime.engine import Engine
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("enginedir")
+    model = make_tiny_model("qwen2-bias", root / "hf")
+    engine = root / "engine"
+    build_engine(BuildConfig(model, engine, max_seq_len=64, kv_block_size=8))
+    return model, engine
+
+
+@pytest.fixture
+def copy(built, tmp_path):
+    _, engine = built
+    target = tmp_path / "engine"
+    shutil.copytree(engine, target)
+    return target
+
+
+def test_manifest_records_the_contract(built):
+    _, engine = built
+    m = read_manifest(engine)
+    assert m.target == "onnxruntime" and m.dtype == "float32"
+    assert m.model.architecture == "qwen2" and m.model.qkv_bias
+    assert m.kv_cache.block_size == 8 and m.kv_cache.dtype == "float32"
+    assert len(m.kv_cache.key_inputs) == m.model.num_layers
+    assert {"camshaft", "onnx", "onnxruntime"} <= set(m.tools)
+    assert {t.name for t in m.inputs} >= {"input_ids", "positions", "kv_write_index", "decode_block_tables"}
+    assert len(m.graph_sha256) == 64
+    assert set(m.files) == {"model.onnx", "model.onnx.data"}
+
+
+def test_corrupt_manifest(copy):
+    (copy / "manifest.json").write_text("{ not json")
+    with pytest.raises(EngineError, match="corrupt"):
+        Engine(copy)
+
+
+def test_missing_manifest_means_unfinished_build(copy):
+    (copy / "manifest.json").unlink()
+    with pytest.raises(EngineError, match="never finished"):
+        Engine(copy)
+
+
+def test_missing_artifact(copy):
+    (copy / "model.onnx.data").unlink()
+    with pytest.raises(EngineError, match="missing model.onnx.data"):
+        Engine(copy)
+
+
+def test_truncated_artifact(copy):
+    data = copy / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(EngineError, match="truncated"):
+        Engine(copy)
+
+
+def test_other_camshaft_engine_format(copy):
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["format_version"], raw["camshaft_version"] = 999, "9.9.9"
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match=r"built by camshaft 9\.9\.9.*this is camshaft"):
+        Engine(copy)
+
+
+def test_other_onnxruntime_version(copy):
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["tools"]["onnxruntime"] = "1.2.0"
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match=r"onnxruntime 1\.2\.0.*installed"):
+        Engine(copy)
+
+
+def test_interrupted_build_leaves_nothing_that_loads(built, tmp_path, monkeypatch):
+    model, _ = built
+    out = tmp_path / "engine"
+    from camshaft.builder import build as build_module
+
+    def explode(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build_module, "_compile", explode)
+    with pytest.raises(KeyboardInterrupt):
+        build_engine(BuildConfig(model, out, max_seq_len=64))
+    assert not out.exists()
+    assert not list(tmp_path.iterdir())
+
+
+def test_rebuild_replaces_an_engine_but_never_a_foreign_dir(built, tmp_path):
+    model, _ = built
+    out = tmp_path / "engine"
+    build_engine(BuildConfig(model, out, max_seq_len=64))
+    build_engine(BuildConfig(model, out, max_seq_len=32))
+    assert read_manifest(out).limits.max_seq_len == 32
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(BuildConfigError, match="refusing to overwrite"):
+        build_engine(BuildConfig(model, foreign, max_seq_len=64))
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_missing_tensor_and_shape_mismatch_name_file_and_tensor(built, tmp_path):
+    model, _ = built
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(model, bad)
+    tensors = load_file(bad / "model.safetensors")
+    q_proj = tensors["model.layers.0.self_attn.q_proj.weight"]
+    tensors["model.layers.0.self_attn.q_proj.weight"] = q_proj[:-1]
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor .*q_proj.* shape \(63, 64\)"):
+        build_engine(BuildConfig(bad, tmp_path / "out", max_seq_len=64))
+    tensors["model.layers.0.self_attn.q_proj.weight"] = q_proj
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(CheckpointError, match="up_proj.weight' is missing"):
+        build_engine(BuildConfig(bad, tmp_path / "out", max_seq_len=64))
+
+
+def test_build_limits_are_validated_not_overridden(built, tmp_path):
+    model, _ = built
+    with pytest.raises(BuildConfigError, match="max_position_embeddings"):
+        build_engine(BuildConfig(model, tmp_path / "e", max_seq_len=10_000))
+    with pytest.raises(BuildConfigError, match="power of two"):
+        BuildConfig(model, tmp_path / "e", kv_block_size=12)
+    with pytest.raises(BuildConfigError, match="float32"):
+        BuildConfig(model, tmp_path / "e", dtype="float16")
+    with pytest.raises(BuildConfigError, match="unknown target"):
+        BuildConfig(model, tmp_path / "e", target="tpu")

@@ -48,6 +48,7 @@ def file_sha256(path: Path) -> str:
 def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Manifest:
     output = Path(config.output_dir)
     _check_output(output)
+    _check_target(config)
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
         model = checkpoint.config
@@ -66,11 +67,13 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress)
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
-            artifact, files, target_options = _compile(config.target, graph_path, staging)
+            artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)
             tok_dir = staging / TOKENIZER_DIR
             tok_dir.mkdir()
             for file in checkpoint.tokenizer_files():
                 shutil.copy2(file, tok_dir / file.name)
+            if not (tok_dir / "tokenizer.json").is_file():
+                _convert_tokenizer(checkpoint.dir, tok_dir)
             import onnxruntime
 
             manifest = Manifest(
@@ -82,7 +85,8 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 inputs=step_inputs(model),
                 outputs=(TensorSpec("logits", "float32", ("N", model.vocab_size)),),
                 kv_cache=kv_layout(model, limits, dtype),
-                tools={"camshaft": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+                tools={"camshaft": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
+                       **target_options.pop("tools", {})},
                 files={name: (staging / name).stat().st_size for name in files},
                 graph_sha256=graph_hash,
                 target_options={**target_options, "build_seconds": round(time.perf_counter() - started, 2)},
@@ -96,15 +100,48 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
     return manifest
 
 
-def _compile(target: str, graph_path: Path, staging: Path) -> tuple[str, list[str], dict[str, object]]:
-    if target == "onnxruntime":
+def _check_target(config: BuildConfig) -> None:
+    """Refuse a target whose product is missing or cannot build for the architecture, before any work."""
+    if config.target.startswith("tensorrt"):
+        from camshaft.builder.targets import tensorrt
+
+        trt = tensorrt.import_product(config.target)
+        if config.resolved_gpu_arch is not None:
+            tensorrt.check_arch(trt, config.target, config.resolved_gpu_arch)
+
+
+def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging: Path,
+             progress: Progress) -> tuple[str, list[str], dict]:
+    if config.target == "onnxruntime":
         from camshaft.builder.targets import onnxruntime as ort_target
 
         options = ort_target.compile_graph(graph_path, staging)
         graph_path.unlink()
         (staging / GRAPH_DATA).unlink()
         return ort_target.ARTIFACT, [ort_target.ARTIFACT, ort_target.ARTIFACT_DATA], options
-    raise BuildConfigError(f"target {target!r} is not available in this build of camshaft yet")
+    from camshaft.builder.targets import tensorrt
+
+    arch = config.resolved_gpu_arch or f"sm{tensorrt.supported_archs(None, config.target)[0]}"
+    num_blocks_max = limits.max_batch_size * limits.max_blocks_per_seq + 1
+    meta = tensorrt.build_plan(graph_path, staging / tensorrt.ARTIFACT, product=config.target, gpu_arch=arch,
+                               limits=limits, num_blocks_max=num_blocks_max, progress=progress)
+    meta["tools"] = {meta["product"]: meta["version"]}
+    # The graph the plan was built from stays beside it: its hash is in the manifest.
+    return tensorrt.ARTIFACT, [tensorrt.ARTIFACT, GRAPH_NAME, GRAPH_DATA], meta
+
+
+def _convert_tokenizer(model_dir: Path, tok_dir: Path) -> None:
+    """Engines always carry a fast tokenizer (tokenizer.json), so loading one never needs a slow conversion."""
+    from transformers import AutoTokenizer
+
+    from camshaft.errors import CheckpointError
+
+    try:
+        AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(tok_dir))
+    except Exception as exc:  # transformers raises many types for tokenizers it cannot convert
+        raise CheckpointError(f"the tokenizer in {model_dir} could not be converted to tokenizer.json: {exc}") from exc
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise CheckpointError(f"the tokenizer in {model_dir} has no fast (tokenizer.json) form")
 
 
 def _check_output(output: Path) -> None:

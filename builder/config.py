@@ -22,6 +22,7 @@ class BuildConfig:
     max_seq_len: int | None = None
     max_num_tokens: int = 512
     kv_block_size: int = 32
+    gpu_arch: str | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -41,8 +42,17 @@ class BuildConfig:
             raise BuildConfigError(f"--max-seq-len must be an integer > 1, got {self.max_seq_len!r}")
         if self.kv_block_size & (self.kv_block_size - 1):
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
+        if self.gpu_arch is not None and not self.target.startswith("tensorrt"):
+            raise BuildConfigError(f"--gpu-arch applies to the tensorrt targets, not {self.target}; drop it")
         if Path(self.model_dir).resolve() == Path(self.output_dir).resolve():
             raise BuildConfigError("--output must differ from --model: the engine would overwrite the checkpoint")
+
+    @property
+    def resolved_gpu_arch(self) -> str | None:
+        """TensorRT-RTX builds ahead of time, for sm89 unless told otherwise; TensorRT builds for the local GPU."""
+        if self.target == "tensorrt-rtx":
+            return self.gpu_arch or "sm89"
+        return self.gpu_arch
 
     @property
     def resolved_dtype(self) -> str:

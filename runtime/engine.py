@@ -13,13 +13,14 @@ from camshaft.runtime.kv_cache import BlockPool, pool_blocks
 
 
 def load_tokenizer(engine_dir: Path):
-    from transformers import AutoTokenizer
+    # The fast tokenizer class alone imports in ~1 s; AutoTokenizer pulls in torch and takes several.
+    from transformers import PreTrainedTokenizerFast
 
     path = engine_dir / TOKENIZER_DIR
-    if not path.is_dir():
-        raise EngineError(f"{engine_dir} has no {TOKENIZER_DIR}/ directory; rebuild the engine")
+    if not (path / "tokenizer.json").is_file():
+        raise EngineError(f"{engine_dir} has no {TOKENIZER_DIR}/tokenizer.json; rebuild the engine")
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     except Exception as exc:  # transformers raises many types for a broken tokenizer
         raise EngineError(f"the tokenizer in {path} could not be loaded ({exc}); rebuild the engine") from exc
 

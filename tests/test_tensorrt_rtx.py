@@ -88,3 +88,32 @@ def test_parser_errors_name_the_node(tmp_path: Path) -> None:
     with pytest.raises(BuildConfigError, match=r"cannot parse(.|\n)*the_bad_node \(NoSuchOp\)"):
         build_plan(path, tmp_path / "model.plan", product="tensorrt-rtx", gpu_arch="sm89", limits=LIMITS,
                    num_blocks_max=NUM_BLOCKS)
+
+
+def test_build_engine_for_tensorrt_rtx_records_plan_and_graph(tmp_path):
+    from camshaft.builder.build import GRAPH_NAME, build_engine, file_sha256
+    from camshaft.builder.config import BuildConfig
+    from camshaft.errors import EngineError
+    from camshaft.runtime.engine import Engine
+
+    model = make_tiny_model("qwen3-qknorm", tmp_path / "hf")
+    out = tmp_path / "engine"
+    manifest = build_engine(BuildConfig(model, out, target="tensorrt-rtx", max_seq_len=64, max_batch_size=4,
+                                        max_num_tokens=32, kv_block_size=8))
+    assert manifest.target == "tensorrt-rtx" and manifest.dtype == "float16"
+    assert manifest.artifact == "model.plan" and (out / "model.plan").stat().st_size > 100_000
+    assert manifest.graph_sha256 == file_sha256(out / GRAPH_NAME)
+    assert manifest.target_options["gpu_arch"] == "sm89"
+    assert manifest.tools["tensorrt-rtx"] == manifest.target_options["version"]
+    with pytest.raises(EngineError, match="cannot run"):
+        Engine(out)
+
+
+def test_unbuildable_arch_fails_before_any_work(tmp_path):
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    model = make_tiny_model("llama", tmp_path / "hf")
+    with pytest.raises(BuildConfigError, match="sm90"):
+        build_engine(BuildConfig(model, tmp_path / "engine", target="tensorrt-rtx", gpu_arch="sm90"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -1,0 +1,266 @@
+"""Per-request logits processing and sampling on numpy rows.
+
+Order: repetition penalty -> presence/frequency penalties -> bad words -> min_tokens -> greedy argmax, or
+temperature -> top_k -> top_p -> min_p -> draw. Logprobs are log_softmax of the RAW model logits (vLLM's default).
+Repetition penalty covers prompt + output tokens, presence/frequency only output tokens; min_tokens bans
+stop_token_ids and, unless ignore_eos, the eos ids. `SequenceSampler.sample` records the token it returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from camshaft.errors import RequestError
+from camshaft.runtime.sampling_params import SamplingParams
+
+_BLOCK = 256
+_BINS_PER_NAT = 32
+_NUM_BINS = 40 * _BINS_PER_NAT
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # None unless logprobs > 0; best first
+
+
+class _ScratchRows(threading.local):
+    """Per-thread work rows reused across calls: fresh ~200 KB temporaries would page-fault on every token."""
+
+    def get(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        rows = getattr(self, "rows", None)
+        if rows is None or rows[0].size != size:
+            rows = self.rows = (*(np.empty(size, dtype=np.float32) for _ in range(3)), np.empty(size, dtype=np.intp))
+        return rows
+
+
+_scratch = _ScratchRows()
+
+
+class _TokenCounts:
+    """Counts per token id plus the distinct ids seen, so penalties cost O(distinct) rather than O(vocab)."""
+
+    def __init__(self, vocab_size: int, initial: np.ndarray | None = None) -> None:
+        self.counts = np.zeros(vocab_size, dtype=np.int32)
+        distinct, counts = np.unique(initial if initial is not None else [], return_counts=True)
+        self.counts[distinct.astype(np.int64)] = counts
+        self._ids = np.empty(max(64, 2 * distinct.size), dtype=np.int64)
+        self._ids[: distinct.size] = distinct
+        self._num_ids = distinct.size
+
+    def add(self, token_id: int) -> None:
+        if self.counts[token_id] == 0:
+            if self._num_ids == self._ids.size:
+                self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
+            self._ids[self._num_ids] = token_id
+            self._num_ids += 1
+        self.counts[token_id] += 1
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[: self._num_ids]
+
+
+def top_k_indices(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest finite values, largest first (ties: lower index first). Avoids a full partition."""
+    finite = np.count_nonzero(values > -np.inf)
+    if finite <= k:
+        candidates = np.flatnonzero(values > -np.inf)
+    else:
+        top = float(values.max())
+        cap = 4 * k + 256
+        near, far = 0.0, 1.0  # count(values >= top - near) < k; widen `far` until it holds at least k
+        while (count := np.count_nonzero(values >= top - far)) < k:
+            near, far = far, far * 2
+        for _ in range(24):
+            if count <= cap:
+                break
+            mid = (near + far) / 2
+            mid_count = np.count_nonzero(values >= top - mid)
+            if mid_count >= k:
+                far, count = mid, mid_count
+            else:
+                near = mid
+        candidates = np.flatnonzero(values >= top - far)
+    return candidates[np.argsort(-values[candidates], kind="stable")][:k]
+
+
+def _search(cumulative: np.ndarray, weights: np.ndarray, target: float) -> int:
+    i = int(np.searchsorted(cumulative, target, side="right"))
+    if i >= weights.size:  # float rounding at the top end: take the last token with weight
+        i = int(np.flatnonzero(weights > 0)[-1])
+    return i
+
+
+def _draw(weights: np.ndarray, u: float) -> int:
+    """Index i with probability weights[i] / sum, for u uniform in [0, 1). Blocked so large rows need one pass."""
+    if weights.size <= 4 * _BLOCK:
+        cumulative = np.cumsum(weights, dtype=np.float64)
+        return _search(cumulative, weights, u * cumulative[-1])
+    whole = weights.size // _BLOCK * _BLOCK
+    block_sums = np.append(weights[:whole].reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64),
+                           weights[whole:].sum(dtype=np.float64))
+    cumulative = np.cumsum(block_sums)
+    target = u * cumulative[-1]
+    block = _search(cumulative, block_sums, target)
+    inner = weights[block * _BLOCK : (block + 1) * _BLOCK]
+    inner_target = target - (cumulative[block - 1] if block else 0.0)
+    return block * _BLOCK + _search(np.cumsum(inner, dtype=np.float64), inner, inner_target)
+
+
+def _nucleus(log_weights: np.ndarray, weights: np.ndarray, target: float, bins: np.ndarray) -> np.ndarray:
+    """Indices of the smallest set of heaviest tokens whose weight sum reaches target (ties: lower index first).
+
+    Buckets log-weights into narrow bins (one weighted bincount) so only the bin where the sum crosses is sorted.
+    Overwrites log_weights and bins (scratch rows).
+    """
+    np.multiply(log_weights, np.float32(-_BINS_PER_NAT), out=log_weights)
+    np.minimum(log_weights, np.float32(_NUM_BINS - 1), out=log_weights)
+    bins[...] = log_weights
+    cumulative = np.cumsum(np.bincount(bins, weights=weights, minlength=_NUM_BINS))
+    edge_bin = min(int(np.searchsorted(cumulative, target)), _NUM_BINS - 1)
+    edge = np.flatnonzero(bins == edge_bin)
+    edge = edge[np.argsort(-weights[edge], kind="stable")]
+    mass_before = (cumulative[edge_bin - 1] if edge_bin else 0.0) + np.cumsum(weights[edge], dtype=np.float64)
+    mass_before -= weights[edge]
+    return np.concatenate([np.flatnonzero(bins < edge_bin), edge[mass_before < target]])
+
+
+class SequenceSampler:
+    """Sampling state of one output sequence. Give each of a request's n sequences its own `sequence_index`:
+    with a seed, equal indices draw equal tokens."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: tuple[int, ...],
+                 bad_word_ids: Sequence[Sequence[int]], vocab_size: int, sequence_index: int = 0) -> None:
+        self.params = params
+        self.vocab_size = vocab_size
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        bad_ids = [t for word in bad_word_ids for t in word]
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("bad_words", bad_ids), ("prompt", prompt)):
+            ids = np.asarray(ids, dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise RequestError(f"{name} contains a token id outside the vocabulary (0..{vocab_size - 1}); "
+                                   "check the ids against the model's tokenizer")
+        seed = None if params.seed is None else params.seed % 2**64
+        self._rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(sequence_index,))))
+        self.generated_ids: list[int] = []
+        self._seen = None
+        if params.repetition_penalty != 1.0:
+            self._seen = _TokenCounts(vocab_size, prompt)
+        self._output_counts = None
+        if params.presence_penalty or params.frequency_penalty:
+            self._output_counts = _TokenCounts(vocab_size)
+        words = [tuple(int(t) for t in w) for w in bad_word_ids if len(w)]
+        self._always_banned = np.array(sorted({w[0] for w in words if len(w) == 1}), dtype=np.int64)
+        self._banned_after = [(w[:-1], w[-1]) for w in words if len(w) > 1]
+        early_stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._early_stop_ids = np.array(sorted(early_stops), dtype=np.int64)
+
+    @property
+    def _transforms_logits(self) -> bool:
+        return bool(self._seen is not None or self._output_counts is not None or self._always_banned.size
+                    or self._banned_after or (len(self.generated_ids) < self.params.min_tokens
+                                              and self._early_stop_ids.size))
+
+    def processed_logits(self, logits_row: np.ndarray) -> np.ndarray:
+        """Logits after penalties and bans, before temperature; a new array (the input is not modified)."""
+        return self._process(logits_row, np.empty(logits_row.shape[-1], dtype=np.float32))
+
+    def _process(self, logits_row: np.ndarray, x: np.ndarray) -> np.ndarray:
+        x[...] = logits_row
+        p = self.params
+        if self._seen is not None:
+            ids = self._seen.ids
+            vals = x[ids]
+            x[ids] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if self._output_counts is not None:
+            ids = self._output_counts.ids
+            x[ids] -= p.presence_penalty + p.frequency_penalty * self._output_counts.counts[ids]
+        x[self._always_banned] = -np.inf
+        tail = self.generated_ids
+        for prefix, last in self._banned_after:
+            if len(tail) >= len(prefix) and tuple(tail[len(tail) - len(prefix):]) == prefix:
+                x[last] = -np.inf
+        if len(tail) < p.min_tokens:
+            x[self._early_stop_ids] = -np.inf
+        return x
+
+    def sample(self, logits_row: np.ndarray) -> SampleResult:
+        """Choose the next token from one row of model logits (shape [vocab]) and record it."""
+        rows = _scratch.get(logits_row.shape[-1])
+        x = self._process(logits_row, rows[0]) if self._transforms_logits else logits_row
+        top = float(x.max())
+        if top == -np.inf or np.isnan(top):
+            raise RequestError("every token is banned or the logits are not finite; "
+                               "relax bad_words / min_tokens or check the model output")
+        token = int(np.argmax(x)) if self.params.greedy else self._sample_filtered(x, top, rows)
+        return self._record(token, logits_row)
+
+    def _sample_filtered(self, x: np.ndarray, top: float, rows: tuple[np.ndarray, ...]) -> int:
+        p = self.params
+        log_weights = np.subtract(x, np.float32(top), out=rows[1])
+        log_weights *= np.float32(1.0 / p.temperature)
+        weights = np.exp(log_weights, out=rows[2])  # the most likely token has weight 1
+        kept = None
+        if p.top_k and p.top_k < x.size:
+            kept = top_k_indices(x, p.top_k)
+            if p.top_p < 1.0:
+                w = weights[kept]
+                mass_before = np.cumsum(w, dtype=np.float64) - w
+                kept = kept[mass_before < p.top_p * w.sum(dtype=np.float64)]
+        elif p.top_p < 1.0:
+            kept = _nucleus(log_weights, weights, p.top_p * weights.sum(dtype=np.float64), rows[3])
+        if p.min_p > 0.0:
+            kept = np.flatnonzero(weights >= p.min_p) if kept is None else kept[weights[kept] >= p.min_p]
+        if kept is None:
+            return _draw(weights, self._rng.random())
+        return int(kept[_draw(weights[kept], self._rng.random())])
+
+    def _record(self, token: int, raw_row: np.ndarray) -> SampleResult:
+        self.generated_ids.append(token)
+        if self._seen is not None:
+            self._seen.add(token)
+        if self._output_counts is not None:
+            self._output_counts.add(token)
+        want = self.params.logprobs
+        if want is None:
+            return SampleResult(token)
+        raw = np.asarray(raw_row, dtype=np.float32)
+        top = float(raw.max())
+        shifted = np.subtract(raw, np.float32(top), out=_scratch.get(raw.size)[1])
+        log_total = top + float(np.log(np.exp(shifted, out=shifted).sum(dtype=np.float64)))
+        alternatives = None
+        if want > 0:
+            alternatives = tuple((int(i), float(raw[i]) - log_total) for i in top_k_indices(raw, want))
+        return SampleResult(token, float(raw[token]) - log_total, alternatives)
+
+
+def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> list[SampleResult]:
+    """Sample row i of logits [batch, vocab] with samplers[i]; plain greedy rows share one vectorised argmax."""
+    plain = [i for i, s in enumerate(samplers)
+             if s.params.greedy and s.params.logprobs is None and not s._transforms_logits]
+    results: list[SampleResult | None] = [None] * len(samplers)
+    if plain:
+        tokens = np.argmax(logits, axis=1).tolist()  # all rows: cheaper than gathering the plain ones
+        for i in plain:
+            results[i] = samplers[i]._record(tokens[i], logits[i])
+    for i, sampler in enumerate(samplers):
+        if results[i] is None:
+            results[i] = sampler.sample(logits[i])
+    return results  # type: ignore[return-value]
+
+
+def tokenize_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Token ids of each bad word as it would appear at the start of the text and after a space (as vLLM does)."""
+    result: list[list[int]] = []
+    for word in words:
+        for variant in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(variant, add_special_tokens=False))
+            if ids and ids not in result:
+                result.append(ids)
+    return result

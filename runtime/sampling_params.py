@@ -1,0 +1,85 @@
+"""Per-request sampling parameters (vLLM/OpenAI names and meanings), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from camshaft.errors import RequestError
+
+MAX_LOGPROBS = 20
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise RequestError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    beam_width: int = 1
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("stop", "bad_words"):
+            value = getattr(self, name)
+            words = (value,) if isinstance(value, str) else tuple(value)
+            _require(all(isinstance(w, str) and w for w in words),
+                     f"{name} must be a list of non-empty strings, got {value!r}")
+            object.__setattr__(self, name, words)
+        ids = tuple(self.stop_token_ids)
+        _require(all(_is_int(t) and t >= 0 for t in ids),
+                 f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+
+        for name in ("max_tokens", "min_tokens", "top_k", "n", "beam_width"):
+            _require(_is_int(getattr(self, name)), f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            _require(_is_number(getattr(self, name)), f"{name} must be a number, got {getattr(self, name)!r}")
+
+        _require(self.beam_width <= 1,
+                 "beam search is not supported; use beam_width=1 (sampling with n>1 gives several outputs)")
+        _require(self.beam_width == 1, f"beam_width must be 1, got {self.beam_width}")
+        _require(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _require(0 <= self.min_tokens <= self.max_tokens,
+                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _require(self.temperature >= 0, f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        _require(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        _require(0 <= self.min_p < 1, f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
+        _require(self.repetition_penalty > 0,
+                 f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        _require(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        _require(self.n >= 1, f"n must be at least 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        """The output is the argmax of the processed logits (no randomness)."""
+        return self.temperature == 0 or self.top_k == 1

@@ -42,7 +42,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """Per layer one K and one V tensor of shape [num_blocks, block_size, num_kv_heads, head_dim].
+    """Per layer one K and one V tensor of shape [num_blocks, block_size, num_kv_heads * head_dim].
 
     Block 0 is the null block: padding in block tables points at it and it is never allocated.
     """
@@ -55,7 +55,7 @@ class KVCacheLayout:
     value_inputs: tuple[str, ...]
     key_outputs: tuple[str, ...]
     value_outputs: tuple[str, ...]
-    layout: str = "num_blocks,block_size,num_kv_heads,head_dim"
+    layout: str = "num_blocks,block_size,num_kv_heads*head_dim"
 
     def bytes_per_block(self, itemsize: int) -> int:
         return 2 * len(self.key_inputs) * self.block_size * self.num_kv_heads * self.head_dim * itemsize

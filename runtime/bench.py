@@ -1,0 +1,34 @@
+"""Latency benchmark of one engine: batch 1, fixed prompt ids, greedy, end id ignored."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+
+
+def benchmark_prompt(vocab_size: int, prompt_len: int, seed: int = 0) -> list[int]:
+    """Deterministic prompt ids shared with the peer benchmarks, so every system sees the same input."""
+    return np.random.default_rng(seed).integers(100, min(vocab_size, 30000), prompt_len).tolist()
+
+
+def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: int = 128, repeats: int = 5,
+                      warmup: int = 1, session: Session | None = None) -> dict[str, float]:
+    session = session or Session(engine_dir)
+    prompt = benchmark_prompt(session.manifest.model.vocab_size, prompt_len)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(warmup):
+        session.generate(prompt, params)
+    runs = [session.generate(prompt, params).timings for _ in range(repeats)]
+    return {
+        "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens,
+        "ttft_ms": round(statistics.median(t.ttft_s for t in runs) * 1000, 2),
+        "prefill_tok_s": round(statistics.median(t.prefill_tok_s for t in runs), 1),
+        "decode_tok_s": round(statistics.median(t.decode_tok_s for t in runs), 1),
+        "total_s": round(statistics.median(t.total_s for t in runs), 3),
+    }

@@ -1,0 +1,105 @@
+"""The request record: the one piece of state shared by the session, the scheduler and the executor."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from camshaft.runtime.detokenizer import TextStream
+from camshaft.runtime.sampler import SampleResult, SequenceSampler
+from camshaft.runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Timings:
+    queued_s: float
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        decode_time = self.total_s - self.ttft_s
+        return (self.output_tokens - 1) / decode_time if self.output_tokens > 1 and decode_time > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_token_ids: list[int]
+    timings: Timings
+    logprobs: list[SampleResult] | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: SequenceSampler
+    text: TextStream
+    eos_token_ids: tuple[int, ...]
+    output_ids: list[int] = field(default_factory=list)
+    samples: list[SampleResult] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_sample(self, sample: SampleResult) -> str:
+        """Record a sampled token; returns the text delta that became safe to emit, and sets finish_reason."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        token = sample.token_id
+        self.output_ids.append(token)
+        if self.params.logprobs is not None:
+            self.samples.append(sample)
+        delta = self.text.append(token)
+        params = self.params
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            if len(self.output_ids) >= params.min_tokens:
+                self.finish_reason = "stop"
+        if self.finish_reason is None and len(self.output_ids) >= params.max_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None:
+            self.finished_at = now
+            if not self.text.stopped:
+                delta += self.text.finish()
+        return delta
+
+    def result(self) -> GenerationResult:
+        end = self.finished_at or time.perf_counter()
+        first = self.first_token_at or end
+        timings = Timings(0.0, first - self.arrival, end - self.arrival, len(self.prompt_ids), len(self.output_ids))
+        return GenerationResult(
+            text=self.text.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason or "abort",
+            prompt_token_ids=list(self.prompt_ids),
+            timings=timings,
+            logprobs=list(self.samples) if self.params.logprobs is not None else None,
+        )

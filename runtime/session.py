@@ -1,0 +1,124 @@
+"""Session: one request at a time, lowest latency. `Session(engine_dir).generate(prompt)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+from camshaft.errors import CapacityError, RequestError
+from camshaft.runtime.batch import Chunk
+from camshaft.runtime.detokenizer import TextStream
+from camshaft.runtime.engine import Engine
+from camshaft.runtime.request import GenerationResult, Request
+from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
+from camshaft.runtime.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+_PARAM_NAMES = {f.name for f in fields(SamplingParams)}
+
+
+class Session:
+    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, kv_cache_memory: int | None = None):
+        self.engine = Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory, threads=threads)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    @property
+    def manifest(self):
+        return self.engine.manifest
+
+    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise RequestError("pass exactly one of a prompt or chat messages")
+        if messages is not None:
+            if not messages:
+                raise RequestError("chat messages are empty; pass at least one {'role': ..., 'content': ...}")
+            if self.tokenizer.chat_template is None:
+                raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt instead")
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # The template already holds the special tokens: encoding must not add a second BOS.
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("the prompt is empty; pass some text")
+            ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.manifest.model.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        if not ids:
+            raise RequestError("the prompt encodes to no tokens; pass some text")
+        return ids
+
+    def _params(self, params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
+        unknown = set(overrides) - _PARAM_NAMES
+        if unknown:
+            raise RequestError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(_PARAM_NAMES)}")
+        return replace(params or SamplingParams(), **overrides)
+
+    def _request(self, ids: list[int], params: SamplingParams) -> Request:
+        limit = self.manifest.limits.max_seq_len
+        if len(ids) + params.max_tokens > limit:
+            if len(ids) >= limit:
+                raise CapacityError(
+                    f"the prompt has {len(ids)} tokens; this engine allows {limit} tokens in all "
+                    f"(prompt + output). Shorten the prompt or rebuild with a larger --max-seq-len."
+                )
+            raise CapacityError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's max_seq_len "
+                f"({limit}); pass max_tokens <= {limit - len(ids)}"
+            )
+        engine = self.engine
+        sampler = SequenceSampler(params, ids, engine.eos_token_ids,
+                                  tokenize_bad_words(self.tokenizer, params.bad_words), self.manifest.model.vocab_size)
+        text = TextStream(self.tokenizer, ids, params.stop, include_stop=params.include_stop_str_in_output)
+        return Request(str(next(self._ids)), ids, params, sampler, text, engine.eos_token_ids)
+
+    def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+               messages: list[dict[str, str]] | None = None, **overrides: Any) -> Iterator[str]:
+        """Yield text deltas as they become safe; they concatenate to the generated text."""
+        request = self._request(self.encode(prompt, messages), self._params(params, overrides))
+        yield from self._run(request)
+
+    def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+                 messages: list[dict[str, str]] | None = None, **overrides: Any) -> GenerationResult:
+        request = self._request(self.encode(prompt, messages), self._params(params, overrides))
+        for _ in self._run(request):
+            pass
+        return request.result()
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None,
+             **overrides: Any) -> GenerationResult:
+        return self.generate(params=params, messages=messages, **overrides)
+
+    def _run(self, request: Request) -> Iterator[str]:
+        engine = self.engine
+        block_size = engine.block_size
+        total = len(request.prompt_ids) + request.params.max_tokens
+        request.blocks = engine.pool.allocate(-(-total // block_size))
+        try:
+            budget = engine.limits.max_num_tokens
+            prompt = request.prompt_ids
+            logits = None
+            while request.num_computed < len(prompt):
+                start = request.num_computed
+                piece = prompt[start: start + budget]
+                last = start + len(piece) == len(prompt)
+                logits = engine.step([Chunk(piece, start, request.blocks, num_logits=int(last))])
+                request.num_computed += len(piece)
+            while True:
+                delta = request.add_sample(request.sampler.sample(logits[0]))
+                if delta:
+                    yield delta
+                if request.finished:
+                    return
+                token = request.output_ids[-1]
+                logits = engine.step([Chunk([token], request.num_computed, request.blocks)])
+                request.num_computed += 1
+        finally:
+            engine.pool.free(request.blocks)
+            request.blocks = []

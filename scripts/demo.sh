@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: fetch SmolLM2-135M-Instruct, build a CPU engine, answer a chat prompt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh reference
+CAMSHAFT=.venv/bin/camshaft
+MODEL="$($CAMSHAFT models fetch smollm2-135m-instruct)"
+ENGINE=engines/smollm2-135m-instruct
+if [ ! -f "$ENGINE/manifest.json" ]; then
+    $CAMSHAFT build --model "$MODEL" --output "$ENGINE" --max-seq-len 2048
+fi
+$CAMSHAFT run --engine "$ENGINE" --chat --stream --max-tokens 96 \
+    --prompt "${1:-What is the capital of France, and what is it famous for?}"

@@ -1,0 +1,104 @@
+"""The CLI end to end on a tiny model: build, run, and bad input that ends in one clear line, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from camshaft import cli
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model = make_tiny_model("llama", root / "hf")
+    return root, model
+
+
+def camshaft(capsys, *args: str) -> tuple[int, str, str]:
+    argv = sys.argv
+    sys.argv = ["camshaft", *map(str, args)]
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.argv = argv
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    root, model = tiny
+    out = root / "engine"
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    build_engine(BuildConfig(model, out, max_seq_len=64, max_num_tokens=16, kv_block_size=8))
+    return out
+
+
+def test_build_then_run(tiny, capsys):
+    root, model = tiny
+    out = root / "cli-engine"
+    code, stdout, err = camshaft(capsys, "build", "--model", model, "--output", out, "--max-seq-len", "64")
+    assert code == 0, err
+    assert stdout.strip() == str(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["limits"]["max_seq_len"] == 64 and manifest["target"] == "onnxruntime"
+    code, stdout, err = camshaft(capsys, "run", "--engine", out, "--prompt", "hello", "--max-tokens", "5")
+    assert code == 0, err
+    assert "5 tokens" in err or "finish stop" in err
+
+
+def test_run_streams_the_same_text_as_generate(engine, capsys):
+    code, plain, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "12")
+    assert code == 0
+    code, streamed, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "12",
+                                 "--stream")
+    assert code == 0
+    assert streamed == plain
+
+
+BAD_RUNS = {
+    "empty prompt": (["--prompt", ""], "prompt is empty"),
+    "prompt too long": (["--prompt", "x" * 200], "allows 64 tokens"),
+    "max_tokens zero": (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+    "negative temperature": (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    "top_p zero": (["--prompt", "hi", "--top-p", "0"], "top_p"),
+    "top_p above one": (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_bad_run_input_is_one_clear_error(engine, capsys, case):
+    args, needle = BAD_RUNS[case]
+    code, _, err = camshaft(capsys, "run", "--engine", engine, *args)
+    assert code == 1
+    assert "error:" in err and needle in err
+    assert "Traceback" not in err
+
+
+def test_unknown_engine_dir(tmp_path, capsys):
+    code, _, err = camshaft(capsys, "run", "--engine", tmp_path / "nope", "--prompt", "hi")
+    assert code == 1 and "does not exist" in err and "Traceback" not in err
+
+
+def test_unsupported_architecture_is_named(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    code, _, err = camshaft(capsys, "build", "--model", tmp_path, "--output", tmp_path / "out")
+    assert code == 1 and "GPT2LMHeadModel" in err and "supported" in err
+
+
+def test_pickle_only_checkpoint_is_refused(tiny, tmp_path, capsys):
+    _, model = tiny
+    (tmp_path / "config.json").write_text((model / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not really")
+    code, _, err = camshaft(capsys, "build", "--model", tmp_path, "--output", tmp_path / "out")
+    assert code == 1 and "pickle" in err and "safetensors" in err

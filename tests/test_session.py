@@ -1,0 +1,114 @@
+"""Session on a tiny model: streaming equals generate, stop strings, seeds, chat encoding, logprobs, limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import CapacityError, RequestError
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    root = tmp_path_factory.mktemp("session")
+    model = make_tiny_model("llama", root / "hf")
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=96, max_num_tokens=16, kv_block_size=8))
+    return Session(root / "engine")
+
+
+def test_stream_concatenates_to_generate(session):
+    params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    result = session.generate("hello world", params)
+    deltas = list(session.stream("hello world", params))
+    assert "".join(deltas) == result.text
+    assert len(result.token_ids) == 40 and result.finish_reason == "length"
+    assert result.timings.output_tokens == 40 and result.timings.ttft_s > 0
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(session):
+    runs = [session.generate("abc", max_tokens=30, temperature=1.0, seed=s).token_ids for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_chunked_prefill_gives_the_same_greedy_tokens(session):
+    prompt = list(range(10, 70))  # 60 tokens: 4 chunks of max_num_tokens=16
+    chunked = session.generate(prompt, max_tokens=20, ignore_eos=True).token_ids
+    engine = session.engine
+    from camshaft.runtime.batch import Chunk
+
+    blocks = engine.pool.allocate(10)
+    logits = engine.step([Chunk(prompt, 0, blocks)])  # one 60-token chunk
+    tokens = []
+    for pos in range(60, 80):
+        tokens.append(int(np.argmax(logits[0])))
+        logits = engine.step([Chunk([tokens[-1]], pos, blocks)])
+    engine.pool.free(blocks)
+    assert chunked == tokens
+
+
+def test_stop_string_cuts_exactly_when_streaming_too(session):
+    free = session.generate("xyz", max_tokens=40, ignore_eos=True)
+    assert len(free.text) > 12
+    stop = free.text[5:8]
+    cut = free.text[: free.text.index(stop)]
+    result = session.generate("xyz", max_tokens=40, ignore_eos=True, stop=[stop])
+    assert result.text == cut and result.finish_reason == "stop"
+    assert "".join(session.stream("xyz", max_tokens=40, ignore_eos=True, stop=[stop])) == cut
+    kept = session.generate("xyz", max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == cut + stop
+
+
+def test_stop_token_ids_and_eos(session):
+    free = session.generate("q", max_tokens=30, ignore_eos=True)
+    target = free.token_ids[10]
+    first = free.token_ids.index(target)
+    stopped = session.generate("q", max_tokens=30, ignore_eos=True, stop_token_ids=[target])
+    assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_bad_words_never_appear(session):
+    free = session.generate("hello", max_tokens=30, ignore_eos=True)
+    banned = session.tokenizer.decode(free.token_ids[:1])
+    result = session.generate("hello", max_tokens=30, ignore_eos=True, bad_words=[banned])
+    assert free.token_ids[0] not in result.token_ids
+
+
+def test_logprobs_are_of_the_raw_distribution(session):
+    result = session.generate("hi", max_tokens=5, logprobs=3, ignore_eos=True)
+    assert len(result.logprobs) == 5
+    for sample, token in zip(result.logprobs, result.token_ids, strict=True):
+        assert sample.token_id == token and sample.logprob <= 0
+        assert len(sample.top_logprobs) == 3
+        assert sample.top_logprobs[0][1] >= sample.logprob - 1e-6  # greedy: the chosen token is the top one
+
+
+def test_chat_encoding_does_not_double_bos(session):
+    messages = [{"role": "user", "content": "hi"}]
+    ids = session.encode(messages=messages)
+    bos = session.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == bos and ids[1] != bos
+    assert session.chat(messages, max_tokens=3).prompt_token_ids == ids
+
+
+def test_beam_search_is_refused_clearly(session):
+    with pytest.raises(RequestError, match="beam search is not supported"):
+        session.generate("hi", beam_width=4)
+
+
+def test_limits(session):
+    with pytest.raises(CapacityError, match="pass max_tokens <= "):
+        session.generate("hello", max_tokens=95)
+    with pytest.raises(RequestError, match="unknown sampling parameter"):
+        session.generate("hello", temprature=0.5)
+    with pytest.raises(RequestError, match="exactly one"):
+        session.generate()
+    with pytest.raises(RequestError, match="token ids"):
+        session.generate([10**6])
+    assert session.engine.pool.num_free == session.engine.pool.capacity  # failed requests hold no blocks

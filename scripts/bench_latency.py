@@ -377,6 +377,11 @@ def run_rounds(systems: list, rounds: int, prompt_len: int) -> tuple[dict, dict]
         loads.append(os.getloadavg()[0])
         log(f"round {r + 1}/{rounds} ({' -> '.join(s.name for s in order)}): {line}; load {loads[-1]:.2f}")
     per_round["_load_1min"] = [round(x, 2) for x in loads]
+    threads = len(os.sched_getaffinity(0))
+    if max(loads[1:]) > threads + 1:
+        log(f"warning: the 1-minute load average reached {max(loads[1:]):.1f} on {threads} cores: other work shared "
+            "the machine; the ratios are more trustworthy than the absolute numbers, and a rerun on a quieter machine "
+            "is better still")
     return per_round, tokens
 
 

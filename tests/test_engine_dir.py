@@ -145,3 +145,35 @@ def test_build_limits_are_validated_not_overridden(built, tmp_path):
         BuildConfig(model, tmp_path / "e", dtype="float16")
     with pytest.raises(BuildConfigError, match="unknown target"):
         BuildConfig(model, tmp_path / "e", target="tpu")
+
+
+def test_sharded_checkpoint_builds_the_same_engine(built, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    model, engine = built
+    sharded = tmp_path / "sharded"
+    shutil.copytree(model, sharded)
+    tensors = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, sharded / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out = build_engine(BuildConfig(sharded, tmp_path / "engine", max_seq_len=64, kv_block_size=8))
+    assert out.graph_sha256 == read_manifest(engine).graph_sha256
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="shards that are missing: model-00002-of-00002"):
+        build_engine(BuildConfig(sharded, tmp_path / "engine2", max_seq_len=64))
+
+
+def test_remote_code_checkpoints_are_refused(built, tmp_path):
+    model, _ = built
+    shutil.copytree(model, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="never runs code from a checkpoint"):
+        build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine"))

@@ -1,0 +1,160 @@
+"""In-flight batching: which tokens of which requests the next engine step computes.
+
+One rule per step: every running request advances its computed tokens toward its total (prompt + output so
+far) under a token budget and a batch limit. Decodes (one token to go) come first so a long prompt, fed in
+chunks with whatever budget is left, never stalls them; waiting requests are admitted first come, first served
+while KV blocks allow. The scheduler owns the block manager.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from camshaft.errors import CapacityError, RequestError
+from camshaft.runtime.batch import Chunk
+from camshaft.runtime.block_manager import BlockManager
+from camshaft.runtime.request import Request
+
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    policy: str = "guaranteed_no_evict"
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_batch_size", "max_num_tokens", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        if self.policy not in POLICIES:
+            raise RequestError(f"unknown capacity policy {self.policy!r}; use one of {POLICIES}")
+        if self.num_blocks < 2:
+            raise CapacityError(f"a KV pool needs at least 2 blocks (one is the null block), got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    request: Request
+    chunk: Chunk
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.chunk.token_ids)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _total_blocks(self, request: Request) -> int:
+        return self.blocks.blocks_for(len(request.prompt_ids) + request.params.max_tokens)
+
+    def add(self, request: Request) -> None:
+        self.check(request)
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """Refuse a request that could never fit the engine or the KV pool, rather than leave it waiting forever."""
+        total = len(request.prompt_ids) + request.params.max_tokens
+        limit = self.config.max_seq_len
+        if total > limit:
+            raise CapacityError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) "
+                                f"exceeds the engine's max_seq_len ({limit}); lower max_tokens or shorten the prompt")
+        need = self._total_blocks(request)
+        if need > self.blocks.capacity:
+            raise CapacityError(f"the request needs {need} KV blocks but the pool holds {self.blocks.capacity}; "
+                                "give the engine a larger kv_cache_memory or lower max_tokens")
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.config.max_num_tokens
+        scheduled: list[Scheduled] = []
+        preemptions_before = self.num_preemptions
+        for request in [r for r in self.running if r.num_tokens - r.num_computed == 1]:
+            if budget and request in self.running and self._grow(request):  # absent: preempted for an older one
+                scheduled.append(self._chunk(request, 1))
+                budget -= 1
+        for request in [r for r in self.running if r.num_tokens - r.num_computed > 1]:
+            if budget:
+                scheduled.append(self._chunk(request, min(request.num_tokens - request.num_computed, budget)))
+                budget -= len(scheduled[-1].chunk.token_ids)
+        admit = self.num_preemptions == preemptions_before  # after a preemption, admitting would only thrash
+        while admit and budget and self.waiting and len(self.running) < self.config.max_batch_size:
+            request = self.waiting[0]
+            if not self._admit(request):
+                break
+            self.running.append(self.waiting.popleft())
+            scheduled.append(self._chunk(request, min(request.num_tokens - request.num_computed, budget)))
+            budget -= len(scheduled[-1].chunk.token_ids)
+        return scheduled
+
+    def _chunk(self, request: Request, take: int) -> Scheduled:
+        start = request.num_computed
+        done = start + take == request.num_tokens
+        return Scheduled(request, Chunk(request.all_ids[start: start + take], start, request.blocks, int(done)))
+
+    def _admit(self, request: Request) -> bool:
+        tokens = request.all_ids
+        reused = self.blocks.cached_prefix(tokens)
+        if self.config.policy == "guaranteed_no_evict":
+            wanted = self._total_blocks(request)
+        else:
+            wanted = self.blocks.blocks_for(len(tokens))
+        if not self.blocks.fits(wanted - len(reused), reused):
+            return False
+        request.blocks = self.blocks.take_cached(reused) + self.blocks.allocate(wanted - len(reused))
+        request.num_computed = len(reused) * self.config.block_size
+        return True
+
+    def _grow(self, request: Request) -> bool:
+        """Make room for the request's next token, preempting the newest running requests if the pool is full.
+        False if the request itself had to be preempted."""
+        if self.blocks.blocks_for(request.num_computed + 1) <= len(request.blocks):
+            return True
+        while self.blocks.num_free == 0:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is request:
+                return False
+        request.blocks.extend(self.blocks.allocate(1))
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Free the request's blocks and requeue it first in line; it recomputes prompt + output when readmitted."""
+        self.running.remove(request)
+        self.blocks.free(request.blocks)
+        request.blocks = []
+        request.num_computed = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def computed(self, scheduled: list[Scheduled]) -> None:
+        """The engine step ran: advance each request's computed tokens and hash the blocks that became full."""
+        for item in scheduled:
+            request = item.request
+            before = request.num_computed
+            request.num_computed += item.num_tokens
+            self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed)
+
+    def finish(self, request: Request) -> None:
+        """Release a finished or aborted request's blocks at once (a waiting request just leaves the queue)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request.blocks)
+        request.blocks = []

@@ -1,0 +1,182 @@
+"""Scheduler and block manager as pure logic: a fake engine step appends a deterministic token per logits row."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from camshaft.errors import CapacityError, RequestError
+from camshaft.runtime.block_manager import BlockManager
+from camshaft.runtime.request import Request
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.scheduler import Scheduler, SchedulerConfig
+
+
+def make_request(name: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(name, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, None, ())
+
+
+def next_token(request: Request) -> int:
+    return (sum(request.all_ids) * 31 + len(request.all_ids)) % 997
+
+
+def run(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000) -> list[list]:
+    for request in requests:
+        scheduler.add(request)
+    steps = []
+    while scheduler.has_work:
+        assert len(steps) < max_steps, "the scheduler stopped making progress"
+        scheduled = scheduler.schedule()
+        steps.append(scheduled)
+        config = scheduler.config
+        assert sum(s.num_tokens for s in scheduled) <= config.max_num_tokens
+        assert len(scheduler.running) <= config.max_batch_size
+        for item in scheduled:
+            table = item.chunk.block_table
+            assert len(table) * config.block_size >= item.chunk.start_pos + item.num_tokens
+            assert item.chunk.token_ids == item.request.all_ids[item.chunk.start_pos: item.chunk.start_pos
+                                                                 + item.num_tokens]
+        scheduler.computed(scheduled)
+        for item in scheduled:
+            request = item.request
+            if item.chunk.num_logits:
+                request.output_ids.append(next_token(request))
+                if len(request.output_ids) == request.params.max_tokens:
+                    request.finish_reason = "length"
+                    scheduler.finish(request)
+    return steps
+
+
+def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+    request = make_request("ref", prompt, max_tokens)
+    while len(request.output_ids) < max_tokens:
+        request.output_ids.append(next_token(request))
+    return request.output_ids
+
+
+def config(**overrides) -> SchedulerConfig:
+    base = dict(num_blocks=65, block_size=4, max_batch_size=6, max_num_tokens=24, max_seq_len=128)
+    return SchedulerConfig(**{**base, **overrides})
+
+
+def workload(seed: int, count: int = 24) -> list[Request]:
+    rng = random.Random(seed)
+    return [make_request(f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(1, 60))], rng.randint(1, 40))
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+@pytest.mark.parametrize("num_blocks", [65, 26])
+def test_every_request_finishes_complete_and_blocks_return(policy, num_blocks):
+    scheduler = Scheduler(config(policy=policy, num_blocks=num_blocks))
+    requests = workload(1)
+    steps = run(scheduler, requests)
+    for request in requests:
+        assert request.output_ids == reference_output(request.prompt_ids, request.params.max_tokens)
+    assert scheduler.blocks.num_used == 0 and scheduler.blocks.num_free == num_blocks - 1
+    assert max(len(s) for s in steps) > 1
+    if policy == "guaranteed_no_evict":
+        assert scheduler.num_preemptions == 0
+    elif num_blocks == 26:
+        assert scheduler.num_preemptions > 0
+
+
+def test_a_long_prompt_is_chunked_and_never_stalls_decodes():
+    scheduler = Scheduler(config(max_num_tokens=8, num_blocks=200, max_seq_len=400))
+    short = [make_request(f"s{i}", [i + 1, 2, 3], 30) for i in range(3)]
+    long = make_request("long", list(range(1, 300)), 2)
+    for request in short:
+        scheduler.add(request)
+    scheduler.schedule()  # admits the short ones
+    scheduler.add(long)
+    for _ in range(20):
+        scheduled = scheduler.schedule()
+        names = [s.request.request_id for s in scheduled]
+        decoding = [r.request_id for r in scheduler.running if r is not long]
+        assert set(decoding) <= set(names)
+        scheduler.computed(scheduled)
+        for item in scheduled:
+            if item.chunk.num_logits:
+                item.request.output_ids.append(7)
+    assert 0 < long.num_computed < len(long.prompt_ids)
+
+
+def test_guaranteed_no_evict_reserves_prompt_plus_max_tokens():
+    scheduler = Scheduler(config(num_blocks=11))  # 10 usable blocks of 4 tokens
+    first, second = make_request("a", [1] * 10, 10), make_request("b", [2] * 10, 10)  # 5 blocks each
+    third = make_request("c", [3] * 4, 1)
+    for request in (first, second, third):
+        scheduler.add(request)
+    scheduler.schedule()
+    assert len(first.blocks) == 5 and len(second.blocks) == 5
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_max_utilization_preempts_the_newest_and_recomputes_it():
+    scheduler = Scheduler(config(num_blocks=9, policy="max_utilization"))  # 8 usable blocks
+    old, new = make_request("old", [1] * 8, 20), make_request("new", [2] * 8, 20)  # 7 blocks each at the end
+    run(scheduler, [old, new])
+    assert scheduler.num_preemptions > 0
+    assert old.output_ids == reference_output(old.prompt_ids, 20)
+    assert new.output_ids == reference_output(new.prompt_ids, 20)
+
+
+def test_prefix_blocks_are_reused_and_only_new_tokens_scheduled():
+    scheduler = Scheduler(config(num_blocks=40, max_num_tokens=64))
+    prefix = list(range(100, 124))  # 6 full blocks
+    first = make_request("a", prefix + [1, 2], 3)
+    run(scheduler, [first])
+    second = make_request("b", prefix + [5, 6, 7], 3)
+    scheduler.add(second)
+    scheduled = scheduler.schedule()
+    assert scheduled[0].chunk.start_pos == 24 and scheduled[0].chunk.token_ids == [5, 6, 7]
+    assert scheduler.blocks.reuse_hits == 6
+    assert second.blocks[:6] == first_blocks(scheduler, prefix)
+
+
+def first_blocks(scheduler: Scheduler, prefix: list[int]) -> list[int]:
+    return scheduler.blocks.cached_prefix(prefix + [0])
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    scheduler = Scheduler(config())
+    prompt = list(range(1, 17))  # exactly 4 blocks
+    run(scheduler, [make_request("a", prompt, 2)])
+    again = make_request("b", prompt, 2)
+    scheduler.add(again)
+    scheduled = scheduler.schedule()
+    assert scheduled[0].chunk.start_pos == 12 and scheduled[0].chunk.token_ids == prompt[12:]
+
+
+def test_block_manager_refcounts_and_lru_eviction():
+    manager = BlockManager(num_blocks=5, block_size=2)  # 4 usable
+    a = manager.allocate(2)
+    manager.register_full(a, [1, 2, 3, 4], 0, 4)
+    shared = manager.take_cached(manager.cached_prefix([1, 2, 3, 4, 9]))
+    assert shared == a and manager.num_used == 2
+    manager.free(a)
+    assert manager.num_used == 2  # still held by the second owner
+    manager.free(shared)
+    assert manager.num_used == 0 and manager.counters().cached == 2
+    manager.allocate(3)  # two empty blocks, then the least recently freed cached one: the prefix's tail
+    assert manager.evictions == 1
+    assert manager.cached_prefix([1, 2, 3, 4, 9]) == a[:1]
+    with pytest.raises(CapacityError, match="KV cache full"):
+        manager.allocate(2)
+
+
+def test_requests_that_can_never_fit_are_refused_at_admission():
+    scheduler = Scheduler(config(num_blocks=9, max_seq_len=100))
+    with pytest.raises(CapacityError, match="kv_cache_memory"):
+        scheduler.add(make_request("big", [1] * 30, 10))  # 10 blocks > 8
+    with pytest.raises(CapacityError, match="max_seq_len"):
+        scheduler.add(make_request("long", [1] * 90, 20))
+    assert not scheduler.has_work
+
+
+def test_config_is_validated():
+    with pytest.raises(RequestError, match="capacity policy"):
+        config(policy="fastest")
+    with pytest.raises(RequestError, match="max_batch_size"):
+        config(max_batch_size=0)

@@ -1,0 +1,167 @@
+"""Calibration text and token samples.
+
+The default corpus ships with every Python: the docstrings of a fixed list of standard-library modules and their
+public members, gathered at run time in a fixed order (the same text on every run of the same Python version).
+A user corpus is a text file, a JSONL file (one {"text": ...} object or string a line), or a directory of those.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from camshaft.quantize.spec import QuantizeError
+
+# English prose-heavy modules first; importing them has no side effects.
+STDLIB_MODULES = (
+    "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections", "concurrent.futures",
+    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email.message",
+    "enum", "fractions", "functools", "glob", "gzip", "hashlib", "heapq", "html.parser", "http.client", "inspect",
+    "io", "ipaddress", "itertools", "json", "logging", "mailbox", "math", "mimetypes", "multiprocessing", "numbers",
+    "operator", "optparse", "os", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets",
+    "selectors", "shlex", "shutil", "smtplib", "socket", "sqlite3", "statistics", "string", "subprocess",
+    "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "traceback", "types", "typing",
+    "unittest", "urllib.parse", "urllib.request", "uuid", "warnings", "weakref", "xml.etree.ElementTree",
+    "zipfile", "zoneinfo",
+)
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+
+def stdlib_docstrings(min_chars: int = 40) -> Iterator[str]:
+    """Docstrings of STDLIB_MODULES and their public classes, functions and methods, in a fixed order, each once."""
+    seen: set[str] = set()
+    for module_name in STDLIB_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # a Python built without e.g. sqlite3
+            continue
+        objects = [module]
+        for name in sorted(vars(module)):
+            if name.startswith("_"):
+                continue
+            obj = getattr(module, name)
+            if getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if inspect.isclass(obj):
+                objects.append(obj)
+                objects.extend(v for m, v in sorted(vars(obj).items()) if not m.startswith("_"))
+            elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
+                objects.append(obj)
+        for obj in objects:
+            doc = obj.__doc__ if isinstance(getattr(obj, "__doc__", None), str) else None
+            if doc is None:
+                continue
+            doc = inspect.cleandoc(doc)
+            if len(doc) >= min_chars and doc not in seen:
+                seen.add(doc)
+                yield doc
+
+
+def default_corpus() -> list[str]:
+    return list(stdlib_docstrings())
+
+
+def read_corpus(path: str | Path) -> list[str]:
+    """Texts from a .txt/.md/.rst file, a .jsonl/.json file, or a directory of those (sorted by name)."""
+    path = Path(path)
+    if not path.exists():
+        raise QuantizeError(f"calibration data {path} does not exist")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+        if not files:
+            raise QuantizeError(
+                f"calibration directory {path} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files"
+            )
+    else:
+        files = [path]
+    texts: list[str] = []
+    for file in files:
+        texts.extend(_read_file(file))
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise QuantizeError(f"calibration data {path} is empty (no text found)")
+    return texts
+
+
+def _read_file(file: Path) -> list[str]:
+    try:
+        raw = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QuantizeError(f"calibration file {file} could not be read as UTF-8 text: {exc}") from exc
+    if file.suffix not in JSONL_SUFFIXES:
+        return [raw]
+    texts = []
+    for number, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise QuantizeError(f"{file}:{number} is not valid JSON ({exc}); expected one JSON object a line") from exc
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("text"), str):
+            texts.append(item["text"])
+        else:
+            raise QuantizeError(f'{file}:{number}: expected a string or an object with a "text" string field')
+    return texts
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    """`num_samples` windows of `seq_len` tokens, cut in order from the concatenated corpus."""
+
+    input_ids: np.ndarray  # [num_samples, seq_len] int64
+    source: str
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def check_sizes(num_samples: int, seq_len: int) -> None:
+    if num_samples < 1:
+        raise QuantizeError(f"--calib-size must be at least 1, got {num_samples}")
+    if seq_len < 8:
+        raise QuantizeError(f"--calib-seq-len must be at least 8, got {seq_len}")
+
+
+def load_texts(calib_data: str | Path | None) -> tuple[list[str], str]:
+    if calib_data is None:
+        return default_corpus(), "python standard library docstrings"
+    return read_corpus(calib_data), str(calib_data)
+
+
+def tokenize(texts: list[str], source: str, tokenizer, num_samples: int, seq_len: int,
+             progress: Callable[[str], None] = lambda _: None) -> CalibrationSet:
+    """Tokenize texts (each followed by the EOS token) until num_samples x seq_len tokens are gathered."""
+    check_sizes(num_samples, seq_len)
+    needed = num_samples * seq_len
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for i, text in enumerate(texts):
+        ids.extend(tokenizer.encode(text, add_special_tokens=False))
+        if eos is not None:
+            ids.append(int(eos))
+        if i % 200 == 0:
+            progress(f"tokenizing calibration text: {min(len(ids), needed)}/{needed} tokens")
+        if len(ids) >= needed:
+            break
+    if len(ids) < needed:
+        raise QuantizeError(
+            f"calibration data ({source}) has {len(ids)} tokens, fewer than --calib-size {num_samples} x "
+            f"--calib-seq-len {seq_len} = {needed}; give more text or ask for fewer/shorter samples"
+        )
+    array = np.asarray(ids[:needed], dtype=np.int64).reshape(num_samples, seq_len)
+    return CalibrationSet(array, source)

@@ -1,0 +1,173 @@
+"""Offline quantization with NVIDIA ModelOpt on the CPU: HF checkpoint → calibrated model → unified HF checkpoint.
+
+Every input (format, group size against the model's dimensions, calibration data, output directory) is checked
+before the model is loaded. The checkpoint is written to a sibling staging directory and moved into place at the
+end, so an interrupted run never leaves a half-written checkpoint under the output name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from camshaft.builder.checkpoint import TOKENIZER_FILES
+from camshaft.errors import CheckpointError
+from camshaft.model_config import ModelConfig
+from camshaft.quantize.calibration import CalibrationSet, check_sizes, load_texts, tokenize
+from camshaft.quantize.spec import QuantizeError, QuantSpec, modelopt_config, resolve_group_size
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+CAMSHAFT_QUANT_RECORD = "camshaft_quantize.json"
+INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    output: Path
+    spec: QuantSpec
+    group_size: int | None
+    calib_samples: int
+    calib_seq_len: int
+    calib_source: str
+    seconds: dict[str, float]
+
+
+def import_modelopt():
+    try:
+        import modelopt.torch.quantization as mtq
+        import requests  # noqa: F401  (modelopt imports it without declaring it)
+        from modelopt.torch.export import export_hf_checkpoint
+    except ImportError as exc:
+        raise QuantizeError(f"NVIDIA ModelOpt is not available ({exc}); {INSTALL_HINT}") from exc
+    return mtq, export_hf_checkpoint
+
+
+def check_output(output: Path) -> None:
+    if output.exists() and not output.is_dir():
+        raise QuantizeError(f"--output {output} exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()) and not (output / HF_QUANT_CONFIG).is_file():
+        raise QuantizeError(
+            f"--output {output} is a non-empty directory that is not a quantized checkpoint; refusing to overwrite "
+            "it. Choose an empty or new directory."
+        )
+
+
+def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSpec, *,
+                        calib_data: str | Path | None = None, calib_size: int = 64, calib_seq_len: int = 256,
+                        progress: Progress = lambda _: None, progress_bar: bool = False,
+                        on_quantized: Callable[[Any], None] | None = None) -> QuantizeResult:
+    """Calibrate and quantize a HF checkpoint with ModelOpt and write ModelOpt's unified HF checkpoint.
+
+    `on_quantized(model)` sees the fake-quantized model before export (tests use it to record reference outputs);
+    the export packs the model's weights in place, so the model cannot run after it.
+    """
+    model_dir, output = Path(model_dir), Path(output)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    # --- checks, all before any long work ---
+    if not model_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
+    if (model_dir / HF_QUANT_CONFIG).is_file():
+        raise QuantizeError(f"{model_dir} is already quantized ({HF_QUANT_CONFIG}); quantize the original checkpoint")
+    model_config = ModelConfig.from_hf_dir(model_dir)
+    group_size = resolve_group_size(spec, model_config)
+    check_sizes(calib_size, calib_seq_len)
+    check_output(output)
+    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise CheckpointError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    texts, source = load_texts(calib_data)
+    mtq, export_hf_checkpoint = import_modelopt()
+    cfg = modelopt_config(spec, group_size)
+
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    calib = tokenize(texts, source, tokenizer, calib_size, calib_seq_len, progress)
+    timings["prepare"] = round(time.perf_counter() - start, 2)
+    progress(f"loading {model_config.architecture} from {model_dir} (float32, CPU)")
+    t = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if not getattr(model.config, "architectures", None):  # ModelOpt's HF export needs it
+        model.config.architectures = [type(model).__name__]
+    timings["load"] = round(time.perf_counter() - t, 2)
+
+    t = time.perf_counter()
+    desc = f"calibrating {spec.format}" + (f" (group {group_size})" if group_size else "")
+    progress(f"{desc} on {calib.num_samples} x {calib.seq_len} tokens from {source}")
+    with torch.inference_mode(False), torch.no_grad():
+        mtq.quantize(model, cfg, forward_loop=calibration_loop(calib, desc, progress_bar))
+    timings["calibrate"] = round(time.perf_counter() - t, 2)
+    if on_quantized is not None:
+        on_quantized(model)
+
+    t = time.perf_counter()
+    progress(f"exporting unified HF checkpoint to {output}")
+    staging = output.parent / f".{output.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with torch.no_grad():
+            export_hf_checkpoint(model, export_dir=str(staging))
+        if not (staging / HF_QUANT_CONFIG).is_file():
+            raise QuantizeError(f"ModelOpt's export wrote no {HF_QUANT_CONFIG}; nothing was quantized")
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, staging / name)
+        timings["export"] = round(time.perf_counter() - t, 2)
+        timings["total"] = round(time.perf_counter() - start, 2)
+        record = {
+            "format": spec.format, "kv_cache_dtype": spec.kv_cache_dtype, "group_size": group_size,
+            "exclude": list(spec.exclude), "modelopt_config": spec.info.modelopt_config,
+            "calibration": {"source": source, "samples": calib.num_samples, "seq_len": calib.seq_len},
+            "seconds": timings, "tools": _tool_versions(),
+        }
+        (staging / CAMSHAFT_QUANT_RECORD).write_text(json.dumps(record, indent=2))
+        _swap_into_place(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    progress(f"quantized checkpoint written to {output} in {timings['total']} s")
+    return QuantizeResult(output, spec, group_size, calib.num_samples, calib.seq_len, source, timings)
+
+
+def calibration_loop(calib: CalibrationSet, description: str, progress_bar: bool) -> Callable[[Any], None]:
+    def forward_loop(model) -> None:
+        import torch
+        from rich.console import Console
+        from rich.progress import track
+
+        rows = track(range(calib.num_samples), description=description, console=Console(stderr=True),
+                     disable=not progress_bar, transient=True)
+        for i in rows:
+            model(torch.from_numpy(calib.input_ids[i: i + 1]))
+
+    return forward_loop
+
+
+def _tool_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    tools = {}
+    for name in ("nvidia-modelopt", "torch", "transformers"):
+        try:
+            tools[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return tools
+
+
+def _swap_into_place(staging: Path, output: Path) -> None:
+    old = output.parent / f".{output.name}.old-{os.getpid()}"
+    if output.exists():
+        os.replace(output, old)
+    os.replace(staging, output)
+    shutil.rmtree(old, ignore_errors=True)

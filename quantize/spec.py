@@ -1,0 +1,145 @@
+"""The one quantization vocabulary: formats, KV cache dtypes and group sizes, validated before any work.
+
+A `QuantSpec` names what the user asked for; `modelopt_config` turns it into the ModelOpt config that calibrates it,
+and the builder reads the same names back from the checkpoint's hf_quant_config.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+from camshaft.errors import CamshaftError
+from camshaft.model_config import ModelConfig
+
+
+class QuantizeError(CamshaftError):
+    """Quantization options, calibration data or the quantization run itself are invalid."""
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    modelopt_config: str  # the name of the config in modelopt.torch.quantization
+    description: str
+    weight_bits: int
+    blockwise: bool  # weights scaled per block of `group_size` input channels
+    checkpoint_algo: str  # hf_quant_config.json's quant_algo for this format
+
+
+FORMATS: dict[str, FormatInfo] = {
+    "fp8": FormatInfo("FP8_DEFAULT_CFG", "FP8 e4m3 weights and activations, per-tensor scales", 8, False, "FP8"),
+    "int8_sq": FormatInfo("INT8_SMOOTHQUANT_CFG", "INT8 weights and activations with SmoothQuant", 8, False,
+                          "W8A8_SQ_PER_CHANNEL"),
+    "int8_wo": FormatInfo("INT8_WEIGHT_ONLY_CFG", "INT8 weights, per output channel scales", 8, False, "W8A16"),
+    "int4_wo": FormatInfo("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "INT4 weights, blockwise scales (round to nearest)", 4,
+                          True, "W4A16_AWQ"),
+    "int4_awq": FormatInfo("INT4_AWQ_CFG", "INT4 weights, blockwise scales, AWQ", 4, True, "W4A16_AWQ"),
+    "w4a8_awq": FormatInfo("W4A8_AWQ_BETA_CFG", "INT4 weights (AWQ) with FP8 activations", 4, True, "W4A8_AWQ"),
+}
+KV_CACHE_DTYPES: dict[str, dict[str, Any]] = {
+    "fp8": {"num_bits": (4, 3), "axis": None},
+    "int8": {"num_bits": 8, "axis": None},
+}
+GROUP_SIZES = (128, 64, 32)  # what ONNX Runtime's MatMulNBits and TensorRT accept; largest first
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    format: str
+    kv_cache_dtype: str | None = None
+    group_size: int | str = "auto"  # "auto" or one of GROUP_SIZES; only for blockwise formats
+    exclude: tuple[str, ...] = ()  # fnmatch patterns over module names, e.g. "*.mlp.down_proj" or "model.layers.0.*"
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise QuantizeError(
+                f"unknown quantization format {self.format!r}; choose one of: "
+                + ", ".join(f"{name} ({info.description})" for name, info in FORMATS.items())
+            )
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise QuantizeError(
+                f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of: {', '.join(KV_CACHE_DTYPES)}"
+            )
+        group = self.group_size
+        if isinstance(group, str) and group != "auto":
+            try:
+                group = int(group)
+            except ValueError:
+                raise QuantizeError(f"group size {group!r} is not 'auto' or a number") from None
+            object.__setattr__(self, "group_size", group)
+        if group != "auto":
+            if group not in GROUP_SIZES:
+                raise QuantizeError(f"group size {group} is not supported; choose auto or one of {GROUP_SIZES}")
+            if not self.info.blockwise:
+                raise QuantizeError(
+                    f"--group-size applies only to blockwise formats "
+                    f"({', '.join(n for n, i in FORMATS.items() if i.blockwise)}), not {self.format}"
+                )
+        exclude = tuple(self.exclude)
+        for pattern in exclude:
+            if not pattern or not pattern.strip():
+                raise QuantizeError("an --exclude pattern is empty")
+        object.__setattr__(self, "exclude", exclude)
+
+    @property
+    def info(self) -> FormatInfo:
+        return FORMATS[self.format]
+
+    def excludes(self, module: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, p) for p in self.exclude)
+
+
+def linear_input_dims(model: ModelConfig) -> dict[str, int]:
+    """Input dimension of every kind of quantized linear layer (the block size must divide each)."""
+    return {
+        "q/k/v_proj, gate/up_proj (hidden_size)": model.hidden_size,
+        "o_proj (num_heads * head_dim)": model.num_heads * model.head_dim,
+        "down_proj (intermediate_size)": model.intermediate_size,
+    }
+
+
+def resolve_group_size(spec: QuantSpec, model: ModelConfig) -> int | None:
+    """The block size for a blockwise format (None otherwise): auto → the largest of 128/64/32 dividing every input
+    dimension; an explicit size must divide them all. Refused here, before any calibration."""
+    if not spec.info.blockwise:
+        return None
+    dims = linear_input_dims(model)
+    if spec.group_size == "auto":
+        for size in GROUP_SIZES:
+            if all(d % size == 0 for d in dims.values()):
+                return size
+        raise QuantizeError(
+            f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides every linear input dimension "
+            f"of this model ({', '.join(f'{k}={v}' for k, v in dims.items())}); {spec.format} needs one"
+        )
+    bad = {k: v for k, v in dims.items() if v % spec.group_size}
+    if bad:
+        fits = [s for s in GROUP_SIZES if all(d % s == 0 for d in dims.values())]
+        raise QuantizeError(
+            f"group size {spec.group_size} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())}; "
+            + (f"use --group-size {fits[0]} (or auto)" if fits else "no supported group size fits this model")
+        )
+    return int(spec.group_size)
+
+
+def modelopt_config(spec: QuantSpec, group_size: int | None) -> dict[str, Any]:
+    """The ModelOpt quantization config for a spec: its named config with the block size, the KV cache quantizers
+    and the excluded modules applied (later entries of quant_cfg override earlier ones)."""
+    import modelopt.torch.quantization as mtq
+
+    cfg = copy.deepcopy(getattr(mtq, spec.info.modelopt_config))
+    entries = cfg["quant_cfg"]
+    if group_size is not None:
+        for entry in entries:
+            parts = entry.get("cfg")
+            for part in parts if isinstance(parts, list) else [parts]:
+                if isinstance(part, dict) and isinstance(part.get("block_sizes"), dict) and -1 in part["block_sizes"]:
+                    part["block_sizes"][-1] = group_size
+    if spec.kv_cache_dtype is not None:
+        entries.append({"quantizer_name": "*[kv]_bmm_quantizer",
+                        "cfg": dict(KV_CACHE_DTYPES[spec.kv_cache_dtype])})
+    for pattern in spec.exclude:
+        entries.append({"quantizer_name": f"{pattern}*_quantizer", "enable": False})
+    return cfg

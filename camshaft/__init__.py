@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from camshaft.runtime.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LLM":
+        from camshaft.runtime.llm import LLM
+
+        return LLM
     raise AttributeError(name)

@@ -1,0 +1,170 @@
+"""The in-flight batching loop on a background thread: schedule -> engine step -> sample -> update.
+
+Each request's outputs (text deltas, then the final result) go to its sink as they happen; the sink is called on
+the loop thread, so it must only hand the output over (put it on a queue). Aborts free a request's blocks before
+the next step is scheduled.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from camshaft.runtime.engine import Engine
+from camshaft.runtime.request import GenerationResult, Request
+from camshaft.runtime.sampler import sample_batch
+from camshaft.runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    delta: str
+    result: GenerationResult | None = None  # set on the request's last output
+    error: Exception | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    batch_size: int
+    num_tokens: int
+    num_prefill_tokens: int
+    queue_length: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    step_s: float
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
+Sink = Callable[[RequestOutput], None]
+
+
+class Executor:
+    def __init__(self, engine: Engine, config: SchedulerConfig, *, stats_window: int = 100_000) -> None:
+        self.engine = engine
+        self.scheduler = Scheduler(config)
+        self.stats: deque[IterationStats] = deque(maxlen=stats_window)
+        self.peak_batch_size = 0
+        self._sinks: dict[str, Sink] = {}
+        self._requests: dict[str, Request] = {}
+        self._held: dict[str, list[Request]] = {}  # siblings waiting for the first sequence's prompt blocks
+        self._inbox: list[list[Request]] = []
+        self._aborts: list[str] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="camshaft-executor", daemon=True)
+        self._thread.start()
+
+    def submit(self, group: list[Request], sinks: list[Sink]) -> None:
+        """Queue requests that share a prompt (n > 1 outputs): the first computes the prompt, the others start once
+        its full blocks are cached and reuse them. Raises CapacityError at once for a request that can never fit."""
+        for request in group:
+            self.scheduler.check(request)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the executor is closed; create a new LLM")
+            for request, sink in zip(group, sinks, strict=True):
+                self._sinks[request.request_id] = sink
+            self._inbox.append(group)
+            self._wake.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            with self._wake:
+                while not (self._closed or self._inbox or self._aborts or scheduler.has_work):
+                    self._wake.wait()
+                if self._closed:
+                    break
+                groups, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+            for first, *rest in groups:
+                self._add(first)
+                if rest:
+                    self._held[first.request_id] = rest
+            for request_id in aborts:
+                self._abort(request_id)
+            scheduled = scheduler.schedule()
+            if scheduled:
+                self._step(scheduled)
+        for request in list(self._requests.values()):
+            self._finish(request, RuntimeError("the executor was closed before the request finished"))
+
+    def _abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        for siblings in self._held.values():
+            for sibling in siblings:
+                if sibling.request_id == request_id:
+                    siblings.remove(sibling)
+                    request = sibling
+                    break
+        if request is not None:
+            request.finish_reason = request.finish_reason or "abort"
+            self._finish(request)
+
+    def _add(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def _step(self, scheduled: list[Scheduled]) -> None:
+        started = time.perf_counter()
+        try:
+            logits = self.engine.step([item.chunk for item in scheduled])
+        except Exception as exc:  # the backend failed: the requests in this step cannot continue
+            for item in scheduled:
+                self._finish(item.request, exc)
+            return
+        self.scheduler.computed(scheduled)
+        sampled = [item.request for item in scheduled if item.chunk.num_logits]
+        results = sample_batch([r.sampler for r in sampled], logits)
+        for request, sample in zip(sampled, results, strict=True):
+            try:
+                delta = request.add_sample(sample)
+            except Exception as exc:
+                self._finish(request, exc)
+                continue
+            if request.finished:
+                self._finish(request, delta=delta)
+            else:
+                if delta:
+                    self._sinks[request.request_id](RequestOutput(request.request_id, delta))
+                self._release_held(request)
+        running = len(scheduled)
+        self.peak_batch_size = max(self.peak_batch_size, running)
+        blocks = self.scheduler.blocks
+        self.stats.append(IterationStats(
+            running, sum(item.num_tokens for item in scheduled),
+            sum(item.num_tokens for item in scheduled if item.num_tokens > 1), len(self.scheduler.waiting),
+            blocks.num_used, blocks.capacity, time.perf_counter() - started))
+
+    def _release_held(self, request: Request) -> None:
+        for sibling in self._held.pop(request.request_id, []):
+            self._add(sibling)
+
+    def _finish(self, request: Request, error: Exception | None = None, delta: str = "") -> None:
+        self.scheduler.finish(request)
+        self._requests.pop(request.request_id, None)
+        self._release_held(request)
+        sink = self._sinks.pop(request.request_id)
+        sink(RequestOutput(request.request_id, delta, None if error else request.result(), error))

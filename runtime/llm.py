@@ -1,0 +1,189 @@
+"""Offline and streaming generation with in-flight batching: `LLM(engine_dir).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from camshaft.errors import RequestError
+from camshaft.runtime.detokenizer import TextStream
+from camshaft.runtime.engine import Engine
+from camshaft.runtime.executor import Executor, IterationStats, RequestOutput
+from camshaft.runtime.request import GenerationResult, Request
+from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.scheduler import SchedulerConfig
+from camshaft.runtime.session import Prompt, Session
+
+
+@dataclass(frozen=True)
+class PromptOutput:
+    """The n outputs of one prompt (n = SamplingParams.n)."""
+
+    prompt_token_ids: list[int]
+    outputs: list[GenerationResult]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+class LLM:
+    def __init__(self, engine_dir: str | Path, *, policy: str = "guaranteed_no_evict",
+                 max_batch_size: int | None = None, max_num_tokens: int | None = None,
+                 kv_cache_memory: int | None = None, threads: int | None = None) -> None:
+        self.engine = engine = _engine(engine_dir, max_batch_size, kv_cache_memory, threads)
+        limits = engine.limits
+        self.config = SchedulerConfig(
+            num_blocks=engine.pool.num_blocks, block_size=engine.block_size,
+            max_batch_size=max_batch_size or limits.max_batch_size,
+            max_num_tokens=max_num_tokens or limits.max_num_tokens,
+            max_seq_len=limits.max_seq_len, policy=policy)
+        if self.config.max_batch_size > limits.max_batch_size:
+            raise RequestError(f"max_batch_size {self.config.max_batch_size} exceeds the engine's "
+                               f"{limits.max_batch_size}; rebuild with a larger --max-batch-size")
+        self.tokenizer = engine.tokenizer
+        self._encoder = Session.__new__(Session)  # reuses Session.encode/_params without a second engine
+        self._encoder.engine, self._encoder.tokenizer = engine, engine.tokenizer
+        self.executor = Executor(engine, self.config)
+        self._ids = itertools.count()
+
+    @property
+    def stats(self) -> list[IterationStats]:
+        return list(self.executor.stats)
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _requests(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
+        ids = self._encoder.encode(prompt)
+        engine, vocab = self.engine, self.engine.manifest.model.vocab_size
+        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words)
+        base = next(self._ids)
+        return [Request(f"{base}" if params.n == 1 else f"{base}-{i}", ids, params,
+                        SequenceSampler(params, ids, engine.eos_token_ids, bad_words, vocab, sequence_index=i),
+                        TextStream(self.tokenizer, ids, params.stop, include_stop=params.include_stop_str_in_output),
+                        engine.eos_token_ids)
+                for i in range(params.n)]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[PromptOutput]:
+        """Generate for every prompt with in-flight batching; results come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
+        groups = [self._requests(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        done: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        where = {r.request_id: (i, j) for i, group in enumerate(groups) for j, r in enumerate(group)}
+        submitted = []
+        try:
+            for group in groups:
+                self.executor.submit(group, [_finals(done)] * len(group))
+                submitted.extend(r.request_id for r in group)
+            results: list[list[GenerationResult | None]] = [[None] * len(g) for g in groups]
+            bar = _progress(len(where), use_tqdm)
+            for _ in range(len(where)):
+                output = done.get()
+                if output.error is not None:
+                    raise output.error
+                i, j = where[output.request_id]
+                results[i][j] = output.result
+                bar.update(1)
+            bar.close()
+        except BaseException:
+            for request_id in submitted:
+                self.executor.abort(request_id)
+            raise
+        return [PromptOutput(g[0].prompt_ids, list(r)) for g, r in zip(groups, results, strict=True)]
+
+    def stream_sync(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Text deltas of one request as the batch loop produces them; closing the iterator aborts the request."""
+        request = self._single(prompt, params)
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self.executor.submit([request], [outputs.put])
+        finished = False
+        try:
+            while not finished:
+                output = outputs.get()
+                finished = _check(output)
+                if output.delta:
+                    yield output.delta
+        finally:
+            if not finished:
+                self.executor.abort(request.request_id)
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[str]:
+        """`async for delta in llm.stream(prompt)`; cancelling the consumer aborts the request."""
+        request = self._single(prompt, params)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.executor.submit([request], [lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output)])
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = _check(output)
+                if output.delta:
+                    yield output.delta
+        finally:
+            if not finished:
+                self.executor.abort(request.request_id)
+
+    def _single(self, prompt: Prompt, params: SamplingParams | None) -> Request:
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise RequestError("streaming gives one output; use n=1 (or generate() for several outputs)")
+        return self._requests(prompt, params)[0]
+
+
+def _engine(engine_dir, max_batch_size, kv_cache_memory, threads) -> Engine:
+    from camshaft.manifest import read_manifest
+
+    sequences = max_batch_size or read_manifest(Path(engine_dir)).limits.max_batch_size
+    return Engine(engine_dir, max_sequences=sequences, kv_cache_memory=kv_cache_memory, threads=threads)
+
+
+def _check(output: RequestOutput) -> bool:
+    if output.error is not None:
+        raise output.error
+    return output.finished
+
+
+def _finals(done: queue.SimpleQueue):
+    return lambda output: done.put(output) if output.finished else None
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,174 @@
+"""In-flight batching end to end on a tiny engine: greedy outputs equal one-at-a-time runs under both capacity
+policies and forced preemption; prefix reuse feeds only new tokens; cancellation frees blocks; hopeless requests
+are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import CapacityError
+from camshaft.manifest import read_manifest
+from camshaft.runtime.kv_cache import bytes_per_block
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+
+from tiny_models import make_tiny_model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batching")
+    model = make_tiny_model("llama", root / "hf")
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=512, max_num_tokens=64, kv_block_size=BLOCK,
+                             max_batch_size=8))
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """32 requests, prompts 5-300 tokens and outputs 1-200 (the issue's 5-600 / 1-200 scaled to max_seq_len 512)."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(5, 300))] for _ in range(32)]
+    prompts[0], prompts[1] = prompts[0][:5], [rng.randrange(3, 380) for _ in range(300)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 200), ignore_eos=True) for _ in prompts]
+    params[0] = SamplingParams(max_tokens=200, ignore_eos=True)
+    params[1] = SamplingParams(max_tokens=1, ignore_eos=True)
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(engine_dir, workload):
+    session = Session(engine_dir)
+    return [session.generate(p, sp).token_ids for p, sp in zip(*workload, strict=True)]
+
+
+def pool_budget(engine_dir, usable_blocks: int) -> int:
+    return bytes_per_block(read_manifest(engine_dir)) * (usable_blocks + 1)
+
+
+def record_steps(llm: LLM) -> list[list]:
+    steps, step = [], llm.engine.step
+
+    def recording(chunks):
+        steps.append([(list(c.token_ids), c.start_pos) for c in chunks])
+        return step(chunks)
+
+    llm.engine.step = recording
+    return steps
+
+
+@pytest.mark.parametrize("policy, usable_blocks", [
+    ("guaranteed_no_evict", None), ("max_utilization", None), ("guaranteed_no_evict", 40), ("max_utilization", 40)])
+def test_in_flight_batching_matches_one_at_a_time(engine_dir, workload, one_at_a_time, policy, usable_blocks):
+    budget = pool_budget(engine_dir, usable_blocks) if usable_blocks else None
+    with LLM(engine_dir, policy=policy, kv_cache_memory=budget) as llm:
+        outputs = llm.generate(*workload, use_tqdm=False)
+        scheduler = llm.executor.scheduler
+        assert [o.token_ids for o in outputs] == one_at_a_time
+        for output, params in zip(outputs, workload[1], strict=True):
+            assert len(output.outputs) == 1 and output.outputs[0].finish_reason == "length"
+            assert len(output.token_ids) == params.max_tokens
+        assert scheduler.blocks.num_used == 0 and not scheduler.has_work
+        assert llm.executor.peak_batch_size > 1
+        if usable_blocks and policy == "max_utilization":
+            assert scheduler.num_preemptions > 0
+        if policy == "guaranteed_no_evict":
+            assert scheduler.num_preemptions == 0
+        stats = llm.stats
+        assert stats and max(s.batch_size for s in stats) > 1 and all(s.num_tokens <= 64 for s in stats)
+        assert all(0 <= s.kv_usage <= 1 and s.step_s > 0 for s in stats)
+
+
+def test_shared_prefix_feeds_only_new_tokens(engine_dir):
+    rng = random.Random(9)
+    prefix = [rng.randrange(3, 380) for _ in range(256)]
+    first, second = prefix + [5, 6, 7, 8], prefix + [9, 10, 11]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    session = Session(engine_dir)
+    expected = session.generate(second, params).token_ids
+    with LLM(engine_dir) as llm:
+        llm.generate([first], params, use_tqdm=False)
+        steps = record_steps(llm)
+        result = llm.generate([second], params, use_tqdm=False)[0]
+        fed = [chunk for step in steps for chunk in step]
+        assert fed[0] == ([9, 10, 11], 256)
+        assert sum(len(tokens) for tokens, _ in fed) == 3 + 19  # the new prompt tokens, then one per decode
+        assert result.token_ids == expected
+        assert llm.executor.scheduler.blocks.reuse_hits == 256 // BLOCK
+
+
+def test_n_outputs_share_the_prompt_blocks(engine_dir):
+    prompt = list(range(40, 140))  # 6 full blocks + 4 tokens
+    params = SamplingParams(max_tokens=12, n=3, temperature=1.0, seed=3, ignore_eos=True)
+    with LLM(engine_dir) as llm:
+        steps = record_steps(llm)
+        output = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert len(output.outputs) == 3 and len({tuple(o.token_ids) for o in output.outputs}) == 3
+        assert llm.executor.scheduler.blocks.reuse_hits == 2 * 6
+        prompt_tokens_fed = sum(len(tokens) for step in steps for tokens, _ in step if len(tokens) > 1)
+        assert prompt_tokens_fed == 100 + 2 * 4
+        again = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert [o.token_ids for o in again.outputs] == [o.token_ids for o in output.outputs]
+
+
+def test_cancelling_a_stream_frees_its_blocks_within_one_step(engine_dir):
+    params = SamplingParams(max_tokens=150, ignore_eos=True)
+    prompts = [list(range(10 + i, 60 + i)) for i in range(4)]
+    session = Session(engine_dir)
+    expected = [session.generate(p, params).text for p in prompts[1:]]
+
+    with LLM(engine_dir) as llm:
+        running_at_step = []
+        step = llm.engine.step
+
+        def recording(chunks):
+            running_at_step.append({id(r) for r in llm.executor.scheduler.running})
+            return step(chunks)
+
+        llm.engine.step = recording
+
+        async def collect(prompt):
+            return "".join([delta async for delta in llm.stream(prompt, params)])
+
+        async def cancel_after(prompt, deltas: int):
+            stream = llm.stream(prompt, params)
+            async for _ in stream:
+                deltas -= 1
+                if deltas == 0:
+                    break
+            victim = next((r for r in llm.executor._requests.values() if r.prompt_ids == prompt), None)
+            await stream.aclose()  # aborts
+            return len(running_at_step), victim
+
+        async def main():
+            return await asyncio.gather(cancel_after(prompts[0], 3), *(collect(p) for p in prompts[1:]))
+
+        (steps_at_cancel, victim), *texts = asyncio.run(main())
+        assert texts == expected
+        assert victim is not None and victim.finish_reason == "abort" and victim.blocks == []
+        assert len(victim.output_ids) < 150
+        assert sum(id(victim) in running for running in running_at_step[steps_at_cancel:]) <= 1
+        assert llm.executor.scheduler.blocks.num_used == 0
+
+
+def test_a_request_that_can_never_fit_is_refused_not_hung(engine_dir):
+    with LLM(engine_dir, kv_cache_memory=pool_budget(engine_dir, 4)) as llm:  # 4 blocks = 64 tokens
+        with pytest.raises(CapacityError, match="KV blocks"):
+            llm.generate([list(range(3, 60))], SamplingParams(max_tokens=20), use_tqdm=False)
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs
+        with pytest.raises(CapacityError, match="max_seq_len"):
+            llm.generate([[5] * 500], SamplingParams(max_tokens=20), use_tqdm=False)
+
+
+def test_llm_is_exported_lazily():
+    import camshaft
+
+    assert camshaft.LLM is LLM

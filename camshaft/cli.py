@@ -62,6 +62,32 @@ def build(
 
 
 @app.command()
+def quantize(
+    model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory (float)")],
+    quant: Annotated[str, typer.Option(help="fp8 | int8_sq | int8_wo | int4_wo | int4_awq | w4a8_awq")],
+    output: Annotated[Path, typer.Option(help="Quantized checkpoint directory to write")],
+    kv_cache_dtype: Annotated[str | None, typer.Option(help="Also quantize the KV cache: fp8 | int8")] = None,
+    group_size: Annotated[str, typer.Option(help="INT4 block size: auto | 128 | 64 | 32")] = "auto",
+    calib_data: Annotated[Path | None, typer.Option(help="Text/JSONL file or directory (default: built-in corpus)")]
+    = None,
+    calib_size: Annotated[int, typer.Option(help="Calibration samples")] = 64,
+    calib_seq_len: Annotated[int, typer.Option(help="Tokens per calibration sample")] = 256,
+    exclude: Annotated[list[str] | None, typer.Option(help="Module name pattern to keep unquantized (repeatable)")]
+    = None,
+) -> None:
+    """Calibrate and quantize a checkpoint with NVIDIA ModelOpt into a quantized (unified HF) checkpoint."""
+    from camshaft.quantize.modelopt_adapter import quantize_checkpoint
+    from camshaft.quantize.spec import QuantSpec
+
+    spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, exclude=tuple(exclude or ()))
+    result = quantize_checkpoint(model, output, spec, calib_data=calib_data, calib_size=calib_size,
+                                 calib_seq_len=calib_seq_len, progress=_progress, progress_bar=True)
+    err.print(f"quantized to {spec.format}" + (f" (group {result.group_size})" if result.group_size else "")
+              + f" in {result.seconds['total']} s")
+    typer.echo(str(output))
+
+
+@app.command()
 def run(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     prompt: Annotated[str, typer.Option(help="Prompt text")],

@@ -61,6 +61,7 @@ class Executor:
         self._inbox: list[list[Request]] = []
         self._aborts: list[str] = []
         self._wake = threading.Condition()
+        self._stats_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="camshaft-executor", daemon=True)
         self._thread.start()
@@ -89,7 +90,21 @@ class Executor:
             self._wake.notify()
         self._thread.join()
 
+    def snapshot_stats(self) -> list[IterationStats]:
+        with self._stats_lock:
+            return list(self.stats)
+
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # a bug in the loop: fail every request rather than leave callers hanging
+            with self._wake:
+                self._closed = True
+            for request in list(self._requests.values()):
+                self._finish(request, RuntimeError(f"the batch loop failed: {exc!r}"))
+            raise
+
+    def _run(self) -> None:
         scheduler = self.scheduler
         while True:
             with self._wake:
@@ -148,15 +163,16 @@ class Executor:
                 self._finish(request, delta=delta)
             else:
                 if delta:
-                    self._sinks[request.request_id](RequestOutput(request.request_id, delta))
+                    self._deliver(self._sinks[request.request_id], RequestOutput(request.request_id, delta))
                 self._release_held(request)
         running = len(scheduled)
         self.peak_batch_size = max(self.peak_batch_size, running)
         blocks = self.scheduler.blocks
-        self.stats.append(IterationStats(
-            running, sum(item.num_tokens for item in scheduled),
-            sum(item.num_tokens for item in scheduled if item.num_tokens > 1), len(self.scheduler.waiting),
-            blocks.num_used, blocks.capacity, time.perf_counter() - started))
+        with self._stats_lock:
+            self.stats.append(IterationStats(
+                running, sum(item.num_tokens for item in scheduled),
+                sum(item.num_tokens for item in scheduled if item.num_tokens > 1), len(self.scheduler.waiting),
+                blocks.num_used, blocks.capacity, time.perf_counter() - started))
 
     def _release_held(self, request: Request) -> None:
         for sibling in self._held.pop(request.request_id, []):
@@ -167,4 +183,11 @@ class Executor:
         self._requests.pop(request.request_id, None)
         self._release_held(request)
         sink = self._sinks.pop(request.request_id)
-        sink(RequestOutput(request.request_id, delta, None if error else request.result(), error))
+        self._deliver(sink, RequestOutput(request.request_id, delta, None if error else request.result(), error))
+
+    def _deliver(self, sink: Sink, output: RequestOutput) -> None:
+        try:
+            sink(output)
+        except Exception:  # the consumer is gone (e.g. its event loop closed): abort rather than stop the loop
+            if not output.finished:
+                self._aborts.append(output.request_id)

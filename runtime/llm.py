@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from camshaft.errors import RequestError
+from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.executor import Executor, IterationStats, RequestOutput
@@ -51,14 +52,19 @@ class LLM:
             raise RequestError(f"max_batch_size {self.config.max_batch_size} exceeds the engine's "
                                f"{limits.max_batch_size}; rebuild with a larger --max-batch-size")
         self.tokenizer = engine.tokenizer
-        self._encoder = Session.__new__(Session)  # reuses Session.encode/_params without a second engine
-        self._encoder.engine, self._encoder.tokenizer = engine, engine.tokenizer
+        self._encoder = _Encoder(engine)
         self.executor = Executor(engine, self.config)
         self._ids = itertools.count()
 
     @property
     def stats(self) -> list[IterationStats]:
-        return list(self.executor.stats)
+        """Per-iteration stats of the batch loop, oldest first."""
+        return self.executor.snapshot_stats()
+
+    @property
+    def kv_cache(self) -> BlockCounters:
+        """Blocks total/used/free/cached, prefix reuse hits and evictions (a snapshot)."""
+        return self.executor.scheduler.blocks.counters()
 
     def close(self) -> None:
         self.executor.close()
@@ -154,6 +160,13 @@ class LLM:
         if params.n != 1:
             raise RequestError("streaming gives one output; use n=1 (or generate() for several outputs)")
         return self._requests(prompt, params)[0]
+
+
+class _Encoder(Session):
+    """Session's prompt encoding and checks, on the LLM's engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
 
 
 def _engine(engine_dir, max_batch_size, kv_cache_memory, threads) -> Engine:

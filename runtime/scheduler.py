@@ -105,7 +105,11 @@ class Scheduler:
     def _chunk(self, request: Request, take: int) -> Scheduled:
         start = request.num_computed
         done = start + take == request.num_tokens
-        return Scheduled(request, Chunk(request.all_ids[start: start + take], start, request.blocks, int(done)))
+        if done and take == 1:  # a decode: no need to copy the whole sequence
+            tokens = [request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]]
+        else:
+            tokens = request.all_ids[start: start + take]
+        return Scheduled(request, Chunk(tokens, start, request.blocks, int(done)))
 
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids
@@ -148,7 +152,8 @@ class Scheduler:
             request = item.request
             before = request.num_computed
             request.num_computed += item.num_tokens
-            self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed)
+            if before // self.config.block_size != request.num_computed // self.config.block_size:
+                self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed)
 
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request's blocks at once (a waiting request just leaves the queue)."""

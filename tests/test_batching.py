@@ -102,7 +102,8 @@ def test_shared_prefix_feeds_only_new_tokens(engine_dir):
         assert fed[0] == ([9, 10, 11], 256)
         assert sum(len(tokens) for tokens, _ in fed) == 3 + 19  # the new prompt tokens, then one per decode
         assert result.token_ids == expected
-        assert llm.executor.scheduler.blocks.reuse_hits == 256 // BLOCK
+        assert llm.kv_cache.reuse_hits == 256 // BLOCK and llm.kv_cache.used == 0
+        assert "".join(llm.stream_sync(second, params)) == result.text
 
 
 def test_n_outputs_share_the_prompt_blocks(engine_dir):

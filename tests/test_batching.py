@@ -173,3 +173,19 @@ def test_llm_is_exported_lazily():
     import camshaft
 
     assert camshaft.LLM is LLM
+
+
+def test_shared_prefixes_in_one_batch_on_a_sliding_window_model(tmp_path):
+    model = make_tiny_model("mistral-sliding", tmp_path / "hf")
+    engine = tmp_path / "engine"
+    build_engine(BuildConfig(model, engine, max_seq_len=256, max_num_tokens=32, kv_block_size=8, max_batch_size=6))
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 380) for _ in range(80)]
+    prompts = [shared + [rng.randrange(3, 380) for _ in range(rng.randint(1, 60))] for _ in range(12)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 60), ignore_eos=True) for _ in prompts]
+    session = Session(engine)
+    expected = [session.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    with LLM(engine, policy="max_utilization", kv_cache_memory=pool_budget(engine, 40)) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        assert llm.kv_cache.reuse_hits > 0 and llm.kv_cache.used == 0
+        assert llm.executor.scheduler.num_preemptions > 0

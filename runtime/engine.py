@@ -46,6 +46,10 @@ class Engine:
             from camshaft.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
             return OnnxRuntimeBackend(self.dir, self.manifest, num_blocks, threads, spin_wait)
+        if target in ("tensorrt-rtx", "tensorrt"):  # never run on a GPU yet: see backends/tensorrt.py
+            from camshaft.runtime.backends.tensorrt import TensorRTBackend
+
+            return TensorRTBackend(self.dir, self.manifest, num_blocks, threads, spin_wait)
         raise EngineError(f"{self.dir}: engines for target {target!r} cannot run in this build of camshaft")
 
     @property

@@ -1,0 +1,221 @@
+"""TensorRT backend (targets "tensorrt-rtx" and "tensorrt"): one plan, one execution context, KV caches on the GPU.
+
+THIS BACKEND HAS NEVER RUN ON A GPU. It was written and tested on machines without one: what is tested is that it
+refuses cleanly where no GPU or driver exists (tests/test_tensorrt_backend.py); the test that executes a plan skips
+there. Treat its first GPU run as its first test.
+
+Same interface as backends/onnxruntime.py: `step(feeds) -> logits` (float32 [rows, vocab] on the host) for the feeds
+runtime/batch.py builds; `kv_cache_bytes`. Per step: every feed is copied into a device buffer of its own (grown
+as needed), its shape set on the context (`set_input_shape`), the plan enqueued with `execute_async_v3` on one CUDA
+stream, the logits copied back and the stream synchronised.
+
+KV caches: one device buffer per layer and K/V, [num_blocks, block_size, kv_heads*head_dim] float16, bound as both
+the graph's cache input and its ScatterND output (the same device pointer), so new K/V are written in place as the
+onnxruntime backend does through IOBinding. TensorRT documents no guarantee for an output bound to its input's
+memory; the first GPU run must compare logits against the onnxruntime engine (the skipped test does) before this
+aliasing is trusted.
+
+The GPU is probed with cuda-python's `cudaGetDeviceCount()` before anything of TensorRT is touched: creating a
+TensorRT runtime on a machine without a driver can crash the process instead of raising.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from camshaft.errors import EngineError
+from camshaft.manifest import Manifest
+
+PRODUCTS = {"tensorrt-rtx": "tensorrt_rtx", "tensorrt": "tensorrt"}
+
+
+def _cudart(product: str, arch: str) -> Any:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError as exc:
+        raise EngineError(
+            f"this engine targets {product} {arch} and needs cuda-python to reach the GPU; install it with: "
+            f"pip install 'camshaft[{product}]'"
+        ) from exc
+    return cudart
+
+
+def probe_gpu(product: str, arch: str) -> tuple[Any, int]:
+    """cuda-python's runtime module and the compute capability of GPU 0 (89 for SM 8.9), or an EngineError that
+    says why this engine cannot run here. Touches nothing of TensorRT."""
+    cudart = _cudart(product, arch)
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or not count:
+        reason = getattr(err, "name", str(err)) if err != cudart.cudaError_t.cudaSuccess else "no CUDA device"
+        raise EngineError(
+            f"this engine targets {product} {arch} and needs an NVIDIA GPU with a driver; none found ({reason}), "
+            "so it cannot run here. Run it on such a GPU, or build an engine for the onnxruntime target."
+        )
+    attr = cudart.cudaDeviceAttr
+    _, major = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, 0)
+    _, minor = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, 0)
+    return cudart, major * 10 + minor
+
+
+def _check(cudart: Any, result: tuple, what: str) -> Any:
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise EngineError(f"CUDA {what} failed: {getattr(err, 'name', err)}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class _DeviceBuffer:
+    def __init__(self, cudart: Any, nbytes: int) -> None:
+        self.cudart = cudart
+        self.nbytes = max(int(nbytes), 1)
+        self.ptr = int(_check(cudart, cudart.cudaMalloc(self.nbytes), f"cudaMalloc({self.nbytes})"))
+
+    def free(self) -> None:
+        if self.ptr:
+            self.cudart.cudaFree(self.ptr)
+            self.ptr = 0
+
+
+class TensorRTBackend:
+    """Never run on a GPU (see the module docstring)."""
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
+                 spin_wait: bool = True) -> None:
+        del threads, spin_wait  # CPU-thread options of the onnxruntime backend; nothing to set here
+        product = manifest.target
+        options = manifest.target_options
+        arch = str(options.get("gpu_arch", "(unknown architecture)"))
+        # 1. The GPU, through cuda-python only.
+        cudart, local = probe_gpu(product, arch)
+        self.cudart = cudart
+        if arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) != local:
+            raise EngineError(
+                f"this engine was built for {arch} but GPU 0 is sm{local}; rebuild it with --gpu-arch sm{local}"
+            )
+        # 2. The product, at the version the plan was built with.
+        trt = self._import(product)
+        built = str(options.get("version", manifest.tools.get(product, "")))
+        if built.split(".")[:2] != trt.__version__.split(".")[:2]:
+            raise EngineError(
+                f"this engine was built with {product} {built}, but {trt.__version__} is installed; rebuild the engine "
+                f"or install {product}=={built}"
+            )
+        profile_blocks = options.get("profile", {}).get("num_blocks")
+        if profile_blocks is not None and num_blocks > int(profile_blocks[2]):
+            raise EngineError(
+                f"a KV pool of {num_blocks} blocks exceeds the {int(profile_blocks[2])} blocks the plan was built for; "
+                "lower max_sequences or kv_cache_memory, or rebuild with a larger --max-batch-size"
+            )
+        # 3. The plan.
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self.logger)
+        plan_path = engine_dir / manifest.artifact
+        try:
+            plan = plan_path.read_bytes()
+        except OSError as exc:
+            raise EngineError(f"{plan_path} could not be read ({exc}); rebuild the engine") from exc
+        self.engine = self.runtime.deserialize_cuda_engine(plan)
+        if self.engine is None:
+            raise EngineError(
+                f"{product} {trt.__version__} could not load {plan_path} on sm{local}; rebuild the engine")
+        self.context = self.engine.create_execution_context()
+        if self.context is None:
+            raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?)")
+        self.stream = _check(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
+        self._dtypes = {}
+        for i in range(self.engine.num_io_tensors):
+            name = self.engine.get_tensor_name(i)
+            self._dtypes[name] = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name)))
+        # 4. KV caches: one device buffer each, bound as input and output.
+        kv = manifest.kv_cache
+        self.num_blocks = num_blocks
+        shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
+        self.caches: list[_DeviceBuffer] = []
+        self._buffers: dict[str, _DeviceBuffer] = {}
+        names = zip(kv.key_inputs + kv.value_inputs, kv.key_outputs + kv.value_outputs, strict=True)
+        for input_name, output_name in names:
+            nbytes = int(np.prod(shape)) * self._dtypes[input_name].itemsize
+            cache = _DeviceBuffer(cudart, nbytes)
+            _check(cudart, cudart.cudaMemset(cache.ptr, 0, nbytes), "cudaMemset")
+            self.caches.append(cache)
+            self._shape(input_name, shape)
+            self.context.set_tensor_address(input_name, cache.ptr)
+            self.context.set_tensor_address(output_name, cache.ptr)
+        self.vocab_size = manifest.model.vocab_size
+
+    @staticmethod
+    def _import(product: str) -> Any:
+        module = PRODUCTS.get(product)
+        if module is None:
+            raise EngineError(f"unknown TensorRT product {product!r} in the manifest")
+        try:
+            return importlib.import_module(module)
+        except ImportError as exc:
+            raise EngineError(
+                f"this engine needs the {module} Python package ({exc}); install it with: "
+                f"pip install 'camshaft[{product}]'"
+            ) from exc
+
+    def _shape(self, name: str, shape: tuple[int, ...]) -> None:
+        if not self.context.set_input_shape(name, tuple(int(d) for d in shape)):
+            raise EngineError(f"input {name} of shape {tuple(shape)} is outside the plan's optimisation profile")
+
+    def _upload(self, name: str, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array, dtype=self._dtypes[name])
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.nbytes < array.nbytes:
+            if buffer is not None:
+                buffer.free()
+            buffer = self._buffers[name] = _DeviceBuffer(self.cudart, max(array.nbytes * 2, 256))
+            self.context.set_tensor_address(name, buffer.ptr)
+        self._shape(name, array.shape)
+        if array.nbytes:
+            kind = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+            _check(self.cudart, self.cudart.cudaMemcpyAsync(buffer.ptr, array.ctypes.data, array.nbytes, kind,
+                                                            self.stream), f"upload of {name}")
+        # The host array must outlive the asynchronous copy: keep it until the step synchronises.
+        self._pinned.append(array)
+
+    def step(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        self._pinned: list[np.ndarray] = []
+        rows = len(feeds["logits_index"])
+        if rows == 0:  # the profile's smallest logits batch is one row: compute one, return none
+            feeds = {**feeds, "logits_index": np.zeros(1, dtype=np.int64)}
+        for name, array in feeds.items():
+            self._upload(name, array)
+        n = max(rows, 1)
+        logits = self._buffers.get("logits")
+        needed = n * self.vocab_size * 4
+        if logits is None or logits.nbytes < needed:
+            if logits is not None:
+                logits.free()
+            logits = self._buffers["logits"] = _DeviceBuffer(self.cudart, needed * 2)
+        self.context.set_tensor_address("logits", logits.ptr)
+        if not self.context.execute_async_v3(int(self.stream)):
+            raise EngineError("TensorRT could not enqueue the step")
+        out = np.empty((n, self.vocab_size), dtype=np.float32)
+        kind = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        _check(self.cudart, self.cudart.cudaMemcpyAsync(out.ctypes.data, logits.ptr, out.nbytes, kind, self.stream),
+               "logits download")
+        _check(self.cudart, self.cudart.cudaStreamSynchronize(self.stream), "stream synchronise")
+        self._pinned = []
+        return out[:rows]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def close(self) -> None:
+        for buffer in [*self.caches, *self._buffers.values()]:
+            buffer.free()
+        self.caches, self._buffers = [], {}
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: CUDA may already be gone
+            pass

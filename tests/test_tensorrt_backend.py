@@ -1,0 +1,286 @@
+"""The TensorRT backend (runtime/backends/tensorrt.py), which has never run on a GPU.
+
+Here (no GPU, no driver): loading a real TensorRT-RTX engine fails with a clear EngineError before anything of
+TensorRT is touched. The backend's plumbing (device buffers, shapes, tensor addresses, KV caches bound as input and
+output, logits rows) is exercised against stand-ins: a cuda-python runtime whose "device" memory is host memory, and
+a TensorRT module whose execution context runs the engine's own float16 source graph (graph.onnx, beside the plan) in
+ONNX Runtime, reading and writing the bound addresses. That checks the backend's side of the contract, not TensorRT.
+The test that runs a plan on a real GPU skips where none is present.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import types
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from camshaft.builder.build import GRAPH_NAME, build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import EngineError
+from camshaft.runtime.backends import tensorrt as backend
+from camshaft.runtime.batch import Chunk
+from camshaft.runtime.engine import Engine
+
+from tiny_models import make_tiny_model
+
+needs_rtx = pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None,
+                               reason="tensorrt_rtx is not installed (pip install 'camshaft[tensorrt-rtx]')")
+
+
+def _gpu_arch() -> int | None:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return None
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or not count:
+        return None
+    return backend.probe_gpu("tensorrt-rtx", "?")[1]
+
+
+GPU_ARCH = _gpu_arch()
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """A tiny model built twice: for tensorrt-rtx (sm89, or this machine's GPU) and for onnxruntime (reference)."""
+    if importlib.util.find_spec("tensorrt_rtx") is None:
+        pytest.skip("tensorrt_rtx is not installed")
+    root = tmp_path_factory.mktemp("trt-backend")
+    model = make_tiny_model("qwen3-qknorm", root / "hf")
+    limits = dict(max_seq_len=64, max_batch_size=4, max_num_tokens=32, kv_block_size=BLOCK)
+    arch = f"sm{GPU_ARCH}" if GPU_ARCH is not None else "sm89"
+    try:
+        build_engine(BuildConfig(model, root / "rtx", target="tensorrt-rtx", gpu_arch=arch, **limits))
+    except Exception as exc:  # e.g. a GPU TensorRT-RTX cannot build for (sm90)
+        pytest.skip(f"tensorrt-rtx cannot build for this machine's {arch}: {exc}")
+    build_engine(BuildConfig(model, root / "ort", **limits))
+    return root / "rtx", root / "ort"
+
+
+@needs_rtx
+@pytest.mark.skipif(GPU_ARCH is not None, reason="this machine has a GPU")
+def test_no_gpu_is_a_clear_error_before_tensorrt_is_touched(engines, monkeypatch):
+    import tensorrt_rtx
+
+    rtx_dir, _ = engines
+    monkeypatch.setattr(tensorrt_rtx, "Runtime", lambda *a: pytest.fail("a TensorRT Runtime was created"))
+    with pytest.raises(EngineError) as info:
+        Engine(rtx_dir)
+    message = str(info.value)
+    assert "this engine targets tensorrt-rtx sm89 and needs an NVIDIA GPU with a driver; none found (" in message
+    assert "cudaError" in message and "cannot run" in message
+
+
+class FakeCudart:
+    """cuda-python's runtime calls the backend makes, over host memory (a 'device pointer' is a host address)."""
+
+    class cudaError_t:  # noqa: N801 - mirrors cuda-python's names
+        cudaSuccess = 0
+
+    class cudaMemcpyKind:  # noqa: N801
+        cudaMemcpyHostToDevice = 1
+        cudaMemcpyDeviceToHost = 2
+
+    class cudaDeviceAttr:  # noqa: N801
+        cudaDevAttrComputeCapabilityMajor = "major"
+        cudaDevAttrComputeCapabilityMinor = "minor"
+
+    def __init__(self, arch: int = 89, devices: int = 1) -> None:
+        self.arch, self.devices = arch, devices
+        self.allocations: dict[int, ctypes.Array] = {}
+        self.freed: list[int] = []
+        self.copies = 0
+
+    def cudaGetDeviceCount(self):  # noqa: N802
+        return 0, self.devices
+
+    def cudaDeviceGetAttribute(self, attr, device):  # noqa: N802
+        return 0, self.arch // 10 if attr == "major" else self.arch % 10
+
+    def cudaMalloc(self, nbytes):  # noqa: N802
+        buffer = (ctypes.c_char * nbytes)()
+        self.allocations[ctypes.addressof(buffer)] = buffer
+        return 0, ctypes.addressof(buffer)
+
+    def cudaFree(self, ptr):  # noqa: N802
+        self.freed.append(ptr)
+        self.allocations.pop(ptr)
+        return (0,)
+
+    def cudaMemset(self, ptr, value, nbytes):  # noqa: N802
+        ctypes.memset(ptr, value, nbytes)
+        return (0,)
+
+    def cudaMemcpyAsync(self, dst, src, nbytes, kind, stream):  # noqa: N802
+        ctypes.memmove(dst, src, nbytes)
+        self.copies += 1
+        return (0,)
+
+    def cudaStreamCreate(self):  # noqa: N802
+        return 0, 7
+
+    def cudaStreamSynchronize(self, stream):  # noqa: N802
+        assert stream == 7
+        return (0,)
+
+
+def _view(ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer((ctypes.c_char * max(nbytes, 1)).from_address(ptr), dtype=dtype,
+                         count=int(np.prod(shape))).reshape(shape)
+
+
+def fake_tensorrt(graph: Path, version: str):
+    """A TensorRT module whose plan is the float16 ONNX graph, executed by ONNX Runtime through bound addresses."""
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    np_types = {"tensor(float16)": np.float16, "tensor(float)": np.float32, "tensor(int64)": np.int64,
+                "tensor(bool)": np.bool_}
+    io = {v.name: np.dtype(np_types[v.type]) for v in session.get_inputs() + session.get_outputs()}
+    inputs = [v.name for v in session.get_inputs()]
+    outputs = [v.name for v in session.get_outputs()]
+
+    class Context:
+        def __init__(self) -> None:
+            self.shapes, self.addresses, self.runs = {}, {}, 0
+
+        def set_input_shape(self, name, shape):
+            assert name in inputs, name
+            if "logits_index" == name and shape[0] < 1:  # the profile's minimum
+                return False
+            self.shapes[name] = tuple(shape)
+            return True
+
+        def set_tensor_address(self, name, ptr):
+            assert name in io, name
+            self.addresses[name] = ptr
+            return True
+
+        def execute_async_v3(self, stream):
+            feeds = {n: _view(self.addresses[n], self.shapes[n], io[n]).copy() for n in inputs}
+            results = session.run(outputs, feeds)
+            for name, value in zip(outputs, results, strict=True):
+                _view(self.addresses[name], value.shape, io[name])[...] = value
+            self.runs += 1
+            return True
+
+    class Plan:
+        num_io_tensors = len(io)
+        names = list(io)
+
+        def get_tensor_name(self, i):
+            return self.names[i]
+
+        def get_tensor_dtype(self, name):
+            return io[name]
+
+        def create_execution_context(self):
+            self.context = Context()
+            return self.context
+
+    class Runtime:
+        def __init__(self, logger) -> None:
+            pass
+
+        def deserialize_cuda_engine(self, blob):
+            assert len(blob) > 1000
+            self.plan = Plan()
+            return self.plan
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, level) -> None:
+            pass
+
+    return types.SimpleNamespace(__version__=version, Runtime=Runtime, Logger=Logger, nptype=lambda t: t)
+
+
+@pytest.fixture()
+def simulated(engines, monkeypatch):
+    import tensorrt_rtx
+
+    rtx_dir, ort_dir = engines
+    cudart = FakeCudart()
+    trt = fake_tensorrt(rtx_dir / GRAPH_NAME, tensorrt_rtx.__version__)
+    monkeypatch.setattr(backend, "_cudart", lambda product, arch: cudart)
+    monkeypatch.setattr(backend.TensorRTBackend, "_import", staticmethod(lambda product: trt))
+    return rtx_dir, ort_dir, cudart
+
+
+def test_backend_plumbing_against_simulated_cuda_and_tensorrt(simulated):
+    rtx_dir, ort_dir, cudart = simulated
+    engine = Engine(rtx_dir, max_sequences=3)
+    reference = Engine(ort_dir, max_sequences=3)
+    trt_backend = engine.backend
+    kv = engine.manifest.kv_cache
+    assert len(trt_backend.caches) == 2 * engine.manifest.model.num_layers
+    assert trt_backend.kv_cache_bytes == len(trt_backend.caches) * trt_backend.num_blocks * kv.block_size * (
+        kv.num_kv_heads * kv.head_dim) * 2  # float16
+    context = trt_backend.context
+    for i, name in enumerate(kv.key_inputs + kv.value_inputs):
+        out = (kv.key_outputs + kv.value_outputs)[i]
+        assert context.addresses[name] == context.addresses[out] == trt_backend.caches[i].ptr  # in place
+
+    rng = np.random.default_rng(0)
+    vocab = engine.manifest.model.vocab_size
+    ids = {k: rng.integers(3, vocab, n).tolist() for k, n in {"a": 19, "b": 7}.items()}
+    tables = {k: engine.pool.allocate(-(-len(v) // BLOCK)) for k, v in ids.items()}
+    schedule = [{"a": 12, "b": 3}, {"a": 6, "b": 4}, {"a": 1}]
+    done = dict.fromkeys(ids, 0)
+    for step in schedule:
+        chunks = []
+        for key, n in step.items():
+            chunks.append(Chunk(ids[key][done[key]: done[key] + n], done[key], tables[key]))
+            done[key] += n
+        got, expected = engine.step(chunks), reference.step(chunks)
+        assert got.dtype == np.float32 and got.shape == expected.shape == (len(chunks), vocab)
+        scale = float(np.abs(expected).max())
+        assert float(np.abs(got - expected).max()) <= 2e-2 * scale  # float16 graph vs float32 engine
+    # A chunk asking for no logits: the plan still computes one row (profile minimum), the backend returns none.
+    last = Chunk(ids["a"][-1:], done["a"] - 1, tables["a"], num_logits=0)
+    assert engine.step([last]).shape == (0, vocab)
+    assert context.runs == len(schedule) + 1
+    trt_backend.close()
+    assert not cudart.allocations
+
+
+def test_wrong_gpu_arch_and_version_and_pool_size(engines, monkeypatch):
+    import tensorrt_rtx
+
+    rtx_dir, _ = engines
+    trt = fake_tensorrt(rtx_dir / GRAPH_NAME, tensorrt_rtx.__version__)
+    monkeypatch.setattr(backend.TensorRTBackend, "_import", staticmethod(lambda product: trt))
+    monkeypatch.setattr(backend, "_cudart", lambda product, arch: FakeCudart(arch=120))
+    with pytest.raises(EngineError, match="built for sm89 but GPU 0 is sm120"):
+        Engine(rtx_dir)
+    monkeypatch.setattr(backend, "_cudart", lambda product, arch: FakeCudart(devices=0))
+    with pytest.raises(EngineError, match=r"none found \(no CUDA device\)"):
+        Engine(rtx_dir)
+    monkeypatch.setattr(backend, "_cudart", lambda product, arch: FakeCudart())
+    with pytest.raises(EngineError, match="exceeds the .* blocks the plan was built for"):
+        Engine(rtx_dir, max_sequences=50)
+    old = fake_tensorrt(rtx_dir / GRAPH_NAME, "0.9.0")
+    monkeypatch.setattr(backend.TensorRTBackend, "_import", staticmethod(lambda product: old))
+    with pytest.raises(EngineError, match="built with tensorrt-rtx .* but 0.9.0 is installed"):
+        Engine(rtx_dir)
+
+
+@pytest.mark.skipif(GPU_ARCH is None, reason="needs an NVIDIA GPU with a driver; none here (the backend has never "
+                                             "run on a GPU)")
+def test_runs_on_a_gpu_and_matches_onnxruntime(engines):
+    rtx_dir, ort_dir = engines
+    engine, reference = Engine(rtx_dir, max_sequences=2), Engine(ort_dir, max_sequences=2)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, engine.manifest.model.vocab_size, 13).tolist()
+    table = engine.pool.allocate(-(-len(ids) // BLOCK))
+    for start, n in ((0, 9), (9, 3), (12, 1)):
+        chunks = [Chunk(ids[start: start + n], start, table)]
+        got, expected = engine.step(chunks), reference.step(chunks)
+        assert float(np.abs(got - expected).max()) <= 2e-2 * float(np.abs(expected).max())

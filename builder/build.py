@@ -10,10 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx
+from onnx import helper
 
 from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
-from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
+from camshaft.builder.graph.decoder import MS_DOMAIN, OPSET, DecoderLowering, kv_layout, step_inputs
 from camshaft.builder.graph.ops import GraphWriter, save_model
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
@@ -26,15 +27,41 @@ Progress = Callable[[str], None]
 
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
-                progress: Progress = lambda _: None) -> Path:
-    """The portable model graph (standard ONNX ops, external weights) for a checkpoint."""
+                progress: Progress = lambda _: None, quantization: dict | None = None) -> Path:
+    """The portable model graph (standard ONNX ops, external weights) for a checkpoint. A weight-only quantized
+    checkpoint's layers become com.microsoft MatMulNBits (ONNX Runtime); `quantization` receives what was lowered."""
     graph_path = out_dir / GRAPH_NAME
+    quantized = checkpoint.quantized_linear if checkpoint.quantization is not None else None
     with open(out_dir / GRAPH_DATA, "wb") as data:
         writer = GraphWriter(data, GRAPH_DATA)
-        DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress).lower()
+        lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
+                                   quantized=quantized)
+        lowering.lower()
     model = writer.model(OPSET)
+    if lowering.nbits_layers:
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    if quantization is not None and checkpoint.quantization is not None:
+        quantization.update(_quantization_record(checkpoint.quantization, lowering))
     save_model(model, graph_path)
     return graph_path
+
+
+def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
+    """The manifest's record of a quantized checkpoint. Policy: embeddings and lm_head stay float (ModelOpt leaves
+    them unquantized); a quantized layer MatMulNBits cannot express is built from its dequantized weights."""
+    record = quant.get("camshaft", {})
+    return {
+        "format": record.get("format"),
+        "quant_algo": quant["quant_algo"],
+        "group_size": quant.get("group_size"),
+        "kv_cache_dtype": None,
+        "lowering": "com.microsoft.MatMulNBits",
+        "accuracy_level": lowering.accuracy_level,
+        "quantized_linear_layers": lowering.nbits_layers,
+        "float_modules": sorted(quant.get("exclude_modules", [])),
+        "calibration": record.get("calibration"),
+        "producer": quant.get("producer") or record.get("tools"),
+    }
 
 
 def file_sha256(path: Path) -> str:
@@ -52,6 +79,12 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
         model = checkpoint.config
+        if checkpoint.quantization is not None and config.target != "onnxruntime":
+            raise BuildConfigError(
+                f"{config.model_dir} is a quantized checkpoint; the {config.target} target does not take quantized "
+                "checkpoints yet (Q/DQ lowering is planned). Build it for --target onnxruntime."
+            )
+        quantization: dict = {}
         limits = BuildLimits(
             max_batch_size=config.max_batch_size,
             max_seq_len=config.resolved_max_seq_len(model.max_position_embeddings),
@@ -64,7 +97,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         staging.mkdir(parents=True)
         try:
             progress("writing model graph")
-            graph_path = write_graph(checkpoint, limits, dtype, staging, progress)
+            graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization)
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
             artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)
@@ -85,6 +118,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 inputs=step_inputs(model),
                 outputs=(TensorSpec("logits", "float32", ("N", model.vocab_size)),),
                 kv_cache=kv_layout(model, limits, dtype),
+                quantization=quantization,
                 tools={"camshaft": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
                        **target_options.pop("tools", {})},
                 files={name: (staging / name).stat().st_size for name in files},

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with numpy so safetensors can return them)
 import numpy as np
@@ -26,6 +28,29 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "generation_config.json",
 )
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's unified HF checkpoint (written by `camshaft quantize`)
+CAMSHAFT_QUANT_RECORD = "camshaft_quantize.json"
+# hf_quant_config.json quant_algo → weight bits, for the formats the builder lowers. Others are refused clearly.
+READABLE_QUANT_ALGOS = {"W4A16_AWQ": 4, "W8A16": 8}
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """One weight-only quantized linear layer: signed integer values and per-block scales (per output channel when
+    block_size == in_dim); `pre_quant_scale` (AWQ, when not folded into a norm) multiplies the layer's input."""
+
+    bits: int
+    block_size: int
+    values: np.ndarray  # [out, in] int8, in [-2^(bits-1), 2^(bits-1) - 1]
+    scales: np.ndarray  # [out, in // block_size] float32
+    pre_quant_scale: np.ndarray | None = None  # [in] float32
+
+    def dequantize(self) -> np.ndarray:
+        """[out, in] float32 weights as the layer applies them (pre_quant_scale folded into the input columns)."""
+        weight = self.values.astype(np.float32) * np.repeat(self.scales, self.block_size, axis=1)
+        if self.pre_quant_scale is not None:
+            weight = weight * self.pre_quant_scale[None, :]
+        return weight
 
 
 class Checkpoint:
@@ -48,6 +73,85 @@ class Checkpoint:
             self._handles[file] = handle
             for name in handle.keys():
                 self._where[name] = file
+        self.quantization = self._quantization()
+
+    def _quantization(self) -> dict[str, Any] | None:
+        """hf_quant_config.json's "quantization" section (None for a float checkpoint), checked to be buildable."""
+        path = self.dir / HF_QUANT_CONFIG
+        if not path.is_file():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            quant = {**raw["quantization"], "producer": raw.get("producer")}
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path} is malformed: {exc}") from exc
+        algo = quant.get("quant_algo")
+        if algo not in READABLE_QUANT_ALGOS:
+            raise CheckpointError(
+                f"{self.dir} is quantized as {algo}; camshaft builds only weight-only INT4/INT8 checkpoints so far "
+                "(`camshaft quantize --quant int4_wo|int4_awq|int8_wo`)"
+            )
+        if quant.get("kv_cache_quant_algo"):
+            raise CheckpointError(
+                f"{self.dir} quantizes the KV cache ({quant['kv_cache_quant_algo']}), which camshaft cannot build "
+                "yet; quantize without --kv-cache-dtype"
+            )
+        if READABLE_QUANT_ALGOS[algo] == 4 and not isinstance(quant.get("group_size"), int):
+            raise CheckpointError(f"{path} has no integer group_size for {algo}")
+        record = self.dir / CAMSHAFT_QUANT_RECORD
+        if record.is_file():
+            try:
+                quant = {**quant, "camshaft": json.loads(record.read_text())}
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{record} is malformed: {exc}") from exc
+        return quant
+
+    def quantized_linear(self, prefix: str, out_dim: int, in_dim: int) -> QuantizedLinear | None:
+        """The quantized weights of linear layer `prefix` (None when the layer is not quantized)."""
+        if self.quantization is None or f"{prefix}.weight_scale" not in self._where:
+            return None
+        bits = READABLE_QUANT_ALGOS[self.quantization["quant_algo"]]
+        packed = self._raw(f"{prefix}.weight")
+        scale = self._raw(f"{prefix}.weight_scale").astype(np.float32)
+        if bits == 4:
+            block = int(self.quantization["group_size"])
+            expected = {"weight": ((out_dim // 2, in_dim), np.uint8), "weight_scale": ((out_dim, in_dim // block),)}
+            self._check_quantized(prefix, packed, scale, expected)
+            # ModelOpt packs output rows 2j (low nibble) and 2j+1 (high nibble) into one byte.
+            low = (packed & 0x0F).astype(np.int8)
+            high = (packed >> 4).astype(np.int8)
+            values = np.empty((out_dim, in_dim), dtype=np.int8)
+            values[0::2], values[1::2] = (low ^ 8) - 8, (high ^ 8) - 8
+        else:
+            block = in_dim
+            expected = {"weight": ((out_dim, in_dim), np.int8), "weight_scale": ((out_dim,),)}
+            self._check_quantized(prefix, packed, scale, expected)
+            values, scale = packed, scale.reshape(out_dim, 1)
+        pqs = None
+        if f"{prefix}.pre_quant_scale" in self._where:
+            pqs = self.get(f"{prefix}.pre_quant_scale", (in_dim,))
+        return QuantizedLinear(bits, block, values, scale, pqs)
+
+    def _check_quantized(self, prefix: str, weight: np.ndarray, scale: np.ndarray, expected: dict) -> None:
+        shape, dtype = expected["weight"]
+        if tuple(weight.shape) != shape or weight.dtype != dtype:
+            raise CheckpointError(
+                f"{prefix}.weight is {weight.dtype}{tuple(weight.shape)}, expected {np.dtype(dtype)}{shape} for "
+                f"{self.quantization['quant_algo']}"
+            )
+        if tuple(scale.shape) != expected["weight_scale"][0]:
+            raise CheckpointError(
+                f"{prefix}.weight_scale has shape {tuple(scale.shape)}, expected {expected['weight_scale'][0]}"
+            )
+
+    def _raw(self, name: str) -> np.ndarray:
+        file = self._where.get(name)
+        if file is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
+        try:
+            return self._handles[file].get_tensor(name)
+        except (SafetensorError, OSError, TypeError) as exc:
+            raise CheckpointError(f"{file.name}: tensor {name!r} could not be read: {exc}") from exc
 
     def _weight_files(self) -> list[Path]:
         index = self.dir / "model.safetensors.index.json"
@@ -80,7 +184,12 @@ class Checkpoint:
         return iter(self._where)
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The tensor as float32, after checking it exists and has the expected shape."""
+        """The tensor as float32, after checking it exists and has the expected shape. A quantized layer's weight
+        comes back dequantized, so every consumer can read any checkpoint."""
+        if self.quantization is not None and name.endswith(".weight") and len(shape) == 2:
+            quantized = self.quantized_linear(name[: -len(".weight")], *shape)
+            if quantized is not None:
+                return quantized.dequantize()
         file = self._where.get(name)
         if file is None:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")

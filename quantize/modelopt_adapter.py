@@ -106,6 +106,13 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     with torch.inference_mode(False), torch.no_grad():
         mtq.quantize(model, cfg, forward_loop=calibration_loop(calib, desc, progress_bar))
     timings["calibrate"] = round(time.perf_counter() - t, 2)
+    if "awq" in spec.format:
+        # The export's first step, done here so `on_quantized` sees the model the checkpoint holds: layers sharing
+        # an input get one pre_quant_scale (folded into the norm before them) and are requantized with it.
+        from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+
+        with torch.no_grad():
+            requantize_resmooth_fused_llm_layers(model)
     if on_quantized is not None:
         on_quantized(model)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 from onnx import TensorProto
 
+from camshaft.builder.checkpoint import QuantizedLinear
 from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
 from camshaft.builder.graph.rope import cos_sin_tables
 from camshaft.manifest import BuildLimits, KVCacheLayout, TensorSpec
@@ -47,6 +48,13 @@ SLIDING_INPUTS: tuple[TensorSpec, ...] = (
 ELEM = {"int64": I64, "bool": BOOL}
 
 WeightFn = Callable[[str, tuple[int, ...]], np.ndarray]
+QuantizedFn = Callable[[str, int, int], QuantizedLinear | None]  # (prefix, out_dim, in_dim) → quantized layer or None
+
+# Weight-only INT4/INT8 layers lower to com.microsoft MatMulNBits (ONNX Runtime CPU). Its block size must be one of
+# these; accuracy_level 0 computes in the activation's float type (4 would quantize activations to int8 per block).
+NBITS_BLOCK_SIZES = (128, 64, 32, 16)
+NBITS_ACCURACY_LEVEL = 0
+MS_DOMAIN = "com.microsoft"
 
 
 def kv_layout(config: ModelConfig, limits: BuildLimits, kv_dtype: str) -> KVCacheLayout:
@@ -69,8 +77,12 @@ def step_inputs(config: ModelConfig) -> tuple[TensorSpec, ...]:
 
 class DecoderLowering:
     def __init__(self, g: GraphWriter, config: ModelConfig, limits: BuildLimits, dtype: str,
-                 weights: WeightFn, progress: Callable[[str], None] = lambda _: None) -> None:
+                 weights: WeightFn, progress: Callable[[str], None] = lambda _: None,
+                 quantized: QuantizedFn | None = None, accuracy_level: int | None = None) -> None:
         self.g, self.c, self.limits = g, config, limits
+        self.quantized = quantized or (lambda *_: None)
+        self.accuracy_level = NBITS_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+        self.nbits_layers = 0
         self.np_dtype = np.float16 if dtype == "float16" else np.float32
         self.elem = ONNX_DTYPES[dtype]
         self.weights = weights
@@ -121,14 +133,30 @@ class DecoderLowering:
         return self.g.op("RMSNormalization", [x, scale], axis=-1, epsilon=self.c.rms_norm_eps)
 
     def linear(self, x: str, prefix: str, out_dim: int, in_dim: int, bias: bool) -> str:
-        weight = self.g.weight(f"{prefix}.weight", self.w(f"{prefix}.weight", (out_dim, in_dim), transpose=True))
-        y = self.g.op("MatMul", [x, weight])
+        quantized = self.quantized(prefix, out_dim, in_dim)
+        if quantized is not None and self.nbits_block(quantized, in_dim):
+            y = self.matmul_nbits(x, [quantized], prefix, in_dim)
+        else:  # float (a quantized layer MatMulNBits cannot take comes back dequantized)
+            weight = self.g.weight(f"{prefix}.weight", self.w(f"{prefix}.weight", (out_dim, in_dim), transpose=True))
+            y = self.g.op("MatMul", [x, weight])
         if bias:
             y = self.g.op("Add", [y, self.g.weight(f"{prefix}.bias", self.w(f"{prefix}.bias", (out_dim,)))])
         return y
 
     def fused_linear(self, x: str, prefixes: list[str], out_dims: list[int], in_dim: int, bias: bool,
                      name: str) -> list[str]:
+        quantized = [self.quantized(p, o, in_dim) for p, o in zip(prefixes, out_dims, strict=True)]
+        if any(q is not None for q in quantized):
+            first = quantized[0]
+            same = all(q is not None and (q.bits, q.block_size) == (first.bits, first.block_size)
+                       and _same(q.pre_quant_scale, first.pre_quant_scale) for q in quantized)
+            if not same or not self.nbits_block(first, in_dim):  # mixed (e.g. --exclude): one layer at a time
+                return [self.linear(x, p, o, in_dim, bias) for p, o in zip(prefixes, out_dims, strict=True)]
+            y = self.matmul_nbits(x, quantized, name, in_dim)
+            if bias:
+                b = np.concatenate([self.w(f"{p}.bias", (o,)) for p, o in zip(prefixes, out_dims, strict=True)])
+                y = self.g.op("Add", [y, self.g.weight(f"{name}.bias", b)])
+            return self.g.op("Split", [y, self.g.ints(out_dims)], n_out=len(out_dims), axis=-1)
         weight = np.concatenate([self.w(f"{p}.weight", (o, in_dim), transpose=True)
                                  for p, o in zip(prefixes, out_dims, strict=True)], axis=1)
         y = self.g.op("MatMul", [x, self.g.weight(f"{name}.weight", weight)])
@@ -136,6 +164,36 @@ class DecoderLowering:
             b = np.concatenate([self.w(f"{p}.bias", (o,)) for p, o in zip(prefixes, out_dims, strict=True)])
             y = self.g.op("Add", [y, self.g.weight(f"{name}.bias", b)])
         return self.g.op("Split", [y, self.g.ints(out_dims)], n_out=len(out_dims), axis=-1)
+
+    @staticmethod
+    def nbits_block(q: QuantizedLinear, in_dim: int) -> int | None:
+        """MatMulNBits block size for a layer: its own block, or for per-channel scales the largest allowed block
+        dividing in_dim (scales repeated per block). None when MatMulNBits cannot express the layer."""
+        if q.block_size != in_dim:
+            return q.block_size if q.block_size in NBITS_BLOCK_SIZES else None
+        return next((b for b in NBITS_BLOCK_SIZES if in_dim % b == 0), None)
+
+    def matmul_nbits(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str:
+        """x [.., in_dim] @ the layers' dequantized weights (concatenated along the output) as one MatMulNBits."""
+        g, first = self.g, layers[0]
+        block = self.nbits_block(first, in_dim)
+        values = np.concatenate([q.values for q in layers], axis=0)  # [N, K] signed
+        scales = np.concatenate([np.repeat(q.scales, (q.block_size // block), axis=1) for q in layers], axis=0)
+        n, k = values.shape
+        blocks = k // block
+        unsigned = (values.astype(np.int16) + (1 << (first.bits - 1))).astype(np.uint8)  # default zero point
+        unsigned = unsigned.reshape(n, blocks, block)
+        if first.bits == 4:  # two consecutive K elements a byte, the first in the low nibble
+            packed = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)
+        else:
+            packed = unsigned
+        if first.pre_quant_scale is not None:
+            x = g.op("Mul", [x, g.weight(f"{name}.pre_quant_scale", first.pre_quant_scale.astype(self.np_dtype))])
+        self.nbits_layers += len(layers)
+        return g.op("MatMulNBits", [x, g.weight(f"{name}.qweight", np.ascontiguousarray(packed)),
+                                    g.weight(f"{name}.scales", scales.astype(self.np_dtype).reshape(-1))],
+                    domain=MS_DOMAIN, K=k, N=n, bits=first.bits, block_size=block,
+                    accuracy_level=self.accuracy_level)
 
     def rope(self, x: str, heads: int) -> str:
         """[1, T, heads*dim] → rotated, same shape."""
@@ -206,3 +264,7 @@ class DecoderLowering:
         out = g.op("Attention", [query, keys, values, mask], q_num_heads=c.num_heads, kv_num_heads=c.num_kv_heads,
                    scale=float(c.head_dim) ** -0.5)
         return g.op("Reshape", [out, group["out"]], allowzero=1)
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))

@@ -186,7 +186,8 @@ class TensorRTBackend:
         if rows == 0:  # the profile's smallest logits batch is one row: compute one, return none
             feeds = {**feeds, "logits_index": np.zeros(1, dtype=np.int64)}
         for name, array in feeds.items():
-            self._upload(name, array)
+            if name in self._dtypes:  # TensorRT drops graph inputs nothing consumes
+                self._upload(name, array)
         n = max(rows, 1)
         logits = self._buffers.get("logits")
         needed = n * self.vocab_size * 4

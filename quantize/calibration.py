@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,12 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 
 def stdlib_docstrings(min_chars: int = 40) -> Iterator[str]:
     """Docstrings of STDLIB_MODULES and their public classes, functions and methods, in a fixed order, each once."""
+    with warnings.catch_warnings():  # e.g. typing.io's deprecation warning on attribute access
+        warnings.simplefilter("ignore")
+        yield from _stdlib_docstrings(min_chars)
+
+
+def _stdlib_docstrings(min_chars: int) -> Iterator[str]:
     seen: set[str] = set()
     for module_name in STDLIB_MODULES:
         try:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from camshaft.errors import RequestError
+from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
@@ -41,16 +42,17 @@ class LLM:
     def __init__(self, engine_dir: str | Path, *, policy: str = "guaranteed_no_evict",
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  kv_cache_memory: int | None = None, threads: int | None = None) -> None:
-        self.engine = engine = _engine(engine_dir, max_batch_size, kv_cache_memory, threads)
-        limits = engine.limits
+        limits = read_manifest(Path(engine_dir)).limits
+        for name, value in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
+            if value is not None and value > getattr(limits, name):
+                raise RequestError(f"{name} {value} exceeds the engine's {getattr(limits, name)}; "
+                                   f"rebuild with a larger --{name.replace('_', '-')} or pass a smaller value")
+        batch = max_batch_size or limits.max_batch_size
+        self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=kv_cache_memory,
+                                      threads=threads)
         self.config = SchedulerConfig(
-            num_blocks=engine.pool.num_blocks, block_size=engine.block_size,
-            max_batch_size=max_batch_size or limits.max_batch_size,
-            max_num_tokens=max_num_tokens or limits.max_num_tokens,
-            max_seq_len=limits.max_seq_len, policy=policy)
-        if self.config.max_batch_size > limits.max_batch_size:
-            raise RequestError(f"max_batch_size {self.config.max_batch_size} exceeds the engine's "
-                               f"{limits.max_batch_size}; rebuild with a larger --max-batch-size")
+            num_blocks=engine.pool.num_blocks, block_size=engine.block_size, max_batch_size=batch,
+            max_num_tokens=max_num_tokens or limits.max_num_tokens, max_seq_len=limits.max_seq_len, policy=policy)
         self.tokenizer = engine.tokenizer
         self._encoder = _Encoder(engine)
         self.executor = Executor(engine, self.config)
@@ -167,13 +169,6 @@ class _Encoder(Session):
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer
-
-
-def _engine(engine_dir, max_batch_size, kv_cache_memory, threads) -> Engine:
-    from camshaft.manifest import read_manifest
-
-    sequences = max_batch_size or read_manifest(Path(engine_dir)).limits.max_batch_size
-    return Engine(engine_dir, max_sequences=sequences, kv_cache_memory=kv_cache_memory, threads=threads)
 
 
 def _check(output: RequestOutput) -> bool:

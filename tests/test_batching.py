@@ -169,6 +169,15 @@ def test_a_request_that_can_never_fit_is_refused_not_hung(engine_dir):
             llm.generate([[5] * 500], SamplingParams(max_tokens=20), use_tqdm=False)
 
 
+def test_limits_beyond_the_engine_are_refused(engine_dir):
+    from camshaft.errors import RequestError
+
+    with pytest.raises(RequestError, match="--max-batch-size"):
+        LLM(engine_dir, max_batch_size=9)
+    with pytest.raises(RequestError, match="capacity policy"):
+        LLM(engine_dir, policy="greedy")
+
+
 def test_llm_is_exported_lazily():
     import camshaft
 

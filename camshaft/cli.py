@@ -139,6 +139,46 @@ def bench_latency(
         typer.echo(f"{key:>22}: {value}")
 
 
+@bench_app.command("throughput")
+def bench_throughput(
+    engine: Annotated[Path, typer.Option(help="Engine directory")],
+    dataset: Annotated[str, typer.Option(help="synthetic:in=NORMAL(200,50),out=NORMAL(128,32) | jsonl:PATH")]
+    = "synthetic:in=NORMAL(200,50),out=NORMAL(128,32)",
+    num_requests: Annotated[int, typer.Option(help="Requests to run")] = 64,
+    concurrency: Annotated[int, typer.Option(help="Most requests in flight")] = 32,
+    sweep: Annotated[str | None, typer.Option(help="Comma-separated concurrencies instead, e.g. 1,8,32")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic lengths and prompt ids")] = 0,
+    threads: Annotated[int | None, typer.Option(help="Engine threads (default: the backend's)")] = None,
+    output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG: output tok/s and p50 TTFT vs concurrency")] = None,
+) -> None:
+    """Closed-loop throughput: N greedy requests, at most C in flight; tok/s, TTFT/ITL/E2E percentiles, GFLOP/s."""
+    import json
+
+    from camshaft.errors import RequestError
+    from camshaft.runtime.throughput import plot_sweep, throughput_benchmark
+
+    try:
+        levels = [int(x) for x in sweep.split(",") if x.strip()] if sweep else [concurrency]
+    except ValueError as exc:
+        raise RequestError(f"--sweep takes comma-separated integers, got {sweep!r}") from exc
+    results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads)
+    for r in results:
+        o = r.python_overhead["all_steps"]
+        typer.echo(f"concurrency {r.concurrency:>3}: {r.output_tok_s:8.1f} out tok/s  {r.requests_s:6.2f} req/s  "
+                   f"TTFT p50/p90/p99 {r.ttft_ms['p50']:.0f}/{r.ttft_ms['p90']:.0f}/{r.ttft_ms['p99']:.0f} ms  "
+                   f"ITL p50/p90/p99 {r.itl_ms['p50']:.1f}/{r.itl_ms['p90']:.1f}/{r.itl_ms['p99']:.1f} ms  "
+                   f"E2E p50 {r.e2e_ms['p50'] / 1000:.2f} s  peak KV {100 * r.peak_kv_usage:.0f}%  "
+                   f"{r.gflop_s:.1f} GFLOP/s  loop overhead {100 * o['outside_engine_step']:.1f}%")
+    if output_json:
+        output_json.parent.mkdir(parents=True, exist_ok=True)
+        output_json.write_text(json.dumps({"engine": str(engine), "dataset": dataset, "num_requests": num_requests,
+                                           "seed": seed, "results": [r.to_dict(True) for r in results]},
+                                          indent=2) + "\n")
+    if plot:
+        plot_sweep(results, plot)
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,481 @@
+"""Throughput benchmark of one engine: N requests through `LLM` with at most C in flight (a closed-loop client).
+
+Datasets: `synthetic:in=NORMAL(200,50),out=NORMAL(128,32)` (prompt and output lengths drawn with a seed, random
+prompt token ids as in `benchmark_prompt`, clipped to the engine's max_seq_len) or a JSONL file of
+{"prompt": text or token ids, "max_tokens": n} (`jsonl:PATH` or just a path ending in .jsonl). Every request is
+greedy with the end id ignored, so it generates exactly its max_tokens.
+
+The client submits the first C requests at once and each further one as soon as one finishes. Per request:
+TTFT = submitted -> first token sampled, inter-token latencies (ITL) = gaps between its sampled tokens, end-to-end
+(E2E) = submitted -> last token sampled. Token times are taken on the batch loop thread the moment each token is
+sampled (`Request.add_sample`), since text deltas skip tokens that end mid-character.
+
+Also: output tok/s and requests/s over the whole run, peak KV usage (executor stats), achieved GFLOP/s and the
+Python scheduling overhead of the batch loop (the share of each loop iteration spent outside `Engine.step`, and
+outside the backend's model call), timed by wrapping those two calls on this LLM's engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from camshaft.errors import RequestError
+from camshaft.manifest import Manifest
+from camshaft.runtime.executor import RequestOutput
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+
+_NUMBER = r"[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
+_DIST = re.compile(rf"^\s*(NORMAL|UNIFORM|CONST)\s*\(\s*({_NUMBER})\s*(?:,\s*({_NUMBER})\s*)?\)\s*$", re.IGNORECASE)
+SPEC_HELP = ("use synthetic:in=DIST,out=DIST with DIST one of NORMAL(mean,std), UNIFORM(low,high), CONST(n) or a "
+             "plain integer, e.g. synthetic:in=NORMAL(200,50),out=NORMAL(128,32); or jsonl:PATH (or a path ending in "
+             ".jsonl) with one {\"prompt\": ..., \"max_tokens\": ...} per line")
+
+
+@dataclass(frozen=True)
+class Distribution:
+    kind: str  # normal | uniform | const
+    a: float
+    b: float = 0.0
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.kind == "normal":
+            values = rng.normal(self.a, self.b, n)
+        elif self.kind == "uniform":
+            values = rng.uniform(self.a, self.b + 1, n)  # integers low..high inclusive after flooring
+            return np.floor(values).astype(np.int64)
+        else:
+            values = np.full(n, self.a)
+        return np.rint(values).astype(np.int64)
+
+    def __str__(self) -> str:
+        if self.kind == "const":
+            return f"{self.a:g}"
+        return f"{self.kind.upper()}({self.a:g},{self.b:g})"
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    kind: str  # synthetic | jsonl
+    prompt_len: Distribution | None = None
+    output_len: Distribution | None = None
+    path: Path | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "jsonl":
+            return f"jsonl:{self.path}"
+        return f"synthetic:in={self.prompt_len},out={self.output_len}"
+
+
+def parse_distribution(text: str, what: str) -> Distribution:
+    text = text.strip()
+    if re.fullmatch(r"\d+", text):
+        value = int(text)
+        if value < 1:
+            raise RequestError(f"{what} length must be >= 1, got {text!r}")
+        return Distribution("const", float(value))
+    match = _DIST.match(text)
+    if not match:
+        raise RequestError(f"cannot read the {what} length distribution {text!r}; {SPEC_HELP}")
+    kind, a, b = match.group(1).lower(), float(match.group(2)), match.group(3)
+    if kind == "const":
+        if b is not None or a < 1:
+            raise RequestError(f"CONST takes one value >= 1, got {text!r}")
+        return Distribution("const", a)
+    if b is None:
+        raise RequestError(f"{kind.upper()} takes two values, got {text!r}; {SPEC_HELP}")
+    b = float(b)
+    if kind == "normal" and (a < 1 or b < 0):
+        raise RequestError(f"NORMAL(mean,std) needs mean >= 1 and std >= 0, got {text!r}")
+    if kind == "uniform" and not 1 <= a <= b:
+        raise RequestError(f"UNIFORM(low,high) needs 1 <= low <= high, got {text!r}")
+    return Distribution(kind, a, b)
+
+
+def parse_dataset_spec(spec: str) -> DatasetSpec:
+    """`synthetic:in=...,out=...`, `jsonl:PATH` or `PATH.jsonl`; raises RequestError naming what is wrong."""
+    spec = spec.strip()
+    if spec.startswith("jsonl:") or (spec.endswith(".jsonl") and not spec.startswith("synthetic:")):
+        path = Path(spec.removeprefix("jsonl:"))
+        if not path.is_file():
+            raise RequestError(f"dataset file {path} does not exist")
+        return DatasetSpec("jsonl", path=path)
+    if not spec.startswith("synthetic:"):
+        raise RequestError(f"unknown dataset spec {spec!r}; {SPEC_HELP}")
+    body = spec.removeprefix("synthetic:")
+    # Split on the commas outside parentheses: in=NORMAL(200,50),out=NORMAL(128,32)
+    parts, depth, current = [], 0, ""
+    for ch in body:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    fields: dict[str, Distribution] = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("in", "out"):
+            raise RequestError(f"cannot read {part!r} in dataset spec {spec!r}; {SPEC_HELP}")
+        if key in fields:
+            raise RequestError(f"{key}= given twice in dataset spec {spec!r}")
+        fields[key] = parse_distribution(value, "prompt" if key == "in" else "output")
+    missing = [k for k in ("in", "out") if k not in fields]
+    if missing:
+        raise RequestError(f"dataset spec {spec!r} lacks {', '.join(k + '=' for k in missing)}; {SPEC_HELP}")
+    return DatasetSpec("synthetic", fields["in"], fields["out"])
+
+
+def load_dataset(spec: str | DatasetSpec, num_requests: int, *, max_seq_len: int, vocab_size: int, seed: int = 0,
+                 tokenizer=None) -> list[BenchRequest]:
+    """`num_requests` requests; lengths clipped so prompt >= 1, output >= 1 and prompt + output <= max_seq_len."""
+    if num_requests < 1:
+        raise RequestError(f"num_requests must be >= 1, got {num_requests}")
+    if max_seq_len < 2:
+        raise RequestError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    spec = parse_dataset_spec(spec) if isinstance(spec, str) else spec
+    if spec.kind == "jsonl":
+        return _load_jsonl(spec.path, num_requests, max_seq_len, vocab_size, tokenizer)
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(spec.prompt_len.sample(rng, num_requests), 1, max_seq_len - 1)
+    output_lens = np.clip(spec.output_len.sample(rng, num_requests), 1, max_seq_len - prompt_lens)
+    high = min(vocab_size, 30000)
+    low = 100 if high > 200 else 0
+    return [BenchRequest(rng.integers(low, high, int(p)).tolist(), int(o))
+            for p, o in zip(prompt_lens, output_lens, strict=True)]
+
+
+def _load_jsonl(path: Path, num_requests: int, max_seq_len: int, vocab_size: int, tokenizer) -> list[BenchRequest]:
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt, max_tokens = row["prompt"], int(row["max_tokens"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RequestError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"max_tokens\": n}} ({exc})") from exc
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise RequestError(f"{path}:{lineno}: a text prompt needs the engine's tokenizer")
+            ids = tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError(f"{path}:{lineno}: prompt must be text or token ids in [0, {vocab_size})")
+        if not ids or max_tokens < 1:
+            raise RequestError(f"{path}:{lineno}: the prompt is empty or max_tokens < 1")
+        ids = ids[-(max_seq_len - 1):]  # keep the end of a prompt that is too long
+        rows.append(BenchRequest(ids, min(max_tokens, max_seq_len - len(ids))))
+    if not rows:
+        raise RequestError(f"{path} holds no requests")
+    return [rows[i % len(rows)] for i in range(num_requests)]
+
+
+# ---------------------------------------------------------------------------------------------------------- flops
+
+def linear_params(manifest: Manifest) -> tuple[int, int]:
+    """(weights of the per-token matmuls of all layers, weights of the LM head)."""
+    m = manifest.model
+    q = m.num_heads * m.head_dim
+    kv = m.num_kv_heads * m.head_dim
+    per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
+    return per_layer * m.num_layers, m.vocab_size * m.hidden_size
+
+
+def count_flops(manifest: Manifest, requests: list[BenchRequest]) -> dict[str, float]:
+    """FLOPs of computing every request once (no preemption recompute): 2 x layer weights x tokens fed
+    (prompt + output - 1), 2 x LM-head weights x logits rows (one per output token), and attention
+    4 x heads x head_dim x context per token per layer (QK^T and PV)."""
+    m = manifest.model
+    layers, head = linear_params(manifest)
+    fed = sum(len(r.prompt_ids) + r.max_tokens - 1 for r in requests)
+    rows = sum(r.max_tokens for r in requests)
+    context = sum((n * (n + 1)) // 2 for n in (len(r.prompt_ids) + r.max_tokens - 1 for r in requests))
+    attention = 4 * m.num_heads * m.head_dim * m.num_layers * context
+    return {"linear": 2.0 * layers * fed, "lm_head": 2.0 * head * rows, "attention": float(attention),
+            "tokens_fed": fed}
+
+
+# ---------------------------------------------------------------------------------------------------------- client
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan}
+    arr = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(arr.mean())}
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    prompt_tokens: int
+    max_tokens: int
+    submitted: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    in_flight_at_submit: int = 0  # other requests in flight when this one was submitted
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0] - self.submitted
+
+    @property
+    def e2e_s(self) -> float:
+        return self.token_times[-1] - self.submitted
+
+    @property
+    def itl_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+@dataclass
+class ThroughputResult:
+    num_requests: int
+    concurrency: int
+    wall_s: float
+    output_tokens: int
+    prompt_tokens: int
+    output_tok_s: float
+    requests_s: float
+    ttft_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2e_ms: dict[str, float]
+    ttft_joining_ms: dict[str, float]  # requests submitted while concurrency - 1 others were in flight, after the start
+    peak_kv_usage: float
+    peak_batch_size: int
+    num_steps: int
+    gflop: dict[str, float]
+    gflop_s: float
+    gflop_s_linear: float
+    python_overhead: dict[str, float]
+    preemptions: int
+    prefix_reuse_hits: int  # KV blocks taken from the prefix cache (0 unless prompts repeat)
+    records: list[RequestRecord] = field(repr=False, default_factory=list)
+
+    def to_dict(self, with_requests: bool = False) -> dict:
+        out = asdict(self)
+        out.pop("records")
+        if with_requests:
+            out["requests"] = [{"prompt_tokens": r.prompt_tokens, "output_tokens": len(r.token_times),
+                                "ttft_ms": r.ttft_s * 1000, "e2e_ms": r.e2e_s * 1000,
+                                "in_flight_at_submit": r.in_flight_at_submit} for r in self.records]
+        return out
+
+
+class _StepTimer:
+    """Wraps Engine.step and the backend's step on one engine: (start, end of Engine.step, backend seconds,
+    sequences) per call."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.calls: list[tuple[float, float, float, int]] = []
+        engine = llm.engine
+        self._engine, self._step, self._backend_step = engine, engine.step, engine.backend.step
+        self._backend_s = 0.0
+
+        def backend_step(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return self._backend_step(*args, **kwargs)
+            finally:
+                self._backend_s = time.perf_counter() - t0
+
+        def step(chunks):
+            t0 = time.perf_counter()
+            self._backend_s = 0.0
+            try:
+                return self._step(chunks)
+            finally:
+                self.calls.append((t0, time.perf_counter(), self._backend_s, len(chunks)))
+
+        engine.step, engine.backend.step = step, backend_step
+
+    def restore(self) -> None:
+        self._engine.step, self._engine.backend.step = self._step, self._backend_step
+
+    def overhead(self, batch_size: int | None = None) -> dict[str, float]:
+        """Share of each loop iteration (end of one Engine.step to the end of the next, while the loop stays busy)
+        outside Engine.step and outside the backend call; medians over iterations (of `batch_size` sequences)."""
+        outside_step, outside_backend, iteration = [], [], []
+        for (_, prev_end, _, _), (start, end, backend_s, n) in zip(self.calls, self.calls[1:], strict=False):
+            total = end - prev_end
+            if total <= 0 or start - prev_end > 0.05 or (batch_size is not None and n != batch_size):
+                continue  # the loop idled (waiting for a submission) between the two steps
+            iteration.append(total)
+            outside_step.append((total - (end - start)) / total)
+            outside_backend.append((total - backend_s) / total)
+        if not iteration:
+            return {"steps": 0, "outside_engine_step": math.nan, "outside_model_call": math.nan,
+                    "iteration_ms": math.nan}
+        return {"steps": len(iteration), "outside_engine_step": statistics.median(outside_step),
+                "outside_model_call": statistics.median(outside_backend),
+                "iteration_ms": statistics.median(iteration) * 1000}
+
+
+def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
+                   keep_token_ids: bool = False) -> ThroughputResult:
+    """Run `requests` through `llm` with at most `concurrency` in flight; greedy, end id ignored."""
+    if concurrency < 1:
+        raise RequestError(f"concurrency must be >= 1, got {concurrency}")
+    if not requests:
+        raise RequestError("no requests to run")
+    executor = llm.executor
+    stats_before = len(llm.stats)
+    preempt_before = executor.scheduler.num_preemptions
+    hits_before = llm.kv_cache.reuse_hits
+    executor.peak_batch_size = 0
+    records = [RequestRecord(i, len(r.prompt_ids), r.max_tokens) for i, r in enumerate(requests)]
+    done: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
+    timer = _StepTimer(llm)
+    in_flight = 0
+
+    def submit(index: int) -> None:
+        nonlocal in_flight
+        item, record = requests[index], records[index]
+        params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
+        (request,) = llm._requests(list(item.prompt_ids), params)
+        add_sample = request.add_sample
+
+        def timed_add_sample(sample):  # runs on the loop thread as each token is sampled
+            record.token_times.append(time.perf_counter())
+            return add_sample(sample)
+
+        request.add_sample = timed_add_sample
+        record.in_flight_at_submit = in_flight
+        record.submitted = time.perf_counter()
+        executor.submit([request], [lambda out, i=index: done.put((i, out)) if out.finished else None])
+        in_flight += 1
+
+    started = time.perf_counter()
+    try:
+        next_index = 0
+        while next_index < min(concurrency, len(requests)):
+            submit(next_index)
+            next_index += 1
+        for _ in range(len(requests)):
+            index, output = done.get()
+            in_flight -= 1
+            if output.error is not None:
+                raise output.error
+            if keep_token_ids:
+                records[index].token_ids = list(output.result.token_ids)
+            if next_index < len(requests):
+                submit(next_index)
+                next_index += 1
+        wall = time.perf_counter() - started
+    finally:
+        timer.restore()
+    steps = llm.stats[stats_before:]
+    flops = count_flops(llm.engine.manifest, requests)
+    total_flop = flops["linear"] + flops["lm_head"] + flops["attention"]
+    output_tokens = sum(len(r.token_times) for r in records)
+    joining = [r.ttft_s for r in records[concurrency:] if r.in_flight_at_submit == concurrency - 1]
+    overhead = {"all_steps": timer.overhead(), f"batch_{concurrency}": timer.overhead(concurrency)}
+    return ThroughputResult(
+        num_requests=len(requests), concurrency=concurrency, wall_s=wall,
+        output_tokens=output_tokens, prompt_tokens=sum(r.prompt_tokens for r in records),
+        output_tok_s=output_tokens / wall, requests_s=len(requests) / wall,
+        ttft_ms=_ms(percentiles([r.ttft_s for r in records])),
+        itl_ms=_ms(percentiles([x for r in records for x in r.itl_s])),
+        e2e_ms=_ms(percentiles([r.e2e_s for r in records])),
+        ttft_joining_ms=_ms(percentiles(joining)) | {"count": len(joining)},
+        peak_kv_usage=max((s.kv_usage for s in steps), default=0.0),
+        peak_batch_size=executor.peak_batch_size, num_steps=len(steps),
+        gflop={k: v / 1e9 for k, v in flops.items() if k != "tokens_fed"} | {"tokens_fed": flops["tokens_fed"]},
+        gflop_s=total_flop / wall / 1e9, gflop_s_linear=(flops["linear"] + flops["lm_head"]) / wall / 1e9,
+        python_overhead=overhead, preemptions=executor.scheduler.num_preemptions - preempt_before,
+        prefix_reuse_hits=llm.kv_cache.reuse_hits - hits_before,
+        records=records)
+
+
+def _ms(p: dict[str, float]) -> dict[str, float]:
+    return {k: v * 1000 for k, v in p.items()}
+
+
+def warmup_requests(requests: list[BenchRequest], vocab_size: int, count: int = 4) -> list[BenchRequest]:
+    """Short requests with other prompt ids than `requests` (so the prefix cache cannot help the measured run)."""
+    rng = np.random.default_rng(12345)
+    return [BenchRequest(rng.integers(0, vocab_size, len(r.prompt_ids)).tolist(), min(r.max_tokens, 4))
+            for r in requests[:count]]
+
+
+def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int, concurrency: int | list[int], *,
+                         seed: int = 0, threads: int | None = None, warmup: int = 2,
+                         max_batch_size: int | None = None) -> list[ThroughputResult]:
+    """Load the dataset for the engine and run it once per concurrency, each on a fresh `LLM` (an empty prefix
+    cache) after `warmup` short requests with other prompts."""
+    levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
+    results, requests = [], None
+    for c in levels:
+        with LLM(engine_dir, threads=threads, max_batch_size=max_batch_size) as llm:
+            limits, model = llm.engine.manifest.limits, llm.engine.manifest.model
+            if c > llm.config.max_batch_size:
+                raise RequestError(f"concurrency {c} exceeds the batch size {llm.config.max_batch_size}; "
+                                   "requests beyond it would only queue")
+            if requests is None:
+                requests = load_dataset(dataset, num_requests, max_seq_len=limits.max_seq_len,
+                                        vocab_size=model.vocab_size, seed=seed, tokenizer=llm.tokenizer)
+            if warmup:
+                run_throughput(llm, warmup_requests(requests, model.vocab_size, warmup), warmup)
+            results.append(run_throughput(llm, requests, c))
+    return results
+
+def plot_sweep(results: list[ThroughputResult], path: str | Path, peers: dict[str, list[dict]] | None = None,
+               title: str | None = None) -> None:
+    """Output tok/s and p50 TTFT vs concurrency (needs matplotlib); `peers` adds other systems' points as
+    {name: [{"concurrency", "output_tok_s", "ttft_p50_ms"}]}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = sorted(results, key=lambda r: r.concurrency)
+    xs = [r.concurrency for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = [("output tokens/s (higher is better)", [r.output_tok_s for r in results], "output_tok_s", "{:.0f}"),
+              ("p50 time to first token, ms (lower is better)", [r.ttft_ms["p50"] for r in results], "ttft_p50_ms",
+               "{:.0f}")]
+    markers = iter(["s", "^", "D", "v"])
+    peer_styles = {name: next(markers, "x") for name in (peers or {})}
+    for ax, (label, ys, key, fmt) in zip(axes, panels, strict=True):
+        ax.plot(xs, ys, "o-", color="#2b6cb0", label="camshaft")
+        for x, y in zip(xs, ys, strict=True):
+            ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+        for name, points in (peers or {}).items():
+            px, py = [p["concurrency"] for p in points], [p[key] for p in points]
+            ax.plot(px, py, peer_styles[name], color="#c05621", markersize=8, label=name, linestyle="none")
+            for x, y in zip(px, py, strict=True):
+                ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, -14), ha="center",
+                            fontsize=8, color="#c05621")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_title(label, fontsize=10)
+        ax.set_ylim(bottom=0, top=max(ys + [p[key] for pts in (peers or {}).values() for p in pts]) * 1.15)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,134 @@
+"""The throughput benchmark on a tiny engine: dataset specs (good and bad), and a closed-loop run that returns every
+request with consistent counts and ordered percentiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import RequestError
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.throughput import (
+    BenchRequest,
+    count_flops,
+    load_dataset,
+    parse_dataset_spec,
+    run_throughput,
+    throughput_benchmark,
+)
+
+from tiny_models import make_tiny_model
+
+MAX_SEQ_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("throughput")
+    model = make_tiny_model("llama", root / "hf")
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=MAX_SEQ_LEN, max_num_tokens=64, kv_block_size=16,
+                             max_batch_size=8))
+    return root / "engine"
+
+
+def test_synthetic_spec_is_seeded_and_clipped():
+    spec = "synthetic:in=NORMAL(200,50),out=NORMAL(128,32)"
+    parsed = parse_dataset_spec(spec)
+    assert str(parsed) == spec
+    a = load_dataset(spec, 50, max_seq_len=MAX_SEQ_LEN, vocab_size=300, seed=3)
+    b = load_dataset(spec, 50, max_seq_len=MAX_SEQ_LEN, vocab_size=300, seed=3)
+    assert a == b and len(a) == 50
+    assert a != load_dataset(spec, 50, max_seq_len=MAX_SEQ_LEN, vocab_size=300, seed=4)
+    for r in a:
+        assert 1 <= len(r.prompt_ids) and 1 <= r.max_tokens and len(r.prompt_ids) + r.max_tokens <= MAX_SEQ_LEN
+        assert all(0 <= t < 300 for t in r.prompt_ids)
+    const = load_dataset("synthetic:in=7,out=CONST(3)", 4, max_seq_len=64, vocab_size=300)
+    assert [(len(r.prompt_ids), r.max_tokens) for r in const] == [(7, 3)] * 4
+    uniform = load_dataset("synthetic:out=UNIFORM(2,5), in=UNIFORM(1,3)", 200, max_seq_len=64, vocab_size=300)
+    assert {len(r.prompt_ids) for r in uniform} == {1, 2, 3} and {r.max_tokens for r in uniform} == {2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("synthetic:in=NORMAL(200,50)", "lacks out="),
+    ("synthetic:in=NORMAL(200),out=5", "takes two values"),
+    ("synthetic:in=GAUSS(1,2),out=5", "cannot read the prompt length"),
+    ("synthetic:in=5,out=5,in=6", "given twice"),
+    ("synthetic:in=5,len=5", "cannot read 'len=5'"),
+    ("synthetic:in=UNIFORM(9,3),out=5", "low <= high"),
+    ("synthetic:in=0,out=5", ">= 1"),
+    ("sharegpt", "unknown dataset spec"),
+    ("jsonl:/nonexistent/file.jsonl", "does not exist"),
+])
+def test_bad_specs_are_refused_clearly(spec, message):
+    with pytest.raises(RequestError, match=message):
+        load_dataset(spec, 4, max_seq_len=64, vocab_size=300)
+
+
+def test_jsonl_dataset(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": [5, 6, 7], "max_tokens": 4}) + "\n\n"
+                    + json.dumps({"prompt": list(range(3, 100)), "max_tokens": 50}) + "\n")
+    rows = load_dataset(str(path), 3, max_seq_len=64, vocab_size=300)
+    assert rows[0] == rows[2] == BenchRequest([5, 6, 7], 4)
+    assert len(rows[1].prompt_ids) == 63 and rows[1].max_tokens == 1  # clipped to the engine's max_seq_len
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": [1, 2]}\n')
+    with pytest.raises(RequestError, match="bad.jsonl:1"):
+        load_dataset(f"jsonl:{bad}", 1, max_seq_len=64, vocab_size=300)
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"prompt": "hello", "max_tokens": 2}\n')
+    with pytest.raises(RequestError, match="tokenizer"):
+        load_dataset(f"jsonl:{text}", 1, max_seq_len=64, vocab_size=300)
+
+
+def test_run_returns_every_request_with_sane_metrics(engine_dir):
+    with LLM(engine_dir, threads=1) as llm:
+        requests = load_dataset("synthetic:in=NORMAL(40,20),out=NORMAL(12,6)", 12, max_seq_len=MAX_SEQ_LEN,
+                                vocab_size=llm.engine.manifest.model.vocab_size, seed=1)
+        result = run_throughput(llm, requests, concurrency=4, keep_token_ids=True)
+        assert result.num_requests == len(result.records) == 12
+        assert [len(r.token_times) for r in result.records] == [r.max_tokens for r in requests]
+        assert [len(r.token_ids) for r in result.records] == [r.max_tokens for r in requests]
+        assert result.output_tokens == sum(r.max_tokens for r in requests)
+        assert result.prompt_tokens == sum(len(r.prompt_ids) for r in requests)
+        assert 1 < result.peak_batch_size <= 4 and 0 < result.peak_kv_usage <= 1
+        # every token fed through the model: prompt + output - 1 per request, as counted for the FLOPs
+        assert sum(s.num_tokens for s in llm.stats) == count_flops(llm.engine.manifest, requests)["tokens_fed"]
+        for metric in (result.ttft_ms, result.itl_ms, result.e2e_ms):
+            assert 0 <= metric["p50"] <= metric["p90"] <= metric["p99"]
+        assert result.ttft_ms["p50"] <= result.e2e_ms["p50"]
+        assert result.output_tok_s > 0 and result.requests_s > 0 and result.gflop_s > 0
+        assert result.python_overhead["all_steps"]["steps"] > 0
+        assert 0 <= result.python_overhead["all_steps"]["outside_engine_step"] < 1
+        assert llm.executor.scheduler.blocks.num_used == 0
+        assert llm.engine.step.__name__ == "step"  # the timing wrappers are removed again
+
+
+def test_benchmark_runs_a_sweep(engine_dir):
+    results = throughput_benchmark(engine_dir, "synthetic:in=20,out=5", 6, [1, 3], threads=1)
+    assert [r.concurrency for r in results] == [1, 3]
+    assert all(r.num_requests == 6 and r.output_tokens == 30 for r in results)
+    assert results[0].peak_batch_size == 1
+    with pytest.raises(RequestError, match="exceeds the batch size"):
+        throughput_benchmark(engine_dir, "synthetic:in=20,out=5", 6, 9, threads=1)
+
+
+def test_cli_bench_throughput(engine_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from camshaft.cli import app
+
+    out = tmp_path / "tp.json"
+    result = CliRunner().invoke(app, ["bench", "throughput", "--engine", str(engine_dir), "--dataset",
+                                      "synthetic:in=NORMAL(20,5),out=4", "--num-requests", "4", "--sweep", "1,2",
+                                      "--threads", "1", "--output-json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "concurrency   1:" in result.output and "concurrency   2:" in result.output
+    data = json.loads(out.read_text())
+    assert [r["concurrency"] for r in data["results"]] == [1, 2]
+    assert all(len(r["requests"]) == 4 and r["output_tokens"] == 16 for r in data["results"])
+    bad = CliRunner().invoke(app, ["bench", "throughput", "--engine", str(engine_dir), "--dataset", "nope"])
+    assert bad.exit_code != 0

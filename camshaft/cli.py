@@ -17,6 +17,8 @@ models_app = typer.Typer(no_args_is_help=True, help="Fetch known models as Huggi
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks.")
 app.add_typer(models_app, name="models")
 app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(no_args_is_help=True, help="Accuracy evaluation.")
+app.add_typer(eval_app, name="eval")
 err = Console(stderr=True)
 
 
@@ -177,6 +179,29 @@ def bench_throughput(
                                           indent=2) + "\n")
     if plot:
         plot_sweep(results, plot)
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    data: Annotated[Path, typer.Option(help="UTF-8 text file")],
+    engine: Annotated[Path | None, typer.Option(help="Engine directory")] = None,
+    model: Annotated[Path | None, typer.Option(help="HF checkpoint: transformers fp32 reference")] = None,
+    window: Annotated[int, typer.Option(help="Window (tokens) for --model; engines use their max_seq_len")] = 1024,
+) -> None:
+    """Perplexity of a text through an engine and/or transformers, in non-overlapping windows."""
+    from camshaft.errors import RequestError
+    from camshaft.runtime.perplexity import engine_perplexity, read_text, reference_perplexity
+
+    if engine is None and model is None:
+        raise RequestError("pass --engine, --model or both")
+    text = read_text(data)
+    results = []
+    if engine is not None:
+        results.append(("engine", engine_perplexity(engine, text)))
+    if model is not None:
+        results.append(("transformers", reference_perplexity(model, text, window)))
+    for name, r in results:
+        typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({r.tokens_scored} tokens, {r.windows} windows)")
 
 
 def main() -> None:

@@ -1,0 +1,82 @@
+"""Perplexity of a text through an engine (or, for reference, through transformers), in windows of max_seq_len."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from camshaft.errors import RequestError
+from camshaft.runtime.batch import Chunk
+from camshaft.runtime.engine import Engine
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    tokens_scored: int
+    windows: int
+
+
+def read_text(path: str | Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise RequestError(f"{path} does not exist; pass a UTF-8 text file with --data")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise RequestError(f"{path} is empty; perplexity needs some text")
+    return text
+
+
+def windows(ids: list[int], size: int) -> list[list[int]]:
+    if len(ids) < 2:
+        raise RequestError("the text encodes to fewer than 2 tokens; perplexity needs at least 2")
+    return [ids[i: i + size] for i in range(0, len(ids), size) if len(ids[i: i + size]) >= 2]
+
+
+def _nll(logits: np.ndarray, targets: list[int]) -> float:
+    x = logits.astype(np.float64)
+    top = x.max(-1, keepdims=True)
+    logz = np.log(np.exp(x - top).sum(-1)) + top[:, 0]
+    return float((logz - x[np.arange(len(targets)), targets]).sum())
+
+
+def engine_perplexity(engine_dir: str | Path, text: str) -> PerplexityResult:
+    engine = Engine(engine_dir, max_sequences=1)
+    ids = engine.tokenizer(text)["input_ids"]
+    limits = engine.limits
+    total, count, parts = 0.0, 0, windows(ids, limits.max_seq_len)
+    for window in parts:
+        blocks = engine.pool.allocate(-(-len(window) // engine.block_size))
+        try:
+            rows = []
+            for start in range(0, len(window), limits.max_num_tokens):
+                piece = window[start: start + limits.max_num_tokens]
+                rows.append(engine.step([Chunk(piece, start, blocks, num_logits=len(piece))]))
+        finally:
+            engine.pool.free(blocks)
+        logits = np.concatenate(rows)[:-1]
+        total += _nll(logits, window[1:])
+        count += len(window) - 1
+    return PerplexityResult(math.exp(total / count), count, len(parts))
+
+
+def reference_perplexity(model_dir: str | Path, text: str, window: int) -> PerplexityResult:
+    """transformers fp32 on the same windows: the numerics reference (needs torch)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise RequestError("the transformers reference needs torch: pip install 'camshaft[reference]'") from exc
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = tokenizer(text)["input_ids"]
+    total, count, parts = 0.0, 0, windows(ids, window)
+    with torch.no_grad():
+        for part in parts:
+            logits = model(torch.tensor([part])).logits[0, :-1].numpy()
+            total += _nll(logits, part[1:])
+            count += len(part) - 1
+    return PerplexityResult(math.exp(total / count), count, len(parts))

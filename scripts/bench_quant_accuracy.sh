@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Perplexity and size per quantization format on SmolLM2-135M-Instruct, on a held-out text (the first 6000 bytes of
+# the Python LICENSE, which is not in the calibration corpus of stdlib docstrings). Prints one line per format.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-out/q}"
+PY=.venv/bin/python
+CAMSHAFT=.venv/bin/camshaft
+mkdir -p "$OUT"
+$PY -c "import sysconfig, pathlib; print(pathlib.Path(sysconfig.get_paths()['stdlib'], 'LICENSE.txt').read_bytes()[:6000].decode())" \
+    > "$OUT/heldout.txt"
+MODEL="$($CAMSHAFT models fetch smollm2-135m-instruct)"
+[ -f "$OUT/fp32-engine/manifest.json" ] || $CAMSHAFT build --model "$MODEL" --output "$OUT/fp32-engine" --max-seq-len 2048 \
+    > "$OUT/fp32.log" 2>&1
+echo "fp32: size $(du -sm "$MODEL" | cut -f1) MB: $($CAMSHAFT eval ppl --engine "$OUT/fp32-engine" --data "$OUT/heldout.txt")"
+for q in int8_wo int4_wo int4_awq; do
+    start=$(date +%s)
+    $CAMSHAFT quantize --model "$MODEL" --quant "$q" --output "$OUT/$q" --calib-size 32 > "$OUT/$q.log" 2>&1
+    took=$(( $(date +%s) - start ))
+    $CAMSHAFT build --model "$OUT/$q" --output "$OUT/$q-engine" --max-seq-len 2048 >> "$OUT/$q.log" 2>&1
+    echo "$q: quantize ${took} s, checkpoint $(du -sm "$OUT/$q" | cut -f1) MB, engine $(du -sm "$OUT/$q-engine" | cut -f1) MB:" \
+         "$($CAMSHAFT eval ppl --engine "$OUT/$q-engine" --data "$OUT/heldout.txt")"
+done

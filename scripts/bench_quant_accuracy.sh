@@ -7,7 +7,7 @@ OUT="${1:-out/q}"
 PY=.venv/bin/python
 CAMSHAFT=.venv/bin/camshaft
 mkdir -p "$OUT"
-$PY -c "import sysconfig, pathlib; print(pathlib.Path(sysconfig.get_paths()['stdlib'], 'LICENSE.txt').read_bytes()[:6000].decode())" \
+$PY -c "import sys, sysconfig, pathlib; sys.stdout.write(pathlib.Path(sysconfig.get_paths()['stdlib'], 'LICENSE.txt').read_bytes()[:6000].decode())" \
     > "$OUT/heldout.txt"
 MODEL="$($CAMSHAFT models fetch smollm2-135m-instruct)"
 [ -f "$OUT/fp32-engine/manifest.json" ] || $CAMSHAFT build --model "$MODEL" --output "$OUT/fp32-engine" --max-seq-len 2048 \

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from camshaft.builder.graph.decoder import MS_DOMAIN, OPSET, DecoderLowering, kv
 from camshaft.builder.graph.ops import GraphWriter, save_model
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
+from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.version import __version__
 
 GRAPH_NAME = "graph.onnx"
@@ -74,7 +74,7 @@ def file_sha256(path: Path) -> str:
 
 def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Manifest:
     output = Path(config.output_dir)
-    _check_output(output)
+    check_replaceable(output, MANIFEST_NAME, "an engine", BuildConfigError)
     _check_target(config)
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
@@ -92,9 +92,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             kv_block_size=config.kv_block_size,
         )
         dtype = config.resolved_dtype
-        staging = output.parent / f".{output.name}.partial-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        staging = staging_dir(output)
         try:
             progress("writing model graph")
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization)
@@ -126,7 +124,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 target_options={**target_options, "build_seconds": round(time.perf_counter() - started, 2)},
             )
             manifest.write(staging)
-            _swap_into_place(staging, output)
+            replace_dir(staging, output)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -178,21 +176,3 @@ def _convert_tokenizer(model_dir: Path, tok_dir: Path) -> None:
         raise CheckpointError(f"the tokenizer in {model_dir} could not be converted to tokenizer.json: {exc}") from exc
     if not (tok_dir / "tokenizer.json").is_file():
         raise CheckpointError(f"the tokenizer in {model_dir} has no fast (tokenizer.json) form")
-
-
-def _check_output(output: Path) -> None:
-    if output.exists() and not output.is_dir():
-        raise BuildConfigError(f"--output {output} exists and is not a directory")
-    if output.is_dir() and any(output.iterdir()) and not (output / MANIFEST_NAME).exists():
-        raise BuildConfigError(
-            f"--output {output} is a non-empty directory that is not an engine; refusing to overwrite it. "
-            "Choose an empty or new directory."
-        )
-
-
-def _swap_into_place(staging: Path, output: Path) -> None:
-    old = output.parent / f".{output.name}.old-{os.getpid()}"
-    if output.exists():
-        os.replace(output, old)
-    os.replace(staging, output)
-    shutil.rmtree(old, ignore_errors=True)

@@ -14,22 +14,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from camshaft.errors import CheckpointError
-from camshaft.model_config import ModelConfig
+from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "generation_config.json",
-)
-HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's unified HF checkpoint (written by `camshaft quantize`)
-CAMSHAFT_QUANT_RECORD = "camshaft_quantize.json"
 # hf_quant_config.json quant_algo → weight bits, for the formats the builder lowers. Others are refused clearly.
 READABLE_QUANT_ALGOS = {"W4A16_AWQ": 4, "W8A16": 8}
 

@@ -20,6 +20,20 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+)
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's unified HF checkpoint (written by `camshaft quantize`)
+CAMSHAFT_QUANT_RECORD = "camshaft_quantize.json"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ end, so an interrupted run never leaves a half-written checkpoint under the outp
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -16,14 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from camshaft.builder.checkpoint import TOKENIZER_FILES
 from camshaft.errors import CheckpointError
-from camshaft.model_config import ModelConfig
+from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
+from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.quantize.calibration import CalibrationSet, check_sizes, load_texts, tokenize
 from camshaft.quantize.spec import QuantizeError, QuantSpec, modelopt_config, resolve_group_size
 
-HF_QUANT_CONFIG = "hf_quant_config.json"
-CAMSHAFT_QUANT_RECORD = "camshaft_quantize.json"
 INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
 
 Progress = Callable[[str], None]
@@ -50,16 +47,6 @@ def import_modelopt():
     return mtq, export_hf_checkpoint
 
 
-def check_output(output: Path) -> None:
-    if output.exists() and not output.is_dir():
-        raise QuantizeError(f"--output {output} exists and is not a directory")
-    if output.is_dir() and any(output.iterdir()) and not (output / HF_QUANT_CONFIG).is_file():
-        raise QuantizeError(
-            f"--output {output} is a non-empty directory that is not a quantized checkpoint; refusing to overwrite "
-            "it. Choose an empty or new directory."
-        )
-
-
 def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSpec, *,
                         calib_data: str | Path | None = None, calib_size: int = 64, calib_seq_len: int = 256,
                         progress: Progress = lambda _: None, progress_bar: bool = False,
@@ -80,7 +67,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     model_config = ModelConfig.from_hf_dir(model_dir)
     group_size = resolve_group_size(spec, model_config)
     check_sizes(calib_size, calib_seq_len)
-    check_output(output)
+    check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError)
     if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise CheckpointError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
     texts, source = load_texts(calib_data)
@@ -118,9 +105,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
 
     t = time.perf_counter()
     progress(f"exporting unified HF checkpoint to {output}")
-    staging = output.parent / f".{output.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(output)
     try:
         with torch.no_grad():
             export_hf_checkpoint(model, export_dir=str(staging))
@@ -138,7 +123,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             "seconds": timings, "tools": _tool_versions(),
         }
         (staging / CAMSHAFT_QUANT_RECORD).write_text(json.dumps(record, indent=2))
-        _swap_into_place(staging, output)
+        replace_dir(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -170,11 +155,3 @@ def _tool_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return tools
-
-
-def _swap_into_place(staging: Path, output: Path) -> None:
-    old = output.parent / f".{output.name}.old-{os.getpid()}"
-    if output.exists():
-        os.replace(output, old)
-    os.replace(staging, output)
-    shutil.rmtree(old, ignore_errors=True)

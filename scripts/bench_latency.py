@@ -657,11 +657,12 @@ def markdown(results: dict, plot_ref: str) -> str:
     return "\n".join(out)
 
 
-def write_markdown(path: Path, section: str) -> None:
+def write_markdown(path: Path, section: str, begin_marker: str = MD_BEGIN, end_marker: str = MD_END) -> None:
+    """Replace the section between the markers in BENCHMARKS.md (or append it), leaving the rest as it is."""
     text = path.read_text() if path.exists() else MD_HEADER
-    begin, end = text.find(MD_BEGIN), text.find(MD_END)
+    begin, end = text.find(begin_marker), text.find(end_marker)
     if begin != -1 and end > begin:
-        text = text[:begin] + section + text[end + len(MD_END):]
+        text = text[:begin] + section + text[end + len(end_marker):]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)

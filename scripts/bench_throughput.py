@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_latency import machine_info, rel, show_cmd
+from bench_latency import machine_info, rel, show_cmd, write_markdown
 
 from camshaft.models import default_model_dir, fetch_model
 
@@ -37,8 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 MD_BEGIN = "<!-- throughput:begin -->"
 MD_END = "<!-- throughput:end -->"
-MD_HEADER = ("# Benchmarks\n\nMeasured numbers, each section written by the script it names. The machine is shared "
-             "and noisy: compare systems through the ratios measured in the same run, not across runs.\n")
 PEER = "transformers fp32 (static batches)"
 
 
@@ -351,16 +349,6 @@ def markdown(res: dict, plot_ref: str) -> str:
     return "\n".join(out)
 
 
-def write_markdown(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else MD_HEADER
-    begin, end = text.find(MD_BEGIN), text.find(MD_END)
-    if begin != -1 and end > begin:
-        text = text[:begin] + section + text[end + len(MD_END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 # ----------------------------------------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -509,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     section = markdown(results, plot_ref)
     print(section)
     if args.write_md:
-        write_markdown(args.md, section)
+        write_markdown(args.md, section, MD_BEGIN, MD_END)
         log(f"updated {rel(args.md)}")
     log(f"wrote {rel(json_path)} and {rel(args.plot)}")
 

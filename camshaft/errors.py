@@ -29,5 +29,9 @@ class CapacityError(RequestError):
     """A request can never fit the engine's KV cache or limits."""
 
 
+class ServerBusyError(RequestError):
+    """The request queue is full; retry later or raise the queue limit."""
+
+
 class FetchError(CamshaftError):
     """A model could not be fetched or converted."""

@@ -13,16 +13,19 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from camshaft.errors import ServerBusyError
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.request import GenerationResult, Request
-from camshaft.runtime.sampler import sample_batch
+from camshaft.runtime.sampler import SampleResult, sample_batch
 from camshaft.runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
 
 
 @dataclass(frozen=True)
 class RequestOutput:
     request_id: str
-    delta: str
+    delta: str  # text that became safe to emit (may be empty while a stop string is held back)
+    token_ids: tuple[int, ...] = ()  # tokens sampled since the previous output
+    logprobs: tuple[SampleResult, ...] = ()  # their log-probs, when the request asked for them
     result: GenerationResult | None = None  # set on the request's last output
     error: Exception | None = None
 
@@ -49,9 +52,31 @@ class IterationStats:
 Sink = Callable[[RequestOutput], None]
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the batch loop holds now: for metrics, health checks and admission."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_hits: int
+    preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
 class Executor:
-    def __init__(self, engine: Engine, config: SchedulerConfig, *, stats_window: int = 100_000) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig, *, max_queue: int | None = None,
+                 stats_window: int = 100_000) -> None:
+        """max_queue bounds the requests that wait beyond a full running batch; past it submit raises
+        ServerBusyError. None: unbounded."""
+        if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 0):
+            raise ValueError(f"max_queue must be a non-negative integer or None, got {max_queue!r}")
         self.engine = engine
+        self.max_queue = max_queue
         self.scheduler = Scheduler(config)
         self.stats: deque[IterationStats] = deque(maxlen=stats_window)
         self.peak_batch_size = 0
@@ -74,6 +99,13 @@ class Executor:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the executor is closed; create a new LLM")
+            if self.max_queue is not None:
+                limit = self.scheduler.config.max_batch_size + self.max_queue
+                if len(self._sinks) + len(group) > limit:
+                    raise ServerBusyError(
+                        f"server busy: {len(self._sinks)} requests in flight and the queue holds at most "
+                        f"{self.max_queue} beyond a running batch of {self.scheduler.config.max_batch_size}; "
+                        "retry later or raise the queue limit")
             for request, sink in zip(group, sinks, strict=True):
                 self._sinks[request.request_id] = sink
             self._inbox.append(group)
@@ -89,6 +121,15 @@ class Executor:
             self._closed = True
             self._wake.notify()
         self._thread.join()
+
+    def load(self) -> Load:
+        scheduler = self.scheduler
+        with self._wake:
+            in_flight = len(self._sinks)
+        running = len(scheduler.running)
+        counters = scheduler.blocks.counters()
+        return Load(running, max(0, in_flight - running), scheduler.blocks.num_used, scheduler.blocks.capacity,
+                    counters.reuse_hits, scheduler.num_preemptions)
 
     def snapshot_stats(self) -> list[IterationStats]:
         with self._stats_lock:
@@ -159,11 +200,11 @@ class Executor:
             except Exception as exc:
                 self._finish(request, exc)
                 continue
+            new = ((sample.token_id,), (sample,) if request.params.logprobs is not None else ())
             if request.finished:
-                self._finish(request, delta=delta)
+                self._finish(request, delta=delta, new=new)
             else:
-                if delta:
-                    self._deliver(self._sinks[request.request_id], RequestOutput(request.request_id, delta))
+                self._deliver(self._sinks[request.request_id], RequestOutput(request.request_id, delta, *new))
                 self._release_held(request)
         running = len(scheduled)
         self.peak_batch_size = max(self.peak_batch_size, running)
@@ -178,12 +219,14 @@ class Executor:
         for sibling in self._held.pop(request.request_id, []):
             self._add(sibling)
 
-    def _finish(self, request: Request, error: Exception | None = None, delta: str = "") -> None:
+    def _finish(self, request: Request, error: Exception | None = None, delta: str = "",
+                new: tuple[tuple[int, ...], tuple[SampleResult, ...]] = ((), ())) -> None:
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
         self._release_held(request)
-        sink = self._sinks.pop(request.request_id)
-        self._deliver(sink, RequestOutput(request.request_id, delta, None if error else request.result(), error))
+        with self._wake:
+            sink = self._sinks.pop(request.request_id)
+        self._deliver(sink, RequestOutput(request.request_id, delta, *new, None if error else request.result(), error))
 
     def _deliver(self, sink: Sink, output: RequestOutput) -> None:
         try:

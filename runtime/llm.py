@@ -14,7 +14,7 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
-from camshaft.runtime.executor import Executor, IterationStats, RequestOutput
+from camshaft.runtime.executor import Executor, IterationStats, Load, RequestOutput, Sink
 from camshaft.runtime.request import GenerationResult, Request
 from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
@@ -41,7 +41,10 @@ class PromptOutput:
 class LLM:
     def __init__(self, engine_dir: str | Path, *, policy: str = "guaranteed_no_evict",
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
-                 kv_cache_memory: int | None = None, threads: int | None = None) -> None:
+                 kv_cache_memory: int | None = None, threads: int | None = None, max_queue: int | None = None,
+                 spin_wait: bool = True) -> None:
+        """max_queue: requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers);
+        spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait)."""
         limits = read_manifest(Path(engine_dir)).limits
         for name, value in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if value is not None and value > getattr(limits, name):
@@ -49,13 +52,13 @@ class LLM:
                                    f"rebuild with a larger --{name.replace('_', '-')} or pass a smaller value")
         batch = max_batch_size or limits.max_batch_size
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=kv_cache_memory,
-                                      threads=threads)
+                                      threads=threads, spin_wait=spin_wait)
         self.config = SchedulerConfig(
             num_blocks=engine.pool.num_blocks, block_size=engine.block_size, max_batch_size=batch,
             max_num_tokens=max_num_tokens or limits.max_num_tokens, max_seq_len=limits.max_seq_len, policy=policy)
         self.tokenizer = engine.tokenizer
         self._encoder = _Encoder(engine)
-        self.executor = Executor(engine, self.config)
+        self.executor = Executor(engine, self.config, max_queue=max_queue)
         self._ids = itertools.count()
 
     @property
@@ -68,6 +71,10 @@ class LLM:
         """Blocks total/used/free/cached, prefix reuse hits and evictions (a snapshot)."""
         return self.executor.scheduler.blocks.counters()
 
+    def load(self) -> Load:
+        """Running and waiting requests, KV blocks in use, prefix-cache hits (a snapshot)."""
+        return self.executor.load()
+
     def close(self) -> None:
         self.executor.close()
 
@@ -76,6 +83,44 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+        """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template)."""
+        return self._encoder.encode(prompt, messages)
+
+    def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink) -> list[str]:
+        """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
+        only hand it over. Returns the request ids (for abort). Raises RequestError, CapacityError or
+        ServerBusyError at once."""
+        group = self._requests(prompt, params)
+        self.executor.submit(group, [sink] * len(group))
+        return [r.request_id for r in group]
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks before the next step; its sink gets a final output."""
+        self.executor.abort(request_id)
+
+    async def stream_outputs(self, prompt: Prompt, params: SamplingParams | None = None
+                             ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) pairs for the prompt's n outputs as the batch loop produces them, each ending with a
+        finished output; errors are raised; closing or cancelling the consumer aborts what is unfinished."""
+        params = params or SamplingParams()
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        ids = self.submit(prompt, params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output))
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        unfinished = set(ids)
+        try:
+            while unfinished:
+                output = await outputs.get()
+                if output.finished:
+                    unfinished.discard(output.request_id)
+                if output.error is not None:
+                    raise output.error
+                yield index[output.request_id], output
+        finally:
+            for request_id in unfinished:
+                self.executor.abort(request_id)
 
     def _requests(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
         ids = self._encoder.encode(prompt)
@@ -142,20 +187,12 @@ class LLM:
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[str]:
         """`async for delta in llm.stream(prompt)`; cancelling the consumer aborts the request."""
-        request = self._single(prompt, params)
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.executor.submit([request], [lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output)])
-        finished = False
-        try:
-            while not finished:
-                output = await outputs.get()
-                finished = _check(output)
-                if output.delta:
-                    yield output.delta
-        finally:
-            if not finished:
-                self.executor.abort(request.request_id)
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise RequestError("streaming text gives one output; use n=1 (or stream_outputs for several)")
+        async for _, output in self.stream_outputs(prompt, params):
+            if output.delta:
+                yield output.delta
 
     def _single(self, prompt: Prompt, params: SamplingParams | None) -> Request:
         params = params or SamplingParams()

@@ -1,0 +1,80 @@
+"""The LLM API servers build on: per-token outputs with log-probs, n outputs streamed together, a bounded queue
+that refuses with ServerBusyError, and a load snapshot that returns to empty."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import ServerBusyError
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving_api")
+    model = make_tiny_model("llama", root / "hf")
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=256, max_num_tokens=64, max_batch_size=4))
+    return root / "engine"
+
+
+async def _collect(llm: LLM, prompt, params):
+    outputs = {}
+    async for index, output in llm.stream_outputs(prompt, params):
+        outputs.setdefault(index, []).append(output)
+    return outputs
+
+
+def test_stream_outputs_carry_every_token_and_its_logprobs(engine_dir):
+    prompt = [5, 9, 17, 33, 2, 41]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    expected = Session(engine_dir).generate(prompt, params)
+    with LLM(engine_dir) as llm:
+        outputs = asyncio.run(_collect(llm, prompt, params))[0]
+        assert llm.load().running == 0 and llm.load().kv_blocks_used == 0
+    assert [t for o in outputs for t in o.token_ids] == expected.token_ids
+    assert [s.logprob for o in outputs for s in o.logprobs] == pytest.approx([s.logprob for s in expected.logprobs])
+    assert "".join(o.delta for o in outputs) == expected.text
+    assert outputs[-1].finished and outputs[-1].result.token_ids == expected.token_ids
+    assert all(not o.finished for o in outputs[:-1])
+
+
+def test_n_outputs_stream_with_their_index(engine_dir):
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=3, n=3)
+    with LLM(engine_dir) as llm:
+        outputs = asyncio.run(_collect(llm, [7, 8, 9, 10], params))
+        reference = llm.generate([[7, 8, 9, 10]], params, use_tqdm=False)[0]
+    assert sorted(outputs) == [0, 1, 2]
+    streamed = [[t for o in outputs[i] for t in o.token_ids] for i in range(3)]
+    assert streamed == [r.token_ids for r in reference.outputs]
+
+
+def test_a_full_queue_refuses_with_server_busy_and_recovers(engine_dir):
+    release = threading.Event()
+    with LLM(engine_dir, max_batch_size=2, max_queue=1) as llm:
+        step = llm.engine.step
+        llm.engine.step = lambda chunks: (release.wait(), step(chunks))[1]
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        done = []
+        ids = [llm.submit([3, 4, 5], params, lambda o: o.finished and done.append(o)) for _ in range(3)]
+        with pytest.raises(ServerBusyError, match="server busy"):
+            llm.submit([3, 4, 5], params, lambda o: None)
+        load = llm.load()
+        assert load.running + load.waiting == 3
+        llm.abort(ids[2][0])
+        release.set()
+        for _ in range(200):
+            if len(done) == 3:
+                break
+            threading.Event().wait(0.05)
+        assert sorted(o.result.finish_reason for o in done) == ["abort", "length", "length"]
+        assert llm.load().kv_blocks_used == 0 and llm.load().waiting == 0
+        llm.submit([3, 4, 5], params, lambda o: None)  # room again

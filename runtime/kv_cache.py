@@ -13,6 +13,31 @@ def bytes_per_block(manifest: Manifest) -> int:
     return manifest.kv_cache.bytes_per_block(itemsize)
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_memory(spec: str | int | None) -> int | None:
+    """A KV cache budget: bytes with an optional unit ("512MiB", "2GB", "1000000"), or a fraction of the memory
+    available now ("0.3"). None stays None (size the pool from the engine limits)."""
+    if spec is None or isinstance(spec, int):
+        return spec
+    text = spec.strip().upper().replace(" ", "")
+    number = text.rstrip("KMGIB")
+    unit = text[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise CapacityError(f"cannot read the memory size {spec!r}; use bytes with a unit (512MiB, 2GB) or a fraction "
+                            "of available memory (0.3)")
+    if not unit and value < 1:
+        import psutil
+
+        return int(value * psutil.virtual_memory().available)
+    return int(value * _UNITS[unit])
+
+
 def pool_blocks(manifest: Manifest, max_sequences: int, memory_bytes: int | None = None) -> int:
     """Blocks for `max_sequences` full-length sequences, or as many as fit `memory_bytes` (plus the null block)."""
     if memory_bytes is not None:

@@ -181,6 +181,50 @@ def bench_throughput(
         plot_sweep(results, plot)
 
 
+@bench_app.command("serve")
+def bench_serve(
+    target: Annotated[list[str], typer.Option(
+        help="NAME=URL,backend={openai,triton-generate,triton-grpc,llm}[,model=NAME] (repeatable); llm takes an "
+             "engine directory as URL and runs in-process")],
+    dataset: Annotated[str, typer.Option(help="prefill-heavy | decode-heavy | synthetic:in=DIST,out=DIST | jsonl:PATH")]
+    = "prefill-heavy",
+    tokenizer: Annotated[Path | None, typer.Option(help="Engine or checkpoint directory whose tokenizer sizes the "
+                                                        "synthetic prompts (default: an llm target's engine)")] = None,
+    num_prompts: Annotated[int, typer.Option(help="Requests per run")] = 64,
+    request_rate: Annotated[str, typer.Option(help="Requests/s of the Poisson arrivals, or inf; a comma-separated "
+                                                   "list sweeps, e.g. 1,2,4,inf")] = "inf",
+    max_concurrency: Annotated[int | None, typer.Option(help="Most requests in flight per target")] = None,
+    goodput: Annotated[str | None, typer.Option(help="SLOs for goodput, e.g. ttft_ms=1000,tpot_ms=100")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts and arrivals")] = 0,
+    warmup: Annotated[int, typer.Option(help="Short warm-up requests per target")] = 2,
+    output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG: latency vs throughput, one line per target")] = None,
+) -> None:
+    """Serving benchmark: the same requests through several endpoints; TTFT/TPOT/ITL/E2E percentiles, goodput."""
+    import json
+
+    from camshaft.bench_serve.clients import Target
+    from camshaft.bench_serve.report import Goodput
+    from camshaft.bench_serve.report import plot as plot_results
+    from camshaft.bench_serve.run import bench_serve as run_bench
+    from camshaft.bench_serve.workload import load_requests, load_tokenizer, parse_rates
+
+    targets = [Target.parse(t) for t in target]
+    if len({t.name for t in targets}) != len(targets):
+        raise CamshaftError("--target names must differ")
+    source = tokenizer or next((Path(t.url) for t in targets if t.backend == "llm"), None)
+    requests = load_requests(dataset, num_prompts, load_tokenizer(source) if source else None, seed=seed)
+    results = run_bench(targets, requests, parse_rates(request_rate), max_concurrency=max_concurrency,
+                        goodput=Goodput.parse(goodput), seed=seed, warmup=warmup, log=typer.echo)
+    if output_json:
+        output_json.parent.mkdir(parents=True, exist_ok=True)
+        output_json.write_text(json.dumps({"dataset": dataset, "num_prompts": num_prompts, "seed": seed,
+                                           "max_concurrency": max_concurrency,
+                                           "results": [r.to_dict() for r in results]}, indent=2) + "\n")
+    if plot:
+        plot_results(results, plot, title=f"{dataset}, {num_prompts} prompts, max concurrency {max_concurrency}")
+
+
 MemoryOption = Annotated[str | None, typer.Option(
     help="KV cache budget: bytes with a unit (512MiB, 2GB) or a fraction of available memory (0.3); "
          "default: room for max-batch-size full-length sequences")]

@@ -1,0 +1,154 @@
+"""One streaming client per backend. Each sends one request, stamps the time of every text chunk, and leaves what it
+saw in a Record; it never raises for a failed request (the record keeps the error)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from camshaft.bench_serve.workload import ServeRequest
+from camshaft.errors import RequestError
+
+BACKENDS = ("openai", "triton-generate", "triton-grpc", "llm")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str  # http://host:port (openai, triton-generate), host:port (triton-grpc), engine directory (llm)
+    backend: str
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Target:
+        """NAME=URL,backend=openai|triton-generate|triton-grpc|llm[,model=NAME]"""
+        name, sep, rest = spec.partition("=")
+        url, *options = rest.split(",")
+        fields = dict(option.partition("=")[::2] for option in options)
+        unknown = set(fields) - {"backend", "model"}
+        if not sep or not name or not url or unknown or fields.get("backend") not in BACKENDS:
+            raise RequestError(f"cannot read --target {spec!r}; use NAME=URL,backend={{{','.join(BACKENDS)}}}"
+                               "[,model=NAME], e.g. camshaft=http://127.0.0.1:8000,backend=openai")
+        return cls(name, url.rstrip("/"), fields["backend"], fields.get("model") or None)
+
+
+@dataclass
+class Record:
+    prompt_tokens: int
+    max_tokens: int
+    sent: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    text: str = ""
+    output_tokens: int | None = None  # as the server reported it, when it does
+    error: str | None = None
+
+    def chunk(self, text: str, *, tokens: int = 0) -> None:
+        """A piece of output arrived: text, or tokens whose text is still held back (in-process only)."""
+        if text or tokens:
+            self.chunk_times.append(time.perf_counter())
+            self.text += text
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunk_times)
+
+
+class OpenAIClient:
+    """POST /v1/completions with stream=true; the length is forced with min_tokens and ignore_eos."""
+
+    def __init__(self, target: Target, http) -> None:
+        self.target, self.http, self.model = target, http, target.model
+
+    async def start(self) -> None:
+        if self.model is None:
+            response = await self.http.get(f"{self.target.url}/v1/models")
+            response.raise_for_status()
+            self.model = response.json()["data"][0]["id"]
+
+    async def __call__(self, request: ServeRequest, record: Record) -> None:
+        body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
+                "min_tokens": request.max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with self.http.stream("POST", f"{self.target.url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("usage"):
+                    record.output_tokens = event["usage"]["completion_tokens"]
+                for choice in event.get("choices", []):
+                    record.chunk(choice.get("text") or "")
+
+    async def close(self) -> None:
+        pass
+
+
+class TritonGenerateClient:
+    """POST /v2/models/<model>/generate_stream (server-sent events)."""
+
+    def __init__(self, target: Target, http) -> None:
+        self.target, self.http, self.model = target, http, target.model or "ensemble"
+
+    async def start(self) -> None:
+        response = await self.http.get(f"{self.target.url}/v2/models/{self.model}/ready")
+        if response.status_code != 200:
+            raise RequestError(f"Triton model {self.model!r} at {self.target.url} is not ready")
+
+    async def __call__(self, request: ServeRequest, record: Record) -> None:
+        body = {"text_input": request.prompt, "max_tokens": request.max_tokens, "min_tokens": request.max_tokens,
+                "temperature": 0.0, "stream": True, "exclude_input_in_output": True}
+        url = f"{self.target.url}/v2/models/{self.model}/generate_stream"
+        async with self.http.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+                return
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        record.error = str(event["error"])
+                        return
+                    record.chunk(event.get("text_output", ""))
+
+    async def close(self) -> None:
+        pass
+
+
+class LLMClient:
+    """An in-process LLM on the same engine: the baseline without a server in between."""
+
+    def __init__(self, target: Target, _http) -> None:
+        from camshaft.runtime.llm import LLM
+
+        self.llm = LLM(target.url, spin_wait=False)
+
+    async def start(self) -> None:
+        pass
+
+    async def __call__(self, request: ServeRequest, record: Record) -> None:
+        from camshaft.runtime.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=request.max_tokens, min_tokens=request.max_tokens, ignore_eos=True)
+        tokens = 0
+        async for _, output in self.llm.stream_outputs(request.prompt, params):
+            tokens += len(output.token_ids)
+            record.chunk(output.delta, tokens=len(output.token_ids))
+        record.output_tokens = tokens
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.llm.close)
+
+
+def make_client(target: Target, http):
+    from camshaft.bench_serve.triton_grpc import TritonGrpcClient
+
+    return {"openai": OpenAIClient, "triton-generate": TritonGenerateClient, "triton-grpc": TritonGrpcClient,
+            "llm": LLMClient}[target.backend](target, http)

@@ -1,0 +1,131 @@
+"""Per-run latency percentiles, throughput and goodput; JSON and a latency-vs-throughput plot (one line per
+target, one point per request rate)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from camshaft.bench_serve.clients import Record, Target
+from camshaft.errors import RequestError
+from camshaft.runtime.throughput import percentiles
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Service-level objectives: a request counts toward goodput when it meets all that are set (milliseconds)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> Goodput:
+        """e.g. 'ttft_ms=1000,tpot_ms=100'"""
+        if not text:
+            return cls()
+        values = {}
+        for part in text.split(","):
+            key, _, value = part.partition("=")
+            try:
+                values[key.strip()] = float(value)
+            except ValueError:
+                values[key.strip()] = -1.0
+            if key.strip() not in ("ttft_ms", "tpot_ms", "e2e_ms") or values[key.strip()] <= 0:
+                raise RequestError(f"cannot read --goodput {text!r}; use e.g. ttft_ms=1000,tpot_ms=100,e2e_ms=20000")
+        return cls(**values)
+
+    def met(self, ttft_ms: float, tpot_ms: float, e2e_ms: float) -> bool:
+        return all(limit is None or value <= limit for limit, value in
+                   ((self.ttft_ms, ttft_ms), (self.tpot_ms, tpot_ms), (self.e2e_ms, e2e_ms)))
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    target: str
+    backend: str
+    request_rate: float
+    max_concurrency: int | None
+    completed: int
+    failed: int
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int
+    output_tok_s: float
+    requests_s: float
+    goodput_req_s: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2e_ms: dict[str, float]
+    first_error: str | None = None
+
+    def line(self) -> str:
+        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
+        return (f"{self.target:<14} rate {rate:>5} req/s: {self.output_tok_s:7.1f} out tok/s {self.requests_s:5.2f} "
+                f"req/s (goodput {self.goodput_req_s:.2f})  TTFT p50/p99 {self.ttft_ms['p50']:.0f}/"
+                f"{self.ttft_ms['p99']:.0f} ms  TPOT p50 {self.tpot_ms['p50']:.1f} ms  ITL p50/p99 "
+                f"{self.itl_ms['p50']:.1f}/{self.itl_ms['p99']:.1f} ms  E2E p50 {self.e2e_ms['p50']:.0f} ms"
+                + (f"  FAILED {self.failed}: {self.first_error}" if self.failed else ""))
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
+        return out
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    return {k: v * 1000 for k, v in percentiles(values).items()}
+
+
+def summarize(target: Target, rate: float, max_concurrency: int | None, records: list[Record], wall_s: float,
+              goodput: Goodput) -> ServeResult:
+    ok = [r for r in records if r.ok]
+    ttft = [r.chunk_times[0] - r.sent for r in ok]
+    e2e = [r.chunk_times[-1] - r.sent for r in ok]
+    tokens = [r.output_tokens if r.output_tokens is not None else r.max_tokens for r in ok]
+    tpot = [(e - t) / (n - 1) for t, e, n in zip(ttft, e2e, tokens, strict=True) if n > 1]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    good = sum(goodput.met(t * 1000, ((e - t) / (n - 1) if n > 1 else 0.0) * 1000, e * 1000)
+               for t, e, n in zip(ttft, e2e, tokens, strict=True))
+    failed = [r for r in records if not r.ok]
+    return ServeResult(
+        target=target.name, backend=target.backend, request_rate=rate, max_concurrency=max_concurrency,
+        completed=len(ok), failed=len(failed), wall_s=wall_s, prompt_tokens=sum(r.prompt_tokens for r in ok),
+        output_tokens=sum(tokens), output_tok_s=sum(tokens) / wall_s, requests_s=len(ok) / wall_s,
+        goodput_req_s=good / wall_s, ttft_ms=_ms(ttft), tpot_ms=_ms(tpot), itl_ms=_ms(itl), e2e_ms=_ms(e2e),
+        first_error=(failed[0].error or "no output") if failed else None)
+
+
+def plot(results: list[ServeResult], path: str | Path, title: str | None = None) -> None:
+    """p50 TTFT, p50 TPOT and p50 end-to-end latency against output tokens/s: one line per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("p50 time to first token, ms", "ttft_ms"), ("p50 time per output token, ms", "tpot_ms"),
+              ("p50 end-to-end latency, ms", "e2e_ms")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    targets = list(dict.fromkeys(r.target for r in results))
+    for ax, (label, key) in zip(axes, panels, strict=True):
+        for name in targets:
+            points = sorted((r for r in results if r.target == name), key=lambda r: r.request_rate)
+            xs, ys = [r.output_tok_s for r in points], [getattr(r, key)["p50"] for r in points]
+            ax.plot(xs, ys, "o-", label=name)
+            for r, x, y in zip(points, xs, ys, strict=True):
+                rate = "inf" if math.isinf(r.request_rate) else f"{r.request_rate:g}"
+                ax.annotate(f"{rate}/s", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel("output tokens/s (higher is better)")
+        ax.set_title(label + " (lower is better)", fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,67 @@
+"""Drive each target with the same requests and arrival times, rate by rate; targets take turns at each rate so a
+noisy machine slows them alike."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from camshaft.bench_serve.clients import Record, Target, make_client
+from camshaft.bench_serve.report import Goodput, ServeResult, summarize
+from camshaft.bench_serve.workload import ServeRequest, arrival_times
+
+
+async def _drive(client, requests: list[ServeRequest], arrivals: list[float],
+                 max_concurrency: int | None) -> tuple[list[Record], float]:
+    limit = asyncio.Semaphore(max_concurrency or len(requests))
+    records = [Record(r.prompt_tokens, r.max_tokens) for r in requests]
+    start = time.perf_counter()
+
+    async def one(request: ServeRequest, record: Record, at: float) -> None:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        async with limit:
+            record.sent = time.perf_counter()
+            try:
+                await client(request, record)
+            except Exception as exc:  # a failed request is a result, not a crash of the benchmark
+                record.error = f"{type(exc).__name__}: {exc}"
+
+    await asyncio.gather(*(one(q, r, t) for q, r, t in zip(requests, records, arrivals, strict=True)))
+    return records, time.perf_counter() - start
+
+
+async def _bench(targets: list[Target], requests: list[ServeRequest], rates: list[float],
+                 max_concurrency: int | None, goodput: Goodput, seed: int, warmup: int,
+                 log: Callable[[str], None]) -> list[ServeResult]:
+    import httpx
+
+    results = []
+    limits = httpx.Limits(max_connections=max_concurrency or len(requests) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as http:
+        clients = [make_client(t, http) for t in targets]
+        try:
+            for client in clients:
+                await client.start()
+                if warmup:
+                    short = [ServeRequest(r.prompt, r.prompt_tokens, min(r.max_tokens, 4)) for r in requests[:warmup]]
+                    await _drive(client, short, [0.0] * len(short), max_concurrency)
+            for rate in rates:
+                arrivals = arrival_times(len(requests), rate, seed)
+                for target, client in zip(targets, clients, strict=True):
+                    records, wall = await _drive(client, requests, arrivals, max_concurrency)
+                    result = summarize(target, rate, max_concurrency, records, wall, goodput)
+                    log(result.line())
+                    results.append(result)
+        finally:
+            for client in clients:
+                await client.close()
+    return results
+
+
+def bench_serve(targets: list[Target], requests: list[ServeRequest], rates: list[float], *,
+                max_concurrency: int | None = None, goodput: Goodput | None = None, seed: int = 0, warmup: int = 2,
+                log: Callable[[str], None] = print) -> list[ServeResult]:
+    """Every target gets `requests` at each rate (requests/s, inf = all at once) with at most max_concurrency in
+    flight; results in run order."""
+    return asyncio.run(_bench(targets, requests, rates, max_concurrency, goodput or Goodput(), seed, warmup, log))

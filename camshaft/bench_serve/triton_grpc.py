@@ -1,0 +1,68 @@
+"""Triton gRPC bidirectional streaming client, with inputs shaped from the model's own config."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from camshaft.bench_serve.workload import ServeRequest
+from camshaft.errors import RequestError
+
+_NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_BOOL": np.bool_,
+          "TYPE_FP32": np.float32, "TYPE_UINT64": np.uint64}
+
+
+class TritonGrpcClient:
+    def __init__(self, target, _http) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self.grpc = grpcclient
+        self.target, self.model = target, target.model or "ensemble"
+        self.client = grpcclient.InferenceServerClient(target.url.removeprefix("grpc://"))
+        self.inputs: dict[str, tuple[str, list[int]]] = {}
+
+    async def start(self) -> None:
+        config = (await self.client.get_model_config(self.model, as_json=True))["config"]
+        batched = int(config.get("max_batch_size", 0)) > 0
+        for spec in config["input"]:
+            dims = [1 if int(d) < 0 else int(d) for d in spec.get("dims", [])]
+            self.inputs[spec["name"]] = (spec["data_type"], ([1] if batched else []) + dims)
+        if "text_input" not in self.inputs:
+            raise RequestError(f"Triton model {self.model!r} has no text_input; point model= at a text-level model")
+
+    def _tensor(self, name: str, value):
+        data_type, shape = self.inputs[name]
+        array = np.full(shape, value, dtype=_NUMPY[data_type])
+        tensor = self.grpc.InferInput(name, shape, data_type.removeprefix("TYPE_").replace("STRING", "BYTES"))
+        tensor.set_data_from_numpy(array)
+        return tensor
+
+    async def __call__(self, request: ServeRequest, record) -> None:
+        values = {"text_input": request.prompt.encode(), "max_tokens": request.max_tokens,
+                  "min_tokens": request.max_tokens, "temperature": 0.0, "stream": True,
+                  "exclude_input_in_output": True}
+        inputs = [self._tensor(name, value) for name, value in values.items() if name in self.inputs]
+        done = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs}
+            await done.wait()  # keep the stream open until the final response arrived
+
+        stream = self.client.stream_infer(requests())
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    record.error = str(error)
+                    break
+                out = result.as_numpy("text_output")
+                if out is not None:
+                    record.chunk(b"".join(out.reshape(-1)).decode("utf-8", errors="replace"))
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            done.set()
+            stream.cancel()
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -1,0 +1,129 @@
+"""Benchmark requests as text (every endpoint takes text) and their arrival times."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from camshaft.errors import RequestError
+
+PRESETS = {
+    # The public cross-engine serving workloads: long prompts with short or long answers.
+    "prefill-heavy": "synthetic:in=NORMAL(460,20),out=16",
+    "decode-heavy": "synthetic:in=NORMAL(460,20),out=256",
+}
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of an engine directory or a Hugging Face checkpoint directory (local files only)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from camshaft.manifest import TOKENIZER_DIR
+
+    path = Path(path)
+    for where in (path / TOKENIZER_DIR, path):
+        if (where / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(str(where))
+    raise RequestError(f"{path} holds no tokenizer.json; pass an engine or checkpoint directory as --tokenizer")
+
+
+def load_requests(dataset: str, num_prompts: int, tokenizer, *, seed: int = 0,
+                  max_seq_len: int | None = None) -> list[ServeRequest]:
+    """`prefill-heavy`, `decode-heavy`, `synthetic:in=DIST,out=DIST` (random text of about that many tokens) or
+    `jsonl:PATH` of {"prompt": text, "max_tokens": n}. Lengths are clipped to max_seq_len when it is known."""
+    from camshaft.runtime.throughput import parse_dataset_spec
+
+    if num_prompts < 1:
+        raise RequestError(f"--num-prompts must be >= 1, got {num_prompts}")
+    spec = parse_dataset_spec(PRESETS.get(dataset, dataset))
+    if spec.kind == "jsonl":
+        return _jsonl(spec.path, num_prompts, tokenizer)
+    if tokenizer is None:
+        raise RequestError("a synthetic dataset needs a tokenizer to size its prompts: pass --tokenizer DIR")
+    rng = np.random.default_rng(seed)
+    limit = max_seq_len or 1 << 30
+    prompt_lens = np.clip(spec.prompt_len.sample(rng, num_prompts), 1, limit - 1)
+    output_lens = np.clip(spec.output_len.sample(rng, num_prompts), 1, limit - prompt_lens)
+    pieces = _text_pieces(tokenizer)
+    return [_random_text(tokenizer, rng, pieces, int(p), int(o))
+            for p, o in zip(prompt_lens, output_lens, strict=True)]
+
+
+def _text_pieces(tokenizer) -> list[str]:
+    """Vocabulary entries that decode to printable text and encode back to themselves."""
+    ids = range(min(len(tokenizer), 30000))
+    pieces = [tokenizer.decode([i]) for i in ids]
+    good = [p for i, p in zip(ids, pieces, strict=True) if p.strip() and p.isprintable()
+            and tokenizer(p, add_special_tokens=False)["input_ids"] == [i] and p not in tokenizer.all_special_tokens]
+    if len(good) < 20:
+        raise RequestError("the tokenizer has too few plain-text tokens to make synthetic prompts; use a jsonl dataset")
+    return good
+
+
+def _random_text(tokenizer, rng: np.random.Generator, pieces: list[str], length: int,
+                 max_tokens: int) -> ServeRequest:
+    """Random vocabulary pieces joined until the text encodes to `length` tokens (adjacent pieces may merge)."""
+    chosen: list[str] = []
+    count = 0
+    for _ in range(8):
+        chosen += [pieces[i] for i in rng.integers(0, len(pieces), length - count)]
+        count = len(tokenizer("".join(chosen), add_special_tokens=False)["input_ids"])
+        while count > length:
+            chosen.pop()
+            count = len(tokenizer("".join(chosen), add_special_tokens=False)["input_ids"])
+        if count == length:
+            break
+    return ServeRequest("".join(chosen), max(1, count), max_tokens)
+
+
+def _jsonl(path: Path, num_prompts: int, tokenizer) -> list[ServeRequest]:
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt, max_tokens = str(row["prompt"]), int(row["max_tokens"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RequestError(f"{path}:{lineno}: expected {{\"prompt\": text, \"max_tokens\": n}} ({exc})") from exc
+        if not prompt or max_tokens < 1:
+            raise RequestError(f"{path}:{lineno}: the prompt is empty or max_tokens < 1")
+        count = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if tokenizer is not None else 0
+        rows.append(ServeRequest(prompt, count, max_tokens))
+    if not rows:
+        raise RequestError(f"{path} holds no requests")
+    return [rows[i % len(rows)] for i in range(num_prompts)]
+
+
+def parse_rates(text: str) -> list[float]:
+    """'inf' or comma-separated requests/s, e.g. '1,4,inf'."""
+    rates = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = -1.0
+        if rate <= 0:
+            raise RequestError(f"--request-rate takes positive numbers or inf, comma-separated; got {text!r}")
+        rates.append(rate)
+    return rates
+
+
+def arrival_times(count: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds from the start: a Poisson process of `rate` requests/s (all at 0 when rate is inf)."""
+    if rate == float("inf"):
+        return [0.0] * count
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, count)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()

@@ -1,0 +1,94 @@
+"""`camshaft bench serve`: target and SLO parsing, prompts sized by the tokenizer, Poisson arrivals, the metric
+arithmetic on known timings, and a real run through an in-process LLM target with forced output lengths."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from camshaft.bench_serve.clients import Record, Target
+from camshaft.bench_serve.report import Goodput, summarize
+from camshaft.bench_serve.workload import arrival_times, load_requests, load_tokenizer, parse_rates
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.cli import app
+from camshaft.errors import RequestError
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_serve")
+    model = make_tiny_model("llama", root / "hf")
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=256, max_num_tokens=64, max_batch_size=8))
+    return root / "engine"
+
+
+def test_targets_and_slos_parse_or_say_what_to_write():
+    t = Target.parse("camshaft=http://127.0.0.1:8000/,backend=openai,model=m")
+    assert (t.name, t.url, t.backend, t.model) == ("camshaft", "http://127.0.0.1:8000", "openai", "m")
+    assert Target.parse("t=127.0.0.1:8001,backend=triton-grpc").model is None
+    for bad in ("nourl", "x=http://h,backend=vllm", "x=http://h", "x=http://h,backend=openai,color=red"):
+        with pytest.raises(RequestError, match="NAME=URL,backend="):
+            Target.parse(bad)
+    assert Goodput.parse("ttft_ms=500,tpot_ms=50") == Goodput(ttft_ms=500, tpot_ms=50)
+    with pytest.raises(RequestError, match="--goodput"):
+        Goodput.parse("ttft=5")
+    assert parse_rates("1, 2.5,inf") == [1.0, 2.5, math.inf]
+    with pytest.raises(RequestError, match="--request-rate"):
+        parse_rates("0,fast")
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    times = arrival_times(4000, 8.0, seed=1)
+    assert times[0] == 0 and all(b >= a for a, b in zip(times, times[1:], strict=False))
+    assert 4000 / times[-1] == pytest.approx(8.0, rel=0.05)
+    assert arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
+    assert arrival_times(50, 2.0, seed=3) == arrival_times(50, 2.0, seed=3)
+
+
+def test_synthetic_prompts_encode_to_about_the_requested_length(engine_dir):
+    tokenizer = load_tokenizer(engine_dir)
+    requests = load_requests("synthetic:in=NORMAL(60,5),out=UNIFORM(3,9)", 20, tokenizer, seed=2)
+    for r in requests:
+        assert r.prompt_tokens == len(tokenizer(r.prompt, add_special_tokens=False)["input_ids"])
+        assert 3 <= r.max_tokens <= 9
+    lengths = [r.prompt_tokens for r in requests]
+    assert 40 <= np.mean(lengths) <= 75
+    assert load_requests("decode-heavy", 2, tokenizer)[0].max_tokens == 256
+    with pytest.raises(RequestError, match="--tokenizer"):
+        load_requests("prefill-heavy", 2, None)
+
+
+def test_metrics_follow_from_the_chunk_times():
+    records = [Record(10, 3, sent=0.0, chunk_times=[0.1, 0.2, 0.4], text="abc", output_tokens=3),
+               Record(10, 3, sent=1.0, chunk_times=[1.3, 1.4, 1.5], text="abc", output_tokens=3),
+               Record(10, 3, sent=2.0, error="HTTP 503: busy")]
+    result = summarize(Target.parse("t=http://h,backend=openai"), 2.0, None, records, 2.0, Goodput(ttft_ms=200))
+    assert (result.completed, result.failed, result.first_error) == (2, 1, "HTTP 503: busy")
+    assert result.ttft_ms["mean"] == pytest.approx(200.0)
+    assert result.tpot_ms["mean"] == pytest.approx((150.0 + 100.0) / 2)
+    assert sorted([result.itl_ms["p50"], result.e2e_ms["p50"]]) == pytest.approx([100.0, 450.0])
+    assert result.output_tok_s == pytest.approx(3.0) and result.goodput_req_s == pytest.approx(0.5)
+
+
+def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    out = tmp_path / "serve.json"
+    result = CliRunner().invoke(app, [
+        "bench", "serve", "--target", f"first={engine_dir},backend=llm", "--target", f"second={engine_dir},backend=llm",
+        "--dataset", "synthetic:in=30,out=12", "--num-prompts", "12", "--request-rate", "50,inf",
+        "--max-concurrency", "4", "--output-json", str(out), "--plot", str(tmp_path / "serve.png")])
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["results"]
+    assert [(r["target"], r["request_rate"]) for r in runs] == [("first", 50.0), ("second", 50.0),
+                                                               ("first", "inf"), ("second", "inf")]
+    for r in runs:
+        assert (r["completed"], r["failed"], r["output_tokens"]) == (12, 0, 12 * 12)
+        assert 0 < r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+    assert (tmp_path / "serve.png").stat().st_size > 10_000

@@ -193,7 +193,8 @@ def bench_serve(
     num_prompts: Annotated[int, typer.Option(help="Requests per run")] = 64,
     request_rate: Annotated[str, typer.Option(help="Requests/s of the Poisson arrivals, or inf; a comma-separated "
                                                    "list sweeps, e.g. 1,2,4,inf")] = "inf",
-    max_concurrency: Annotated[int | None, typer.Option(help="Most requests in flight per target")] = None,
+    max_concurrency: Annotated[str | None, typer.Option(help="Most requests in flight per target; a "
+                                                             "comma-separated list sweeps, e.g. 1,8,32")] = None,
     goodput: Annotated[str | None, typer.Option(help="SLOs for goodput, e.g. ttft_ms=1000,tpot_ms=100")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the prompts and arrivals")] = 0,
     warmup: Annotated[int, typer.Option(help="Short warm-up requests per target")] = 2,
@@ -209,20 +210,27 @@ def bench_serve(
     from camshaft.bench_serve.run import bench_serve as run_bench
     from camshaft.bench_serve.workload import load_requests, load_tokenizer, parse_rates
 
+    try:
+        concurrencies = [int(c) for c in max_concurrency.split(",")] if max_concurrency else [None]
+    except ValueError:
+        concurrencies = [0]
+    if any(c is not None and c < 1 for c in concurrencies):
+        raise CamshaftError(f"--max-concurrency takes positive integers, comma-separated; got {max_concurrency!r}")
     targets = [Target.parse(t) for t in target]
     if len({t.name for t in targets}) != len(targets):
         raise CamshaftError("--target names must differ")
     source = tokenizer or next((Path(t.url) for t in targets if t.backend == "llm"), None)
     requests = load_requests(dataset, num_prompts, load_tokenizer(source) if source else None, seed=seed)
-    results = run_bench(targets, requests, parse_rates(request_rate), max_concurrency=max_concurrency,
+    results = run_bench(targets, requests, parse_rates(request_rate), concurrencies=concurrencies,
                         goodput=Goodput.parse(goodput), seed=seed, warmup=warmup, log=typer.echo)
     if output_json:
         output_json.parent.mkdir(parents=True, exist_ok=True)
         output_json.write_text(json.dumps({"dataset": dataset, "num_prompts": num_prompts, "seed": seed,
-                                           "max_concurrency": max_concurrency,
+                                           "max_concurrency": concurrencies,
                                            "results": [r.to_dict() for r in results]}, indent=2) + "\n")
     if plot:
-        plot_results(results, plot, title=f"{dataset}, {num_prompts} prompts, max concurrency {max_concurrency}")
+        plot_results(results, plot, title=f"{dataset}, {num_prompts} prompts, request rate {request_rate}, "
+                                          f"max concurrency {max_concurrency or 'unlimited'}")
 
 
 MemoryOption = Annotated[str | None, typer.Option(

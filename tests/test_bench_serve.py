@@ -83,11 +83,11 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
     result = CliRunner().invoke(app, [
         "bench", "serve", "--target", f"first={engine_dir},backend=llm", "--target", f"second={engine_dir},backend=llm",
         "--dataset", "synthetic:in=30,out=12", "--num-prompts", "12", "--request-rate", "50,inf",
-        "--max-concurrency", "4", "--output-json", str(out), "--plot", str(tmp_path / "serve.png")])
+        "--max-concurrency", "2,4", "--output-json", str(out), "--plot", str(tmp_path / "serve.png")])
     assert result.exit_code == 0, result.output
     runs = json.loads(out.read_text())["results"]
-    assert [(r["target"], r["request_rate"]) for r in runs] == [("first", 50.0), ("second", 50.0),
-                                                               ("first", "inf"), ("second", "inf")]
+    assert [(r["max_concurrency"], r["request_rate"], r["target"]) for r in runs] == [
+        (c, rate, name) for c in (2, 4) for rate in (50.0, "inf") for name in ("first", "second")]
     for r in runs:
         assert (r["completed"], r["failed"], r["output_tokens"]) == (12, 0, 12 * 12)
         assert 0 < r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]

@@ -63,11 +63,14 @@ class ServeResult:
 
     def line(self) -> str:
         rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
-        return (f"{self.target:<14} rate {rate:>5} req/s: {self.output_tok_s:7.1f} out tok/s {self.requests_s:5.2f} "
-                f"req/s (goodput {self.goodput_req_s:.2f})  TTFT p50/p99 {self.ttft_ms['p50']:.0f}/"
-                f"{self.ttft_ms['p99']:.0f} ms  TPOT p50 {self.tpot_ms['p50']:.1f} ms  ITL p50/p99 "
-                f"{self.itl_ms['p50']:.1f}/{self.itl_ms['p99']:.1f} ms  E2E p50 {self.e2e_ms['p50']:.0f} ms"
-                + (f"  FAILED {self.failed}: {self.first_error}" if self.failed else ""))
+        limit = f"C={self.max_concurrency}" if self.max_concurrency else "C=inf"
+        ttft, itl = self.ttft_ms, self.itl_ms
+        return " ".join([
+            f"{self.target:<14} {limit:>5} rate {rate:>5}/s:", f"{self.output_tok_s:7.1f} out tok/s",
+            f"{self.requests_s:5.2f} req/s (goodput {self.goodput_req_s:.2f})",
+            f" TTFT p50/p99 {ttft['p50']:.0f}/{ttft['p99']:.0f} ms", f" TPOT p50 {self.tpot_ms['p50']:.1f} ms",
+            f" ITL p50/p99 {itl['p50']:.1f}/{itl['p99']:.1f} ms", f" E2E p50 {self.e2e_ms['p50']:.0f} ms",
+        ] + ([f" FAILED {self.failed}: {self.first_error}"] if self.failed else []))
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -98,6 +101,12 @@ def summarize(target: Target, rate: float, max_concurrency: int | None, records:
         first_error=(failed[0].error or "no output") if failed else None)
 
 
+def _point_label(result: ServeResult, by_rate: bool, by_limit: bool) -> str:
+    rate = "inf" if math.isinf(result.request_rate) else f"{result.request_rate:g}"
+    parts = ([f"{rate}/s"] if by_rate or not by_limit else []) + ([f"C={result.max_concurrency}"] if by_limit else [])
+    return " ".join(parts)
+
+
 def plot(results: list[ServeResult], path: str | Path, title: str | None = None) -> None:
     """p50 TTFT, p50 TPOT and p50 end-to-end latency against output tokens/s: one line per target."""
     import matplotlib
@@ -109,14 +118,16 @@ def plot(results: list[ServeResult], path: str | Path, title: str | None = None)
               ("p50 end-to-end latency, ms", "e2e_ms")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     targets = list(dict.fromkeys(r.target for r in results))
+    rates = {r.request_rate for r in results}
+    limits = {r.max_concurrency for r in results}
     for ax, (label, key) in zip(axes, panels, strict=True):
         for name in targets:
-            points = sorted((r for r in results if r.target == name), key=lambda r: r.request_rate)
+            points = sorted((r for r in results if r.target == name), key=lambda r: r.output_tok_s)
             xs, ys = [r.output_tok_s for r in points], [getattr(r, key)["p50"] for r in points]
             ax.plot(xs, ys, "o-", label=name)
             for r, x, y in zip(points, xs, ys, strict=True):
-                rate = "inf" if math.isinf(r.request_rate) else f"{r.request_rate:g}"
-                ax.annotate(f"{rate}/s", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                ax.annotate(_point_label(r, len(rates) > 1, len(limits) > 1), (x, y), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
         ax.set_xlabel("output tokens/s (higher is better)")
         ax.set_title(label + " (lower is better)", fontsize=10)
         ax.set_ylim(bottom=0)

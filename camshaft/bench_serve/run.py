@@ -32,12 +32,12 @@ async def _drive(client, requests: list[ServeRequest], arrivals: list[float],
 
 
 async def _bench(targets: list[Target], requests: list[ServeRequest], rates: list[float],
-                 max_concurrency: int | None, goodput: Goodput, seed: int, warmup: int,
+                 concurrencies: list[int | None], goodput: Goodput, seed: int, warmup: int,
                  log: Callable[[str], None]) -> list[ServeResult]:
     import httpx
 
     results = []
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) + 8)
+    limits = httpx.Limits(max_connections=len(requests) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as http:
         clients = [make_client(t, http) for t in targets]
         try:
@@ -45,14 +45,15 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
                 await client.start()
                 if warmup:
                     short = [ServeRequest(r.prompt, r.prompt_tokens, min(r.max_tokens, 4)) for r in requests[:warmup]]
-                    await _drive(client, short, [0.0] * len(short), max_concurrency)
-            for rate in rates:
-                arrivals = arrival_times(len(requests), rate, seed)
-                for target, client in zip(targets, clients, strict=True):
-                    records, wall = await _drive(client, requests, arrivals, max_concurrency)
-                    result = summarize(target, rate, max_concurrency, records, wall, goodput)
-                    log(result.line())
-                    results.append(result)
+                    await _drive(client, short, [0.0] * len(short), None)
+            for concurrency in concurrencies:
+                for rate in rates:
+                    arrivals = arrival_times(len(requests), rate, seed)
+                    for target, client in zip(targets, clients, strict=True):
+                        records, wall = await _drive(client, requests, arrivals, concurrency)
+                        result = summarize(target, rate, concurrency, records, wall, goodput)
+                        log(result.line())
+                        results.append(result)
         finally:
             for client in clients:
                 await client.close()
@@ -60,8 +61,9 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
 
 
 def bench_serve(targets: list[Target], requests: list[ServeRequest], rates: list[float], *,
-                max_concurrency: int | None = None, goodput: Goodput | None = None, seed: int = 0, warmup: int = 2,
-                log: Callable[[str], None] = print) -> list[ServeResult]:
-    """Every target gets `requests` at each rate (requests/s, inf = all at once) with at most max_concurrency in
-    flight; results in run order."""
-    return asyncio.run(_bench(targets, requests, rates, max_concurrency, goodput or Goodput(), seed, warmup, log))
+                concurrencies: list[int | None] | None = None, goodput: Goodput | None = None, seed: int = 0,
+                warmup: int = 2, log: Callable[[str], None] = print) -> list[ServeResult]:
+    """Every target gets `requests` at each (max concurrency, rate) pair (requests/s, inf = all at once; None =
+    no concurrency limit); results in run order."""
+    return asyncio.run(_bench(targets, requests, rates, concurrencies or [None], goodput or Goodput(), seed, warmup,
+                              log))

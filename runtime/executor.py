@@ -122,6 +122,11 @@ class Executor:
             self._wake.notify()
         self._thread.join()
 
+    @property
+    def alive(self) -> bool:
+        """The batch loop is running: False once closed or failed (health checks)."""
+        return self._thread.is_alive() and not self._closed
+
     def load(self) -> Load:
         scheduler = self.scheduler
         with self._wake:

@@ -1,0 +1,161 @@
+"""The FastAPI app: `create_app(llm, model_name)`. The caller owns the LLM (and closes it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from camshaft.errors import CapacityError
+from camshaft.openai_server import errors
+from camshaft.openai_server.errors import APIError, from_exception
+from camshaft.openai_server.generation import Generation
+from camshaft.openai_server.metrics import CONTENT_TYPE, Metrics
+from camshaft.openai_server.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
+from camshaft.openai_server.responses import ChatShape, CompletionShape, sse, usage
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+
+T = TypeVar("T")
+_Shape = CompletionShape | ChatShape
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends (a disconnect cancels it)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """The result of `work`, or None once the client has gone (work is then cancelled)."""
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+def create_app(llm: LLM, model_name: str) -> FastAPI:
+    app = FastAPI(title="camshaft OpenAI-compatible API")
+    metrics = Metrics(llm)
+    errors.install(app, metrics)
+    max_seq_len, max_n = llm.config.max_seq_len, llm.config.max_batch_size
+    app.state.llm, app.state.metrics = llm, metrics
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "camshaft",
+                "max_model_len": max_seq_len}
+
+    def check(body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model != model_name:
+            raise APIError(400, f"the model {body.model!r} does not exist; this server serves {model_name!r} "
+                           "(see /v1/models)", param="model", code="model_not_found")
+        body.check_supported()
+        if body.n > max_n:
+            raise APIError(400, f"n must be at most {max_n} (this server's batch size), got {body.n}", param="n")
+
+    def prompt_ids(**prompt: Any) -> list[int]:
+        ids = llm.encode(**prompt)
+        if len(ids) >= max_seq_len:
+            raise CapacityError(f"the prompt has {len(ids)} tokens; this model's context holds {max_seq_len} "
+                                "(prompt + output). Shorten the prompt.")
+        return ids
+
+    async def respond(request: Request, stream: bool, include_usage: bool, prompts: list[list[int]],
+                      params: SamplingParams, shape: _Shape, arrival: float) -> Response:
+        generation = Generation(llm, prompts, params, metrics, arrival)
+        with_logprobs = params.logprobs is not None
+        if stream:
+            metrics.http(request.url.path, 200)
+            return _EventStream(_events(generation, shape, with_logprobs, include_usage))
+        try:
+            results = await _unless_disconnected(request, generation.results())
+        finally:
+            generation.abort()
+        metrics.http(request.url.path, 200 if results is not None else 499)
+        if results is None:
+            return Response(status_code=499)  # nobody is listening
+        choices = [shape.choice(i, r, with_logprobs) for i, r in enumerate(results)]
+        return JSONResponse(shape.response(choices, generation.prompt_tokens, sum(len(r.token_ids) for r in results)))
+
+    @app.get("/health")
+    async def health() -> dict:
+        if not llm.executor.alive:
+            raise APIError(503, "the batch loop has stopped; restart the server", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str) -> dict:
+        if model != model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        check(body)
+        prompts = [prompt_ids(prompt=p) for p in body.prompts()]
+        max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        params = body.sampling_params(max_tokens, body.logprobs)
+        shape = CompletionShape(model_name, llm.tokenizer, len(prompts) * params.n)
+        return await respond(request, body.stream, body.include_usage, prompts, params, shape, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        check(body)
+        ids = prompt_ids(messages=[m.template_dict() for m in body.messages])
+        max_tokens = body.requested_max_tokens()
+        params = body.sampling_params(max_seq_len - len(ids) if max_tokens is None else max_tokens,
+                                      body.logprobs_count())
+        shape = ChatShape(model_name, llm.tokenizer)
+        return await respond(request, body.stream, body.include_usage, [ids], params, shape, arrival)
+
+    return app
+
+
+async def _events(generation: Generation, shape: _Shape, with_logprobs: bool,
+                  include_usage: bool) -> AsyncIterator[str]:
+    completion_tokens = 0
+    try:
+        opening = shape.opening(generation.num_choices)
+        if opening:
+            yield sse(shape.chunk(opening))
+        async for index, output in generation:
+            completion_tokens += len(output.token_ids)
+            choice = shape.chunk_choice(index, output, with_logprobs)
+            if choice is not None:
+                yield sse(shape.chunk([choice]))
+        if include_usage:
+            yield sse(shape.chunk([], usage(generation.prompt_tokens, completion_tokens)))
+    except Exception as exc:  # the response has started: the error goes in the stream
+        yield sse(from_exception(exc).body())
+    finally:
+        generation.abort()
+    yield sse("[DONE]")

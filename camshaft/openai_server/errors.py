@@ -1,0 +1,76 @@
+"""Every error as OpenAI's `{"error": {"message", "type", "param", "code"}}` with a fitting HTTP status."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from camshaft.errors import CapacityError, RequestError, ServerBusyError
+from camshaft.openai_server.metrics import Metrics
+
+_SAMPLING_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "logprobs", "n"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def from_exception(exc: Exception) -> APIError:
+    """The API error for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ServerBusyError):
+        return APIError(503, str(exc), type="server_busy_error", code="server_busy")
+    if isinstance(exc, CapacityError):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, RequestError):
+        first = str(exc).split(" ", 1)[0]
+        return APIError(400, str(exc), param=first if first in _SAMPLING_FIELDS else None)
+    return APIError(500, f"internal server error: {exc!r}", type="server_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return "the request body is not valid JSON", None
+    parts, param = [], None
+    for error in errors:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+def install(app: FastAPI, metrics: Metrics) -> None:
+    def respond(request: Request, error: APIError) -> JSONResponse:
+        metrics.http(request.url.path, error.status)
+        headers = {"Retry-After": "1"} if error.status == 503 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return respond(request, APIError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return respond(request, APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(APIError)
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, from_exception(exc))
+
+    @app.exception_handler(Exception)  # Starlette logs the traceback too
+    async def other(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, from_exception(exc))

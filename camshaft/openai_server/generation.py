@@ -1,0 +1,83 @@
+"""One API request's sequences in the batch loop: submitted at once (so refusals become HTTP errors before any
+response starts), read as they come, aborted when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from camshaft.openai_server.metrics import Metrics
+from camshaft.runtime.executor import RequestOutput
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.request import GenerationResult
+from camshaft.runtime.sampling_params import SamplingParams
+
+
+class Generation:
+    """Prompt p's output j is choice p * n + j, as OpenAI numbers choices."""
+
+    def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
+                 arrival: float) -> None:
+        self.llm, self.metrics, self.arrival = llm, metrics, arrival
+        self.prompt_tokens = sum(len(ids) for ids in prompts)
+        self.num_choices = len(prompts) * params.n
+        loop = asyncio.get_running_loop()
+        self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._index: dict[str, int] = {}
+        self._unfinished: set[str] = set()
+        self._last: dict[int, float] = {}
+
+        def sink(output: RequestOutput) -> None:  # on the batch loop's thread
+            loop.call_soon_threadsafe(self._outputs.put_nowait, output)
+
+        try:
+            for p, ids in enumerate(prompts):
+                request_ids = llm.submit(ids, params, sink)
+                self._unfinished.update(request_ids)
+                self._index.update({rid: p * params.n + j for j, rid in enumerate(request_ids)})
+        except BaseException:
+            self.abort()
+            raise
+        metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) for every sampled token; each choice's last output is finished."""
+        while self._unfinished:
+            output = await self._outputs.get()
+            if output.finished:
+                self._unfinished.discard(output.request_id)
+            if output.error is not None:
+                raise output.error
+            index = self._index[output.request_id]
+            self._observe(index, output)
+            yield index, output
+
+    async def results(self) -> list[GenerationResult]:
+        """Every choice's final result, in choice order."""
+        results: dict[int, GenerationResult] = {}
+        async for index, output in self:
+            if output.result is not None:
+                results[index] = output.result
+        return [results[i] for i in range(self.num_choices)]
+
+    def abort(self) -> None:
+        """Stop what is unfinished (idempotent); the batch loop frees its KV blocks before its next step."""
+        for request_id in self._unfinished:
+            self.llm.abort(request_id)
+            self.metrics.finished.labels(finish_reason="abort").inc()
+        self._unfinished.clear()
+
+    def _observe(self, index: int, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        if output.token_ids:
+            last = self._last.get(index)
+            if last is None:
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.metrics.itl.observe(now - last)
+            self._last[index] = now
+        if output.result is not None:
+            self.metrics.e2e.observe(now - self.arrival)
+            self.metrics.finished.labels(finish_reason=output.result.finish_reason).inc()
+            self.metrics.generation_tokens.inc(len(output.result.token_ids))

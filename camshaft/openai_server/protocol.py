@@ -1,0 +1,129 @@
+"""OpenAI request bodies and their translation to SamplingParams.
+
+Unknown fields are accepted and ignored (clients send `user`, `metadata`, ...); fields that would change the output
+in ways camshaft cannot honour are refused. vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output) are accepted too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from camshaft.errors import RequestError
+from camshaft.runtime.sampling_params import SamplingParams
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass temperature=0 for greedy output
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float = 1.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported; leave it out (bad_words are not exposed either)")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+            stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise RequestError("echo is not supported (no prompt log-probs); leave it out or set it to false")
+        if self.suffix:
+            raise RequestError("suffix (insertion) is not supported; leave it out")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(f"best_of {self.best_of} differs from n {self.n}; camshaft has no best_of: use n")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt or several; each is text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """{'role', 'content'} with text content parts joined, as chat templates expect."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise RequestError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+            content = "".join(str(part.get("text", "")) for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise RequestError("tools (function calling) are not supported; leave them out")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise RequestError("response_format other than {'type': 'text'} is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,119 @@
+"""Response bodies and stream chunks of /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+
+from camshaft.openai_server.tokens import TokenText
+from camshaft.runtime.executor import RequestOutput
+from camshaft.runtime.request import GenerationResult
+from camshaft.runtime.sampler import SampleResult
+
+_FLOOR = -9999.0  # OpenAI's stand-in for a log-prob of -inf (JSON has no infinities)
+
+
+def _logprob(value: float | None) -> float:
+    return _FLOOR if value is None or not math.isfinite(value) else max(value, _FLOOR)
+
+
+def finish_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+class _Shape:
+    """What completions and chat share: ids, envelopes and token strings."""
+
+    object: str
+    chunk_object: str
+    prefix: str
+
+    def __init__(self, model: str, tokenizer) -> None:
+        self.model, self.id, self.created = model, f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.tokens = TokenText(tokenizer)
+
+    def token(self, token_id: int) -> str:
+        return self.tokens.get(token_id)[0]
+
+    def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage_}
+
+
+class CompletionShape(_Shape):
+    object = chunk_object = "text_completion"
+    prefix = "cmpl"
+
+    def __init__(self, model: str, tokenizer, num_choices: int) -> None:
+        super().__init__(model, tokenizer)
+        self._offsets = [0] * num_choices  # text_offset runs on across a streamed choice's chunks
+
+    def logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
+        tokens = [self.token(s.token_id) for s in samples]
+        offsets = []
+        for text in tokens:
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(text)
+        return {"tokens": tokens, "token_logprobs": [_logprob(s.logprob) for s in samples],
+                "top_logprobs": [{self.token(t): _logprob(lp) for t, lp in s.top_logprobs or ()} for s in samples],
+                "text_offset": offsets}
+
+    def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
+        return {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
+                "logprobs": self.logprobs(index, result.logprobs or []) if with_logprobs else None}
+
+    def opening(self, num_choices: int) -> list[dict]:
+        return []
+
+    def chunk_choice(self, index: int, output: RequestOutput, with_logprobs: bool) -> dict | None:
+        if not (output.delta or output.finished or (with_logprobs and output.logprobs)):
+            return None
+        return {"index": index, "text": output.delta,
+                "logprobs": self.logprobs(index, output.logprobs) if with_logprobs else None,
+                "finish_reason": finish_reason(output.result.finish_reason) if output.result else None}
+
+
+class ChatShape(_Shape):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    prefix = "chatcmpl"
+
+    def logprobs(self, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
+        def entry(token_id: int, logprob: float | None) -> dict:
+            text, raw = self.tokens.get(token_id)
+            return {"token": text, "logprob": _logprob(logprob), "bytes": raw}
+
+        return {"content": [{**entry(s.token_id, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in
+                                                                             s.top_logprobs or ()]}
+                            for s in samples]}
+
+    def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": result.text},
+                "logprobs": self.logprobs(result.logprobs or []) if with_logprobs else None,
+                "finish_reason": finish_reason(result.finish_reason)}
+
+    def opening(self, num_choices: int) -> list[dict]:
+        """The assistant role first, as OpenAI streams it."""
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(num_choices)]
+
+    def chunk_choice(self, index: int, output: RequestOutput, with_logprobs: bool) -> dict | None:
+        if not (output.delta or output.finished or (with_logprobs and output.logprobs)):
+            return None
+        return {"index": index, "delta": {"content": output.delta} if output.delta else {},
+                "logprobs": self.logprobs(output.logprobs) if with_logprobs else None,
+                "finish_reason": finish_reason(output.result.finish_reason) if output.result else None}

@@ -44,7 +44,8 @@ class TensorSpec:
 class KVCacheLayout:
     """Per layer one K and one V tensor of shape [num_blocks, block_size, num_kv_heads * head_dim].
 
-    Block 0 is the null block: padding in block tables points at it and it is never allocated.
+    Block 0 is the null block: padding in block tables points at it and it is never allocated. `dtype` is the
+    engine's float type, or int8 / float8 for a quantized cache (float8: e4m3fn bit patterns in uint8 tensors).
     """
 
     dtype: str
@@ -145,6 +146,7 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
 def write_atomic(path: Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.fchmod(fd, 0o644)  # mkstemp makes it private; an engine is read by servers running as other users
     with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()

@@ -273,6 +273,7 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
 def _write_atomic(path: Path, data: memoryview) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.fchmod(fd, 0o644)  # mkstemp makes it private; servers may run as other users
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

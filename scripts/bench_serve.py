@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Serving benchmark on SmolLM2-135M-Instruct (CPU, fp32): the same requests through camshaft's OpenAI server,
+its Triton deployment (HTTP generate_stream and gRPC streaming) and an in-process `LLM` on the same engine.
+
+Both servers are started with the real CLI (`camshaft serve --api openai`, `camshaft serve --engine`) as child
+processes on loopback ports, one engine each; the in-process baseline shows what the servers cost. Two workloads,
+like the public cross-engine benchmarks: prefill-heavy (~460 prompt tokens, 16 out) at max concurrency 1, 8 and 32
+(all requests sent at once), and decode-heavy (~460 in, 256 out) at Poisson rates up to all-at-once under a
+concurrency cap of 32. Targets take turns at each point so machine noise hits them alike.
+
+Writes out/bench/serve-*.json and docs/bench/serve-*.png; with --write-md replaces the serve section of
+BENCHMARKS.md. Needs the `bench` and `serve` extras.
+
+    .venv/bin/python scripts/bench_serve.py --write-md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+from bench_latency import machine_info, rel, write_markdown
+
+from camshaft.bench_serve.clients import Target
+from camshaft.bench_serve.report import ServeResult, plot
+from camshaft.bench_serve.run import bench_serve
+from camshaft.bench_serve.workload import load_requests, load_tokenizer
+from camshaft.models import default_model_dir, fetch_model
+
+REPO = Path(__file__).resolve().parent.parent
+CAMSHAFT = str(Path(sys.executable).parent / "camshaft")
+BEGIN, END = "<!-- serve:begin -->", "<!-- serve:end -->"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(engine: Path, model: Path) -> None:
+    if (engine / "manifest.json").is_file():
+        return
+    subprocess.run([CAMSHAFT, "build", "--model", str(model), "--output", str(engine), "--max-batch-size", "32",
+                    "--max-seq-len", "1024"], check=True)
+
+
+def start(cmd: list[str], ready_url: str, log: Path, timeout: float = 180.0) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(ready_url, timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError(f"{ready_url} not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _row(r: dict, base: dict | None) -> str:
+    ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}×" if base else "—"
+    limit = r["max_concurrency"] or "∞"
+    return (f"| {r['target']} | {limit} | {r['request_rate']} | {r['completed']}/{r['completed'] + r['failed']} | "
+            f"{r['output_tok_s']:.1f} | {ratio} | {r['requests_s']:.2f} | "
+            + " / ".join(f"{r['ttft_ms'][p]:.0f}" for p in ("p50", "p90", "p99")) + " | "
+            + " / ".join(f"{r['tpot_ms'][p]:.1f}" for p in ("p50", "p90", "p99")) + " | "
+            + " / ".join(f"{r['itl_ms'][p]:.1f}" for p in ("p50", "p90", "p99")) + " | "
+            + " / ".join(f"{r['e2e_ms'][p] / 1000:.2f}" for p in ("p50", "p90", "p99")) + " |")
+
+
+def markdown(runs: dict[str, dict], command: str) -> str:
+    m = machine_info()
+    v = m["versions"]
+    out = [BEGIN, "## Serving: SmolLM2-135M-Instruct behind Triton and the OpenAI API, CPU", "",
+           f"Machine: {m['cpu']}, {m['available_cores']} cores, {m['memory_gb']} GB; Python {m['python']}, "
+           f"onnxruntime {v['onnxruntime']}, camshaft {v['camshaft']}. "
+           f"{datetime.now(UTC).strftime('%Y-%m-%d %H:%M')} UTC.", "", f"Command: `{command}`", "",
+           "One fp32 engine (max_seq_len 1024, batch 32) served three ways, each process with its own copy: "
+           "`camshaft serve --api openai` (FastAPI/uvicorn, `/v1/completions` streaming), `camshaft serve` (the "
+           "bundled tritonserver 2.51, python backend; `ensemble` over HTTP `generate_stream` and over gRPC "
+           "streaming), and `llm`: `LLM.stream_outputs` in the benchmark's own process (no server). Greedy, output "
+           "length forced with `min_tokens` = `max_tokens`; TTFT = request sent → first text chunk; TPOT = (E2E − "
+           "TTFT) / (tokens − 1); ITL = gaps between text chunks; ratio = output tok/s against `llm` at the same "
+           "point.", ""]
+    for name, run in runs.items():
+        out += [f"### {name}: `{run['dataset']}`, {run['num_prompts']} prompts", "",
+                "| target | max conc. | rate req/s | done | out tok/s | vs llm | req/s | TTFT p50/p90/p99 ms | "
+                "TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 s |", "|" + "---|" * 11]
+        results = run["results"]
+        for r in results:
+            base = next((b for b in results if b["target"] == "llm" and b["max_concurrency"] == r["max_concurrency"]
+                         and b["request_rate"] == r["request_rate"]), None)
+            out.append(_row(r, base if base is not r else None))
+        out += ["", f"![{name}](docs/bench/serve-{name}.png)", ""]
+    out.append(END)
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work-dir", type=Path, default=REPO / "out" / "bench")
+    p.add_argument("--prefill-prompts", type=int, default=32)
+    p.add_argument("--decode-prompts", type=int, default=16)
+    p.add_argument("--decode-rates", default="0.5,inf")
+    p.add_argument("--md", type=Path, default=REPO / "BENCHMARKS.md")
+    p.add_argument("--write-md", action="store_true")
+    args = p.parse_args()
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    model = fetch_model("smollm2-135m-instruct", default_model_dir("smollm2-135m-instruct"))
+    engine = work / "serve-engine"
+    build(engine, model)
+    oa, http, grpc, metrics = free_port(), free_port(), free_port(), free_port()
+    servers = [start([CAMSHAFT, "serve", "--api", "openai", "--engine", str(engine), "--port", str(oa)],
+                     f"http://127.0.0.1:{oa}/health", work / "serve-openai.log")]
+    try:
+        servers.append(start([CAMSHAFT, "serve", "--engine", str(engine), "--port", str(http), "--grpc-port",
+                              str(grpc), "--metrics-port", str(metrics)],
+                             f"http://127.0.0.1:{http}/v2/health/ready", work / "serve-triton.log"))
+        targets = [Target("llm", str(engine), "llm"), Target("openai", f"http://127.0.0.1:{oa}", "openai"),
+                   Target("triton-http", f"http://127.0.0.1:{http}", "triton-generate"),
+                   Target("triton-grpc", f"127.0.0.1:{grpc}", "triton-grpc")]
+        tokenizer = load_tokenizer(engine)
+        plan = {"prefill-heavy": ("prefill-heavy", args.prefill_prompts, [float("inf")], [1, 8, 32]),
+                "decode-heavy": ("decode-heavy", args.decode_prompts,
+                                 [float(x) for x in args.decode_rates.split(",")], [32])}
+        runs = {}
+        for name, (dataset, count, rates, limits) in plan.items():
+            requests = load_requests(dataset, count, tokenizer, seed=0, max_seq_len=1024)
+            results: list[ServeResult] = bench_serve(targets, requests, rates, concurrencies=limits)
+            runs[name] = {"dataset": dataset, "num_prompts": count, "results": [r.to_dict() for r in results]}
+            (work / f"serve-{name}.json").write_text(json.dumps(runs[name], indent=2) + "\n")
+            plot(results, REPO / "docs" / "bench" / f"serve-{name}.png",
+                 title=f"SmolLM2-135M fp32, CPU: {dataset}, {count} prompts")
+    finally:
+        for proc in servers:
+            stop(proc)
+    section = markdown(runs, f".venv/bin/python scripts/bench_serve.py{' --write-md' if args.write_md else ''}")
+    print(section)
+    if args.write_md:
+        write_markdown(args.md, section, BEGIN, END)
+        print(f"wrote {rel(args.md)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""`camshaft deploy`: a Triton model repository for an engine, its config.pbtxt files generated from the manifest.
+
+Models: `tensorrt_llm` (tokens; hosts the engine's one executor), `<name>` (text, decoupled: streaming, gRPC,
+/generate, /generate_stream) and `<name>_sync` (text, not decoupled: plain HTTP/gRPC infer). The text models reach
+the executor through BLS; none loads the engine a second time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import camshaft
+from camshaft.errors import CamshaftError
+from camshaft.manifest import read_manifest
+from camshaft.outdir import check_replaceable, replace_dir, staging_dir
+from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, TOKEN_OUTPUTS, config_block
+from camshaft.version import __version__
+
+MARKER = "camshaft_repository.json"
+TOKEN_MODEL = "tensorrt_llm"
+SHIM = Path(__file__).with_name("model_shim.py")
+LLM_OPTIONS = ("kv_cache_memory", "max_queue", "max_batch_size", "policy", "max_num_tokens", "threads")
+
+
+def _parameters(values: dict[str, str]) -> str:
+    return "".join(f'parameters {{\n  key: "{k}"\n  value {{ string_value: {json.dumps(v, ensure_ascii=False)} }}\n}}\n'
+                   for k, v in values.items())
+
+
+def model_config(name: str, *, decoupled: bool, max_batch_size: int, token: bool, params: dict[str, str],
+                 instances: int = 1) -> str:
+    inputs, outputs = (TOKEN_INPUTS, TOKEN_OUTPUTS) if token else (TEXT_INPUTS, TEXT_OUTPUTS)
+    batching = "" if decoupled else "dynamic_batching {\n  max_queue_delay_microseconds: 0\n}\n"
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n'
+            f"model_transaction_policy {{\n  decoupled: {str(decoupled).lower()}\n}}\n{batching}"
+            + config_block("input", inputs) + config_block("output", outputs)
+            + f"instance_group [\n  {{\n    count: {instances}\n    kind: KIND_CPU\n  }}\n]\n" + _parameters(params))
+
+
+def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None) -> Path:
+    """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments."""
+    engine, repo = Path(engine).resolve(), Path(repo)
+    manifest = read_manifest(engine)  # refuses a missing or broken engine directory
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name in (TOKEN_MODEL, f"{TOKEN_MODEL}_sync"):
+        raise CamshaftError(f"--name {name!r} must be a plain model name (letters, digits, _ . -) "
+                            f"other than {TOKEN_MODEL}")
+    options = {k: v for k, v in (llm_options or {}).items() if v is not None}
+    unknown = set(options) - set(LLM_OPTIONS)
+    if unknown:
+        raise CamshaftError(f"unknown LLM option(s) {sorted(unknown)}; known: {', '.join(LLM_OPTIONS)}")
+    batch = options.get("max_batch_size") or manifest.limits.max_batch_size
+    common = {"engine_dir": str(engine), "camshaft_path": str(Path(camshaft.__file__).resolve().parents[1])}
+    models = {
+        TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=True, max_batch_size=batch, token=True, params={
+            "camshaft_model": "camshaft.triton_repo.token_model:TokenModel",
+            "llm_options": json.dumps(options), "exclude_input_in_output": "false", **common}),
+        name: model_config(name, decoupled=True, max_batch_size=batch, token=False, params={
+            "camshaft_model": "camshaft.triton_repo.text_model:TextModel", "token_model": TOKEN_MODEL, **common}),
+        f"{name}_sync": model_config(f"{name}_sync", decoupled=False, max_batch_size=batch, token=False, instances=2,
+                                     params={"camshaft_model": "camshaft.triton_repo.text_model:TextModel",
+                                             "token_model": TOKEN_MODEL, **common}),
+    }
+    check_replaceable(repo, MARKER, "a camshaft Triton repository", CamshaftError)
+    staging = staging_dir(repo)
+    try:
+        for model, config in models.items():
+            (staging / model / "1").mkdir(parents=True)
+            (staging / model / "config.pbtxt").write_text(config)
+            shutil.copyfile(SHIM, staging / model / "1" / "model.py")
+        (staging / MARKER).write_text(json.dumps({"engine_dir": str(engine), "name": name, "llm_options": options,
+                                                  "camshaft_version": __version__}, indent=2) + "\n")
+        replace_dir(staging, repo)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return repo

@@ -1,0 +1,77 @@
+"""camshaft's Prometheus metrics on Triton's metrics port, through the python backend's custom metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import triton_python_backend_utils as pb_utils
+
+GAUGES = {
+    "camshaft_kv_cache_blocks_used": "KV cache blocks in use",
+    "camshaft_kv_cache_blocks_total": "KV cache blocks in the pool",
+    "camshaft_kv_cache_usage_ratio": "Fraction of the KV cache pool in use",
+    "camshaft_requests_running": "Requests in the running batch",
+    "camshaft_requests_waiting": "Requests queued for the running batch",
+    "camshaft_peak_batch_size": "Largest running batch of one engine step since start",
+    "camshaft_tokens_per_second": "Generated tokens per second over the last second",
+}
+COUNTERS = {
+    "camshaft_generated_tokens_total": "Tokens generated",
+    "camshaft_requests_total": "Requests accepted by the executor",
+    "camshaft_requests_refused_total": "Requests refused (invalid, too long, or the queue full)",
+}
+
+
+class Metrics:
+    def __init__(self, llm, model: str, period_s: float = 0.2) -> None:
+        self.llm, self.period_s = llm, period_s
+        labels = {"model": model}
+        self.families = {name: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.GAUGE)
+                         for name, text in GAUGES.items()}
+        self.families |= {name: pb_utils.MetricFamily(name=name, description=text,
+                                                      kind=pb_utils.MetricFamily.COUNTER)
+                          for name, text in COUNTERS.items()}
+        self.metrics = {name: family.Metric(labels=labels) for name, family in self.families.items()}
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="camshaft-metrics", daemon=True)
+        self._thread.start()
+
+    def count(self, name: str, value: int = 1) -> None:
+        if value:
+            self.metrics[name].increment(value)
+            if name == "camshaft_generated_tokens_total":
+                with self._lock:
+                    self._tokens += value
+
+    def update(self) -> None:
+        load = self.llm.load()
+        values = {"camshaft_kv_cache_blocks_used": load.kv_blocks_used,
+                  "camshaft_kv_cache_blocks_total": load.kv_blocks_total,
+                  "camshaft_kv_cache_usage_ratio": load.kv_usage, "camshaft_requests_running": load.running,
+                  "camshaft_requests_waiting": load.waiting,
+                  "camshaft_peak_batch_size": self.llm.executor.peak_batch_size}
+        for name, value in values.items():
+            self.metrics[name].set(value)
+
+    def _loop(self) -> None:
+        window: list[tuple[float, int]] = []
+        while not self._stop.wait(self.period_s):
+            now = time.monotonic()
+            with self._lock:
+                window.append((now, self._tokens))
+            window = [(t, n) for t, n in window if now - t <= 1.0 + self.period_s]
+            (t0, n0), (t1, n1) = window[0], window[-1]
+            self.metrics["camshaft_tokens_per_second"].set((n1 - n0) / (t1 - t0) if t1 > t0 else 0.0)
+            try:
+                self.update()
+            except Exception:  # the executor is closing: stop quietly
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.metrics.clear()  # metrics before their families, as the python backend requires
+        self.families.clear()

@@ -1,0 +1,131 @@
+"""tensorrtllm_backend request tensors -> camshaft SamplingParams (no Triton import: testable anywhere).
+
+Values are numpy arrays as Triton hands them over, batch dimension first; one request per call (batch 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from camshaft.errors import RequestError
+from camshaft.runtime.sampling_params import SamplingParams
+
+Values = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    streaming: bool
+    exclude_input: bool
+    log_probs: bool
+    num_input_tokens: bool
+    num_output_tokens: bool
+
+
+def one(values: Values, name: str):
+    """The single value of a per-request scalar input, or None when it was not sent."""
+    array = values.get(name)
+    if array is None:
+        return None
+    flat = array.reshape(-1)
+    if flat.size != 1:
+        raise RequestError(f"{name} must hold one value (shape [1, 1]), got shape {list(array.shape)}; "
+                           "send one request per call")
+    value = flat[0]
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value.item()
+
+
+def strings(values: Values, name: str) -> tuple[str, ...]:
+    array = values.get(name)
+    if array is None:
+        return ()
+    words = [w.decode("utf-8", errors="replace") if isinstance(w, bytes) else str(w) for w in array.reshape(-1)]
+    return tuple(w for w in words if w)
+
+
+def word_lists(array: np.ndarray | None, name: str) -> list[list[int]]:
+    """TensorRT-LLM's [1, 2, L] stop/bad words format: concatenated ids, then end offsets padded with -1."""
+    if array is None:
+        return []
+    if array.size == 0:
+        return []
+    if array.ndim < 2 or array.reshape(-1, array.shape[-1]).shape[0] != 2:
+        raise RequestError(f"{name} must have shape [1, 2, L] (ids, then end offsets padded with -1), "
+                           f"got {list(array.shape)}")
+    ids, offsets = array.reshape(2, -1).tolist()
+    words, start = [], 0
+    for end in offsets:
+        if end < 0:
+            break
+        if not start < end <= len(ids):
+            raise RequestError(f"{name}: offsets must increase within the {len(ids)} ids, got {offsets}")
+        words.append(ids[start:end])
+        start = end
+    return words
+
+
+def token_request(values: Values, *, tokenizer, eos_token_ids: Sequence[int], exclude_default: bool) -> TokenRequest:
+    ids_array = values.get("input_ids")
+    if ids_array is None:
+        raise RequestError("input_ids is required: the prompt's token ids, shape [1, L] INT32")
+    if ids_array.ndim >= 2 and ids_array.shape[0] != 1:
+        raise RequestError(f"input_ids holds {ids_array.shape[0]} prompts; send one request per prompt")
+    prompt = [int(t) for t in ids_array.reshape(-1)]
+    length = one(values, "input_lengths")
+    if length is not None:
+        if not 0 < length <= len(prompt):
+            raise RequestError(f"input_lengths {length} must be in 1..{len(prompt)} (the input_ids given)")
+        prompt = prompt[:length]
+    max_tokens = one(values, "request_output_len")
+    if max_tokens is None:
+        raise RequestError("request_output_len is required: the number of tokens to generate")
+    for name in ("num_return_sequences",):
+        if (one(values, name) or 1) > 1:
+            raise RequestError(f"{name} > 1 is not supported; send several requests (with different seeds)")
+    for name in ("return_context_logits", "return_generation_logits"):
+        if one(values, name):
+            raise RequestError(f"{name} is not supported by camshaft's Triton models; leave it false")
+    return TokenRequest(prompt, sampling_params(values, tokenizer, eos_token_ids, max_tokens),
+                        bool(one(values, "streaming")),
+                        bool(exclude_default if one(values, "exclude_input_in_output") is None
+                             else one(values, "exclude_input_in_output")),
+                        bool(one(values, "return_log_probs")), bool(one(values, "return_num_input_tokens")),
+                        bool(one(values, "return_num_output_tokens")))
+
+
+def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max_tokens: int) -> SamplingParams:
+    kwargs: dict = {"max_tokens": max_tokens}
+    for source, target in (("temperature", "temperature"), ("runtime_top_k", "top_k"), ("min_tokens", "min_tokens"),
+                           ("repetition_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
+                           ("frequency_penalty", "frequency_penalty"), ("beam_width", "beam_width")):
+        value = one(values, source)
+        if value is not None:
+            kwargs[target] = value
+    top_p = one(values, "runtime_top_p")
+    if top_p is not None and top_p > 0:  # tensorrtllm_backend: 0 turns top-p off
+        kwargs["top_p"] = top_p
+    seed = one(values, "seed")
+    seed = one(values, "random_seed") if seed is None else seed
+    if seed is not None:
+        kwargs["seed"] = int(seed)
+    if one(values, "return_log_probs"):
+        kwargs["logprobs"] = 0
+    stop_ids, stop = [], list(strings(values, "stop_words"))
+    for word in word_lists(values.get("stop_words_list"), "stop_words_list"):
+        if len(word) == 1:
+            stop_ids.append(word[0])
+        else:
+            stop.append(tokenizer.decode(word))
+    end_id = one(values, "end_id")
+    if end_id is not None and end_id not in eos_token_ids:  # end_id replaces the engine's eos; -1: never stop
+        kwargs["ignore_eos"] = True
+        if end_id >= 0:
+            stop_ids.append(end_id)
+    bad = list(strings(values, "bad_words"))
+    bad += [tokenizer.decode(word) for word in word_lists(values.get("bad_words_list"), "bad_words_list")]
+    return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad))

@@ -1,0 +1,255 @@
+"""The tritonserver bundled in nvidia-pytriton, started on a camshaft model repository.
+
+Recipe (FACTS.md): a backends directory of symlinks to the python backend and the stub for this Python, PATH led by
+this interpreter's bin (the stub runs its python from there), LD_LIBRARY_PATH = this Python's LIBDIR, free ports,
+and a readiness poll that fails fast when the process exits (a broken stub makes loading hang forever).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from camshaft.errors import CamshaftError
+
+SHM_PREFIX = "triton_python_backend_shm_region_"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def http(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+
+def tritonserver_root() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise CamshaftError("tritonserver is not installed: install camshaft[serve] (nvidia-pytriton ships it)")
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    if not (root / "bin" / "tritonserver").is_file():
+        raise CamshaftError(f"{root} holds no bin/tritonserver; reinstall nvidia-pytriton")
+    return root
+
+
+def make_backends_dir(out: Path) -> Path:
+    """out/python/ with symlinks (their $ORIGIN rpath must resolve inside the pytriton package)."""
+    root = tritonserver_root()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise CamshaftError(f"nvidia-pytriton has no python backend stub for Python {version}; use Python 3.10-3.13")
+    python = out / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    for source in (root / "backends/python/libtriton_python.so",
+                   root / "backends/python/triton_python_backend_utils.py", stub):
+        link = python / source.name
+        if not link.exists():
+            link.symlink_to(source)
+    return out
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    env.pop("PYTHONPATH", None)  # the stub ignores it; camshaft comes from the interpreter's site-packages
+    return env
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class TritonServer:
+    """`with TritonServer(repo) as server:` starts tritonserver on loopback and waits until it is ready."""
+
+    def __init__(self, repo: Path, *, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
+                 metrics_port: int = 0, exit_timeout_s: int = 3, ready_timeout_s: float = 120.0,
+                 log_file: Path | None = None, log_verbose: int = 0) -> None:
+        """Ports 0 pick free ones. log_file None: a file in a private temporary directory (see log_tail)."""
+        self.repo = Path(repo).resolve()
+        if not (self.repo.is_dir() and any(self.repo.glob("*/config.pbtxt"))):
+            raise CamshaftError(f"{repo} is not a model repository (no */config.pbtxt); write one with camshaft deploy")
+        probe = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.endpoints = Endpoints(probe, http_port or free_port(probe), grpc_port or free_port(probe),
+                                   metrics_port or free_port(probe))
+        self.host, self.exit_timeout_s, self.ready_timeout_s = host, exit_timeout_s, ready_timeout_s
+        self._tmp = tempfile.TemporaryDirectory(prefix="camshaft-triton-")
+        self.log_file = Path(log_file) if log_file else Path(self._tmp.name) / "tritonserver.log"
+        self.log_verbose = log_verbose
+        self.process: subprocess.Popen | None = None
+        self._shm: set[str] = set()
+
+    def command(self) -> list[str]:
+        e = self.endpoints
+        return [str(tritonserver_root() / "bin" / "tritonserver"), f"--model-repository={self.repo}",
+                f"--backend-directory={make_backends_dir(Path(self._tmp.name) / 'backends')}",
+                f"--http-address={self.host}", f"--http-port={e.http_port}",
+                f"--grpc-address={self.host}", f"--grpc-port={e.grpc_port}",
+                "--allow-metrics=true", "--allow-cpu-metrics=true", f"--metrics-address={self.host}",
+                f"--metrics-port={e.metrics_port}", f"--exit-timeout-secs={self.exit_timeout_s}",
+                "--strict-readiness=true", f"--log-verbose={self.log_verbose}"]
+
+    def start(self) -> TritonServer:
+        with open(self.log_file, "ab") as log:
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+                                            stdin=subprocess.DEVNULL)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self._shm = self._shm_regions()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        url = f"http://{self.endpoints.http}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise CamshaftError(f"tritonserver exited with code {self.process.returncode} before it was ready; "
+                                    f"its log ({self.log_file}) ends:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise CamshaftError(f"tritonserver was not ready within {self.ready_timeout_s:.0f} s; its log "
+                            f"({self.log_file}) ends:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        """Triton's error lines (E...), then the last lines of its log."""
+        try:
+            text = self.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        errors = [line for line in text[:-lines] if line.startswith("E") and line[1:5].isdigit()]
+        return "\n".join([*errors[-20:], *text[-lines:]])
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoints.http}/v2/health/ready", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (Triton drains for exit_timeout_s, then unloads the models), SIGKILL if it overstays."""
+        if self.process is None:
+            return None
+        self._shm |= self._shm_regions()
+        self.signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for child in _children(self.process.pid):
+                child.kill()
+            self.process.kill()
+            code = self.process.wait()
+        for name in self._shm:  # only regions our server's processes mapped; a clean exit leaves none
+            Path("/dev/shm", name).unlink(missing_ok=True)
+        self._tmp.cleanup()
+        return code
+
+    def _shm_regions(self) -> set[str]:
+        names = set()
+        if self.process is None or self.process.poll() is not None:
+            return names
+        for proc in [psutil.Process(self.process.pid), *_children(self.process.pid)]:
+            try:
+                names |= {Path(m.path).name for m in proc.memory_maps() if SHM_PREFIX in m.path}
+            except psutil.Error:
+                continue
+        return names
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, grpc_port: int, metrics_port: int,
+          llm_options: dict, log: Callable[[str], None]) -> None:
+    """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit."""
+    from camshaft.triton_repo.deploy import deploy_repository
+
+    with tempfile.TemporaryDirectory(prefix="camshaft-repo-") as tmp:
+        if engine is not None:
+            repo = deploy_repository(Path(engine), Path(tmp) / "repo", name="ensemble", llm_options=llm_options)
+            log(f"deployed {engine} to {repo}")
+        elif any(v is not None and k != "policy" for k, v in llm_options.items()):
+            log("note: --repo serves the options written by camshaft deploy; the LLM options given here are ignored")
+        server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
+                              metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600,
+                              log_file=Path(tmp) / "tritonserver.log")
+        log(f"starting tritonserver on {repo} (log: {server.log_file})")
+        stopping = []
+
+        def forward(signum, _frame) -> None:
+            stopping.append(signum)
+            log(f"got {signal.Signals(signum).name}: draining (up to {server.exit_timeout_s} s) and stopping")
+            server.signal(signal.SIGTERM)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.start()
+            e = server.endpoints
+            log(f"ready: HTTP http://{e.http}  gRPC {e.grpc}  metrics {e.metrics_url}")
+            models = sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
+            log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/ensemble/generate")
+            code = server.wait()
+            if code and not stopping:
+                raise CamshaftError(f"tritonserver exited with code {code}; its log ends:\n{server.log_tail()}")
+        finally:
+            server.stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        log("stopped")

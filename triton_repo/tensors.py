@@ -1,0 +1,80 @@
+"""Tensor names, types and shapes of the generated models, after TensorRT-LLM's triton_backend
+(all_models/inflight_batcher_llm: `tensorrt_llm` for tokens, `ensemble`/`tensorrt_llm_bls` for text).
+
+Every model has a batch dimension (max_batch_size > 0), so clients send shape [1, ...] per request, as with
+tensorrtllm_backend. Inputs marked EXT are camshaft extensions the text model uses over BLS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # Triton type without the TYPE_ prefix
+    dims: tuple[int, ...] = (1,)
+    optional: bool = True
+
+
+def _s(name: str, dtype: str, dims: tuple[int, ...] = (1,), optional: bool = True) -> TensorSpec:
+    return TensorSpec(name, dtype, dims, optional)
+
+
+# Sampling inputs shared by both levels: (text name, token-model name, type).
+SAMPLING = (
+    ("end_id", "end_id", "INT32"), ("pad_id", "pad_id", "INT32"), ("top_k", "runtime_top_k", "INT32"),
+    ("top_p", "runtime_top_p", "FP32"), ("temperature", "temperature", "FP32"),
+    ("length_penalty", "len_penalty", "FP32"), ("repetition_penalty", "repetition_penalty", "FP32"),
+    ("min_tokens", "min_tokens", "INT32"), ("presence_penalty", "presence_penalty", "FP32"),
+    ("frequency_penalty", "frequency_penalty", "FP32"), ("seed", "seed", "UINT64"),
+    ("random_seed", "random_seed", "UINT64"),  # the name before TensorRT-LLM 0.12
+    ("beam_width", "beam_width", "INT32"), ("num_return_sequences", "num_return_sequences", "INT32"),
+    ("return_log_probs", "return_log_probs", "BOOL"), ("exclude_input_in_output", "exclude_input_in_output", "BOOL"),
+    ("return_num_input_tokens", "return_num_input_tokens", "BOOL"),
+    ("return_num_output_tokens", "return_num_output_tokens", "BOOL"),
+    ("return_context_logits", "return_context_logits", "BOOL"),
+    ("return_generation_logits", "return_generation_logits", "BOOL"),
+)
+TEXT_TO_TOKEN = {text: token for text, token, _ in SAMPLING} | {"max_tokens": "request_output_len",
+                                                                   "stream": "streaming"}
+
+TOKEN_INPUTS = (
+    _s("input_ids", "INT32", (-1,)),  # optional only for `stop` requests; checked by the model
+    _s("input_lengths", "INT32"),
+    _s("request_output_len", "INT32"),
+    _s("stop_words_list", "INT32", (2, -1)), _s("bad_words_list", "INT32", (2, -1)),
+    *(_s(token, dtype) for _, token, dtype in SAMPLING),
+    _s("streaming", "BOOL"), _s("stop", "BOOL"),
+    _s("stop_words", "STRING", (-1,)), _s("bad_words", "STRING", (-1,)),  # EXT: strings, as the text model gets them
+)
+TOKEN_OUTPUTS = (
+    _s("output_ids", "INT32", (-1, -1)), _s("sequence_length", "INT32", (-1,)),
+    _s("cum_log_probs", "FP32", (-1,)), _s("output_log_probs", "FP32", (-1, -1)),
+    _s("num_input_tokens", "INT32"), _s("num_output_tokens", "INT32"),
+    _s("text_output", "STRING", (-1,)),  # EXT: the text delta of the new tokens (stop strings applied)
+    _s("finish_reason", "STRING", (-1,)),  # EXT: on the last response only: length, stop, abort
+)
+
+TEXT_INPUTS = (
+    _s("text_input", "STRING", optional=False),
+    _s("max_tokens", "INT32", optional=False),
+    _s("bad_words", "STRING", (-1,)), _s("stop_words", "STRING", (-1,)),
+    *(_s(text, dtype) for text, _, dtype in SAMPLING),
+    _s("stream", "BOOL"),
+)
+TEXT_OUTPUTS = (
+    _s("text_output", "STRING", (-1,)),
+    _s("cum_log_probs", "FP32", (-1,)), _s("output_log_probs", "FP32", (-1, -1)),
+    _s("num_input_tokens", "INT32"), _s("num_output_tokens", "INT32"),
+)
+
+
+def config_block(kind: str, specs: tuple[TensorSpec, ...]) -> str:
+    items = []
+    for s in specs:
+        dims = ", ".join(str(d) for d in s.dims)
+        optional = "\n    optional: true" if s.optional and kind == "input" else ""
+        items.append(f'  {{\n    name: "{s.name}"\n    data_type: TYPE_{s.dtype}\n    dims: [ {dims} ]{optional}\n  }}')
+    return f"{kind} [\n" + ",\n".join(items) + "\n]\n"

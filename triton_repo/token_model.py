@@ -1,0 +1,155 @@
+"""The `tensorrt_llm` model (decoupled): token ids in, token ids out. It hosts the engine's one executor, so every
+request of every model shares one running batch (in-flight batching).
+
+execute() only parses and submits; the executor's sinks put outputs on one queue that a responder thread turns
+into Triton responses. A cancelled request (gRPC stream cancelled, client gone) or a `stop` request with the same
+request id aborts the request in the executor, which frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from camshaft.errors import RequestError, ServerBusyError
+from camshaft.runtime.executor import RequestOutput
+from camshaft.runtime.llm import LLM
+from camshaft.triton_repo.metrics import Metrics
+from camshaft.triton_repo.protocol import TokenRequest, one, token_request
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_CHECK_S = 0.05  # how often a running request asks Triton whether it was cancelled
+
+
+def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
+    code = (pb_utils.TritonError.UNAVAILABLE if isinstance(exc, ServerBusyError) else
+            pb_utils.TritonError.INVALID_ARG if isinstance(exc, RequestError) else pb_utils.TritonError.INTERNAL)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), code))
+
+
+def tensor(name: str, value, dtype) -> pb_utils.Tensor:
+    return pb_utils.Tensor(name, np.asarray(value, dtype=dtype))
+
+
+@dataclass
+class _Job:
+    request: object
+    sender: object
+    spec: TokenRequest
+    request_ids: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    checked: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+
+class TokenModel:
+    def __init__(self, args: dict, params: dict[str, str]) -> None:
+        self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
+        self.exclude_default = params.get("exclude_input_in_output", "false") == "true"
+        self.metrics = Metrics(self.llm, args["model_name"])
+        self.outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self.by_client_id: dict[str, _Job] = {}
+        self.lock = threading.Lock()
+        self.responder = threading.Thread(target=self._respond, name="camshaft-responder", daemon=True)
+        self.responder.start()
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._start(request, sender)
+            except Exception as exc:
+                self.metrics.count("camshaft_requests_refused_total")
+                sender.send(error_response(exc), flags=FINAL)
+        return None
+
+    def _start(self, request, sender) -> None:
+        values = {t.name(): t.as_numpy() for t in request.inputs()}
+        client_id = request.request_id()
+        if one(values, "stop"):  # tensorrtllm_backend's way to stop a request: same request id, stop=true
+            with self.lock:
+                job = self.by_client_id.get(client_id)
+            for request_id in job.request_ids if job else ():
+                self.llm.abort(request_id)
+            sender.send(flags=FINAL)
+            return
+        engine = self.llm.engine
+        spec = token_request(values, tokenizer=self.llm.tokenizer, eos_token_ids=engine.eos_token_ids,
+                             exclude_default=self.exclude_default)
+        job = _Job(request, sender, spec)
+        job.request_ids = self.llm.submit(spec.prompt_ids, spec.params, lambda out: self.outputs.put((job, out)))
+        self.metrics.count("camshaft_requests_total")
+        if client_id:
+            with self.lock:
+                self.by_client_id[client_id] = job
+
+    def _respond(self) -> None:
+        while (item := self.outputs.get()) is not None:
+            job, output = item
+            try:
+                self._deliver(job, output)
+            except Exception as exc:  # a client gone mid-send: stop its request, keep serving the others
+                pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r}); aborting the request")
+                if not output.finished:
+                    job.cancelled = True
+                    self.llm.abort(output.request_id)
+            if output.finished:
+                with self.lock:
+                    if self.by_client_id.get(job.request.request_id()) is job:
+                        del self.by_client_id[job.request.request_id()]
+
+    def _deliver(self, job: _Job, output: RequestOutput) -> None:
+        self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
+        if output.error is not None:
+            job.sender.send(error_response(output.error), flags=FINAL)
+            return
+        now = time.monotonic()
+        if not output.finished and not job.cancelled and now - job.checked >= CANCEL_CHECK_S:
+            job.checked = now
+            if job.request.is_cancelled():
+                job.cancelled = True
+                self.llm.abort(output.request_id)
+        if job.cancelled:
+            if output.finished:
+                job.sender.send(flags=FINAL)
+            return
+        spec = job.spec
+        job.tokens.extend(output.token_ids)
+        job.logprobs.extend(s.logprob for s in output.logprobs)
+        if spec.streaming:
+            new = list(output.token_ids)
+            job.sender.send(self._response(job, new, job.logprobs[len(job.logprobs) - len(new):], output.delta,
+                                           output), flags=FINAL if output.finished else 0)
+        elif output.finished:
+            result = output.result
+            ids = result.token_ids if spec.exclude_input else [*spec.prompt_ids, *result.token_ids]
+            logprobs = [s.logprob for s in result.logprobs or []]
+            job.sender.send(self._response(job, ids, logprobs, result.text, output), flags=FINAL)
+
+    def _response(self, job: _Job, ids: list[int], logprobs: list[float], text: str, output: RequestOutput):
+        spec = job.spec
+        tensors = [tensor("output_ids", [[ids]], np.int32), tensor("sequence_length", [[len(ids)]], np.int32),
+                   tensor("text_output", [[text.encode()]], np.object_)]
+        if spec.log_probs:
+            tensors += [tensor("cum_log_probs", [[sum(job.logprobs)]], np.float32),
+                        tensor("output_log_probs", [[logprobs]], np.float32)]
+        if output.finished:
+            tensors.append(tensor("finish_reason", [[output.result.finish_reason.encode()]], np.object_))
+            if spec.num_input_tokens:
+                tensors.append(tensor("num_input_tokens", [[len(spec.prompt_ids)]], np.int32))
+            if spec.num_output_tokens:
+                tensors.append(tensor("num_output_tokens", [[len(job.tokens)]], np.int32))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def finalize(self) -> None:
+        self.llm.close()  # unfinished requests get an error output, which the responder still sends
+        self.outputs.put(None)
+        self.responder.join()
+        self.metrics.close()

@@ -1,0 +1,238 @@
+"""The OpenAI-compatible server on a real uvicorn socket, driven by the official openai client: outputs equal the
+single-request Session's, streams concatenate to the full text, errors come back in OpenAI's shape."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.openai_server.server import build_server
+from camshaft.runtime.session import Session
+
+from tiny_models import make_tiny_model
+
+MODEL = "engine"  # the engine directory's name
+PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "Hello, world"]
+
+
+def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny engine per test session, shared by the OpenAI server test modules."""
+    root = tmp_path_factory.getbasetemp() / "openai_server"
+    if not (root / MODEL / "manifest.json").is_file():
+        model = make_tiny_model("llama", root / "hf")
+        build_engine(BuildConfig(model, root / MODEL, max_seq_len=512, max_num_tokens=256, max_batch_size=16))
+    return root / MODEL
+
+
+@contextmanager
+def running_server(engine: Path, **llm_options) -> Iterator[tuple[str, object]]:
+    """(base URL, its LLM) of a uvicorn server on a free loopback port, in a thread."""
+    server, llm = build_server(engine, host="127.0.0.1", port=0, llm_options=llm_options, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", llm
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return tiny_engine(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def served(engine_dir):
+    with running_server(engine_dir) as (url, llm):
+        yield url, llm
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def session(engine_dir):
+    return Session(engine_dir)
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.02)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_models_and_health(served, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(served[0] + "/health").json() == {"status": "ok"}
+
+
+def test_greedy_completion_equals_session_with_usage(client, session):
+    expected = session.generate(PROMPTS[0], max_tokens=12, temperature=0)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == expected.finish_reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(expected.prompt_token_ids),
+                                                                      len(expected.token_ids))
+
+
+def test_completion_logprobs_of_token_prompt_match_session(client, session):
+    ids = [5, 9, 17, 33, 2, 41, 70, 71]
+    expected = session.generate(ids, max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    logprobs = out.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx([s.logprob for s in expected.logprobs], abs=1e-5)
+    assert len(logprobs.tokens) == len(expected.token_ids) == out.usage.completion_tokens
+    for top, sample in zip(logprobs.top_logprobs, expected.logprobs, strict=True):
+        assert sorted(top.values()) == pytest.approx(sorted(lp for _, lp in sample.top_logprobs), abs=1e-5)
+
+
+def test_several_prompts_in_one_completion(client, session):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=8, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [session.generate(p, max_tokens=8, temperature=0).text
+                                             for p in PROMPTS[:3]]
+
+
+def test_chat_equals_session_chat_with_logprobs(client, session):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[1]}]
+    expected = session.chat(messages, max_tokens=10, temperature=0, logprobs=2)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+    choice = out.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx([s.logprob for s in expected.logprobs],
+                                                                         abs=1e-5)
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_streamed_chat_and_completion_concatenate_to_the_text(client, session):
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    expected = session.chat(messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+    expected = session.generate(PROMPTS[3], max_tokens=16, temperature=0)
+    pieces = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == expected.text
+
+
+def test_n_sampled_outputs_are_reproducible_with_a_seed(client):
+    request = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=7, n=3,
+                   extra_body={"ignore_eos": True})
+    full = client.completions.create(**request)
+    assert [c.index for c in full.choices] == [0, 1, 2] and full.usage.completion_tokens == 24
+    assert len({c.text for c in full.choices}) > 1
+    streamed = {}
+    for chunk in client.completions.create(**request, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in full.choices]
+
+
+def _stop_case(session: Session) -> tuple[str, str]:
+    """A prompt and a character its greedy text shows after a first one (the tiny model emits many U+FFFD)."""
+    for prompt in PROMPTS:
+        text = session.generate(prompt, max_tokens=24, temperature=0).text
+        for i, char in enumerate(text[1:], 1):
+            if char != "\ufffd" and char not in text[:i]:
+                return prompt, char
+    raise AssertionError("no greedy output holds a usable stop character")
+
+
+def test_stop_string_ends_the_text(client, session):
+    prompt, stop = _stop_case(session)
+    expected = session.generate(prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop)
+    assert out.choices[0].text == expected.text and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_metrics_move_with_requests(served, client):
+    url = served[0]
+    before = {n: metric(url, n) for n in ("camshaft_generation_tokens_total",
+                                          "camshaft_time_to_first_token_seconds_count",
+                                          "camshaft_inter_token_latency_seconds_count")}
+    client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert metric(url, "camshaft_generation_tokens_total") == before["camshaft_generation_tokens_total"] + 5
+    assert metric(url, "camshaft_time_to_first_token_seconds_count") == \
+        before["camshaft_time_to_first_token_seconds_count"] + 1
+    assert metric(url, "camshaft_inter_token_latency_seconds_count") == \
+        before["camshaft_inter_token_latency_seconds_count"] + 4
+    assert metric(url, "camshaft_kv_cache_blocks_total") > 0 and metric(url, "camshaft_kv_cache_blocks_used") == 0
+
+
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, b'{"model": "engine", "messages": [', None),
+    (CHAT, {"model": "gpt-4o", "messages": HI}, "model"),
+    (CHAT, {"model": MODEL, "messages": HI, "n": 1000}, "n"),
+    (CHAT, {"model": MODEL, "messages": HI, "max_tokens": -3}, "max_tokens"),
+    (CHAT, {"model": MODEL}, "messages"),
+    (CHAT, {"model": MODEL, "messages": HI, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 600}, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 600}, None),
+])
+def test_bad_input_is_an_openai_400(served, path, body, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    response = httpx.post(served[0] + path, **kwargs)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["message"] and error["param"] == param
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        client.chat.completions.create(model="nope", messages=HI)
+
+
+def test_a_full_queue_answers_503_and_the_server_recovers(engine_dir):
+    with running_server(engine_dir, max_batch_size=1, max_queue=0) as (url, llm):
+        gate, step = threading.Event(), llm.engine.step
+        llm.engine.step = lambda chunks: (gate.wait(), step(chunks))[1]  # hold the batch loop: no request finishes
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 50, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body) as first:
+            assert first.status_code == 200  # headers come once the request is in the batch loop
+            busy = httpx.post(url + "/v1/completions", json={**body, "stream": False})
+            gate.set()
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+        wait_until(lambda: llm.load().running + llm.load().waiting == 0)  # the closed stream's request is gone
+        assert httpx.post(url + "/v1/completions", json={**body, "stream": False}).status_code == 200
+        assert llm.load().kv_blocks_used == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -38,6 +39,16 @@ def models_fetch(
     typer.echo(str(path))
 
 
+QuantOption = Annotated[str, typer.Option(help="fp8 | int8_sq | int8_wo | int4_wo | int4_awq | w4a8_awq")]
+KVDtypeOption = Annotated[str | None, typer.Option(help="Also quantize the KV cache: fp8 | int8")]
+GroupOption = Annotated[str, typer.Option(help="INT4 block size: auto | 128 | 64 | 32")]
+CalibDataOption = Annotated[Path | None, typer.Option(help="Text/JSONL file or directory (default: built-in corpus)")]
+CalibSizeOption = Annotated[int, typer.Option(help="Calibration samples")]
+CalibLenOption = Annotated[int, typer.Option(help="Tokens per calibration sample")]
+ExcludeOption = Annotated[list[str] | None, typer.Option(
+    help="Module name pattern to keep unquantized (repeatable)")]
+
+
 @app.command()
 def build(
     model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory")],
@@ -49,43 +60,65 @@ def build(
     max_num_tokens: Annotated[int, typer.Option(help="Most tokens in one step (prefill chunk size)")] = 512,
     kv_block_size: Annotated[int, typer.Option(help="Tokens per KV cache block")] = 32,
     gpu_arch: Annotated[str | None, typer.Option(help="tensorrt targets: GPU architecture, e.g. sm89")] = None,
+    quant: Annotated[str | None, typer.Option(
+        help="Quantize first, as `camshaft quantize --quant` does (the quantized checkpoint is kept in OUTPUT.ckpt)")]
+    = None,
+    kv_cache_dtype: KVDtypeOption = None,
+    group_size: GroupOption = "auto",
+    calib_data: CalibDataOption = None,
+    calib_size: CalibSizeOption = 64,
+    calib_seq_len: CalibLenOption = 256,
+    exclude: ExcludeOption = None,
 ) -> None:
-    """Build an engine directory from a Hugging Face checkpoint."""
+    """Build an engine directory from a Hugging Face checkpoint (with --quant: quantize it first)."""
+    from dataclasses import replace
+
     from camshaft.builder.build import build_engine
     from camshaft.builder.config import BuildConfig
 
     config = BuildConfig(model, output, target=target, dtype=dtype, max_batch_size=max_batch_size,
                          max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
                          gpu_arch=gpu_arch)
+    if quant is None and (kv_cache_dtype is not None or calib_data is not None or exclude):
+        raise CamshaftError("--kv-cache-dtype, --calib-data and --exclude are quantization options: add --quant")
+    if quant is not None:
+        checkpoint = output.with_name(output.name + ".ckpt")
+        _quantize(model, quant, checkpoint, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len,
+                  exclude)
+        config = replace(config, model_dir=checkpoint)
     manifest = build_engine(config, progress=_progress)
     err.print(f"built {manifest.model.architecture} engine for {manifest.target} ({manifest.dtype}) in "
               f"{manifest.target_options.get('build_seconds', '?')} s")
     typer.echo(str(output))
 
 
-@app.command()
-def quantize(
-    model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory (float)")],
-    quant: Annotated[str, typer.Option(help="fp8 | int8_sq | int8_wo | int4_wo | int4_awq | w4a8_awq")],
-    output: Annotated[Path, typer.Option(help="Quantized checkpoint directory to write")],
-    kv_cache_dtype: Annotated[str | None, typer.Option(help="Also quantize the KV cache: fp8 | int8")] = None,
-    group_size: Annotated[str, typer.Option(help="INT4 block size: auto | 128 | 64 | 32")] = "auto",
-    calib_data: Annotated[Path | None, typer.Option(help="Text/JSONL file or directory (default: built-in corpus)")]
-    = None,
-    calib_size: Annotated[int, typer.Option(help="Calibration samples")] = 64,
-    calib_seq_len: Annotated[int, typer.Option(help="Tokens per calibration sample")] = 256,
-    exclude: Annotated[list[str] | None, typer.Option(help="Module name pattern to keep unquantized (repeatable)")]
-    = None,
-) -> None:
-    """Calibrate and quantize a checkpoint with NVIDIA ModelOpt into a quantized (unified HF) checkpoint."""
+def _quantize(model: Path, quant: str, output: Path, kv_cache_dtype: str | None, group_size: str,
+              calib_data: Path | None, calib_size: int, calib_seq_len: int, exclude: list[str] | None) -> None:
     from camshaft.quantize.modelopt_adapter import quantize_checkpoint
     from camshaft.quantize.spec import QuantSpec
 
     spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, exclude=tuple(exclude or ()))
-    result = quantize_checkpoint(model, output, spec, calib_data=calib_data, calib_size=calib_size,
-                                 calib_seq_len=calib_seq_len, progress=_progress, progress_bar=True)
+    with contextlib.redirect_stdout(sys.stderr):  # ModelOpt prints; stdout carries only the output path
+        result = quantize_checkpoint(model, output, spec, calib_data=calib_data, calib_size=calib_size,
+                                     calib_seq_len=calib_seq_len, progress=_progress, progress_bar=True)
     err.print(f"quantized to {spec.format}" + (f" (group {result.group_size})" if result.group_size else "")
               + f" in {result.seconds['total']} s")
+
+
+@app.command()
+def quantize(
+    model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory (float)")],
+    quant: QuantOption,
+    output: Annotated[Path, typer.Option(help="Quantized checkpoint directory to write")],
+    kv_cache_dtype: KVDtypeOption = None,
+    group_size: GroupOption = "auto",
+    calib_data: CalibDataOption = None,
+    calib_size: CalibSizeOption = 64,
+    calib_seq_len: CalibLenOption = 256,
+    exclude: ExcludeOption = None,
+) -> None:
+    """Calibrate and quantize a checkpoint with NVIDIA ModelOpt into a quantized (unified HF) checkpoint."""
+    _quantize(model, quant, output, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len, exclude)
     typer.echo(str(output))
 
 

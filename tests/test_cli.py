@@ -102,3 +102,19 @@ def test_pickle_only_checkpoint_is_refused(tiny, tmp_path, capsys):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not really")
     code, _, err = camshaft(capsys, "build", "--model", tmp_path, "--output", tmp_path / "out")
     assert code == 1 and "pickle" in err and "safetensors" in err
+
+
+def test_build_quant_is_quantize_then_build_in_one_step(tiny, capsys):
+    root, model = tiny
+    out = root / "int8-engine"
+    code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--kv-cache-dtype", "int8")
+    assert code == 1 and "add --quant" in err and not out.exists()
+    code, stdout, err = camshaft(capsys, "build", "--model", model, "--output", out, "--max-seq-len", "64",
+                                 "--quant", "int8_wo", "--calib-size", "2", "--calib-seq-len", "32")
+    assert code == 0, err
+    assert stdout.strip() == str(out)
+    checkpoint = json.loads((root / "int8-engine.ckpt" / "hf_quant_config.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert checkpoint["quantization"]["quant_algo"] == manifest["quantization"]["quant_algo"] == "W8A16"
+    code, _, err = camshaft(capsys, "run", "--engine", out, "--prompt", "hello", "--max-tokens", "3")
+    assert code == 0, err

@@ -1,0 +1,249 @@
+"""camshaft behind the real tritonserver (bundled in nvidia-pytriton) on loopback, queried with the real tritonclient
+(HTTP and gRPC, sync and streaming) and plain HTTP POSTs: outputs equal Session.generate, streams concatenate to the
+full text, bad requests get clear errors, and a full queue is refused as busy. One server for the module."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+from camshaft.triton_repo.deploy import deploy_repository
+from camshaft.triton_repo.server import TritonServer
+
+from tiny_models import make_tiny_model
+
+# Prompts whose greedy continuations on the tiny random model decode to plenty of text (many ids decode to "").
+PROMPTS = ["hello world", "zebra crossing", "a", "xyz", "Count: 5 6 7", "[1, 2, 3]", "Hi there!"]
+BATCH, QUEUE = 16, 48
+
+
+@dataclass
+class Stack:
+    server: TritonServer
+    session: Session
+    references: dict = field(default_factory=dict)
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.server.endpoints.http}/v2/models"
+
+    def reference(self, prompt: str | list[int], max_tokens: int):
+        key = (str(prompt), max_tokens)
+        if key not in self.references:
+            self.references[key] = self.session.generate(prompt, SamplingParams(max_tokens=max_tokens, logprobs=2))
+        return self.references[key]
+
+    def metrics(self) -> dict[str, float]:
+        text = requests.get(self.server.endpoints.metrics_url, timeout=10).text
+        return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("camshaft_")}
+
+    def wait_metrics(self, ok, what: str, timeout: float = 60.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            values = self.metrics()
+            if ok(values):
+                return values
+            time.sleep(0.1)
+        raise AssertionError(f"metrics never showed {what}: {self.metrics()}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("triton")
+    model = make_tiny_model("llama", root / "hf")
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=512, max_num_tokens=128, max_batch_size=BATCH))
+    repo = deploy_repository(root / "engine", root / "repo", llm_options={"max_queue": QUEUE})
+    with TritonServer(repo) as server:
+        yield Stack(server, Session(root / "engine"))
+
+
+def margin(step) -> float:
+    (_, best), (_, second) = step.top_logprobs[:2]
+    return best - second
+
+
+def assert_same_ids(got: list[int], reference) -> None:
+    """Equal, or diverging only where the reference's top-2 margin is below 1e-4 (a numerical tie)."""
+    want = reference.token_ids
+    if got == want:
+        return
+    step = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    assert step < len(want) and margin(reference.logprobs[step]) < 1e-4, (
+        f"diverged at step {step} where the reference's top-2 margin is "
+        f"{margin(reference.logprobs[step]) if step < len(want) else 'n/a'}: {got} vs {want}")
+
+
+def assert_same_text(got: str, reference, tokenizer) -> None:
+    if got == reference.text:
+        return
+    ids = reference.token_ids
+    step = max(k for k in range(len(ids) + 1) if got.startswith(tokenizer.decode(ids[:k])))
+    assert step < len(ids) and margin(reference.logprobs[step]) < 1e-4, (
+        f"text diverged at step {step}: {got!r} vs {reference.text!r}")
+
+
+def tensors(module, **values):
+    types = {str: ("BYTES", np.object_), bool: ("BOOL", np.bool_), int: ("INT32", np.int32),
+             float: ("FP32", np.float32)}
+    out = []
+    for name, value in values.items():
+        kind, dtype = types[type(value[0] if isinstance(value, list) else value)]
+        array = np.array([value if isinstance(value, list) else [value]], dtype=dtype)
+        if dtype is np.object_:
+            array = np.vectorize(lambda s: s.encode(), otypes=[object])(array)
+        tensor = module.InferInput(name, list(array.shape), kind)
+        tensor.set_data_from_numpy(array)
+        out.append(tensor)
+    return out
+
+
+class Stream:
+    """One gRPC stream (its own client): responses until the final one, or a cancel after some of them."""
+
+    def __init__(self, url: str) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def run(self, model: str, inputs, cancel_after: int | None = None):
+        """(outputs of every response, error or None, cancelled)."""
+        self.client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        outputs = []
+        try:
+            while True:
+                result, error = self.responses.get(timeout=300)
+                if error is not None:
+                    return outputs, error, False
+                response = result.get_response()
+                if response.outputs:
+                    outputs.append({o.name: result.as_numpy(o.name) for o in response.outputs})
+                if response.parameters["triton_final_response"].bool_param:
+                    return outputs, None, False
+                if cancel_after is not None and len(outputs) >= cancel_after:
+                    self.client.stop_stream(cancel_requests=True)
+                    return outputs, None, True
+        finally:
+            self.client.stop_stream()
+            self.client.close()
+
+
+def texts(outputs) -> list[str]:
+    return [o["text_output"].reshape(-1)[0].decode() for o in outputs]
+
+
+def test_generate_endpoint_matches_session(stack):
+    tokenizer = stack.session.tokenizer
+    for prompt, max_tokens in zip(PROMPTS, (8, 21, 5, 13, 30, 2, 9), strict=True):
+        reference = stack.reference(prompt, max_tokens)
+        body = {"text_input": prompt, "max_tokens": max_tokens}
+        full = requests.post(f"{stack.http}/ensemble/generate", json=body, timeout=60)
+        assert full.status_code == 200, full.text
+        assert full.json()["text_output"].startswith(prompt)
+        assert_same_text(full.json()["text_output"][len(prompt):], reference, tokenizer)
+        only = requests.post(f"{stack.http}/ensemble/generate", timeout=60,
+                             json=body | {"exclude_input_in_output": True, "return_log_probs": True}).json()
+        assert_same_text(only["text_output"], reference, tokenizer)
+        if only["text_output"] == reference.text:
+            want = [s.logprob for s in reference.logprobs]
+            assert only["output_log_probs"] == pytest.approx(want, abs=1e-4)
+            assert only["cum_log_probs"] == pytest.approx(sum(want), abs=1e-3)
+
+
+def test_generate_stream_pieces_concatenate_to_the_text(stack):
+    prompt, max_tokens = PROMPTS[1], 24
+    reference = stack.reference(prompt, max_tokens)
+    response = requests.post(f"{stack.http}/ensemble/generate_stream", timeout=60,
+                             json={"text_input": prompt, "max_tokens": max_tokens, "stream": True})
+    assert response.status_code == 200, response.text
+    events = [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert len(events) > 1 and all("error" not in e for e in events)
+    assert_same_text("".join(e["text_output"] for e in events), reference, stack.session.tokenizer)
+
+
+def test_tritonclient_http_infer_uses_the_sync_model(stack):
+    client = httpclient.InferenceServerClient(stack.server.endpoints.http)
+    prompt, max_tokens = PROMPTS[0], 12
+    result = client.infer("ensemble_sync", tensors(httpclient, text_input=prompt, max_tokens=max_tokens,
+                                                   exclude_input_in_output=True))
+    assert_same_text(result.as_numpy("text_output").reshape(-1)[0].decode(), stack.reference(prompt, max_tokens),
+                     stack.session.tokenizer)
+    with pytest.raises(InferenceServerException, match="decoupled"):  # Triton refuses HTTP infer to decoupled models
+        client.infer("ensemble", tensors(httpclient, text_input=prompt, max_tokens=max_tokens))
+
+
+def test_grpc_unary_and_streaming(stack):
+    url, tokenizer = stack.server.endpoints.grpc, stack.session.tokenizer
+    prompt, max_tokens = PROMPTS[3], 16
+    reference = stack.reference(prompt, max_tokens)
+    client = grpcclient.InferenceServerClient(url)
+    result = client.infer("ensemble_sync", tensors(grpcclient, text_input=prompt, max_tokens=max_tokens))
+    assert_same_text(result.as_numpy("text_output").reshape(-1)[0].decode()[len(prompt):], reference, tokenizer)
+    client.close()
+    outputs, error, _ = Stream(url).run("ensemble", tensors(grpcclient, text_input=prompt, max_tokens=max_tokens,
+                                                            exclude_input_in_output=True))
+    assert error is None and len(outputs) == 1  # stream false: exactly one response
+    assert_same_text(texts(outputs)[0], reference, tokenizer)
+    outputs, error, _ = Stream(url).run("ensemble", tensors(grpcclient, text_input=prompt, max_tokens=max_tokens,
+                                                            stream=True))
+    assert error is None and len(outputs) > 1
+    assert_same_text("".join(texts(outputs)), reference, tokenizer)
+
+
+def test_token_model_speaks_tensorrtllm_backend(stack):
+    prompt = [5, 9, 17, 33, 2, 41, 7]
+    reference = stack.reference(prompt, 10)
+    common = dict(input_ids=prompt, input_lengths=len(prompt), request_output_len=10)
+    outputs, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", tensors(grpcclient, **common))
+    assert error is None and len(outputs) == 1
+    ids = outputs[0]["output_ids"].reshape(-1).tolist()
+    assert ids[:len(prompt)] == prompt and outputs[0]["sequence_length"].item() == len(ids)
+    assert_same_ids(ids[len(prompt):], reference)
+    outputs, error, _ = Stream(stack.server.endpoints.grpc).run(
+        "tensorrt_llm", tensors(grpcclient, **common, streaming=True, return_log_probs=True))
+    assert error is None
+    assert_same_ids([t for o in outputs for t in o["output_ids"].reshape(-1).tolist()], reference)
+    assert [o["output_log_probs"].reshape(-1)[0] for o in outputs][0] == pytest.approx(reference.logprobs[0].logprob,
+                                                                                         abs=1e-4)
+    assert outputs[-1]["finish_reason"].reshape(-1)[0] in (b"length", b"stop")
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"max_tokens": 8}, "missing required input"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),
+    ({"text_input": "hi", "max_tokens": -3}, "max_tokens must be at least 1"),
+    ({"text_input": "hi", "max_tokens": 100_000}, "exceeds the engine's max_seq_len"),
+    ({"text_input": "x" * 600, "max_tokens": 4}, "max_seq_len"),
+    ({"text_input": "hi", "max_tokens": 4, "beam_width": 4}, "beam search is not supported"),
+    ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in"),
+    ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
+])
+def test_bad_requests_get_clear_errors(stack, body, message):
+    response = requests.post(f"{stack.http}/ensemble/generate", json=body, timeout=60)
+    assert response.status_code == 400 and message in response.json()["error"], response.text
+    assert stack.server.is_ready()
+
+
+def test_unknown_model_and_wrong_dtype(stack):
+    response = requests.post(f"{stack.http}/nope/generate", json={"text_input": "hi", "max_tokens": 4}, timeout=60)
+    assert response.status_code in (400, 404) and "nope" in response.json()["error"]
+    client = grpcclient.InferenceServerClient(stack.server.endpoints.grpc)
+    bad = tensors(grpcclient, text_input="hi") + tensors(grpcclient, max_tokens=4.0)
+    with pytest.raises(InferenceServerException, match="(?i)max_tokens.*(FP32|datatype)|(FP32|datatype).*max_tokens"):
+        client.infer("ensemble_sync", bad)
+    client.close()
+    assert requests.post(f"{stack.http}/ensemble/generate", json={"text_input": "hi", "max_tokens": 3},
+                         timeout=60).status_code == 200

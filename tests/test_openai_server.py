@@ -79,16 +79,22 @@ def wait_until(condition, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+HTTP = httpx.Client(timeout=60)  # one client: a new one costs ~0.1 s (its TLS context)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of /metrics by its name with labels, e.g. 'camshaft_request_success_total{finish_reason="stop"}'."""
+    lines = HTTP.get(url + "/metrics").text.splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
+
+
 def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return scrape(url).get(name, 0.0)
 
 
 def test_models_and_health(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(served[0] + "/health").json() == {"status": "ok"}
+    assert HTTP.get(served[0] + "/health").json() == {"status": "ok"}
 
 
 def test_greedy_completion_equals_session_with_usage(client, session):
@@ -211,7 +217,7 @@ HI = [{"role": "user", "content": "Hi"}]
 def test_bad_input_is_an_openai_400(served, path, body, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
         else {"json": body}
-    response = httpx.post(served[0] + path, **kwargs)
+    response = HTTP.post(served[0] + path, **kwargs)
     assert response.status_code == 400
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
@@ -228,11 +234,11 @@ def test_a_full_queue_answers_503_and_the_server_recovers(engine_dir):
         gate, step = threading.Event(), llm.engine.step
         llm.engine.step = lambda chunks: (gate.wait(), step(chunks))[1]  # hold the batch loop: no request finishes
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 50, "temperature": 0, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body) as first:
+        with HTTP.stream("POST", url + "/v1/completions", json=body) as first:
             assert first.status_code == 200  # headers come once the request is in the batch loop
-            busy = httpx.post(url + "/v1/completions", json={**body, "stream": False})
+            busy = HTTP.post(url + "/v1/completions", json={**body, "stream": False})
             gate.set()
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
         wait_until(lambda: llm.load().running + llm.load().waiting == 0)  # the closed stream's request is gone
-        assert httpx.post(url + "/v1/completions", json={**body, "stream": False}).status_code == 200
+        assert HTTP.post(url + "/v1/completions", json={**body, "stream": False}).status_code == 200
         assert llm.load().kv_blocks_used == 0

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
+from camshaft.errors import CamshaftError
 from camshaft.openai_server.app import create_app
 from camshaft.runtime.llm import LLM
 
@@ -28,10 +31,32 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
 
 
 def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None]) -> None:
+    """Serve until Ctrl-C or SIGTERM (a second one cuts open streams), then return. uvicorn runs in a thread and
+    this one handles the signals, so the LLM is closed and the exit status is 0."""
     server, llm = build_server(engine, host=host, port=port, llm_options=llm_options)
-    log(f"OpenAI API for model {Path(engine).resolve().name!r} at http://{host}:{port}/v1 "
-        f"(health: /health, metrics: /metrics)")
+    thread = threading.Thread(target=server.run, name="camshaft-openai-http")
+
+    def stop(signum: int, frame: object) -> None:
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        thread.start()
+        announced = False
+        while thread.is_alive():
+            thread.join(0.2)
+            if server.started and not announced:
+                announced = True
+                log(f"OpenAI API for model {Path(engine).resolve().name!r} at http://{host}:{port}/v1 "
+                    "(health: /health, metrics: /metrics); Ctrl-C stops it")
     finally:
+        server.should_exit = True
+        thread.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         llm.close()
+    if not server.started:
+        raise CamshaftError(f"the server could not start on {host}:{port} (see the error above); "
+                            "pick another --port or --host")
+    log("stopped")

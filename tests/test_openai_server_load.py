@@ -1,0 +1,138 @@
+"""`camshaft serve --api openai` as a real process under load: 64 concurrent streaming chats, a quarter of whose
+clients hang up mid-stream. Every other answer is whole and equals its single-request greedy output; the hung-up
+requests are aborted (not run to the end) and their KV blocks freed; SIGTERM then stops the server cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from test_openai_server import HTTP, MODEL, metric, scrape, tiny_engine, wait_until
+
+from camshaft.runtime.session import Session
+
+NUM_CLIENTS, HANG_UP_EVERY = 64, 4
+TOPICS = ["gears", "rivers", "stars", "bread", "maps", "ships", "bees", "clocks"]
+CONVERSATIONS = [[{"role": "user", "content": f"Tell me about {topic}, part {part}."}]
+                 for topic in TOPICS for part in (1, 2)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return tiny_engine(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir):
+    """(process, base URL) of the CLI server; the last test stops it, this makes sure it is gone."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from camshaft.cli import main; main()", "serve", "--api", "openai", "--engine",
+         str(engine_dir), "--port", str(port), "--max-queue", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert process.poll() is None, process.communicate()[1]
+        try:
+            return HTTP.get(url + "/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, timeout=60)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _idle(url: str) -> bool:
+    samples = scrape(url)
+    return all(samples[f"camshaft_{name}"] == 0
+               for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used"))
+
+
+async def _chat(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int | None] | None:
+    messages = CONVERSATIONS[i % len(CONVERSATIONS)]
+    if i % HANG_UP_EVERY == HANG_UP_EVERY - 1:  # asks for far more than it reads, then hangs up
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=400, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+        await stream.close()
+        return None
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+        usage = chunk.usage.completion_tokens if chunk.usage else usage
+    return text, finish, usage
+
+
+async def _load(url: str) -> list:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        return await asyncio.gather(*(_chat(client, i) for i in range(NUM_CLIENTS)))
+
+
+def test_concurrent_streams_with_hang_ups(server, engine_dir):
+    _, url = server
+    session = Session(engine_dir)
+    expected = [session.chat(messages, max_tokens=12, temperature=0) for messages in CONVERSATIONS]
+    aborted_before = metric(url, 'camshaft_request_success_total{finish_reason="abort"}')
+
+    results = asyncio.run(_load(url))
+
+    for i, result in enumerate(results):
+        if i % HANG_UP_EVERY == HANG_UP_EVERY - 1:
+            assert result is None
+            continue
+        reference = expected[i % len(CONVERSATIONS)]
+        assert result == (reference.text, reference.finish_reason, len(reference.token_ids)), f"client {i}"
+    wait_until(lambda: _idle(url))  # the hung-up requests' KV blocks are free again
+    hung_up = NUM_CLIENTS // HANG_UP_EVERY
+    assert metric(url, 'camshaft_request_success_total{finish_reason="abort"}') == aborted_before + hung_up
+    assert metric(url, "camshaft_prefix_cache_hit_blocks_total") > 0  # each conversation came four times
+
+
+def test_a_non_streaming_client_that_hangs_up_is_aborted(server):
+    _, url = server
+    aborted_before = metric(url, 'camshaft_request_success_total{finish_reason="abort"}')
+    body = json.dumps({"model": MODEL, "messages": CONVERSATIONS[0], "max_tokens": 440, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: metric(url, "camshaft_num_requests_running") == 1)  # then hang up, long before 440
+    wait_until(lambda: _idle(url))
+    assert metric(url, 'camshaft_request_success_total{finish_reason="abort"}') == aborted_before + 1
+
+
+def test_healthy_after_load_then_sigterm_stops_cleanly(server, engine_dir):
+    process, url = server
+    assert HTTP.get(url + "/health").json() == {"status": "ok"}
+    reference = Session(engine_dir).chat(CONVERSATIONS[5], max_tokens=8, temperature=0)
+    out = HTTP.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": CONVERSATIONS[5],
+                                                         "max_tokens": 8, "temperature": 0}, timeout=60).json()
+    assert out["choices"][0]["message"]["content"] == reference.text
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr and "stopped" in stderr

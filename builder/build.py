@@ -13,7 +13,8 @@ from onnx import helper
 
 from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
-from camshaft.builder.graph.decoder import MS_DOMAIN, OPSET, DecoderLowering, kv_layout, step_inputs
+from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
+from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
 from camshaft.builder.graph.ops import GraphWriter, save_model
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
@@ -28,17 +29,19 @@ Progress = Callable[[str], None]
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
                 progress: Progress = lambda _: None, quantization: dict | None = None) -> Path:
-    """The portable model graph (standard ONNX ops, external weights) for a checkpoint. A weight-only quantized
-    checkpoint's layers become com.microsoft MatMulNBits (ONNX Runtime); `quantization` receives what was lowered."""
+    """The portable model graph (standard ONNX ops, external weights) for a checkpoint.
+    Weight-only quantized layers become com.microsoft MatMulNBits (ONNX Runtime), W8A8 and FP8 layers and a quantized
+    KV cache Q/DQ nodes; `quantization` receives what was lowered."""
     graph_path = out_dir / GRAPH_NAME
     quantized = checkpoint.quantized_linear if checkpoint.quantization is not None else None
+    kv_dtype = checkpoint.kv_cache_dtype
     with open(out_dir / GRAPH_DATA, "wb") as data:
         writer = GraphWriter(data, GRAPH_DATA)
         lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
-                                   quantized=quantized)
+                                   quantized=quantized, kv_cache=(kv_dtype, checkpoint.kv_scales) if kv_dtype else None)
         lowering.lower()
     model = writer.model(OPSET)
-    if lowering.nbits_layers:
+    if lowering.linears.counts["nbits"]:
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     if quantization is not None and checkpoint.quantization is not None:
         quantization.update(_quantization_record(checkpoint.quantization, lowering))
@@ -48,16 +51,18 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
 
 def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
     """The manifest's record of a quantized checkpoint. Policy: embeddings and lm_head stay float (ModelOpt leaves
-    them unquantized); a quantized layer MatMulNBits cannot express is built from its dequantized weights."""
+    them unquantized); a quantized layer no kernel expresses is built from its dequantized weights."""
     record = quant.get("camshaft", {})
+    counts = lowering.linears.counts
     return {
         "format": record.get("format"),
         "quant_algo": quant["quant_algo"],
         "group_size": quant.get("group_size"),
-        "kv_cache_dtype": None,
-        "lowering": "com.microsoft.MatMulNBits",
-        "accuracy_level": lowering.accuracy_level,
-        "quantized_linear_layers": lowering.nbits_layers,
+        "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
+        "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+        "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
+        "accuracy_level": lowering.linears.accuracy_level if counts["nbits"] else None,
+        "quantized_linear_layers": sum(counts.values()),
         "float_modules": sorted(quant.get("exclude_modules", [])),
         "calibration": record.get("calibration"),
         "producer": quant.get("producer") or record.get("tools"),
@@ -115,7 +120,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 artifact=artifact,
                 inputs=step_inputs(model),
                 outputs=(TensorSpec("logits", "float32", ("N", model.vocab_size)),),
-                kv_cache=kv_layout(model, limits, dtype),
+                kv_cache=kv_layout(model, limits, checkpoint.kv_cache_dtype or dtype),
                 quantization=quantization,
                 tools={"camshaft": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
                        **target_options.pop("tools", {})},

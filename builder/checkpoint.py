@@ -9,27 +9,50 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with numpy so safetensors can return them)
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from camshaft.errors import CheckpointError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
 
-# hf_quant_config.json quant_algo → weight bits, for the formats the builder lowers. Others are refused clearly.
-READABLE_QUANT_ALGOS = {"W4A16_AWQ": 4, "W8A16": 8}
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How a checkpoint's quant_algo stores a linear layer."""
+
+    weight_bits: int
+    weight_type: str  # "int" (signed integers) or "fp8" (float8 e4m3fn)
+    activation: str | None  # None: weight-only; "int8" / "fp8": the input is quantized with a static per-tensor scale
+    blockwise: bool  # weight scales per block of group_size input channels (else per output channel or tensor)
+
+
+# hf_quant_config.json quant_algo → storage, for the formats the builder lowers. Others are refused clearly.
+READABLE_QUANT_ALGOS = {
+    "W4A16_AWQ": QuantFormat(4, "int", None, True),
+    "W8A16": QuantFormat(8, "int", None, False),
+    "FP8": QuantFormat(8, "fp8", "fp8", False),
+    "W8A8_SQ_PER_CHANNEL": QuantFormat(8, "int", "int8", False),
+}
+# kv_cache_quant_algo → the KV pool's element type (float8: e4m3fn bit patterns); scales k_proj.k_scale / v_proj.v_scale
+KV_CACHE_ALGOS = {"FP8": "float8", "INT8": "int8"}
 
 
 @dataclass(frozen=True)
 class QuantizedLinear:
-    """One weight-only quantized linear layer: signed integer values and per-block scales (per output channel when
-    block_size == in_dim); `pre_quant_scale` (AWQ, when not folded into a norm) multiplies the layer's input."""
+    """One quantized linear layer: integer or float8 values and per-block scales (per output channel when
+    block_size == in_dim); `pre_quant_scale` (AWQ, SmoothQuant, when not folded into a norm) multiplies the layer's
+    input; with `activation` the input is also quantized (per tensor, `input_scale`) before the product."""
 
     bits: int
     block_size: int
-    values: np.ndarray  # [out, in] int8, in [-2^(bits-1), 2^(bits-1) - 1]
+    values: np.ndarray  # [out, in] int8 in [-2^(bits-1), 2^(bits-1) - 1], or float8_e4m3fn
     scales: np.ndarray  # [out, in // block_size] float32
     pre_quant_scale: np.ndarray | None = None  # [in] float32
+    activation: str | None = None  # None, "int8" or "fp8"
+    input_scale: float | None = None
 
     def dequantize(self) -> np.ndarray:
         """[out, in] float32 weights as the layer applies them (pre_quant_scale folded into the input columns)."""
@@ -51,6 +74,7 @@ class Checkpoint:
         self._stack = ExitStack()
         self._where: dict[str, Path] = {}
         self._handles = {}
+        self._fp8: dict[str, tuple[tuple[int, ...], int, int]] = {}  # name → shape, start, end (safetensors F8_E4M3)
         for file in self.files:
             try:
                 handle = self._stack.enter_context(safe_open(str(file), framework="numpy"))
@@ -59,6 +83,7 @@ class Checkpoint:
             self._handles[file] = handle
             for name in handle.keys():
                 self._where[name] = file
+            self._fp8.update(_fp8_tensors(file))
         self.quantization = self._quantization()
 
     def _quantization(self) -> dict[str, Any] | None:
@@ -74,15 +99,16 @@ class Checkpoint:
         algo = quant.get("quant_algo")
         if algo not in READABLE_QUANT_ALGOS:
             raise CheckpointError(
-                f"{self.dir} is quantized as {algo}; camshaft builds only weight-only INT4/INT8 checkpoints so far "
-                "(`camshaft quantize --quant int4_wo|int4_awq|int8_wo`)"
+                f"{self.dir} is quantized as {algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} checkpoints "
+                "(`camshaft quantize --quant int4_wo|int4_awq|int8_wo|int8_sq|fp8`)"
             )
-        if quant.get("kv_cache_quant_algo"):
+        kv_algo = quant.get("kv_cache_quant_algo")
+        if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:
             raise CheckpointError(
-                f"{self.dir} quantizes the KV cache ({quant['kv_cache_quant_algo']}), which camshaft cannot build "
-                "yet; quantize without --kv-cache-dtype"
+                f"{self.dir} quantizes the KV cache as {kv_algo}; camshaft builds {' or '.join(KV_CACHE_ALGOS)} KV "
+                "caches"
             )
-        if READABLE_QUANT_ALGOS[algo] == 4 and not isinstance(quant.get("group_size"), int):
+        if READABLE_QUANT_ALGOS[algo].blockwise and not isinstance(quant.get("group_size"), int):
             raise CheckpointError(f"{path} has no integer group_size for {algo}")
         record = self.dir / CAMSHAFT_QUANT_RECORD
         if record.is_file():
@@ -92,14 +118,25 @@ class Checkpoint:
                 raise CheckpointError(f"{record} is malformed: {exc}") from exc
         return quant
 
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        """The KV pool's element type for a checkpoint with a quantized KV cache (int8 or float8), else None."""
+        algo = (self.quantization or {}).get("kv_cache_quant_algo")
+        return KV_CACHE_ALGOS[algo] if algo else None
+
+    def kv_scales(self, layer: int) -> tuple[float, float]:
+        """Layer `layer`'s K and V cache scales (ModelOpt: amax / 448 for FP8, amax / 127 for INT8)."""
+        p = f"model.layers.{layer}.self_attn"
+        return self._scalar(f"{p}.k_proj.k_scale"), self._scalar(f"{p}.v_proj.v_scale")
+
     def quantized_linear(self, prefix: str, out_dim: int, in_dim: int) -> QuantizedLinear | None:
         """The quantized weights of linear layer `prefix` (None when the layer is not quantized)."""
         if self.quantization is None or f"{prefix}.weight_scale" not in self._where:
             return None
-        bits = READABLE_QUANT_ALGOS[self.quantization["quant_algo"]]
+        fmt = READABLE_QUANT_ALGOS[self.quantization["quant_algo"]]
         packed = self._raw(f"{prefix}.weight")
         scale = self._raw(f"{prefix}.weight_scale").astype(np.float32)
-        if bits == 4:
+        if fmt.weight_bits == 4:
             block = int(self.quantization["group_size"])
             expected = {"weight": ((out_dim // 2, in_dim), np.uint8), "weight_scale": ((out_dim, in_dim // block),)}
             self._check_quantized(prefix, packed, scale, expected)
@@ -108,6 +145,12 @@ class Checkpoint:
             high = (packed >> 4).astype(np.int8)
             values = np.empty((out_dim, in_dim), dtype=np.int8)
             values[0::2], values[1::2] = (low ^ 8) - 8, (high ^ 8) - 8
+        elif fmt.weight_type == "fp8":  # one scale for the tensor
+            block = in_dim
+            scale = scale.reshape(-1) if scale.size == 1 else scale
+            expected = {"weight": ((out_dim, in_dim), FP8), "weight_scale": ((1,),)}
+            self._check_quantized(prefix, packed, scale, expected)
+            values, scale = packed, np.full((out_dim, 1), scale[0], dtype=np.float32)
         else:
             block = in_dim
             expected = {"weight": ((out_dim, in_dim), np.int8), "weight_scale": ((out_dim,),)}
@@ -116,7 +159,14 @@ class Checkpoint:
         pqs = None
         if f"{prefix}.pre_quant_scale" in self._where:
             pqs = self.get(f"{prefix}.pre_quant_scale", (in_dim,))
-        return QuantizedLinear(bits, block, values, scale, pqs)
+        input_scale = self._scalar(f"{prefix}.input_scale") if fmt.activation else None
+        return QuantizedLinear(fmt.weight_bits, block, values, scale, pqs, fmt.activation, input_scale)
+
+    def _scalar(self, name: str) -> float:
+        value = self._raw(name)
+        if value.size != 1 or not np.isfinite(value).all() or float(value.reshape(-1)[0]) <= 0:
+            raise CheckpointError(f"{name} must be one positive scale, got {value.dtype}{tuple(value.shape)}")
+        return float(value.reshape(-1)[0])
 
     def _check_quantized(self, prefix: str, weight: np.ndarray, scale: np.ndarray, expected: dict) -> None:
         shape, dtype = expected["weight"]
@@ -135,8 +185,10 @@ class Checkpoint:
         if file is None:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
         try:
+            if name in self._fp8:
+                return _read_fp8(file, *self._fp8[name])
             return self._handles[file].get_tensor(name)
-        except (SafetensorError, OSError, TypeError) as exc:
+        except (SafetensorError, OSError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{file.name}: tensor {name!r} could not be read: {exc}") from exc
 
     def _weight_files(self) -> list[Path]:
@@ -204,3 +256,19 @@ class Checkpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _fp8_tensors(file: Path) -> dict[str, tuple[tuple[int, ...], int, int]]:
+    """The F8_E4M3 tensors of a safetensors file (its header: 8-byte length, then JSON): shape and byte range."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {name: (tuple(info["shape"]), 8 + size + info["data_offsets"][0], 8 + size + info["data_offsets"][1])
+            for name, info in header.items() if isinstance(info, dict) and info.get("dtype") == "F8_E4M3"}
+
+
+def _read_fp8(file: Path, shape: tuple[int, ...], start: int, end: int) -> np.ndarray:
+    with open(file, "rb") as f:
+        f.seek(start)
+        raw = f.read(end - start)
+    return np.frombuffer(raw, dtype=FP8).reshape(shape).copy()

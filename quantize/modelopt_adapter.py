@@ -19,6 +19,7 @@ from camshaft.errors import CheckpointError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.quantize.calibration import CalibrationSet, check_sizes, load_texts, tokenize
+from camshaft.quantize.kv_scales import take_int8_kv_scales, write_int8_kv_scales
 from camshaft.quantize.spec import QuantizeError, QuantSpec, modelopt_config, resolve_group_size
 
 INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
@@ -93,15 +94,15 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     with torch.inference_mode(False), torch.no_grad():
         mtq.quantize(model, cfg, forward_loop=calibration_loop(calib, desc, progress_bar))
     timings["calibrate"] = round(time.perf_counter() - t, 2)
-    if "awq" in spec.format:
-        # The export's first step, done here so `on_quantized` sees the model the checkpoint holds: layers sharing
-        # an input get one pre_quant_scale (folded into the norm before them) and are requantized with it.
-        from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+    # The export's first step, done here so `on_quantized` sees the model the checkpoint holds: layers sharing an
+    # input get one pre_quant_scale (AWQ: folded into the norm before them) and input scale, and are requantized.
+    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
 
-        with torch.no_grad():
-            requantize_resmooth_fused_llm_layers(model)
+    with torch.no_grad():
+        requantize_resmooth_fused_llm_layers(model)
     if on_quantized is not None:
         on_quantized(model)
+    kv_scales = take_int8_kv_scales(model) if spec.kv_cache_dtype == "int8" else None
 
     t = time.perf_counter()
     progress(f"exporting unified HF checkpoint to {output}")
@@ -111,6 +112,8 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             export_hf_checkpoint(model, export_dir=str(staging))
         if not (staging / HF_QUANT_CONFIG).is_file():
             raise QuantizeError(f"ModelOpt's export wrote no {HF_QUANT_CONFIG}; nothing was quantized")
+        if kv_scales:
+            write_int8_kv_scales(staging, kv_scales)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, staging / name)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import transformers
@@ -49,7 +51,13 @@ def prompt():
     return torch.randint(3, 384, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(scope="module", params=["int4_wo", "int8_wo", "int4_awq"])
+LOWERING = {"int4_wo": "com.microsoft.MatMulNBits", "int8_wo": "com.microsoft.MatMulNBits",
+            "int4_awq": "com.microsoft.MatMulNBits", "fp8": "QuantizeLinear/DequantizeLinear float8e4m3fn + MatMul",
+            "int8_sq": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales"}
+MAX_BOUND = {"fp8": 448.0, "int8_sq": 127.0}  # ModelOpt's input_scale = amax / max bound
+
+
+@pytest.fixture(scope="module", params=["int4_wo", "int8_wo", "int4_awq", "fp8", "int8_sq"])
 def quantized(request, tiny, prompt, tmp_path_factory):
     """(format, checkpoint dir, engine dir, fake-quant weights/pre-quant scales/logits, fp32 logits)."""
     fmt = request.param
@@ -59,11 +67,14 @@ def quantized(request, tiny, prompt, tmp_path_factory):
     def capture(model):
         with torch.no_grad():
             ref["logits"] = model(prompt).logits[0].numpy().copy()
-            ref["weights"], ref["pqs"] = {}, {}
+            ref["weights"], ref["pqs"], ref["input_amax"] = {}, {}, {}
             for name, module in model.named_modules():
                 wq = getattr(module, "weight_quantizer", None)
                 if wq is not None and wq.is_enabled:
                     ref["weights"][name] = wq(module.weight).numpy().copy()
+                iq = getattr(module, "input_quantizer", None)
+                if iq is not None and iq.is_enabled:
+                    ref["input_amax"][name] = float(iq.amax)
                 pqs = getattr(getattr(module, "input_quantizer", None), "pre_quant_scale", None)
                 if pqs is not None:
                     ref["pqs"][name] = pqs.numpy().copy()
@@ -88,20 +99,26 @@ def test_checkpoint_weights_dequantize_to_modelopt_fake_quant_weights(quantized)
             assert layer.block_size == (32 if FORMATS[fmt].blockwise else expected.shape[1])
             weights = layer.values.astype(np.float32) * np.repeat(layer.scales, layer.block_size, axis=1)
             np.testing.assert_allclose(weights, expected, rtol=0, atol=1e-6 * np.abs(expected).max(), err_msg=name)
-            if name in ref["pqs"]:  # AWQ scales kept beside the layer (the others are folded into the norms)
+            if name in ref["pqs"]:  # AWQ/SmoothQuant scales kept beside the layer (AWQ folds the others into norms)
                 np.testing.assert_array_equal(layer.pre_quant_scale, ref["pqs"][name])
             else:
                 assert layer.pre_quant_scale is None
+            if fmt in MAX_BOUND:  # W8A8 / FP8: the static input scale the engine quantizes activations with
+                assert layer.input_scale == pytest.approx(ref["input_amax"][name] / MAX_BOUND[fmt], rel=1e-6)
+            else:
+                assert layer.input_scale is None and not ref["input_amax"]
         assert ckpt.quantized_linear("lm_head", 384, 64) is None
     if fmt == "int4_awq":
         assert {n.rsplit(".", 1)[-1] for n in ref["pqs"]} == {"o_proj", "down_proj"}
+    if fmt == "int8_sq":  # SmoothQuant's per-channel scales stay beside every layer in ModelOpt's export
+        assert len(ref["pqs"]) == 14
 
 
 def test_engine_logits_match_modelopt_fake_quant_model(quantized, prompt):
     fmt, _, engine_dir, ref = quantized
     engine = Engine(engine_dir, max_sequences=1)
     manifest = engine.manifest.quantization
-    assert manifest["format"] == fmt and manifest["lowering"] == "com.microsoft.MatMulNBits"
+    assert manifest["format"] == fmt and manifest["lowering"] == LOWERING[fmt]
     assert manifest["quantized_linear_layers"] == 14
     assert manifest["float_modules"] == ["lm_head", "model.embed_tokens"]
     logits = engine.step([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)])
@@ -110,6 +127,24 @@ def test_engine_logits_match_modelopt_fake_quant_model(quantized, prompt):
     print(f"{fmt}: |engine - fake-quant| {engine_vs_fq:.3g}, |fake-quant - fp32| {fq_vs_fp32:.3g}")
     assert fq_vs_fp32 > 1e-3  # the quantization is real
     assert engine_vs_fq <= 0.1 * fq_vs_fp32
+
+
+def test_engine_stores_quantized_weights_and_runs_integer_kernels(quantized):
+    """The artifact keeps 1-byte weights (no constant folding back to float); W8A8 runs ONNX Runtime's integer
+    matmul; FP8 keeps its Q/DQ nodes (ONNX Runtime has no float8 matmul on the CPU)."""
+    fmt, _, engine_dir, _ = quantized
+    if fmt not in MAX_BOUND:
+        pytest.skip("weight-only formats are MatMulNBits (checked by the manifest)")
+    graph = onnx.load(engine_dir / "model.onnx", load_external_data=False)
+    ops = Counter(n.op_type for n in graph.graph.node)
+    elem = Counter(t.data_type for t in graph.graph.initializer if np.prod(t.dims) >= 64 * 32)
+    # per layer: fused q/k/v, o, fused gate/up, down
+    if fmt == "fp8":
+        assert ops["QuantizeLinear"] == 8 and ops["DequantizeLinear"] == 16
+        assert elem[onnx.TensorProto.FLOAT8E4M3FN] == 8
+    else:
+        assert ops["MatMulInteger"] + ops["MatMulIntegerToFloat"] == 8 and ops["DequantizeLinear"] == 0
+        assert elem[onnx.TensorProto.INT8] == 8
 
 
 # --- bad input: clear errors, before any calibration ---
@@ -210,7 +245,10 @@ def test_modelopt_config_applies_group_kv_and_exclude():
 
 def test_unsupported_quantized_checkpoint_is_refused_by_the_builder(tiny, tmp_path):
     quantize_checkpoint(tiny, tmp_path / "fp8", QuantSpec("fp8"), **CALIB)
-    with pytest.raises(CheckpointError, match="quantized as FP8; camshaft builds only weight-only"):
+    config = tmp_path / "fp8" / "hf_quant_config.json"
+    raw = json.loads(config.read_text())
+    config.write_text(json.dumps({**raw, "quantization": {**raw["quantization"], "quant_algo": "NVFP4"}}))
+    with pytest.raises(CheckpointError, match="quantized as NVFP4; camshaft builds W4A16_AWQ, W8A16, FP8"):
         Checkpoint(tmp_path / "fp8")
 
 

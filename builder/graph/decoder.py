@@ -18,7 +18,8 @@ from collections.abc import Callable
 import numpy as np
 from onnx import TensorProto
 
-from camshaft.builder.checkpoint import QuantizedLinear
+from camshaft.builder.graph.kv_quant import KV_ELEM, KVQuantizer
+from camshaft.builder.graph.linear import Linears, QuantizedFn, WeightFn
 from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
 from camshaft.builder.graph.rope import cos_sin_tables
 from camshaft.manifest import BuildLimits, KVCacheLayout, TensorSpec
@@ -47,14 +48,7 @@ SLIDING_INPUTS: tuple[TensorSpec, ...] = (
 )
 ELEM = {"int64": I64, "bool": BOOL}
 
-WeightFn = Callable[[str, tuple[int, ...]], np.ndarray]
-QuantizedFn = Callable[[str, int, int], QuantizedLinear | None]  # (prefix, out_dim, in_dim) → quantized layer or None
-
-# Weight-only INT4/INT8 layers lower to com.microsoft MatMulNBits (ONNX Runtime CPU). Its block size must be one of
-# these; accuracy_level 0 computes in the activation's float type (4 would quantize activations to int8 per block).
-NBITS_BLOCK_SIZES = (128, 64, 32, 16)
-NBITS_ACCURACY_LEVEL = 0
-MS_DOMAIN = "com.microsoft"
+KVScalesFn = Callable[[int], tuple[float, float]]
 
 
 def kv_layout(config: ModelConfig, limits: BuildLimits, kv_dtype: str) -> KVCacheLayout:
@@ -78,16 +72,19 @@ def step_inputs(config: ModelConfig) -> tuple[TensorSpec, ...]:
 class DecoderLowering:
     def __init__(self, g: GraphWriter, config: ModelConfig, limits: BuildLimits, dtype: str,
                  weights: WeightFn, progress: Callable[[str], None] = lambda _: None,
-                 quantized: QuantizedFn | None = None, accuracy_level: int | None = None) -> None:
+                 quantized: QuantizedFn | None = None, accuracy_level: int | None = None,
+                 kv_cache: tuple[str, KVScalesFn] | None = None) -> None:
         self.g, self.c, self.limits = g, config, limits
-        self.quantized = quantized or (lambda *_: None)
-        self.accuracy_level = NBITS_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
-        self.nbits_layers = 0
         self.np_dtype = np.float16 if dtype == "float16" else np.float32
         self.elem = ONNX_DTYPES[dtype]
         self.weights = weights
         self.progress = progress
-        self.kv = kv_layout(config, limits, dtype)
+        self.linears = Linears(g, self.np_dtype, weights, quantized, accuracy_level)
+        # A quantized KV cache: (int8 | float8, layer → (k_scale, v_scale)); else the cache holds the float type.
+        self.kv_quant = KVQuantizer(g, kv_cache[0], self.np_dtype) if kv_cache else None
+        self.kv_scales = kv_cache[1] if kv_cache else None
+        self.kv = kv_layout(config, limits, kv_cache[0] if kv_cache else dtype)
+        self.kv_elem = KV_ELEM[kv_cache[0]] if kv_cache else self.elem
 
     def w(self, name: str, shape: tuple[int, ...], transpose: bool = False) -> np.ndarray:
         array = self.weights(name, shape)
@@ -99,7 +96,7 @@ class DecoderLowering:
             g.input(spec.name, ELEM[spec.dtype], list(spec.shape))
         cache_shape = ["num_blocks", self.kv.block_size, c.num_kv_heads * c.head_dim]
         for name in self.kv.key_inputs + self.kv.value_inputs:
-            g.input(name, self.elem, cache_shape)
+            g.input(name, self.kv_elem, cache_shape)
         cos, sin = cos_sin_tables(c.rope, c.head_dim, self.limits.max_seq_len)
         self.cos = g.weight("rope_cos", cos.astype(self.np_dtype))
         self.sin = g.weight("rope_sin", sin.astype(self.np_dtype))
@@ -126,74 +123,11 @@ class DecoderLowering:
         g.op_to("Identity", [logits], "logits")
         g.output("logits", TensorProto.FLOAT, ["N", c.vocab_size])
         for name in self.kv.key_outputs + self.kv.value_outputs:
-            g.output(name, self.elem, cache_shape)
+            g.output(name, self.kv_elem, cache_shape)
 
     def rms_norm(self, x: str, weight: str, dim: int) -> str:
         scale = self.g.weight(weight, self.w(weight, (dim,)))
         return self.g.op("RMSNormalization", [x, scale], axis=-1, epsilon=self.c.rms_norm_eps)
-
-    def linear(self, x: str, prefix: str, out_dim: int, in_dim: int, bias: bool) -> str:
-        quantized = self.quantized(prefix, out_dim, in_dim)
-        if quantized is not None and self.nbits_block(quantized, in_dim):
-            y = self.matmul_nbits(x, [quantized], prefix, in_dim)
-        else:  # float (a quantized layer MatMulNBits cannot take comes back dequantized)
-            weight = self.g.weight(f"{prefix}.weight", self.w(f"{prefix}.weight", (out_dim, in_dim), transpose=True))
-            y = self.g.op("MatMul", [x, weight])
-        if bias:
-            y = self.g.op("Add", [y, self.g.weight(f"{prefix}.bias", self.w(f"{prefix}.bias", (out_dim,)))])
-        return y
-
-    def fused_linear(self, x: str, prefixes: list[str], out_dims: list[int], in_dim: int, bias: bool,
-                     name: str) -> list[str]:
-        quantized = [self.quantized(p, o, in_dim) for p, o in zip(prefixes, out_dims, strict=True)]
-        if any(q is not None for q in quantized):
-            first = quantized[0]
-            same = all(q is not None and (q.bits, q.block_size) == (first.bits, first.block_size)
-                       and _same(q.pre_quant_scale, first.pre_quant_scale) for q in quantized)
-            if not same or not self.nbits_block(first, in_dim):  # mixed (e.g. --exclude): one layer at a time
-                return [self.linear(x, p, o, in_dim, bias) for p, o in zip(prefixes, out_dims, strict=True)]
-            y = self.matmul_nbits(x, quantized, name, in_dim)
-            if bias:
-                b = np.concatenate([self.w(f"{p}.bias", (o,)) for p, o in zip(prefixes, out_dims, strict=True)])
-                y = self.g.op("Add", [y, self.g.weight(f"{name}.bias", b)])
-            return self.g.op("Split", [y, self.g.ints(out_dims)], n_out=len(out_dims), axis=-1)
-        weight = np.concatenate([self.w(f"{p}.weight", (o, in_dim), transpose=True)
-                                 for p, o in zip(prefixes, out_dims, strict=True)], axis=1)
-        y = self.g.op("MatMul", [x, self.g.weight(f"{name}.weight", weight)])
-        if bias:
-            b = np.concatenate([self.w(f"{p}.bias", (o,)) for p, o in zip(prefixes, out_dims, strict=True)])
-            y = self.g.op("Add", [y, self.g.weight(f"{name}.bias", b)])
-        return self.g.op("Split", [y, self.g.ints(out_dims)], n_out=len(out_dims), axis=-1)
-
-    @staticmethod
-    def nbits_block(q: QuantizedLinear, in_dim: int) -> int | None:
-        """MatMulNBits block size for a layer: its own block, or for per-channel scales the largest allowed block
-        dividing in_dim (scales repeated per block). None when MatMulNBits cannot express the layer."""
-        if q.block_size != in_dim:
-            return q.block_size if q.block_size in NBITS_BLOCK_SIZES else None
-        return next((b for b in NBITS_BLOCK_SIZES if in_dim % b == 0), None)
-
-    def matmul_nbits(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str:
-        """x [.., in_dim] @ the layers' dequantized weights (concatenated along the output) as one MatMulNBits."""
-        g, first = self.g, layers[0]
-        block = self.nbits_block(first, in_dim)
-        values = np.concatenate([q.values for q in layers], axis=0)  # [N, K] signed
-        scales = np.concatenate([np.repeat(q.scales, (q.block_size // block), axis=1) for q in layers], axis=0)
-        n, k = values.shape
-        blocks = k // block
-        unsigned = (values.astype(np.int16) + (1 << (first.bits - 1))).astype(np.uint8)  # default zero point
-        unsigned = unsigned.reshape(n, blocks, block)
-        if first.bits == 4:  # two consecutive K elements a byte, the first in the low nibble
-            packed = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)
-        else:
-            packed = unsigned
-        if first.pre_quant_scale is not None:
-            x = g.op("Mul", [x, g.weight(f"{name}.pre_quant_scale", first.pre_quant_scale.astype(self.np_dtype))])
-        self.nbits_layers += len(layers)
-        return g.op("MatMulNBits", [x, g.weight(f"{name}.qweight", np.ascontiguousarray(packed)),
-                                    g.weight(f"{name}.scales", scales.astype(self.np_dtype).reshape(-1))],
-                    domain=MS_DOMAIN, K=k, N=n, bits=first.bits, block_size=block,
-                    accuracy_level=self.accuracy_level)
 
     def rope(self, x: str, heads: int) -> str:
         """[1, T, heads*dim] → rotated, same shape."""
@@ -211,7 +145,7 @@ class DecoderLowering:
         p = f"model.layers.{i}"
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         x = self.rms_norm(hidden, f"{p}.input_layernorm.weight", c.hidden_size)
-        q, k, v = self.fused_linear(
+        q, k, v = self.linears.fused(
             x, [f"{p}.self_attn.{n}_proj" for n in "qkv"], [hq * d, hkv * d, hkv * d], c.hidden_size,
             c.qkv_bias, f"{p}.self_attn.qkv_proj")
         if c.qk_norm:
@@ -220,19 +154,24 @@ class DecoderLowering:
         else:
             q, k = (g.op("Unsqueeze", [t, g.ints([0])]) for t in (q, k))
         q, k = self.rope(q, hq), self.rope(k, hkv)
+        scales = self.kv_scales(i) if self.kv_scales else None
+        if self.kv_quant is not None:
+            k, v = self.kv_quant.write(k, scales[0]), self.kv_quant.write(v, scales[1])
         k_cache = g.op_to("ScatterND", [self.kv.key_inputs[i], self.write_index, k], self.kv.key_outputs[i])
         v_cache = g.op_to("ScatterND", [self.kv.value_inputs[i], "kv_write_index", v], self.kv.value_outputs[i])
         suffix = "_sliding" if c.layer_types[i] == "sliding" else ""
-        decode = self.attention(q, k_cache, v_cache, self.groups["decode"], f"decode_mask{suffix}")
-        prefill = self.attention(q, k_cache, v_cache, self.groups["prefill"], f"prefill_mask{suffix}")
+        caches = (k_cache, v_cache, scales, f"{p}.self_attn")
+        decode = self.attention(q, caches, self.groups["decode"], f"decode_mask{suffix}")
+        prefill = self.attention(q, caches, self.groups["prefill"], f"prefill_mask{suffix}")
         attn = g.op("Concat", [decode, prefill], axis=0)
         attn = g.op("Gather", [attn, "attn_output_index"], axis=0)
-        hidden = g.op("Add", [hidden, self.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, hq * d, c.o_bias)])
+        o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, hq * d, c.o_bias)
+        hidden = g.op("Add", [hidden, o])
         x = self.rms_norm(hidden, f"{p}.post_attention_layernorm.weight", c.hidden_size)
-        gate, up = self.fused_linear(x, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
+        gate, up = self.linears.fused(x, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
                                      [c.intermediate_size] * 2, c.hidden_size, c.mlp_bias, f"{p}.mlp.gate_up_proj")
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        down = self.linear(act, f"{p}.mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
+        down = self.linears.linear(act, f"{p}.mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
         return g.op("Add", [hidden, down])
 
     def group_shapes(self, name: str) -> dict[str, str]:
@@ -256,15 +195,16 @@ class DecoderLowering:
             "out": g.op("Concat", [rows, g.ints([c.num_heads * c.head_dim])], axis=0),
         }
 
-    def attention(self, q: str, k_cache: str, v_cache: str, group: dict[str, str], mask: str) -> str:
+    def attention(self, q: str, caches: tuple, group: dict[str, str], mask: str) -> str:
         g, c = self.g, self.c
+        k_cache, v_cache, scales, name = caches
         query = g.op("Reshape", [g.op("Gather", [q, group["index"]], axis=1), group["query"]], allowzero=1)
-        keys = g.op("Reshape", [g.op("Gather", [k_cache, group["tables"]], axis=0), group["kv"]], allowzero=1)
-        values = g.op("Reshape", [g.op("Gather", [v_cache, group["tables"]], axis=0), group["kv"]], allowzero=1)
+        keys, values = (g.op("Gather", [cache, group["tables"]], axis=0) for cache in (k_cache, v_cache))
+        if self.kv_quant is not None:
+            keys = self.kv_quant.read(keys, scales[0], f"{name}.k")
+            values = self.kv_quant.read(values, scales[1], f"{name}.v")
+        keys, values = (g.op("Reshape", [t, group["kv"]], allowzero=1) for t in (keys, values))
         out = g.op("Attention", [query, keys, values, mask], q_num_heads=c.num_heads, kv_num_heads=c.num_kv_heads,
                    scale=float(c.head_dim) ** -0.5)
         return g.op("Reshape", [out, group["out"]], allowzero=1)
 
-
-def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))

@@ -11,7 +11,8 @@ import onnxruntime as ort
 from camshaft.errors import EngineError
 from camshaft.manifest import Manifest
 
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+# KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8": np.uint8}
 
 
 def physical_cores() -> int:

@@ -1,0 +1,169 @@
+"""Linear layers on packed [T, in] activations, float or quantized.
+
+- weight-only INT4/INT8 → one com.microsoft MatMulNBits (ONNX Runtime CPU);
+- FP8 → QuantizeLinear→DequantizeLinear of the input with its static per-tensor scale and DequantizeLinear of the
+  stored float8 weight, then MatMul: ModelOpt's fake-quant numerics in standard ONNX;
+- W8A8 (SmoothQuant) → the input quantized with its static scale to uint8 (zero point 128: the same integers as
+  int8), MatMulInteger with the int8 weight (exact int32 sums; ONNX Runtime's fast u8s8 kernel, s8s8 is ~20x
+  slower), then Mul by input scale x weight scale. (The Q/DQ form is fused by ONNX Runtime into an integer kernel
+  only where no residual Add was first fused into a Gemm.)
+Layers sharing an input (q/k/v, gate/up) become one product when their formats, pre-quant scales and input scales
+agree; otherwise each layer is lowered alone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+from onnx import TensorProto
+
+from camshaft.builder.checkpoint import QuantizedLinear
+from camshaft.builder.graph.ops import GraphWriter
+
+MS_DOMAIN = "com.microsoft"
+# MatMulNBits block sizes; accuracy_level 0 computes in the activation's float type (4 quantizes activations to int8).
+NBITS_BLOCK_SIZES = (128, 64, 32, 16)
+NBITS_ACCURACY_LEVEL = 0
+LOWERINGS = {
+    "nbits": "com.microsoft.MatMulNBits",
+    "int8": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales",
+    "fp8": "QuantizeLinear/DequantizeLinear float8e4m3fn + MatMul",
+}
+ZERO_POINTS = {"int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
+FLOAT_ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+
+WeightFn = Callable[[str, tuple[int, ...]], np.ndarray]
+QuantizedFn = Callable[[str, int, int], QuantizedLinear | None]  # (prefix, out_dim, in_dim) → quantized layer or None
+
+
+class Linears:
+    def __init__(self, g: GraphWriter, np_dtype: type, weights: WeightFn, quantized: QuantizedFn | None = None,
+                 accuracy_level: int | None = None) -> None:
+        self.g, self.np_dtype, self.weights = g, np_dtype, weights
+        self.quantized = quantized or (lambda *_: None)
+        self.accuracy_level = NBITS_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+        self.counts: Counter[str] = Counter()  # quantized layers per lowering kind
+
+    def float_weight(self, name: str, shape: tuple[int, int]) -> np.ndarray:
+        """[in, out] weight in the graph's float type."""
+        return self.weights(name, shape).T.astype(self.np_dtype)
+
+    def bias(self, y: str, name: str, prefixes: list[str], out_dims: list[int]) -> str:
+        b = np.concatenate([self.weights(f"{p}.bias", (o,)) for p, o in zip(prefixes, out_dims, strict=True)])
+        return self.g.op("Add", [y, self.g.weight(f"{name}.bias", b.astype(self.np_dtype))])
+
+    def linear(self, x: str, prefix: str, out_dim: int, in_dim: int, bias: bool) -> str:
+        q = self.quantized(prefix, out_dim, in_dim)
+        y = self.lower_quantized(x, [q], prefix, in_dim) if q is not None else None
+        if y is None:  # float (a quantized layer no kernel takes comes back dequantized)
+            y = self.g.op("MatMul", [x, self.g.weight(f"{prefix}.weight",
+                                                     self.float_weight(f"{prefix}.weight", (out_dim, in_dim)))])
+        return self.bias(y, prefix, [prefix], [out_dim]) if bias else y
+
+    def fused(self, x: str, prefixes: list[str], out_dims: list[int], in_dim: int, bias: bool,
+              name: str) -> list[str]:
+        pairs = list(zip(prefixes, out_dims, strict=True))
+        quantized = [self.quantized(p, o, in_dim) for p, o in pairs]
+        if any(q is not None for q in quantized):
+            y = None
+            if all(q is not None and _fusable(q, quantized[0]) for q in quantized):
+                y = self.lower_quantized(x, quantized, name, in_dim)
+            if y is None:  # mixed (e.g. --exclude) or not expressible: one layer at a time
+                return [self.linear(x, p, o, in_dim, bias) for p, o in pairs]
+        else:
+            weight = np.concatenate([self.float_weight(f"{p}.weight", (o, in_dim)) for p, o in pairs], axis=1)
+            y = self.g.op("MatMul", [x, self.g.weight(f"{name}.weight", weight)])
+        if bias:
+            y = self.bias(y, name, prefixes, out_dims)
+        return self.g.op("Split", [y, self.g.ints(out_dims)], n_out=len(out_dims), axis=-1)
+
+    def lower_quantized(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str | None:
+        first = layers[0]
+        if first.activation is None:
+            if nbits_block(first, in_dim) is None:
+                return None
+            kind, y = "nbits", self.matmul_nbits(x, layers, name, in_dim)
+        elif first.block_size == in_dim and first.activation == "int8":
+            kind, y = "int8", self.integer_matmul(x, layers, name)
+        elif first.block_size == in_dim:
+            kind, y = first.activation, self.qdq_matmul(x, layers, name)
+        else:
+            return None
+        self.counts[kind] += len(layers)
+        return y
+
+    def pre_scale(self, x: str, layer: QuantizedLinear, name: str) -> str:
+        if layer.pre_quant_scale is None:
+            return x
+        return self.g.op("Mul", [x, self.g.weight(f"{name}.pre_quant_scale",
+                                                   layer.pre_quant_scale.astype(self.np_dtype))])
+
+    def matmul_nbits(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str:
+        """x [.., in_dim] @ the layers' dequantized weights (concatenated along the output) as one MatMulNBits."""
+        g, first = self.g, layers[0]
+        block = nbits_block(first, in_dim)
+        values = np.concatenate([q.values for q in layers], axis=0)  # [N, K] signed
+        scales = np.concatenate([np.repeat(q.scales, (q.block_size // block), axis=1) for q in layers], axis=0)
+        n, k = values.shape
+        unsigned = (values.astype(np.int16) + (1 << (first.bits - 1))).astype(np.uint8)  # default zero point
+        unsigned = unsigned.reshape(n, k // block, block)
+        if first.bits == 4:  # two consecutive K elements a byte, the first in the low nibble
+            packed = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)
+        else:
+            packed = unsigned
+        x = self.pre_scale(x, first, name)
+        return g.op("MatMulNBits", [x, g.weight(f"{name}.qweight", np.ascontiguousarray(packed)),
+                                    g.weight(f"{name}.scales", scales.astype(self.np_dtype).reshape(-1))],
+                    domain=MS_DOMAIN, K=k, N=n, bits=first.bits, block_size=block,
+                    accuracy_level=self.accuracy_level)
+
+    def integer_matmul(self, x: str, layers: list[QuantizedLinear], name: str) -> str:
+        g, first = self.g, layers[0]
+        x = self.pre_scale(x, first, name)
+        zero = g.const(np.array(128, dtype=np.uint8), "zero_point")
+        xq = g.op("QuantizeLinear", [x, g.const(np.array(first.input_scale, dtype=self.np_dtype), "input_scale"), zero])
+        values = np.concatenate([q.values for q in layers], axis=0).T  # [K, N] int8
+        y = g.op("MatMulInteger", [xq, g.weight(f"{name}.qweight", values), zero])
+        scales = np.concatenate([q.scales[:, 0] for q in layers]) * np.float32(first.input_scale)
+        y = g.op("Cast", [y], to=FLOAT_ELEM[np.dtype(self.np_dtype).name])
+        return g.op("Mul", [y, g.weight(f"{name}.output_scale", scales.astype(self.np_dtype))])
+
+    def qdq_matmul(self, x: str, layers: list[QuantizedLinear], name: str) -> str:
+        """Input Q→DQ with the shared static scale, weights [K, N] (int8 or float8) through DequantizeLinear with
+        one scale per output channel (per tensor when they are all equal), then MatMul."""
+        g, first = self.g, layers[0]
+        zero = ZERO_POINTS[first.activation]
+        x = self.pre_scale(x, first, name)
+        x_scale = g.const(np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
+        x_zero = g.const(np.zeros((), dtype=zero), "zero_point")
+        x = g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, x_scale, x_zero]), x_scale, x_zero])
+        values = np.concatenate([q.values for q in layers], axis=0).T  # [K, N]
+        scales = np.concatenate([q.scales[:, 0] for q in layers]).astype(self.np_dtype)
+        weight = g.weight(f"{name}.qweight", values)
+        if np.all(scales == scales[0]):
+            w = g.op("DequantizeLinear", [weight, g.const(scales[:1].reshape(()), "weight_scale")])
+        else:
+            w_zero = g.weight(f"{name}.weight_zero_point", np.zeros(len(scales), dtype=zero))
+            w = g.op("DequantizeLinear", [weight, g.weight(f"{name}.weight_scale", scales), w_zero], axis=1)
+        return g.op("MatMul", [x, w])
+
+
+def nbits_block(q: QuantizedLinear, in_dim: int) -> int | None:
+    """MatMulNBits block size for a layer: its own block, or for per-channel scales the largest allowed block
+    dividing in_dim (scales repeated per block). None when MatMulNBits cannot express the layer."""
+    if q.block_size != in_dim:
+        return q.block_size if q.block_size in NBITS_BLOCK_SIZES else None
+    return next((b for b in NBITS_BLOCK_SIZES if in_dim % b == 0), None)
+
+
+def _fusable(q: QuantizedLinear, first: QuantizedLinear) -> bool:
+    return ((q.bits, q.block_size, q.activation, q.input_scale, q.values.dtype)
+            == (first.bits, first.block_size, first.activation, first.input_scale, first.values.dtype)
+            and _same(q.pre_quant_scale, first.pre_quant_scale))
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))

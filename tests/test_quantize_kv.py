@@ -1,0 +1,124 @@
+"""Quantized KV cache (int8, fp8 e4m3): quantized on the ScatterND write with the checkpoint's per-layer scales,
+dequantized after the block-table Gather; the pool holds 1 byte an element.
+
+Reference: ModelOpt's fake-quant model through transformers with its K/V quantizers on (and off, to measure what the
+KV quantization alone changes). The prompt is prefilled in two chunks so the second reads the first's K/V back from
+the quantized pool.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.builder.graph.kv_quant import KVQuantizer
+from camshaft.builder.graph.ops import GraphWriter
+from camshaft.quantize.modelopt_adapter import quantize_checkpoint
+from camshaft.quantize.spec import QuantSpec
+from camshaft.runtime.batch import Chunk
+from camshaft.runtime.engine import Engine
+from camshaft.runtime.kv_cache import bytes_per_block
+
+from tiny_models import make_tiny_model
+
+pytest.importorskip("modelopt.torch.quantization")
+
+PROMPT_LEN, FIRST_CHUNK, BLOCK = 40, 24, 4
+CALIB = dict(calib_size=4, calib_seq_len=64)
+STORAGE = {"int8": np.int8, "float8": np.uint8}
+
+
+def test_e4m3_codes_round_trip_every_value(tmp_path):
+    """The float8 cache's write (QuantizeLinear-rounded value → bit pattern) and read (bit pattern → value x scale)
+    agree with ml_dtypes on every e4m3fn value, on values between them and beyond the range (saturated)."""
+    finite = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = finite[np.isfinite(finite)]
+    rng = np.random.default_rng(0)
+    between = rng.uniform(-448, 448, 2000).astype(np.float32) * rng.choice([1, 1e-2, 1e-4], 2000).astype(np.float32)
+    x = np.concatenate([finite, between, np.float32([500, -1e6, 3e-5])])[None]
+    scale = 0.37
+    with open(tmp_path / "w.data", "wb") as data:
+        g = GraphWriter(data, "w.data")
+        kv = KVQuantizer(g, "float8", np.float32)
+        g.op_to("Identity", [kv.write("x", scale)], "code")
+        g.op_to("Identity", [kv.read("code", scale, "t")], "back")
+        g.input("x", TensorProto.FLOAT, [1, "n"])
+        g.output("code", TensorProto.UINT8, [1, "n"])
+        g.output("back", TensorProto.FLOAT, [1, "n"])
+    model = g.model(23)
+    model.graph.ClearField("initializer")
+    model.graph.initializer.extend([t for t in g.initializers if not t.external_data])
+    table = np.nan_to_num(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    model.graph.initializer.append(helper.make_tensor("t.e4m3_table", TensorProto.FLOAT, [256], table * 0.37))
+    code, back = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})
+    expected = np.clip(x / np.float32(scale), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(code, expected.view(np.uint8) & np.where(expected == 0, 0x7F, 0xFF))
+    np.testing.assert_array_equal(back, expected.astype(np.float32) * np.float32(scale))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("kv") / "hf")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(3, 384, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module", params=[("int8_wo", "int8"), ("fp8", "fp8")])
+def kv_engine(request, tiny, prompt, tmp_path_factory):
+    fmt, kv_dtype = request.param
+    root = tmp_path_factory.mktemp(f"{fmt}-kv-{kv_dtype}")
+    ref: dict = {}
+
+    def capture(model):
+        quantizers = [q for m in model.modules() for n in ("k_bmm_quantizer", "v_bmm_quantizer")
+                      if (q := getattr(m, n, None)) is not None and q.is_enabled]
+        assert len(quantizers) == 4  # K and V of 2 layers
+        with torch.no_grad():
+            ref["logits"] = model(prompt).logits[0].numpy().copy()
+            for q in quantizers:
+                q.disable()
+            ref["float_kv"] = model(prompt).logits[0].numpy().copy()
+            for q in quantizers:
+                q.enable()
+
+    quantize_checkpoint(tiny, root / "ckpt", QuantSpec(fmt, kv_cache_dtype=kv_dtype), on_quantized=capture, **CALIB)
+    build_engine(BuildConfig(root / "ckpt", root / "engine", max_seq_len=128, kv_block_size=BLOCK, max_num_tokens=64))
+    return kv_dtype, root / "engine", ref
+
+
+def test_engine_logits_match_fake_quant_kv_cache(kv_engine, prompt):
+    kv_dtype, engine_dir, ref = kv_engine
+    engine = Engine(engine_dir, max_sequences=1)
+    q = engine.manifest.quantization
+    expected = {"int8": "int8", "fp8": "float8"}[kv_dtype]
+    assert q["kv_cache_dtype"] == expected and engine.manifest.kv_cache.dtype == expected
+    tokens, blocks = prompt[0].tolist(), engine.pool.allocate(PROMPT_LEN // BLOCK)
+    first = engine.step([Chunk(tokens[:FIRST_CHUNK], 0, blocks[: FIRST_CHUNK // BLOCK], FIRST_CHUNK)])
+    second = engine.step([Chunk(tokens[FIRST_CHUNK:], FIRST_CHUNK, blocks, PROMPT_LEN - FIRST_CHUNK)])
+    logits = np.concatenate([first, second])
+    engine_vs_fq = np.abs(logits - ref["logits"]).max()
+    kv_effect = np.abs(ref["logits"] - ref["float_kv"]).max()
+    print(f"kv {kv_dtype}: |engine - fake-quant| {engine_vs_fq:.3g}, |fake-quant - same with float KV| {kv_effect:.3g}")
+    assert kv_effect > 1e-3  # the KV quantization is real
+    assert engine_vs_fq <= 0.1 * kv_effect
+
+
+def test_pool_holds_one_byte_an_element(kv_engine, tiny, tmp_path):
+    kv_dtype, engine_dir, _ = kv_engine
+    engine = Engine(engine_dir, max_sequences=2)
+    float_engine = build_engine(BuildConfig(tiny, tmp_path / "f", max_seq_len=128, kv_block_size=BLOCK))
+    kv = engine.manifest.kv_cache
+    assert bytes_per_block(engine.manifest) * 4 == bytes_per_block(float_engine) == 2 * 2 * BLOCK * 2 * 16 * 4
+    caches = engine.backend.caches
+    assert len(caches) == 4 and all(c.dtype == STORAGE[kv.dtype] for c in caches)
+    assert engine.backend.kv_cache_bytes == engine.pool.num_blocks * bytes_per_block(engine.manifest)

@@ -94,6 +94,8 @@ def metric(url: str, name: str) -> float:
 
 def test_models_and_health(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert HTTP.get(served[0] + "/v1/models/other").json()["error"]["code"] == "model_not_found"
     assert HTTP.get(served[0] + "/health").json() == {"status": "ok"}
 
 
@@ -242,3 +244,5 @@ def test_a_full_queue_answers_503_and_the_server_recovers(engine_dir):
         wait_until(lambda: llm.load().running + llm.load().waiting == 0)  # the closed stream's request is gone
         assert HTTP.post(url + "/v1/completions", json={**body, "stream": False}).status_code == 200
         assert llm.load().kv_blocks_used == 0
+        llm.close()  # the batch loop stops: health says so
+        assert HTTP.get(url + "/health").status_code == 503

@@ -35,6 +35,7 @@ READABLE_QUANT_ALGOS = {
     "W8A16": QuantFormat(8, "int", None, False),
     "FP8": QuantFormat(8, "fp8", "fp8", False),
     "W8A8_SQ_PER_CHANNEL": QuantFormat(8, "int", "int8", False),
+    "W4A8_AWQ": QuantFormat(4, "int", "fp8", True),  # INT4 blocks, then float8 per tensor (weight_scale_2)
 }
 # kv_cache_quant_algo → the KV pool's element type (float8: e4m3fn bit patterns); scales k_proj.k_scale / v_proj.v_scale
 KV_CACHE_ALGOS = {"FP8": "float8", "INT8": "int8"}
@@ -53,10 +54,19 @@ class QuantizedLinear:
     pre_quant_scale: np.ndarray | None = None  # [in] float32
     activation: str | None = None  # None, "int8" or "fp8"
     input_scale: float | None = None
+    weight_scale_2: float | None = None  # W4A8: the INT4-dequantized weight is then rounded to float8 with it
+
+    def weight(self) -> np.ndarray:
+        """[out, in] float32: the quantized weight (what ModelOpt's weight quantizer returns)."""
+        weight = self.values.astype(np.float32) * np.repeat(self.scales, self.block_size, axis=1)
+        if self.weight_scale_2 is not None:
+            weight = (weight / np.float32(self.weight_scale_2)).astype(FP8).astype(np.float32)
+            weight = weight * np.float32(self.weight_scale_2)
+        return weight
 
     def dequantize(self) -> np.ndarray:
         """[out, in] float32 weights as the layer applies them (pre_quant_scale folded into the input columns)."""
-        weight = self.values.astype(np.float32) * np.repeat(self.scales, self.block_size, axis=1)
+        weight = self.weight()
         if self.pre_quant_scale is not None:
             weight = weight * self.pre_quant_scale[None, :]
         return weight
@@ -100,7 +110,7 @@ class Checkpoint:
         if algo not in READABLE_QUANT_ALGOS:
             raise CheckpointError(
                 f"{self.dir} is quantized as {algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} checkpoints "
-                "(`camshaft quantize --quant int4_wo|int4_awq|int8_wo|int8_sq|fp8`)"
+                "(`camshaft quantize --quant int4_wo|int4_awq|int8_wo|int8_sq|fp8|w4a8_awq`)"
             )
         kv_algo = quant.get("kv_cache_quant_algo")
         if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:
@@ -160,7 +170,8 @@ class Checkpoint:
         if f"{prefix}.pre_quant_scale" in self._where:
             pqs = self.get(f"{prefix}.pre_quant_scale", (in_dim,))
         input_scale = self._scalar(f"{prefix}.input_scale") if fmt.activation else None
-        return QuantizedLinear(fmt.weight_bits, block, values, scale, pqs, fmt.activation, input_scale)
+        scale_2 = self._scalar(f"{prefix}.weight_scale_2") if f"{prefix}.weight_scale_2" in self._where else None
+        return QuantizedLinear(fmt.weight_bits, block, values, scale, pqs, fmt.activation, input_scale, scale_2)
 
     def _scalar(self, name: str) -> float:
         value = self._raw(name)

@@ -53,11 +53,12 @@ def prompt():
 
 LOWERING = {"int4_wo": "com.microsoft.MatMulNBits", "int8_wo": "com.microsoft.MatMulNBits",
             "int4_awq": "com.microsoft.MatMulNBits", "fp8": "QuantizeLinear/DequantizeLinear float8e4m3fn + MatMul",
-            "int8_sq": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales"}
-MAX_BOUND = {"fp8": 448.0, "int8_sq": 127.0}  # ModelOpt's input_scale = amax / max bound
+            "int8_sq": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales",
+            "w4a8_awq": "float8 input Q/DQ; int4 blocked DequantizeLinear, float8 Q/DQ of the weight; MatMul"}
+MAX_BOUND = {"fp8": 448.0, "int8_sq": 127.0, "w4a8_awq": 448.0}  # ModelOpt's input_scale = amax / max bound
 
 
-@pytest.fixture(scope="module", params=["int4_wo", "int8_wo", "int4_awq", "fp8", "int8_sq"])
+@pytest.fixture(scope="module", params=["int4_wo", "int8_wo", "int4_awq", "fp8", "int8_sq", "w4a8_awq"])
 def quantized(request, tiny, prompt, tmp_path_factory):
     """(format, checkpoint dir, engine dir, fake-quant weights/pre-quant scales/logits, fp32 logits)."""
     fmt = request.param
@@ -97,8 +98,8 @@ def test_checkpoint_weights_dequantize_to_modelopt_fake_quant_weights(quantized)
             assert layer is not None, name
             assert layer.bits == FORMATS[fmt].weight_bits
             assert layer.block_size == (32 if FORMATS[fmt].blockwise else expected.shape[1])
-            weights = layer.values.astype(np.float32) * np.repeat(layer.scales, layer.block_size, axis=1)
-            np.testing.assert_allclose(weights, expected, rtol=0, atol=1e-6 * np.abs(expected).max(), err_msg=name)
+            atol = 1e-6 * np.abs(expected).max()
+            np.testing.assert_allclose(layer.weight(), expected, rtol=0, atol=atol, err_msg=name)
             if name in ref["pqs"]:  # AWQ/SmoothQuant scales kept beside the layer (AWQ folds the others into norms)
                 np.testing.assert_array_equal(layer.pre_quant_scale, ref["pqs"][name])
             else:
@@ -108,7 +109,7 @@ def test_checkpoint_weights_dequantize_to_modelopt_fake_quant_weights(quantized)
             else:
                 assert layer.input_scale is None and not ref["input_amax"]
         assert ckpt.quantized_linear("lm_head", 384, 64) is None
-    if fmt == "int4_awq":
+    if "awq" in fmt:
         assert {n.rsplit(".", 1)[-1] for n in ref["pqs"]} == {"o_proj", "down_proj"}
     if fmt == "int8_sq":  # SmoothQuant's per-channel scales stay beside every layer in ModelOpt's export
         assert len(ref["pqs"]) == 14
@@ -142,6 +143,9 @@ def test_engine_stores_quantized_weights_and_runs_integer_kernels(quantized):
     if fmt == "fp8":
         assert ops["QuantizeLinear"] == 8 and ops["DequantizeLinear"] == 16
         assert elem[onnx.TensorProto.FLOAT8E4M3FN] == 8
+    elif fmt == "w4a8_awq":  # the int4 weight's DequantizeLinear, its float8 Q/DQ, the input's Q/DQ
+        assert ops["QuantizeLinear"] == 16 and ops["DequantizeLinear"] == 24
+        assert elem[onnx.TensorProto.INT4] == 8
     else:
         assert ops["MatMulInteger"] + ops["MatMulIntegerToFloat"] == 8 and ops["DequantizeLinear"] == 0
         assert elem[onnx.TensorProto.INT8] == 8

@@ -1,6 +1,7 @@
 """Linear layers on packed [T, in] activations, float or quantized.
 
 - weight-only INT4/INT8 → one com.microsoft MatMulNBits (ONNX Runtime CPU);
+- W4A8 AWQ → the FP8 input, and the INT4 weight through blocked DequantizeLinear then float8 Q/DQ;
 - FP8 → QuantizeLinear→DequantizeLinear of the input with its static per-tensor scale and DequantizeLinear of the
   stored float8 weight, then MatMul: ModelOpt's fake-quant numerics in standard ONNX;
 - W8A8 (SmoothQuant) → the input quantized with its static scale to uint8 (zero point 128: the same integers as
@@ -31,8 +32,8 @@ LOWERINGS = {
     "nbits": "com.microsoft.MatMulNBits",
     "int8": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales",
     "fp8": "QuantizeLinear/DequantizeLinear float8e4m3fn + MatMul",
+    "w4a8": "float8 input Q/DQ; int4 blocked DequantizeLinear, float8 Q/DQ of the weight; MatMul",
 }
-ZERO_POINTS = {"int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
 FLOAT_ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 WeightFn = Callable[[str, tuple[int, ...]], np.ndarray]
@@ -82,14 +83,15 @@ class Linears:
 
     def lower_quantized(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str | None:
         first = layers[0]
-        if first.activation is None:
-            if nbits_block(first, in_dim) is None:
-                return None
+        per_channel = first.block_size == in_dim
+        if first.activation is None and nbits_block(first, in_dim) is not None:
             kind, y = "nbits", self.matmul_nbits(x, layers, name, in_dim)
-        elif first.block_size == in_dim and first.activation == "int8":
+        elif first.activation == "int8" and per_channel:
             kind, y = "int8", self.integer_matmul(x, layers, name)
-        elif first.block_size == in_dim:
-            kind, y = first.activation, self.qdq_matmul(x, layers, name)
+        elif first.activation == "fp8" and first.bits == 8 and per_channel:
+            kind, y = "fp8", self.fp8_matmul(x, layers, name)
+        elif first.activation == "fp8" and first.bits == 4 and first.weight_scale_2 is not None:
+            kind, y = "w4a8", self.w4a8_matmul(x, layers, name)
         else:
             return None
         self.counts[kind] += len(layers)
@@ -131,24 +133,49 @@ class Linears:
         y = g.op("Cast", [y], to=FLOAT_ELEM[np.dtype(self.np_dtype).name])
         return g.op("Mul", [y, g.weight(f"{name}.output_scale", scales.astype(self.np_dtype))])
 
-    def qdq_matmul(self, x: str, layers: list[QuantizedLinear], name: str) -> str:
-        """Input Q→DQ with the shared static scale, weights [K, N] (int8 or float8) through DequantizeLinear with
-        one scale per output channel (per tensor when they are all equal), then MatMul."""
-        g, first = self.g, layers[0]
-        zero = ZERO_POINTS[first.activation]
+    def fp8_input(self, x: str, first: QuantizedLinear, name: str) -> str:
+        """The input as the fake-quant layer sees it: pre-scaled, then rounded to float8 with its static scale."""
         x = self.pre_scale(x, first, name)
-        x_scale = g.const(np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
-        x_zero = g.const(np.zeros((), dtype=zero), "zero_point")
-        x = g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, x_scale, x_zero]), x_scale, x_zero])
-        values = np.concatenate([q.values for q in layers], axis=0).T  # [K, N]
+        return self.fp8_round(x, np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
+
+    def fp8_round(self, x: str, scale: np.ndarray, hint: str) -> str:
+        """QuantizeLinear→DequantizeLinear to float8 e4m3fn, per tensor (scalar scale) or per column ([N] scale)."""
+        g = self.g
+        if scale.ndim and np.all(scale == scale[0]):
+            scale = scale[:1].reshape(())
+        zero = ml_dtypes.float8_e4m3fn
+        if scale.ndim:
+            s, z = g.weight(f"{hint}.fp8_scale", scale), g.weight(f"{hint}.fp8_zero", np.zeros(len(scale), zero))
+        else:
+            s, z = g.const(scale.astype(self.np_dtype), hint), g.const(np.zeros((), zero), "zero_point")
+        return g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, s, z], axis=-1), s, z], axis=-1)
+
+    def fp8_matmul(self, x: str, layers: list[QuantizedLinear], name: str) -> str:
+        """FP8: input Q→DQ with its static scale; float8 weights [K, N] through DequantizeLinear with one scale per
+        output channel (per tensor when they are all equal); MatMul."""
+        g = self.g
+        x = self.fp8_input(x, layers[0], name)
+        values = np.concatenate([q.values for q in layers], axis=0).T  # [K, N] float8
         scales = np.concatenate([q.scales[:, 0] for q in layers]).astype(self.np_dtype)
         weight = g.weight(f"{name}.qweight", values)
         if np.all(scales == scales[0]):
             w = g.op("DequantizeLinear", [weight, g.const(scales[:1].reshape(()), "weight_scale")])
         else:
-            w_zero = g.weight(f"{name}.weight_zero_point", np.zeros(len(scales), dtype=zero))
+            w_zero = g.weight(f"{name}.weight_zero_point", np.zeros(len(scales), dtype=ml_dtypes.float8_e4m3fn))
             w = g.op("DequantizeLinear", [weight, g.weight(f"{name}.weight_scale", scales), w_zero], axis=1)
         return g.op("MatMul", [x, w])
+
+    def w4a8_matmul(self, x: str, layers: list[QuantizedLinear], name: str) -> str:
+        """W4A8 AWQ: input as FP8; int4 weights [K, N] through blocked DequantizeLinear (blocks along K), rounded to
+        float8 with weight_scale_2 (Q→DQ), as ModelOpt's sequential weight quantizer does; MatMul."""
+        g, first = self.g, layers[0]
+        x = self.fp8_input(x, first, name)
+        values = np.concatenate([q.values for q in layers], axis=0).T.astype(ml_dtypes.int4)  # [K, N]
+        scales = np.concatenate([q.scales for q in layers], axis=0).T.astype(self.np_dtype)  # [K / block, N]
+        w = g.op("DequantizeLinear", [g.weight(f"{name}.qweight", values), g.weight(f"{name}.scales", scales)],
+                 axis=0, block_size=first.block_size)
+        scale_2 = np.concatenate([np.full(len(q.values), q.weight_scale_2) for q in layers]).astype(self.np_dtype)
+        return g.op("MatMul", [x, self.fp8_round(w, scale_2, f"{name}.weight_scale_2")])
 
 
 def nbits_block(q: QuantizedLinear, in_dim: int) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -37,13 +38,19 @@ class GraphWriter:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        """A large tensor, written to the external data file now so memory stays flat."""
+        """A large tensor, written to the external data file now so memory stays flat. int4 arrays (ml_dtypes) are
+        packed two elements a byte, the first in the low nibble, as ONNX stores them."""
         array = np.ascontiguousarray(array)
         pad = (-self._offset) % ALIGN
         if pad:
             self._data.write(b"\0" * pad)
             self._offset += pad
-        raw = array.tobytes()
+        if array.dtype == ml_dtypes.int4:
+            nibbles = array.reshape(-1).view(np.uint8) & 0x0F
+            nibbles = np.concatenate([nibbles, np.zeros(nibbles.size % 2, np.uint8)])
+            raw = (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+        else:
+            raw = array.tobytes()
         self._data.write(raw)
         tensor = onnx.TensorProto()
         tensor.name = name

@@ -25,6 +25,7 @@ GRAPH_NAME = "graph.onnx"
 GRAPH_DATA = "graph.onnx.data"
 
 Progress = Callable[[str], None]
+TRT_QUANT_ALGOS = ("FP8", "W4A8_AWQ")
 
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
@@ -69,6 +70,21 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
     }
 
 
+def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: str | None = None) -> None:
+    """Refuse a quantized format the target cannot build, before any work (`camshaft build --quant` calls it before
+    quantizing). The TensorRT targets take the formats whose graph is standard Q/DQ that tensorrt-rtx 1.7 parses and
+    builds: FP8 and W4A8_AWQ; not W8A8 (lowered to MatMulInteger, uint8), weight-only (MatMulNBits) or a quantized
+    KV cache (float8 stored as uint8 codes)."""
+    if target == "onnxruntime":
+        return
+    if quant_algo not in TRT_QUANT_ALGOS or kv_cache_quant_algo:
+        what = quant_algo + (f" with a {kv_cache_quant_algo} KV cache" if kv_cache_quant_algo else "")
+        raise BuildConfigError(
+            f"the {target} target cannot build {what} checkpoints; it takes {' and '.join(TRT_QUANT_ALGOS)} "
+            "(--quant fp8 | w4a8_awq) without --kv-cache-dtype. Build this one for --target onnxruntime."
+        )
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -84,11 +100,9 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
         model = checkpoint.config
-        if checkpoint.quantization is not None and config.target != "onnxruntime":
-            raise BuildConfigError(
-                f"{config.model_dir} is a quantized checkpoint; the {config.target} target does not take quantized "
-                "checkpoints yet (Q/DQ lowering is planned). Build it for --target onnxruntime."
-            )
+        if checkpoint.quantization is not None:
+            check_quantized_target(config.target, checkpoint.quantization["quant_algo"],
+                                   checkpoint.quantization.get("kv_cache_quant_algo"))
         quantization: dict = {}
         limits = BuildLimits(
             max_batch_size=config.max_batch_size,

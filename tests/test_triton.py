@@ -119,9 +119,12 @@ class Stream:
         self.responses: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
-    def run(self, model: str, inputs, cancel_after: int | None = None):
-        """(outputs of every response, error or None, cancelled)."""
+    def send(self, model: str, inputs) -> Stream:
         self.client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        return self
+
+    def collect(self, cancel_after: int | None = None):
+        """(outputs of every response, error or None, cancelled); closes the stream."""
         outputs = []
         try:
             while True:
@@ -134,11 +137,20 @@ class Stream:
                 if response.parameters["triton_final_response"].bool_param:
                     return outputs, None, False
                 if cancel_after is not None and len(outputs) >= cancel_after:
-                    self.client.stop_stream(cancel_requests=True)
+                    self.cancel()
                     return outputs, None, True
         finally:
-            self.client.stop_stream()
-            self.client.close()
+            self.close()
+
+    def run(self, model: str, inputs, cancel_after: int | None = None):
+        return self.send(model, inputs).collect(cancel_after)
+
+    def cancel(self) -> None:
+        self.client.stop_stream(cancel_requests=True)
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
 
 
 def texts(outputs) -> list[str]:

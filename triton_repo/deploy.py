@@ -40,6 +40,12 @@ def model_config(name: str, *, decoupled: bool, max_batch_size: int, token: bool
             + f"instance_group [\n  {{\n    count: {instances}\n    kind: KIND_CPU\n  }}\n]\n" + _parameters(params))
 
 
+def bls_threads(batch: int, max_queue: int | None) -> int:
+    """The python backend holds a thread per BLS request in flight (32 by default): room for every request the
+    executor admits, from both text models, so none waits outside the queue limit."""
+    return 2 * (batch + (256 if max_queue is None else max_queue)) + 8
+
+
 def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None) -> Path:
     """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments."""
     engine, repo = Path(engine).resolve(), Path(repo)
@@ -70,8 +76,9 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
             (staging / model / "1").mkdir(parents=True)
             (staging / model / "config.pbtxt").write_text(config)
             shutil.copyfile(SHIM, staging / model / "1" / "model.py")
-        (staging / MARKER).write_text(json.dumps({"engine_dir": str(engine), "name": name, "llm_options": options,
-                                                  "camshaft_version": __version__}, indent=2) + "\n")
+        (staging / MARKER).write_text(json.dumps({
+            "engine_dir": str(engine), "name": name, "llm_options": options, "camshaft_version": __version__,
+            "bls_threads": bls_threads(batch, options.get("max_queue"))}, indent=2) + "\n")
         replace_dir(staging, repo)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

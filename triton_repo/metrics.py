@@ -20,6 +20,8 @@ COUNTERS = {
     "camshaft_generated_tokens_total": "Tokens generated",
     "camshaft_requests_total": "Requests accepted by the executor",
     "camshaft_requests_refused_total": "Requests refused (invalid, too long, or the queue full)",
+    "camshaft_requests_finished_total": "Requests finished, aborted ones included",
+    "camshaft_requests_aborted_total": "Requests aborted (cancelled, client gone, or a stop request)",
 }
 
 

@@ -24,7 +24,7 @@ from camshaft.errors import RequestError
 from camshaft.runtime.engine import load_tokenizer
 from camshaft.triton_repo.protocol import one
 from camshaft.triton_repo.tensors import TEXT_TO_TOKEN
-from camshaft.triton_repo.token_model import CANCEL_CHECK_S, FINAL, error_response, tensor
+from camshaft.triton_repo.token_model import BLS_PARAMETER, CANCEL_CHECK_S, FINAL, error_response, tensor
 
 PASSED_AS_IS = {"stop_words", "bad_words"}
 HANDLED_HERE = {"text_input", "stream", "exclude_input_in_output"}
@@ -87,7 +87,9 @@ class TextModel:
             if finished or cancelled:
                 continue  # drain what the token model still sends (it ends with a final response)
             if response.has_error():
-                emit(error_response(RequestError(response.error().message())), True)
+                error = response.error()  # the token model's error, with its code (INVALID_ARG, UNAVAILABLE)
+                code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INVALID_ARG
+                emit(pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message(), code)), True)
                 finished = True
                 continue
             out = {t.name(): t.as_numpy() for t in response.output_tensors()}
@@ -148,7 +150,8 @@ class TextModel:
         outputs = ["text_output", "finish_reason", "cum_log_probs", "output_log_probs", "num_input_tokens",
                    "num_output_tokens"]
         return pb_utils.InferenceRequest(model_name=self.token_model, inputs=inputs, requested_output_names=outputs,
-                                         request_id=f"{self.name}-{uuid.uuid4().hex}")
+                                         request_id=f"{self.name}-{uuid.uuid4().hex}",
+                                         parameters={BLS_PARAMETER: True})
 
     def _stop(self, request_id: str) -> None:
         stop = pb_utils.InferenceRequest(model_name=self.token_model, request_id=request_id,

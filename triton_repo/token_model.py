@@ -24,7 +24,18 @@ from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import TokenRequest, one, token_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-CANCEL_CHECK_S = 0.05  # how often a running request asks Triton whether it was cancelled
+CANCEL_CHECK_S = 0.2  # how often a running request asks Triton whether it was cancelled (an IPC round trip)
+BLS_PARAMETER = "camshaft_text_model"
+
+
+def merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output carrying several consecutive outputs of a request."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return RequestOutput(last.request_id, "".join(o.delta for o in outputs),
+                         tuple(t for o in outputs for t in o.token_ids), tuple(s for o in outputs for s in o.logprobs),
+                         last.result, last.error)
 
 
 def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
@@ -47,6 +58,7 @@ class _Job:
     logprobs: list[float] = field(default_factory=list)
     checked: float = field(default_factory=time.monotonic)
     cancelled: bool = False
+    bls: bool = False  # from camshaft's text model: Triton 2.51 cannot cancel it; the text model sends `stop`
 
 
 class TokenModel:
@@ -83,7 +95,7 @@ class TokenModel:
         engine = self.llm.engine
         spec = token_request(values, tokenizer=self.llm.tokenizer, eos_token_ids=engine.eos_token_ids,
                              exclude_default=self.exclude_default)
-        job = _Job(request, sender, spec)
+        job = _Job(request, sender, spec, bls=bool(json.loads(request.parameters() or "{}").get(BLS_PARAMETER)))
         job.request_ids = self.llm.submit(spec.prompt_ids, spec.params, lambda out: self.outputs.put((job, out)))
         self.metrics.count("camshaft_requests_total")
         if client_id:
@@ -91,19 +103,37 @@ class TokenModel:
                 self.by_client_id[client_id] = job
 
     def _respond(self) -> None:
-        while (item := self.outputs.get()) is not None:
-            job, output = item
-            try:
-                self._deliver(job, output)
-            except Exception as exc:  # a client gone mid-send: stop its request, keep serving the others
-                pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r}); aborting the request")
-                if not output.finished:
-                    job.cancelled = True
-                    self.llm.abort(output.request_id)
-            if output.finished:
-                with self.lock:
-                    if self.by_client_id.get(job.request.request_id()) is job:
-                        del self.by_client_id[job.request.request_id()]
+        """Send what the executor produced; under load a request's queued outputs go out as one response."""
+        running = True
+        while running:
+            items = [self.outputs.get()]
+            while True:
+                try:
+                    items.append(self.outputs.get_nowait())
+                except queue.Empty:
+                    break
+            running = None not in items
+            grouped: dict[int, tuple[_Job, list[RequestOutput]]] = {}
+            for item in filter(None, items):
+                grouped.setdefault(id(item[0]), (item[0], []))[1].append(item[1])
+            for job, outputs in grouped.values():
+                self._send(job, merge(outputs))
+
+    def _send(self, job: _Job, output: RequestOutput) -> None:
+        try:
+            self._deliver(job, output)
+        except Exception as exc:  # a client gone mid-send: stop its request, keep serving the others
+            pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r}); aborting the request")
+            if not output.finished:
+                job.cancelled = True
+                self.llm.abort(output.request_id)
+        if output.finished:
+            self.metrics.count("camshaft_requests_finished_total")
+            if output.result is not None and output.result.finish_reason == "abort":
+                self.metrics.count("camshaft_requests_aborted_total")
+            with self.lock:
+                if self.by_client_id.get(job.request.request_id()) is job:
+                    del self.by_client_id[job.request.request_id()]
 
     def _deliver(self, job: _Job, output: RequestOutput) -> None:
         self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
@@ -111,7 +141,7 @@ class TokenModel:
             job.sender.send(error_response(output.error), flags=FINAL)
             return
         now = time.monotonic()
-        if not output.finished and not job.cancelled and now - job.checked >= CANCEL_CHECK_S:
+        if not (output.finished or job.cancelled or job.bls) and now - job.checked >= CANCEL_CHECK_S:
             job.checked = now
             if job.request.is_cancelled():
                 job.cancelled = True

@@ -1,0 +1,121 @@
+"""In-flight batching behind the real tritonserver under load: 64 concurrent gRPC streaming clients x 3 rounds with
+mixed lengths, a quarter cancelling mid-stream; cancelled gRPC streams and a dropped HTTP stream abort their
+requests; a full queue is refused as busy. One server for the module; state is read from its Prometheus metrics."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from test_triton import PROMPTS, Stack, Stream, assert_same_ids, assert_same_text, grpcclient, tensors, texts
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.runtime.session import Session
+from camshaft.triton_repo.deploy import deploy_repository
+from camshaft.triton_repo.server import TritonServer
+
+from tiny_models import make_tiny_model
+
+BATCH, QUEUE, CLIENTS, ROUNDS = 16, 48, 64, 3
+LONG = 480  # tokens of a request that runs long enough to be cancelled while it generates (max_seq_len 512)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("triton_load")
+    model = make_tiny_model("llama", root / "hf")
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=512, max_num_tokens=128, max_batch_size=BATCH))
+    repo = deploy_repository(root / "engine", root / "repo", llm_options={"max_queue": QUEUE})
+    with TritonServer(repo) as server:
+        yield Stack(server, Session(root / "engine"))
+
+
+def idle(values: dict[str, float]) -> bool:
+    return (values["camshaft_requests_running"] == 0 and values["camshaft_requests_waiting"] == 0
+            and values["camshaft_kv_cache_blocks_used"] == 0)
+
+
+def client(stack: Stack, index: int, round_: int):
+    """A text client (even index) or a token client (odd); every fourth cancels after two responses."""
+    prompt = PROMPTS[(index + round_) % len(PROMPTS)]
+    max_tokens = (4, 12, 24, 40)[(index // 2 + round_) % 4]
+    cancel_after = 2 if index % 4 == 3 else None
+    if index % 2 == 0:
+        inputs = tensors(grpcclient, text_input=prompt, max_tokens=max_tokens, stream=True)
+        model = "ensemble"
+    else:
+        ids = stack.session.encode(prompt)
+        inputs = tensors(grpcclient, input_ids=ids, input_lengths=len(ids), request_output_len=max_tokens,
+                         streaming=True)
+        model = "tensorrt_llm"
+    outputs, error, cancelled = Stream(stack.server.endpoints.grpc).run(model, inputs, cancel_after)
+    return model, prompt, max_tokens, outputs, error, cancelled
+
+
+def test_64_streaming_clients_three_rounds_with_cancellation(stack):
+    for prompt in PROMPTS:
+        for max_tokens in (4, 12, 24, 40):
+            stack.reference(prompt, max_tokens)
+    before = stack.metrics()
+    completed = 0
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        for round_ in range(ROUNDS):
+            for model, prompt, max_tokens, outputs, error, cancelled in pool.map(
+                    lambda i, r=round_: client(stack, i, r), range(CLIENTS)):
+                assert error is None, f"{model} {prompt!r}: {error}"
+                if cancelled:
+                    continue
+                reference = stack.reference(prompt, max_tokens)
+                if model == "ensemble":
+                    assert_same_text("".join(texts(outputs)), reference, stack.session.tokenizer)
+                else:
+                    assert_same_ids([t for o in outputs for t in o["output_ids"].reshape(-1).tolist()], reference)
+                completed += 1
+    assert completed >= CLIENTS * ROUNDS * 3 // 4
+    after = stack.wait_metrics(idle, "an idle executor with an empty KV pool")
+    assert after["camshaft_peak_batch_size"] > 1
+    assert after["camshaft_requests_total"] - before["camshaft_requests_total"] == CLIENTS * ROUNDS
+    assert stack.server.is_ready()
+
+
+def long_text(stream: bool = True) -> dict:
+    return {"text_input": "a", "max_tokens": LONG, "end_id": -1, "stream": stream}
+
+
+def test_cancelled_grpc_streams_and_a_dropped_http_stream_abort_their_requests(stack):
+    aborted = stack.metrics()["camshaft_requests_aborted_total"]
+    grpc = stack.server.endpoints.grpc
+    _, error, cancelled = Stream(grpc).run("ensemble", tensors(grpcclient, **long_text()), cancel_after=2)
+    assert error is None and cancelled
+    token_inputs = tensors(grpcclient, input_ids=[5, 6], request_output_len=LONG, end_id=-1, streaming=True)
+    _, error, cancelled = Stream(grpc).run("tensorrt_llm", token_inputs, cancel_after=2)
+    assert error is None and cancelled
+    with requests.post(f"{stack.http}/ensemble/generate_stream", json=long_text(), stream=True, timeout=60) as sse:
+        assert next(sse.iter_lines()).startswith(b"data: ")
+    # Triton 2.51 marks an HTTP stream cancelled when its client disconnects: all three stop early
+    stack.wait_metrics(lambda m: m["camshaft_requests_aborted_total"] - aborted == 3, "three aborted requests")
+    stack.wait_metrics(idle, "an idle executor with an empty KV pool")
+
+
+def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
+    streams = [Stream(stack.server.endpoints.grpc).send("ensemble", tensors(grpcclient, **long_text()))
+               for _ in range(BATCH + QUEUE)]
+    try:
+        stack.wait_metrics(lambda m: m["camshaft_requests_running"] + m["camshaft_requests_waiting"] == BATCH + QUEUE,
+                           f"{BATCH} running and {QUEUE} waiting requests")
+        busy = requests.post(f"{stack.http}/ensemble/generate", json=long_text(False) | {"max_tokens": 4},
+                             timeout=60)
+        # the model says UNAVAILABLE; Triton 2.51 answers 400 over HTTP (and INTERNAL over gRPC) all the same
+        assert busy.status_code == 400 and "server busy" in busy.json()["error"], busy.text
+        _, error, _ = Stream(stack.server.endpoints.grpc).run("ensemble", tensors(grpcclient, text_input="a",
+                                                                                   max_tokens=4))
+        assert error is not None and "server busy" in error.message()
+    finally:
+        for stream in streams:
+            stream.cancel()
+            stream.close()
+    stack.wait_metrics(idle, "an idle executor with an empty KV pool")
+    done = requests.post(f"{stack.http}/ensemble/generate", json={"text_input": "a", "max_tokens": 4}, timeout=60)
+    assert done.status_code == 200 and stack.server.is_ready()

@@ -5,71 +5,22 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8 are part of this module's API)
+    FP8,
+    KV_CACHE_ALGOS,
+    READABLE_QUANT_ALGOS,
+    QuantizedLinear,
+    fp8_tensors,
+    read_fp8,
+)
 from camshaft.errors import CheckpointError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
-
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    """How a checkpoint's quant_algo stores a linear layer."""
-
-    weight_bits: int
-    weight_type: str  # "int" (signed integers) or "fp8" (float8 e4m3fn)
-    activation: str | None  # None: weight-only; "int8" / "fp8": the input is quantized with a static per-tensor scale
-    blockwise: bool  # weight scales per block of group_size input channels (else per output channel or tensor)
-
-
-# hf_quant_config.json quant_algo → storage, for the formats the builder lowers. Others are refused clearly.
-READABLE_QUANT_ALGOS = {
-    "W4A16_AWQ": QuantFormat(4, "int", None, True),
-    "W8A16": QuantFormat(8, "int", None, False),
-    "FP8": QuantFormat(8, "fp8", "fp8", False),
-    "W8A8_SQ_PER_CHANNEL": QuantFormat(8, "int", "int8", False),
-    "W4A8_AWQ": QuantFormat(4, "int", "fp8", True),  # INT4 blocks, then float8 per tensor (weight_scale_2)
-}
-# kv_cache_quant_algo → the KV pool's element type (float8: e4m3fn bit patterns); scales k_proj.k_scale / v_proj.v_scale
-KV_CACHE_ALGOS = {"FP8": "float8", "INT8": "int8"}
-
-
-@dataclass(frozen=True)
-class QuantizedLinear:
-    """One quantized linear layer: integer or float8 values and per-block scales (per output channel when
-    block_size == in_dim); `pre_quant_scale` (AWQ, SmoothQuant, when not folded into a norm) multiplies the layer's
-    input; with `activation` the input is also quantized (per tensor, `input_scale`) before the product."""
-
-    bits: int
-    block_size: int
-    values: np.ndarray  # [out, in] int8 in [-2^(bits-1), 2^(bits-1) - 1], or float8_e4m3fn
-    scales: np.ndarray  # [out, in // block_size] float32
-    pre_quant_scale: np.ndarray | None = None  # [in] float32
-    activation: str | None = None  # None, "int8" or "fp8"
-    input_scale: float | None = None
-    weight_scale_2: float | None = None  # W4A8: the INT4-dequantized weight is then rounded to float8 with it
-
-    def weight(self) -> np.ndarray:
-        """[out, in] float32: the quantized weight (what ModelOpt's weight quantizer returns)."""
-        weight = self.values.astype(np.float32) * np.repeat(self.scales, self.block_size, axis=1)
-        if self.weight_scale_2 is not None:
-            weight = (weight / np.float32(self.weight_scale_2)).astype(FP8).astype(np.float32)
-            weight = weight * np.float32(self.weight_scale_2)
-        return weight
-
-    def dequantize(self) -> np.ndarray:
-        """[out, in] float32 weights as the layer applies them (pre_quant_scale folded into the input columns)."""
-        weight = self.weight()
-        if self.pre_quant_scale is not None:
-            weight = weight * self.pre_quant_scale[None, :]
-        return weight
 
 
 class Checkpoint:
@@ -93,7 +44,7 @@ class Checkpoint:
             self._handles[file] = handle
             for name in handle.keys():
                 self._where[name] = file
-            self._fp8.update(_fp8_tensors(file))
+            self._fp8.update(fp8_tensors(file))
         self.quantization = self._quantization()
 
     def _quantization(self) -> dict[str, Any] | None:
@@ -197,7 +148,7 @@ class Checkpoint:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
         try:
             if name in self._fp8:
-                return _read_fp8(file, *self._fp8[name])
+                return read_fp8(file, *self._fp8[name])
             return self._handles[file].get_tensor(name)
         except (SafetensorError, OSError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{file.name}: tensor {name!r} could not be read: {exc}") from exc
@@ -268,18 +219,3 @@ class Checkpoint:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _fp8_tensors(file: Path) -> dict[str, tuple[tuple[int, ...], int, int]]:
-    """The F8_E4M3 tensors of a safetensors file (its header: 8-byte length, then JSON): shape and byte range."""
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    return {name: (tuple(info["shape"]), 8 + size + info["data_offsets"][0], 8 + size + info["data_offsets"][1])
-            for name, info in header.items() if isinstance(info, dict) and info.get("dtype") == "F8_E4M3"}
-
-
-def _read_fp8(file: Path, shape: tuple[int, ...], start: int, end: int) -> np.ndarray:
-    with open(file, "rb") as f:
-        f.seek(start)
-        raw = f.read(end - start)
-    return np.frombuffer(raw, dtype=FP8).reshape(shape).copy()

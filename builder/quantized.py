@@ -1,0 +1,82 @@
+"""What the builder reads from quantized checkpoints: each quant_algo's storage, one quantized linear layer, and the
+float8 tensors of safetensors files (safetensors' numpy reader cannot return them)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes  # also registers bfloat16 with numpy so safetensors can return it
+import numpy as np
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How a checkpoint's quant_algo stores a linear layer."""
+
+    weight_bits: int
+    weight_type: str  # "int" (signed integers) or "fp8" (float8 e4m3fn)
+    activation: str | None  # None: weight-only; "int8" / "fp8": the input is quantized with a static per-tensor scale
+    blockwise: bool  # weight scales per block of group_size input channels (else per output channel or tensor)
+
+
+# hf_quant_config.json quant_algo → storage, for the formats the builder lowers. Others are refused clearly.
+READABLE_QUANT_ALGOS = {
+    "W4A16_AWQ": QuantFormat(4, "int", None, True),
+    "W8A16": QuantFormat(8, "int", None, False),
+    "FP8": QuantFormat(8, "fp8", "fp8", False),
+    "W8A8_SQ_PER_CHANNEL": QuantFormat(8, "int", "int8", False),
+    "W4A8_AWQ": QuantFormat(4, "int", "fp8", True),  # INT4 blocks, then float8 per tensor (weight_scale_2)
+}
+# kv_cache_quant_algo → the KV pool's element type (float8: e4m3fn bit patterns); scales k_proj.k_scale / v_proj.v_scale
+KV_CACHE_ALGOS = {"FP8": "float8", "INT8": "int8"}
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """One quantized linear layer: integer or float8 values and per-block scales (per output channel when
+    block_size == in_dim); `pre_quant_scale` (AWQ, SmoothQuant, when not folded into a norm) multiplies the layer's
+    input; with `activation` the input is also quantized (per tensor, `input_scale`) before the product."""
+
+    bits: int
+    block_size: int
+    values: np.ndarray  # [out, in] int8 in [-2^(bits-1), 2^(bits-1) - 1], or float8_e4m3fn
+    scales: np.ndarray  # [out, in // block_size] float32
+    pre_quant_scale: np.ndarray | None = None  # [in] float32
+    activation: str | None = None  # None, "int8" or "fp8"
+    input_scale: float | None = None
+    weight_scale_2: float | None = None  # W4A8: the INT4-dequantized weight is then rounded to float8 with it
+
+    def weight(self) -> np.ndarray:
+        """[out, in] float32: the quantized weight (what ModelOpt's weight quantizer returns)."""
+        weight = self.values.astype(np.float32) * np.repeat(self.scales, self.block_size, axis=1)
+        if self.weight_scale_2 is not None:
+            weight = (weight / np.float32(self.weight_scale_2)).astype(FP8).astype(np.float32)
+            weight = weight * np.float32(self.weight_scale_2)
+        return weight
+
+    def dequantize(self) -> np.ndarray:
+        """[out, in] float32 weights as the layer applies them (pre_quant_scale folded into the input columns)."""
+        weight = self.weight()
+        if self.pre_quant_scale is not None:
+            weight = weight * self.pre_quant_scale[None, :]
+        return weight
+
+
+def fp8_tensors(file: Path) -> dict[str, tuple[tuple[int, ...], int, int]]:
+    """The F8_E4M3 tensors of a safetensors file (its header: 8-byte length, then JSON): shape and byte range."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {name: (tuple(info["shape"]), 8 + size + info["data_offsets"][0], 8 + size + info["data_offsets"][1])
+            for name, info in header.items() if isinstance(info, dict) and info.get("dtype") == "F8_E4M3"}
+
+
+def read_fp8(file: Path, shape: tuple[int, ...], start: int, end: int) -> np.ndarray:
+    with open(file, "rb") as f:
+        f.seek(start)
+        raw = f.read(end - start)
+    return np.frombuffer(raw, dtype=FP8).reshape(shape).copy()

@@ -96,7 +96,7 @@ class TritonServer:
     """`with TritonServer(repo) as server:` starts tritonserver on loopback and waits until it is ready."""
 
     def __init__(self, repo: Path, *, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
-                 metrics_port: int = 0, exit_timeout_s: int = 3, ready_timeout_s: float = 120.0,
+                 metrics_port: int = 0, exit_timeout_s: int = 5, ready_timeout_s: float = 120.0,
                  log_file: Path | None = None, log_verbose: int = 0, bls_threads: int | None = None) -> None:
         """Ports 0 pick free ones. log_file None: a file in a private temporary directory (see log_tail).
         bls_threads: the python backend's threads, one per BLS request in flight (default: what deploy advises)."""

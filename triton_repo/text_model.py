@@ -45,6 +45,9 @@ class TextModel:
         with ThreadPoolExecutor(len(requests)) as pool:
             return list(pool.map(self._once, requests))
 
+    def finalize(self) -> None:
+        pass
+
     def _stream(self, request) -> None:
         sender = request.get_response_sender()
 

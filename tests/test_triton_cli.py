@@ -1,0 +1,86 @@
+"""`camshaft deploy` writes a complete repository (no template placeholders); `camshaft serve --engine` starts the
+bundled tritonserver, answers, and exits cleanly on SIGINT."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import CamshaftError
+from camshaft.triton_repo.deploy import MARKER, deploy_repository
+from camshaft.triton_repo.server import free_port
+
+from tiny_models import make_tiny_model
+
+CAMSHAFT = [str(Path(sys.executable).parent / "camshaft")]  # the installed console script
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("triton_cli")
+    build_engine(BuildConfig(make_tiny_model("llama", root / "hf"), root / "engine", max_seq_len=128,
+                             max_num_tokens=64, max_batch_size=4))
+    return root / "engine"
+
+
+def test_deploy_writes_a_complete_repository(engine, tmp_path):
+    repo = tmp_path / "repo"
+    done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(repo), "--name", "llm",
+                           "--kv-cache-memory", "8MiB", "--max-queue", "5"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    configs = {p.parent.name: p.read_text() for p in repo.glob("*/config.pbtxt")}
+    assert sorted(configs) == ["llm", "llm_sync", "tensorrt_llm"]
+    assert all("${" not in text for text in configs.values())
+    assert all((repo / name / "1" / "model.py").is_file() for name in configs)
+    assert "decoupled: true" in configs["llm"] and "decoupled: false" in configs["llm_sync"]
+    assert f'"{engine.resolve()}"' in configs["tensorrt_llm"] and "max_batch_size: 4" in configs["tensorrt_llm"]
+    options = json.loads((repo / MARKER).read_text())["llm_options"]
+    assert options == {"kv_cache_memory": 8 * 2**20, "max_queue": 5, "policy": "guaranteed_no_evict"}
+    deploy_repository(engine, repo, name="again")  # a camshaft repository is replaced
+    assert sorted(p.parent.name for p in repo.glob("*/config.pbtxt")) == ["again", "again_sync", "tensorrt_llm"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("mine")
+    with pytest.raises(CamshaftError, match="refusing to overwrite"):
+        deploy_repository(engine, tmp_path / "other")
+
+
+def test_serve_engine_answers_and_stops_on_sigint(engine):
+    ports = [str(free_port("127.0.0.1")) for _ in range(3)]
+    command = [*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port", ports[1],
+               "--metrics-port", ports[2], "--max-queue", "8"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in server.stderr:
+            lines.append(line)
+            if "ready:" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(120) and server.poll() is None, "".join(lines)
+        url = f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate"
+        close = {"Connection": "close"}  # an open keep-alive connection holds Triton's exit for its exit timeout
+        answer = requests.post(url, json={"text_input": "hello", "max_tokens": 4}, headers=close, timeout=60)
+        assert answer.status_code == 200 and answer.json()["text_output"].startswith("hello")
+        assert "camshaft_kv_cache_blocks_total" in requests.get(f"http://127.0.0.1:{ports[2]}/metrics",
+                                                                 headers=close, timeout=10).text
+        server.send_signal(signal.SIGINT)
+        assert server.wait(60) == 0, "".join(lines)
+        assert any("stopped" in line for line in lines)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -233,6 +233,25 @@ def test_token_model_speaks_tensorrtllm_backend(stack):
     assert outputs[-1]["finish_reason"].reshape(-1)[0] in (b"length", b"stop")
 
 
+def test_token_model_end_id_and_stop_words_list(stack):
+    prompt = [5, 9, 17, 33, 2, 41, 7]
+    ids = stack.reference(prompt, 12).token_ids
+    k = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k])
+    expected = stack.session.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=(ids[k],), ignore_eos=True))
+    assert expected.finish_reason == "stop"
+    common = dict(input_ids=prompt, request_output_len=12, exclude_input_in_output=True)
+    for extra in ({"end_id": ids[k]}, {"stop_words_list": [[ids[k]], [1]], "end_id": -1}):
+        inputs = tensors(grpcclient, **common, **{n: v for n, v in extra.items() if n != "stop_words_list"})
+        if "stop_words_list" in extra:
+            words = grpcclient.InferInput("stop_words_list", [1, 2, 1], "INT32")
+            words.set_data_from_numpy(np.array([extra["stop_words_list"]], dtype=np.int32))
+            inputs.append(words)
+        outputs, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", inputs)
+        assert error is None, error
+        assert outputs[0]["output_ids"].reshape(-1).tolist() == expected.token_ids
+        assert outputs[0]["finish_reason"].reshape(-1)[0] == b"stop"
+
+
 @pytest.mark.parametrize("body, message", [
     ({"max_tokens": 8}, "missing required input"),
     ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),

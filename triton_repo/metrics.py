@@ -69,8 +69,8 @@ class Metrics:
             self.metrics["camshaft_tokens_per_second"].set((n1 - n0) / (t1 - t0) if t1 > t0 else 0.0)
             try:
                 self.update()
-            except Exception:  # the executor is closing: stop quietly
-                return
+            except Exception as exc:  # a racy snapshot must not end the metrics: skip this tick
+                pb_utils.Logger.log_warn(f"camshaft: metrics update failed ({exc!r})")
 
     def close(self) -> None:
         self._stop.set()

@@ -82,6 +82,11 @@ def build(
     if quant is None and (kv_cache_dtype is not None or calib_data is not None or exclude):
         raise CamshaftError("--kv-cache-dtype, --calib-data and --exclude are quantization options: add --quant")
     if quant is not None:
+        from camshaft.builder.build import check_quantized_target
+        from camshaft.quantize.spec import QuantSpec
+
+        spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size)
+        check_quantized_target(target, spec.info.checkpoint_algo, kv_cache_dtype and kv_cache_dtype.upper())
         checkpoint = output.with_name(output.name + ".ckpt")
         _quantize(model, quant, checkpoint, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len,
                   exclude)

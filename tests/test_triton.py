@@ -8,6 +8,7 @@ import json
 import queue
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,6 +70,7 @@ def stack(tmp_path_factory):
     repo = deploy_repository(root / "engine", root / "repo", llm_options={"max_queue": QUEUE})
     with TritonServer(repo) as server:
         yield Stack(server, Session(root / "engine"))
+    assert server.shm_regions and not any(Path("/dev/shm", name).exists() for name in server.shm_regions)
 
 
 def margin(step) -> float:

@@ -195,6 +195,11 @@ class TritonServer:
         self._tmp.cleanup()
         return code
 
+    @property
+    def shm_regions(self) -> set[str]:
+        """Names of the /dev/shm regions the server's processes were seen to map (removed by stop())."""
+        return set(self._shm)
+
     def _shm_regions(self) -> set[str]:
         names = set()
         if self.process is None or self.process.poll() is not None:

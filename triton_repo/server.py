@@ -1,95 +1,28 @@
 """The tritonserver bundled in nvidia-pytriton, started on a camshaft model repository.
 
-Recipe (FACTS.md): a backends directory of symlinks to the python backend and the stub for this Python, PATH led by
+Recipe: a backends directory of symlinks to the python backend and the stub for this Python, PATH led by
 this interpreter's bin (the stub runs its python from there), LD_LIBRARY_PATH = this Python's LIBDIR, free ports,
 and a readiness poll that fails fast when the process exits (a broken stub makes loading hang forever).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from camshaft.errors import CamshaftError
+from camshaft.triton_repo.launch import Endpoints, free_port, make_backends_dir, server_env, tritonserver_root
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    host: str
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-
-    @property
-    def http(self) -> str:
-        return f"{self.host}:{self.http_port}"
-
-    @property
-    def grpc(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}/metrics"
-
-
-def tritonserver_root() -> Path:
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise CamshaftError("tritonserver is not installed: install camshaft[serve] (nvidia-pytriton ships it)")
-    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
-    if not (root / "bin" / "tritonserver").is_file():
-        raise CamshaftError(f"{root} holds no bin/tritonserver; reinstall nvidia-pytriton")
-    return root
-
-
-def make_backends_dir(out: Path) -> Path:
-    """out/python/ with symlinks (their $ORIGIN rpath must resolve inside the pytriton package)."""
-    root = tritonserver_root()
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.is_file():
-        raise CamshaftError(f"nvidia-pytriton has no python backend stub for Python {version}; use Python 3.10-3.13")
-    python = out / "python"
-    python.mkdir(parents=True, exist_ok=True)
-    for source in (root / "backends/python/libtriton_python.so",
-                   root / "backends/python/triton_python_backend_utils.py", stub):
-        link = python / source.name
-        if not link.exists():
-            link.symlink_to(source)
-    return out
-
-
-def server_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    libdir = sysconfig.get_config_var("LIBDIR") or ""
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
-    env.pop("PYTHONPATH", None)  # the stub ignores it; camshaft comes from the interpreter's site-packages
-    return env
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class TritonServer:
@@ -227,6 +160,15 @@ def advised_bls_threads(repo: Path) -> int:
         return 256
 
 
+def _text_model_name(repo: Path) -> str:
+    from camshaft.triton_repo.deploy import MARKER
+
+    try:
+        return json.loads((repo / MARKER).read_text())["name"]
+    except (OSError, ValueError, KeyError):
+        return "ensemble"
+
+
 def _children(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -258,11 +200,17 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            server.start()
+            try:
+                server.start()
+            except CamshaftError:
+                if stopping:  # interrupted while loading
+                    return
+                raise
             e = server.endpoints
             log(f"ready: HTTP http://{e.http}  gRPC {e.grpc}  metrics {e.metrics_url}")
             models = sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
-            log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/ensemble/generate")
+            name = _text_model_name(Path(repo))
+            log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/{name}/generate")
             code = server.wait()
             if code and not stopping:
                 raise CamshaftError(f"tritonserver exited with code {code}; its log ends:\n{server.log_tail()}")

@@ -18,7 +18,9 @@ from camshaft.triton_repo.server import TritonServer
 
 from tiny_models import make_tiny_model
 
-BATCH, QUEUE, CLIENTS, ROUNDS = 16, 48, 64, 3
+# The queue leaves room beyond 64 clients: requests cancelled in one round may still be aborting when the next
+# round's 64 arrive.
+BATCH, QUEUE, CLIENTS, ROUNDS = 16, 64, 64, 3
 LONG = 480  # tokens of a request that runs long enough to be cancelled while it generates (max_seq_len 512)
 
 

@@ -130,8 +130,10 @@ class Linears:
         values = np.concatenate([q.values for q in layers], axis=0).T  # [K, N] int8
         y = g.op("MatMulInteger", [xq, g.weight(f"{name}.qweight", values), zero])
         scales = np.concatenate([q.scales[:, 0] for q in layers]) * np.float32(first.input_scale)
-        y = g.op("Cast", [y], to=FLOAT_ELEM[np.dtype(self.np_dtype).name])
-        return g.op("Mul", [y, g.weight(f"{name}.output_scale", scales.astype(self.np_dtype))])
+        y = g.op("Mul", [g.op("Cast", [y], to=TensorProto.FLOAT), g.weight(f"{name}.output_scale", scales)])
+        if self.np_dtype != np.float32:  # int32 sums overflow float16: scale in float32 first
+            y = g.op("Cast", [y], to=FLOAT_ELEM[np.dtype(self.np_dtype).name])
+        return y
 
     def fp8_input(self, x: str, first: QuantizedLinear, name: str) -> str:
         """The input as the fake-quant layer sees it: pre-scaled, then rounded to float8 with its static scale."""

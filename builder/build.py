@@ -11,7 +11,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from camshaft.builder.checkpoint import Checkpoint
+from camshaft.builder.checkpoint import READABLE_QUANT_ALGOS, Checkpoint
 from camshaft.builder.config import BuildConfig
 from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
 from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
@@ -55,12 +55,14 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
     them unquantized); a quantized layer no kernel expresses is built from its dequantized weights."""
     record = quant.get("camshaft", {})
     counts = lowering.linears.counts
+    activation = READABLE_QUANT_ALGOS[quant["quant_algo"]].activation
     return {
         "format": record.get("format"),
         "quant_algo": quant["quant_algo"],
         "group_size": quant.get("group_size"),
         "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+        "activations": f"{activation} static per-tensor" if activation else None,
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
         "accuracy_level": lowering.linears.accuracy_level if counts["nbits"] else None,
         "quantized_linear_layers": sum(counts.values()),

@@ -120,6 +120,8 @@ def test_engine_logits_match_modelopt_fake_quant_model(quantized, prompt):
     engine = Engine(engine_dir, max_sequences=1)
     manifest = engine.manifest.quantization
     assert manifest["format"] == fmt and manifest["lowering"] == LOWERING[fmt]
+    activations = {"fp8": "fp8", "w4a8_awq": "fp8", "int8_sq": "int8"}.get(fmt)
+    assert manifest["activations"] == (f"{activations} static per-tensor" if activations else None)
     assert manifest["quantized_linear_layers"] == 14
     assert manifest["float_modules"] == ["lm_head", "model.embed_tokens"]
     logits = engine.step([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)])

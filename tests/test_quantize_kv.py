@@ -3,7 +3,7 @@ dequantized after the block-table Gather; the pool holds 1 byte an element.
 
 Reference: ModelOpt's fake-quant model through transformers with its K/V quantizers on (and off, to measure what the
 KV quantization alone changes). The prompt is prefilled in two chunks so the second reads the first's K/V back from
-the quantized pool.
+the quantized pool, then one token is decoded (the decode attention group reads the pool too).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompt():
-    return torch.randint(3, 384, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    return torch.randint(3, 384, (1, PROMPT_LEN + 1), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module", params=[("int8_wo", "int8"), ("fp8", "fp8")])
@@ -102,10 +102,11 @@ def test_engine_logits_match_fake_quant_kv_cache(kv_engine, prompt):
     q = engine.manifest.quantization
     expected = {"int8": "int8", "fp8": "float8"}[kv_dtype]
     assert q["kv_cache_dtype"] == expected and engine.manifest.kv_cache.dtype == expected
-    tokens, blocks = prompt[0].tolist(), engine.pool.allocate(PROMPT_LEN // BLOCK)
+    tokens, blocks = prompt[0].tolist(), engine.pool.allocate(PROMPT_LEN // BLOCK + 1)
     first = engine.step([Chunk(tokens[:FIRST_CHUNK], 0, blocks[: FIRST_CHUNK // BLOCK], FIRST_CHUNK)])
-    second = engine.step([Chunk(tokens[FIRST_CHUNK:], FIRST_CHUNK, blocks, PROMPT_LEN - FIRST_CHUNK)])
-    logits = np.concatenate([first, second])
+    second = engine.step([Chunk(tokens[FIRST_CHUNK:PROMPT_LEN], FIRST_CHUNK, blocks[:-1], PROMPT_LEN - FIRST_CHUNK)])
+    decode = engine.step([Chunk(tokens[PROMPT_LEN:], PROMPT_LEN, blocks, 1)])
+    logits = np.concatenate([first, second, decode])
     engine_vs_fq = np.abs(logits - ref["logits"]).max()
     kv_effect = np.abs(ref["logits"] - ref["float_kv"]).max()
     print(f"kv {kv_dtype}: |engine - fake-quant| {engine_vs_fq:.3g}, |fake-quant - same with float KV| {kv_effect:.3g}")

@@ -16,6 +16,7 @@ import torch
 from onnx import TensorProto, helper
 
 from camshaft.builder.build import build_engine
+from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
 from camshaft.builder.graph.kv_quant import KVQuantizer
 from camshaft.builder.graph.ops import GraphWriter
@@ -83,6 +84,7 @@ def kv_engine(request, tiny, prompt, tmp_path_factory):
         quantizers = [q for m in model.modules() for n in ("k_bmm_quantizer", "v_bmm_quantizer")
                       if (q := getattr(m, n, None)) is not None and q.is_enabled]
         assert len(quantizers) == 4  # K and V of 2 layers
+        ref["amax"] = [float(q.amax) for q in quantizers]  # layer 0 K, V, layer 1 K, V
         with torch.no_grad():
             ref["logits"] = model(prompt).logits[0].numpy().copy()
             for q in quantizers:
@@ -93,6 +95,11 @@ def kv_engine(request, tiny, prompt, tmp_path_factory):
 
     quantize_checkpoint(tiny, root / "ckpt", QuantSpec(fmt, kv_cache_dtype=kv_dtype), on_quantized=capture, **CALIB)
     build_engine(BuildConfig(root / "ckpt", root / "engine", max_seq_len=128, kv_block_size=BLOCK, max_num_tokens=64))
+    with Checkpoint(root / "ckpt") as ckpt:
+        assert ckpt.quantization["kv_cache_quant_algo"] == kv_dtype.upper()
+        scales = [s for layer in range(2) for s in ckpt.kv_scales(layer)]
+    bound = {"int8": 127.0, "fp8": 448.0}[kv_dtype]  # ModelOpt's FP8 export and camshaft's INT8 one: amax / bound
+    np.testing.assert_allclose(scales, np.array(ref["amax"]) / bound, rtol=1e-6)
     return kv_dtype, root / "engine", ref
 
 
@@ -123,3 +130,20 @@ def test_pool_holds_one_byte_an_element(kv_engine, tiny, tmp_path):
     caches = engine.backend.caches
     assert len(caches) == 4 and all(c.dtype == STORAGE[kv.dtype] for c in caches)
     assert engine.backend.kv_cache_bytes == engine.pool.num_blocks * bytes_per_block(engine.manifest)
+
+
+def test_int8_kv_scales_join_a_sharded_checkpoint(tmp_path):
+    """The INT8 scales file is added to a sharded checkpoint's index, and the configs name the INT8 KV cache."""
+    import json
+
+    from camshaft.quantize.kv_scales import KV_SCALES_FILE, write_int8_kv_scales
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a.weight": "m-1.safetensors"}}))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"kv_cache_quant_algo": None}}))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_algo": "W8A16"}}))
+    write_int8_kv_scales(tmp_path, {"model.layers.0.self_attn.k_proj.k_scale": torch.tensor(0.5)})
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index == {"a.weight": "m-1.safetensors", "model.layers.0.self_attn.k_proj.k_scale": KV_SCALES_FILE}
+    assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "INT8"
+    scheme = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+    assert scheme == {"dynamic": False, "num_bits": 8, "type": "int"}

@@ -2,9 +2,10 @@
 
 The graph takes T tokens from many sequences at once (decode tokens and prefill chunks mixed), writes their K/V into
 a paged cache and returns logits only for the rows in `logits_index`. Per layer:
-  linear layers on packed [T, hidden];
+  linear layers on packed [T, hidden] (float or quantized: linear.py);
   K/V written with ScatterND at (block, offset) pairs into per-layer caches [num_blocks, block_size, kv_heads*dim],
-  bound as both input and output so the runtime's buffers are updated in place;
+  bound as both input and output so the runtime's buffers are updated in place (an int8/float8 cache quantizes on
+  write and dequantizes after the Gather: kv_quant.py);
   attention in two groups that never pay each other's padding: decode tokens ([Bd, 1] queries) and prefill chunks
   ([Bp, Qp] queries, padded), each gathering its sequences' K/V through block tables into [B, L, kv_heads*dim]
   with a boolean mask built by the runtime (causal, lengths, sliding window);

@@ -86,9 +86,12 @@ class Checkpoint:
         return KV_CACHE_ALGOS[algo] if algo else None
 
     def kv_scales(self, layer: int) -> tuple[float, float]:
-        """Layer `layer`'s K and V cache scales (ModelOpt: amax / 448 for FP8, amax / 127 for INT8)."""
+        """Layer `layer`'s K and V cache scales (ModelOpt: amax / 448 for FP8, amax / 127 for INT8), named
+        `self_attn.k_proj.k_scale` (ModelOpt's unified export) or `self_attn.k_scale` (vLLM's convention)."""
         p = f"model.layers.{layer}.self_attn"
-        return self._scalar(f"{p}.k_proj.k_scale"), self._scalar(f"{p}.v_proj.v_scale")
+        names = [(f"{p}.{kind}_proj.{kind}_scale", f"{p}.{kind}_scale") for kind in "kv"]
+        k, v = (self._scalar(next((n for n in pair if n in self._where), pair[0])) for pair in names)
+        return k, v
 
     def quantized_linear(self, prefix: str, out_dim: int, in_dim: int) -> QuantizedLinear | None:
         """The quantized weights of linear layer `prefix` (None when the layer is not quantized)."""

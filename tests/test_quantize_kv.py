@@ -100,6 +100,7 @@ def kv_engine(request, tiny, prompt, tmp_path_factory):
         scales = [s for layer in range(2) for s in ckpt.kv_scales(layer)]
     bound = {"int8": 127.0, "fp8": 448.0}[kv_dtype]  # ModelOpt's FP8 export and camshaft's INT8 one: amax / bound
     np.testing.assert_allclose(scales, np.array(ref["amax"]) / bound, rtol=1e-6)
+    ref["scales"] = scales
     return kv_dtype, root / "engine", ref
 
 
@@ -147,3 +148,22 @@ def test_int8_kv_scales_join_a_sharded_checkpoint(tmp_path):
     assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "INT8"
     scheme = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
     assert scheme == {"dynamic": False, "num_bits": 8, "type": "int"}
+
+
+def test_kv_scales_under_vllm_names(kv_engine, tmp_path):
+    """A checkpoint naming its scales self_attn.k_scale / v_scale (vLLM's convention) reads the same."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from camshaft.quantize.kv_scales import KV_SCALES_FILE
+
+    kv_dtype, engine_dir, ref = kv_engine
+    if kv_dtype != "int8":
+        pytest.skip("the INT8 scales sit in their own small file, easy to rename")
+    ckpt = shutil.copytree(engine_dir.parent / "ckpt", tmp_path / "ckpt")
+    tensors = load_file(ckpt / KV_SCALES_FILE)
+    save_file({k.replace(".k_proj.k_scale", ".k_scale").replace(".v_proj.v_scale", ".v_scale"): v
+               for k, v in tensors.items()}, ckpt / KV_SCALES_FILE)
+    with Checkpoint(ckpt) as renamed:
+        assert [s for layer in range(2) for s in renamed.kv_scales(layer)] == ref["scales"]

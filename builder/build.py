@@ -25,21 +25,23 @@ GRAPH_NAME = "graph.onnx"
 GRAPH_DATA = "graph.onnx.data"
 
 Progress = Callable[[str], None]
-TRT_QUANT_ALGOS = ("FP8", "W4A8_AWQ")
+TRT_QUANT_ALGOS = ("FP8", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL")
 
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
-                progress: Progress = lambda _: None, quantization: dict | None = None) -> Path:
+                progress: Progress = lambda _: None, quantization: dict | None = None, qdq: bool = False) -> Path:
     """The portable model graph (standard ONNX ops, external weights) for a checkpoint.
     Weight-only quantized layers become com.microsoft MatMulNBits (ONNX Runtime), W8A8 and FP8 layers and a quantized
-    KV cache Q/DQ nodes; `quantization` receives what was lowered."""
+    KV cache Q/DQ nodes; with `qdq` (the TensorRT targets) every quantized layer is standard Q/DQ. `quantization`
+    receives what was lowered."""
     graph_path = out_dir / GRAPH_NAME
     quantized = checkpoint.quantized_linear if checkpoint.quantization is not None else None
     kv_dtype = checkpoint.kv_cache_dtype
     with open(out_dir / GRAPH_DATA, "wb") as data:
         writer = GraphWriter(data, GRAPH_DATA)
         lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
-                                   quantized=quantized, kv_cache=(kv_dtype, checkpoint.kv_scales) if kv_dtype else None)
+                                   quantized=quantized, kv_cache=(kv_dtype, checkpoint.kv_scales) if kv_dtype else None,
+                                   qdq=qdq)
         lowering.lower()
     model = writer.model(OPSET)
     if lowering.linears.counts["nbits"]:
@@ -73,17 +75,20 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
 
 
 def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: str | None = None) -> None:
-    """Refuse a quantized format the target cannot build, before any work (`camshaft build --quant` calls it before
-    quantizing). The TensorRT targets take the formats whose graph is standard Q/DQ that tensorrt-rtx 1.7 parses and
-    builds: FP8 and W4A8_AWQ; not W8A8 (lowered to MatMulInteger, uint8), weight-only (MatMulNBits) or a quantized
-    KV cache (float8 stored as uint8 codes)."""
+    """Refuse a quantized checkpoint the target cannot build, before any work (`camshaft build --quant` calls it
+    before quantizing). The TensorRT targets get every format as standard Q/DQ; FP8, W4A8_AWQ and W8A8 are enabled
+    there. Weight-only graphs build with tensorrt-rtx 1.7 too (tests/test_quantize_trt.py) but are not enabled yet;
+    a quantized KV cache is refused (its float8 pool is uint8 codes, which TensorRT rejects)."""
+    if quant_algo not in READABLE_QUANT_ALGOS:
+        raise BuildConfigError(f"camshaft cannot build {quant_algo} checkpoints; it builds "
+                               f"{', '.join(READABLE_QUANT_ALGOS)}")
     if target == "onnxruntime":
         return
     if quant_algo not in TRT_QUANT_ALGOS or kv_cache_quant_algo:
         what = quant_algo + (f" with a {kv_cache_quant_algo} KV cache" if kv_cache_quant_algo else "")
         raise BuildConfigError(
-            f"the {target} target cannot build {what} checkpoints; it takes {' and '.join(TRT_QUANT_ALGOS)} "
-            "(--quant fp8 | w4a8_awq) without --kv-cache-dtype. Build this one for --target onnxruntime."
+            f"the {target} target cannot build {what} checkpoints yet; it takes {', '.join(TRT_QUANT_ALGOS)} "
+            "(--quant fp8 | w4a8_awq | int8_sq) without --kv-cache-dtype. Build this one for --target onnxruntime."
         )
 
 
@@ -116,7 +121,8 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         staging = staging_dir(output)
         try:
             progress("writing model graph")
-            graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization)
+            graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,
+                                     qdq=config.target != "onnxruntime")
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
             artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)

@@ -1,6 +1,8 @@
-"""Quantized checkpoints for the TensorRT targets: FP8 and W4A8 AWQ lower to standard Q/DQ (float8 activations,
-float8 or blocked int4 weights) that tensorrt-rtx 1.7 parses and builds ahead of time on the CPU (sm89); the other
-formats are refused before any work. The plans never run here (no GPU): their numerics are unchecked.
+"""Quantized checkpoints for the TensorRT targets: every weight format lowers to standard Q/DQ (int8 / float8
+activations, int4 blocked / int8 per-channel / float8 weights) that tensorrt-rtx 1.7 parses and builds ahead of time
+on the CPU (sm89). FP8, W4A8 AWQ and INT8 SmoothQuant are enabled for the targets; weight-only formats (their graphs
+build too) and quantized KV caches are refused before any work. The plans never run here (no GPU); the same Q/DQ
+graph in float32 is checked against ModelOpt's fake-quant model in tests/test_quantize.py.
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ import importlib.util
 import onnx
 import pytest
 
-from camshaft.builder.build import GRAPH_NAME, build_engine, check_quantized_target
+from camshaft.builder.build import GRAPH_NAME, TRT_QUANT_ALGOS, build_engine, check_quantized_target, write_graph
+from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
+from camshaft.builder.targets.tensorrt import build_plan
 from camshaft.errors import BuildConfigError
+from camshaft.manifest import BuildLimits
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, QuantSpec
 
@@ -26,7 +31,11 @@ pytestmark = [
 pytest.importorskip("modelopt.torch.quantization")
 
 CALIB = dict(calib_size=2, calib_seq_len=32)
-WEIGHT_TYPES = {"fp8": onnx.TensorProto.FLOAT8E4M3FN, "w4a8_awq": onnx.TensorProto.INT4}
+LIMITS = BuildLimits(max_batch_size=4, max_seq_len=64, max_num_tokens=32, kv_block_size=8)
+BUILD = dict(max_seq_len=64, max_batch_size=4, max_num_tokens=32, kv_block_size=8)
+WEIGHT_TYPES = {"fp8": onnx.TensorProto.FLOAT8E4M3FN, "w4a8_awq": onnx.TensorProto.INT4,
+                "int4_awq": onnx.TensorProto.INT4, "int4_wo": onnx.TensorProto.INT4, "int8_wo": onnx.TensorProto.INT8,
+                "int8_sq": onnx.TensorProto.INT8}
 
 
 @pytest.fixture(scope="module")
@@ -34,29 +43,41 @@ def tiny(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("trtq") / "hf")
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "w4a8_awq"])
-def test_fp8_and_w4a8_build_tensorrt_rtx_plans(tiny, tmp_path, fmt):
+@pytest.mark.parametrize("fmt", sorted(WEIGHT_TYPES))
+def test_quantized_formats_build_tensorrt_rtx_plans(tiny, tmp_path, fmt):
     quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec(fmt), **CALIB)
     out = tmp_path / "engine"
-    manifest = build_engine(BuildConfig(tmp_path / "ckpt", out, target="tensorrt-rtx", max_seq_len=64,
-                                        max_batch_size=4, max_num_tokens=32, kv_block_size=8))
-    assert manifest.dtype == "float16" and (out / "model.plan").stat().st_size > 100_000
-    assert manifest.quantization["format"] == fmt and manifest.quantization["quantized_linear_layers"] == 14
-    graph = onnx.load(out / GRAPH_NAME, load_external_data=False)
+    if FORMATS[fmt].checkpoint_algo in TRT_QUANT_ALGOS:
+        manifest = build_engine(BuildConfig(tmp_path / "ckpt", out, target="tensorrt-rtx", **BUILD))
+        assert manifest.dtype == "float16" and manifest.quantization["quantized_linear_layers"] == 14
+        assert manifest.quantization["lowering"].startswith("standard Q/DQ")
+        graph_path = out / GRAPH_NAME
+    else:  # not enabled for the targets yet, but the graph builds
+        with pytest.raises(BuildConfigError, match="cannot build W4A16_AWQ|cannot build W8A16"):
+            build_engine(BuildConfig(tmp_path / "ckpt", out, target="tensorrt-rtx", **BUILD))
+        out.mkdir()
+        with Checkpoint(tmp_path / "ckpt") as ckpt:
+            graph_path = write_graph(ckpt, LIMITS, "float16", out, qdq=True)
+        build_plan(graph_path, out / "model.plan", product="tensorrt-rtx", gpu_arch="sm89", limits=LIMITS,
+                   num_blocks_max=64)
+    assert (out / "model.plan").stat().st_size > 100_000
+    graph = onnx.load(graph_path, load_external_data=False)
     weights = [t for t in graph.graph.initializer if t.data_type == WEIGHT_TYPES[fmt] and len(t.dims) == 2]
     assert len(weights) == 8  # per layer: fused q/k/v, o, fused gate/up, down
     scales = {n.input[1] for n in graph.graph.node if n.op_type == "QuantizeLinear"}
     assert all(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.graph.initializer if t.name in scales)
 
 
-def test_other_quantized_formats_are_refused_before_any_work(tiny, tmp_path):
-    for fmt in ("int8_sq", "int8_wo", "int4_wo", "int4_awq"):
-        with pytest.raises(BuildConfigError, match=f"cannot build {FORMATS[fmt].checkpoint_algo} checkpoints"):
-            check_quantized_target("tensorrt-rtx", FORMATS[fmt].checkpoint_algo)
-    with pytest.raises(BuildConfigError, match="FP8 with a FP8 KV cache"):
+def test_quantized_kv_cache_and_weight_only_are_refused_before_any_work(tiny, tmp_path):
+    with pytest.raises(BuildConfigError, match=r"cannot build FP8 with a FP8 KV cache checkpoints"):
         check_quantized_target("tensorrt", "FP8", "FP8")
-    check_quantized_target("onnxruntime", "W8A8_SQ_PER_CHANNEL", "INT8")
-    quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec("int8_sq"), **CALIB)
+    with pytest.raises(BuildConfigError, match="cannot build W4A16_AWQ checkpoints yet"):
+        check_quantized_target("tensorrt-rtx", "W4A16_AWQ")
+    with pytest.raises(BuildConfigError, match="cannot build NVFP4 checkpoints"):
+        check_quantized_target("onnxruntime", "NVFP4")
+    for fmt in FORMATS.values():
+        check_quantized_target("onnxruntime", fmt.checkpoint_algo, "INT8")
+    quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec("int8_sq", kv_cache_dtype="int8"), **CALIB)
     with pytest.raises(BuildConfigError, match="--target onnxruntime"):
         build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", target="tensorrt-rtx"))
     assert not (tmp_path / "engine").exists()

@@ -74,13 +74,13 @@ class DecoderLowering:
     def __init__(self, g: GraphWriter, config: ModelConfig, limits: BuildLimits, dtype: str,
                  weights: WeightFn, progress: Callable[[str], None] = lambda _: None,
                  quantized: QuantizedFn | None = None, accuracy_level: int | None = None,
-                 kv_cache: tuple[str, KVScalesFn] | None = None) -> None:
+                 kv_cache: tuple[str, KVScalesFn] | None = None, qdq: bool = False) -> None:
         self.g, self.c, self.limits = g, config, limits
         self.np_dtype = np.float16 if dtype == "float16" else np.float32
         self.elem = ONNX_DTYPES[dtype]
         self.weights = weights
         self.progress = progress
-        self.linears = Linears(g, self.np_dtype, weights, quantized, accuracy_level)
+        self.linears = Linears(g, self.np_dtype, weights, quantized, accuracy_level, qdq)
         # A quantized KV cache: (int8 | float8, layer → (k_scale, v_scale)); else the cache holds the float type.
         self.kv_quant = KVQuantizer(g, kv_cache[0], self.np_dtype) if kv_cache else None
         self.kv_scales = kv_cache[1] if kv_cache else None

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from camshaft.builder.checkpoint import QuantizedLinear
+from camshaft.builder.checkpoint import FP8, QuantizedLinear
 from camshaft.builder.graph.ops import GraphWriter
 
 MS_DOMAIN = "com.microsoft"
@@ -33,6 +33,7 @@ LOWERINGS = {
     "int8": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales",
     "fp8": "QuantizeLinear/DequantizeLinear float8e4m3fn + MatMul",
     "w4a8": "float8 input Q/DQ; int4 blocked DequantizeLinear, float8 Q/DQ of the weight; MatMul",
+    "qdq": "standard Q/DQ: input QuantizeLinear/DequantizeLinear per format, weight DequantizeLinear; MatMul",
 }
 FLOAT_ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
@@ -42,8 +43,9 @@ QuantizedFn = Callable[[str, int, int], QuantizedLinear | None]  # (prefix, out_
 
 class Linears:
     def __init__(self, g: GraphWriter, np_dtype: type, weights: WeightFn, quantized: QuantizedFn | None = None,
-                 accuracy_level: int | None = None) -> None:
+                 accuracy_level: int | None = None, qdq: bool = False) -> None:
         self.g, self.np_dtype, self.weights = g, np_dtype, weights
+        self.qdq = qdq  # standard Q/DQ only (the TensorRT targets): no MatMulNBits or integer matmul
         self.quantized = quantized or (lambda *_: None)
         self.accuracy_level = NBITS_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
         self.counts: Counter[str] = Counter()  # quantized layers per lowering kind
@@ -84,14 +86,18 @@ class Linears:
     def lower_quantized(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str | None:
         first = layers[0]
         per_channel = first.block_size == in_dim
-        if first.activation is None and nbits_block(first, in_dim) is not None:
+        if first.bits == 4 and first.activation == "fp8" and first.weight_scale_2 is None:
+            return None
+        if self.qdq:
+            kind, y = "qdq", self.qdq_matmul(x, layers, name, in_dim)
+        elif first.activation is None and nbits_block(first, in_dim) is not None:
             kind, y = "nbits", self.matmul_nbits(x, layers, name, in_dim)
         elif first.activation == "int8" and per_channel:
             kind, y = "int8", self.integer_matmul(x, layers, name)
         elif first.activation == "fp8" and first.bits == 8 and per_channel:
             kind, y = "fp8", self.fp8_matmul(x, layers, name)
-        elif first.activation == "fp8" and first.bits == 4 and first.weight_scale_2 is not None:
-            kind, y = "w4a8", self.w4a8_matmul(x, layers, name)
+        elif first.activation == "fp8" and first.bits == 4:
+            kind, y = "w4a8", self.qdq_matmul(x, layers, name, in_dim)
         else:
             return None
         self.counts[kind] += len(layers)
@@ -135,6 +141,34 @@ class Linears:
             y = g.op("Cast", [y], to=FLOAT_ELEM[np.dtype(self.np_dtype).name])
         return y
 
+    def qdq_matmul(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str:
+        """Any format as standard ONNX: the input Q→DQ'd as its format says (int8 or float8, static scale), the
+        weight [K, N] through DequantizeLinear (int4 in blocks along K, int8 per column, float8), W4A8's weight then
+        rounded to float8; MatMul."""
+        g, first = self.g, layers[0]
+        if first.values.dtype == FP8:
+            return self.fp8_matmul(x, layers, name)
+        x = self.pre_scale(x, first, name)
+        if first.activation == "int8":
+            s = g.const(np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
+            z = g.const(np.zeros((), np.int8), "int8_zero_point")
+            x = g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, s, z]), s, z])
+        elif first.activation == "fp8":
+            x = self.fp8_round(x, np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
+        values = np.concatenate([q.values for q in layers], axis=0).T  # [K, N]
+        if first.block_size == in_dim:
+            scales = np.concatenate([q.scales[:, 0] for q in layers]).astype(self.np_dtype)
+            w = g.op("DequantizeLinear", [g.weight(f"{name}.qweight", values), g.weight(f"{name}.scales", scales)],
+                     axis=1)
+        else:
+            scales = np.concatenate([q.scales for q in layers], axis=0).T.astype(self.np_dtype)  # [K / block, N]
+            w = g.op("DequantizeLinear", [g.weight(f"{name}.qweight", values.astype(ml_dtypes.int4)),
+                                          g.weight(f"{name}.scales", scales)], axis=0, block_size=first.block_size)
+        if first.weight_scale_2 is not None:
+            scale_2 = np.concatenate([np.full(len(q.values), q.weight_scale_2) for q in layers])
+            w = self.fp8_round(w, scale_2.astype(self.np_dtype), f"{name}.weight_scale_2")
+        return g.op("MatMul", [x, w])
+
     def fp8_input(self, x: str, first: QuantizedLinear, name: str) -> str:
         """The input as the fake-quant layer sees it: pre-scaled, then rounded to float8 with its static scale."""
         x = self.pre_scale(x, first, name)
@@ -166,18 +200,6 @@ class Linears:
             w_zero = g.weight(f"{name}.weight_zero_point", np.zeros(len(scales), dtype=ml_dtypes.float8_e4m3fn))
             w = g.op("DequantizeLinear", [weight, g.weight(f"{name}.weight_scale", scales), w_zero], axis=1)
         return g.op("MatMul", [x, w])
-
-    def w4a8_matmul(self, x: str, layers: list[QuantizedLinear], name: str) -> str:
-        """W4A8 AWQ: input as FP8; int4 weights [K, N] through blocked DequantizeLinear (blocks along K), rounded to
-        float8 with weight_scale_2 (Q→DQ), as ModelOpt's sequential weight quantizer does; MatMul."""
-        g, first = self.g, layers[0]
-        x = self.fp8_input(x, first, name)
-        values = np.concatenate([q.values for q in layers], axis=0).T.astype(ml_dtypes.int4)  # [K, N]
-        scales = np.concatenate([q.scales for q in layers], axis=0).T.astype(self.np_dtype)  # [K / block, N]
-        w = g.op("DequantizeLinear", [g.weight(f"{name}.qweight", values), g.weight(f"{name}.scales", scales)],
-                 axis=0, block_size=first.block_size)
-        scale_2 = np.concatenate([np.full(len(q.values), q.weight_scale_2) for q in layers]).astype(self.np_dtype)
-        return g.op("MatMul", [x, self.fp8_round(w, scale_2, f"{name}.weight_scale_2")])
 
 
 def nbits_block(q: QuantizedLinear, in_dim: int) -> int | None:

@@ -1,0 +1,172 @@
+"""Quantization inputs and policies on a tiny model: bad input refused with clear errors before any calibration,
+calibration corpora, ModelOpt config assembly, excluded layers, the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+import transformers
+
+from camshaft import cli
+from camshaft.builder.build import build_engine
+from camshaft.builder.checkpoint import Checkpoint
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import CheckpointError
+from camshaft.model_config import ModelConfig
+from camshaft.quantize import calibration
+from camshaft.quantize.calibration import default_corpus, read_corpus
+from camshaft.quantize.modelopt_adapter import quantize_checkpoint
+from camshaft.quantize.spec import FORMATS, QuantizeError, QuantSpec, modelopt_config, resolve_group_size
+
+from tiny_models import make_tiny_model
+
+pytest.importorskip("modelopt.torch.quantization")
+
+CALIB = dict(calib_size=4, calib_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("quant-inputs") / "hf")
+
+
+# --- bad input: clear errors, before any calibration ---
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if anything loads a model: the errors below must come first."""
+    def refuse(*_a, **_k):
+        raise AssertionError("the model was loaded before the input was checked")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_unknown_format_lists_the_formats():
+    with pytest.raises(QuantizeError, match="unknown quantization format 'int3'") as info:
+        QuantSpec("int3")
+    for name in FORMATS:
+        assert name in str(info.value)
+    with pytest.raises(QuantizeError, match="KV cache dtype"):
+        QuantSpec("fp8", kv_cache_dtype="int4")
+
+
+def test_group_size_rules(tiny, tmp_path, no_model_load):
+    model = ModelConfig.from_hf_dir(tiny)
+    assert resolve_group_size(QuantSpec("int4_wo"), model) == 32
+    assert resolve_group_size(QuantSpec("int4_awq", group_size="32"), model) == 32
+    assert resolve_group_size(QuantSpec("int8_wo"), model) is None
+    with pytest.raises(QuantizeError, match="group size 64 does not divide down_proj.*=96; use --group-size 32"):
+        quantize_checkpoint(tiny, tmp_path / "out", QuantSpec("int4_wo", group_size=64), **CALIB)
+    with pytest.raises(QuantizeError, match="not supported"):
+        QuantSpec("int4_wo", group_size=48)
+    with pytest.raises(QuantizeError, match="applies only to blockwise"):
+        QuantSpec("int8_wo", group_size=64)
+    assert not (tmp_path / "out").exists()
+
+
+def test_smollm2_dims_pick_group_64():
+    smollm2 = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+                   num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152)
+    assert resolve_group_size(QuantSpec("int4_awq"), ModelConfig.from_hf(smollm2)) == 64
+    with pytest.raises(QuantizeError, match="group size 128 does not divide"):
+        resolve_group_size(QuantSpec("int4_awq", group_size=128), ModelConfig.from_hf(smollm2))
+
+
+def test_bad_calibration_data_is_refused_before_loading(tiny, tmp_path, no_model_load):
+    spec = QuantSpec("int4_wo")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(QuantizeError, match="is empty"):
+        quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data=empty, **CALIB)
+    with pytest.raises(QuantizeError, match="does not exist"):
+        quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data=tmp_path / "missing.jsonl", **CALIB)
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(QuantizeError, match="holds no"):
+        quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data=tmp_path / "emptydir", **CALIB)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"nope": 1}\n')
+    with pytest.raises(QuantizeError, match=r"bad.jsonl:2"):
+        quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data=bad, **CALIB)
+    with pytest.raises(QuantizeError, match="--calib-size"):
+        quantize_checkpoint(tiny, tmp_path / "o", spec, calib_size=0)
+    (tmp_path / "notempty").mkdir()
+    (tmp_path / "notempty" / "keep.txt").write_text("x")
+    with pytest.raises(QuantizeError, match="refusing to overwrite"):
+        quantize_checkpoint(tiny, tmp_path / "notempty", spec, **CALIB)
+
+
+def test_too_little_calibration_text(tiny, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("just a few words")
+    with pytest.raises(QuantizeError, match="fewer than --calib-size 4 x --calib-seq-len 64"):
+        quantize_checkpoint(tiny, tmp_path / "o", QuantSpec("int4_wo"), calib_data=short, **CALIB)
+
+
+def test_user_corpus_formats(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text")
+    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n"two"\n\n')
+    assert read_corpus(tmp_path) == ["plain text", "one", "two"]
+
+
+def test_default_corpus_is_deterministic_stdlib_docstrings():
+    first, second = default_corpus(), default_corpus()
+    assert first == second
+    assert len(first) > 500 and sum(map(len, first)) > 200_000
+    assert "Return" in " ".join(first[:50]) or "return" in " ".join(first[:50])
+    assert calibration.STDLIB_MODULES[0] == "abc"
+
+
+def test_modelopt_config_applies_group_kv_and_exclude():
+    cfg = modelopt_config(QuantSpec("int4_awq", kv_cache_dtype="fp8", exclude=("*.mlp.down_proj",)), 64)
+    entries = cfg["quant_cfg"]
+    blocks = [e["cfg"]["block_sizes"][-1] for e in entries if isinstance(e.get("cfg"), dict)
+              and "block_sizes" in e["cfg"]]
+    assert blocks == [64]
+    assert {"quantizer_name": "*.mlp.down_proj*_quantizer", "enable": False} == entries[-1]
+    assert entries[-2]["quantizer_name"] == "*[kv]_bmm_quantizer"
+
+
+def test_unsupported_quantized_checkpoint_is_refused_by_the_builder(tiny, tmp_path):
+    quantize_checkpoint(tiny, tmp_path / "fp8", QuantSpec("fp8"), **CALIB)
+    config = tmp_path / "fp8" / "hf_quant_config.json"
+    raw = json.loads(config.read_text())
+    config.write_text(json.dumps({**raw, "quantization": {**raw["quantization"], "quant_algo": "NVFP4"}}))
+    with pytest.raises(CheckpointError, match="quantized as NVFP4; camshaft builds W4A16_AWQ, W8A16, FP8"):
+        Checkpoint(tmp_path / "fp8")
+
+
+def test_excluded_layers_stay_float(tiny, tmp_path):
+    spec = QuantSpec("int4_wo", exclude=("*.mlp.down_proj", "model.layers.1.self_attn.k_proj"))
+    quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)
+    with Checkpoint(tmp_path / "ckpt") as ckpt:
+        assert ckpt.quantized_linear("model.layers.0.mlp.down_proj", 64, 96) is None
+        assert ckpt.quantized_linear("model.layers.1.self_attn.k_proj", 32, 64) is None
+        assert ckpt.quantized_linear("model.layers.1.self_attn.q_proj", 64, 64) is not None
+    manifest = build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=64, kv_block_size=4))
+    # layer 0: q k v (fused), o, gate up (fused) = 6; layer 1: q, v, o, gate up = 5; no down_proj
+    assert manifest.quantization["quantized_linear_layers"] == 6 + 5
+
+
+def test_cli_quantize(tiny, tmp_path, capsys):
+    def camshaft(*args):
+        argv, sys.argv = sys.argv, ["camshaft", *map(str, args)]
+        try:
+            cli.main()
+            return 0
+        except SystemExit as exc:
+            return exc.code if isinstance(exc.code, int) else 1
+        finally:
+            sys.argv = argv
+
+    started = time.perf_counter()
+    code = camshaft("quantize", "--model", tiny, "--quant", "int4_wo", "--group-size", "64", "--output", tmp_path / "o")
+    assert code == 1 and "group size 64 does not divide" in capsys.readouterr().err
+    assert time.perf_counter() - started < 5
+    code = camshaft("quantize", "--model", tiny, "--quant", "int8_wo", "--calib-size", "2", "--calib-seq-len", "32",
+                    "--output", tmp_path / "o")
+    assert code == 0
+    assert json.loads((tmp_path / "o" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W8A16"
+    assert (tmp_path / "o" / "tokenizer.json").is_file()

@@ -69,6 +69,7 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
         "accuracy_level": lowering.linears.accuracy_level if counts["nbits"] else None,
         "quantized_linear_layers": sum(counts.values()),
         "float_modules": sorted(quant.get("exclude_modules", [])),
+        "algorithm": record.get("algorithm"),  # ModelOpt's calibration algorithm, e.g. SmoothQuant's alpha
         "calibration": record.get("calibration"),
         "producer": quant.get("producer") or record.get("tools"),
     }

@@ -122,6 +122,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         record = {
             "format": spec.format, "kv_cache_dtype": spec.kv_cache_dtype, "group_size": group_size,
             "exclude": list(spec.exclude), "modelopt_config": spec.info.modelopt_config,
+            "algorithm": cfg.get("algorithm"),
             "calibration": {"source": source, "samples": calib.num_samples, "seq_len": calib.seq_len},
             "seconds": timings, "tools": _tool_versions(),
         }

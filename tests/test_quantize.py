@@ -7,6 +7,7 @@ logits differ from the fake-quant model's by at most 10% of how far the fake-qua
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -19,8 +20,9 @@ import transformers
 from camshaft.builder.build import build_engine, write_graph
 from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
+from camshaft.model_config import CAMSHAFT_QUANT_RECORD
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
-from camshaft.quantize.spec import FORMATS, QuantSpec
+from camshaft.quantize.spec import FORMATS, SMOOTHQUANT_ALPHA, QuantSpec, modelopt_config
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
 
@@ -109,9 +111,13 @@ def test_checkpoint_weights_dequantize_to_modelopt_fake_quant_weights(quantized)
 
 
 def test_engine_logits_match_modelopt_fake_quant_model(quantized, prompt):
-    fmt, _, engine_dir, ref = quantized
+    fmt, result, engine_dir, ref = quantized
     engine = Engine(engine_dir, max_sequences=1)
     manifest = engine.manifest.quantization
+    record = json.loads((result.output / CAMSHAFT_QUANT_RECORD).read_text())
+    assert manifest["algorithm"] == record["algorithm"] == modelopt_config(QuantSpec(fmt), None)["algorithm"]
+    if fmt == "int8_sq":
+        assert record["algorithm"] == {"method": "smoothquant", "alpha": SMOOTHQUANT_ALPHA}
     assert manifest["format"] == fmt and manifest["lowering"] == LOWERING[fmt]
     activations = {"fp8": "fp8", "w4a8_awq": "fp8", "int8_sq": "int8"}.get(fmt)
     assert manifest["activations"] == (f"{activations} static per-tensor" if activations else None)

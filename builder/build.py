@@ -25,7 +25,7 @@ GRAPH_NAME = "graph.onnx"
 GRAPH_DATA = "graph.onnx.data"
 
 Progress = Callable[[str], None]
-TRT_QUANT_ALGOS = ("FP8", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL")
+TRT_QUANT_ALGOS = ("FP8", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16_AWQ")
 
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
@@ -77,9 +77,9 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
 
 def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: str | None = None) -> None:
     """Refuse a quantized checkpoint the target cannot build, before any work (`camshaft build --quant` calls it
-    before quantizing). The TensorRT targets get every format as standard Q/DQ; FP8, W4A8_AWQ and W8A8 are enabled
-    there. Weight-only graphs build with tensorrt-rtx 1.7 too (tests/test_quantize_trt.py) but are not enabled yet;
-    a quantized KV cache is refused (its float8 pool is uint8 codes, which TensorRT rejects)."""
+    before quantizing). The TensorRT targets get every format as standard Q/DQ (plans built with tensorrt-rtx 1.7,
+    tests/test_quantize_trt.py); a quantized KV cache is refused (its float8 pool is uint8 codes, which TensorRT
+    rejects)."""
     if quant_algo not in READABLE_QUANT_ALGOS:
         raise BuildConfigError(f"camshaft cannot build {quant_algo} checkpoints; it builds "
                                f"{', '.join(READABLE_QUANT_ALGOS)}")
@@ -89,7 +89,8 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
         what = quant_algo + (f" with a {kv_cache_quant_algo} KV cache" if kv_cache_quant_algo else "")
         raise BuildConfigError(
             f"the {target} target cannot build {what} checkpoints yet; it takes {', '.join(TRT_QUANT_ALGOS)} "
-            "(--quant fp8 | w4a8_awq | int8_sq) without --kv-cache-dtype. Build this one for --target onnxruntime."
+            "(--quant fp8 | w4a8_awq | int8_sq | int8_wo | int4_wo | int4_awq) without --kv-cache-dtype. "
+            "Build this one for --target onnxruntime."
         )
 
 

@@ -1,8 +1,8 @@
 """Quantized checkpoints for the TensorRT targets: every weight format lowers to standard Q/DQ (int8 / float8
 activations, int4 blocked / int8 per-channel / float8 weights) that tensorrt-rtx 1.7 parses and builds ahead of time
-on the CPU (sm89). FP8, W4A8 AWQ and INT8 SmoothQuant are enabled for the targets; weight-only formats (their graphs
-build too) and quantized KV caches are refused before any work. The plans never run here (no GPU); the same Q/DQ
-graph in float32 is checked against ModelOpt's fake-quant model in tests/test_quantize.py.
+on the CPU (sm89); all are enabled for the targets. Quantized KV caches are refused before any work. The plans never
+run here (no GPU); the same Q/DQ graph in float32 is checked against ModelOpt's fake-quant model in
+tests/test_quantize.py.
 """
 
 from __future__ import annotations
@@ -12,12 +12,9 @@ import importlib.util
 import onnx
 import pytest
 
-from camshaft.builder.build import GRAPH_NAME, TRT_QUANT_ALGOS, build_engine, check_quantized_target, write_graph
-from camshaft.builder.checkpoint import Checkpoint
+from camshaft.builder.build import GRAPH_NAME, TRT_QUANT_ALGOS, build_engine, check_quantized_target
 from camshaft.builder.config import BuildConfig
-from camshaft.builder.targets.tensorrt import build_plan
 from camshaft.errors import BuildConfigError
-from camshaft.manifest import BuildLimits
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, QuantSpec
 
@@ -31,7 +28,6 @@ pytestmark = [
 pytest.importorskip("modelopt.torch.quantization")
 
 CALIB = dict(calib_size=2, calib_seq_len=32)
-LIMITS = BuildLimits(max_batch_size=4, max_seq_len=64, max_num_tokens=32, kv_block_size=8)
 BUILD = dict(max_seq_len=64, max_batch_size=4, max_num_tokens=32, kv_block_size=8)
 WEIGHT_TYPES = {"fp8": onnx.TensorProto.FLOAT8E4M3FN, "w4a8_awq": onnx.TensorProto.INT4,
                 "int4_awq": onnx.TensorProto.INT4, "int4_wo": onnx.TensorProto.INT4, "int8_wo": onnx.TensorProto.INT8,
@@ -47,32 +43,30 @@ def tiny(tmp_path_factory):
 def test_quantized_formats_build_tensorrt_rtx_plans(tiny, tmp_path, fmt):
     quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec(fmt), **CALIB)
     out = tmp_path / "engine"
-    if FORMATS[fmt].checkpoint_algo in TRT_QUANT_ALGOS:
-        manifest = build_engine(BuildConfig(tmp_path / "ckpt", out, target="tensorrt-rtx", **BUILD))
-        assert manifest.dtype == "float16" and manifest.quantization["quantized_linear_layers"] == 14
-        assert manifest.quantization["lowering"].startswith("standard Q/DQ")
-        graph_path = out / GRAPH_NAME
-    else:  # not enabled for the targets yet, but the graph builds
-        with pytest.raises(BuildConfigError, match="cannot build W4A16_AWQ|cannot build W8A16"):
-            build_engine(BuildConfig(tmp_path / "ckpt", out, target="tensorrt-rtx", **BUILD))
-        out.mkdir()
-        with Checkpoint(tmp_path / "ckpt") as ckpt:
-            graph_path = write_graph(ckpt, LIMITS, "float16", out, qdq=True)
-        build_plan(graph_path, out / "model.plan", product="tensorrt-rtx", gpu_arch="sm89", limits=LIMITS,
-                   num_blocks_max=64)
+    assert FORMATS[fmt].checkpoint_algo in TRT_QUANT_ALGOS
+    manifest = build_engine(BuildConfig(tmp_path / "ckpt", out, target="tensorrt-rtx", **BUILD))
+    assert manifest.dtype == "float16" and manifest.quantization["quantized_linear_layers"] == 14
+    assert manifest.quantization["lowering"].startswith("standard Q/DQ")
+    assert manifest.quantization["accuracy_level"] is None  # no MatMulNBits on the TensorRT targets
+    graph_path = out / GRAPH_NAME
     assert (out / "model.plan").stat().st_size > 100_000
     graph = onnx.load(graph_path, load_external_data=False)
+    assert not any(n.domain for n in graph.graph.node)  # standard ONNX only
     weights = [t for t in graph.graph.initializer if t.data_type == WEIGHT_TYPES[fmt] and len(t.dims) == 2]
     assert len(weights) == 8  # per layer: fused q/k/v, o, fused gate/up, down
+    dq = {n.input[0] for n in graph.graph.node if n.op_type == "DequantizeLinear"}
+    assert {t.name for t in weights} <= dq
     scales = {n.input[1] for n in graph.graph.node if n.op_type == "QuantizeLinear"}
     assert all(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.graph.initializer if t.name in scales)
 
 
-def test_quantized_kv_cache_and_weight_only_are_refused_before_any_work(tiny, tmp_path):
+def test_quantized_kv_cache_is_refused_before_any_work(tiny, tmp_path):
     with pytest.raises(BuildConfigError, match=r"cannot build FP8 with a FP8 KV cache checkpoints"):
         check_quantized_target("tensorrt", "FP8", "FP8")
-    with pytest.raises(BuildConfigError, match="cannot build W4A16_AWQ checkpoints yet"):
-        check_quantized_target("tensorrt-rtx", "W4A16_AWQ")
+    with pytest.raises(BuildConfigError, match="cannot build W4A16_AWQ with a INT8 KV cache checkpoints yet"):
+        check_quantized_target("tensorrt-rtx", "W4A16_AWQ", "INT8")
+    for fmt in FORMATS.values():
+        check_quantized_target("tensorrt-rtx", fmt.checkpoint_algo)
     with pytest.raises(BuildConfigError, match="cannot build NVFP4 checkpoints"):
         check_quantized_target("onnxruntime", "NVFP4")
     for fmt in FORMATS.values():

@@ -68,7 +68,7 @@ def stack(tmp_path_factory):
     model = make_tiny_model("llama", root / "hf")
     build_engine(BuildConfig(model, root / "engine", max_seq_len=512, max_num_tokens=128, max_batch_size=BATCH))
     repo = deploy_repository(root / "engine", root / "repo", llm_options={"max_queue": QUEUE})
-    with TritonServer(repo) as server:
+    with TritonServer(repo, log_file=root / "tritonserver.log") as server:  # kept for a failed run
         yield Stack(server, Session(root / "engine"))
     assert server.shm_regions and not any(Path("/dev/shm", name).exists() for name in server.shm_regions)
 

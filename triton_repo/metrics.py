@@ -35,20 +35,25 @@ class Metrics:
                                                       kind=pb_utils.MetricFamily.COUNTER)
                           for name, text in COUNTERS.items()}
         self.metrics = {name: family.Metric(labels=labels) for name, family in self.families.items()}
-        self._tokens = 0
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._sent = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="camshaft-metrics", daemon=True)
         self._thread.start()
 
     def count(self, name: str, value: int = 1) -> None:
-        if value:
-            self.metrics[name].increment(value)
-            if name == "camshaft_generated_tokens_total":
-                with self._lock:
-                    self._tokens += value
+        """Any thread: counted here, sent to Triton by the metrics thread (the stub's metric calls are IPC)."""
+        with self._lock:
+            self._counts[name] += value
 
     def update(self) -> None:
+        with self._lock:
+            counts = dict(self._counts)
+        for name, value in counts.items():
+            if value > self._sent[name]:
+                self.metrics[name].increment(value - self._sent[name])
+                self._sent[name] = value
         load = self.llm.load()
         values = {"camshaft_kv_cache_blocks_used": load.kv_blocks_used,
                   "camshaft_kv_cache_blocks_total": load.kv_blocks_total,
@@ -63,7 +68,7 @@ class Metrics:
         while not self._stop.wait(self.period_s):
             now = time.monotonic()
             with self._lock:
-                window.append((now, self._tokens))
+                window.append((now, self._counts["camshaft_generated_tokens_total"]))
             window = [(t, n) for t, n in window if now - t <= 1.0 + self.period_s]
             (t0, n0), (t1, n1) = window[0], window[-1]
             self.metrics["camshaft_tokens_per_second"].set((n1 - n0) / (t1 - t0) if t1 > t0 else 0.0)

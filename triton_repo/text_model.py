@@ -52,10 +52,7 @@ class TextModel:
         sender = request.get_response_sender()
 
         def emit(response, final: bool) -> None:
-            if response is None:
-                sender.send(flags=FINAL)
-            else:
-                sender.send(response, flags=FINAL if final else 0)
+            sender.send(response, flags=FINAL if final else 0)
 
         try:
             self._generate(request, emit, allow_stream=True)
@@ -69,8 +66,7 @@ class TextModel:
     def _once(self, request):
         responses = []
         self._generate(request, lambda response, final: responses.append(response), allow_stream=False)
-        final = [r for r in responses if r is not None]
-        return final[-1] if final else error_response(RuntimeError("the request was cancelled"))
+        return responses[-1] if responses else error_response(RuntimeError("the request was cancelled"))
 
     def _generate(self, request, emit: Callable, allow_stream: bool) -> None:
         try:
@@ -121,9 +117,9 @@ class TextModel:
                 except Exception:  # the client is gone
                     self._stop(bls.request_id())
                     cancelled, finished = True, False
-        if cancelled:
-            emit(None, True)
-        elif not finished:
+        # A cancelled request gets nothing more: Triton 2.51 completes it itself, and a thread sending its final flag
+        # races Triton's release of it (the stub crashed with a double free under a storm of cancellations).
+        if not (cancelled or finished):
             emit(error_response(RuntimeError(f"{self.token_model} ended the request without a result")), True)
 
     def _text(self, values) -> str:

@@ -41,10 +41,10 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
         writer = GraphWriter(data, GRAPH_DATA)
         lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
                                    quantized=quantized, kv_cache=(kv_dtype, checkpoint.kv_scales) if kv_dtype else None,
-                                   qdq=qdq)
+                                   qdq=qdq, lm_head=checkpoint.lm_head)
         lowering.lower()
     model = writer.model(OPSET)
-    if lowering.linears.counts["nbits"]:
+    if any(node.domain == MS_DOMAIN for node in model.graph.node):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     if quantization is not None and checkpoint.quantization is not None:
         quantization.update(_quantization_record(checkpoint.quantization, lowering))
@@ -53,8 +53,9 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
 
 
 def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
-    """The manifest's record of a quantized checkpoint. Policy: embeddings and lm_head stay float (ModelOpt leaves
-    them unquantized); a quantized layer no kernel expresses is built from its dequantized weights."""
+    """The manifest's record of a quantized checkpoint. Policy: the embedding stays float; lm_head too (ModelOpt
+    leaves it unquantized) unless `--lm-head int8|int4` rounded it at build time; a quantized layer no kernel
+    expresses is built from its dequantized weights."""
     record = quant.get("camshaft", {})
     counts = lowering.linears.counts
     activation = READABLE_QUANT_ALGOS[quant["quant_algo"]].activation
@@ -68,7 +69,9 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
         "accuracy_level": lowering.linears.accuracy_level if counts["nbits"] else None,
         "quantized_linear_layers": sum(counts.values()),
-        "float_modules": sorted(quant.get("exclude_modules", [])),
+        "float_modules": sorted(m for m in quant.get("exclude_modules", [])
+                                if m != "lm_head" or lowering.head.dtype == "float"),
+        "lm_head": lowering.head.record,
         "algorithm": record.get("algorithm"),  # ModelOpt's calibration algorithm, e.g. SmoothQuant's alpha
         "calibration": record.get("calibration"),
         "producer": quant.get("producer") or record.get("tools"),

@@ -80,6 +80,11 @@ class Checkpoint:
         return quant
 
     @property
+    def lm_head(self) -> str:
+        """The lm_head dtype `camshaft quantize --lm-head` recorded (float for any other checkpoint)."""
+        return str(((self.quantization or {}).get("camshaft") or {}).get("lm_head", "float"))
+
+    @property
     def kv_cache_dtype(self) -> str | None:
         """The KV pool's element type for a checkpoint with a quantized KV cache (int8 or float8), else None."""
         algo = (self.quantization or {}).get("kv_cache_quant_algo")

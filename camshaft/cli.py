@@ -47,6 +47,8 @@ CalibSizeOption = Annotated[int, typer.Option(help="Calibration samples")]
 CalibLenOption = Annotated[int, typer.Option(help="Tokens per calibration sample")]
 ExcludeOption = Annotated[list[str] | None, typer.Option(
     help="Module name pattern to keep unquantized (repeatable)")]
+LmHeadOption = Annotated[str, typer.Option(
+    help="lm_head weights: float | int8 | int4 (rounded to nearest at build; the embedding stays float)")]
 
 
 @app.command()
@@ -69,6 +71,7 @@ def build(
     calib_size: CalibSizeOption = 64,
     calib_seq_len: CalibLenOption = 256,
     exclude: ExcludeOption = None,
+    lm_head: LmHeadOption = "float",
 ) -> None:
     """Build an engine directory from a Hugging Face checkpoint (with --quant: quantize it first)."""
     from dataclasses import replace
@@ -79,17 +82,18 @@ def build(
     config = BuildConfig(model, output, target=target, dtype=dtype, max_batch_size=max_batch_size,
                          max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
                          gpu_arch=gpu_arch)
-    if quant is None and (kv_cache_dtype is not None or calib_data is not None or exclude):
-        raise CamshaftError("--kv-cache-dtype, --calib-data and --exclude are quantization options: add --quant")
+    if quant is None and (kv_cache_dtype is not None or calib_data is not None or exclude or lm_head != "float"):
+        raise CamshaftError(
+            "--kv-cache-dtype, --calib-data, --exclude and --lm-head are quantization options: add --quant")
     if quant is not None:
         from camshaft.builder.build import check_quantized_target
         from camshaft.quantize.spec import QuantSpec
 
-        spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size)
+        spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
         check_quantized_target(target, spec.info.checkpoint_algo, kv_cache_dtype and kv_cache_dtype.upper())
         checkpoint = output.with_name(output.name + ".ckpt")
         _quantize(model, quant, checkpoint, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len,
-                  exclude)
+                  exclude, lm_head)
         config = replace(config, model_dir=checkpoint)
     manifest = build_engine(config, progress=_progress)
     err.print(f"built {manifest.model.architecture} engine for {manifest.target} ({manifest.dtype}) in "
@@ -98,11 +102,13 @@ def build(
 
 
 def _quantize(model: Path, quant: str, output: Path, kv_cache_dtype: str | None, group_size: str,
-              calib_data: Path | None, calib_size: int, calib_seq_len: int, exclude: list[str] | None) -> None:
+              calib_data: Path | None, calib_size: int, calib_seq_len: int, exclude: list[str] | None,
+              lm_head: str = "float") -> None:
     from camshaft.quantize.modelopt_adapter import quantize_checkpoint
     from camshaft.quantize.spec import QuantSpec
 
-    spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, exclude=tuple(exclude or ()))
+    spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, exclude=tuple(exclude or ()),
+                     lm_head=lm_head)
     with contextlib.redirect_stdout(sys.stderr):  # ModelOpt prints; stdout carries only the output path
         result = quantize_checkpoint(model, output, spec, calib_data=calib_data, calib_size=calib_size,
                                      calib_seq_len=calib_seq_len, progress=_progress, progress_bar=True)
@@ -121,9 +127,11 @@ def quantize(
     calib_size: CalibSizeOption = 64,
     calib_seq_len: CalibLenOption = 256,
     exclude: ExcludeOption = None,
+    lm_head: LmHeadOption = "float",
 ) -> None:
     """Calibrate and quantize a checkpoint with NVIDIA ModelOpt into a quantized (unified HF) checkpoint."""
-    _quantize(model, quant, output, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len, exclude)
+    _quantize(model, quant, output, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len, exclude,
+              lm_head)
     typer.echo(str(output))
 
 

@@ -20,7 +20,7 @@ from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENI
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.quantize.calibration import CalibrationSet, check_sizes, load_texts, tokenize
 from camshaft.quantize.kv_scales import take_int8_kv_scales, write_int8_kv_scales
-from camshaft.quantize.spec import QuantizeError, QuantSpec, modelopt_config, resolve_group_size
+from camshaft.quantize.spec import QuantizeError, QuantSpec, check_lm_head_fits, modelopt_config, resolve_group_size
 
 INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
 
@@ -67,6 +67,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         raise QuantizeError(f"{model_dir} is already quantized ({HF_QUANT_CONFIG}); quantize the original checkpoint")
     model_config = ModelConfig.from_hf_dir(model_dir)
     group_size = resolve_group_size(spec, model_config)
+    check_lm_head_fits(spec, model_config)
     check_sizes(calib_size, calib_seq_len)
     check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError)
     if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
@@ -122,7 +123,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         record = {
             "format": spec.format, "kv_cache_dtype": spec.kv_cache_dtype, "group_size": group_size,
             "exclude": list(spec.exclude), "modelopt_config": spec.info.modelopt_config,
-            "algorithm": cfg.get("algorithm"),
+            "algorithm": cfg.get("algorithm"), "lm_head": spec.lm_head,
             "calibration": {"source": source, "samples": calib.num_samples, "seq_len": calib.seq_len},
             "seconds": timings, "tools": _tool_versions(),
         }

@@ -11,7 +11,8 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
-from camshaft.errors import CamshaftError
+from camshaft.builder.graph.head import LM_HEAD_DTYPES, check_lm_head
+from camshaft.errors import BuildConfigError, CamshaftError
 from camshaft.model_config import ModelConfig
 
 
@@ -54,6 +55,7 @@ class QuantSpec:
     kv_cache_dtype: str | None = None
     group_size: int | str = "auto"  # "auto" or one of GROUP_SIZES; only for blockwise formats
     exclude: tuple[str, ...] = ()  # fnmatch patterns over module names, e.g. "*.mlp.down_proj" or "model.layers.0.*"
+    lm_head: str = "float"  # or int8 / int4: rounded to nearest when the engine is built (ModelOpt leaves it float)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -80,6 +82,8 @@ class QuantSpec:
                     f"--group-size applies only to blockwise formats "
                     f"({', '.join(n for n, i in FORMATS.items() if i.blockwise)}), not {self.format}"
                 )
+        if self.lm_head not in LM_HEAD_DTYPES:
+            raise QuantizeError(f"unknown --lm-head {self.lm_head!r}; choose one of: {', '.join(LM_HEAD_DTYPES)}")
         exclude = tuple(self.exclude)
         for pattern in exclude:
             if not pattern or not pattern.strip():
@@ -125,6 +129,14 @@ def resolve_group_size(spec: QuantSpec, model: ModelConfig) -> int | None:
             + (f"use --group-size {fits[0]} (or auto)" if fits else "no supported group size fits this model")
         )
     return int(spec.group_size)
+
+
+def check_lm_head_fits(spec: QuantSpec, model: ModelConfig) -> None:
+    """Refuse an --lm-head the model cannot take before calibration (the builder would refuse it after)."""
+    try:
+        check_lm_head(spec.lm_head, model)
+    except BuildConfigError as exc:
+        raise QuantizeError(str(exc)) from None
 
 
 def modelopt_config(spec: QuantSpec, group_size: int | None) -> dict[str, Any]:

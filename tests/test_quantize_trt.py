@@ -75,3 +75,16 @@ def test_quantized_kv_cache_is_refused_before_any_work(tiny, tmp_path):
     with pytest.raises(BuildConfigError, match="--target onnxruntime"):
         build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", target="tensorrt-rtx"))
     assert not (tmp_path / "engine").exists()
+
+
+@pytest.mark.parametrize("head", ["int4", "int8"])
+def test_quantized_lm_head_builds_tensorrt_rtx_plan(tiny, tmp_path, head):
+    quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec("int8_wo", lm_head=head), **CALIB)
+    manifest = build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", target="tensorrt-rtx", **BUILD))
+    assert manifest.quantization["lm_head"]["dtype"] == head
+    assert manifest.quantization["lm_head"]["lowering"].startswith("standard Q/DQ")
+    assert (tmp_path / "engine" / "model.plan").stat().st_size > 100_000
+    graph = onnx.load(tmp_path / "engine" / GRAPH_NAME, load_external_data=False).graph
+    vocab, hidden = manifest.model.vocab_size, manifest.model.hidden_size
+    head_weight = next(t for t in graph.initializer if tuple(t.dims) == (hidden, vocab))
+    assert head_weight.data_type == WEIGHT_TYPES[f"{head}_wo"]

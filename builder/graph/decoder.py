@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 from onnx import TensorProto
 
+from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.kv_quant import KV_ELEM, KVQuantizer
 from camshaft.builder.graph.linear import Linears, QuantizedFn, WeightFn
 from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
@@ -74,13 +75,14 @@ class DecoderLowering:
     def __init__(self, g: GraphWriter, config: ModelConfig, limits: BuildLimits, dtype: str,
                  weights: WeightFn, progress: Callable[[str], None] = lambda _: None,
                  quantized: QuantizedFn | None = None, accuracy_level: int | None = None,
-                 kv_cache: tuple[str, KVScalesFn] | None = None, qdq: bool = False) -> None:
+                 kv_cache: tuple[str, KVScalesFn] | None = None, qdq: bool = False, lm_head: str = "float") -> None:
         self.g, self.c, self.limits = g, config, limits
         self.np_dtype = np.float16 if dtype == "float16" else np.float32
         self.elem = ONNX_DTYPES[dtype]
         self.weights = weights
         self.progress = progress
         self.linears = Linears(g, self.np_dtype, weights, quantized, accuracy_level, qdq)
+        self.head = Head(self.linears, config, lm_head)
         # A quantized KV cache: (int8 | float8, layer → (k_scale, v_scale)); else the cache holds the float type.
         self.kv_quant = KVQuantizer(g, kv_cache[0], self.np_dtype) if kv_cache else None
         self.kv_scales = kv_cache[1] if kv_cache else None
@@ -114,11 +116,7 @@ class DecoderLowering:
             hidden = self.layer(layer, hidden)
         picked = g.op("Gather", [hidden, "logits_index"], axis=0)
         normed = self.rms_norm(picked, "model.norm.weight", c.hidden_size)
-        if c.tie_word_embeddings:
-            logits = g.op("Gemm", [normed, embed], transB=1)
-        else:
-            head = g.weight("lm_head", self.w("lm_head.weight", (c.vocab_size, c.hidden_size), transpose=True))
-            logits = g.op("MatMul", [normed, head])
+        logits = self.head.lower(normed, embed)
         if self.elem != TensorProto.FLOAT:
             logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
         g.op_to("Identity", [logits], "logits")

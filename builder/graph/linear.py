@@ -109,7 +109,8 @@ class Linears:
         return self.g.op("Mul", [x, self.g.weight(f"{name}.pre_quant_scale",
                                                    layer.pre_quant_scale.astype(self.np_dtype))])
 
-    def matmul_nbits(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str:
+    def matmul_nbits(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int,
+                     accuracy_level: int | None = None) -> str:
         """x [.., in_dim] @ the layers' dequantized weights (concatenated along the output) as one MatMulNBits."""
         g, first = self.g, layers[0]
         block = nbits_block(first, in_dim)
@@ -126,7 +127,7 @@ class Linears:
         return g.op("MatMulNBits", [x, g.weight(f"{name}.qweight", np.ascontiguousarray(packed)),
                                     g.weight(f"{name}.scales", scales.astype(self.np_dtype).reshape(-1))],
                     domain=MS_DOMAIN, K=k, N=n, bits=first.bits, block_size=block,
-                    accuracy_level=self.accuracy_level)
+                    accuracy_level=self.accuracy_level if accuracy_level is None else accuracy_level)
 
     def integer_matmul(self, x: str, layers: list[QuantizedLinear], name: str) -> str:
         g, first = self.g, layers[0]

@@ -1,0 +1,159 @@
+"""--lm-head int8|int4: the output projection rounded to nearest at build time, on a tiny tied-embedding model.
+
+Reference: the fake-quantized model's final normed hidden states (ModelOpt, just before export) times a numpy
+round-to-nearest copy of the head; with MatMulNBits accuracy level 4 (int8 head) the activations are also rounded to
+int8 per block of K, as ONNX Runtime does. Bar: |engine − reference| ≤ 10 % of what quantizing the head changes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import replace
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from camshaft import cli
+from camshaft.builder.build import build_engine, write_graph
+from camshaft.builder.checkpoint import Checkpoint
+from camshaft.builder.config import BuildConfig
+from camshaft.model_config import CAMSHAFT_QUANT_RECORD, ModelConfig
+from camshaft.quantize.modelopt_adapter import quantize_checkpoint
+from camshaft.quantize.spec import QuantizeError, QuantSpec, check_lm_head_fits
+from camshaft.runtime.batch import Chunk
+from camshaft.runtime.engine import Engine
+
+from tiny_models import make_tiny_model
+
+pytest.importorskip("modelopt.torch.quantization")
+
+PROMPT_LEN = 24
+BITS = {"int4": 4, "int8": 8}
+
+
+def rtn(weight: np.ndarray, bits: int, block: int) -> np.ndarray:
+    qmax = 2 ** (bits - 1) - 1
+    w = weight.reshape(weight.shape[0], -1, block)
+    scale = np.abs(w).max(-1, keepdims=True) / qmax
+    return (np.clip(np.round(w / scale), -qmax - 1, qmax) * scale).reshape(weight.shape)
+
+
+def int8_blocks(x: np.ndarray, block: int) -> np.ndarray:
+    xb = x.reshape(x.shape[0], -1, block)
+    scale = np.abs(xb).max(-1, keepdims=True) / 127
+    return (np.round(xb / scale) * scale).reshape(x.shape)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    """{head: checkpoint dir, engine dir}, plus the fake-quant model's normed hidden states, logits and embedding."""
+    root = tmp_path_factory.mktemp("head")
+    tiny = make_tiny_model("llama3-rope", root / "hf")  # tied embeddings
+    prompt = torch.randint(3, 384, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    ref: dict = {"prompt": prompt[0].tolist()}
+
+    def capture(model):
+        hook = model.model.norm.register_forward_hook(lambda m, i, o: ref.__setitem__("normed", o[0].numpy().copy()))
+        with torch.no_grad():
+            ref["logits"] = model(prompt).logits[0].numpy().copy()
+        hook.remove()
+        ref["embed"] = model.model.embed_tokens.weight.detach().numpy().copy()
+
+    quantize_checkpoint(tiny, root / "int4", QuantSpec("int4_wo", lm_head="int4"), on_quantized=capture,
+                        calib_size=2, calib_seq_len=32)
+    shutil.copytree(root / "int4", root / "int8")  # the record is all that --lm-head changes in a checkpoint
+    record = json.loads((root / "int8" / CAMSHAFT_QUANT_RECORD).read_text())
+    (root / "int8" / CAMSHAFT_QUANT_RECORD).write_text(json.dumps({**record, "lm_head": "int8"}))
+    dirs = {}
+    for head in BITS:
+        build_engine(BuildConfig(root / head, root / f"{head}-engine", max_seq_len=64, kv_block_size=4,
+                                 max_num_tokens=32))
+        dirs[head] = (root / head, root / f"{head}-engine")
+    return dirs, ref
+
+
+def reference(ref: dict, bits: int, block: int, act_block: int | None) -> np.ndarray:
+    x = ref["normed"] if act_block is None else int8_blocks(ref["normed"], act_block)
+    return x @ rtn(ref["embed"], bits, block).T
+
+
+def check(logits: np.ndarray, expected: np.ndarray, ref: dict, what: str) -> None:
+    diff, change = np.abs(logits - expected).max(), np.abs(expected - ref["logits"]).max()
+    print(f"{what}: |engine - reference| {diff:.3g}, quantized head changes {change:.3g}")
+    assert change > 1e-3 and diff <= 0.1 * change
+
+
+@pytest.mark.parametrize("head", sorted(BITS))
+def test_quantized_head_matches_round_to_nearest_reference(heads, head):
+    dirs, ref = heads
+    ckpt, engine_dir = dirs[head]
+    assert json.loads((ckpt / CAMSHAFT_QUANT_RECORD).read_text())["lm_head"] == head
+    engine = Engine(engine_dir, max_sequences=1)
+    record = engine.manifest.quantization
+    assert record["lm_head"]["dtype"] == head and record["quantized_linear_layers"] == 14
+    assert record["float_modules"] == ["model.embed_tokens"]
+    graph = onnx.load(engine_dir / "model.onnx", load_external_data=False).graph
+    vocab, hidden = ref["embed"].shape
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    attrs = {n.name: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits}
+    head_node = next(n for n in nbits if attrs[n.name]["N"] == vocab)
+    a = attrs[head_node.name]
+    assert a["K"] == hidden and a["bits"] == BITS[head]
+    gather = next(n for n in graph.node if n.op_type == "Gather")  # the first: the embedding lookup
+    embed = next(t for t in graph.initializer if t.name == gather.input[0])
+    assert tuple(embed.dims) == (vocab, hidden) and embed.data_type == onnx.TensorProto.FLOAT
+    block = record["lm_head"]["block_size"] or hidden
+    expected = reference(ref, BITS[head], block, a["block_size"] if a["accuracy_level"] == 4 else None)
+    logits = engine.step([Chunk(ref["prompt"], 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)])
+    check(logits, expected, ref, f"lm_head {head}, accuracy level {a['accuracy_level']}")
+
+
+@pytest.mark.parametrize("head", sorted(BITS))
+def test_quantized_head_qdq_graph_for_tensorrt(heads, head, tmp_path):
+    """The TensorRT targets' form (weight DequantizeLinear → MatMul, float activations), raised to float32 and run by
+    ONNX Runtime as written, matches the round-to-nearest head."""
+    dirs, ref = heads
+    ckpt, engine_dir = dirs[head]
+    engine = Engine(engine_dir, max_sequences=1)
+    with Checkpoint(ckpt) as c:
+        graph = write_graph(c, engine.manifest.limits, "float32", tmp_path, qdq=True)
+    model = onnx.load(graph, load_external_data=False).graph
+    assert not any(n.domain for n in model.node)
+    vocab, hidden = ref["embed"].shape
+    elem = {"int4": onnx.TensorProto.INT4, "int8": onnx.TensorProto.INT8}[head]
+    assert any(t.data_type == elem and tuple(t.dims) == (hidden, vocab) for t in model.initializer)
+    kv = engine.manifest.kv_cache
+    feeds = dict(engine.prepare([Chunk(ref["prompt"], 0, engine.pool.allocate(PROMPT_LEN // 4),
+                                       PROMPT_LEN)]).feeds)
+    shape = (engine.backend.num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
+    feeds.update({name: np.zeros(shape, np.float32) for name in kv.key_inputs + kv.value_inputs})
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    logits = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+    block = engine.manifest.quantization["lm_head"]["block_size"] or hidden
+    check(logits, reference(ref, BITS[head], block, None), ref, f"lm_head {head} Q/DQ")
+
+
+def test_bad_lm_head_is_refused_before_any_work(heads, capsys, tmp_path):
+    with pytest.raises(QuantizeError, match="unknown --lm-head 'int2'; choose one of: float, int8, int4"):
+        QuantSpec("int4_awq", lm_head="int2")
+    dirs, _ = heads
+    model = ModelConfig.from_hf_dir(dirs["int4"][0])
+    check_lm_head_fits(QuantSpec("int8_wo", lm_head="int8"), replace(model, hidden_size=72))
+    with pytest.raises(QuantizeError, match="blocks of 32 inputs, which do not divide hidden_size 72"):
+        check_lm_head_fits(QuantSpec("int8_wo", lm_head="int4"), replace(model, hidden_size=72))
+    argv = sys.argv
+    sys.argv = ["camshaft", "build", "--model", str(dirs["int4"][0]), "--output", str(tmp_path / "e"),
+                "--lm-head", "int4"]
+    try:
+        with pytest.raises(SystemExit):
+            cli.main()
+    finally:
+        sys.argv = argv
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--lm-head are quantization options: add --quant" in err and not (tmp_path / "e").exists()

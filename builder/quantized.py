@@ -82,14 +82,20 @@ class QuantizedLinear:
         return weight
 
 
-def round_to_nearest(weight: np.ndarray, bits: int, block_size: int) -> QuantizedLinear:
-    """[out, in] float weights → signed integers with one scale per block of `block_size` inputs (amax / qmax)."""
+def round_to_nearest(weight: np.ndarray, bits: int, block_size: int, full_range: bool) -> QuantizedLinear:
+    """[out, in] float weights → signed integers with one scale per block of `block_size` inputs.
+    full_range: the block's largest-magnitude value maps to −2^(bits−1) exactly (the scale takes its sign), all 2^bits
+    levels used, as ONNX Runtime's symmetric MatMulNBits quantizer does (SmolLM2's int4 head: perplexity 12.61 vs
+    13.44); else scale = amax / (2^(bits−1) − 1), ModelOpt's form, positive as TensorRT's parser requires."""
     out_dim, in_dim = weight.shape
-    qmax = (1 << (bits - 1)) - 1
+    low = -(1 << (bits - 1))
     blocks = weight.astype(np.float32).reshape(out_dim, in_dim // block_size, block_size)
-    amax = np.abs(blocks).max(axis=-1)
-    scales = np.where(amax > 0, amax / np.float32(qmax), np.float32(1)).astype(np.float32)
-    values = np.clip(np.rint(blocks / scales[..., None]), -qmax - 1, qmax).astype(np.int8)
+    if full_range:
+        extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)[..., 0] / low
+    else:
+        extreme = np.abs(blocks).max(axis=-1) / (-low - 1)
+    scales = np.where(extreme != 0, extreme, 1).astype(np.float32)
+    values = np.clip(np.rint(blocks / scales[..., None]), low, -low - 1).astype(np.int8)
     return QuantizedLinear(bits, block_size, values.reshape(out_dim, in_dim), scales)
 
 

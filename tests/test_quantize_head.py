@@ -36,11 +36,15 @@ PROMPT_LEN = 24
 BITS = {"int4": 4, "int8": 8}
 
 
-def rtn(weight: np.ndarray, bits: int, block: int) -> np.ndarray:
-    qmax = 2 ** (bits - 1) - 1
+def rtn(weight: np.ndarray, bits: int, block: int, full_range: bool) -> np.ndarray:
+    """Round to nearest; full range: the block's largest-magnitude value maps to -2^(bits-1) (the scale carries its
+    sign, ONNX Runtime's form), else scale = amax / (2^(bits-1) - 1) (positive, for TensorRT)."""
     w = weight.reshape(weight.shape[0], -1, block)
-    scale = np.abs(w).max(-1, keepdims=True) / qmax
-    return (np.clip(np.round(w / scale), -qmax - 1, qmax) * scale).reshape(weight.shape)
+    if full_range:
+        scale = np.take_along_axis(w, np.abs(w).argmax(-1)[..., None], -1) / -(2 ** (bits - 1))
+    else:
+        scale = np.abs(w).max(-1, keepdims=True) / (2 ** (bits - 1) - 1)
+    return (np.clip(np.round(w / scale), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) * scale).reshape(weight.shape)
 
 
 def int8_blocks(x: np.ndarray, block: int) -> np.ndarray:
@@ -77,9 +81,9 @@ def heads(tmp_path_factory):
     return dirs, ref
 
 
-def reference(ref: dict, bits: int, block: int, act_block: int | None) -> np.ndarray:
+def reference(ref: dict, bits: int, block: int, act_block: int | None, full_range: bool) -> np.ndarray:
     x = ref["normed"] if act_block is None else int8_blocks(ref["normed"], act_block)
-    return x @ rtn(ref["embed"], bits, block).T
+    return x @ rtn(ref["embed"], bits, block, full_range).T
 
 
 def check(logits: np.ndarray, expected: np.ndarray, ref: dict, what: str) -> None:
@@ -108,7 +112,7 @@ def test_quantized_head_matches_round_to_nearest_reference(heads, head):
     embed = next(t for t in graph.initializer if t.name == gather.input[0])
     assert tuple(embed.dims) == (vocab, hidden) and embed.data_type == onnx.TensorProto.FLOAT
     block = record["lm_head"]["block_size"] or hidden
-    expected = reference(ref, BITS[head], block, a["block_size"] if a["accuracy_level"] == 4 else None)
+    expected = reference(ref, BITS[head], block, a["block_size"] if a["accuracy_level"] == 4 else None, True)
     logits = engine.step([Chunk(ref["prompt"], 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)])
     check(logits, expected, ref, f"lm_head {head}, accuracy level {a['accuracy_level']}")
 
@@ -136,7 +140,7 @@ def test_quantized_head_qdq_graph_for_tensorrt(heads, head, tmp_path):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     logits = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
     block = engine.manifest.quantization["lm_head"]["block_size"] or hidden
-    check(logits, reference(ref, BITS[head], block, None), ref, f"lm_head {head} Q/DQ")
+    check(logits, reference(ref, BITS[head], block, None, False), ref, f"lm_head {head} Q/DQ")
 
 
 def test_bad_lm_head_is_refused_before_any_work(heads, capsys, tmp_path):

@@ -45,13 +45,15 @@ class Head:
                                                                              (c.vocab_size, c.hidden_size)))])
         fmt = LM_HEAD_FORMATS[self.dtype]
         weight = linears.weights(head_weight_name(c), (c.vocab_size, c.hidden_size))
-        q = round_to_nearest(weight, fmt.bits, fmt.block_size or c.hidden_size)
+        q = round_to_nearest(weight, fmt.bits, fmt.block_size or c.hidden_size, full_range=not linears.qdq)
         if linears.qdq:
             kind, level, y = "qdq", None, linears.qdq_matmul(x, [q], "lm_head", c.hidden_size)
         else:
             level = linears.accuracy_level if fmt.accuracy_level is None else fmt.accuracy_level
             kind, y = "nbits", linears.matmul_nbits(x, [q], "lm_head", c.hidden_size, accuracy_level=level)
-        self.record = {"dtype": self.dtype, "block_size": fmt.block_size, "rounding": "nearest, at build time",
+        self.record = {"dtype": self.dtype, "block_size": fmt.block_size,
+                       "rounding": "nearest at build time, symmetric, "
+                                   + ("amax / (2^(bits-1) - 1)" if linears.qdq else "full range"),
                        "lowering": LOWERINGS[kind], "accuracy_level": level,
                        "activations": "int8 per block (MatMulNBits accuracy level 4)" if level == 4 else None}
         return y

@@ -2,7 +2,7 @@
 
 from camshaft.version import __version__
 
-__all__ = ["__version__", "Session", "SamplingParams"]
+__all__ = ["__version__", "LLM", "Session", "SamplingParams"]
 
 
 def __getattr__(name: str):

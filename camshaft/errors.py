@@ -33,5 +33,9 @@ class ServerBusyError(RequestError):
     """The request queue is full; retry later or raise the queue limit."""
 
 
+class ServerClosedError(RequestError):
+    """The batch loop has stopped (closed, or failed); a new LLM or a server restart is needed."""
+
+
 class FetchError(CamshaftError):
     """A model could not be fetched or converted."""

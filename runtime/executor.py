@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from camshaft.errors import ServerBusyError
+from camshaft.errors import ServerBusyError, ServerClosedError
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.request import GenerationResult, Request
 from camshaft.runtime.sampler import SampleResult, sample_batch
@@ -98,7 +98,7 @@ class Executor:
             self.scheduler.check(request)
         with self._wake:
             if self._closed:
-                raise RuntimeError("the executor is closed; create a new LLM")
+                raise ServerClosedError("the batch loop has stopped; create a new LLM (or restart the server)")
             if self.max_queue is not None:
                 limit = self.scheduler.config.max_batch_size + self.max_queue
                 if len(self._sinks) + len(group) > limit:
@@ -144,11 +144,21 @@ class Executor:
         try:
             self._run()
         except BaseException as exc:  # a bug in the loop: fail every request rather than leave callers hanging
-            with self._wake:
-                self._closed = True
-            for request in list(self._requests.values()):
-                self._finish(request, RuntimeError(f"the batch loop failed: {exc!r}"))
+            self._fail_all(ServerClosedError(f"the batch loop failed: {exc!r}; restart the server"))
             raise
+
+    def _fail_all(self, error: Exception) -> None:
+        """Finish every request not yet finished: queued, held siblings and running."""
+        with self._wake:
+            self._closed = True
+            pending = [request for group in self._inbox for request in group]
+            self._inbox = []
+        pending += [request for siblings in self._held.values() for request in siblings]
+        self._held.clear()
+        pending += list(self._requests.values())
+        for request in pending:
+            if request.request_id in self._sinks:
+                self._finish(request, error)
 
     def _run(self) -> None:
         scheduler = self.scheduler
@@ -169,8 +179,7 @@ class Executor:
             scheduled = scheduler.schedule()
             if scheduled:
                 self._step(scheduled)
-        for request in list(self._requests.values()):
-            self._finish(request, RuntimeError("the executor was closed before the request finished"))
+        self._fail_all(ServerClosedError("the executor was closed before the request finished"))
 
     def _abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)

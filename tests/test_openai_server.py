@@ -99,6 +99,16 @@ def test_models_and_health(served, client):
     assert HTTP.get(served[0] + "/health").json() == {"status": "ok"}
 
 
+def test_http_metrics_label_routes_not_raw_paths(served):
+    url = served[0]
+    for suffix in ("/v1/models/a1", "/v1/models/b2", "/no/such/path-1", "/no/such/path-2"):
+        assert HTTP.get(url + suffix).status_code == 404
+    http = {k: v for k, v in scrape(url).items() if k.startswith("camshaft_http_requests_total")}
+    assert not [k for k in http if "a1" in k or "b2" in k or "path-" in k]
+    assert http['camshaft_http_requests_total{path="/v1/models/{model}",status="404"}'] >= 2
+    assert http['camshaft_http_requests_total{path="other",status="404"}'] >= 2
+
+
 def test_greedy_completion_equals_session_with_usage(client, session):
     expected = session.generate(PROMPTS[0], max_tokens=12, temperature=0)
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)

@@ -78,3 +78,25 @@ def test_a_full_queue_refuses_with_server_busy_and_recovers(engine_dir):
         assert sorted(o.result.finish_reason for o in done) == ["abort", "length", "length"]
         assert llm.load().kv_blocks_used == 0 and llm.load().waiting == 0
         llm.submit([3, 4, 5], params, lambda o: None)  # room again
+
+
+def test_closing_finishes_every_request_queued_held_or_running(engine_dir):
+    from camshaft.errors import ServerClosedError
+
+    release = threading.Event()
+    llm = LLM(engine_dir, max_batch_size=2)
+    step = llm.engine.step
+    llm.engine.step = lambda chunks: (release.wait(), step(chunks))[1]
+    finals = []
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=1, n=4)  # 3 siblings held
+    for prompt in ([5] * 100, [6] * 20, [7] * 20):  # more than the batch: some stay queued
+        llm.submit(prompt, params, lambda o: o.finished and finals.append(o))
+    closer = threading.Thread(target=llm.close)
+    closer.start()
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert len(finals) == 12 and len({o.request_id for o in finals}) == 12
+    assert all(isinstance(o.error, ServerClosedError) or o.result is not None for o in finals)
+    with pytest.raises(ServerClosedError, match="create a new LLM"):
+        llm.submit([3], params, lambda o: None)

@@ -82,6 +82,9 @@ class OpenAIClient:
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
+                if "error" in event:  # the server failed the request after the stream started
+                    record.error = str(event["error"].get("message", event["error"]))
+                    return
                 if event.get("usage"):
                     record.output_tokens = event["usage"]["completion_tokens"]
                 for choice in event.get("choices", []):

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from camshaft.errors import CapacityError
 from camshaft.openai_server import errors
-from camshaft.openai_server.errors import APIError, from_exception
+from camshaft.openai_server.errors import APIError, from_exception, route_path
 from camshaft.openai_server.generation import Generation
 from camshaft.openai_server.metrics import CONTENT_TYPE, Metrics
 from camshaft.openai_server.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
@@ -71,8 +71,8 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         if body.n > max_n:
             raise APIError(400, f"n must be at most {max_n} (this server's batch size), got {body.n}", param="n")
 
-    def prompt_ids(**prompt: Any) -> list[int]:
-        ids = llm.encode(**prompt)
+    async def prompt_ids(**prompt: Any) -> list[int]:
+        ids = await asyncio.to_thread(llm.encode, **prompt)  # a long prompt must not stall the open streams
         if len(ids) >= max_seq_len:
             raise CapacityError(f"the prompt has {len(ids)} tokens; this model's context holds {max_seq_len} "
                                 "(prompt + output). Shorten the prompt.")
@@ -83,13 +83,13 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         generation = Generation(llm, prompts, params, metrics, arrival)
         with_logprobs = params.logprobs is not None
         if stream:
-            metrics.http(request.url.path, 200)
+            metrics.http(route_path(request), 200)
             return _EventStream(_events(generation, shape, with_logprobs, include_usage))
         try:
             results = await _unless_disconnected(request, generation.results())
         finally:
             generation.abort()
-        metrics.http(request.url.path, 200 if results is not None else 499)
+        metrics.http(route_path(request), 200 if results is not None else 499)
         if results is None:
             return Response(status_code=499)  # nobody is listening
         choices = [shape.choice(i, r, with_logprobs) for i, r in enumerate(results)]
@@ -120,7 +120,7 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         check(body)
-        prompts = [prompt_ids(prompt=p) for p in body.prompts()]
+        prompts = [await prompt_ids(prompt=p) for p in body.prompts()]
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs)
         shape = CompletionShape(model_name, llm.tokenizer, len(prompts) * params.n)
@@ -130,7 +130,7 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         check(body)
-        ids = prompt_ids(messages=[m.template_dict() for m in body.messages])
+        ids = await prompt_ids(messages=[m.template_dict() for m in body.messages])
         max_tokens = body.requested_max_tokens()
         params = body.sampling_params(max_seq_len - len(ids) if max_tokens is None else max_tokens,
                                       body.logprobs_count())

@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from camshaft.errors import CapacityError, RequestError, ServerBusyError
+from camshaft.errors import CapacityError, RequestError, ServerBusyError, ServerClosedError
 from camshaft.openai_server.metrics import Metrics
 
 _SAMPLING_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -30,6 +30,8 @@ def from_exception(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, ServerBusyError):
         return APIError(503, str(exc), type="server_busy_error", code="server_busy")
+    if isinstance(exc, ServerClosedError):
+        return APIError(503, str(exc), type="server_error", code="server_stopped")
     if isinstance(exc, CapacityError):
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, RequestError):
@@ -50,9 +52,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts), param
 
 
+def route_path(request: Request) -> str:
+    """The matched route's template (bounded label values for metrics), or "other" for unknown paths."""
+    route = request.scope.get("route")
+    return getattr(route, "path", "other")
+
+
 def install(app: FastAPI, metrics: Metrics) -> None:
     def respond(request: Request, error: APIError) -> JSONResponse:
-        metrics.http(request.url.path, error.status)
+        metrics.http(route_path(request), error.status)
         headers = {"Retry-After": "1"} if error.status == 503 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 

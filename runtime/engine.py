@@ -52,6 +52,12 @@ class Engine:
             return TensorRTBackend(self.dir, self.manifest, num_blocks, threads, spin_wait)
         raise EngineError(f"{self.dir}: engines for target {target!r} cannot run in this build of camshaft")
 
+    def close(self) -> None:
+        """Release the backend's session and KV buffers now rather than at garbage collection."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
     @property
     def limits(self):
         return self.manifest.limits

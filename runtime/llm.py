@@ -18,7 +18,7 @@ from camshaft.runtime.executor import Executor, IterationStats, Load, RequestOut
 from camshaft.runtime.request import GenerationResult, Request
 from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
-from camshaft.runtime.scheduler import SchedulerConfig
+from camshaft.runtime.scheduler import POLICIES, SchedulerConfig
 from camshaft.runtime.session import Prompt, Session
 
 
@@ -45,6 +45,8 @@ class LLM:
                  spin_wait: bool = True) -> None:
         """max_queue: requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers);
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait)."""
+        if policy not in POLICIES:  # before the engine and its KV pool are allocated
+            raise RequestError(f"unknown capacity policy {policy!r}; use one of {POLICIES}")
         limits = read_manifest(Path(engine_dir)).limits
         for name, value in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if value is not None and value > getattr(limits, name):
@@ -77,6 +79,7 @@ class LLM:
 
     def close(self) -> None:
         self.executor.close()
+        self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -68,6 +68,10 @@ class OnnxRuntimeBackend:
         # Logits land in a buffer of ours (rows for a full batch), so no per-step output list is built.
         self._logits = np.empty((manifest.limits.max_batch_size, self.vocab_size), dtype=np.float32)
 
+    def close(self) -> None:
+        self.binding = self.session = None
+        self.caches = []
+
     def step(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
         for name, array in feeds.items():
             self.binding.bind_cpu_input(name, array)

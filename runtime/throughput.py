@@ -162,9 +162,10 @@ def load_dataset(spec: str | DatasetSpec, num_requests: int, *, max_seq_len: int
             for p, o in zip(prompt_lens, output_lens, strict=True)]
 
 
-def _load_jsonl(path: Path, num_requests: int, max_seq_len: int, vocab_size: int, tokenizer) -> list[BenchRequest]:
+def read_jsonl_requests(path: Path) -> list[tuple[str | list, int]]:
+    """(prompt, max_tokens) per line of {"prompt": text or token ids, "max_tokens": n}; raises naming the line."""
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -172,20 +173,27 @@ def _load_jsonl(path: Path, num_requests: int, max_seq_len: int, vocab_size: int
             prompt, max_tokens = row["prompt"], int(row["max_tokens"])
         except (ValueError, KeyError, TypeError) as exc:
             raise RequestError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"max_tokens\": n}} ({exc})") from exc
+        if not prompt or max_tokens < 1:
+            raise RequestError(f"{path}:{lineno}: the prompt is empty or max_tokens < 1")
+        rows.append((prompt, max_tokens))
+    if not rows:
+        raise RequestError(f"{path} holds no requests")
+    return rows
+
+
+def _load_jsonl(path: Path, num_requests: int, max_seq_len: int, vocab_size: int, tokenizer) -> list[BenchRequest]:
+    rows = []
+    for prompt, max_tokens in read_jsonl_requests(path):
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise RequestError(f"{path}:{lineno}: a text prompt needs the engine's tokenizer")
+                raise RequestError(f"{path}: a text prompt needs the engine's tokenizer")
             ids = tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
             ids = list(prompt)
         else:
-            raise RequestError(f"{path}:{lineno}: prompt must be text or token ids in [0, {vocab_size})")
-        if not ids or max_tokens < 1:
-            raise RequestError(f"{path}:{lineno}: the prompt is empty or max_tokens < 1")
+            raise RequestError(f"{path}: prompt must be text or token ids in [0, {vocab_size}), got {prompt!r:.80}")
         ids = ids[-(max_seq_len - 1):]  # keep the end of a prompt that is too long
         rows.append(BenchRequest(ids, min(max_tokens, max_seq_len - len(ids))))
-    if not rows:
-        raise RequestError(f"{path} holds no requests")
     return [rows[i % len(rows)] for i in range(num_requests)]
 
 

@@ -64,6 +64,22 @@ def test_synthetic_prompts_encode_to_about_the_requested_length(engine_dir):
         load_requests("prefill-heavy", 2, None)
 
 
+def test_jsonl_prompts_are_text_counted_by_the_tokenizer(engine_dir, tmp_path):
+    tokenizer = load_tokenizer(engine_dir)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "hello there", "max_tokens": 7}) + "\n"
+                    + json.dumps({"prompt": "a b c d", "max_tokens": 3}) + "\n")
+    requests = load_requests(f"jsonl:{path}", 3, tokenizer)
+    assert [(r.prompt, r.max_tokens) for r in requests] == [("hello there", 7), ("a b c d", 3), ("hello there", 7)]
+    assert requests[1].prompt_tokens == len(tokenizer("a b c d", add_special_tokens=False)["input_ids"])
+    path.write_text(json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}) + "\n")
+    with pytest.raises(RequestError, match="text prompts"):
+        load_requests(f"jsonl:{path}", 1, tokenizer)
+    path.write_text('{"prompt": "x"}\n')
+    with pytest.raises(RequestError, match="prompts.jsonl:1"):
+        load_requests(f"jsonl:{path}", 1, tokenizer)
+
+
 def test_metrics_follow_from_the_chunk_times():
     records = [Record(10, 3, sent=0.0, chunk_times=[0.1, 0.2, 0.4], text="abc", output_tokens=3),
                Record(10, 3, sent=1.0, chunk_times=[1.3, 1.4, 1.5], text="abc", output_tokens=3),

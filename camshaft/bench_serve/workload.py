@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,21 +86,14 @@ def _random_text(tokenizer, rng: np.random.Generator, pieces: list[str], length:
 
 
 def _jsonl(path: Path, num_prompts: int, tokenizer) -> list[ServeRequest]:
+    from camshaft.runtime.throughput import read_jsonl_requests
+
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            prompt, max_tokens = str(row["prompt"]), int(row["max_tokens"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RequestError(f"{path}:{lineno}: expected {{\"prompt\": text, \"max_tokens\": n}} ({exc})") from exc
-        if not prompt or max_tokens < 1:
-            raise RequestError(f"{path}:{lineno}: the prompt is empty or max_tokens < 1")
+    for prompt, max_tokens in read_jsonl_requests(path):
+        if not isinstance(prompt, str):
+            raise RequestError(f"{path}: serving endpoints take text prompts, got {prompt!r:.80}")
         count = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if tokenizer is not None else 0
         rows.append(ServeRequest(prompt, count, max_tokens))
-    if not rows:
-        raise RequestError(f"{path} holds no requests")
     return [rows[i % len(rows)] for i in range(num_prompts)]
 
 

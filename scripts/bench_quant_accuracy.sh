@@ -21,3 +21,15 @@ for q in int8_wo int4_wo int4_awq; do
     echo "$q: quantize ${took} s, checkpoint $(du -sm "$OUT/$q" | cut -f1) MB, engine $(du -sm "$OUT/$q-engine" | cut -f1) MB:" \
          "$($CAMSHAFT eval ppl --engine "$OUT/$q-engine" --data "$OUT/heldout.txt")"
 done
+# --lm-head int8|int4 on the int4_awq checkpoint: `camshaft quantize --lm-head` changes only the lm_head entry of
+# camshaft_quantize.json (the head is rounded at build time), so the calibrated checkpoint is reused with that entry.
+for head in int8 int4; do
+    ckpt="$OUT/int4_awq-head-$head"
+    rm -rf "$ckpt" "$ckpt-engine"
+    cp -r "$OUT/int4_awq" "$ckpt"
+    $PY -c "import json, sys; p = sys.argv[1] + '/camshaft_quantize.json'; r = json.load(open(p)); r['lm_head'] = sys.argv[2]; json.dump(r, open(p, 'w'), indent=2)" \
+        "$ckpt" "$head"
+    $CAMSHAFT build --model "$ckpt" --output "$ckpt-engine" --max-seq-len 2048 > "$OUT/int4_awq-head-$head.log" 2>&1
+    echo "int4_awq --lm-head $head: engine $(du -sm "$ckpt-engine" | cut -f1) MB:" \
+         "$($CAMSHAFT eval ppl --engine "$ckpt-engine" --data "$OUT/heldout.txt")"
+done

@@ -122,7 +122,7 @@ def test_engine_logits_match_modelopt_fake_quant_model(quantized, prompt):
     activations = {"fp8": "fp8", "w4a8_awq": "fp8", "int8_sq": "int8"}.get(fmt)
     assert manifest["activations"] == (f"{activations} static per-tensor" if activations else None)
     assert manifest["quantized_linear_layers"] == 14
-    assert manifest["float_modules"] == ["lm_head", "model.embed_tokens"]
+    assert manifest["float_modules"] == ["lm_head", "model.embed_tokens"] and manifest["lm_head"] == {"dtype": "float"}
     logits = engine.step([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)])
     engine_vs_fq = np.abs(logits - ref["logits"]).max()
     fq_vs_fp32 = np.abs(ref["logits"] - ref["fp32"]).max()

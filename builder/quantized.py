@@ -10,6 +10,8 @@ from pathlib import Path
 import ml_dtypes  # also registers bfloat16 with numpy so safetensors can return it
 import numpy as np
 
+from camshaft.quantize.spec import LM_HEAD_BLOCKS
+
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
@@ -45,7 +47,8 @@ class HeadFormat:
 # --lm-head → its format. INT8 computes at accuracy level 4 (int8 activations per block): ONNX Runtime 1.32's 8-bit
 # float-compute path is ~100x slower (head of SmolLM2: 147 ms vs 1.5 ms a token). Per-row INT8 because TensorRT
 # takes blocked scales for INT4 only.
-LM_HEAD_FORMATS = {"int8": HeadFormat(8, None, 4), "int4": HeadFormat(4, 32, None)}
+LM_HEAD_FORMATS = {"int8": HeadFormat(8, LM_HEAD_BLOCKS["int8"], 4),
+                   "int4": HeadFormat(4, LM_HEAD_BLOCKS["int4"], None)}
 
 # kv_cache_quant_algo → the KV pool's element type (float8: e4m3fn bit patterns); scales k_proj.k_scale / v_proj.v_scale
 KV_CACHE_ALGOS = {"FP8": "float8", "INT8": "int8"}

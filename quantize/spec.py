@@ -11,13 +11,27 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
-from camshaft.builder.graph.head import LM_HEAD_DTYPES, check_lm_head
-from camshaft.errors import BuildConfigError, CamshaftError
+from camshaft.errors import CamshaftError
 from camshaft.model_config import ModelConfig
 
 
 class QuantizeError(CamshaftError):
     """Quantization options, calibration data or the quantization run itself are invalid."""
+
+
+# --lm-head → inputs per scale block (None: one scale per vocabulary row); the builder rounds the head at build time.
+LM_HEAD_BLOCKS: dict[str, int | None] = {"float": None, "int8": None, "int4": 32}
+LM_HEAD_DTYPES = tuple(LM_HEAD_BLOCKS)
+
+
+def check_lm_head(lm_head: str, config: ModelConfig, error: type[CamshaftError] = QuantizeError) -> None:
+    """Refuse a head format the model cannot take (unknown name, block not dividing the hidden size)."""
+    if lm_head not in LM_HEAD_BLOCKS:
+        raise error(f"unknown --lm-head {lm_head!r}; choose one of: {', '.join(LM_HEAD_DTYPES)}")
+    block = LM_HEAD_BLOCKS[lm_head]
+    if block is not None and config.hidden_size % block:
+        raise error(f"--lm-head {lm_head} quantizes blocks of {block} inputs, which do not divide "
+                    f"hidden_size {config.hidden_size}; use --lm-head int8 or float")
 
 
 @dataclass(frozen=True)
@@ -133,10 +147,7 @@ def resolve_group_size(spec: QuantSpec, model: ModelConfig) -> int | None:
 
 def check_lm_head_fits(spec: QuantSpec, model: ModelConfig) -> None:
     """Refuse an --lm-head the model cannot take before calibration (the builder would refuse it after)."""
-    try:
-        check_lm_head(spec.lm_head, model)
-    except BuildConfigError as exc:
-        raise QuantizeError(str(exc)) from None
+    check_lm_head(spec.lm_head, model)
 
 
 def modelopt_config(spec: QuantSpec, group_size: int | None) -> dict[str, Any]:

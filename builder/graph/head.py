@@ -10,27 +10,16 @@ from camshaft.builder.graph.linear import LOWERINGS, Linears
 from camshaft.builder.quantized import LM_HEAD_FORMATS, round_to_nearest
 from camshaft.errors import BuildConfigError
 from camshaft.model_config import ModelConfig
-
-LM_HEAD_DTYPES = ("float", *LM_HEAD_FORMATS)
+from camshaft.quantize.spec import check_lm_head
 
 
 def head_weight_name(config: ModelConfig) -> str:
     return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
 
-def check_lm_head(lm_head: str, config: ModelConfig) -> None:
-    """Refuse a head format the model cannot take (unknown name, block not dividing the hidden size)."""
-    if lm_head not in LM_HEAD_DTYPES:
-        raise BuildConfigError(f"unknown lm_head dtype {lm_head!r}; choose one of {', '.join(LM_HEAD_DTYPES)}")
-    block = LM_HEAD_FORMATS[lm_head].block_size if lm_head != "float" else None
-    if block is not None and config.hidden_size % block:
-        raise BuildConfigError(f"--lm-head {lm_head} quantizes blocks of {block} inputs, which do not divide "
-                               f"hidden_size {config.hidden_size}; use --lm-head int8 or float")
-
-
 class Head:
     def __init__(self, linears: Linears, config: ModelConfig, lm_head: str) -> None:
-        check_lm_head(lm_head, config)
+        check_lm_head(lm_head, config, BuildConfigError)
         self.linears, self.c, self.dtype = linears, config, lm_head
         self.record: dict = {"dtype": "float"}
 

@@ -51,7 +51,7 @@ def test_imports_run_one_way(folder):
 
 def test_only_the_cli_layer_imports_nothing_below_it():
     sources = [p for p in REPO.rglob("*.py") if ".venv" not in p.parts and "tests" not in p.parts
-               and "scripts" not in p.parts and p != REPO / "camshaft" / "cli.py"]
+               and "scripts" not in p.parts and (REPO / "camshaft" / "cli") not in p.parents]
     assert [str(p.relative_to(REPO)) for p in sources if "camshaft.cli" in camshaft_imports(p)] == []
     leaves = [REPO / (name.replace("camshaft.", "camshaft/") + ".py") for name in LEAF - {"camshaft"}]
     for path in leaves:

@@ -1,0 +1,41 @@
+"""The `camshaft` command line: a thin layer over the builder and runtime APIs."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from camshaft.errors import CamshaftError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+                  help="Build, quantize, serve and benchmark LLM inference engines.")
+models_app = typer.Typer(no_args_is_help=True, help="Fetch known models as Hugging Face checkpoints.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks.")
+app.add_typer(models_app, name="models")
+app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(no_args_is_help=True, help="Accuracy evaluation.")
+app.add_typer(eval_app, name="eval")
+err = Console(stderr=True)
+
+
+def progress(message: str) -> None:
+    err.print(f"[dim]·[/dim] {message}")
+
+
+
+
+def main() -> None:
+    try:
+        app()
+    except CamshaftError as exc:
+        err.print(f"[bold red]error:[/bold red] {exc}")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+# The command modules register themselves on the apps above.
+from camshaft.cli import bench, build, run, serve  # noqa: E402, F401

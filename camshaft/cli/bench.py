@@ -1,0 +1,121 @@
+"""Benchmarks: bench latency, bench throughput, bench serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from camshaft.cli import bench_app
+from camshaft.errors import CamshaftError
+
+
+@bench_app.command("latency")
+def bench_latency(
+    engine: Annotated[Path, typer.Option(help="Engine directory")],
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens")] = 64,
+    new_tokens: Annotated[int, typer.Option(help="Generated tokens (greedy, end id ignored)")] = 128,
+    repeats: Annotated[int, typer.Option(help="Measured runs (medians are reported)")] = 5,
+    warmup: Annotated[int, typer.Option()] = 1,
+) -> None:
+    """Batch-1 latency: TTFT, prefill and decode tokens/s (medians over repeats)."""
+    from camshaft.runtime.bench import latency_benchmark
+
+    report = latency_benchmark(engine, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, warmup=warmup)
+    for key, value in report.items():
+        typer.echo(f"{key:>22}: {value}")
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    engine: Annotated[Path, typer.Option(help="Engine directory")],
+    dataset: Annotated[str, typer.Option(help="synthetic:in=NORMAL(200,50),out=NORMAL(128,32) | jsonl:PATH")]
+    = "synthetic:in=NORMAL(200,50),out=NORMAL(128,32)",
+    num_requests: Annotated[int, typer.Option(help="Requests to run")] = 64,
+    concurrency: Annotated[int, typer.Option(help="Most requests in flight")] = 32,
+    sweep: Annotated[str | None, typer.Option(help="Comma-separated concurrencies instead, e.g. 1,8,32")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic lengths and prompt ids")] = 0,
+    threads: Annotated[int | None, typer.Option(help="Engine threads (default: the backend's)")] = None,
+    output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG: output tok/s and p50 TTFT vs concurrency")] = None,
+) -> None:
+    """Closed-loop throughput: N greedy requests, at most C in flight; tok/s, TTFT/ITL/E2E percentiles, GFLOP/s."""
+    import json
+
+    from camshaft.errors import RequestError
+    from camshaft.runtime.throughput import plot_sweep, throughput_benchmark
+
+    try:
+        levels = [int(x) for x in sweep.split(",") if x.strip()] if sweep else [concurrency]
+    except ValueError as exc:
+        raise RequestError(f"--sweep takes comma-separated integers, got {sweep!r}") from exc
+    results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads)
+    for r in results:
+        o = r.python_overhead["all_steps"]
+        typer.echo(f"concurrency {r.concurrency:>3}: {r.output_tok_s:8.1f} out tok/s  {r.requests_s:6.2f} req/s  "
+                   f"TTFT p50/p90/p99 {r.ttft_ms['p50']:.0f}/{r.ttft_ms['p90']:.0f}/{r.ttft_ms['p99']:.0f} ms  "
+                   f"ITL p50/p90/p99 {r.itl_ms['p50']:.1f}/{r.itl_ms['p90']:.1f}/{r.itl_ms['p99']:.1f} ms  "
+                   f"E2E p50 {r.e2e_ms['p50'] / 1000:.2f} s  peak KV {100 * r.peak_kv_usage:.0f}%  "
+                   f"{r.gflop_s:.1f} GFLOP/s  loop overhead {100 * o['outside_engine_step']:.1f}%")
+    if output_json:
+        output_json.parent.mkdir(parents=True, exist_ok=True)
+        output_json.write_text(json.dumps({"engine": str(engine), "dataset": dataset, "num_requests": num_requests,
+                                           "seed": seed, "results": [r.to_dict(True) for r in results]},
+                                          indent=2) + "\n")
+    if plot:
+        plot_sweep(results, plot)
+
+
+@bench_app.command("serve")
+def bench_serve(
+    target: Annotated[list[str], typer.Option(
+        help="NAME=URL,backend={openai,triton-generate,triton-grpc,llm}[,model=NAME] (repeatable); llm takes an "
+             "engine directory as URL and runs in-process")],
+    dataset: Annotated[str, typer.Option(help="prefill-heavy | decode-heavy | synthetic:in=DIST,out=DIST | jsonl:PATH")]
+    = "prefill-heavy",
+    tokenizer: Annotated[Path | None, typer.Option(help="Engine or checkpoint directory whose tokenizer sizes the "
+                                                        "synthetic prompts (default: an llm target's engine)")] = None,
+    num_prompts: Annotated[int, typer.Option(help="Requests per run")] = 64,
+    request_rate: Annotated[str, typer.Option(help="Requests/s of the Poisson arrivals, or inf; a comma-separated "
+                                                   "list sweeps, e.g. 1,2,4,inf")] = "inf",
+    max_concurrency: Annotated[str | None, typer.Option(help="Most requests in flight per target; a "
+                                                             "comma-separated list sweeps, e.g. 1,8,32")] = None,
+    goodput: Annotated[str | None, typer.Option(help="SLOs for goodput, e.g. ttft_ms=1000,tpot_ms=100")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts and arrivals")] = 0,
+    warmup: Annotated[int, typer.Option(help="Short warm-up requests per target")] = 2,
+    output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG: latency vs throughput, one line per target")] = None,
+) -> None:
+    """Serving benchmark: the same requests through several endpoints; TTFT/TPOT/ITL/E2E percentiles, goodput."""
+    import json
+
+    from camshaft.bench_serve.clients import Target
+    from camshaft.bench_serve.report import Goodput
+    from camshaft.bench_serve.report import plot as plot_results
+    from camshaft.bench_serve.run import bench_serve as run_bench
+    from camshaft.bench_serve.workload import load_requests, load_tokenizer, parse_rates
+
+    try:
+        concurrencies = [int(c) for c in max_concurrency.split(",")] if max_concurrency else [None]
+    except ValueError:
+        concurrencies = [0]
+    if any(c is not None and c < 1 for c in concurrencies):
+        raise CamshaftError(f"--max-concurrency takes positive integers, comma-separated; got {max_concurrency!r}")
+    targets = [Target.parse(t) for t in target]
+    if len({t.name for t in targets}) != len(targets):
+        raise CamshaftError("--target names must differ")
+    source = tokenizer or next((Path(t.url) for t in targets if t.backend == "llm"), None)
+    requests = load_requests(dataset, num_prompts, load_tokenizer(source) if source else None, seed=seed)
+    results = run_bench(targets, requests, parse_rates(request_rate), concurrencies=concurrencies,
+                        goodput=Goodput.parse(goodput), seed=seed, warmup=warmup, log=typer.echo)
+    if output_json:
+        output_json.parent.mkdir(parents=True, exist_ok=True)
+        output_json.write_text(json.dumps({"dataset": dataset, "num_prompts": num_prompts, "seed": seed,
+                                           "max_concurrency": concurrencies,
+                                           "results": [r.to_dict() for r in results]}, indent=2) + "\n")
+    if plot:
+        plot_results(results, plot, title=f"{dataset}, {num_prompts} prompts, request rate {request_rate}, "
+                                          f"max concurrency {max_concurrency or 'unlimited'}")
+
+

@@ -1,0 +1,72 @@
+"""Commands that generate or score text: run, eval ppl."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from camshaft.cli import app, err, eval_app
+
+
+@app.command()
+def run(
+    engine: Annotated[Path, typer.Option(help="Engine directory")],
+    prompt: Annotated[str, typer.Option(help="Prompt text")],
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt as a user message in the chat template")] = False,
+    system: Annotated[str | None, typer.Option(help="System message (with --chat)")] = None,
+    max_tokens: Annotated[int, typer.Option()] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
+) -> None:
+    """Generate text from a prompt."""
+    from camshaft.runtime.sampling_params import SamplingParams
+    from camshaft.runtime.session import Session
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    session = Session(engine)
+    messages = None
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    kwargs = {"messages": messages} if chat else {"prompt": prompt}
+    if stream:
+        for delta in session.stream(params=params, **kwargs):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return
+    result = session.generate(params=params, **kwargs)
+    typer.echo(result.text)
+    t = result.timings
+    err.print(f"[dim]{t.output_tokens} tokens · finish {result.finish_reason} · TTFT {t.ttft_s * 1000:.0f} ms · "
+              f"{t.decode_tok_s:.1f} tok/s[/dim]")
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    data: Annotated[Path, typer.Option(help="UTF-8 text file")],
+    engine: Annotated[Path | None, typer.Option(help="Engine directory")] = None,
+    model: Annotated[Path | None, typer.Option(help="HF checkpoint: transformers fp32 reference")] = None,
+    window: Annotated[int, typer.Option(help="Window (tokens) for --model; engines use their max_seq_len")] = 1024,
+) -> None:
+    """Perplexity of a text through an engine and/or transformers, in non-overlapping windows."""
+    from camshaft.errors import RequestError
+    from camshaft.runtime.perplexity import engine_perplexity, read_text, reference_perplexity
+
+    if engine is None and model is None:
+        raise RequestError("pass --engine, --model or both")
+    text = read_text(data)
+    results = []
+    if engine is not None:
+        results.append(("engine", engine_perplexity(engine, text)))
+    if model is not None:
+        results.append(("transformers", reference_perplexity(model, text, window)))
+    for name, r in results:
+        typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({r.tokens_scored} tokens, {r.windows} windows)")
+
+

@@ -1,0 +1,87 @@
+"""Serving: deploy (a Triton model repository) and serve (Triton or the OpenAI API)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from camshaft.cli import app, progress
+from camshaft.errors import CamshaftError
+
+MemoryOption = Annotated[str | None, typer.Option(
+    help="KV cache budget: bytes with a unit (512MiB, 2GB) or a fraction of available memory (0.3); "
+         "default: room for max-batch-size full-length sequences")]
+QueueOption = Annotated[int | None, typer.Option(help="Requests that may wait beyond a full batch before new ones "
+                                                      "are refused as busy (default: unbounded)")]
+BatchOption = Annotated[int | None, typer.Option(help="Most running requests (default and maximum: the engine's)")]
+PolicyOption = Annotated[str, typer.Option(help="guaranteed_no_evict | max_utilization")]
+
+
+def _llm_options(kv_cache_memory: str | None, max_queue: int | None, max_batch_size: int | None,
+                 policy: str) -> dict:
+    """The keyword arguments of camshaft.runtime.llm.LLM that servers take, validated now."""
+    from camshaft.runtime.kv_cache import parse_memory
+    from camshaft.runtime.scheduler import POLICIES
+
+    if policy not in POLICIES:
+        raise CamshaftError(f"unknown --policy {policy!r}; use one of {', '.join(POLICIES)}")
+    if max_queue is not None and max_queue < 0:
+        raise CamshaftError(f"--max-queue must be >= 0, got {max_queue}")
+    return {"kv_cache_memory": parse_memory(kv_cache_memory), "max_queue": max_queue,
+            "max_batch_size": max_batch_size, "policy": policy}
+
+
+@app.command()
+def deploy(
+    engine: Annotated[Path, typer.Option(help="Engine directory")],
+    repo: Annotated[Path, typer.Option(help="Triton model repository to write")],
+    name: Annotated[str, typer.Option(help="Name of the text-level model")] = "ensemble",
+    kv_cache_memory: MemoryOption = None,
+    max_queue: QueueOption = None,
+    max_batch_size: BatchOption = None,
+    policy: PolicyOption = "guaranteed_no_evict",
+) -> None:
+    """Write a Triton model repository that serves an engine with in-flight batching."""
+    from camshaft.triton_repo.deploy import deploy_repository
+
+    deploy_repository(engine, repo, name=name,
+                      llm_options=_llm_options(kv_cache_memory, max_queue, max_batch_size, policy))
+    typer.echo(str(repo))
+
+
+@app.command()
+def serve(
+    engine: Annotated[Path | None, typer.Option(help="Engine directory (Triton: deployed to a temporary repo)")]
+    = None,
+    repo: Annotated[Path | None, typer.Option(help="Triton: a repository written by `camshaft deploy`")] = None,
+    api: Annotated[str, typer.Option(help="triton | openai")] = "triton",
+    host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port (OpenAI API, or Triton's HTTP endpoint)")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="Triton: gRPC port")] = 8001,
+    metrics_port: Annotated[int, typer.Option(help="Triton: metrics port")] = 8002,
+    kv_cache_memory: MemoryOption = None,
+    max_queue: QueueOption = None,
+    max_batch_size: BatchOption = None,
+    policy: PolicyOption = "guaranteed_no_evict",
+) -> None:
+    """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
+    options = _llm_options(kv_cache_memory, max_queue, max_batch_size, policy)
+    if api == "openai":
+        if engine is None or repo is not None:
+            raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")
+        from camshaft.openai_server.server import serve as serve_openai
+
+        serve_openai(engine, host=host, port=port, llm_options=options, log=progress)
+    elif api == "triton":
+        if (engine is None) == (repo is None):
+            raise CamshaftError("pass exactly one of --engine (deployed to a temporary repository) or --repo")
+        from camshaft.triton_repo.server import serve as serve_triton
+
+        serve_triton(engine=engine, repo=repo, host=host, http_port=port, grpc_port=grpc_port,
+                     metrics_port=metrics_port, llm_options=options, log=progress)
+    else:
+        raise CamshaftError(f"unknown --api {api!r}; use triton or openai")
+
+

@@ -78,11 +78,12 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
     }
 
 
-def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: str | None = None) -> None:
+def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: str | None = None,
+                           gpu_arch: str | None = None) -> None:
     """Refuse a quantized checkpoint the target cannot build, before any work (`camshaft build --quant` calls it
     before quantizing). The TensorRT targets get every format as standard Q/DQ (plans built with tensorrt-rtx 1.7,
     tests/test_quantize_trt.py); a quantized KV cache is refused (its float8 pool is uint8 codes, which TensorRT
-    rejects)."""
+    rejects); so is a format whose precision `gpu_arch` has no kernels for (fp8 before sm89: targets/precision.py)."""
     if quant_algo not in READABLE_QUANT_ALGOS:
         raise BuildConfigError(f"camshaft cannot build {quant_algo} checkpoints; it builds "
                                f"{', '.join(READABLE_QUANT_ALGOS)}")
@@ -95,6 +96,11 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
             "(--quant fp8 | w4a8_awq | int8_sq | int8_wo | int4_wo | int4_awq) without --kv-cache-dtype. "
             "Build this one for --target onnxruntime."
         )
+    if gpu_arch is not None:
+        from camshaft.builder.targets.precision import check_precision
+        from camshaft.builder.targets.tensorrt import parse_arch
+
+        check_precision(target, parse_arch(gpu_arch), quant_algo)
 
 
 def file_sha256(path: Path) -> str:
@@ -114,7 +120,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         model = checkpoint.config
         if checkpoint.quantization is not None:
             check_quantized_target(config.target, checkpoint.quantization["quant_algo"],
-                                   checkpoint.quantization.get("kv_cache_quant_algo"))
+                                   checkpoint.quantization.get("kv_cache_quant_algo"), config.resolved_gpu_arch)
         quantization: dict = {}
         limits = BuildLimits(
             max_batch_size=config.max_batch_size,

@@ -44,6 +44,11 @@ class BuildConfig:
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
         if self.gpu_arch is not None and not self.target.startswith("tensorrt"):
             raise BuildConfigError(f"--gpu-arch applies to the tensorrt targets, not {self.target}; drop it")
+        if self.resolved_gpu_arch is not None:
+            from camshaft.builder.targets.precision import check_precision
+            from camshaft.builder.targets.tensorrt import parse_arch
+
+            check_precision(self.target, parse_arch(self.resolved_gpu_arch), dtype=self.resolved_dtype)
         if Path(self.model_dir).resolve() == Path(self.output_dir).resolve():
             raise BuildConfigError("--output must differ from --model: the engine would overwrite the checkpoint")
 

@@ -1,0 +1,78 @@
+"""Which precisions each GPU architecture has, per TensorRT product: a quantized build for an architecture that lacks
+one of its precisions is refused before any work (quantization included).
+
+Sources (as data, not probed: no GPU here):
+  tensorrt-rtx: the "Hardware and Precision" table of the TensorRT-RTX 1.x support matrix (docs.nvidia.com,
+      deeplearning/tensorrt-rtx/latest/getting-started/support-matrix.html): FP8 on 8.9 and 12.x only; INT8 and INT4
+      weight-only GEMMs and BF16 on 8.6 and later, not on Turing (7.5). sm80 is not in that table; it is Ampere, like
+      8.6, and is given Ampere's row. W8A8 INT8 is not in the table; tensorrt-rtx 1.7.1 builds it for sm75, so it is
+      allowed everywhere. tensorrt-rtx's own builder agrees where it refuses (fp8 below sm89, int4 on sm75: "the
+      model contains HW-specific datatypes"), but only after parsing and optimising the whole graph.
+  tensorrt: the TensorRT 10 support matrix (FP8 on 8.9+, BF16 on 8.0+, INT8 on every supported GPU, 7.5+) and the
+      Model Optimizer support matrix for the ModelOpt formats (INT4/INT8 weight-only: Ampere and later; W4A8: Ada and
+      later).
+"""
+
+from __future__ import annotations
+
+from camshaft.errors import BuildConfigError
+
+# Precision features each checkpoint quant_algo needs from the GPU.
+ALGO_FEATURES: dict[str, tuple[str, ...]] = {
+    "FP8": ("fp8",),
+    "W4A8_AWQ": ("int4_weight_only", "fp8"),
+    "W8A8_SQ_PER_CHANNEL": ("int8",),
+    "W8A16": ("int8_weight_only",),
+    "W4A16_AWQ": ("int4_weight_only",),
+}
+DTYPE_FEATURES = {"bfloat16": "bf16"}
+
+# Lowest compute capability (89 = SM 8.9) with each feature.
+MIN_ARCH: dict[str, dict[str, int]] = {
+    "tensorrt-rtx": {"fp8": 89, "bf16": 80, "int8": 75, "int8_weight_only": 80, "int4_weight_only": 80},
+    "tensorrt": {"fp8": 89, "bf16": 80, "int8": 75, "int8_weight_only": 80, "int4_weight_only": 80},
+}
+FEATURE_NAMES = {"fp8": "FP8", "bf16": "BF16", "int8": "INT8 (W8A8)", "int8_weight_only": "INT8 weight-only GEMM",
+                 "int4_weight_only": "INT4 weight-only (blocked) GEMM"}
+# Architectures each product builds for (tensorrt-rtx: its ComputeCapability enum, checked by a test).
+PRODUCT_ARCHS = {"tensorrt-rtx": [75, 80, 86, 89, 120, 121], "tensorrt": [75, 80, 86, 87, 89, 90, 100, 103, 110, 120,
+                                                                          121]}
+ARCH_NAMES = {75: "Turing", 80: "Ampere", 86: "Ampere", 87: "Ampere", 89: "Ada", 90: "Hopper", 100: "Blackwell",
+              103: "Blackwell", 110: "Blackwell", 120: "Blackwell", 121: "Blackwell"}
+
+
+def required_arch(product: str, quant_algo: str | None = None, dtype: str | None = None) -> tuple[int, str | None]:
+    """(lowest compute capability that has every precision the build needs, the feature that sets it)."""
+    features = list(ALGO_FEATURES.get(quant_algo, ())) if quant_algo else []
+    if dtype in DTYPE_FEATURES:
+        features.append(DTYPE_FEATURES[dtype])
+    table = MIN_ARCH[product]
+    best = (0, None)
+    for feature in features:
+        if table[feature] > best[0]:
+            best = (table[feature], feature)
+    return best
+
+
+def check_precision(product: str, arch: int, quant_algo: str | None = None, dtype: str | None = None) -> None:
+    """Refuse a quantized format (or base dtype) the architecture has no kernels for, naming the ones that have."""
+    need, feature = required_arch(product, quant_algo, dtype)
+    if feature is None or arch >= need:
+        return
+    what = quant_algo if quant_algo and feature in ALGO_FEATURES.get(quant_algo, ()) else dtype
+    able = [a for a in PRODUCT_ARCHS[product] if a >= need]
+    names = ", ".join(f"sm{a}" for a in able) or f"sm{need} and later"
+    raise BuildConfigError(
+        f"sm{arch} ({ARCH_NAMES.get(arch, 'this GPU')}) has no {FEATURE_NAMES[feature]} kernels in {product}, which "
+        f"{what} needs; {product} builds it for {names}. Pass --gpu-arch {f'sm{able[0]}' if able else f'sm{need}'} "
+        "for a GPU that has them, or "
+        + (f"choose a format this GPU supports ({supported_formats_text(product, arch)})." if what == quant_algo
+           else "build float16 (--dtype float16).")
+    )
+
+
+def supported_formats_text(product: str, arch: int) -> str:
+    from camshaft.quantize.spec import FORMATS
+
+    ok = [name for name, info in FORMATS.items() if required_arch(product, info.checkpoint_algo)[0] <= arch]
+    return "--quant " + " | ".join(ok) if ok else "float16 only: drop --quant"

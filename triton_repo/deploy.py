@@ -42,8 +42,8 @@ def model_config(name: str, *, decoupled: bool, max_batch_size: int, token: bool
 
 def bls_threads(batch: int, max_queue: int | None) -> int:
     """The python backend holds a thread per BLS request in flight (32 by default): room for every request the
-    executor admits, from both text models, so none waits outside the queue limit."""
-    return 2 * (batch + (256 if max_queue is None else max_queue)) + 8
+    executor admits from both text models, and for the `stop` request each may send when cancelled."""
+    return 4 * (batch + (256 if max_queue is None else max_queue)) + 16
 
 
 def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None) -> Path:

@@ -38,12 +38,10 @@ class Metrics:
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._sent = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="camshaft-metrics", daemon=True)
-        self._thread.start()
+        self._window: list[tuple[float, int]] = []
 
     def count(self, name: str, value: int = 1) -> None:
-        """Any thread: counted here, sent to Triton by the metrics thread (the stub's metric calls are IPC)."""
+        """Any thread: counted here, sent to Triton by tick() (the stub's metric calls are IPC)."""
         with self._lock:
             self._counts[name] += value
 
@@ -63,22 +61,21 @@ class Metrics:
         for name, value in values.items():
             self.metrics[name].set(value)
 
-    def _loop(self) -> None:
-        window: list[tuple[float, int]] = []
-        while not self._stop.wait(self.period_s):
-            now = time.monotonic()
-            with self._lock:
-                window.append((now, self._counts["camshaft_generated_tokens_total"]))
-            window = [(t, n) for t, n in window if now - t <= 1.0 + self.period_s]
-            (t0, n0), (t1, n1) = window[0], window[-1]
+    def tick(self) -> None:
+        """Push the metrics to Triton if period_s has passed; call it from the one thread that talks to Triton."""
+        now = time.monotonic()
+        if self._window and now - self._window[-1][0] < self.period_s:
+            return
+        with self._lock:
+            self._window.append((now, self._counts["camshaft_generated_tokens_total"]))
+        self._window = [(t, n) for t, n in self._window if now - t <= 1.0 + self.period_s]
+        (t0, n0), (t1, n1) = self._window[0], self._window[-1]
+        try:
             self.metrics["camshaft_tokens_per_second"].set((n1 - n0) / (t1 - t0) if t1 > t0 else 0.0)
-            try:
-                self.update()
-            except Exception as exc:  # a racy snapshot must not end the metrics: skip this tick
-                pb_utils.Logger.log_warn(f"camshaft: metrics update failed ({exc!r})")
+            self.update()
+        except Exception as exc:  # a racy snapshot must not end the metrics: skip this tick
+            pb_utils.Logger.log_warn(f"camshaft: metrics update failed ({exc!r})")
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
         self.metrics.clear()  # metrics before their families, as the python backend requires
         self.families.clear()

@@ -79,7 +79,7 @@ class TokenModel:
                 self._start(request, sender)
             except Exception as exc:
                 self.metrics.count("camshaft_requests_refused_total")
-                sender.send(error_response(exc), flags=FINAL)
+                self.outputs.put((sender, error_response(exc)))
         return None
 
     def _start(self, request, sender) -> None:
@@ -90,7 +90,7 @@ class TokenModel:
                 job = self.by_client_id.get(client_id)
             for request_id in job.request_ids if job else ():
                 self.llm.abort(request_id)
-            sender.send(flags=FINAL)
+            self.outputs.put((sender, None))
             return
         engine = self.llm.engine
         spec = token_request(values, tokenizer=self.llm.tokenizer, eos_token_ids=engine.eos_token_ids,
@@ -103,10 +103,14 @@ class TokenModel:
                 self.by_client_id[client_id] = job
 
     def _respond(self) -> None:
-        """Send what the executor produced; under load a request's queued outputs go out as one response."""
+        """The one thread that talks to Triton after execute() returns: responses (under load a request's queued
+        outputs go out as one response) and metrics. Triton 2.51's stub hung when several threads did so at once."""
         running = True
         while running:
-            items = [self.outputs.get()]
+            try:
+                items = [self.outputs.get(timeout=self.metrics.period_s)]
+            except queue.Empty:
+                items = []
             while True:
                 try:
                     items.append(self.outputs.get_nowait())
@@ -114,10 +118,17 @@ class TokenModel:
                     break
             running = None not in items
             grouped: dict[int, tuple[_Job, list[RequestOutput]]] = {}
-            for item in filter(None, items):
-                grouped.setdefault(id(item[0]), (item[0], []))[1].append(item[1])
+            for first, second in filter(None, items):
+                if isinstance(first, _Job):
+                    grouped.setdefault(id(first), (first, []))[1].append(second)
+                else:  # a response execute() produced: an error, or the final flag of a stop request
+                    try:
+                        first.send(second, flags=FINAL)
+                    except Exception as exc:
+                        pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r})")
             for job, outputs in grouped.values():
                 self._send(job, merge(outputs))
+            self.metrics.tick()
 
     def _send(self, job: _Job, output: RequestOutput) -> None:
         try:

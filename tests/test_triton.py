@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
@@ -70,6 +71,8 @@ def stack(tmp_path_factory):
     repo = deploy_repository(root / "engine", root / "repo", llm_options={"max_queue": QUEUE})
     with TritonServer(repo, log_file=root / "tritonserver.log") as server:  # kept for a failed run
         yield Stack(server, Session(root / "engine"))
+    stubs = [p for p in psutil.process_iter(["cmdline"]) if str(repo) in " ".join(p.info["cmdline"] or [])]
+    assert not stubs, f"processes of the server outlived it: {stubs}"
     assert server.shm_regions and not any(Path("/dev/shm", name).exists() for name in server.shm_regions)
 
 

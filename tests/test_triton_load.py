@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import requests
 from test_triton import PROMPTS, Stack, Stream, assert_same_ids, assert_same_text, grpcclient, tensors, texts
@@ -32,6 +33,8 @@ def stack(tmp_path_factory):
     repo = deploy_repository(root / "engine", root / "repo", llm_options={"max_queue": QUEUE})
     with TritonServer(repo, log_file=root / "tritonserver.log") as server:  # kept for a failed run
         yield Stack(server, Session(root / "engine"))
+    stubs = [p for p in psutil.process_iter(["cmdline"]) if str(repo) in " ".join(p.info["cmdline"] or [])]
+    assert not stubs, f"processes of the server outlived it: {stubs}"
 
 
 def idle(values: dict[str, float]) -> bool:

@@ -115,14 +115,18 @@ class TritonServer:
         if self.process is None:
             return None
         self._shm |= self._shm_regions()
+        children = _children(self.process.pid)
         self.signal(signal.SIGTERM)
         try:
             code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            for child in _children(self.process.pid):
-                child.kill()
             self.process.kill()
             code = self.process.wait()
+        for child in children:  # a stub left behind when Triton gave up unloading ("Exiting immediately")
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
         for name in self._shm:  # only regions our server's processes mapped; a clean exit leaves none
             Path("/dev/shm", name).unlink(missing_ok=True)
         self._tmp.cleanup()

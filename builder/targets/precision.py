@@ -76,3 +76,40 @@ def supported_formats_text(product: str, arch: int) -> str:
 
     ok = [name for name, info in FORMATS.items() if required_arch(product, info.checkpoint_algo)[0] <= arch]
     return "--quant " + " | ".join(ok) if ok else "float16 only: drop --quant"
+
+
+def graph_features(model) -> dict[str, str]:
+    """The precision features an ONNX graph uses, each with the first node that uses it: FP8 or BF16 anywhere, INT4
+    anywhere (camshaft's INT4 is always weight-only), INT8 activations (a QuantizeLinear to INT8: W8A8) and INT8
+    weight-only GEMMs (a MatMul/Gemm with exactly one operand from an INT8 DequantizeLinear)."""
+    from onnx import TensorProto
+
+    from camshaft.builder.targets.trt_support import _load, _value_types
+
+    model = _load(model)
+    types = {name: elem for name, (elem, _) in _value_types(model).items()}
+    by_type = {TensorProto.FLOAT8E4M3FN: "fp8", TensorProto.BFLOAT16: "bf16", TensorProto.INT4: "int4_weight_only"}
+    producer = {out: node for node in model.graph.node for out in node.output}
+    found: dict[str, str] = {}
+    for index, node in enumerate(model.graph.node):
+        name = f"{node.name or f'#{index}'} ({node.op_type})"
+        for value in [*node.input, *node.output]:
+            feature = by_type.get(types.get(value, 0))
+            if feature:
+                found.setdefault(feature, name)
+        if node.op_type == "QuantizeLinear" and types.get(node.output[0]) == TensorProto.INT8:
+            found.setdefault("int8", name)
+        if node.op_type in ("MatMul", "Gemm"):
+            operands = [producer.get(i) for i in node.input[:2]]
+            dqs = [p for p in operands if p is not None and p.op_type == "DequantizeLinear"]
+            if len(dqs) == 1 and types.get(dqs[0].input[0]) == TensorProto.INT8:
+                found.setdefault("int8_weight_only", name)
+    return found
+
+
+def graph_problems(model, product: str, arch: int) -> list[str]:
+    """A line per precision the graph uses that `arch` lacks in `product`, naming the first node that uses it."""
+    table = MIN_ARCH[product]
+    return [f"node {node}: uses {FEATURE_NAMES[feature]}, which sm{arch} ({ARCH_NAMES.get(arch, 'this GPU')}) lacks "
+            f"in {product}; it needs sm{table[feature]} or later"
+            for feature, node in graph_features(model).items() if arch < table[feature]]

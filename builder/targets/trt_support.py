@@ -201,9 +201,14 @@ def check_graph(model: onnx.ModelProto | str | Path, product: str = "tensorrt-rt
 
 
 def require_supported(model: onnx.ModelProto | str | Path, product: str = "tensorrt-rtx",
-                      product_version: str | None = None, limit: int = 20) -> None:
-    """check_graph, raising BuildConfigError that lists the problems (at most `limit` of them)."""
+                      product_version: str | None = None, limit: int = 20, gpu_arch: int | None = None) -> None:
+    """check_graph (and, given `gpu_arch`, the precisions that architecture has: precision.graph_problems), raising
+    BuildConfigError that lists the problems (at most `limit` of them)."""
     problems = check_graph(model, product, product_version)
+    if gpu_arch is not None:
+        from camshaft.builder.targets.precision import graph_problems
+
+        problems += graph_problems(model, product, gpu_arch)
     if not problems:
         return
     matrix = load_matrix()

@@ -124,8 +124,8 @@ class Stream:
         self.responses: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
-    def send(self, model: str, inputs) -> Stream:
-        self.client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    def send(self, model: str, inputs, request_id: str = "") -> Stream:
+        self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
         return self
 
     def collect(self, cancel_after: int | None = None):
@@ -147,8 +147,8 @@ class Stream:
         finally:
             self.close()
 
-    def run(self, model: str, inputs, cancel_after: int | None = None):
-        return self.send(model, inputs).collect(cancel_after)
+    def run(self, model: str, inputs, cancel_after: int | None = None, request_id: str = ""):
+        return self.send(model, inputs, request_id).collect(cancel_after)
 
     def cancel(self) -> None:
         self.client.stop_stream(cancel_requests=True)

@@ -104,6 +104,22 @@ def test_cancelled_grpc_streams_and_a_dropped_http_stream_abort_their_requests(s
     stack.wait_metrics(idle, "an idle executor with an empty KV pool")
 
 
+def test_stop_reaches_the_request_with_that_id_and_finished_ids_are_forgotten(stack):
+    grpc = stack.server.endpoints.grpc
+    short = [Stream(grpc).send("tensorrt_llm", tensors(grpcclient, input_ids=[5, 6], request_output_len=1),
+                               request_id=f"id-{i}") for i in range(2 * BATCH)]
+    assert all(s.collect()[1] is None for s in short)
+    stack.wait_metrics(lambda m: idle(m) and m["camshaft_stoppable_requests"] == 0, "no request id left registered")
+    running = Stream(grpc).send("tensorrt_llm", tensors(grpcclient, input_ids=[5, 6], request_output_len=LONG,
+                                                        end_id=-1, streaming=True), request_id="id-3")
+    stack.wait_metrics(lambda m: m["camshaft_stoppable_requests"] == 1, "the long request registered")
+    _, error, _ = Stream(grpc).run("tensorrt_llm", tensors(grpcclient, stop=True), request_id="id-3")
+    assert error is None
+    outputs, error, _ = running.collect()
+    assert error is None and outputs[-1]["finish_reason"].reshape(-1)[0] == b"abort"
+    stack.wait_metrics(lambda m: idle(m) and m["camshaft_stoppable_requests"] == 0, "no request id left registered")
+
+
 def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
     streams = [Stream(stack.server.endpoints.grpc).send("ensemble", tensors(grpcclient, **long_text()))
                for _ in range(BATCH + QUEUE)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import triton_python_backend_utils as pb_utils
 
@@ -15,6 +16,7 @@ GAUGES = {
     "camshaft_requests_waiting": "Requests queued for the running batch",
     "camshaft_peak_batch_size": "Largest running batch of one engine step since start",
     "camshaft_tokens_per_second": "Generated tokens per second over the last second",
+    "camshaft_stoppable_requests": "Unfinished requests with a client request id (which a stop request reaches)",
 }
 COUNTERS = {
     "camshaft_generated_tokens_total": "Tokens generated",
@@ -26,8 +28,8 @@ COUNTERS = {
 
 
 class Metrics:
-    def __init__(self, llm, model: str, period_s: float = 0.2) -> None:
-        self.llm, self.period_s = llm, period_s
+    def __init__(self, llm, model: str, period_s: float = 0.2, stoppable: Callable[[], int] = lambda: 0) -> None:
+        self.llm, self.period_s, self.stoppable = llm, period_s, stoppable
         labels = {"model": model}
         self.families = {name: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.GAUGE)
                          for name, text in GAUGES.items()}
@@ -57,7 +59,8 @@ class Metrics:
                   "camshaft_kv_cache_blocks_total": load.kv_blocks_total,
                   "camshaft_kv_cache_usage_ratio": load.kv_usage, "camshaft_requests_running": load.running,
                   "camshaft_requests_waiting": load.waiting,
-                  "camshaft_peak_batch_size": self.llm.executor.peak_batch_size}
+                  "camshaft_peak_batch_size": self.llm.executor.peak_batch_size,
+                  "camshaft_stoppable_requests": self.stoppable()}
         for name, value in values.items():
             self.metrics[name].set(value)
 

@@ -53,6 +53,7 @@ class _Job:
     request: object
     sender: object
     spec: TokenRequest
+    client_id: str = ""
     request_ids: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -65,9 +66,9 @@ class TokenModel:
     def __init__(self, args: dict, params: dict[str, str]) -> None:
         self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
         self.exclude_default = params.get("exclude_input_in_output", "false") == "true"
-        self.metrics = Metrics(self.llm, args["model_name"])
-        self.outputs: queue.SimpleQueue = queue.SimpleQueue()
         self.by_client_id: dict[str, _Job] = {}
+        self.metrics = Metrics(self.llm, args["model_name"], stoppable=lambda: len(self.by_client_id))
+        self.outputs: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.responder = threading.Thread(target=self._respond, name="camshaft-responder", daemon=True)
         self.responder.start()
@@ -95,12 +96,25 @@ class TokenModel:
         engine = self.llm.engine
         spec = token_request(values, tokenizer=self.llm.tokenizer, eos_token_ids=engine.eos_token_ids,
                              exclude_default=self.exclude_default)
-        job = _Job(request, sender, spec, bls=bool(json.loads(request.parameters() or "{}").get(BLS_PARAMETER)))
-        job.request_ids = self.llm.submit(spec.prompt_ids, spec.params, lambda out: self.outputs.put((job, out)))
-        self.metrics.count("camshaft_requests_total")
-        if client_id:
-            with self.lock:
+        job = _Job(request, sender, spec, client_id,
+                   bls=bool(json.loads(request.parameters() or "{}").get(BLS_PARAMETER)))
+        # Registered before it can finish, under the lock: the responder removes it only once it is registered,
+        # and a stop request sees its request ids.
+        with self.lock:
+            if client_id:
                 self.by_client_id[client_id] = job
+            try:
+                job.request_ids = self.llm.submit(spec.prompt_ids, spec.params,
+                                                  lambda out: self.outputs.put((job, out)))
+            except BaseException:
+                self._forget(job)
+                raise
+        self.metrics.count("camshaft_requests_total")
+
+    def _forget(self, job: _Job) -> None:
+        """Call with the lock held."""
+        if job.client_id and self.by_client_id.get(job.client_id) is job:
+            del self.by_client_id[job.client_id]
 
     def _respond(self) -> None:
         """The one thread that talks to Triton after execute() returns: responses (under load a request's queued
@@ -143,11 +157,12 @@ class TokenModel:
             if output.result is not None and output.result.finish_reason == "abort":
                 self.metrics.count("camshaft_requests_aborted_total")
             with self.lock:
-                if self.by_client_id.get(job.request.request_id()) is job:
-                    del self.by_client_id[job.request.request_id()]
+                self._forget(job)
 
     def _deliver(self, job: _Job, output: RequestOutput) -> None:
         self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
+        if job.cancelled:  # nothing more: Triton 2.51 completes a cancelled request itself (see text_model.py)
+            return
         if output.error is not None:
             job.sender.send(error_response(output.error), flags=FINAL)
             return
@@ -158,8 +173,6 @@ class TokenModel:
                 job.cancelled = True
                 self.llm.abort(output.request_id)
         if job.cancelled:
-            if output.finished:
-                job.sender.send(flags=FINAL)
             return
         spec = job.spec
         job.tokens.extend(output.token_ids)

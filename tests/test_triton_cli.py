@@ -15,8 +15,11 @@ import requests
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
-from camshaft.errors import CamshaftError
+from camshaft.errors import CamshaftError, RequestError
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.triton_repo.deploy import MARKER, deploy_repository
+from camshaft.triton_repo.protocol import error_status
 from camshaft.triton_repo.server import free_port
 
 from tiny_models import make_tiny_model
@@ -84,3 +87,15 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_a_stopped_batch_loop_is_unavailable_and_says_restart(engine):
+    llm = LLM(engine, spin_wait=False, max_queue=4)
+    llm.close()
+    with pytest.raises(RequestError) as closed:
+        llm.submit([5, 6], SamplingParams(max_tokens=2), lambda output: None)
+    code, message = error_status(closed.value)
+    assert code == "UNAVAILABLE" and "restart the server" in message, (type(closed.value), message)
+    with pytest.raises(RequestError) as bad:
+        llm.submit([5, 6], SamplingParams(max_tokens=10_000), lambda output: None)
+    assert error_status(bad.value)[0] == "INVALID_ARG"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from camshaft.errors import RequestError
+from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.sampling_params import SamplingParams
 
 Values = dict[str, np.ndarray]
@@ -25,6 +25,16 @@ class TokenRequest:
     log_probs: bool
     num_input_tokens: bool
     num_output_tokens: bool
+
+
+def error_status(exc: BaseException) -> tuple[str, str]:
+    """(TritonError code name, message) of an exception a model answers with."""
+    message = str(exc) or repr(exc)
+    if isinstance(exc, ServerClosedError):  # the batch loop stopped: nothing this server can do until a restart
+        return "UNAVAILABLE", message if "restart the server" in message else f"{message}; restart the server"
+    if isinstance(exc, ServerBusyError):
+        return "UNAVAILABLE", message
+    return ("INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"), message
 
 
 def one(values: Values, name: str):

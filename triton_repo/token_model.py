@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from camshaft.errors import RequestError, ServerBusyError
 from camshaft.runtime.executor import RequestOutput
 from camshaft.runtime.llm import LLM
 from camshaft.triton_repo.metrics import Metrics
-from camshaft.triton_repo.protocol import TokenRequest, one, token_request
+from camshaft.triton_repo.protocol import TokenRequest, error_status, one, token_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.2  # how often a running request asks Triton whether it was cancelled (an IPC round trip)
@@ -39,9 +38,8 @@ def merge(outputs: list[RequestOutput]) -> RequestOutput:
 
 
 def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
-    code = (pb_utils.TritonError.UNAVAILABLE if isinstance(exc, ServerBusyError) else
-            pb_utils.TritonError.INVALID_ARG if isinstance(exc, RequestError) else pb_utils.TritonError.INTERNAL)
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), code))
+    code, message = error_status(exc)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
 
 
 def tensor(name: str, value, dtype) -> pb_utils.Tensor:

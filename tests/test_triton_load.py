@@ -132,6 +132,10 @@ def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
         assert busy.status_code == 400 and "server busy" in busy.json()["error"], busy.text
         _, error, _ = Stream(stack.server.endpoints.grpc).run("ensemble", tensors(grpcclient, text_input="a",
                                                                                    max_tokens=4))
+        # the text model's pool holds as many requests as the executor admits: it refuses before BLS
+        assert error is not None and f"ensemble holds {BATCH + QUEUE} requests" in error.message(), error
+        _, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", tensors(
+            grpcclient, input_ids=[5, 6], request_output_len=4))
         assert error is not None and "server busy" in error.message()
     finally:
         for stream in streams:

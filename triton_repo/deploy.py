@@ -58,16 +58,19 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     if unknown:
         raise CamshaftError(f"unknown LLM option(s) {sorted(unknown)}; known: {', '.join(LLM_OPTIONS)}")
     batch = options.get("max_batch_size") or manifest.limits.max_batch_size
+    admitted = batch + (256 if options.get("max_queue") is None else options["max_queue"])
     common = {"engine_dir": str(engine), "camshaft_path": str(Path(camshaft.__file__).resolve().parents[1])}
     models = {
         TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=True, max_batch_size=batch, token=True, params={
             "camshaft_model": "camshaft.triton_repo.token_model:TokenModel",
             "llm_options": json.dumps(options), "exclude_input_in_output": "false", **common}),
         name: model_config(name, decoupled=True, max_batch_size=batch, token=False, params={
-            "camshaft_model": "camshaft.triton_repo.text_model:TextModel", "token_model": TOKEN_MODEL, **common}),
+            "camshaft_model": "camshaft.triton_repo.text_model:TextModel", "token_model": TOKEN_MODEL,
+            "max_requests": str(admitted), **common}),
         f"{name}_sync": model_config(f"{name}_sync", decoupled=False, max_batch_size=batch, token=False, instances=2,
                                      params={"camshaft_model": "camshaft.triton_repo.text_model:TextModel",
-                                             "token_model": TOKEN_MODEL, **common}),
+                                             "token_model": TOKEN_MODEL, "max_requests": str(admitted),
+                                             **common}),
     }
     check_replaceable(repo, MARKER, "a camshaft Triton repository", CamshaftError)
     staging = staging_dir(repo)

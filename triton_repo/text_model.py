@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from camshaft.errors import RequestError
+from camshaft.errors import RequestError, ServerBusyError
 from camshaft.runtime.engine import load_tokenizer
 from camshaft.triton_repo.protocol import one
 from camshaft.triton_repo.tensors import TEXT_TO_TOKEN
@@ -36,19 +36,36 @@ class TextModel:
         self.name = args["model_name"]
         self.token_model = params["token_model"]
         self.tokenizer = load_tokenizer(Path(params["engine_dir"]))
+        self.max_requests = int(params.get("max_requests") or 256)  # what the executor admits (batch + queue)
+        self.slots = threading.BoundedSemaphore(self.max_requests)
+        self.pool = ThreadPoolExecutor(self.max_requests, thread_name_prefix=f"camshaft-{self.name}")
 
     def execute(self, requests: list):
         if self.decoupled:
             for request in requests:
-                threading.Thread(target=self._stream, args=(request,), daemon=True).start()
+                if self.slots.acquire(blocking=False):
+                    self.pool.submit(self._stream, request)
+                    continue
+                busy = ServerBusyError(f"server busy: {self.name} holds {self.max_requests} requests in flight, as "
+                                       "many as the executor admits; retry later or deploy with a larger --max-queue")
+                try:
+                    request.get_response_sender().send(error_response(busy), flags=FINAL)
+                except Exception as exc:
+                    pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r})")
             return None
         with ThreadPoolExecutor(len(requests)) as pool:
             return list(pool.map(self._once, requests))
 
     def finalize(self) -> None:
-        pass
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _stream(self, request) -> None:
+        try:
+            self._stream_one(request)
+        finally:
+            self.slots.release()
+
+    def _stream_one(self, request) -> None:
         sender = request.get_response_sender()
 
         def emit(response, final: bool) -> None:
@@ -65,7 +82,11 @@ class TextModel:
 
     def _once(self, request):
         responses = []
-        self._generate(request, lambda response, final: responses.append(response), allow_stream=False)
+        try:
+            self._generate(request, lambda response, final: responses.append(response), allow_stream=False)
+        except Exception as exc:  # this request's failure (BLS included) must not fail the others of the batch
+            pb_utils.Logger.log_error(f"camshaft: {self.name} failed: {exc!r}")
+            return error_response(exc)
         return responses[-1] if responses else error_response(RuntimeError("the request was cancelled"))
 
     def _generate(self, request, emit: Callable, allow_stream: bool) -> None:

@@ -113,3 +113,24 @@ def test_table_refuses_whatever_the_builder_refuses(quantized, tmp_path: Path, f
                 check_precision("tensorrt-rtx", arch, ALGO[fmt])
     expected = {"fp8": {75, 86}, "int4_wo": {75}, "int8_sq": set()}[fmt]
     assert {a for a in (75, 86) if not (tmp_path / f"sm{a}.plan").is_file()} == expected
+
+
+@NEEDS_RTX
+@pytest.mark.tensorrt
+@pytest.mark.parametrize("fmt", ["fp8", "int4_wo", "int8_sq"])
+def test_tiny_quantized_plan_is_built_from_its_own_graph(quantized, tmp_path: Path, fmt: str) -> None:
+    import tensorrt_rtx
+
+    from camshaft.builder.build import GRAPH_NAME, file_sha256
+    from camshaft.manifest import read_manifest
+
+    out = tmp_path / "engine"
+    build_engine(BuildConfig(quantized[fmt], out, target="tensorrt-rtx", gpu_arch="sm89", max_seq_len=64,
+                             max_batch_size=4, max_num_tokens=32, kv_block_size=8))
+    manifest = read_manifest(out)
+    assert manifest.graph_sha256 == file_sha256(out / GRAPH_NAME)
+    assert manifest.quantization["format"] == fmt
+    options = manifest.target_options
+    assert (options["product"], options["version"], options["gpu_arch"]) == ("tensorrt-rtx", tensorrt_rtx.__version__,
+                                                                             "sm89")
+    assert options["plan_bytes"] == (out / "model.plan").stat().st_size

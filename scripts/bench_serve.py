@@ -90,7 +90,7 @@ def _row(r: dict, base: dict | None) -> str:
             + " / ".join(f"{r['e2e_ms'][p] / 1000:.2f}" for p in ("p50", "p90", "p99")) + " |")
 
 
-def markdown(runs: dict[str, dict], command: str) -> str:
+def markdown(runs: dict[str, dict], command: str, load: tuple[float, float]) -> str:
     m = machine_info()
     v = m["versions"]
     out = [BEGIN, "## Serving: SmolLM2-135M-Instruct behind Triton and the OpenAI API, CPU", "",
@@ -103,7 +103,10 @@ def markdown(runs: dict[str, dict], command: str) -> str:
            "streaming), and `llm`: `LLM.stream_outputs` in the benchmark's own process (no server). Greedy, output "
            "length forced with `min_tokens` = `max_tokens`; TTFT = request sent → first text chunk; TPOT = (E2E − "
            "TTFT) / (tokens − 1); ITL = gaps between text chunks; ratio = output tok/s against `llm` at the same "
-           "point.", ""]
+           "point. Every point of a sweep prefixes the prompts with its own tag, so no server's prefix cache serves "
+           "prompts it saw at an earlier point.", "",
+           f"Load: the 1-minute load average was {load[0]:.2f} before and {load[1]:.2f} after (the benchmark alone "
+           "accounts for about 2; more means other work shared the cores and the ratios are noisier).", ""]
     for name, run in runs.items():
         out += [f"### {name}: `{run['dataset']}`, {run['num_prompts']} prompts", "",
                 "| target | max conc. | rate req/s | done | out tok/s | vs llm | req/s | TTFT p50/p90/p99 ms | "
@@ -147,8 +150,9 @@ def main() -> None:
                 "decode-heavy": ("decode-heavy", args.decode_prompts,
                                  [float(x) for x in args.decode_rates.split(",")], [32])}
         runs = {}
-        for name, (dataset, count, rates, limits) in plan.items():
-            requests = load_requests(dataset, count, tokenizer, seed=0, max_seq_len=1024)
+        load_before = os.getloadavg()[0]
+        for seed, (name, (dataset, count, rates, limits)) in enumerate(plan.items()):
+            requests = load_requests(dataset, count, tokenizer, seed=seed, max_seq_len=1024)
             results: list[ServeResult] = bench_serve(targets, requests, rates, concurrencies=limits)
             runs[name] = {"dataset": dataset, "num_prompts": count, "results": [r.to_dict() for r in results]}
             (work / f"serve-{name}.json").write_text(json.dumps(runs[name], indent=2) + "\n")
@@ -157,7 +161,8 @@ def main() -> None:
     finally:
         for proc in servers:
             stop(proc)
-    section = markdown(runs, f".venv/bin/python scripts/bench_serve.py{' --write-md' if args.write_md else ''}")
+    load = (load_before, os.getloadavg()[0])
+    section = markdown(runs, f".venv/bin/python scripts/bench_serve.py{' --write-md' if args.write_md else ''}", load)
     print(section)
     if args.write_md:
         write_markdown(args.md, section, BEGIN, END)

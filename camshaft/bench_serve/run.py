@@ -6,10 +6,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from camshaft.bench_serve.clients import Record, Target, make_client
 from camshaft.bench_serve.report import Goodput, ServeResult, summarize
 from camshaft.bench_serve.workload import ServeRequest, arrival_times
+
+
+def salted(requests: list[ServeRequest], salt: str) -> list[ServeRequest]:
+    """The requests with `salt` leading every prompt: each point of a sweep starts cold, since a server's prefix
+    cache would otherwise serve the prompts it saw at the previous point."""
+    return [replace(r, prompt=f"{salt}: {r.prompt}") for r in requests]
 
 
 async def _drive(client, requests: list[ServeRequest], arrivals: list[float],
@@ -44,16 +51,17 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
             for client in clients:
                 await client.start()
                 if warmup:
-                    short = [ServeRequest(r.prompt, r.prompt_tokens, min(r.max_tokens, 4)) for r in requests[:warmup]]
+                    short = [replace(r, max_tokens=min(r.max_tokens, 4)) for r in salted(requests[:warmup], "warmup")]
                     await _drive(client, short, [0.0] * len(short), None)
-            for concurrency in concurrencies:
-                for rate in rates:
-                    arrivals = arrival_times(len(requests), rate, seed)
-                    for target, client in zip(targets, clients, strict=True):
-                        records, wall = await _drive(client, requests, arrivals, concurrency)
-                        result = summarize(target, rate, concurrency, records, wall, goodput)
-                        log(result.line())
-                        results.append(result)
+            points = [(c, rate) for c in concurrencies for rate in rates]
+            for point, (concurrency, rate) in enumerate(points):
+                arrivals = arrival_times(len(requests), rate, seed)
+                batch = salted(requests, f"run {point}")
+                for target, client in zip(targets, clients, strict=True):
+                    records, wall = await _drive(client, batch, arrivals, concurrency)
+                    result = summarize(target, rate, concurrency, records, wall, goodput)
+                    log(result.line())
+                    results.append(result)
         finally:
             for client in clients:
                 await client.close()

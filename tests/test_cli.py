@@ -112,6 +112,9 @@ def test_build_quant_is_quantize_then_build_in_one_step(tiny, capsys):
     code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--target", "tensorrt-rtx",
                             "--gpu-arch", "sm89", "--quant", "int8_wo", "--kv-cache-dtype", "int8")
     assert code == 1 and "cannot build W8A16 with a INT8 KV cache" in err and not (root / "int8-engine.ckpt").exists()
+    code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--target", "tensorrt-rtx",
+                            "--gpu-arch", "sm86", "--quant", "fp8")
+    assert code == 1 and "sm86" in err and not (root / "int8-engine.ckpt").exists()
     code, stdout, err = camshaft(capsys, "build", "--model", model, "--output", out, "--max-seq-len", "64",
                                  "--quant", "int8_wo", "--calib-size", "2", "--calib-seq-len", "32")
     assert code == 0, err

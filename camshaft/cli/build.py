@@ -76,7 +76,8 @@ def build(
         from camshaft.quantize.spec import QuantSpec
 
         spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
-        check_quantized_target(target, spec.info.checkpoint_algo, kv_cache_dtype and kv_cache_dtype.upper())
+        check_quantized_target(target, spec.info.checkpoint_algo, kv_cache_dtype and kv_cache_dtype.upper(),
+                               gpu_arch=config.resolved_gpu_arch)
         checkpoint = output.with_name(output.name + ".ckpt")
         _quantize(model, quant, checkpoint, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len,
                   exclude, lm_head)

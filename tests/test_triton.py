@@ -73,7 +73,8 @@ def stack(tmp_path_factory):
         yield Stack(server, Session(root / "engine"))
     stubs = [p for p in psutil.process_iter(["cmdline"]) if str(repo) in " ".join(p.info["cmdline"] or [])]
     assert not stubs, f"processes of the server outlived it: {stubs}"
-    assert server.shm_regions and not any(Path("/dev/shm", name).exists() for name in server.shm_regions)
+    assert server.shm_regions and server.leaked_shm == [], f"shared memory the server left behind: {server.leaked_shm}"
+    assert not any(Path("/dev/shm", name).exists() for name in server.shm_regions)
 
 
 def margin(step) -> float:

@@ -48,13 +48,13 @@ class Metrics:
             self._counts[name] += value
 
     def update(self) -> None:
+        load = self.llm.load()  # before the counts: an idle load is never shown with a request not yet counted
         with self._lock:
             counts = dict(self._counts)
         for name, value in counts.items():
             if value > self._sent[name]:
                 self.metrics[name].increment(value - self._sent[name])
                 self._sent[name] = value
-        load = self.llm.load()
         values = {"camshaft_kv_cache_blocks_used": load.kv_blocks_used,
                   "camshaft_kv_cache_blocks_total": load.kv_blocks_total,
                   "camshaft_kv_cache_usage_ratio": load.kv_usage, "camshaft_requests_running": load.running,

@@ -46,6 +46,7 @@ class TritonServer:
         self.bls_threads = bls_threads or advised_bls_threads(self.repo)
         self.process: subprocess.Popen | None = None
         self._shm: set[str] = set()
+        self.leaked_shm: list[str] = []  # regions still present once the server exited (stop() removes them)
 
     def command(self) -> list[str]:
         e = self.endpoints
@@ -127,7 +128,8 @@ class TritonServer:
                 child.kill()
             except psutil.Error:
                 pass
-        for name in self._shm:  # only regions our server's processes mapped; a clean exit leaves none
+        self.leaked_shm = sorted(name for name in self._shm if Path("/dev/shm", name).exists())
+        for name in self.leaked_shm:  # only regions our server's processes mapped; a clean exit leaves none
             Path("/dev/shm", name).unlink(missing_ok=True)
         self._tmp.cleanup()
         return code

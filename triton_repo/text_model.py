@@ -38,13 +38,12 @@ class TextModel:
         self.tokenizer = load_tokenizer(Path(params["engine_dir"]))
         self.max_requests = int(params.get("max_requests") or 256)  # what the executor admits (batch + queue)
         self.slots = threading.BoundedSemaphore(self.max_requests)
-        self.pool = ThreadPoolExecutor(self.max_requests, thread_name_prefix=f"camshaft-{self.name}")
 
     def execute(self, requests: list):
         if self.decoupled:
             for request in requests:
                 if self.slots.acquire(blocking=False):
-                    self.pool.submit(self._stream, request)
+                    threading.Thread(target=self._stream, args=(request,), daemon=True).start()
                     continue
                 busy = ServerBusyError(f"server busy: {self.name} holds {self.max_requests} requests in flight, as "
                                        "many as the executor admits; retry later or deploy with a larger --max-queue")
@@ -57,7 +56,7 @@ class TextModel:
             return list(pool.map(self._once, requests))
 
     def finalize(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        pass
 
     def _stream(self, request) -> None:
         try:

@@ -107,7 +107,7 @@ class TokenModel:
             except BaseException:
                 self._forget(job)
                 raise
-        self.metrics.count("camshaft_requests_total")
+            self.metrics.count("camshaft_requests_total")
 
     def _forget(self, job: _Job) -> None:
         """Call with the lock held."""
@@ -159,7 +159,9 @@ class TokenModel:
 
     def _deliver(self, job: _Job, output: RequestOutput) -> None:
         self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
-        if job.cancelled:  # nothing more: Triton 2.51 completes a cancelled request itself (see text_model.py)
+        if job.cancelled:  # Triton 2.51 unloads a model only once its cancelled requests got their final flag
+            if output.finished:
+                job.sender.send(flags=FINAL)
             return
         if output.error is not None:
             job.sender.send(error_response(output.error), flags=FINAL)

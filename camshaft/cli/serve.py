@@ -13,15 +13,19 @@ from camshaft.errors import CamshaftError
 MemoryOption = Annotated[str | None, typer.Option(
     help="KV cache budget: bytes with a unit (512MiB, 2GB) or a fraction of available memory (0.3); "
          "default: room for max-batch-size full-length sequences")]
+QUEUE_PER_BATCH = 4
 QueueOption = Annotated[int | None, typer.Option(help="Requests that may wait beyond a full batch before new ones "
-                                                      "are refused as busy (default: unbounded)")]
+                                                      f"are refused as busy (default: {QUEUE_PER_BATCH} x the batch "
+                                                      "size)")]
 BatchOption = Annotated[int | None, typer.Option(help="Most running requests (default and maximum: the engine's)")]
 PolicyOption = Annotated[str, typer.Option(help="guaranteed_no_evict | max_utilization")]
 
 
-def _llm_options(kv_cache_memory: str | None, max_queue: int | None, max_batch_size: int | None,
-                 policy: str) -> dict:
-    """The keyword arguments of camshaft.runtime.llm.LLM that servers take, validated now."""
+def _llm_options(engine: Path | None, kv_cache_memory: str | None, max_queue: int | None,
+                 max_batch_size: int | None, policy: str) -> dict:
+    """The keyword arguments of camshaft.runtime.llm.LLM that servers take, validated now; max_queue None:
+    QUEUE_PER_BATCH x the batch size (--max-batch-size, else the engine's)."""
+    from camshaft.manifest import read_manifest
     from camshaft.runtime.kv_cache import parse_memory
     from camshaft.runtime.scheduler import POLICIES
 
@@ -29,6 +33,8 @@ def _llm_options(kv_cache_memory: str | None, max_queue: int | None, max_batch_s
         raise CamshaftError(f"unknown --policy {policy!r}; use one of {', '.join(POLICIES)}")
     if max_queue is not None and max_queue < 0:
         raise CamshaftError(f"--max-queue must be >= 0, got {max_queue}")
+    if max_queue is None and engine is not None:
+        max_queue = QUEUE_PER_BATCH * (max_batch_size or read_manifest(Path(engine)).limits.max_batch_size)
     return {"kv_cache_memory": parse_memory(kv_cache_memory), "max_queue": max_queue,
             "max_batch_size": max_batch_size, "policy": policy}
 
@@ -47,7 +53,7 @@ def deploy(
     from camshaft.triton_repo.deploy import deploy_repository
 
     deploy_repository(engine, repo, name=name,
-                      llm_options=_llm_options(kv_cache_memory, max_queue, max_batch_size, policy))
+                      llm_options=_llm_options(engine, kv_cache_memory, max_queue, max_batch_size, policy))
     typer.echo(str(repo))
 
 
@@ -67,7 +73,7 @@ def serve(
     policy: PolicyOption = "guaranteed_no_evict",
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
-    options = _llm_options(kv_cache_memory, max_queue, max_batch_size, policy)
+    options = _llm_options(engine, kv_cache_memory, max_queue, max_batch_size, policy)
     if api == "openai":
         if engine is None or repo is not None:
             raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")

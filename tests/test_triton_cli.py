@@ -65,7 +65,7 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
 def test_serve_engine_answers_and_stops_on_sigint(engine):
     ports = [str(free_port("127.0.0.1")) for _ in range(3)]
     command = [*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port", ports[1],
-               "--metrics-port", ports[2], "--max-queue", "8"]
+               "--metrics-port", ports[2], "--max-queue", "8", "--name", "llm"]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     ready = threading.Event()
@@ -80,7 +80,7 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
     threading.Thread(target=read, daemon=True).start()
     try:
         assert ready.wait(120) and server.poll() is None, "".join(lines)
-        url = f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate"
+        url = f"http://127.0.0.1:{ports[0]}/v2/models/llm/generate"
         close = {"Connection": "close"}  # an open keep-alive connection holds Triton's exit for its exit timeout
         answer = requests.post(url, json={"text_input": "hello", "max_tokens": 4}, headers=close, timeout=60)
         assert answer.status_code == 200 and answer.json()["text_output"].startswith("hello")

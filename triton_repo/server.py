@@ -183,13 +183,18 @@ def _children(pid: int) -> list[psutil.Process]:
 
 
 def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, grpc_port: int, metrics_port: int,
-          llm_options: dict, log: Callable[[str], None]) -> None:
-    """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit."""
+          llm_options: dict, log: Callable[[str], None], name: str | None = None) -> None:
+    """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit.
+    name: the text model's name when deploying `engine` (default ensemble); a repository keeps the one it has."""
     from camshaft.triton_repo.deploy import deploy_repository
 
+    if repo is not None and name is not None and name != _text_model_name(Path(repo)):
+        raise CamshaftError(f"{repo} serves the text model {_text_model_name(Path(repo))!r}, not {name!r}; "
+                            f"drop --name or redeploy with camshaft deploy --name {name}")
     with tempfile.TemporaryDirectory(prefix="camshaft-repo-") as tmp:
         if engine is not None:
-            repo = deploy_repository(Path(engine), Path(tmp) / "repo", name="ensemble", llm_options=llm_options)
+            repo = deploy_repository(Path(engine), Path(tmp) / "repo", name=name or "ensemble",
+                                     llm_options=llm_options)
             log(f"deployed {engine} to {repo}")
         elif any(v is not None and k != "policy" for k, v in llm_options.items()):
             log("note: --repo serves the options written by camshaft deploy; the LLM options given here are ignored")

@@ -43,7 +43,7 @@ def _llm_options(engine: Path | None, kv_cache_memory: str | None, max_queue: in
 def deploy(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     repo: Annotated[Path, typer.Option(help="Triton model repository to write")],
-    name: Annotated[str, typer.Option(help="Name of the text-level model")] = "ensemble",
+    name: Annotated[str, typer.Option(help="Served model name: the Triton text model (and NAME_sync)")] = "ensemble",
     kv_cache_memory: MemoryOption = None,
     max_queue: QueueOption = None,
     max_batch_size: BatchOption = None,
@@ -67,6 +67,9 @@ def serve(
     port: Annotated[int, typer.Option(help="HTTP port (OpenAI API, or Triton's HTTP endpoint)")] = 8000,
     grpc_port: Annotated[int, typer.Option(help="Triton: gRPC port")] = 8001,
     metrics_port: Annotated[int, typer.Option(help="Triton: metrics port")] = 8002,
+    name: Annotated[str | None, typer.Option(help="Served model name: the OpenAI model id (default: the engine "
+                                                  "directory's name) or the Triton text model deployed from "
+                                                  "--engine (default: ensemble; --repo keeps its own)")] = None,
     kv_cache_memory: MemoryOption = None,
     max_queue: QueueOption = None,
     max_batch_size: BatchOption = None,
@@ -79,14 +82,14 @@ def serve(
             raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")
         from camshaft.openai_server.server import serve as serve_openai
 
-        serve_openai(engine, host=host, port=port, llm_options=options, log=progress)
+        serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name)
     elif api == "triton":
         if (engine is None) == (repo is None):
             raise CamshaftError("pass exactly one of --engine (deployed to a temporary repository) or --repo")
         from camshaft.triton_repo.server import serve as serve_triton
 
         serve_triton(engine=engine, repo=repo, host=host, http_port=port, grpc_port=grpc_port,
-                     metrics_port=metrics_port, llm_options=options, log=progress)
+                     metrics_port=metrics_port, llm_options=options, log=progress, name=name)
     else:
         raise CamshaftError(f"unknown --api {api!r}; use triton or openai")
 

@@ -30,10 +30,13 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
         raise
 
 
-def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None]) -> None:
+def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None],
+          model_name: str | None = None) -> None:
     """Serve until Ctrl-C or SIGTERM (a second one cuts open streams), then return. uvicorn runs in a thread and
-    this one handles the signals, so the LLM is closed and the exit status is 0."""
-    server, llm = build_server(engine, host=host, port=port, llm_options=llm_options)
+    this one handles the signals, so the LLM is closed and the exit status is 0. model_name: the model id clients
+    send (default: the engine directory's name)."""
+    model_name = model_name or Path(engine).resolve().name
+    server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name)
     thread = threading.Thread(target=server.run, name="camshaft-openai-http")
 
     def stop(signum: int, frame: object) -> None:
@@ -48,7 +51,7 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
             thread.join(0.2)
             if server.started and not announced:
                 announced = True
-                log(f"OpenAI API for model {Path(engine).resolve().name!r} at http://{host}:{port}/v1 "
+                log(f"OpenAI API for model {model_name!r} at http://{host}:{port}/v1 "
                     "(health: /health, metrics: /metrics); Ctrl-C stops it")
     finally:
         server.should_exit = True

@@ -124,3 +124,15 @@ def test_build_quant_is_quantize_then_build_in_one_step(tiny, capsys):
     assert checkpoint["quantization"]["quant_algo"] == manifest["quantization"]["quant_algo"] == "W8A16"
     code, _, err = camshaft(capsys, "run", "--engine", out, "--prompt", "hello", "--max-tokens", "3")
     assert code == 0, err
+
+
+def test_build_for_a_product_that_is_not_installed_fails_before_any_work(tiny, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("TensorRT is installed here")
+    root, model = tiny
+    out = root / "trt-engine"
+    code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--target", "tensorrt")
+    assert code == 1 and "needs the tensorrt Python package" in err and "Install it with" in err
+    assert not out.exists() and not list(root.glob(".trt-engine*"))

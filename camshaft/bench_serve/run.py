@@ -14,8 +14,8 @@ from camshaft.bench_serve.workload import ServeRequest, arrival_times
 
 
 def salted(requests: list[ServeRequest], salt: str) -> list[ServeRequest]:
-    """The requests with `salt` leading every prompt: each point of a sweep starts cold, since a server's prefix
-    cache would otherwise serve the prompts it saw at the previous point."""
+    """The requests with `salt` leading every prompt: each point of a sweep, and each target, starts cold, since a
+    server's prefix cache would otherwise serve prompts it saw before (two targets may be one server)."""
     return [replace(r, prompt=f"{salt}: {r.prompt}") for r in requests]
 
 
@@ -51,13 +51,13 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
             for client in clients:
                 await client.start()
                 if warmup:
-                    short = [replace(r, max_tokens=min(r.max_tokens, 4)) for r in salted(requests[:warmup], "warmup")]
+                    short = [replace(r, max_tokens=min(r.max_tokens, 4)) for r in salted(requests[:warmup], "warm")]
                     await _drive(client, short, [0.0] * len(short), None)
             points = [(c, rate) for c in concurrencies for rate in rates]
             for point, (concurrency, rate) in enumerate(points):
                 arrivals = arrival_times(len(requests), rate, seed)
-                batch = salted(requests, f"run {point}")
-                for target, client in zip(targets, clients, strict=True):
+                for index, (target, client) in enumerate(zip(targets, clients, strict=True)):
+                    batch = salted(requests, f"run {point}.{index}")  # targets may share a server
                     records, wall = await _drive(client, batch, arrivals, concurrency)
                     result = summarize(target, rate, concurrency, records, wall, goodput)
                     log(result.line())

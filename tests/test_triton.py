@@ -181,8 +181,13 @@ def test_generate_endpoint_matches_session(stack):
             assert only["cum_log_probs"] == pytest.approx(sum(want), abs=1e-3)
 
 
+# Streams run long enough to see several responses: under load the token model sends a request's queued tokens as
+# one response, and the tiny model makes a short answer in a few milliseconds.
+STREAMED_TOKENS = 96
+
+
 def test_generate_stream_pieces_concatenate_to_the_text(stack):
-    prompt, max_tokens = PROMPTS[1], 24
+    prompt, max_tokens = PROMPTS[1], STREAMED_TOKENS
     reference = stack.reference(prompt, max_tokens)
     response = requests.post(f"{stack.http}/ensemble/generate_stream", timeout=60,
                              json={"text_input": prompt, "max_tokens": max_tokens, "stream": True})
@@ -215,7 +220,8 @@ def test_grpc_unary_and_streaming(stack):
                                                             exclude_input_in_output=True))
     assert error is None and len(outputs) == 1  # stream false: exactly one response
     assert_same_text(texts(outputs)[0], reference, tokenizer)
-    outputs, error, _ = Stream(url).run("ensemble", tensors(grpcclient, text_input=prompt, max_tokens=max_tokens,
+    reference = stack.reference(prompt, STREAMED_TOKENS)
+    outputs, error, _ = Stream(url).run("ensemble", tensors(grpcclient, text_input=prompt, max_tokens=STREAMED_TOKENS,
                                                             stream=True))
     assert error is None and len(outputs) > 1
     assert_same_text("".join(texts(outputs)), reference, tokenizer)

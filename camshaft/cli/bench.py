@@ -27,6 +27,16 @@ def bench_latency(
         typer.echo(f"{key:>22}: {value}")
 
 
+def require_plotting(plot: Path | None) -> None:
+    """Refuse --plot before any work when matplotlib is missing, rather than after the whole benchmark."""
+    if plot is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise CamshaftError("--plot needs matplotlib: pip install 'camshaft[bench]' (or drop --plot)") from exc
+
+
 @bench_app.command("throughput")
 def bench_throughput(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
@@ -46,6 +56,7 @@ def bench_throughput(
     from camshaft.errors import RequestError
     from camshaft.runtime.throughput import plot_sweep, throughput_benchmark
 
+    require_plotting(plot)
     try:
         levels = [int(x) for x in sweep.split(",") if x.strip()] if sweep else [concurrency]
     except ValueError as exc:
@@ -96,6 +107,7 @@ def bench_serve(
     from camshaft.bench_serve.run import bench_serve as run_bench
     from camshaft.bench_serve.workload import load_requests, load_tokenizer, parse_rates
 
+    require_plotting(plot)
     try:
         concurrencies = [int(c) for c in max_concurrency.split(",")] if max_concurrency else [None]
     except ValueError:

@@ -29,18 +29,20 @@ TRT_QUANT_ALGOS = ("FP8", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16_AWQ
 
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
-                progress: Progress = lambda _: None, quantization: dict | None = None, qdq: bool = False) -> Path:
+                progress: Progress = lambda _: None, quantization: dict | None = None, qdq: bool = False,
+                accuracy_level: int | None = None) -> Path:
     """The portable model graph (standard ONNX ops, external weights) for a checkpoint.
     Weight-only quantized layers become com.microsoft MatMulNBits (ONNX Runtime), W8A8 and FP8 layers and a quantized
     KV cache Q/DQ nodes; with `qdq` (the TensorRT targets) every quantized layer is standard Q/DQ. `quantization`
-    receives what was lowered."""
+    receives what was lowered. `accuracy_level`: MatMulNBits' (weight-only layers; default 0, float compute)."""
     graph_path = out_dir / GRAPH_NAME
     quantized = checkpoint.quantized_linear if checkpoint.quantization is not None else None
     kv_dtype = checkpoint.kv_cache_dtype
     with open(out_dir / GRAPH_DATA, "wb") as data:
         writer = GraphWriter(data, GRAPH_DATA)
         lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
-                                   quantized=quantized, kv_cache=(kv_dtype, checkpoint.kv_scales) if kv_dtype else None,
+                                   quantized=quantized, accuracy_level=accuracy_level,
+                                   kv_cache=(kv_dtype, checkpoint.kv_scales) if kv_dtype else None,
                                    qdq=qdq, lm_head=checkpoint.lm_head)
         lowering.lower()
     model = writer.model(OPSET)
@@ -59,15 +61,17 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
     record = quant.get("camshaft", {})
     counts = lowering.linears.counts
     activation = READABLE_QUANT_ALGOS[quant["quant_algo"]].activation
+    level = lowering.linears.accuracy_level if counts["nbits"] else None
     return {
         "format": record.get("format"),
         "quant_algo": quant["quant_algo"],
         "group_size": quant.get("group_size"),
         "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
-        "activations": f"{activation} static per-tensor" if activation else None,
+        "activations": (f"{activation} static per-tensor" if activation
+                        else "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None),
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
-        "accuracy_level": lowering.linears.accuracy_level if counts["nbits"] else None,
+        "accuracy_level": level,
         "quantized_linear_layers": sum(counts.values()),
         "float_modules": sorted(m for m in quant.get("exclude_modules", [])
                                 if m != "lm_head" or lowering.head.dtype == "float"),
@@ -103,6 +107,16 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
         check_precision(target, parse_arch(gpu_arch), quant_algo)
 
 
+def _check_weight_only_compute(config: BuildConfig, quantization: dict | None) -> None:
+    if config.weight_only_compute == "auto":
+        return
+    algo = quantization["quant_algo"] if quantization else None
+    if algo is None or READABLE_QUANT_ALGOS[algo].activation is not None:
+        raise BuildConfigError(
+            "--weight-only-compute applies to weight-only checkpoints (int8_wo, int4_wo, int4_awq); "
+            f"{config.model_dir} is {'not quantized' if algo is None else algo}. Drop it.")
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -121,6 +135,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         if checkpoint.quantization is not None:
             check_quantized_target(config.target, checkpoint.quantization["quant_algo"],
                                    checkpoint.quantization.get("kv_cache_quant_algo"), config.resolved_gpu_arch)
+        _check_weight_only_compute(config, checkpoint.quantization)
         quantization: dict = {}
         limits = BuildLimits(
             max_batch_size=config.max_batch_size,
@@ -133,7 +148,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         try:
             progress("writing model graph")
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,
-                                     qdq=config.target != "onnxruntime")
+                                     qdq=config.target != "onnxruntime", accuracy_level=config.accuracy_level)
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
             artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)

@@ -10,6 +10,11 @@ from camshaft.errors import BuildConfigError
 TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
 DTYPES = ("auto", "float32", "float16")
 TARGET_DTYPES = {"onnxruntime": ("float32",), "tensorrt": ("float16",), "tensorrt-rtx": ("float16",)}
+# How the onnxruntime target multiplies weight-only (int4/int8) layers: float dequantizes the weights (exact), int8
+# quantizes each input row to int8 per block on the fly (MatMulNBits accuracy level 4, as onnxruntime-genai and
+# llama.cpp do). auto = int8: measured on SmolLM2 in docs/quantize.md.
+WEIGHT_ONLY_COMPUTE = ("auto", "float", "int8")
+ACCURACY_LEVELS = {"float": 0, "int8": 4}
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,7 @@ class BuildConfig:
     max_num_tokens: int = 512
     kv_block_size: int = 32
     gpu_arch: str | None = None
+    weight_only_compute: str = "auto"
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -44,6 +50,12 @@ class BuildConfig:
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
         if self.gpu_arch is not None and not self.target.startswith("tensorrt"):
             raise BuildConfigError(f"--gpu-arch applies to the tensorrt targets, not {self.target}; drop it")
+        if self.weight_only_compute not in WEIGHT_ONLY_COMPUTE:
+            raise BuildConfigError(f"unknown --weight-only-compute {self.weight_only_compute!r}; choose one of "
+                                   f"{', '.join(WEIGHT_ONLY_COMPUTE)}")
+        if self.weight_only_compute != "auto" and self.target != "onnxruntime":
+            raise BuildConfigError(f"--weight-only-compute applies to the onnxruntime target; {self.target} picks "
+                                   "its own kernels. Drop it.")
         if self.resolved_gpu_arch is not None:
             from camshaft.builder.targets.precision import check_precision
             from camshaft.builder.targets.tensorrt import parse_arch
@@ -58,6 +70,11 @@ class BuildConfig:
         if self.target == "tensorrt-rtx":
             return self.gpu_arch or "sm89"
         return self.gpu_arch
+
+    @property
+    def accuracy_level(self) -> int:
+        """MatMulNBits accuracy level of the onnxruntime target's weight-only layers."""
+        return ACCURACY_LEVELS["int8" if self.weight_only_compute == "auto" else self.weight_only_compute]
 
     @property
     def resolved_dtype(self) -> str:

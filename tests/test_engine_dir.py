@@ -145,6 +145,13 @@ def test_build_limits_are_validated_not_overridden(built, tmp_path):
         BuildConfig(model, tmp_path / "e", dtype="float16")
     with pytest.raises(BuildConfigError, match="unknown target"):
         BuildConfig(model, tmp_path / "e", target="tpu")
+    with pytest.raises(BuildConfigError, match="choose one of auto, float, int8"):
+        BuildConfig(model, tmp_path / "e", weight_only_compute="int4")
+    with pytest.raises(BuildConfigError, match="applies to the onnxruntime target"):
+        BuildConfig(model, tmp_path / "e", target="tensorrt-rtx", weight_only_compute="float")
+    with pytest.raises(BuildConfigError, match="weight-only checkpoints .* is not quantized"):
+        build_engine(BuildConfig(model, tmp_path / "e", max_seq_len=64, weight_only_compute="int8"))
+    assert not (tmp_path / "e").exists()
 
 
 def test_sharded_checkpoint_builds_the_same_engine(built, tmp_path):

@@ -3,6 +3,9 @@
 References: ModelOpt's own fake-quantized model (weights and logits through transformers), captured just before
 export. The engine must reproduce it: checkpoint weights dequantize to the fake-quantized weights, and the engine's
 logits differ from the fake-quant model's by at most 10% of how far the fake-quant model is from float32.
+Weight-only formats are checked built with `weight_only_compute="float"` (exact dequantized weights) and with the
+default int8 compute (MatMulNBits accuracy level 4), whose reference is the fake-quant model with every quantized
+layer's input rounded to int8 per block of K, as ONNX Runtime does.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import transformers
 from camshaft.builder.build import build_engine, write_graph
 from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
+from camshaft.builder.graph.linear import NBITS_BLOCK_SIZES
+from camshaft.errors import BuildConfigError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, SMOOTHQUANT_ALPHA, QuantSpec, modelopt_config
@@ -51,6 +56,37 @@ LOWERING = {"int4_wo": "com.microsoft.MatMulNBits", "int8_wo": "com.microsoft.Ma
             "int8_sq": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales",
             "w4a8_awq": "float8 input Q/DQ; int4 blocked DequantizeLinear, float8 Q/DQ of the weight; MatMul"}
 MAX_BOUND = {"fp8": 448.0, "int8_sq": 127.0, "w4a8_awq": 448.0}  # ModelOpt's input_scale = amax / max bound
+WEIGHT_ONLY = ("int4_wo", "int8_wo", "int4_awq")
+
+
+def int8_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """What MatMulNBits accuracy level 4 does to its input: symmetric int8 per block of K, round to nearest."""
+    xb = x.reshape(*x.shape[:-1], -1, block)
+    scale = xb.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.round(xb / scale) * scale).reshape(x.shape)
+
+
+def activation_block(fmt: str, in_dim: int) -> int:
+    """MatMulNBits' block: the group size for INT4; for INT8 per-channel, the largest block size dividing K."""
+    return 32 if fmt != "int8_wo" else next(b for b in NBITS_BLOCK_SIZES if in_dim % b == 0)
+
+
+def int8_activation_logits(model, fmt: str, prompt: torch.Tensor) -> np.ndarray:
+    """The fake-quant model with each quantized layer's input (after AWQ's pre_quant_scale) rounded to int8 blocks."""
+    hooks = []
+    for module in model.modules():
+        wq = getattr(module, "weight_quantizer", None)
+        if wq is not None and wq.is_enabled:
+            block = activation_block(fmt, module.in_features)
+            hooks.append(module.input_quantizer.register_forward_hook(
+                lambda _m, _i, out, block=block: int8_blocks(out, block)))
+    try:
+        with torch.no_grad():
+            return model(prompt).logits[0].numpy().copy()
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @pytest.fixture(scope="module", params=["int4_wo", "int8_wo", "int4_awq", "fp8", "int8_sq", "w4a8_awq"])
@@ -74,9 +110,19 @@ def quantized(request, tiny, prompt, tmp_path_factory):
                 pqs = getattr(getattr(module, "input_quantizer", None), "pre_quant_scale", None)
                 if pqs is not None:
                     ref["pqs"][name] = pqs.numpy().copy()
+        if fmt in WEIGHT_ONLY:
+            ref["int8_activation_logits"] = int8_activation_logits(model, fmt, prompt)
 
     result = quantize_checkpoint(tiny, root / "ckpt", QuantSpec(fmt), on_quantized=capture, **CALIB)
-    build_engine(BuildConfig(root / "ckpt", root / "engine", max_seq_len=128, kv_block_size=4, max_num_tokens=64))
+    limits = dict(max_seq_len=128, kv_block_size=4, max_num_tokens=64)
+    compute = "float" if fmt in WEIGHT_ONLY else "auto"
+    build_engine(BuildConfig(root / "ckpt", root / "engine", weight_only_compute=compute, **limits))
+    if fmt in WEIGHT_ONLY:
+        build_engine(BuildConfig(root / "ckpt", root / "engine-int8-compute", **limits))
+    else:
+        with pytest.raises(BuildConfigError, match="weight-only checkpoints"):
+            build_engine(BuildConfig(root / "ckpt", root / "refused", weight_only_compute="int8", **limits))
+        assert not (root / "refused").exists()
     fp32 = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
     with torch.no_grad():
         ref["fp32"] = fp32(prompt).logits[0].numpy()
@@ -129,6 +175,29 @@ def test_engine_logits_match_modelopt_fake_quant_model(quantized, prompt):
     print(f"{fmt}: |engine - fake-quant| {engine_vs_fq:.3g}, |fake-quant - fp32| {fq_vs_fp32:.3g}")
     assert fq_vs_fp32 > 1e-3  # the quantization is real
     assert engine_vs_fq <= 0.1 * fq_vs_fp32
+
+
+def test_weight_only_int8_compute_matches_int8_activation_reference(quantized, prompt):
+    """The default build of a weight-only checkpoint computes with int8 activations, and its logits follow that math:
+    within 10 % of what rounding the activations changes (and not the float-compute engine's logits)."""
+    fmt, _, engine_dir, ref = quantized
+    if fmt not in WEIGHT_ONLY:
+        pytest.skip("W8A8 / FP8 formats quantize activations statically (checked above)")
+    engine = Engine(engine_dir.with_name("engine-int8-compute"), max_sequences=1)
+    record = engine.manifest.quantization
+    assert record["accuracy_level"] == 4
+    assert record["activations"] == "int8 dynamic per block (MatMulNBits accuracy level 4)"
+    logits = engine.step([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)])
+    expected = ref["int8_activation_logits"]
+    diff, change = np.abs(logits - expected).max(), np.abs(expected - ref["logits"]).max()
+    print(f"{fmt} int8 compute: |engine - int8-activation reference| {diff:.3g}, rounding activations changes "
+          f"{change:.3g}")
+    assert change > 1e-4 and diff <= 0.1 * change
+    float_engine = Engine(engine_dir, max_sequences=1)
+    assert float_engine.manifest.quantization["accuracy_level"] == 0
+    float_logits = float_engine.step([Chunk(prompt[0].tolist(), 0, float_engine.pool.allocate(PROMPT_LEN // 4),
+                                            PROMPT_LEN)])
+    assert np.abs(float_logits - expected).max() > 2 * diff
 
 
 def test_engine_stores_quantized_weights_and_runs_integer_kernels(quantized):

@@ -58,6 +58,9 @@ def build(
     calib_seq_len: CalibLenOption = 256,
     exclude: ExcludeOption = None,
     lm_head: LmHeadOption = "float",
+    weight_only_compute: Annotated[str, typer.Option(
+        help="onnxruntime target, int8_wo/int4_wo/int4_awq layers: int8 (inputs quantized to int8 per block on the "
+             "fly: faster, a small extra error) | float (exact dequantized weights) | auto (= int8)")] = "auto",
 ) -> None:
     """Build an engine directory from a Hugging Face checkpoint (with --quant: quantize it first)."""
     from dataclasses import replace
@@ -67,7 +70,7 @@ def build(
 
     config = BuildConfig(model, output, target=target, dtype=dtype, max_batch_size=max_batch_size,
                          max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
-                         gpu_arch=gpu_arch)
+                         gpu_arch=gpu_arch, weight_only_compute=weight_only_compute)
     if quant is None and (kv_cache_dtype is not None or calib_data is not None or exclude or lm_head != "float"):
         raise CamshaftError(
             "--kv-cache-dtype, --calib-data, --exclude and --lm-head are quantization options: add --quant")

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Batch-1 decode with the lm_head float vs int4 vs int8 (`--lm-head`), interleaved rounds in one process.
+"""Batch-1 decode of quantized engines against the int4 peers, interleaved rounds in one process.
 
-Engines are given as NAME=ENGINE_DIR; an onnxruntime-genai model directory may be added as the peer with --ortgenai.
-Each round runs every system once in a rotating order; decode tok/s medians and per-round ratios to the first engine
-are printed (the machine is shared: compare ratios). Reuses the systems of scripts/bench_latency.py.
+Engines are given as NAME=ENGINE_DIR (e.g. `--lm-head` float vs int4 vs int8, `--weight-only-compute` float vs
+int8); peers: an onnxruntime-genai model directory (--ortgenai) and llama.cpp on a GGUF file through
+llama-cpp-python (--llamacpp). Each round runs every system once in a rotating order; decode tok/s medians and
+per-round ratios to the first engine are printed (the machine is shared: compare ratios). Reuses the systems of
+scripts/bench_latency.py.
 
-    .venv/bin/python scripts/bench_lm_head.py float=out/q/head-float-engine int4=out/q/head-int4-engine \
-        int8=out/q/head-int8-engine --ortgenai out/q/ortgenai-int4 --rounds 5
+    .venv/bin/python scripts/bench_quant_decode.py float=out/q/head-float-engine int4=out/q/head-int4-engine \
+        int8=out/q/head-int8-engine --ortgenai out/q/ortgenai-int4 --llamacpp SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations
@@ -29,6 +31,32 @@ from bench_latency import (  # noqa: E402
 )
 
 from camshaft.runtime.bench import benchmark_prompt  # noqa: E402
+
+
+class LlamaCppSystem:
+    """llama.cpp through llama-cpp-python on a GGUF file: greedy, the same prompt ids (the GGUF carries the same
+    tokenizer), one context reset per run."""
+
+    def __init__(self, gguf: Path, prompt: list[int], new_tokens: int, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.name = f"llama.cpp {gguf.stem.rsplit('.', 1)[-1]}"
+        self.llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + new_tokens + 16, n_batch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+        self.prompt, self.new_tokens = prompt, new_tokens
+
+    def run(self) -> dict:
+        ids: list[int] = []
+        start = time.perf_counter()
+        first = start
+        for token in self.llm.generate(self.prompt, top_k=1, temp=0.0, reset=True):
+            if not ids:
+                first = time.perf_counter()
+            ids.append(int(token))
+            if len(ids) == self.new_tokens:
+                break
+        end = time.perf_counter()
+        return {"ttft_s": first - start, "total_s": end - start, "token_ids": ids}
 
 
 def pairs_dir(args) -> Path:
@@ -108,7 +136,8 @@ def head_kernels(vocab: int, hidden: int, threads: int, rounds: int = 7, calls: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("engines", nargs="+", help="NAME=ENGINE_DIR; the first is the baseline of the ratios")
-    parser.add_argument("--ortgenai", type=Path, help="onnxruntime-genai model directory (the peer)")
+    parser.add_argument("--ortgenai", type=Path, help="onnxruntime-genai model directory (a peer)")
+    parser.add_argument("--llamacpp", type=Path, help="GGUF file for llama.cpp through llama-cpp-python (a peer)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
@@ -133,6 +162,8 @@ def main() -> None:
         peer = OrtGenaiSystem(args.ortgenai, prompt, args.new_tokens)
         peer.name = "onnxruntime-genai int4"
         systems.append(peer)
+    if args.llamacpp is not None:
+        systems.append(LlamaCppSystem(args.llamacpp, prompt, args.new_tokens, args.threads))
     for system in systems:
         system.run()
     rates: dict[str, list[float]] = {s.name: [] for s in systems}

@@ -59,6 +59,23 @@ class LlamaCppSystem:
         return {"ttft_s": first - start, "total_s": end - start, "token_ids": ids}
 
 
+def llamacpp_perplexity(gguf: Path, text_file: Path, engine_dir: Path) -> float:
+    """llama.cpp on the whole text at once (one window), tokenized as `camshaft eval ppl` does."""
+    import math
+
+    import numpy as np
+    from llama_cpp import Llama
+
+    from camshaft.runtime.engine import Engine
+    from camshaft.runtime.perplexity import _nll, read_text
+
+    ids = Engine(engine_dir, max_sequences=1).tokenizer(read_text(text_file))["input_ids"]
+    llm = Llama(model_path=str(gguf), n_ctx=len(ids) + 8, n_batch=512, logits_all=True, verbose=False)
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float32)
+    return math.exp(_nll(logits, ids[1:]) / (len(ids) - 1))
+
+
 def pairs_dir(args) -> Path:
     return Path(args.engines[0].split("=", 1)[1])
 
@@ -142,12 +159,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--ppl-text", type=Path, help="also the peer's perplexity on this text (one window)")
+    parser.add_argument("--ppl-text", type=Path, help="also the peers' perplexity on this text (one window)")
     parser.add_argument("--kernels", action="store_true", help="also time the head's product alone per format")
     args = parser.parse_args()
     if args.ppl_text is not None and args.ortgenai is not None:
         ppl = ortgenai_perplexity(args.ortgenai, args.ppl_text, pairs_dir(args))
         print(f"onnxruntime-genai int4 perplexity: {ppl:.4f}")
+    if args.ppl_text is not None and args.llamacpp is not None:
+        ppl = llamacpp_perplexity(args.llamacpp, args.ppl_text, pairs_dir(args))
+        print(f"llama.cpp {args.llamacpp.name} perplexity: {ppl:.4f}")
     pairs = [spec.split("=", 1) for spec in args.engines]
     from camshaft.manifest import read_manifest
 

@@ -34,7 +34,7 @@ def require_plotting(plot: Path | None) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise CamshaftError("--plot needs matplotlib: pip install 'camshaft[bench]' (or drop --plot)") from exc
+        raise CamshaftError("--plot needs matplotlib: pip install matplotlib (or drop --plot)") from exc
 
 
 @bench_app.command("throughput")

@@ -8,8 +8,10 @@ from pathlib import Path
 from camshaft.errors import BuildConfigError
 
 TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
-DTYPES = ("auto", "float32", "float16")
-TARGET_DTYPES = {"onnxruntime": ("float32",), "tensorrt": ("float16",), "tensorrt-rtx": ("float16",)}
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# The first is the target's default. TensorRT: float16 or bfloat16 (sm80+, targets/precision.py) base precision.
+TARGET_DTYPES = {"onnxruntime": ("float32",), "tensorrt": ("float16", "bfloat16"),
+                 "tensorrt-rtx": ("float16", "bfloat16")}
 # How the onnxruntime target multiplies weight-only (int4/int8) layers: float dequantizes the weights (exact), int8
 # quantizes each input row to int8 per block on the fly (MatMulNBits accuracy level 4, as onnxruntime-genai and
 # llama.cpp do). auto = int8: measured on SmolLM2 in docs/quantize.md.

@@ -94,7 +94,9 @@ def kv_engine(request, tiny, prompt, tmp_path_factory):
                 q.enable()
 
     quantize_checkpoint(tiny, root / "ckpt", QuantSpec(fmt, kv_cache_dtype=kv_dtype), on_quantized=capture, **CALIB)
-    build_engine(BuildConfig(root / "ckpt", root / "engine", max_seq_len=128, kv_block_size=BLOCK, max_num_tokens=64))
+    compute = "float" if fmt == "int8_wo" else "auto"  # the weights exact: this checks the KV cache
+    build_engine(BuildConfig(root / "ckpt", root / "engine", max_seq_len=128, kv_block_size=BLOCK, max_num_tokens=64,
+                             weight_only_compute=compute))
     with Checkpoint(root / "ckpt") as ckpt:
         assert ckpt.quantization["kv_cache_quant_algo"] == kv_dtype.upper()
         scales = [s for layer in range(2) for s in ckpt.kv_scales(layer)]

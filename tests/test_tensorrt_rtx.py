@@ -1,4 +1,4 @@
-"""TensorRT-RTX plans built ahead of time on the CPU from every tiny variant's float16 graph."""
+"""TensorRT-RTX plans built ahead of time on the CPU from every tiny variant's float16 and bfloat16 graphs."""
 
 from __future__ import annotations
 
@@ -24,21 +24,22 @@ LIMITS = BuildLimits(max_batch_size=4, max_seq_len=128, max_num_tokens=32, kv_bl
 NUM_BLOCKS = 64
 
 
-def fp16_graph(root: Path, name: str) -> Path:
+def fp16_graph(root: Path, name: str, dtype: str = "float16") -> Path:
     model_dir = make_tiny_model(name, root / name)
     out = root / f"{name}-graph"
     out.mkdir()
     with Checkpoint(model_dir) as checkpoint:
-        return write_graph(checkpoint, LIMITS, "float16", out)
+        return write_graph(checkpoint, LIMITS, dtype, out)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_builds_sm89_plan(tmp_path: Path, name: str) -> None:
+def test_builds_sm89_plan(tmp_path: Path, name: str, dtype: str) -> None:
     import tensorrt_rtx
 
     from camshaft.builder.targets.tensorrt import build_plan
 
-    graph = fp16_graph(tmp_path, name)
+    graph = fp16_graph(tmp_path, name, dtype)
     plan = tmp_path / "engine" / "model.plan"
     meta = build_plan(graph, plan, product="tensorrt-rtx", gpu_arch="sm89", limits=LIMITS,
                       num_blocks_max=NUM_BLOCKS)
@@ -90,7 +91,10 @@ def test_parser_errors_name_the_node(tmp_path: Path) -> None:
                    num_blocks_max=NUM_BLOCKS)
 
 
-def test_build_engine_for_tensorrt_rtx_records_plan_and_graph(tmp_path):
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_build_engine_for_tensorrt_rtx_records_plan_and_graph(tmp_path, dtype):
+    import onnx
+
     from camshaft.builder.build import GRAPH_NAME, build_engine, file_sha256
     from camshaft.builder.config import BuildConfig
     from camshaft.errors import EngineError
@@ -99,8 +103,12 @@ def test_build_engine_for_tensorrt_rtx_records_plan_and_graph(tmp_path):
     model = make_tiny_model("qwen3-qknorm", tmp_path / "hf")
     out = tmp_path / "engine"
     manifest = build_engine(BuildConfig(model, out, target="tensorrt-rtx", max_seq_len=64, max_batch_size=4,
-                                        max_num_tokens=32, kv_block_size=8))
-    assert manifest.target == "tensorrt-rtx" and manifest.dtype == "float16"
+                                        max_num_tokens=32, kv_block_size=8, dtype=dtype))
+    base = "float16" if dtype == "auto" else dtype
+    assert manifest.target == "tensorrt-rtx" and manifest.dtype == base and manifest.kv_cache.dtype == base
+    elem = onnx.helper.tensor_dtype_to_np_dtype(
+        onnx.load(out / GRAPH_NAME, load_external_data=False).graph.input[-1].type.tensor_type.elem_type)
+    assert elem.name == base  # the plan's source graph carries the base type (KV cache inputs)
     assert manifest.artifact == "model.plan" and (out / "model.plan").stat().st_size > 100_000
     assert manifest.graph_sha256 == file_sha256(out / GRAPH_NAME)
     assert manifest.target_options["gpu_arch"] == "sm89"

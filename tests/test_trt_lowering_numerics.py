@@ -19,6 +19,12 @@ variant (onnxruntime 1.32): 0.7e-3 to 1.6e-3 of the logits' scale, so 2e-2 leave
 below the differences of the order of the logits' scale a wrong lowering (a misplaced head, rope or mask) would give.
 The raised graph run directly must match the engine to 1e-4 (float32 vs float32).
 
+bfloat16 (`--dtype bfloat16`, sm80+): the same node-for-node check against the float32 lowering. ONNX Runtime has no
+CPU bfloat16 kernels for most of these operators, so its numerics are checked on the graph with only the base float
+type raised to float32 (bfloat16 weights widened exactly, bfloat16 inputs/outputs/Casts made float32): its logits
+match the float32 engine within 5e-2 x scale (bfloat16 keeps 8 significant bits, unit roundoff 3.9e-3; this bounds
+the rounding of the weights, not bfloat16 arithmetic). Measured worst case per variant: 3.5e-3 to 1.1e-2.
+
 ONNX Runtime's CPU float16 arithmetic differs from TensorRT's GPU kernels (accumulation order and precision, fused
 attention): this bounds the lowering's float16 error, not the plan's numerics on a GPU, which were never run.
 """
@@ -43,8 +49,10 @@ from tiny_models import VARIANTS, make_tiny_model
 
 BLOCK = 4
 FP16_TOLERANCE = 2e-2
+BF16_TOLERANCE = 5e-2
 FP32_TOLERANCE = 1e-4
-FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16}
+FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+LOW = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -55,7 +63,7 @@ def variant(request, tmp_path_factory):
     manifest = build_engine(BuildConfig(model_dir, engine_dir, max_seq_len=128, kv_block_size=BLOCK,
                                         max_num_tokens=64))
     graphs = {}
-    for dtype in ("float16", "float32"):
+    for dtype in ("float16", "bfloat16", "float32"):
         out = root / dtype
         out.mkdir()
         with Checkpoint(model_dir) as checkpoint:
@@ -71,9 +79,10 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def test_fp16_graph_is_the_fp32_lowering_with_float16_types(variant):
+@pytest.mark.parametrize("low", sorted(LOW))
+def test_low_precision_graph_is_the_fp32_lowering_with_its_float_types(variant, low):
     _, _, graphs = variant
-    half, full = _load(graphs["float16"]), _load(graphs["float32"])
+    half, full = _load(graphs[low]), _load(graphs["float32"])
     # Cast nodes exist only where the float type matters (the float16 graph returns float32 logits).
     casts = [n for n in half.graph.node if n.op_type == "Cast"]
     assert [_attrs(n)["to"] for n in casts] == [TensorProto.FLOAT]
@@ -91,7 +100,7 @@ def test_fp16_graph_is_the_fp32_lowering_with_float16_types(variant):
     assert values(half.graph.output) == values(full.graph.output)
     for a, b in zip(half.graph.input, full.graph.input, strict=True):
         ta, tb = a.type.tensor_type.elem_type, b.type.tensor_type.elem_type
-        assert ta == tb or (ta, tb) == (TensorProto.FLOAT16, TensorProto.FLOAT), a.name
+        assert ta == tb or (ta, tb) == (LOW[low], TensorProto.FLOAT), a.name
     assert half.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT  # logits stay float32
     inits = {t.name: t for t in full.graph.initializer}
     for t in half.graph.initializer:
@@ -99,10 +108,31 @@ def test_fp16_graph_is_the_fp32_lowering_with_float16_types(variant):
         if ref is None:  # a generated constant name shifted by the Cast: same constants, other numbering
             continue
         assert list(t.dims) == list(ref.dims), t.name
-        assert t.data_type == ref.data_type or (t.data_type, ref.data_type) == (TensorProto.FLOAT16,
-                                                                               TensorProto.FLOAT), t.name
+        assert t.data_type == ref.data_type or (t.data_type, ref.data_type) == (LOW[low], TensorProto.FLOAT), t.name
     assert sorted((list(t.dims), t.data_type in FLOATS) for t in half.graph.initializer) == sorted(
         (list(t.dims), t.data_type in FLOATS) for t in full.graph.initializer)
+
+
+def raised_to_float32(path: Path, out: Path) -> Path:
+    """The graph with its bfloat16 base type raised to float32: weights widened exactly, types and Casts retargeted."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    graph = model.graph
+    for i, t in enumerate(graph.initializer):
+        if t.data_type == TensorProto.BFLOAT16:
+            widened = numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name)
+            graph.initializer[i].CopyFrom(widened)
+    for v in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if v.type.tensor_type.elem_type == TensorProto.BFLOAT16:
+            v.type.tensor_type.elem_type = TensorProto.FLOAT
+    for node in graph.node:
+        for a in node.attribute:
+            if a.name == "to" and a.i == TensorProto.BFLOAT16:
+                a.i = TensorProto.FLOAT
+    assert TensorProto.BFLOAT16 not in {t.data_type for t in graph.initializer}
+    onnx.save(model, str(out))
+    return out
 
 
 class GraphRunner:
@@ -170,3 +200,19 @@ def test_fp16_graph_logits_match_fp32_engine(variant):
         worst_half = max(worst_half, diff / scale)
     # The float16 graph really computes in float16: its logits differ from float32 by more than float32 rounding.
     assert worst_half > 1e-5, f"{name}: float16 logits identical to float32 ({worst_half:.2g})"
+
+
+def test_bf16_graph_raised_to_fp32_matches_fp32_engine(variant, tmp_path):
+    name, engine_dir, graphs = variant
+    engine = Engine(engine_dir, max_sequences=4)
+    raised = GraphRunner(raised_to_float32(graphs["bfloat16"], tmp_path / "raised.onnx"), engine)
+    worst = 0.0
+    for chunks in _schedule(engine, np.random.default_rng(0)):
+        expected = engine.step(chunks)
+        scale = float(np.abs(expected).max())
+        diff = float(np.abs(raised.step(chunks) - expected).max())
+        assert diff <= BF16_TOLERANCE * scale, (
+            f"{name}: raised bfloat16 graph vs float32 engine: {diff:.3g} > {BF16_TOLERANCE} x {scale:.3g}")
+        worst = max(worst, diff / scale)
+    print(f"{name}: bfloat16 weights, worst |diff| / scale {worst:.2g}")
+    assert worst > 1e-4, f"{name}: bfloat16 weights give float32 logits ({worst:.2g}): nothing was rounded"

@@ -71,6 +71,15 @@ def test_bad_arch_spelling_fails_in_build_config(tmp_path: Path) -> None:
         BuildConfig(tmp_path / "hf", tmp_path / "out", target="tensorrt-rtx", gpu_arch="ampere")
 
 
+def test_bf16_base_precision_in_build_config(tmp_path: Path) -> None:
+    config = BuildConfig(tmp_path / "hf", tmp_path / "out", target="tensorrt-rtx", dtype="bfloat16")
+    assert config.resolved_dtype == "bfloat16" and config.resolved_gpu_arch == "sm89"
+    with pytest.raises(BuildConfigError, match=r"no BF16 kernels"):
+        BuildConfig(tmp_path / "hf", tmp_path / "out", target="tensorrt-rtx", dtype="bfloat16", gpu_arch="sm75")
+    with pytest.raises(BuildConfigError, match=r"onnxruntime builds float32 engines, not bfloat16"):
+        BuildConfig(tmp_path / "hf", tmp_path / "out", dtype="bfloat16")
+
+
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory) -> dict[str, Path]:
     """Tiny llama checkpoints in the formats whose arch limits tensorrt-rtx's builder enforces itself."""

@@ -54,9 +54,10 @@ def test_matrix_records_version_source_and_our_operators() -> None:
     assert all(ops[op]["supported"] for op in used)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_every_tiny_fp16_graph_passes(tmp_path: Path, name: str) -> None:
-    path = graph(tmp_path, name, "float16")
+def test_every_tiny_low_precision_graph_passes(tmp_path: Path, name: str, dtype: str) -> None:
+    path = graph(tmp_path, name, dtype)
     onnx.checker.check_model(str(path), full_check=True)  # a valid ONNX graph (strict shape inference included)
     assert check_graph(path, "tensorrt-rtx") == []
     assert check_graph(path, "tensorrt", "10.15") == []

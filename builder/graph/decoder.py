@@ -22,7 +22,7 @@ from onnx import TensorProto
 from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.kv_quant import KV_ELEM, KVQuantizer
 from camshaft.builder.graph.linear import Linears, QuantizedFn, WeightFn
-from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
+from camshaft.builder.graph.ops import NP_DTYPES, ONNX_DTYPES, GraphWriter
 from camshaft.builder.graph.rope import cos_sin_tables
 from camshaft.manifest import BuildLimits, KVCacheLayout, TensorSpec
 from camshaft.model_config import ModelConfig
@@ -77,7 +77,7 @@ class DecoderLowering:
                  quantized: QuantizedFn | None = None, accuracy_level: int | None = None,
                  kv_cache: tuple[str, KVScalesFn] | None = None, qdq: bool = False, lm_head: str = "float") -> None:
         self.g, self.c, self.limits = g, config, limits
-        self.np_dtype = np.float16 if dtype == "float16" else np.float32
+        self.np_dtype = NP_DTYPES[dtype]
         self.elem = ONNX_DTYPES[dtype]
         self.weights = weights
         self.progress = progress

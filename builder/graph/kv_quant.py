@@ -14,11 +14,10 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from camshaft.builder.graph.ops import GraphWriter
+from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
 
 KV_ELEM = {"int8": TensorProto.INT8, "float8": TensorProto.UINT8}  # storage element type per KV cache dtype
 E4M3_MIN_NORMAL = 2.0**-6
-FLOAT_ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
 def e4m3_values() -> np.ndarray:
@@ -49,7 +48,7 @@ class KVQuantizer:
         |v| = 2^e·(1 + m/8) (normal: code 8(e+7) + m) or m·2^-9 (subnormal: code m)."""
         g, c = self.g, self.scalar
         a = g.op("Abs", [value])
-        negative = g.op("Cast", [g.op("Less", [value, c(0.0)])], to=FLOAT_ELEM[np.dtype(self.np_dtype).name])
+        negative = g.op("Cast", [g.op("Less", [value, c(0.0)])], to=ONNX_DTYPES[np.dtype(self.np_dtype).name])
         sign = g.op("Mul", [negative, c(128.0)])
         log2 = g.op("Mul", [g.op("Log", [g.op("Max", [a, c(E4M3_MIN_NORMAL)])]), c(1 / math.log(2))])
         e = g.op("Floor", [g.op("Add", [log2, c(0.0625)])])  # log2|v| - e lies in [0, 0.91]: a safe margin
@@ -67,7 +66,7 @@ class KVQuantizer:
         g = self.g
         s = g.const(np.array(scale, dtype=self.np_dtype), "kv_scale")
         if self.dtype == "int8":  # = DequantizeLinear; a DQ here meets ONNX Runtime's QDQ rewrites and breaks them
-            return g.op("Mul", [g.op("Cast", [stored], to=FLOAT_ELEM[np.dtype(self.np_dtype).name]), s])
+            return g.op("Mul", [g.op("Cast", [stored], to=ONNX_DTYPES[np.dtype(self.np_dtype).name]), s])
         if name not in self.tables:
             values = (e4m3_values() * np.float32(scale)).astype(self.np_dtype)
             self.tables[name] = g.weight(f"{name}.e4m3_table", values)

@@ -22,7 +22,7 @@ import numpy as np
 from onnx import TensorProto
 
 from camshaft.builder.checkpoint import FP8, QuantizedLinear
-from camshaft.builder.graph.ops import GraphWriter
+from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
 
 MS_DOMAIN = "com.microsoft"
 # MatMulNBits block sizes; accuracy_level 0 computes in the activation's float type (4 quantizes activations to int8).
@@ -35,7 +35,6 @@ LOWERINGS = {
     "w4a8": "float8 input Q/DQ; int4 blocked DequantizeLinear, float8 Q/DQ of the weight; MatMul",
     "qdq": "standard Q/DQ: input QuantizeLinear/DequantizeLinear per format, weight DequantizeLinear; MatMul",
 }
-FLOAT_ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 WeightFn = Callable[[str, tuple[int, ...]], np.ndarray]
 QuantizedFn = Callable[[str, int, int], QuantizedLinear | None]  # (prefix, out_dim, in_dim) → quantized layer or None
@@ -139,7 +138,7 @@ class Linears:
         scales = np.concatenate([q.scales[:, 0] for q in layers]) * np.float32(first.input_scale)
         y = g.op("Mul", [g.op("Cast", [y], to=TensorProto.FLOAT), g.weight(f"{name}.output_scale", scales)])
         if self.np_dtype != np.float32:  # int32 sums overflow float16: scale in float32 first
-            y = g.op("Cast", [y], to=FLOAT_ELEM[np.dtype(self.np_dtype).name])
+            y = g.op("Cast", [y], to=ONNX_DTYPES[np.dtype(self.np_dtype).name])
         return y
 
     def qdq_matmul(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str:

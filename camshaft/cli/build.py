@@ -42,7 +42,9 @@ def build(
     model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory")],
     output: Annotated[Path, typer.Option(help="Engine directory to write")],
     target: Annotated[str, typer.Option(help="onnxruntime (CPU) | tensorrt | tensorrt-rtx")] = "onnxruntime",
-    dtype: Annotated[str, typer.Option(help="auto (the target's native float type) | float32 | float16")] = "auto",
+    dtype: Annotated[str, typer.Option(
+        help="auto (onnxruntime: float32, tensorrt targets: float16) | float32 | float16 | bfloat16 (tensorrt, sm80+)")]
+    = "auto",
     max_batch_size: Annotated[int, typer.Option(help="Most sequences in one step")] = 32,
     max_seq_len: Annotated[int | None, typer.Option(help="Most tokens per sequence, prompt + output")] = None,
     max_num_tokens: Annotated[int, typer.Option(help="Most tokens in one step (prefill chunk size)")] = 512,

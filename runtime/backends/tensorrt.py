@@ -9,11 +9,11 @@ runtime/batch.py builds; `kv_cache_bytes`. Per step: every feed is copied into a
 as needed), its shape set on the context (`set_input_shape`), the plan enqueued with `execute_async_v3` on one CUDA
 stream, the logits copied back and the stream synchronised.
 
-KV caches: one device buffer per layer and K/V, [num_blocks, block_size, kv_heads*head_dim] float16, bound as both
-the graph's cache input and its ScatterND output (the same device pointer), so new K/V are written in place as the
-onnxruntime backend does through IOBinding. TensorRT documents no guarantee for an output bound to its input's
-memory; the first GPU run must compare logits against the onnxruntime engine (the skipped test does) before this
-aliasing is trusted.
+KV caches: one device buffer per layer and K/V, [num_blocks, block_size, kv_heads*head_dim] in the engine's float
+type, bound as both the graph's cache input and its ScatterND output (the same device pointer), so new K/V are
+written in place as the onnxruntime backend does through IOBinding. TensorRT documents no guarantee for an output
+bound to its input's memory; the first GPU run must compare logits against the onnxruntime engine (the skipped test
+does) before this aliasing is trusted.
 
 The GPU is probed with cuda-python's `cudaGetDeviceCount()` before anything of TensorRT is touched: creating a
 TensorRT runtime on a machine without a driver can crash the process instead of raising.
@@ -80,6 +80,16 @@ class _DeviceBuffer:
             self.ptr = 0
 
 
+def _numpy_dtype(trt, dtype) -> np.dtype:
+    """numpy's view of a TensorRT tensor type; trt.nptype has no bfloat16 (ml_dtypes provides it)."""
+    bf16 = getattr(getattr(trt, "DataType", None), "BF16", None)
+    if bf16 is not None and dtype == bf16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(trt.nptype(dtype))
+
+
 class TensorRTBackend:
     """Never run on a GPU (see the module docstring)."""
 
@@ -129,7 +139,7 @@ class TensorRTBackend:
         self._dtypes = {}
         for i in range(self.engine.num_io_tensors):
             name = self.engine.get_tensor_name(i)
-            self._dtypes[name] = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name)))
+            self._dtypes[name] = _numpy_dtype(trt, self.engine.get_tensor_dtype(name))
         # 4. KV caches: one device buffer each, bound as input and output.
         kv = manifest.kv_cache
         self.num_blocks = num_blocks

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # TensorRT-RTX sm89 plan builds of SmolLM2-135M-Instruct on this CPU, per format: build wall time, peak RSS, plan
 # size. Prints one markdown row per format (the table in BENCHMARKS.md, rtx-build section).
-# Usage: scripts/bench_rtx_build.sh [WORKDIR] [FORMAT...]   (formats: fp16 fp8 int8_sq int4_wo int4_awq w4a8_awq)
+# Usage: scripts/bench_rtx_build.sh [WORKDIR] [FORMAT...]   (formats: fp16 bf16 fp8 int8_sq int4_wo int4_awq w4a8_awq)
 # Quantized checkpoints use the smallest calibration that works (2 samples of 32 tokens): a build check, not an
 # accuracy one. Needs the SmolLM2 checkpoint in the camshaft cache (scripts/setup.sh or the test suite fetches it).
 set -euo pipefail
@@ -16,8 +16,10 @@ mkdir -p "$WORK"
 echo "| format | quantize (s) | build wall (s) | build_engine (s) | peak RSS (GB) | model.plan (MB) | graph data (MB) |"
 echo "|---|---|---|---|---|---|---|"
 for fmt in $FORMATS; do
-  src=$MODEL qsec="—"
-  if [ "$fmt" != fp16 ]; then
+  src=$MODEL qsec="—" dtype=()
+  if [ "$fmt" = bf16 ]; then
+    dtype=(--dtype bfloat16)
+  elif [ "$fmt" != fp16 ]; then
     src=$WORK/$fmt.ckpt
     rm -rf "$src"
     start=$(date +%s.%N)
@@ -28,7 +30,7 @@ for fmt in $FORMATS; do
   out=$WORK/$fmt-sm89
   rm -rf "$out"
   /usr/bin/time -v -o "$WORK/$fmt.time" $CAMSHAFT build --model "$src" --output "$out" --target tensorrt-rtx \
-    --gpu-arch sm89 "${LIMITS[@]}" >/dev/null 2>"$WORK/$fmt.build.log"
+    --gpu-arch sm89 "${LIMITS[@]}" ${dtype[@]+"${dtype[@]}"} >/dev/null 2>"$WORK/$fmt.build.log"
   wall=$(awk -F': ' '/Elapsed \(wall clock\)/ {n=split($2,t,":"); s=0; for(i=1;i<=n;i++) s=s*60+t[i]; printf "%.1f", s}' \
     "$WORK/$fmt.time")
   rss=$(awk -F': ' '/Maximum resident set size/ {printf "%.2f", $2/1e6}' "$WORK/$fmt.time")

@@ -58,6 +58,13 @@ def test_quantized_formats_build_tensorrt_rtx_plans(tiny, tmp_path, fmt):
     assert {t.name for t in weights} <= dq
     scales = {n.input[1] for n in graph.graph.node if n.op_type == "QuantizeLinear"}
     assert all(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.graph.initializer if t.name in scales)
+    # The same checkpoint over a bfloat16 base (sm80+; sm89 here): scales and weights' float type follow it.
+    bf16 = build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "bf16", target="tensorrt-rtx", dtype="bfloat16",
+                                    **BUILD))
+    assert bf16.dtype == "bfloat16" and (tmp_path / "bf16" / "model.plan").stat().st_size > 100_000
+    graph = onnx.load(tmp_path / "bf16" / GRAPH_NAME, load_external_data=False)
+    scales = {n.input[1] for n in graph.graph.node if n.op_type == "QuantizeLinear"}
+    assert all(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.graph.initializer if t.name in scales)
 
 
 def test_quantized_kv_cache_is_refused_before_any_work(tiny, tmp_path):

@@ -42,9 +42,10 @@ def bench_throughput(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     dataset: Annotated[str, typer.Option(help="synthetic:in=NORMAL(200,50),out=NORMAL(128,32) | jsonl:PATH")]
     = "synthetic:in=NORMAL(200,50),out=NORMAL(128,32)",
-    num_requests: Annotated[int, typer.Option(help="Requests to run")] = 64,
-    concurrency: Annotated[int, typer.Option(help="Most requests in flight")] = 32,
-    sweep: Annotated[str | None, typer.Option(help="Comma-separated concurrencies instead, e.g. 1,8,32")] = None,
+    num_requests: Annotated[int, typer.Option("--num-requests", "--num-prompts", help="Requests to run")] = 64,
+    concurrency: Annotated[str, typer.Option(
+        "--concurrency", "--max-concurrency", "--sweep",
+        help="Most requests in flight; a comma-separated list sweeps, e.g. 1,8,32")] = "32",
     seed: Annotated[int, typer.Option(help="Seed of the synthetic lengths and prompt ids")] = 0,
     threads: Annotated[int | None, typer.Option(help="Engine threads (default: the backend's)")] = None,
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
@@ -58,9 +59,11 @@ def bench_throughput(
 
     require_plotting(plot)
     try:
-        levels = [int(x) for x in sweep.split(",") if x.strip()] if sweep else [concurrency]
-    except ValueError as exc:
-        raise RequestError(f"--sweep takes comma-separated integers, got {sweep!r}") from exc
+        levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise RequestError(f"--concurrency takes positive integers, comma-separated to sweep; got {concurrency!r}")
     results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads)
     for r in results:
         o = r.python_overhead["all_steps"]
@@ -87,11 +90,12 @@ def bench_serve(
     = "prefill-heavy",
     tokenizer: Annotated[Path | None, typer.Option(help="Engine or checkpoint directory whose tokenizer sizes the "
                                                         "synthetic prompts (default: an llm target's engine)")] = None,
-    num_prompts: Annotated[int, typer.Option(help="Requests per run")] = 64,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", "--num-requests", help="Requests per run")] = 64,
     request_rate: Annotated[str, typer.Option(help="Requests/s of the Poisson arrivals, or inf; a comma-separated "
                                                    "list sweeps, e.g. 1,2,4,inf")] = "inf",
-    max_concurrency: Annotated[str | None, typer.Option(help="Most requests in flight per target; a "
-                                                             "comma-separated list sweeps, e.g. 1,8,32")] = None,
+    max_concurrency: Annotated[str | None, typer.Option(
+        "--max-concurrency", "--concurrency",
+        help="Most requests in flight per target; a comma-separated list sweeps, e.g. 1,8,32")] = None,
     goodput: Annotated[str | None, typer.Option(help="SLOs for goodput, e.g. ttft_ms=1000,tpot_ms=100")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the prompts and arrivals")] = 0,
     warmup: Annotated[int, typer.Option(help="Short warm-up requests per target")] = 2,

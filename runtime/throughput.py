@@ -1,9 +1,7 @@
 """Throughput benchmark of one engine: N requests through `LLM` with at most C in flight (a closed-loop client).
 
-Datasets: `synthetic:in=NORMAL(200,50),out=NORMAL(128,32)` (prompt and output lengths drawn with a seed, random
-prompt token ids as in `benchmark_prompt`, clipped to the engine's max_seq_len) or a JSONL file of
-{"prompt": text or token ids, "max_tokens": n} (`jsonl:PATH` or just a path ending in .jsonl). Every request is
-greedy with the end id ignored, so it generates exactly its max_tokens.
+Datasets: runtime/bench_data.py. Every request is greedy with the end id ignored, so it generates exactly its
+max_tokens.
 
 The client submits the first C requests at once and each further one as soon as one finishes. Per request:
 TTFT = submitted -> first token sampled, inter-token latencies (ITL) = gaps between its sampled tokens, end-to-end
@@ -17,10 +15,8 @@ outside the backend's model call), timed by wrapping those two calls on this LLM
 
 from __future__ import annotations
 
-import json
 import math
 import queue
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,172 +26,10 @@ import numpy as np
 
 from camshaft.errors import RequestError
 from camshaft.manifest import Manifest
+from camshaft.runtime.bench_data import BenchRequest, load_dataset, warmup_requests
 from camshaft.runtime.executor import RequestOutput
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
-
-_NUMBER = r"[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
-_DIST = re.compile(rf"^\s*(NORMAL|UNIFORM|CONST)\s*\(\s*({_NUMBER})\s*(?:,\s*({_NUMBER})\s*)?\)\s*$", re.IGNORECASE)
-SPEC_HELP = ("use synthetic:in=DIST,out=DIST with DIST one of NORMAL(mean,std), UNIFORM(low,high), CONST(n) or a "
-             "plain integer, e.g. synthetic:in=NORMAL(200,50),out=NORMAL(128,32); or jsonl:PATH (or a path ending in "
-             ".jsonl) with one {\"prompt\": ..., \"max_tokens\": ...} per line")
-
-
-@dataclass(frozen=True)
-class Distribution:
-    kind: str  # normal | uniform | const
-    a: float
-    b: float = 0.0
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        if self.kind == "normal":
-            values = rng.normal(self.a, self.b, n)
-        elif self.kind == "uniform":
-            values = rng.uniform(self.a, self.b + 1, n)  # integers low..high inclusive after flooring
-            return np.floor(values).astype(np.int64)
-        else:
-            values = np.full(n, self.a)
-        return np.rint(values).astype(np.int64)
-
-    def __str__(self) -> str:
-        if self.kind == "const":
-            return f"{self.a:g}"
-        return f"{self.kind.upper()}({self.a:g},{self.b:g})"
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    kind: str  # synthetic | jsonl
-    prompt_len: Distribution | None = None
-    output_len: Distribution | None = None
-    path: Path | None = None
-
-    def __str__(self) -> str:
-        if self.kind == "jsonl":
-            return f"jsonl:{self.path}"
-        return f"synthetic:in={self.prompt_len},out={self.output_len}"
-
-
-def parse_distribution(text: str, what: str) -> Distribution:
-    text = text.strip()
-    if re.fullmatch(r"\d+", text):
-        value = int(text)
-        if value < 1:
-            raise RequestError(f"{what} length must be >= 1, got {text!r}")
-        return Distribution("const", float(value))
-    match = _DIST.match(text)
-    if not match:
-        raise RequestError(f"cannot read the {what} length distribution {text!r}; {SPEC_HELP}")
-    kind, a, b = match.group(1).lower(), float(match.group(2)), match.group(3)
-    if kind == "const":
-        if b is not None or a < 1:
-            raise RequestError(f"CONST takes one value >= 1, got {text!r}")
-        return Distribution("const", a)
-    if b is None:
-        raise RequestError(f"{kind.upper()} takes two values, got {text!r}; {SPEC_HELP}")
-    b = float(b)
-    if kind == "normal" and (a < 1 or b < 0):
-        raise RequestError(f"NORMAL(mean,std) needs mean >= 1 and std >= 0, got {text!r}")
-    if kind == "uniform" and not 1 <= a <= b:
-        raise RequestError(f"UNIFORM(low,high) needs 1 <= low <= high, got {text!r}")
-    return Distribution(kind, a, b)
-
-
-def parse_dataset_spec(spec: str) -> DatasetSpec:
-    """`synthetic:in=...,out=...`, `jsonl:PATH` or `PATH.jsonl`; raises RequestError naming what is wrong."""
-    spec = spec.strip()
-    if spec.startswith("jsonl:") or (spec.endswith(".jsonl") and not spec.startswith("synthetic:")):
-        path = Path(spec.removeprefix("jsonl:"))
-        if not path.is_file():
-            raise RequestError(f"dataset file {path} does not exist")
-        return DatasetSpec("jsonl", path=path)
-    if not spec.startswith("synthetic:"):
-        raise RequestError(f"unknown dataset spec {spec!r}; {SPEC_HELP}")
-    body = spec.removeprefix("synthetic:")
-    # Split on the commas outside parentheses: in=NORMAL(200,50),out=NORMAL(128,32)
-    parts, depth, current = [], 0, ""
-    for ch in body:
-        depth += (ch == "(") - (ch == ")")
-        if ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += ch
-    parts.append(current)
-    fields: dict[str, Distribution] = {}
-    for part in parts:
-        key, sep, value = part.partition("=")
-        key = key.strip().lower()
-        if not sep or key not in ("in", "out"):
-            raise RequestError(f"cannot read {part!r} in dataset spec {spec!r}; {SPEC_HELP}")
-        if key in fields:
-            raise RequestError(f"{key}= given twice in dataset spec {spec!r}")
-        fields[key] = parse_distribution(value, "prompt" if key == "in" else "output")
-    missing = [k for k in ("in", "out") if k not in fields]
-    if missing:
-        raise RequestError(f"dataset spec {spec!r} lacks {', '.join(k + '=' for k in missing)}; {SPEC_HELP}")
-    return DatasetSpec("synthetic", fields["in"], fields["out"])
-
-
-def load_dataset(spec: str | DatasetSpec, num_requests: int, *, max_seq_len: int, vocab_size: int, seed: int = 0,
-                 tokenizer=None) -> list[BenchRequest]:
-    """`num_requests` requests; lengths clipped so prompt >= 1, output >= 1 and prompt + output <= max_seq_len."""
-    if num_requests < 1:
-        raise RequestError(f"num_requests must be >= 1, got {num_requests}")
-    if max_seq_len < 2:
-        raise RequestError(f"max_seq_len must be >= 2, got {max_seq_len}")
-    spec = parse_dataset_spec(spec) if isinstance(spec, str) else spec
-    if spec.kind == "jsonl":
-        return _load_jsonl(spec.path, num_requests, max_seq_len, vocab_size, tokenizer)
-    rng = np.random.default_rng(seed)
-    prompt_lens = np.clip(spec.prompt_len.sample(rng, num_requests), 1, max_seq_len - 1)
-    output_lens = np.clip(spec.output_len.sample(rng, num_requests), 1, max_seq_len - prompt_lens)
-    high = min(vocab_size, 30000)
-    low = 100 if high > 200 else 0
-    return [BenchRequest(rng.integers(low, high, int(p)).tolist(), int(o))
-            for p, o in zip(prompt_lens, output_lens, strict=True)]
-
-
-def read_jsonl_requests(path: Path) -> list[tuple[str | list, int]]:
-    """(prompt, max_tokens) per line of {"prompt": text or token ids, "max_tokens": n}; raises naming the line."""
-    rows = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            prompt, max_tokens = row["prompt"], int(row["max_tokens"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RequestError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"max_tokens\": n}} ({exc})") from exc
-        if not prompt or max_tokens < 1:
-            raise RequestError(f"{path}:{lineno}: the prompt is empty or max_tokens < 1")
-        rows.append((prompt, max_tokens))
-    if not rows:
-        raise RequestError(f"{path} holds no requests")
-    return rows
-
-
-def _load_jsonl(path: Path, num_requests: int, max_seq_len: int, vocab_size: int, tokenizer) -> list[BenchRequest]:
-    rows = []
-    for prompt, max_tokens in read_jsonl_requests(path):
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise RequestError(f"{path}: a text prompt needs the engine's tokenizer")
-            ids = tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
-            ids = list(prompt)
-        else:
-            raise RequestError(f"{path}: prompt must be text or token ids in [0, {vocab_size}), got {prompt!r:.80}")
-        ids = ids[-(max_seq_len - 1):]  # keep the end of a prompt that is too long
-        rows.append(BenchRequest(ids, min(max_tokens, max_seq_len - len(ids))))
-    return [rows[i % len(rows)] for i in range(num_requests)]
-
 
 # ---------------------------------------------------------------------------------------------------------- flops
 
@@ -418,11 +252,6 @@ def _ms(p: dict[str, float]) -> dict[str, float]:
     return {k: v * 1000 for k, v in p.items()}
 
 
-def warmup_requests(requests: list[BenchRequest], vocab_size: int, count: int = 4) -> list[BenchRequest]:
-    """Short requests with other prompt ids than `requests` (so the prefix cache cannot help the measured run)."""
-    rng = np.random.default_rng(12345)
-    return [BenchRequest(rng.integers(0, vocab_size, len(r.prompt_ids)).tolist(), min(r.max_tokens, 4))
-            for r in requests[:count]]
 
 
 def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int, concurrency: int | list[int], *,
@@ -445,45 +274,3 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
                 run_throughput(llm, warmup_requests(requests, model.vocab_size, warmup), warmup)
             results.append(run_throughput(llm, requests, c))
     return results
-
-def plot_sweep(results: list[ThroughputResult], path: str | Path, peers: dict[str, list[dict]] | None = None,
-               title: str | None = None) -> None:
-    """Output tok/s and p50 TTFT vs concurrency (needs matplotlib); `peers` adds other systems' points as
-    {name: [{"concurrency", "output_tok_s", "ttft_p50_ms"}]}."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = sorted(results, key=lambda r: r.concurrency)
-    xs = [r.concurrency for r in results]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    panels = [("output tokens/s (higher is better)", [r.output_tok_s for r in results], "output_tok_s", "{:.0f}"),
-              ("p50 time to first token, ms (lower is better)", [r.ttft_ms["p50"] for r in results], "ttft_p50_ms",
-               "{:.0f}")]
-    markers = iter(["s", "^", "D", "v"])
-    peer_styles = {name: next(markers, "x") for name in (peers or {})}
-    for ax, (label, ys, key, fmt) in zip(axes, panels, strict=True):
-        ax.plot(xs, ys, "o-", color="#2b6cb0", label="camshaft")
-        for x, y in zip(xs, ys, strict=True):
-            ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
-        for name, points in (peers or {}).items():
-            px, py = [p["concurrency"] for p in points], [p[key] for p in points]
-            ax.plot(px, py, peer_styles[name], color="#c05621", markersize=8, label=name, linestyle="none")
-            for x, y in zip(px, py, strict=True):
-                ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, -14), ha="center",
-                            fontsize=8, color="#c05621")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_title(label, fontsize=10)
-        ax.set_ylim(bottom=0, top=max(ys + [p[key] for pts in (peers or {}).values() for p in pts]) * 1.15)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -381,14 +381,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    from camshaft.runtime.bench_data import load_dataset, warmup_requests
     from camshaft.runtime.llm import LLM
-    from camshaft.runtime.throughput import (
-        linear_params,
-        load_dataset,
-        plot_sweep,
-        run_throughput,
-        warmup_requests,
-    )
+    from camshaft.runtime.throughput import linear_params, run_throughput
+    from camshaft.runtime.throughput_plot import plot_sweep
 
     load_before = os.getloadavg()[0]
     work: Path = args.work_dir

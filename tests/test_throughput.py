@@ -10,15 +10,9 @@ import pytest
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import RequestError
+from camshaft.runtime.bench_data import BenchRequest, load_dataset, parse_dataset_spec
 from camshaft.runtime.llm import LLM
-from camshaft.runtime.throughput import (
-    BenchRequest,
-    count_flops,
-    load_dataset,
-    parse_dataset_spec,
-    run_throughput,
-    throughput_benchmark,
-)
+from camshaft.runtime.throughput import count_flops, run_throughput, throughput_benchmark
 
 from tiny_models import make_tiny_model
 

@@ -40,7 +40,7 @@ def load_requests(dataset: str, num_prompts: int, tokenizer, *, seed: int = 0,
                   max_seq_len: int | None = None) -> list[ServeRequest]:
     """`prefill-heavy`, `decode-heavy`, `synthetic:in=DIST,out=DIST` (random text of about that many tokens) or
     `jsonl:PATH` of {"prompt": text, "max_tokens": n}. Lengths are clipped to max_seq_len when it is known."""
-    from camshaft.runtime.throughput import parse_dataset_spec
+    from camshaft.runtime.bench_data import parse_dataset_spec
 
     if num_prompts < 1:
         raise RequestError(f"--num-prompts must be >= 1, got {num_prompts}")
@@ -86,7 +86,7 @@ def _random_text(tokenizer, rng: np.random.Generator, pieces: list[str], length:
 
 
 def _jsonl(path: Path, num_prompts: int, tokenizer) -> list[ServeRequest]:
-    from camshaft.runtime.throughput import read_jsonl_requests
+    from camshaft.runtime.bench_data import read_jsonl_requests
 
     rows = []
     for prompt, max_tokens in read_jsonl_requests(path):

@@ -55,7 +55,8 @@ def bench_throughput(
     import json
 
     from camshaft.errors import RequestError
-    from camshaft.runtime.throughput import plot_sweep, throughput_benchmark
+    from camshaft.runtime.throughput import throughput_benchmark
+    from camshaft.runtime.throughput_plot import plot_sweep
 
     require_plotting(plot)
     try:

@@ -38,11 +38,12 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
     graph_path = out_dir / GRAPH_NAME
     quantized = checkpoint.quantized_linear if checkpoint.quantization is not None else None
     kv_dtype = checkpoint.kv_cache_dtype
+    kv_cache = (kv_dtype, checkpoint.kv_scales, checkpoint.kv_biases) if kv_dtype else None
     with open(out_dir / GRAPH_DATA, "wb") as data:
         writer = GraphWriter(data, GRAPH_DATA)
         lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
                                    quantized=quantized, accuracy_level=accuracy_level,
-                                   kv_cache=(kv_dtype, checkpoint.kv_scales) if kv_dtype else None,
+                                   kv_cache=kv_cache,
                                    qdq=qdq, lm_head=checkpoint.lm_head)
         lowering.lower()
     model = writer.model(OPSET)
@@ -68,6 +69,7 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
         "group_size": quant.get("group_size"),
         "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+        "kv_cache_affine": lowering.kv_biases is not None and lowering.kv_biases(0)[0] is not None,
         "activations": (f"{activation} static per-tensor" if activation
                         else "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None),
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,

@@ -98,6 +98,24 @@ class Checkpoint:
         k, v = (self._scalar(next((n for n in pair if n in self._where), pair[0])) for pair in names)
         return k, v
 
+    def kv_biases(self, layer: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Layer `layer`'s affine K and V cache biases ([kv_heads * head_dim], subtracted before quantizing and added
+        back after), written by `camshaft quantize` as `self_attn.k_proj.k_cache_bias`; None where absent."""
+        p = f"model.layers.{layer}.self_attn"
+        channels = self.config.num_kv_heads * self.config.head_dim
+        out = []
+        for kind in "kv":
+            name = f"{p}.{kind}_proj.{kind}_cache_bias"
+            if name not in self._where:
+                out.append(None)
+                continue
+            bias = self._raw(name).astype(np.float32).reshape(-1)
+            if bias.size != channels or not np.isfinite(bias).all():
+                raise CheckpointError(f"{name} must hold {channels} finite values (kv_heads x head_dim), got "
+                                      f"{bias.size}")
+            out.append(bias)
+        return out[0], out[1]
+
     def quantized_linear(self, prefix: str, out_dim: int, in_dim: int) -> QuantizedLinear | None:
         """The quantized weights of linear layer `prefix` (None when the layer is not quantized)."""
         if self.quantization is None or f"{prefix}.weight_scale" not in self._where:

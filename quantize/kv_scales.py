@@ -1,8 +1,11 @@
-"""INT8 KV cache scales in the unified HF checkpoint.
+"""KV cache tensors the unified HF export does not write: INT8 scales and the affine KV biases.
 
 ModelOpt 0.47's unified HF export writes FP8 KV caches only (`self_attn.k_proj.k_scale` = amax / 448) and asserts on
 INT8. camshaft calibrates INT8 KV quantizers with ModelOpt like any other, takes them out of the model before the
 export, and adds the same tensors (amax / 127, the INT8 max bound) in a side file with kv_cache_quant_algo "INT8".
+The affine KV quantizers' static biases (per KV head and channel, subtracted before quantizing) are not exported for
+FP8 or INT8 either: camshaft writes them to the same side file as `self_attn.k_proj.k_cache_bias` /
+`self_attn.v_proj.v_cache_bias`, [kv_heads * head_dim] float32 in the cache's channel order.
 """
 
 from __future__ import annotations
@@ -16,6 +19,20 @@ from camshaft.model_config import HF_QUANT_CONFIG
 INT8_MAX_BOUND = 127.0
 KV_SCALES_FILE = "kv_cache_scales.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def take_kv_biases(model: Any) -> dict[str, Any]:
+    """The affine K/V biases of every attention module (by checkpoint tensor name), removed from the quantizers so the
+    export sees plain per-tensor KV quantizers (their amax already describes the values after the bias)."""
+    biases = {}
+    for name, module in model.named_modules():
+        for kind in ("k", "v"):
+            quantizer = getattr(module, f"{kind}_bmm_quantizer", None)
+            bias = getattr(quantizer, "_bias_value", None) if quantizer is not None and quantizer.is_enabled else None
+            if bias is None:
+                continue
+            biases[f"{name}.{kind}_proj.{kind}_cache_bias"] = bias.detach().float().reshape(-1).clone()  # [H, D]
+    return biases
 
 
 def take_int8_kv_scales(model: Any) -> dict[str, Any]:
@@ -33,15 +50,19 @@ def take_int8_kv_scales(model: Any) -> dict[str, Any]:
     return scales
 
 
-def write_int8_kv_scales(checkpoint_dir: Path, scales: dict[str, Any]) -> None:
+def write_kv_tensors(checkpoint_dir: Path, tensors: dict[str, Any]) -> None:
+    """INT8 scales and/or affine biases into the side file (joining a sharded checkpoint's index)."""
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in scales.items()}, str(checkpoint_dir / KV_SCALES_FILE))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(checkpoint_dir / KV_SCALES_FILE))
     index = checkpoint_dir / INDEX_FILE
     if index.is_file():
         data = json.loads(index.read_text())
-        data["weight_map"].update(dict.fromkeys(scales, KV_SCALES_FILE))
+        data["weight_map"].update(dict.fromkeys(tensors, KV_SCALES_FILE))
         index.write_text(json.dumps(data, indent=2))
+
+
+def mark_int8_kv_cache(checkpoint_dir: Path) -> None:
     path = checkpoint_dir / HF_QUANT_CONFIG
     config = json.loads(path.read_text())
     config["quantization"]["kv_cache_quant_algo"] = "INT8"

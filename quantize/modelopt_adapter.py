@@ -19,7 +19,7 @@ from camshaft.errors import CheckpointError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.quantize.calibration import CalibrationSet, check_sizes, load_texts, tokenize
-from camshaft.quantize.kv_scales import take_int8_kv_scales, write_int8_kv_scales
+from camshaft.quantize.kv_scales import mark_int8_kv_cache, take_int8_kv_scales, take_kv_biases, write_kv_tensors
 from camshaft.quantize.spec import QuantizeError, QuantSpec, check_lm_head_fits, modelopt_config, resolve_group_size
 
 INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
@@ -103,7 +103,14 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         requantize_resmooth_fused_llm_layers(model)
     if on_quantized is not None:
         on_quantized(model)
-    kv_scales = take_int8_kv_scales(model) if spec.kv_cache_dtype == "int8" else None
+    kv_tensors = take_kv_biases(model)
+    kv_tensors.update(take_int8_kv_scales(model) if spec.kv_cache_dtype == "int8" else {})
+    if kv_tensors:  # the export sees per-tensor KV quantizers only
+        for module in model.modules():
+            for kind in ("k", "v"):
+                quantizer = getattr(module, f"{kind}_bmm_quantizer", None)
+                if quantizer is not None and hasattr(quantizer, "_bias_value"):
+                    del quantizer._bias_value
 
     t = time.perf_counter()
     progress(f"exporting unified HF checkpoint to {output}")
@@ -113,8 +120,10 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             export_hf_checkpoint(model, export_dir=str(staging))
         if not (staging / HF_QUANT_CONFIG).is_file():
             raise QuantizeError(f"ModelOpt's export wrote no {HF_QUANT_CONFIG}; nothing was quantized")
-        if kv_scales:
-            write_int8_kv_scales(staging, kv_scales)
+        if kv_tensors:
+            write_kv_tensors(staging, kv_tensors)
+        if spec.kv_cache_dtype == "int8":
+            mark_int8_kv_cache(staging)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, staging / name)

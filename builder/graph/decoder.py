@@ -51,6 +51,7 @@ SLIDING_INPUTS: tuple[TensorSpec, ...] = (
 ELEM = {"int64": I64, "bool": BOOL}
 
 KVScalesFn = Callable[[int], tuple[float, float]]
+KVBiasesFn = Callable[[int], tuple[np.ndarray | None, np.ndarray | None]]
 
 
 def kv_layout(config: ModelConfig, limits: BuildLimits, kv_dtype: str) -> KVCacheLayout:
@@ -75,7 +76,8 @@ class DecoderLowering:
     def __init__(self, g: GraphWriter, config: ModelConfig, limits: BuildLimits, dtype: str,
                  weights: WeightFn, progress: Callable[[str], None] = lambda _: None,
                  quantized: QuantizedFn | None = None, accuracy_level: int | None = None,
-                 kv_cache: tuple[str, KVScalesFn] | None = None, qdq: bool = False, lm_head: str = "float") -> None:
+                 kv_cache: tuple[str, KVScalesFn, KVBiasesFn] | None = None, qdq: bool = False,
+                 lm_head: str = "float") -> None:
         self.g, self.c, self.limits = g, config, limits
         self.np_dtype = NP_DTYPES[dtype]
         self.elem = ONNX_DTYPES[dtype]
@@ -86,6 +88,7 @@ class DecoderLowering:
         # A quantized KV cache: (int8 | float8, layer → (k_scale, v_scale)); else the cache holds the float type.
         self.kv_quant = KVQuantizer(g, kv_cache[0], self.np_dtype) if kv_cache else None
         self.kv_scales = kv_cache[1] if kv_cache else None
+        self.kv_biases = kv_cache[2] if kv_cache else None
         self.kv = kv_layout(config, limits, kv_cache[0] if kv_cache else dtype)
         self.kv_elem = KV_ELEM[kv_cache[0]] if kv_cache else self.elem
 
@@ -154,12 +157,13 @@ class DecoderLowering:
             q, k = (g.op("Unsqueeze", [t, g.ints([0])]) for t in (q, k))
         q, k = self.rope(q, hq), self.rope(k, hkv)
         scales = self.kv_scales(i) if self.kv_scales else None
+        biases = self.kv_biases(i) if self.kv_biases else (None, None)
         if self.kv_quant is not None:
-            k, v = self.kv_quant.write(k, scales[0]), self.kv_quant.write(v, scales[1])
+            k, v = self.kv_quant.write(k, scales[0], biases[0]), self.kv_quant.write(v, scales[1], biases[1])
         k_cache = g.op_to("ScatterND", [self.kv.key_inputs[i], self.write_index, k], self.kv.key_outputs[i])
         v_cache = g.op_to("ScatterND", [self.kv.value_inputs[i], "kv_write_index", v], self.kv.value_outputs[i])
         suffix = "_sliding" if c.layer_types[i] == "sliding" else ""
-        caches = (k_cache, v_cache, scales, f"{p}.self_attn")
+        caches = (k_cache, v_cache, scales, biases, f"{p}.self_attn")
         decode = self.attention(q, caches, self.groups["decode"], f"decode_mask{suffix}")
         prefill = self.attention(q, caches, self.groups["prefill"], f"prefill_mask{suffix}")
         attn = g.op("Concat", [decode, prefill], axis=0)
@@ -196,12 +200,12 @@ class DecoderLowering:
 
     def attention(self, q: str, caches: tuple, group: dict[str, str], mask: str) -> str:
         g, c = self.g, self.c
-        k_cache, v_cache, scales, name = caches
+        k_cache, v_cache, scales, biases, name = caches
         query = g.op("Reshape", [g.op("Gather", [q, group["index"]], axis=1), group["query"]], allowzero=1)
         keys, values = (g.op("Gather", [cache, group["tables"]], axis=0) for cache in (k_cache, v_cache))
         if self.kv_quant is not None:
-            keys = self.kv_quant.read(keys, scales[0], f"{name}.k")
-            values = self.kv_quant.read(values, scales[1], f"{name}.v")
+            keys = self.kv_quant.read(keys, scales[0], f"{name}.k", biases[0])
+            values = self.kv_quant.read(values, scales[1], f"{name}.v", biases[1])
         keys, values = (g.op("Reshape", [t, group["kv"]], allowzero=1) for t in (keys, values))
         out = g.op("Attention", [query, keys, values, mask], q_num_heads=c.num_heads, kv_num_heads=c.num_kv_heads,
                    scale=float(c.head_dim) ** -0.5)

@@ -1,5 +1,6 @@
 """A quantized paged KV cache: new K/V quantized with the layer's static scale before the ScatterND write, gathered
-blocks dequantized after the read.
+blocks dequantized after the read. An affine cache (a static bias per KV head and channel) subtracts the bias before
+quantizing and adds it back after dequantizing.
 
 int8: QuantizeLinear, then Cast and Mul by the scale. float8 (e4m3fn): ONNX's ScatterND and Gather take no float8
 tensors (and ONNX Runtime has no BitCast), so the cache holds the e4m3fn bit patterns as uint8: written as codes
@@ -32,9 +33,11 @@ class KVQuantizer:
         self.elem = KV_ELEM[dtype]
         self.tables: dict[str, str] = {}  # one code → value table per cache, shared by the attention groups
 
-    def write(self, x: str, scale: float) -> str:
+    def write(self, x: str, scale: float, bias: np.ndarray | None = None) -> str:
         """float K or V → what the cache stores."""
         g = self.g
+        if bias is not None:
+            x = g.op("Sub", [x, g.const(bias.astype(self.np_dtype), "kv_bias")])
         s = g.const(np.array(scale, dtype=self.np_dtype), "kv_scale")
         if self.dtype == "int8":
             return g.op("QuantizeLinear", [x, s, g.const(np.zeros((), np.int8), "zero_point")])
@@ -61,14 +64,17 @@ class KVQuantizer:
     def scalar(self, value: float) -> str:
         return self.g.const(np.array(value, dtype=self.np_dtype), "c")
 
-    def read(self, stored: str, scale: float, name: str) -> str:
+    def read(self, stored: str, scale: float, name: str, bias: np.ndarray | None = None) -> str:
         """Gathered cache blocks → float K or V."""
         g = self.g
         s = g.const(np.array(scale, dtype=self.np_dtype), "kv_scale")
         if self.dtype == "int8":  # = DequantizeLinear; a DQ here meets ONNX Runtime's QDQ rewrites and breaks them
-            return g.op("Mul", [g.op("Cast", [stored], to=ONNX_DTYPES[np.dtype(self.np_dtype).name]), s])
-        if name not in self.tables:
-            values = (e4m3_values() * np.float32(scale)).astype(self.np_dtype)
-            self.tables[name] = g.weight(f"{name}.e4m3_table", values)
-        table = self.tables[name]
-        return g.op("Gather", [table, g.op("Cast", [stored], to=TensorProto.INT32)], axis=0)
+            value = g.op("Mul", [g.op("Cast", [stored], to=ONNX_DTYPES[np.dtype(self.np_dtype).name]), s])
+        else:
+            if name not in self.tables:
+                values = (e4m3_values() * np.float32(scale)).astype(self.np_dtype)
+                self.tables[name] = g.weight(f"{name}.e4m3_table", values)
+            value = g.op("Gather", [self.tables[name], g.op("Cast", [stored], to=TensorProto.INT32)], axis=0)
+        if bias is None:
+            return value
+        return g.op("Add", [value, self.g.const(bias.astype(self.np_dtype), "kv_bias")])

@@ -53,7 +53,7 @@ def test_quantized_formats_build_tensorrt_rtx_plans(tiny, tmp_path, fmt):
     graph = onnx.load(graph_path, load_external_data=False)
     assert not any(n.domain for n in graph.graph.node)  # standard ONNX only
     weights = [t for t in graph.graph.initializer if t.data_type == WEIGHT_TYPES[fmt] and len(t.dims) == 2]
-    assert len(weights) == 8  # per layer: fused q/k/v, o, fused gate/up, down
+    assert len(weights) == 10  # per layer: fused q/k/v, o, gate, up, down
     dq = {n.input[0] for n in graph.graph.node if n.op_type == "DequantizeLinear"}
     assert {t.name for t in weights} <= dq
     scales = {n.input[1] for n in graph.graph.node if n.op_type == "QuantizeLinear"}

@@ -27,7 +27,7 @@ pytestmark = [
 
 CALIB = dict(calib_size=2, calib_seq_len=32)
 BUILD = dict(max_batch_size=4, max_seq_len=256, max_num_tokens=128)
-# Quantized weight element type per format; 30 layers × (fused q/k/v, o, fused gate/up, down).
+# Quantized weight element type per format; 30 layers × (fused q/k/v, o, gate, up, down).
 WEIGHT_TYPES = {"fp8": onnx.TensorProto.FLOAT8E4M3FN, "int8_sq": onnx.TensorProto.INT8,
                 "int4_wo": onnx.TensorProto.INT4}
 LAYERS = 30
@@ -69,6 +69,6 @@ def test_smollm2_builds_sm89_plan_from_its_own_graph(smollm2_dir: Path, tmp_path
         assert manifest.quantization["lowering"].startswith("standard Q/DQ")
         graph = onnx.load(out / GRAPH_NAME, load_external_data=False).graph
         weights = [t for t in graph.initializer if t.data_type == WEIGHT_TYPES[fmt] and len(t.dims) == 2]
-        assert len(weights) == 4 * LAYERS
+        assert len(weights) == 5 * LAYERS
     finally:
         shutil.rmtree(out, ignore_errors=True)  # ~0.5 GB each

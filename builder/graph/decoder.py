@@ -171,8 +171,9 @@ class DecoderLowering:
         o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, hq * d, c.o_bias)
         hidden = g.op("Add", [hidden, o])
         x = self.rms_norm(hidden, f"{p}.post_attention_layernorm.weight", c.hidden_size)
-        gate, up = self.linears.fused(x, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
-                                     [c.intermediate_size] * 2, c.hidden_size, c.mlp_bias, f"{p}.mlp.gate_up_proj")
+        # gate and up as two products: one fused product + Split measured ~5 % slower decode on the CPU target
+        gate, up = (self.linears.linear(x, f"{p}.mlp.{n}_proj", c.intermediate_size, c.hidden_size, c.mlp_bias)
+                    for n in ("gate", "up"))
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         down = self.linears.linear(act, f"{p}.mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
         return g.op("Add", [hidden, down])

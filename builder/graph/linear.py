@@ -8,7 +8,7 @@
   int8), MatMulInteger with the int8 weight (exact int32 sums; ONNX Runtime's fast u8s8 kernel, s8s8 is ~20x
   slower), then Mul by input scale x weight scale. (The Q/DQ form is fused by ONNX Runtime into an integer kernel
   only where no residual Add was first fused into a Gemm.)
-Layers sharing an input (q/k/v, gate/up) become one product when their formats, pre-quant scales and input scales
+Layers sharing an input (q/k/v) become one product when their formats, pre-quant scales and input scales
 agree; otherwise each layer is lowered alone.
 """
 

@@ -45,6 +45,18 @@ def _block_tables(tables: list[list[int]], blocks: int) -> np.ndarray:
     return out
 
 
+def split_decodes(chunks: list[Chunk], decode: list[int], block_size: int) -> tuple[list[int], list[int]]:
+    """With no prefill chunk in the step the prefill group is free: the longest decodes go there (as one-token
+    queries) when that cuts the K/V both groups gather, padded to each group's longest context, by a tenth."""
+    order = sorted(decode, key=lambda i: chunks[i].start_pos)
+    blocks = [chunks[i].start_pos // block_size + 1 for i in order]
+    n = len(order)
+    cost, split = min((k * blocks[k - 1] + (n - k) * blocks[-1], k) for k in range(1, n))
+    if cost > 0.9 * n * blocks[-1]:
+        return decode, []
+    return order[:split], order[split:]
+
+
 def build_step(chunks: list[Chunk], block_size: int, sliding_window: int | None) -> StepBatch:
     ids, positions, token_seq = [], [], []
     for i, chunk in enumerate(chunks):
@@ -62,6 +74,8 @@ def build_step(chunks: list[Chunk], block_size: int, sliding_window: int | None)
     offsets = np.cumsum([0] + [len(c.token_ids) for c in chunks])
     decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+    if not prefill and len(decode) > 1:
+        decode, prefill = split_decodes(chunks, decode, block_size)
     logits_index = [t for i, c in enumerate(chunks) for t in range(offsets[i + 1] - c.num_logits, offsets[i + 1])]
     feeds: dict[str, np.ndarray] = {
         "input_ids": np.asarray(ids, dtype=np.int64),

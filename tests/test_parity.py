@@ -95,3 +95,23 @@ def test_logits_only_for_requested_rows(variant):
     assert engine.step([no_logits]).shape[0] == 0
     logits = engine.step([seq.chunk(4)])
     assert_close(logits[0], reference_logits(reference, ids)[9], f"{name} after a logits-free chunk")
+
+
+def test_long_decodes_share_the_free_prefill_group(variant):
+    """A decode-only step with one long and several short contexts: the long one is attended in the (otherwise
+    empty) prefill group as a one-token query, so the short ones are not padded to its length; logits unchanged."""
+    name, engine_dir, reference = variant
+    engine = Engine(engine_dir, max_sequences=4)
+    rng = np.random.default_rng(2)
+    vocab = engine.manifest.model.vocab_size
+    ids = {k: rng.integers(3, vocab, n).tolist() for k, n in {"long": 61, "a": 7, "b": 9, "c": 10}.items()}
+    seqs = {k: PagedSequence(engine, v, rng) for k, v in ids.items()}
+    for key, seq in seqs.items():
+        engine.step([seq.chunk(len(ids[key]) - 1)])
+    chunks = [seqs[k].chunk(1) for k in ids]
+    feeds = engine.prepare(chunks).feeds
+    assert feeds["decode_token_index"].shape == (3,) and feeds["prefill_token_index"].shape == (1, 1)
+    assert feeds["decode_block_tables"].shape[1] < feeds["prefill_block_tables"].shape[1]
+    logits = engine.step(chunks)
+    for row, key in enumerate(ids):
+        assert_close(logits[row], reference_logits(reference, ids[key])[-1], f"{name} seq {key}")

@@ -12,7 +12,7 @@ import onnx
 from onnx import helper
 
 from camshaft.builder.checkpoint import READABLE_QUANT_ALGOS, Checkpoint
-from camshaft.builder.config import BuildConfig
+from camshaft.builder.config import ACCURACY_LEVELS, BuildConfig
 from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
 from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
 from camshaft.builder.graph.ops import GraphWriter, save_model
@@ -69,7 +69,8 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
         "group_size": quant.get("group_size"),
         "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
-        "kv_cache_affine": lowering.kv_biases is not None and lowering.kv_biases(0)[0] is not None,
+        "kv_cache_affine": lowering.kv_biases is not None and any(
+            b is not None for layer in range(lowering.c.num_layers) for b in lowering.kv_biases(layer)),
         "activations": (f"{activation} static per-tensor" if activation
                         else "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None),
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
@@ -109,14 +110,16 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
         check_precision(target, parse_arch(gpu_arch), quant_algo)
 
 
-def _check_weight_only_compute(config: BuildConfig, quantization: dict | None) -> None:
-    if config.weight_only_compute == "auto":
-        return
-    algo = quantization["quant_algo"] if quantization else None
-    if algo is None or READABLE_QUANT_ALGOS[algo].activation is not None:
+def is_weight_only(quant_algo: str | None) -> bool:
+    return quant_algo is not None and READABLE_QUANT_ALGOS[quant_algo].activation is None
+
+
+def check_weight_only_compute(weight_only_compute: str, quant_algo: str | None, source: str) -> None:
+    """Refuse an explicit --weight-only-compute for a checkpoint that is not weight-only (before any work)."""
+    if weight_only_compute != "auto" and not is_weight_only(quant_algo):
         raise BuildConfigError(
             "--weight-only-compute applies to weight-only checkpoints (int8_wo, int4_wo, int4_awq); "
-            f"{config.model_dir} is {'not quantized' if algo is None else algo}. Drop it.")
+            f"{source} is {'not quantized' if quant_algo is None else quant_algo}. Drop it.")
 
 
 def file_sha256(path: Path) -> str:
@@ -137,7 +140,11 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         if checkpoint.quantization is not None:
             check_quantized_target(config.target, checkpoint.quantization["quant_algo"],
                                    checkpoint.quantization.get("kv_cache_quant_algo"), config.resolved_gpu_arch)
-        _check_weight_only_compute(config, checkpoint.quantization)
+        quant_algo = checkpoint.quantization["quant_algo"] if checkpoint.quantization else None
+        check_weight_only_compute(config.weight_only_compute, quant_algo, str(config.model_dir))
+        # int8 compute by default only where the checkpoint is weight-only (an int4 lm_head on an fp8 / int8_sq
+        # checkpoint keeps float compute, as before the option existed)
+        accuracy_level = config.accuracy_level if is_weight_only(quant_algo) else ACCURACY_LEVELS["float"]
         quantization: dict = {}
         limits = BuildLimits(
             max_batch_size=config.max_batch_size,
@@ -150,7 +157,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         try:
             progress("writing model graph")
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,
-                                     qdq=config.target != "onnxruntime", accuracy_level=config.accuracy_level)
+                                     qdq=config.target != "onnxruntime", accuracy_level=accuracy_level)
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
             artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)

@@ -100,12 +100,12 @@ class Checkpoint:
 
     def kv_biases(self, layer: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Layer `layer`'s affine K and V cache biases ([kv_heads * head_dim], subtracted before quantizing and added
-        back after), written by `camshaft quantize` as `self_attn.k_proj.k_cache_bias`; None where absent."""
+        back after), named `self_attn.k_proj.k_bias` as ModelOpt's export names them; None where absent."""
         p = f"model.layers.{layer}.self_attn"
         channels = self.config.num_kv_heads * self.config.head_dim
         out = []
         for kind in "kv":
-            name = f"{p}.{kind}_proj.{kind}_cache_bias"
+            name = f"{p}.{kind}_proj.{kind}_bias"
             if name not in self._where:
                 out.append(None)
                 continue

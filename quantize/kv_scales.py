@@ -3,9 +3,10 @@
 ModelOpt 0.47's unified HF export writes FP8 KV caches only (`self_attn.k_proj.k_scale` = amax / 448) and asserts on
 INT8. camshaft calibrates INT8 KV quantizers with ModelOpt like any other, takes them out of the model before the
 export, and adds the same tensors (amax / 127, the INT8 max bound) in a side file with kv_cache_quant_algo "INT8".
-The affine KV quantizers' static biases (per KV head and channel, subtracted before quantizing) are not exported for
-FP8 or INT8 either: camshaft writes them to the same side file as `self_attn.k_proj.k_cache_bias` /
-`self_attn.v_proj.v_cache_bias`, [kv_heads * head_dim] float32 in the cache's channel order.
+The affine KV quantizers' static biases (per KV head and channel, subtracted before quantizing) go to the same side
+file under the names ModelOpt's export gives them (`self_attn.k_proj.k_bias` / `self_attn.v_proj.v_bias`), flattened
+to [kv_heads * head_dim] float32 in the cache's channel order; they are taken out of the quantizers first, so the
+export writes plain per-tensor KV scales and no second copy (its INT8 path would assert).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def take_kv_biases(model: Any) -> dict[str, Any]:
             bias = getattr(quantizer, "_bias_value", None) if quantizer is not None and quantizer.is_enabled else None
             if bias is None:
                 continue
-            biases[f"{name}.{kind}_proj.{kind}_cache_bias"] = bias.detach().float().reshape(-1).clone()  # [H, D]
+            biases[f"{name}.{kind}_proj.{kind}_bias"] = bias.detach().float().reshape(-1).clone()  # [H, D]
     return biases
 
 

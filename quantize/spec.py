@@ -56,9 +56,9 @@ FORMATS: dict[str, FormatInfo] = {
     "int4_awq": FormatInfo("INT4_AWQ_CFG", "INT4 weights, blockwise scales, AWQ", 4, True, "W4A16_AWQ"),
     "w4a8_awq": FormatInfo("W4A8_AWQ_BETA_CFG", "INT4 weights (AWQ) with FP8 activations", 4, True, "W4A8_AWQ"),
 }
-# Per-tensor scales after a static per-channel bias (ModelOpt's affine KV: the mean of each K/V channel's max and min
-# per KV head, subtracted before quantizing and added back after). Measured on SmolLM2 fake-quant perplexity
-# (docs/quantize.md): fp8 +2.3 % → +0.8 %, int8 +1.1 % → +0.7 % over the float cache.
+# Per-tensor scales after a static per-channel bias (ModelOpt's affine KV: the running mean of each K/V channel per
+# KV head over the calibration batches, subtracted before quantizing and added back after). Measured on SmolLM2
+# fake-quant perplexity (docs/quantize.md): fp8 +2.3 % → +0.8 %, int8 +1.1 % → +0.7 % over the float cache.
 KV_AFFINE_BIAS = {-2: None, -4: None, "type": "static"}
 KV_CACHE_DTYPES: dict[str, dict[str, Any]] = {
     "fp8": {"num_bits": (4, 3), "axis": None, "bias": KV_AFFINE_BIAS},

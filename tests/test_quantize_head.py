@@ -161,3 +161,13 @@ def test_bad_lm_head_is_refused_before_any_work(heads, capsys, tmp_path):
         sys.argv = argv
     err = " ".join(capsys.readouterr().err.split())
     assert "--lm-head are quantization options: add --quant" in err and not (tmp_path / "e").exists()
+
+
+def test_int4_head_on_a_w8a8_checkpoint_keeps_float_compute(tmp_path):
+    """The int8-compute default is for weight-only checkpoints: an int4 lm_head over fp8 / int8_sq layers multiplies
+    in float (accuracy level 0), as before the option existed."""
+    tiny = make_tiny_model("llama", tmp_path / "hf")
+    quantize_checkpoint(tiny, tmp_path / "fp8", QuantSpec("fp8", lm_head="int4"), calib_size=2, calib_seq_len=32)
+    manifest = build_engine(BuildConfig(tmp_path / "fp8", tmp_path / "e", max_seq_len=64, kv_block_size=4))
+    head = manifest.quantization["lm_head"]
+    assert head["dtype"] == "int4" and head["accuracy_level"] == 0 and head["activations"] is None

@@ -166,6 +166,11 @@ def test_cli_quantize(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(adapter, "import_modelopt", lambda: pytest.fail("refused only after loading ModelOpt"))
     code = camshaft("quantize", "--model", tiny, "--quant", "int4_wo", "--group-size", "64", "--output", tmp_path / "o")
     assert code == 1 and "group size 64 does not divide" in capsys.readouterr().err
+    code = camshaft("build", "--model", tiny, "--quant", "fp8", "--weight-only-compute", "int8", "--output",
+                    tmp_path / "e")
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1 and "--weight-only-compute applies to weight-only checkpoints" in err and "--quant fp8" in err
+    assert not (tmp_path / "e.ckpt").exists()
     monkeypatch.setattr(adapter, "import_modelopt", real_import)
     code = camshaft("quantize", "--model", tiny, "--quant", "int8_wo", "--calib-size", "2", "--calib-seq-len", "32",
                     "--output", tmp_path / "o")

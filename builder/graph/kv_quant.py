@@ -32,14 +32,15 @@ class KVQuantizer:
         self.g, self.dtype, self.np_dtype = g, dtype, np_dtype
         self.elem = KV_ELEM[dtype]
         self.tables: dict[str, str] = {}  # one code → value table per cache, shared by the attention groups
+        self.biases: dict[bytes, str] = {}  # one constant per bias, shared by the write and both reads
 
     def write(self, x: str, scale: float, bias: np.ndarray | None = None) -> str:
         """float K or V → what the cache stores."""
         g = self.g
         if bias is not None:
-            x = g.op("Sub", [x, g.const(bias.astype(self.np_dtype), "kv_bias")])
+            x = g.op("Sub", [x, self.bias(bias)])
         s = g.const(np.array(scale, dtype=self.np_dtype), "kv_scale")
-        if self.dtype == "int8":
+        if self.dtype == "int8":  # saturating to [-128, 127], as ModelOpt's KV quantizer does (not narrow range)
             return g.op("QuantizeLinear", [x, s, g.const(np.zeros((), np.int8), "zero_point")])
         zero = g.const(np.zeros((), ml_dtypes.float8_e4m3fn), "zero_point")
         one = g.const(np.array(1.0, dtype=self.np_dtype), "one")
@@ -77,4 +78,10 @@ class KVQuantizer:
             value = g.op("Gather", [self.tables[name], g.op("Cast", [stored], to=TensorProto.INT32)], axis=0)
         if bias is None:
             return value
-        return g.op("Add", [value, self.g.const(bias.astype(self.np_dtype), "kv_bias")])
+        return g.op("Add", [value, self.bias(bias)])
+
+    def bias(self, bias: np.ndarray) -> str:
+        key = bias.astype(np.float32).tobytes()
+        if key not in self.biases:
+            self.biases[key] = self.g.const(bias.astype(self.np_dtype), "kv_bias")
+        return self.biases[key]

@@ -28,8 +28,10 @@ def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tiny engine per test session, shared by the OpenAI server test modules."""
     root = tmp_path_factory.getbasetemp() / "openai_server"
     if not (root / MODEL / "manifest.json").is_file():
-        model = make_tiny_model("llama", root / "hf")
-        build_engine(BuildConfig(model, root / MODEL, max_seq_len=512, max_num_tokens=256, max_batch_size=16))
+        # long enough that a request asking for thousands of tokens is still running when its client hangs up (the
+        # tiny model makes ~5 tokens a ms)
+        model = make_tiny_model("llama", root / "hf", max_position_embeddings=4096)
+        build_engine(BuildConfig(model, root / MODEL, max_seq_len=4096, max_num_tokens=256, max_batch_size=16))
     return root / MODEL
 
 
@@ -223,8 +225,8 @@ HI = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": HI, "max_tokens": -3}, "max_tokens"),
     (CHAT, {"model": MODEL}, "messages"),
     (CHAT, {"model": MODEL, "messages": HI, "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"model": MODEL, "prompt": "word " * 600}, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 600}, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4200}, None),
 ])
 def test_bad_input_is_an_openai_400(served, path, body, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \

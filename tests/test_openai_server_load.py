@@ -70,7 +70,7 @@ def _idle(url: str) -> bool:
 async def _chat(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int | None] | None:
     messages = CONVERSATIONS[i % len(CONVERSATIONS)]
     if i % HANG_UP_EVERY == HANG_UP_EVERY - 1:  # asks for far more than it reads, then hangs up
-        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=400, temperature=0,
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2000, temperature=0,
                                                       stream=True, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -116,11 +116,11 @@ def test_concurrent_streams_with_hang_ups(server, engine_dir):
 def test_a_non_streaming_client_that_hangs_up_is_aborted(server):
     _, url = server
     aborted_before = metric(url, 'camshaft_request_success_total{finish_reason="abort"}')
-    body = json.dumps({"model": MODEL, "messages": CONVERSATIONS[0], "max_tokens": 440, "ignore_eos": True}).encode()
+    body = json.dumps({"model": MODEL, "messages": CONVERSATIONS[0], "max_tokens": 2000, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_until(lambda: metric(url, "camshaft_num_requests_running") == 1)  # then hang up, long before 440
+        wait_until(lambda: metric(url, "camshaft_num_requests_running") == 1)  # then hang up, long before 2000
     wait_until(lambda: _idle(url))
     assert metric(url, 'camshaft_request_success_total{finish_reason="abort"}') == aborted_before + 1
 

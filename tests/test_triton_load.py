@@ -22,14 +22,16 @@ from tiny_models import make_tiny_model
 # The queue leaves room beyond 64 clients: requests cancelled in one round may still be aborting when the next
 # round's 64 arrive.
 BATCH, QUEUE, CLIENTS, ROUNDS = 16, 64, 64, 3
-LONG = 480  # tokens of a request that runs long enough to be cancelled while it generates (max_seq_len 512)
+# Tokens of a request that runs long enough to be cancelled while it generates: the tiny model makes ~5 tokens a ms,
+# so 480 could finish before a cancellation (checked every 0.2 s) or a stop reached it on an idle machine.
+LONG = 4000
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton_load")
-    model = make_tiny_model("llama", root / "hf")
-    build_engine(BuildConfig(model, root / "engine", max_seq_len=512, max_num_tokens=128, max_batch_size=BATCH))
+    model = make_tiny_model("llama", root / "hf", max_position_embeddings=4096)
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=4096, max_num_tokens=128, max_batch_size=BATCH))
     repo = deploy_repository(root / "engine", root / "repo", llm_options={"max_queue": QUEUE})
     with TritonServer(repo, log_file=root / "tritonserver.log") as server:  # kept for a failed run
         yield Stack(server, Session(root / "engine"))
@@ -112,7 +114,10 @@ def test_stop_reaches_the_request_with_that_id_and_finished_ids_are_forgotten(st
     stack.wait_metrics(lambda m: idle(m) and m["camshaft_stoppable_requests"] == 0, "no request id left registered")
     running = Stream(grpc).send("tensorrt_llm", tensors(grpcclient, input_ids=[5, 6], request_output_len=LONG,
                                                         end_id=-1, streaming=True), request_id="id-3")
-    stack.wait_metrics(lambda m: m["camshaft_stoppable_requests"] == 1, "the long request registered")
+    # registered before it is submitted: its first token means the stop can find it (waiting for the 0.2 s metrics
+    # instead let a loaded machine finish all its tokens first)
+    _, first_error = running.responses.get(timeout=60)
+    assert first_error is None
     _, error, _ = Stream(grpc).run("tensorrt_llm", tensors(grpcclient, stop=True), request_id="id-3")
     assert error is None
     outputs, error, _ = running.collect()

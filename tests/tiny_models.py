@@ -37,9 +37,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
-def make_tiny_model(name: str, out_dir: Path, seed: int = 0) -> Path:
+def make_tiny_model(name: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
     config_cls, extra = VARIANTS[name]
-    config = getattr(transformers, config_cls)(**{**BASE, **extra})
+    config = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():

@@ -33,6 +33,7 @@ def take_kv_biases(model: Any) -> dict[str, Any]:
             if bias is None:
                 continue
             biases[f"{name}.{kind}_proj.{kind}_bias"] = bias.detach().float().reshape(-1).clone()  # [H, D]
+            del quantizer._bias_value
     return biases
 
 

@@ -103,14 +103,8 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         requantize_resmooth_fused_llm_layers(model)
     if on_quantized is not None:
         on_quantized(model)
-    kv_tensors = take_kv_biases(model)
+    kv_tensors = take_kv_biases(model)  # the export then sees per-tensor KV quantizers only
     kv_tensors.update(take_int8_kv_scales(model) if spec.kv_cache_dtype == "int8" else {})
-    if kv_tensors:  # the export sees per-tensor KV quantizers only
-        for module in model.modules():
-            for kind in ("k", "v"):
-                quantizer = getattr(module, f"{kind}_bmm_quantizer", None)
-                if quantizer is not None and hasattr(quantizer, "_bias_value"):
-                    del quantizer._bias_value
 
     t = time.perf_counter()
     progress(f"exporting unified HF checkpoint to {output}")

@@ -10,6 +10,7 @@ from pathlib import Path
 from camshaft.bench_serve.clients import Record, Target
 from camshaft.errors import RequestError
 from camshaft.runtime.throughput import percentiles
+from camshaft.runtime.throughput_plot import save_figure
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,4 @@ def plot(results: list[ServeResult], path: str | Path, title: str | None = None)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)

@@ -69,7 +69,7 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
         "group_size": quant.get("group_size"),
         "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
-        "kv_cache_affine": lowering.kv_affine,
+        "kv_cache_affine": lowering.kv_quant is not None and bool(lowering.kv_quant.biases),
         "activations": (f"{activation} static per-tensor" if activation
                         else "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None),
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,

@@ -89,7 +89,6 @@ class DecoderLowering:
         self.kv_quant = KVQuantizer(g, kv_cache[0], self.np_dtype) if kv_cache else None
         self.kv_scales = kv_cache[1] if kv_cache else None
         self.kv_biases = kv_cache[2] if kv_cache else None
-        self.kv_affine = False  # some layer's cache subtracts a bias
         self.kv = kv_layout(config, limits, kv_cache[0] if kv_cache else dtype)
         self.kv_elem = KV_ELEM[kv_cache[0]] if kv_cache else self.elem
 
@@ -159,7 +158,6 @@ class DecoderLowering:
         q, k = self.rope(q, hq), self.rope(k, hkv)
         scales = self.kv_scales(i) if self.kv_scales else None
         biases = self.kv_biases(i) if self.kv_biases else (None, None)
-        self.kv_affine = self.kv_affine or any(b is not None for b in biases)
         if self.kv_quant is not None:
             k, v = self.kv_quant.write(k, scales[0], biases[0]), self.kv_quant.write(v, scales[1], biases[1])
         k_cache = g.op_to("ScatterND", [self.kv.key_inputs[i], self.write_index, k], self.kv.key_outputs[i])

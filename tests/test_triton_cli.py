@@ -18,7 +18,7 @@ from camshaft.builder.config import BuildConfig
 from camshaft.errors import CamshaftError, RequestError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
-from camshaft.triton_repo.deploy import MARKER, bls_threads, deploy_repository
+from camshaft.triton_repo.deploy import MARKER, deploy_repository
 from camshaft.triton_repo.protocol import error_status
 from camshaft.triton_repo.server import free_port
 
@@ -52,7 +52,7 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     marker = json.loads((tmp_path / "default" / MARKER).read_text())
-    assert marker["llm_options"]["max_queue"] == 4 * 4 and marker["bls_threads"] == bls_threads(4, 16)
+    assert marker["llm_options"]["max_queue"] == 4 * 4
     assert 'string_value: "20"' in (tmp_path / "default" / "ensemble" / "config.pbtxt").read_text()  # max_requests
     deploy_repository(engine, repo, name="again")  # a camshaft repository is replaced
     assert sorted(p.parent.name for p in repo.glob("*/config.pbtxt")) == ["again", "again_sync", "tensorrt_llm"]

@@ -37,6 +37,8 @@ def stack(tmp_path_factory):
         yield Stack(server, Session(root / "engine"))
     stubs = [p for p in psutil.process_iter(["cmdline"]) if str(repo) in " ".join(p.info["cmdline"] or [])]
     assert not stubs, f"processes of the server outlived it: {stubs}"
+    # cancelled requests got their final flags: Triton unloaded every model and its stubs removed their memory
+    assert server.shm_regions and server.leaked_shm == [], f"shared memory the server left behind: {server.leaked_shm}"
 
 
 def idle(values: dict[str, float]) -> bool:
@@ -137,7 +139,7 @@ def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
         assert busy.status_code == 400 and "server busy" in busy.json()["error"], busy.text
         _, error, _ = Stream(stack.server.endpoints.grpc).run("ensemble", tensors(grpcclient, text_input="a",
                                                                                    max_tokens=4))
-        # the text model's pool holds as many requests as the executor admits: it refuses before BLS
+        # the text model holds as many requests as the executor admits: it refuses before reaching the executor
         assert error is not None and f"ensemble holds {BATCH + QUEUE} requests" in error.message(), error
         _, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", tensors(
             grpcclient, input_ids=[5, 6], request_output_len=4))

@@ -2,7 +2,7 @@
 
 Models: `tensorrt_llm` (tokens; hosts the engine's one executor), `<name>` (text, decoupled: streaming, gRPC,
 /generate, /generate_stream) and `<name>_sync` (text, not decoupled: plain HTTP/gRPC infer). The text models reach
-the executor through BLS; none loads the engine a second time.
+the executor over a private channel to the token model (channel.py); none loads the engine a second time.
 """
 
 from __future__ import annotations
@@ -40,12 +40,6 @@ def model_config(name: str, *, decoupled: bool, max_batch_size: int, token: bool
             + f"instance_group [\n  {{\n    count: {instances}\n    kind: KIND_CPU\n  }}\n]\n" + _parameters(params))
 
 
-def bls_threads(batch: int, max_queue: int | None) -> int:
-    """The python backend holds a thread per BLS request in flight (32 by default): room for every request the
-    executor admits from both text models, and for the `stop` request each may send when cancelled."""
-    return 4 * (batch + (256 if max_queue is None else max_queue)) + 16
-
-
 def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None) -> Path:
     """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments."""
     engine, repo = Path(engine).resolve(), Path(repo)
@@ -80,8 +74,8 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
             (staging / model / "config.pbtxt").write_text(config)
             shutil.copyfile(SHIM, staging / model / "1" / "model.py")
         (staging / MARKER).write_text(json.dumps({
-            "engine_dir": str(engine), "name": name, "llm_options": options, "camshaft_version": __version__,
-            "bls_threads": bls_threads(batch, options.get("max_queue"))}, indent=2) + "\n")
+            "engine_dir": str(engine), "name": name, "llm_options": options, "camshaft_version": __version__},
+            indent=2) + "\n")
         replace_dir(staging, repo)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -30,9 +30,8 @@ class TritonServer:
 
     def __init__(self, repo: Path, *, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
                  metrics_port: int = 0, exit_timeout_s: int = 5, ready_timeout_s: float = 120.0,
-                 log_file: Path | None = None, log_verbose: int = 0, bls_threads: int | None = None) -> None:
-        """Ports 0 pick free ones. log_file None: a file in a private temporary directory (see log_tail).
-        bls_threads: the python backend's threads, one per BLS request in flight (default: what deploy advises)."""
+                 log_file: Path | None = None, log_verbose: int = 0) -> None:
+        """Ports 0 pick free ones. log_file None: a file in a private temporary directory (see log_tail)."""
         self.repo = Path(repo).resolve()
         if not (self.repo.is_dir() and any(self.repo.glob("*/config.pbtxt"))):
             raise CamshaftError(f"{repo} is not a model repository (no */config.pbtxt); write one with camshaft deploy")
@@ -43,7 +42,6 @@ class TritonServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="camshaft-triton-")
         self.log_file = Path(log_file) if log_file else Path(self._tmp.name) / "tritonserver.log"
         self.log_verbose = log_verbose
-        self.bls_threads = bls_threads or advised_bls_threads(self.repo)
         self.process: subprocess.Popen | None = None
         self._shm: set[str] = set()
         self.leaked_shm: list[str] = []  # regions still present once the server exited (stop() removes them)
@@ -56,8 +54,7 @@ class TritonServer:
                 f"--grpc-address={self.host}", f"--grpc-port={e.grpc_port}",
                 "--allow-metrics=true", "--allow-cpu-metrics=true", f"--metrics-address={self.host}",
                 f"--metrics-port={e.metrics_port}", f"--exit-timeout-secs={self.exit_timeout_s}",
-                "--strict-readiness=true", f"--log-verbose={self.log_verbose}",
-                f"--backend-config=python,thread-pool-size={self.bls_threads}"]
+                "--strict-readiness=true", f"--log-verbose={self.log_verbose}"]
 
     def start(self) -> TritonServer:
         with open(self.log_file, "ab") as log:
@@ -155,15 +152,6 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def advised_bls_threads(repo: Path) -> int:
-    from camshaft.triton_repo.deploy import MARKER
-
-    try:
-        return int(json.loads((repo / MARKER).read_text())["bls_threads"])
-    except (OSError, ValueError, KeyError):
-        return 256
 
 
 def _text_model_name(repo: Path) -> str:

@@ -2,7 +2,7 @@
 (all_models/inflight_batcher_llm: `tensorrt_llm` for tokens, `ensemble`/`tensorrt_llm_bls` for text).
 
 Every model has a batch dimension (max_batch_size > 0), so clients send shape [1, ...] per request, as with
-tensorrtllm_backend. Inputs marked EXT are camshaft extensions the text model uses over BLS.
+tensorrtllm_backend. Inputs marked EXT are camshaft extensions the text models send the token model.
 """
 
 from __future__ import annotations

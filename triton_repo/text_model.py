@@ -1,146 +1,182 @@
 """The text models: `<name>` (decoupled; `stream` true streams text deltas, false sends exactly one response) and
-`<name>_sync` (not decoupled, for plain HTTP infer). Both tokenize, then reach the executor hosted by the token
-model through BLS (always streaming, to see cancellation early) and never load the engine themselves.
+`<name>_sync` (not decoupled, for plain HTTP infer). Both tokenize, then hand the token ids to the executor that the
+token model hosts, over the private channel of channel.py, and never load the engine themselves.
 
-Cancellation: the python backend of Triton 2.51 cannot cancel a BLS request, so when the client's request is
-cancelled the model sends the token model a `stop` request with the BLS request's id (tensorrtllm_backend's
-protocol), which aborts it in the executor.
+One thread owns every call into Triton's python stub once execute() has handed a request over (parsing, responses,
+cancellation checks) and every message to the executor; the channel's reader thread only passes on what arrives.
+A cancelled request is aborted in the executor and gets its final flag once the executor has let it go, so Triton
+can unload the model at shutdown.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from camshaft.errors import RequestError, ServerBusyError
+from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.engine import load_tokenizer
+from camshaft.triton_repo.channel import ChannelClient, channel_path
 from camshaft.triton_repo.protocol import one
 from camshaft.triton_repo.tensors import TEXT_TO_TOKEN
-from camshaft.triton_repo.token_model import BLS_PARAMETER, CANCEL_CHECK_S, FINAL, error_response, tensor
+from camshaft.triton_repo.token_model import CANCEL_CHECK_S, FINAL, error_response, tensor
 
 PASSED_AS_IS = {"stop_words", "bad_words"}
 HANDLED_HERE = {"text_input", "stream", "exclude_input_in_output"}
+
+
+@dataclass
+class _Call:
+    """One client request: what it asked for and what the executor has sent back so far."""
+
+    request: object
+    reply: Future | None  # the sync model's execute() waits on it; None: decoupled, responses go to the sender
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    sender: object = None
+    text: str = ""
+    stream: bool = False
+    exclude: bool = False
+    want_logprobs: bool = False
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    checked: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+    def emit(self, response, final: bool) -> None:
+        if self.reply is None:
+            self.sender.send(response, flags=FINAL if final else 0)
+        elif final and not self.reply.done():
+            self.reply.set_result(response)
 
 
 class TextModel:
     def __init__(self, args: dict, params: dict[str, str]) -> None:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.name = args["model_name"]
-        self.token_model = params["token_model"]
         self.tokenizer = load_tokenizer(Path(params["engine_dir"]))
         self.max_requests = int(params.get("max_requests") or 256)  # what the executor admits (batch + queue)
-        self.slots = threading.BoundedSemaphore(self.max_requests)
+        self.calls: dict[str, _Call] = {}
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.channel = ChannelClient(channel_path(params["token_model"]), lambda message: self.inbox.put(message))
+        self.owner = threading.Thread(target=self._own, name="camshaft-text-owner", daemon=True)
+        self.owner.start()
 
     def execute(self, requests: list):
         if self.decoupled:
             for request in requests:
-                if self.slots.acquire(blocking=False):
-                    threading.Thread(target=self._stream, args=(request,), daemon=True).start()
-                    continue
-                busy = ServerBusyError(f"server busy: {self.name} holds {self.max_requests} requests in flight, as "
-                                       "many as the executor admits; retry later or deploy with a larger --max-queue")
-                try:
-                    request.get_response_sender().send(error_response(busy), flags=FINAL)
-                except Exception as exc:
-                    pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r})")
+                self.inbox.put(("request", _Call(request, None)))
             return None
-        with ThreadPoolExecutor(len(requests)) as pool:
-            return list(pool.map(self._once, requests))
+        calls = [_Call(request, Future()) for request in requests]
+        for call in calls:
+            self.inbox.put(("request", call))
+        return [call.reply.result() for call in calls]
 
     def finalize(self) -> None:
-        pass
+        self.inbox.put(None)
+        self.owner.join(timeout=5)
+        self.channel.close()
 
-    def _stream(self, request) -> None:
-        try:
-            self._stream_one(request)
-        finally:
-            self.slots.release()
-
-    def _stream_one(self, request) -> None:
-        sender = request.get_response_sender()
-
-        def emit(response, final: bool) -> None:
-            sender.send(response, flags=FINAL if final else 0)
-
-        try:
-            self._generate(request, emit, allow_stream=True)
-        except Exception as exc:  # never leave a client waiting for its final response
-            pb_utils.Logger.log_error(f"camshaft: {self.name} failed: {exc!r}")
+    def _own(self) -> None:
+        while (message := self.inbox.get()) is not None:
             try:
-                emit(error_response(exc), True)
-            except Exception:
-                pass
+                if message[0] == "request":
+                    self._start(message[1])
+                elif message[0] == "closed":
+                    self._lost(message[1])
+                elif (call := self.calls.get(message[1])) is not None:
+                    self._on_executor(call, message)
+            except Exception as exc:  # one request's failure must not stop the others
+                pb_utils.Logger.log_error(f"camshaft: {self.name} failed: {exc!r}")
 
-    def _once(self, request):
-        responses = []
+    def _start(self, call: _Call) -> None:
+        if call.reply is None:
+            call.sender = call.request.get_response_sender()
         try:
-            self._generate(request, lambda response, final: responses.append(response), allow_stream=False)
-        except Exception as exc:  # this request's failure (BLS included) must not fail the others of the batch
-            pb_utils.Logger.log_error(f"camshaft: {self.name} failed: {exc!r}")
-            return error_response(exc)
-        return responses[-1] if responses else error_response(RuntimeError("the request was cancelled"))
-
-    def _generate(self, request, emit: Callable, allow_stream: bool) -> None:
-        try:
-            values = {t.name(): t.as_numpy() for t in request.inputs()}
-            text, stream, exclude = self._text(values), bool(one(values, "stream")), bool(
-                one(values, "exclude_input_in_output"))
-            if stream and not allow_stream:
+            if call.reply is None and len(self.calls) >= self.max_requests:
+                raise ServerBusyError(f"server busy: {self.name} holds {self.max_requests} requests in flight, as "
+                                      "many as the executor admits; retry later or deploy with a larger --max-queue")
+            values = {t.name(): t.as_numpy() for t in call.request.inputs()}
+            call.text, call.stream = self._text(values), bool(one(values, "stream"))
+            call.exclude, call.want_logprobs = (bool(one(values, "exclude_input_in_output")),
+                                                bool(one(values, "return_log_probs")))
+            if call.stream and call.reply is not None:
                 raise RequestError(f"{self.name} is not decoupled and cannot stream; send stream=true to the "
                                    f"decoupled model {self.name.removesuffix('_sync')}")
-            bls = self._bls_request(values, text, request)
+            self.channel.send(("submit", call.id, self._token_inputs(values, call.text)))
         except Exception as exc:
-            emit(error_response(exc), True)
+            self._final(call, error_response(exc))
             return
-        want_logprobs = bool(one(values, "return_log_probs"))
-        pieces, logprobs, finished, cancelled, checked = [], [], False, False, time.monotonic()
-        for response in bls.exec(decoupled=True):
-            if finished or cancelled:
-                continue  # drain what the token model still sends (it ends with a final response)
-            if response.has_error():
-                error = response.error()  # the token model's error, with its code (INVALID_ARG, UNAVAILABLE)
-                code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INVALID_ARG
-                emit(pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message(), code)), True)
-                finished = True
-                continue
-            out = {t.name(): t.as_numpy() for t in response.output_tensors()}
-            delta = one(out, "text_output") or ""
-            reason = one(out, "finish_reason")
-            if time.monotonic() - checked >= CANCEL_CHECK_S and reason is None:
-                checked = time.monotonic()
-                if request.is_cancelled():
-                    self._stop(bls.request_id())
-                    cancelled = True
-                    continue
-            extra = [tensor(n, out[n], out[n].dtype) for n in ("num_input_tokens", "num_output_tokens") if n in out]
-            if want_logprobs and "output_log_probs" in out:
-                logprobs.extend(out["output_log_probs"].reshape(-1).tolist())
-            pieces.append(delta)
-            response = None
-            if stream and (delta or reason is not None or want_logprobs):
-                response = self._response(delta, out.get("output_log_probs"), logprobs, want_logprobs, extra)
-            elif not stream and reason is not None:
-                full = "".join(pieces) if exclude else text + "".join(pieces)
-                response = self._response(full, np.asarray(logprobs), logprobs, want_logprobs, extra)
-            finished = reason is not None
-            if response is not None:
-                try:
-                    emit(response, finished)
-                except Exception:  # the client is gone
-                    self._stop(bls.request_id())
-                    cancelled, finished = True, False
-        # A cancelled request gets nothing more: Triton 2.51 completes it itself, and a thread sending its final flag
-        # races Triton's release of it (the stub crashed with a double free under a storm of cancellations).
-        if not (cancelled or finished):
-            emit(error_response(RuntimeError(f"{self.token_model} ended the request without a result")), True)
+        self.calls[call.id] = call
+
+    def _final(self, call: _Call, response) -> None:
+        self.calls.pop(call.id, None)
+        try:
+            call.emit(response, True)
+        except Exception as exc:
+            pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r})")
+
+    def _lost(self, reason: str) -> None:
+        for call in list(self.calls.values()):
+            self._final(call, None if call.cancelled and call.reply is None else
+                        error_response(ServerClosedError(f"{reason}; restart the server")))
+
+    def _on_executor(self, call: _Call, message: tuple) -> None:
+        if message[0] == "error":
+            _, _, code, text = message
+            self._final(call, None if call.cancelled and call.reply is None else
+                        pb_utils.InferenceResponse(error=pb_utils.TritonError(text, getattr(pb_utils.TritonError,
+                                                                                            code))))
+            return
+        out = message[2]
+        reason = out["finish_reason"]
+        if call.cancelled:
+            if reason is not None:  # the executor let it go: now Triton may release it
+                self._final(call, None if call.reply is None else
+                            error_response(RuntimeError("the request was cancelled")))
+            return
+        if reason is None and time.monotonic() - call.checked >= CANCEL_CHECK_S:
+            call.checked = time.monotonic()
+            if call.request.is_cancelled():
+                self._cancel(call)
+                return
+        self._deliver(call, out, reason)
+
+    def _deliver(self, call: _Call, out: dict, reason: str | None) -> None:
+        delta = out["text"]
+        extra = [tensor(n, [[out[n]]], np.int32) for n in ("num_input_tokens", "num_output_tokens") if n in out]
+        call.logprobs.extend(out["logprobs"])
+        call.pieces.append(delta)
+        response = None
+        if call.stream and (delta or reason is not None or call.want_logprobs):
+            response = self._response(delta, out["logprobs"], call.logprobs, call.want_logprobs, extra)
+        elif not call.stream and reason is not None:
+            full = "".join(call.pieces) if call.exclude else call.text + "".join(call.pieces)
+            response = self._response(full, call.logprobs, call.logprobs, call.want_logprobs, extra)
+        if response is None:
+            return
+        final = reason is not None
+        if final:
+            self.calls.pop(call.id, None)
+        try:
+            call.emit(response, final)
+        except Exception:  # the client is gone
+            if not final:
+                self._cancel(call)
+
+    def _cancel(self, call: _Call) -> None:
+        call.cancelled = True
+        try:
+            self.channel.send(("abort", call.id))
+        except ServerClosedError as exc:
+            self._lost(str(exc))
 
     def _text(self, values) -> str:
         array = values.get("text_input")
@@ -154,35 +190,23 @@ class TextModel:
             raise RequestError("text_input is empty; pass some text")
         return text
 
-    def _bls_request(self, values, text: str, request):
+    def _token_inputs(self, values, text: str) -> dict[str, np.ndarray]:
+        """The token model's inputs for this request, as tensorrtllm_backend names them."""
         ids = self.tokenizer(text)["input_ids"]
         if not ids:
             raise RequestError("text_input encodes to no tokens; pass some text")
-        inputs = [tensor("input_ids", [ids], np.int32), tensor("input_lengths", [[len(ids)]], np.int32),
-                  tensor("streaming", [[True]], np.bool_)]
+        inputs = {"input_ids": np.asarray([ids], np.int32), "input_lengths": np.asarray([[len(ids)]], np.int32),
+                  "streaming": np.asarray([[True]])}
         for name, array in values.items():
-            if name in HANDLED_HERE:
-                continue
-            target = name if name in PASSED_AS_IS else TEXT_TO_TOKEN.get(name)
+            target = None if name in HANDLED_HERE else name if name in PASSED_AS_IS else TEXT_TO_TOKEN.get(name)
             if target is not None:
-                inputs.append(pb_utils.Tensor(target, array.reshape(1, -1)))
-        outputs = ["text_output", "finish_reason", "cum_log_probs", "output_log_probs", "num_input_tokens",
-                   "num_output_tokens"]
-        return pb_utils.InferenceRequest(model_name=self.token_model, inputs=inputs, requested_output_names=outputs,
-                                         request_id=f"{self.name}-{uuid.uuid4().hex}",
-                                         parameters={BLS_PARAMETER: True})
-
-    def _stop(self, request_id: str) -> None:
-        stop = pb_utils.InferenceRequest(model_name=self.token_model, request_id=request_id,
-                                         inputs=[tensor("stop", [[True]], np.bool_)], requested_output_names=[])
-        for _ in stop.exec(decoupled=True):
-            pass
+                inputs[target] = np.asarray(array).reshape(1, -1)
+        return inputs
 
     @staticmethod
-    def _response(text: str, new_logprobs, logprobs: list[float], want_logprobs: bool, extra: list):
+    def _response(text: str, new_logprobs: list[float], logprobs: list[float], want_logprobs: bool, extra: list):
         tensors = [tensor("text_output", [[text.encode()]], np.object_), *extra]
         if want_logprobs:
-            new = [] if new_logprobs is None else np.asarray(new_logprobs, np.float32).reshape(-1).tolist()
             tensors += [tensor("cum_log_probs", [[sum(logprobs)]], np.float32),
-                        tensor("output_log_probs", [[new]], np.float32)]
+                        tensor("output_log_probs", [[list(new_logprobs)]], np.float32)]
         return pb_utils.InferenceResponse(output_tensors=tensors)

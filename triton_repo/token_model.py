@@ -3,7 +3,8 @@ request of every model shares one running batch (in-flight batching).
 
 execute() only parses and submits; the executor's sinks put outputs on one queue that a responder thread turns
 into Triton responses. A cancelled request (gRPC stream cancelled, client gone) or a `stop` request with the same
-request id aborts the request in the executor, which frees its KV blocks before the next step.
+request id aborts the request in the executor, which frees its KV blocks before the next step. The text models
+reach the same executor over the channel of channel.py.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import triton_python_backend_utils as pb_utils
 
 from camshaft.runtime.executor import RequestOutput
 from camshaft.runtime.llm import LLM
+from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import TokenRequest, error_status, one, token_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.2  # how often a running request asks Triton whether it was cancelled (an IPC round trip)
-BLS_PARAMETER = "camshaft_text_model"
 
 
 def merge(outputs: list[RequestOutput]) -> RequestOutput:
@@ -57,7 +58,6 @@ class _Job:
     logprobs: list[float] = field(default_factory=list)
     checked: float = field(default_factory=time.monotonic)
     cancelled: bool = False
-    bls: bool = False  # from camshaft's text model: Triton 2.51 cannot cancel it; the text model sends `stop`
 
 
 class TokenModel:
@@ -70,6 +70,7 @@ class TokenModel:
         self.lock = threading.Lock()
         self.responder = threading.Thread(target=self._respond, name="camshaft-responder", daemon=True)
         self.responder.start()
+        self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -89,13 +90,12 @@ class TokenModel:
                 job = self.by_client_id.get(client_id)
             for request_id in job.request_ids if job else ():
                 self.llm.abort(request_id)
-            self.outputs.put((sender, None))
+            self.outputs.put((sender, pb_utils.InferenceResponse(output_tensors=[])))
             return
         engine = self.llm.engine
         spec = token_request(values, tokenizer=self.llm.tokenizer, eos_token_ids=engine.eos_token_ids,
                              exclude_default=self.exclude_default)
-        job = _Job(request, sender, spec, client_id,
-                   bls=bool(json.loads(request.parameters() or "{}").get(BLS_PARAMETER)))
+        job = _Job(request, sender, spec, client_id)
         # Registered before it can finish, under the lock: the responder removes it only once it is registered,
         # and a stop request sees its request ids.
         with self.lock:
@@ -167,7 +167,7 @@ class TokenModel:
             job.sender.send(error_response(output.error), flags=FINAL)
             return
         now = time.monotonic()
-        if not (output.finished or job.cancelled or job.bls) and now - job.checked >= CANCEL_CHECK_S:
+        if not (output.finished or job.cancelled) and now - job.checked >= CANCEL_CHECK_S:
             job.checked = now
             if job.request.is_cancelled():
                 job.cancelled = True
@@ -202,7 +202,42 @@ class TokenModel:
                 tensors.append(tensor("num_output_tokens", [[len(job.tokens)]], np.int32))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
+    def _from_channel(self, send: Send, call_id: str, values: dict) -> list[str]:
+        """A text model's request: outputs go back over the channel as plain values (see channel.py)."""
+        try:
+            spec = token_request(values, tokenizer=self.llm.tokenizer, eos_token_ids=self.llm.engine.eos_token_ids,
+                                 exclude_default=self.exclude_default)
+            generated = [0]
+
+            def sink(output: RequestOutput) -> None:
+                self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
+                generated[0] += len(output.token_ids)
+                if output.finished:
+                    self.metrics.count("camshaft_requests_finished_total")
+                    if output.result is not None and output.result.finish_reason == "abort":
+                        self.metrics.count("camshaft_requests_aborted_total")
+                if output.error is not None:
+                    send(("error", call_id, *error_status(output.error)))
+                    return
+                payload = {"text": output.delta, "finish_reason": None,
+                           "logprobs": [s.logprob for s in output.logprobs] if spec.log_probs else []}
+                if output.finished:
+                    payload["finish_reason"] = output.result.finish_reason
+                    if spec.num_input_tokens:
+                        payload["num_input_tokens"] = len(spec.prompt_ids)
+                    if spec.num_output_tokens:
+                        payload["num_output_tokens"] = generated[0]
+                send(("out", call_id, payload))
+
+            ids = self.llm.submit(spec.prompt_ids, spec.params, sink)
+        except Exception:
+            self.metrics.count("camshaft_requests_refused_total")
+            raise
+        self.metrics.count("camshaft_requests_total")
+        return ids
+
     def finalize(self) -> None:
+        self.channel.close()
         self.llm.close()  # unfinished requests get an error output, which the responder still sends
         self.outputs.put(None)
         self.responder.join()

@@ -1,0 +1,155 @@
+"""How the text models reach the executor that the token model hosts: a Unix socket private to one tritonserver.
+
+Triton's BLS was the first way, and Triton 2.51's python backend does not survive it under load: with 80 concurrent
+decoupled BLS streams from the text model, a stub crashed (heap corruption) or lost responses within a few storms
+(its IPC thread builds the tensors of decoupled BLS responses; BLS responses are the only difference from token-model
+clients, which ran 40 storms clean). So the token model listens on `channel_path()`, in a directory only this user
+can enter, and each text model instance keeps one connection: it sends ("submit", call id, token inputs) and
+("abort", call id) and receives ("out", call id, payload) until the payload has a finish reason, or ("error", call id,
+code, message). The engine is still loaded once, and every request shares its one running batch.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+
+from camshaft.errors import ServerClosedError
+from camshaft.triton_repo.protocol import error_status
+
+Send = Callable[[tuple], None]
+
+
+def channel_path(token_model: str) -> Path:
+    """The same path in every stub of one tritonserver: their parent process is the server."""
+    return Path(tempfile.gettempdir()) / f"camshaft-triton-{os.getuid()}-{os.getppid()}" / f"{token_model}.sock"
+
+
+class ChannelServer:
+    """Token-model side. submit(send, call_id, values) returns the executor's request ids (it raises to refuse);
+    abort(request_id) stops one. A connection that closes aborts its unfinished requests."""
+
+    def __init__(self, path: Path, submit: Callable[[Send, str, dict], list[str]],
+                 abort: Callable[[str], None]) -> None:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        info = path.parent.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise ServerClosedError(f"{path.parent} must belong to this user with mode 0700 (it holds the socket "
+                                    "to the executor); remove it and restart the server")
+        path.unlink(missing_ok=True)
+        self.path, self.submit, self.abort = path, submit, abort
+        self.listener = Listener(str(path), family="AF_UNIX")
+        self.connections: list[Connection] = []
+        threading.Thread(target=self._accept, name="camshaft-channel", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection = self.listener.accept()
+            except OSError:
+                return  # closed
+            self.connections.append(connection)
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: Connection) -> None:
+        outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        owned: dict[str, list[str]] = {}
+        lock = threading.Lock()
+
+        def send(message: tuple) -> None:
+            finished = message[0] == "error" or message[2].get("finish_reason") is not None
+            if finished:
+                with lock:
+                    owned.pop(message[1], None)
+            outgoing.put(message)
+
+        threading.Thread(target=_write, args=(connection, outgoing), daemon=True).start()
+        try:
+            while True:
+                kind, call_id, *rest = connection.recv()
+                if kind == "submit":
+                    with lock:
+                        owned[call_id] = []
+                    try:
+                        ids = self.submit(send, call_id, rest[0])
+                    except Exception as exc:
+                        send(("error", call_id, *error_status(exc)))
+                        continue
+                    with lock:
+                        if call_id in owned:
+                            owned[call_id] = ids
+                elif kind == "abort":
+                    with lock:
+                        ids = owned.get(call_id, [])
+                    for request_id in ids:
+                        self.abort(request_id)
+        except (EOFError, OSError):
+            pass
+        finally:
+            with lock:
+                unfinished = [i for ids in owned.values() for i in ids]
+            for request_id in unfinished:
+                self.abort(request_id)
+            outgoing.put(None)
+
+    def close(self) -> None:
+        self.listener.close()
+        for connection in self.connections:
+            connection.close()
+        self.path.unlink(missing_ok=True)
+
+
+def _write(connection: Connection, outgoing: queue.SimpleQueue) -> None:
+    while (message := outgoing.get()) is not None:
+        try:
+            connection.send(message)
+        except OSError:
+            return
+
+
+class ChannelClient:
+    """Text-model side: send() from one thread; what arrives goes to deliver(message) from a reader thread, and
+    ("closed", reason) once the connection is gone (the next send reconnects)."""
+
+    def __init__(self, path: Path, deliver: Send, connect_timeout_s: float = 60.0) -> None:
+        self.path, self.deliver, self.connect_timeout_s = path, deliver, connect_timeout_s
+        self.connection: Connection | None = None
+
+    def send(self, message: tuple) -> None:
+        if self.connection is None:
+            self.connection = self._connect()
+            threading.Thread(target=self._read, args=(self.connection,), daemon=True).start()
+        try:
+            self.connection.send(message)
+        except OSError as exc:
+            self.connection = None
+            raise ServerClosedError(f"the executor's channel {self.path} closed ({exc})") from exc
+
+    def _connect(self) -> Connection:
+        deadline = time.monotonic() + self.connect_timeout_s
+        while True:  # the token model may still be loading
+            try:
+                return Client(str(self.path), family="AF_UNIX")
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                if time.monotonic() > deadline:
+                    raise ServerClosedError(f"no executor listens on {self.path}: is its token model loaded?") from exc
+                time.sleep(0.1)
+
+    def _read(self, connection: Connection) -> None:
+        try:
+            while True:
+                self.deliver(connection.recv())
+        except (EOFError, OSError) as exc:
+            if self.connection is connection:
+                self.connection = None
+            self.deliver(("closed", f"the executor's channel closed ({exc!r})"))
+
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()

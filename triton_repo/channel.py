@@ -89,7 +89,7 @@ class ChannelServer:
                         ids = owned.get(call_id, [])
                     for request_id in ids:
                         self.abort(request_id)
-        except (EOFError, OSError):
+        except (EOFError, OSError, TypeError):  # TypeError: close() closed it under recv()
             pass
         finally:
             with lock:
@@ -145,7 +145,7 @@ class ChannelClient:
         try:
             while True:
                 self.deliver(connection.recv())
-        except (EOFError, OSError) as exc:
+        except (EOFError, OSError, TypeError) as exc:  # TypeError: close() closed it under recv()
             if self.connection is connection:
                 self.connection = None
             self.deliver(("closed", f"the executor's channel closed ({exc!r})"))

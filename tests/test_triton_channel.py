@@ -1,0 +1,113 @@
+"""The channel between the Triton text models and the executor the token model hosts (triton_repo/channel.py), over a
+real Unix socket to a real LLM: streamed outputs equal Session's, abort and a closed connection free the request's
+blocks, a refused request comes back as an error with its Triton code, and no listener is a clear error."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import ServerClosedError
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+from camshaft.triton_repo.channel import ChannelClient, ChannelServer
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("channel")
+    model = make_tiny_model("llama", root / "hf", max_position_embeddings=4096)
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=4096, max_num_tokens=64, max_batch_size=4))
+    return root / "engine"
+
+
+@pytest.fixture
+def channel(engine_dir, tmp_path):
+    """A channel server in front of an LLM (as the token model sets it up) and a client."""
+    with LLM(engine_dir, max_queue=2) as llm:
+
+        def submit(send, call_id, values):
+            def sink(output):
+                reason = output.result.finish_reason if output.finished else None
+                send(("out", call_id, {"ids": list(output.token_ids), "finish_reason": reason}))
+
+            return llm.submit(values["prompt"], SamplingParams(max_tokens=values["max_tokens"], ignore_eos=True),
+                              sink)
+
+        server = ChannelServer(tmp_path / "private" / "executor.sock", submit, llm.abort)
+        arrived: queue.Queue = queue.Queue()
+        client = ChannelClient(server.path, arrived.put)
+        try:
+            yield llm, client, arrived
+        finally:
+            client.close()
+            server.close()
+
+
+def collect(arrived: queue.Queue, call_id: str) -> tuple[list[int], str]:
+    ids = []
+    while True:
+        message = arrived.get(timeout=60)
+        assert message[:2] == ("out", call_id), message
+        ids += message[2]["ids"]
+        if message[2]["finish_reason"] is not None:
+            return ids, message[2]["finish_reason"]
+
+
+def wait_idle(llm: LLM) -> None:
+    deadline = time.monotonic() + 30
+    while llm.load().running or llm.load().kv_blocks_used:
+        assert time.monotonic() < deadline, f"the executor kept {llm.load()}"
+        time.sleep(0.02)
+
+
+def test_outputs_stream_back_equal_to_session(engine_dir, channel):
+    llm, client, arrived = channel
+    expected = Session(engine_dir).generate([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+    client.send(("submit", "a", {"prompt": [5, 6, 7], "max_tokens": 20}))
+    assert collect(arrived, "a") == (expected.token_ids, "length")
+    wait_idle(llm)
+
+
+def test_abort_and_a_closed_connection_free_the_request(channel):
+    llm, client, arrived = channel
+    client.send(("submit", "long", {"prompt": [5, 6], "max_tokens": 4000}))
+    assert arrived.get(timeout=60)[:2] == ("out", "long")
+    client.send(("abort", "long"))
+    ids, reason = collect(arrived, "long")
+    assert reason == "abort" and len(ids) < 4000
+    wait_idle(llm)
+    client.send(("submit", "gone", {"prompt": [5, 6], "max_tokens": 4000}))
+    assert arrived.get(timeout=60)[:2] == ("out", "gone")
+    client.close()  # a text model that went away: the server aborts what it left running
+    wait_idle(llm)
+
+
+def test_a_refused_request_comes_back_as_an_error_with_its_code(channel):
+    llm, client, arrived = channel
+    client.send(("submit", "empty", {"prompt": [], "max_tokens": 4}))
+    kind, call_id, code, message = arrived.get(timeout=60)
+    assert (kind, call_id, code) == ("error", "empty", "INVALID_ARG") and "no tokens" in message
+    running = [f"busy-{i}" for i in range(4 + 2)]  # the batch and the queue full
+    for call_id in running:
+        client.send(("submit", call_id, {"prompt": [5, 6], "max_tokens": 4000}))
+    client.send(("submit", "one-too-many", {"prompt": [5, 6], "max_tokens": 4}))
+    while (message := arrived.get(timeout=60))[1] != "one-too-many":
+        pass
+    assert message[0] == "error" and message[2] == "UNAVAILABLE" and "busy" in message[3], message
+    for call_id in running:
+        client.send(("abort", call_id))
+    wait_idle(llm)
+
+
+def test_no_listener_is_a_clear_error(tmp_path):
+    client = ChannelClient(tmp_path / "nobody.sock", lambda message: None, connect_timeout_s=0.3)
+    with pytest.raises(ServerClosedError, match="no executor listens on .*nobody.sock"):
+        client.send(("submit", "x", {}))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -11,7 +10,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from camshaft.runtime.detokenizer import TextStream
 
-SMOLLM2_DIR = Path.home() / ".cache" / "camshaft" / "models" / "smollm2-135m-instruct"
 CORPUS = [
     "Hello world. The quick brown fox jumps over the lazy dog, again and again.",
     "日本語のテキストと中文文本，还有한국어 문장.",
@@ -43,9 +41,7 @@ def byte_bpe() -> PreTrainedTokenizerFast:
 def tokenizer(request, byte_bpe):
     if request.param == "byte_bpe":
         return byte_bpe
-    if not (SMOLLM2_DIR / "tokenizer.json").exists():
-        pytest.skip(f"no SmolLM2 tokenizer at {SMOLLM2_DIR}")
-    return AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    return AutoTokenizer.from_pretrained(request.getfixturevalue("smollm2_dir"))
 
 
 def _stream(tokenizer, prompt_ids, ids, **kwargs) -> tuple[TextStream, list[str]]:

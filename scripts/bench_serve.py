@@ -90,6 +90,22 @@ def _row(r: dict, base: dict | None) -> str:
             + " / ".join(f"{r['e2e_ms'][p] / 1000:.2f}" for p in ("p50", "p90", "p99")) + " |")
 
 
+def summary(results: list[dict]) -> str:
+    """One line per server: its output tok/s and p50 TTFT against `llm` at each point of the sweep."""
+    def point(r: dict) -> tuple:
+        return r["max_concurrency"], r["request_rate"]
+
+    base = {point(r): r for r in results if r["target"] == "llm"}
+    points = ", ".join(f"max concurrency {c or '∞'} at {rate} req/s" for c, rate in base)
+    lines = []
+    for target in dict.fromkeys(r["target"] for r in results if r["target"] != "llm"):
+        rows = [r for r in results if r["target"] == target and point(r) in base]
+        tok = " / ".join(f"{r['output_tok_s'] / base[point(r)]['output_tok_s']:.2f}×" for r in rows)
+        ttft = " / ".join(f"{r['ttft_ms']['p50'] / base[point(r)]['ttft_ms']['p50']:.2f}×" for r in rows)
+        lines.append(f"{target}: output tok/s {tok}, p50 TTFT {ttft}")
+    return f"Against `llm` ({points}): " + "; ".join(lines) + "."
+
+
 def markdown(runs: dict[str, dict], command: str, load: tuple[float, float]) -> str:
     m = machine_info()
     v = m["versions"]
@@ -116,7 +132,7 @@ def markdown(runs: dict[str, dict], command: str, load: tuple[float, float]) -> 
             base = next((b for b in results if b["target"] == "llm" and b["max_concurrency"] == r["max_concurrency"]
                          and b["request_rate"] == r["request_rate"]), None)
             out.append(_row(r, base if base is not r else None))
-        out += ["", f"![{name}](docs/bench/serve-{name}.png)", ""]
+        out += ["", summary(results), "", f"![{name}](docs/bench/serve-{name}.png)", ""]
     out.append(END)
     return "\n".join(out)
 

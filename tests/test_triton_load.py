@@ -5,6 +5,7 @@ requests; a full queue is refused as busy. One server for the module; state is r
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import psutil
 import pytest
@@ -27,18 +28,30 @@ BATCH, QUEUE, CLIENTS, ROUNDS = 16, 64, 64, 3
 LONG = 4000
 
 
+# SmolLM2 gets prompts of mixed lengths too (~5 to ~300 tokens) and answers of up to 64 tokens.
+SMOLLM2_PROMPTS = [*PROMPTS, "Explain in one paragraph why the sky is blue. " * 4,
+                   "Summarise: " + "The committee met on Tuesday to discuss the budget and the venue. " * 8,
+                   "List the planets of the solar system in order, with one fact about each. " * 15]
+
+
+@contextmanager
+def serving(engine, root):
+    repo = deploy_repository(engine, root / "repo", llm_options={"max_queue": QUEUE})
+    with TritonServer(repo, log_file=root / "tritonserver.log") as server:  # kept for a failed run
+        yield Stack(server, Session(engine))
+    stubs = [p for p in psutil.process_iter(["cmdline"]) if str(repo) in " ".join(p.info["cmdline"] or [])]
+    assert not stubs, f"processes of the server outlived it: {stubs}"
+    # cancelled requests got their final flags: Triton unloaded every model and its stubs removed their memory
+    assert server.shm_regions and server.leaked_shm == [], f"shared memory the server left behind: {server.leaked_shm}"
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton_load")
     model = make_tiny_model("llama", root / "hf", max_position_embeddings=4096)
     build_engine(BuildConfig(model, root / "engine", max_seq_len=4096, max_num_tokens=128, max_batch_size=BATCH))
-    repo = deploy_repository(root / "engine", root / "repo", llm_options={"max_queue": QUEUE})
-    with TritonServer(repo, log_file=root / "tritonserver.log") as server:  # kept for a failed run
-        yield Stack(server, Session(root / "engine"))
-    stubs = [p for p in psutil.process_iter(["cmdline"]) if str(repo) in " ".join(p.info["cmdline"] or [])]
-    assert not stubs, f"processes of the server outlived it: {stubs}"
-    # cancelled requests got their final flags: Triton unloaded every model and its stubs removed their memory
-    assert server.shm_regions and server.leaked_shm == [], f"shared memory the server left behind: {server.leaked_shm}"
+    with serving(root / "engine", root) as stack:
+        yield stack
 
 
 def idle(values: dict[str, float]) -> bool:
@@ -46,10 +59,10 @@ def idle(values: dict[str, float]) -> bool:
             and values["camshaft_kv_cache_blocks_used"] == 0)
 
 
-def client(stack: Stack, index: int, round_: int):
+def client(stack: Stack, index: int, round_: int, prompts: list[str], lengths: tuple[int, ...]):
     """A text client (even index) or a token client (odd); every fourth cancels after two responses."""
-    prompt = PROMPTS[(index + round_) % len(PROMPTS)]
-    max_tokens = (4, 12, 24, 40)[(index // 2 + round_) % 4]
+    prompt = prompts[(index + round_) % len(prompts)]
+    max_tokens = lengths[(index // 2 + round_) % len(lengths)]
     cancel_after = 2 if index % 4 == 3 else None
     if index % 2 == 0:
         inputs = tensors(grpcclient, text_input=prompt, max_tokens=max_tokens, stream=True)
@@ -63,16 +76,17 @@ def client(stack: Stack, index: int, round_: int):
     return model, prompt, max_tokens, outputs, error, cancelled
 
 
-def test_64_streaming_clients_three_rounds_with_cancellation(stack):
-    for prompt in PROMPTS:
-        for max_tokens in (4, 12, 24, 40):
+def run_load(stack: Stack, prompts: list[str], lengths: tuple[int, ...]) -> None:
+    """CLIENTS concurrent streams x ROUNDS; every stream not cancelled equals its single-request output."""
+    for prompt in prompts:
+        for max_tokens in lengths:
             stack.reference(prompt, max_tokens)
     before = stack.metrics()
     completed = 0
     with ThreadPoolExecutor(CLIENTS) as pool:
         for round_ in range(ROUNDS):
             for model, prompt, max_tokens, outputs, error, cancelled in pool.map(
-                    lambda i, r=round_: client(stack, i, r), range(CLIENTS)):
+                    lambda i, r=round_: client(stack, i, r, prompts, lengths), range(CLIENTS)):
                 assert error is None, f"{model} {prompt!r}: {error}"
                 if cancelled:
                     continue
@@ -87,6 +101,19 @@ def test_64_streaming_clients_three_rounds_with_cancellation(stack):
     assert after["camshaft_peak_batch_size"] > 1
     assert after["camshaft_requests_total"] - before["camshaft_requests_total"] == CLIENTS * ROUNDS
     assert stack.server.is_ready()
+
+
+def test_64_streaming_clients_three_rounds_with_cancellation(stack):
+    run_load(stack, PROMPTS, (4, 12, 24, 40))
+
+
+@pytest.mark.slow
+def test_smollm2_64_streaming_clients_three_rounds_with_cancellation(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("triton_load_smollm2")
+    build_engine(BuildConfig(smollm2_dir, root / "engine", max_seq_len=1024, max_num_tokens=256,
+                             max_batch_size=BATCH))
+    with serving(root / "engine", root) as stack:
+        run_load(stack, SMOLLM2_PROMPTS, (4, 16, 32, 64))
 
 
 def long_text(stream: bool = True) -> dict:

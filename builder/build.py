@@ -30,11 +30,13 @@ TRT_QUANT_ALGOS = ("FP8", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16_AWQ
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
                 progress: Progress = lambda _: None, quantization: dict | None = None, qdq: bool = False,
-                accuracy_level: int | None = None) -> Path:
+                accuracy_level: int | None = None, branches: bool = False) -> Path:
     """The portable model graph (standard ONNX ops, external weights) for a checkpoint.
     Weight-only quantized layers become com.microsoft MatMulNBits (ONNX Runtime), W8A8 and FP8 layers and a quantized
     KV cache Q/DQ nodes; with `qdq` (the TensorRT targets) every quantized layer is standard Q/DQ. `quantization`
-    receives what was lowered. `accuracy_level`: MatMulNBits' (weight-only layers; default 0, float compute)."""
+    receives what was lowered. `accuracy_level`: MatMulNBits' (weight-only layers; default 0, float compute).
+    `branches` (the onnxruntime target): each attention group sits in an If, so a step skips a group it has no
+    sequences for (the TensorRT targets compute it on a one-token dummy)."""
     graph_path = out_dir / GRAPH_NAME
     quantized = checkpoint.quantized_linear if checkpoint.quantization is not None else None
     kv_dtype = checkpoint.kv_cache_dtype
@@ -44,7 +46,7 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
         lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
                                    quantized=quantized, accuracy_level=accuracy_level,
                                    kv_cache=kv_cache,
-                                   qdq=qdq, lm_head=checkpoint.lm_head)
+                                   qdq=qdq, lm_head=checkpoint.lm_head, branches=branches)
         lowering.lower()
     model = writer.model(OPSET)
     if any(node.domain == MS_DOMAIN for node in model.graph.node):
@@ -155,8 +157,9 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         staging = staging_dir(output)
         try:
             progress("writing model graph")
+            branches = config.target == "onnxruntime"
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,
-                                     qdq=config.target != "onnxruntime", accuracy_level=accuracy_level)
+                                     qdq=not branches, accuracy_level=accuracy_level, branches=branches)
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
             artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)
@@ -174,7 +177,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 dtype=dtype,
                 target=config.target,
                 artifact=artifact,
-                inputs=step_inputs(model),
+                inputs=step_inputs(model, branches),
                 outputs=(TensorSpec("logits", "float32", ("N", model.vocab_size)),),
                 kv_cache=kv_layout(model, limits, checkpoint.kv_cache_dtype or dtype),
                 quantization=quantization,

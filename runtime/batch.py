@@ -57,7 +57,10 @@ def split_decodes(chunks: list[Chunk], decode: list[int], block_size: int) -> tu
     return order[:split], order[split:]
 
 
-def build_step(chunks: list[Chunk], block_size: int, sliding_window: int | None) -> StepBatch:
+def build_step(chunks: list[Chunk], block_size: int, sliding_window: int | None,
+               group_flags: bool = False) -> StepBatch:
+    """The graph's inputs for one step; `group_flags` for graphs that skip an empty group (inputs has_decode,
+    has_prefill). An empty group is still fed as a one-token dummy on the null block, which keeps every shape valid."""
     ids, positions, token_seq = [], [], []
     for i, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -118,4 +121,7 @@ def build_step(chunks: list[Chunk], block_size: int, sliding_window: int | None)
         n = offsets[i + 1] - offsets[i]
         attn_index[offsets[i]: offsets[i + 1]] = bd + row * q_len + np.arange(n)
     feeds["attn_output_index"] = attn_index
+    if group_flags:
+        feeds["has_decode"] = np.array(bool(decode))
+        feeds["has_prefill"] = np.array(bool(prefill))
     return StepBatch(feeds, num_tokens)

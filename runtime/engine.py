@@ -37,6 +37,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.dir)
         config = m.model
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None
+        self.group_flags = any(spec.name == "has_decode" for spec in m.inputs)
         self.eos_token_ids = tuple(config.eos_token_ids) or tuple(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
 
@@ -67,7 +68,7 @@ class Engine:
         return self.manifest.limits.kv_block_size
 
     def prepare(self, chunks: list[Chunk]) -> StepBatch:
-        return build_step(chunks, self.block_size, self.sliding_window)
+        return build_step(chunks, self.block_size, self.sliding_window, self.group_flags)
 
     def step(self, chunks: list[Chunk]) -> np.ndarray:
         """Run one step; returns logits [rows, vocab]: each chunk's `num_logits` last tokens, in chunk order."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import transformers
@@ -115,3 +116,18 @@ def test_long_decodes_share_the_free_prefill_group(variant):
     logits = engine.step(chunks)
     for row, key in enumerate(ids):
         assert_close(logits[row], reference_logits(reference, ids[key])[-1], f"{name} seq {key}")
+
+
+def test_onnxruntime_graph_skips_an_empty_group(variant):
+    """Each attention group of the onnxruntime graph sits in an If on its has_<group> input; the runtime raises the
+    flag only for a group with sequences (the steps above check the logits of every kind of step)."""
+    name, engine_dir, _ = variant
+    engine = Engine(engine_dir, max_sequences=2)
+    assert {"has_decode", "has_prefill"} <= {spec.name for spec in engine.manifest.inputs}
+    graph = onnx.load(engine_dir / engine.manifest.artifact, load_external_data=False).graph
+    assert sum(node.op_type == "If" for node in graph.node) == 2 * engine.manifest.model.num_layers
+    seq = PagedSequence(engine, list(range(3, 12)), np.random.default_rng(3))
+    prefill = engine.prepare([seq.chunk(8)]).feeds
+    decode = engine.prepare([seq.chunk(1)]).feeds
+    assert (bool(prefill["has_decode"]), bool(prefill["has_prefill"])) == (False, True)
+    assert (bool(decode["has_decode"]), bool(decode["has_prefill"])) == (True, False)

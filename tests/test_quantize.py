@@ -28,7 +28,7 @@ from camshaft.errors import BuildConfigError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, SMOOTHQUANT_ALPHA, QuantSpec, modelopt_config
-from camshaft.runtime.batch import Chunk
+from camshaft.runtime.batch import Chunk, build_step
 from camshaft.runtime.engine import Engine
 
 from tiny_models import make_tiny_model
@@ -233,8 +233,8 @@ def test_qdq_graph_for_tensorrt_matches_fake_quant_model(quantized, prompt, tmp_
     assert ops["DequantizeLinear"] >= 8 and not ops["MatMulNBits"] and not ops["MatMulInteger"]
     kv = engine.manifest.kv_cache
     shape = (engine.backend.num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
-    feeds = dict(engine.prepare([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4),
-                                       PROMPT_LEN)]).feeds)
+    chunk = Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)
+    feeds = dict(build_step([chunk], engine.block_size, engine.sliding_window).feeds)  # no group flags: TensorRT's
     feeds.update({name: np.zeros(shape, np.float32) for name in kv.key_inputs + kv.value_inputs})
     options = ort.SessionOptions()  # as written: ORT would fuse weight-only DQ→MatMul into int8-compute MatMulNBits
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

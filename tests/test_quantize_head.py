@@ -25,7 +25,7 @@ from camshaft.builder.config import BuildConfig
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD, ModelConfig
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import QuantizeError, QuantSpec, check_lm_head_fits
-from camshaft.runtime.batch import Chunk
+from camshaft.runtime.batch import Chunk, build_step
 from camshaft.runtime.engine import Engine
 
 from tiny_models import make_tiny_model
@@ -132,8 +132,8 @@ def test_quantized_head_qdq_graph_for_tensorrt(heads, head, tmp_path):
     elem = {"int4": onnx.TensorProto.INT4, "int8": onnx.TensorProto.INT8}[head]
     assert any(t.data_type == elem and tuple(t.dims) == (hidden, vocab) for t in model.initializer)
     kv = engine.manifest.kv_cache
-    feeds = dict(engine.prepare([Chunk(ref["prompt"], 0, engine.pool.allocate(PROMPT_LEN // 4),
-                                       PROMPT_LEN)]).feeds)
+    chunk = Chunk(ref["prompt"], 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)
+    feeds = dict(build_step([chunk], engine.block_size, engine.sliding_window).feeds)  # no group flags: TensorRT's
     shape = (engine.backend.num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
     feeds.update({name: np.zeros(shape, np.float32) for name in kv.key_inputs + kv.value_inputs})
     options = ort.SessionOptions()

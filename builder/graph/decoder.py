@@ -44,6 +44,12 @@ STEP_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("prefill_mask", "bool", ("Bp", 1, "Qp", "Lp")),
     TensorSpec("attn_output_index", "int64", ("T",)),
 )
+# Whether each attention group holds sequences this step. Graphs that branch on them (the onnxruntime target) skip
+# an empty group's nodes; the others compute it on a one-token dummy the runtime feeds (runtime/batch.py).
+GROUP_FLAGS: tuple[TensorSpec, ...] = (
+    TensorSpec("has_decode", "bool", ()),
+    TensorSpec("has_prefill", "bool", ()),
+)
 SLIDING_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("decode_mask_sliding", "bool", ("Bd", 1, 1, "Ld")),
     TensorSpec("prefill_mask_sliding", "bool", ("Bp", 1, "Qp", "Lp")),
@@ -68,8 +74,8 @@ def kv_layout(config: ModelConfig, limits: BuildLimits, kv_dtype: str) -> KVCach
     )
 
 
-def step_inputs(config: ModelConfig) -> tuple[TensorSpec, ...]:
-    return STEP_INPUTS + (SLIDING_INPUTS if config.has_sliding_layers else ())
+def step_inputs(config: ModelConfig, branches: bool = False) -> tuple[TensorSpec, ...]:
+    return STEP_INPUTS + (GROUP_FLAGS if branches else ()) + (SLIDING_INPUTS if config.has_sliding_layers else ())
 
 
 class DecoderLowering:
@@ -77,8 +83,9 @@ class DecoderLowering:
                  weights: WeightFn, progress: Callable[[str], None] = lambda _: None,
                  quantized: QuantizedFn | None = None, accuracy_level: int | None = None,
                  kv_cache: tuple[str, KVScalesFn, KVBiasesFn] | None = None, qdq: bool = False,
-                 lm_head: str = "float") -> None:
+                 lm_head: str = "float", branches: bool = False) -> None:
         self.g, self.c, self.limits = g, config, limits
+        self.branches = branches
         self.np_dtype = NP_DTYPES[dtype]
         self.elem = ONNX_DTYPES[dtype]
         self.weights = weights
@@ -98,7 +105,7 @@ class DecoderLowering:
 
     def lower(self) -> None:
         g, c = self.g, self.c
-        for spec in step_inputs(c):
+        for spec in step_inputs(c, self.branches):
             g.input(spec.name, ELEM[spec.dtype], list(spec.shape))
         cache_shape = ["num_blocks", self.kv.block_size, c.num_kv_heads * c.head_dim]
         for name in self.kv.key_inputs + self.kv.value_inputs:
@@ -164,8 +171,7 @@ class DecoderLowering:
         v_cache = g.op_to("ScatterND", [self.kv.value_inputs[i], "kv_write_index", v], self.kv.value_outputs[i])
         suffix = "_sliding" if c.layer_types[i] == "sliding" else ""
         caches = (k_cache, v_cache, scales, biases, f"{p}.self_attn")
-        decode = self.attention(q, caches, self.groups["decode"], f"decode_mask{suffix}")
-        prefill = self.attention(q, caches, self.groups["prefill"], f"prefill_mask{suffix}")
+        decode, prefill = (self.group_attention(q, caches, name, suffix) for name in ("decode", "prefill"))
         attn = g.op("Concat", [decode, prefill], axis=0)
         attn = g.op("Gather", [attn, "attn_output_index"], axis=0)
         o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, hq * d, c.o_bias)
@@ -198,6 +204,15 @@ class DecoderLowering:
             "kv": g.op("Concat", [batch, keys, g.ints([c.num_kv_heads * c.head_dim])], axis=0),
             "out": g.op("Concat", [rows, g.ints([c.num_heads * c.head_dim])], axis=0),
         }
+
+    def group_attention(self, q: str, caches: tuple, name: str, mask_suffix: str) -> str:
+        """A group's attention rows; with branches, an empty group (`has_<name>` false) yields one zero row instead,
+        the row its dummy would have taken, so the other group's rows stay where `attn_output_index` expects them."""
+        group, mask = self.groups[name], f"{name}_mask{mask_suffix}"
+        if not self.branches:
+            return self.attention(q, caches, group, mask)
+        empty = self.g.const(np.zeros((1, self.c.num_heads * self.c.head_dim), self.np_dtype), f"no_{name}")
+        return self.g.branch(f"has_{name}", lambda: self.attention(q, caches, group, mask), empty, self.elem)
 
     def attention(self, q: str, caches: tuple, group: dict[str, str], mask: str) -> str:
         g, c = self.g, self.c

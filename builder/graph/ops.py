@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -86,6 +87,19 @@ class GraphWriter:
         outputs = [f"{node_name}/out{i}" for i in range(n_out)]
         self.nodes.append(helper.make_node(op_type, inputs, outputs, name=node_name, domain=domain, **attrs))
         return outputs[0] if n_out == 1 else outputs
+
+    def branch(self, cond: str, lower: Callable[[], str], otherwise: str, elem_type: int) -> str:
+        """An If on `cond`: the nodes `lower` writes run only when it holds; else the value `otherwise`."""
+        outer, self.nodes = self.nodes, []
+        try:
+            out = lower()
+        finally:
+            inner, self.nodes = self.nodes, outer
+        then = helper.make_graph(inner, self._name("then"), [], [helper.make_tensor_value_info(out, elem_type, None)])
+        other_out = self._name("otherwise")
+        other = helper.make_graph([helper.make_node("Identity", [otherwise], [other_out])], self._name("else"), [],
+                                  [helper.make_tensor_value_info(other_out, elem_type, None)])
+        return self.op("If", [cond], then_branch=then, else_branch=other)
 
     def op_to(self, op_type: str, inputs: list[str], output: str, **attrs) -> str:
         self.nodes.append(helper.make_node(op_type, inputs, [output], name=self._name(op_type), **attrs))

@@ -49,12 +49,22 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
                                    qdq=qdq, lm_head=checkpoint.lm_head, branches=branches)
         lowering.lower()
     model = writer.model(OPSET)
-    if any(node.domain == MS_DOMAIN for node in model.graph.node):
+    if MS_DOMAIN in _domains(model.graph):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     if quantization is not None and checkpoint.quantization is not None:
         quantization.update(_quantization_record(checkpoint.quantization, lowering))
     save_model(model, graph_path)
     return graph_path
+
+
+def _domains(graph: onnx.GraphProto) -> set[str]:
+    """Operator domains of a graph and of the branches inside it."""
+    found = {node.domain for node in graph.node}
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                found |= _domains(attr.g)
+    return found
 
 
 def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
@@ -157,9 +167,9 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         staging = staging_dir(output)
         try:
             progress("writing model graph")
-            branches = config.target == "onnxruntime"
+            for_ort = config.target == "onnxruntime"
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,
-                                     qdq=not branches, accuracy_level=accuracy_level, branches=branches)
+                                     qdq=not for_ort, accuracy_level=accuracy_level, branches=for_ort)
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
             artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)
@@ -177,7 +187,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 dtype=dtype,
                 target=config.target,
                 artifact=artifact,
-                inputs=step_inputs(model, branches),
+                inputs=step_inputs(model, branches=for_ort),
                 outputs=(TensorSpec("logits", "float32", ("N", model.vocab_size)),),
                 kv_cache=kv_layout(model, limits, checkpoint.kv_cache_dtype or dtype),
                 quantization=quantization,

@@ -8,7 +8,7 @@ import numpy as np
 
 from camshaft.errors import EngineError
 from camshaft.manifest import TOKENIZER_DIR, Manifest, read_manifest
-from camshaft.runtime.batch import Chunk, StepBatch, build_step
+from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, pool_blocks
 
 
@@ -31,13 +31,18 @@ class Engine:
         self.dir = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.dir)
         m = self.manifest
+        inputs = {spec.name for spec in m.inputs}
+        unknown = inputs - FEED_NAMES
+        if unknown:
+            raise EngineError(f"{self.dir}: the engine takes inputs this camshaft does not produce "
+                              f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
+        self.group_flags = {"has_decode", "has_prefill"} <= inputs
         num_blocks = pool_blocks(m, max_sequences, kv_cache_memory)
         self.backend = self._backend(num_blocks, threads, spin_wait)
         self.pool = BlockPool(num_blocks)
         self.tokenizer = load_tokenizer(self.dir)
         config = m.model
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None
-        self.group_flags = any(spec.name == "has_decode" for spec in m.inputs)
         self.eos_token_ids = tuple(config.eos_token_ids) or tuple(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
 

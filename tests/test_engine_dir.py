@@ -9,8 +9,10 @@ import pytest
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
+from camshaft.builder.graph.decoder import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS
 from camshaft.errors import BuildConfigError, CheckpointError, EngineError
 from camshaft.manifest import read_manifest
+from camshaft.runtime.batch import FEED_NAMES
 from camshaft.runtime.engine import Engine
 
 from tiny_models import make_tiny_model
@@ -85,6 +87,19 @@ def test_other_onnxruntime_version(copy):
     (copy / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(EngineError, match=r"onnxruntime 1\.2\.0.*installed"):
         Engine(copy)
+
+
+def test_an_engine_asking_for_an_input_this_runtime_lacks_is_refused(copy):
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["inputs"].append({"name": "draft_tokens", "dtype": "int64", "shape": ["T"]})
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match=r"does not produce \(draft_tokens\); upgrade camshaft or rebuild"):
+        Engine(copy)
+
+
+def test_the_runtime_feeds_every_input_the_builder_can_declare():
+    declared = STEP_INPUTS + GROUP_FLAGS + SLIDING_INPUTS
+    assert {spec.name for spec in declared} == FEED_NAMES
 
 
 def test_interrupted_build_leaves_nothing_that_loads(built, tmp_path, monkeypatch):

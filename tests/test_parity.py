@@ -121,7 +121,7 @@ def test_long_decodes_share_the_free_prefill_group(variant):
 def test_onnxruntime_graph_skips_an_empty_group(variant):
     """Each attention group of the onnxruntime graph sits in an If on its has_<group> input; the runtime raises the
     flag only for a group with sequences (the steps above check the logits of every kind of step)."""
-    name, engine_dir, _ = variant
+    _, engine_dir, _ = variant
     engine = Engine(engine_dir, max_sequences=2)
     assert {"has_decode", "has_prefill"} <= {spec.name for spec in engine.manifest.inputs}
     graph = onnx.load(engine_dir / engine.manifest.artifact, load_external_data=False).graph

@@ -10,6 +10,8 @@ a paged cache and returns logits only for the rows in `logits_index`. Per layer:
   ([Bp, Qp] queries, padded), each gathering its sequences' K/V through block tables into [B, L, kv_heads*dim]
   with a boolean mask built by the runtime (causal, lengths, sliding window);
   group outputs concatenated and gathered back into packed order by `attn_output_index`.
+With `branches` (the onnxruntime target) each group's attention sits in an If on `has_decode` / `has_prefill`, so a
+step skips a group it has no sequences for; without, an empty group runs on the runtime's one-token dummy.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class DecoderLowering:
         self.positions = g.op("Unsqueeze", ["positions", one])
         self.write_index = g.op("Unsqueeze", ["kv_write_index", one])
         self.groups = {name: self.group_shapes(name) for name in ("decode", "prefill")}
+        if self.branches:
+            self.zero_row = g.const(np.zeros((1, c.num_heads * c.head_dim), self.np_dtype), "zero_row")
         embed = g.weight("embed_tokens", self.w("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
         hidden = g.op("Gather", [embed, "input_ids"], axis=0)
         for layer in range(c.num_layers):
@@ -185,8 +189,7 @@ class DecoderLowering:
         return g.op("Add", [hidden, down])
 
     def group_shapes(self, name: str) -> dict[str, str]:
-        """Shapes of one attention group, computed once and shared by every layer. They are explicit (no -1) so a
-        group with no sequences (B = 0) flows through every layer as empty tensors at almost no cost."""
+        """Shapes of one attention group, computed once and shared by every layer (explicit, no -1)."""
         g, c = self.g, self.c
         index, mask = f"{name}_token_index", f"{name}_mask"
         batch = g.op("Shape", [index], start=0, end=1)
@@ -211,8 +214,7 @@ class DecoderLowering:
         group, mask = self.groups[name], f"{name}_mask{mask_suffix}"
         if not self.branches:
             return self.attention(q, caches, group, mask)
-        empty = self.g.const(np.zeros((1, self.c.num_heads * self.c.head_dim), self.np_dtype), f"no_{name}")
-        return self.g.branch(f"has_{name}", lambda: self.attention(q, caches, group, mask), empty, self.elem)
+        return self.g.branch(f"has_{name}", lambda: self.attention(q, caches, group, mask), self.zero_row, self.elem)
 
     def attention(self, q: str, caches: tuple, group: dict[str, str], mask: str) -> str:
         g, c = self.g, self.c

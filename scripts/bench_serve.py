@@ -48,8 +48,7 @@ def free_port() -> int:
 
 
 def build(engine: Path, model: Path) -> None:
-    if (engine / "manifest.json").is_file():
-        return
+    """Always rebuilt (a few seconds): an engine from an older camshaft would measure the older graph."""
     subprocess.run([CAMSHAFT, "build", "--model", str(model), "--output", str(engine), "--max-batch-size", "32",
                     "--max-seq-len", "1024"], check=True)
 
@@ -95,15 +94,23 @@ def summary(results: list[dict]) -> str:
     def point(r: dict) -> tuple:
         return r["max_concurrency"], r["request_rate"]
 
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}×" if b > 0 else "—"
+
     base = {point(r): r for r in results if r["target"] == "llm"}
-    points = ", ".join(f"max concurrency {c or '∞'} at {rate} req/s" for c, rate in base)
+    if not base:
+        return "No `llm` run to compare with."
+    names = ", ".join(f"max concurrency {c or '∞'}" + ("" if rate == "inf" else f" at {rate} req/s")
+                      for c, rate in base)
     lines = []
     for target in dict.fromkeys(r["target"] for r in results if r["target"] != "llm"):
-        rows = [r for r in results if r["target"] == target and point(r) in base]
-        tok = " / ".join(f"{r['output_tok_s'] / base[point(r)]['output_tok_s']:.2f}×" for r in rows)
-        ttft = " / ".join(f"{r['ttft_ms']['p50'] / base[point(r)]['ttft_ms']['p50']:.2f}×" for r in rows)
+        rows = {point(r): r for r in results if r["target"] == target}
+        tok = " / ".join(ratio(rows[p]["output_tok_s"], b["output_tok_s"]) if p in rows else "—"
+                         for p, b in base.items())
+        ttft = " / ".join(ratio(rows[p]["ttft_ms"]["p50"], b["ttft_ms"]["p50"]) if p in rows else "—"
+                          for p, b in base.items())
         lines.append(f"{target}: output tok/s {tok}, p50 TTFT {ttft}")
-    return f"Against `llm` ({points}): " + "; ".join(lines) + "."
+    return (f"Against `llm` ({names}; tok/s above 1× is faster, TTFT above 1× is slower): " + "; ".join(lines) + ".")
 
 
 def markdown(runs: dict[str, dict], command: str, load: tuple[float, float]) -> str:

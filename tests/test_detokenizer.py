@@ -37,7 +37,7 @@ def byte_bpe() -> PreTrainedTokenizerFast:
     return _trained_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel())
 
 
-@pytest.fixture(params=["byte_bpe", "smollm2"])
+@pytest.fixture(params=["byte_bpe", pytest.param("smollm2", marks=pytest.mark.slow)])
 def tokenizer(request, byte_bpe):
     if request.param == "byte_bpe":
         return byte_bpe

@@ -40,6 +40,32 @@ class TensorSpec:
     shape: tuple[str | int, ...]
 
 
+# Name, dtype and symbolic shape of every non-cache input; the runtime builds exactly these.
+STEP_INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("input_ids", "int64", ("T",)),
+    TensorSpec("positions", "int64", ("T",)),
+    TensorSpec("kv_write_index", "int64", ("T", 2)),
+    TensorSpec("logits_index", "int64", ("N",)),
+    TensorSpec("decode_token_index", "int64", ("Bd",)),
+    TensorSpec("decode_block_tables", "int64", ("Bd", "NBd")),
+    TensorSpec("decode_mask", "bool", ("Bd", 1, 1, "Ld")),
+    TensorSpec("prefill_token_index", "int64", ("Bp", "Qp")),
+    TensorSpec("prefill_block_tables", "int64", ("Bp", "NBp")),
+    TensorSpec("prefill_mask", "bool", ("Bp", 1, "Qp", "Lp")),
+    TensorSpec("attn_output_index", "int64", ("T",)),
+)
+# Whether each attention group holds sequences this step. Graphs that branch on them (the onnxruntime target) skip
+# an empty group's nodes; the others compute it on a one-token dummy the runtime feeds (runtime/batch.py).
+GROUP_FLAGS: tuple[TensorSpec, ...] = (
+    TensorSpec("has_decode", "bool", ()),
+    TensorSpec("has_prefill", "bool", ()),
+)
+SLIDING_INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("decode_mask_sliding", "bool", ("Bd", 1, 1, "Ld")),
+    TensorSpec("prefill_mask_sliding", "bool", ("Bp", 1, "Qp", "Lp")),
+)
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     """Per layer one K and one V tensor of shape [num_blocks, block_size, num_kv_heads * head_dim].

@@ -6,15 +6,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS
 from camshaft.runtime.kv_cache import NULL_BLOCK
 
 # Every graph input build_step can produce; an engine asking for another one needs a newer camshaft.
-FEED_NAMES = frozenset({
-    "input_ids", "positions", "kv_write_index", "logits_index", "attn_output_index",
-    "decode_token_index", "decode_block_tables", "decode_mask", "decode_mask_sliding",
-    "prefill_token_index", "prefill_block_tables", "prefill_mask", "prefill_mask_sliding",
-    "has_decode", "has_prefill",
-})
+FEED_NAMES = frozenset(spec.name for spec in STEP_INPUTS + GROUP_FLAGS + SLIDING_INPUTS)
 
 
 @dataclass(frozen=True)

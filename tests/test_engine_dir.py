@@ -9,10 +9,9 @@ import pytest
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
-from camshaft.builder.graph.decoder import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS
 from camshaft.errors import BuildConfigError, CheckpointError, EngineError
-from camshaft.manifest import read_manifest
-from camshaft.runtime.batch import FEED_NAMES
+from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS, read_manifest
+from camshaft.runtime.batch import FEED_NAMES, Chunk, build_step
 from camshaft.runtime.engine import Engine
 
 from tiny_models import make_tiny_model
@@ -98,8 +97,9 @@ def test_an_engine_asking_for_an_input_this_runtime_lacks_is_refused(copy):
 
 
 def test_the_runtime_feeds_every_input_the_builder_can_declare():
-    declared = STEP_INPUTS + GROUP_FLAGS + SLIDING_INPUTS
-    assert {spec.name for spec in declared} == FEED_NAMES
+    chunks = [Chunk([5, 6, 7], 0, [1]), Chunk([8], 9, [2, 3])]
+    feeds = build_step(chunks, block_size=8, sliding_window=4, group_flags=True).feeds
+    assert set(feeds) == {spec.name for spec in STEP_INPUTS + GROUP_FLAGS + SLIDING_INPUTS} == FEED_NAMES
 
 
 def test_interrupted_build_leaves_nothing_that_loads(built, tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def _row(r: dict, base: dict | None) -> str:
-    ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}×" if base else "—"
+    ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}×" if base and base['output_tok_s'] > 0 else "—"
     limit = r["max_concurrency"] or "∞"
     return (f"| {r['target']} | {limit} | {r['request_rate']} | {r['completed']}/{r['completed'] + r['failed']} | "
             f"{r['output_tok_s']:.1f} | {ratio} | {r['requests_s']:.2f} | "
@@ -89,22 +89,28 @@ def _row(r: dict, base: dict | None) -> str:
             + " / ".join(f"{r['e2e_ms'][p] / 1000:.2f}" for p in ("p50", "p90", "p99")) + " |")
 
 
+def _point(r: dict) -> tuple:
+    return r["max_concurrency"], r["request_rate"]
+
+
+def _baselines(results: list[dict]) -> dict[tuple, dict]:
+    """The in-process `llm` result at each point of the sweep: what the servers are compared with."""
+    return {_point(r): r for r in results if r["target"] == "llm"}
+
+
 def summary(results: list[dict]) -> str:
     """One line per server: its output tok/s and p50 TTFT against `llm` at each point of the sweep."""
-    def point(r: dict) -> tuple:
-        return r["max_concurrency"], r["request_rate"]
-
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}×" if b > 0 else "—"
 
-    base = {point(r): r for r in results if r["target"] == "llm"}
+    base = _baselines(results)
     if not base:
         return "No `llm` run to compare with."
     names = ", ".join(f"max concurrency {c or '∞'}" + ("" if rate == "inf" else f" at {rate} req/s")
                       for c, rate in base)
     lines = []
     for target in dict.fromkeys(r["target"] for r in results if r["target"] != "llm"):
-        rows = {point(r): r for r in results if r["target"] == target}
+        rows = {_point(r): r for r in results if r["target"] == target}
         tok = " / ".join(ratio(rows[p]["output_tok_s"], b["output_tok_s"]) if p in rows else "—"
                          for p, b in base.items())
         ttft = " / ".join(ratio(rows[p]["ttft_ms"]["p50"], b["ttft_ms"]["p50"]) if p in rows else "—"
@@ -135,10 +141,9 @@ def markdown(runs: dict[str, dict], command: str, load: tuple[float, float]) -> 
                 "| target | max conc. | rate req/s | done | out tok/s | vs llm | req/s | TTFT p50/p90/p99 ms | "
                 "TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 s |", "|" + "---|" * 11]
         results = run["results"]
+        base = _baselines(results)
         for r in results:
-            base = next((b for b in results if b["target"] == "llm" and b["max_concurrency"] == r["max_concurrency"]
-                         and b["request_rate"] == r["request_rate"]), None)
-            out.append(_row(r, base if base is not r else None))
+            out.append(_row(r, None if r["target"] == "llm" else base.get(_point(r))))
         out += ["", summary(results), "", f"![{name}](docs/bench/serve-{name}.png)", ""]
     out.append(END)
     return "\n".join(out)

@@ -117,7 +117,10 @@ class TextModel:
         self.calls[call.id] = call
 
     def _final(self, call: _Call, response) -> None:
+        """The call's last response; a cancelled streaming call gets only its final flag (Triton completes it)."""
         self.calls.pop(call.id, None)
+        if call.cancelled and call.reply is None:
+            response = None
         try:
             call.emit(response, True)
         except Exception as exc:
@@ -125,22 +128,19 @@ class TextModel:
 
     def _lost(self, reason: str) -> None:
         for call in list(self.calls.values()):
-            self._final(call, None if call.cancelled and call.reply is None else
-                        error_response(ServerClosedError(f"{reason}; restart the server")))
+            self._final(call, error_response(ServerClosedError(f"{reason}; restart the server")))
 
     def _on_executor(self, call: _Call, message: tuple) -> None:
         if message[0] == "error":
             _, _, code, text = message
-            self._final(call, None if call.cancelled and call.reply is None else
-                        pb_utils.InferenceResponse(error=pb_utils.TritonError(text, getattr(pb_utils.TritonError,
-                                                                                            code))))
+            self._final(call, pb_utils.InferenceResponse(error=pb_utils.TritonError(text, getattr(pb_utils.TritonError,
+                                                                                                  code))))
             return
         out = message[2]
         reason = out["finish_reason"]
         if call.cancelled:
             if reason is not None:  # the executor let it go: now Triton may release it
-                self._final(call, None if call.reply is None else
-                            error_response(RuntimeError("the request was cancelled")))
+                self._final(call, error_response(RuntimeError("the request was cancelled")))
             return
         if reason is None and time.monotonic() - call.checked >= CANCEL_CHECK_S:
             call.checked = time.monotonic()

@@ -150,12 +150,16 @@ class TokenModel:
             if not output.finished:
                 job.cancelled = True
                 self.llm.abort(output.request_id)
+        self._count_finished(output)
+        if output.finished:
+            with self.lock:
+                self._forget(job)
+
+    def _count_finished(self, output: RequestOutput) -> None:
         if output.finished:
             self.metrics.count("camshaft_requests_finished_total")
             if output.result is not None and output.result.finish_reason == "abort":
                 self.metrics.count("camshaft_requests_aborted_total")
-            with self.lock:
-                self._forget(job)
 
     def _deliver(self, job: _Job, output: RequestOutput) -> None:
         self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
@@ -212,10 +216,7 @@ class TokenModel:
             def sink(output: RequestOutput) -> None:
                 self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
                 generated[0] += len(output.token_ids)
-                if output.finished:
-                    self.metrics.count("camshaft_requests_finished_total")
-                    if output.result is not None and output.result.finish_reason == "abort":
-                        self.metrics.count("camshaft_requests_aborted_total")
+                self._count_finished(output)
                 if output.error is not None:
                     send(("error", call_id, *error_status(output.error)))
                     return

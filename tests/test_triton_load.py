@@ -1,7 +1,7 @@
 """In-flight batching behind the real tritonserver under load: 64 concurrent gRPC streaming clients x 3 rounds with
 mixed lengths, a quarter cancelling mid-stream; cancelled gRPC streams and a dropped HTTP stream abort their
-requests; a full queue is refused as busy. One server on a tiny model for most tests (the load also runs on SmolLM2,
-last, on its own server); state is read from the servers' Prometheus metrics."""
+requests; a full queue is refused as busy. One server on a tiny model for the module (the same load on SmolLM2:
+test_triton_load_smollm2.py); state is read from its Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -29,12 +29,6 @@ BATCH, QUEUE, CLIENTS, ROUNDS = 16, 64, 64, 3
 # Tokens of a request that runs long enough to be cancelled while it generates: the tiny model makes ~5 tokens a ms,
 # so 480 could finish before a cancellation (checked every 0.2 s) or a stop reached it on an idle machine.
 LONG = 4000
-
-
-# SmolLM2 gets prompts of mixed lengths too (~5 to ~300 tokens) and answers of up to 64 tokens.
-SMOLLM2_PROMPTS = [*PROMPTS, "Explain in one paragraph why the sky is blue. " * 4,
-                   "Summarise: " + "The committee met on Tuesday to discuss the budget and the venue. " * 8,
-                   "List the planets of the solar system in order, with one fact about each. " * 15]
 
 
 @contextmanager
@@ -180,12 +174,3 @@ def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
     stack.wait_metrics(idle, "an idle executor with an empty KV pool")
     done = requests.post(f"{stack.http}/ensemble/generate", json={"text_input": "a", "max_tokens": 4}, timeout=60)
     assert done.status_code == 200 and stack.server.is_ready()
-
-
-@pytest.mark.slow
-def test_smollm2_64_streaming_clients_three_rounds_with_cancellation(smollm2_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("triton_load_smollm2")
-    build_engine(BuildConfig(smollm2_dir, root / "engine", max_seq_len=1024, max_num_tokens=256,
-                             max_batch_size=BATCH))
-    with serving(root / "engine", root) as stack:
-        run_load(stack, SMOLLM2_PROMPTS, (4, 16, 32, 64))

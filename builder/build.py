@@ -16,6 +16,7 @@ from camshaft.builder.config import ACCURACY_LEVELS, BuildConfig
 from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
 from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
 from camshaft.builder.graph.ops import GraphWriter, save_model
+from camshaft.builder.sequence_graph import sequence_graph
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
@@ -173,6 +174,10 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
             artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)
+            sequence = None
+            if for_ort:
+                sequence = sequence_graph(checkpoint, limits, dtype, staging, progress, accuracy_level)
+                files += [sequence.artifact, f"{sequence.artifact}.data"] if sequence else []
             tok_dir = staging / TOKENIZER_DIR
             tok_dir.mkdir()
             for file in checkpoint.tokenizer_files():
@@ -195,6 +200,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                        **target_options.pop("tools", {})},
                 files={name: (staging / name).stat().st_size for name in files},
                 graph_sha256=graph_hash,
+                sequence_graph=sequence,
                 target_options={**target_options, "build_seconds": round(time.perf_counter() - started, 2)},
             )
             manifest.write(staging)

@@ -15,7 +15,7 @@ from typing import Any
 
 from camshaft.errors import EngineError
 from camshaft.model_config import ModelConfig
-from camshaft.version import ENGINE_FORMAT_VERSION, __version__
+from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __version__
 
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
@@ -64,6 +64,12 @@ SLIDING_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("decode_mask_sliding", "bool", ("Bd", 1, 1, "Ld")),
     TensorSpec("prefill_mask_sliding", "bool", ("Bp", 1, "Qp", "Lp")),
 )
+# The sequence graph's inputs besides its cache: the step's tokens, then tokens in the cache after the step (- 1).
+SEQUENCE_INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("input_ids", "int64", (1, "S")),
+    TensorSpec("seqlens_k", "int32", (1,)),
+    TensorSpec("total_sequence_length", "int32", ()),
+)
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,37 @@ class KVCacheLayout:
 
 
 @dataclass(frozen=True)
+class SequenceGraph:
+    """The onnxruntime target's second graph, for one sequence at a time (Session): per layer one K and one V tensor
+    [1, num_kv_heads, L, head_dim] of float32, contiguous, L at least the sequence's length, bound in place."""
+
+    artifact: str
+    inputs: tuple[TensorSpec, ...]
+    num_kv_heads: int
+    head_dim: int
+    key_inputs: tuple[str, ...]
+    value_inputs: tuple[str, ...]
+    key_outputs: tuple[str, ...]
+    value_outputs: tuple[str, ...]
+    layout: str = "1,num_kv_heads,L,head_dim"
+
+    def bytes_per_token(self) -> int:
+        return 2 * len(self.key_inputs) * self.num_kv_heads * self.head_dim * 4
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SequenceGraph:
+        data = dict(data)
+        data["inputs"] = _specs(data["inputs"])
+        for key in ("key_inputs", "value_inputs", "key_outputs", "value_outputs"):
+            data[key] = tuple(data[key])
+        return cls(**data)
+
+
+def _specs(raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in raw)
+
+
+@dataclass(frozen=True)
 class Manifest:
     model: ModelConfig
     limits: BuildLimits
@@ -103,6 +140,7 @@ class Manifest:
     files: dict[str, int] = field(default_factory=dict)
     graph_sha256: str = ""
     target_options: dict[str, Any] = field(default_factory=dict)
+    sequence_graph: SequenceGraph | None = None  # absent: the Session runs the batch graph
     format_version: int = ENGINE_FORMAT_VERSION
     camshaft_version: str = __version__
     complete: bool = True
@@ -118,8 +156,10 @@ class Manifest:
         data = dict(data)
         data["model"] = ModelConfig.from_dict(data["model"])
         data["limits"] = BuildLimits(**data["limits"])
-        data["inputs"] = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in data["inputs"])
-        data["outputs"] = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in data["outputs"])
+        data["inputs"] = _specs(data["inputs"])
+        data["outputs"] = _specs(data["outputs"])
+        if data.get("sequence_graph") is not None:
+            data["sequence_graph"] = SequenceGraph.from_dict(data["sequence_graph"])
         kv = dict(data["kv_cache"])
         for key in ("key_inputs", "value_inputs", "key_outputs", "value_outputs"):
             kv[key] = tuple(kv[key])
@@ -145,7 +185,7 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
     if not isinstance(raw, dict):
         raise EngineError(f"{path} is corrupt (not a JSON object); rebuild the engine with `camshaft build`")
     version = raw.get("format_version")
-    if version != ENGINE_FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
         raise EngineError(
             f"{engine_dir} was built by camshaft {raw.get('camshaft_version', '?')} (engine format {version}); "
             f"this is camshaft {__version__} (engine format {ENGINE_FORMAT_VERSION}). Rebuild the engine with "

@@ -8,6 +8,7 @@ import numpy as np
 
 from camshaft.errors import EngineError
 from camshaft.manifest import TOKENIZER_DIR, Manifest, read_manifest
+from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, pool_blocks
 
@@ -23,6 +24,11 @@ def load_tokenizer(engine_dir: Path):
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     except Exception as exc:  # transformers raises many types for a broken tokenizer
         raise EngineError(f"the tokenizer in {path} could not be loaded ({exc}); rebuild the engine") from exc
+
+
+def end_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
+    """The model's end ids (generation config), else the tokenizer's eos."""
+    return tuple(config.eos_token_ids) or tuple([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
 class Engine:
@@ -43,8 +49,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.dir)
         config = m.model
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None
-        self.eos_token_ids = tuple(config.eos_token_ids) or tuple(
-            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        self.eos_token_ids = end_ids(config, self.tokenizer)
 
     def _backend(self, num_blocks: int, threads: int | None, spin_wait: bool):
         target = self.manifest.target

@@ -9,22 +9,43 @@ from pathlib import Path
 from typing import Any
 
 from camshaft.errors import CapacityError, RequestError
-from camshaft.runtime.batch import Chunk
+from camshaft.manifest import read_manifest
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.request import GenerationResult, Request
 from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
 
 Prompt = str | list[int]
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
 
+GRAPHS = ("auto", "sequence", "batch")
+
+
 class Session:
-    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, kv_cache_memory: int | None = None):
-        self.engine = Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory, threads=threads)
+    """`graph`: "auto" runs the engine's sequence graph where it has one (onnxruntime engines built by this
+    camshaft: the fastest for one request), else its batch graph; "sequence" or "batch" insists on one.
+    `kv_cache_memory` bounds the batch graph's block pool."""
+
+    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, kv_cache_memory: int | None = None,
+                 graph: str = "auto"):
+        if graph not in GRAPHS:
+            raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
+        manifest = read_manifest(engine_dir)
+        if graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None):
+            self.engine: SequenceEngine | BatchGraphSequence = SequenceEngine(engine_dir, threads=threads,
+                                                                              manifest=manifest)
+        else:
+            self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
+                                                    threads=threads))
+        self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        self.engine.close()
 
     @property
     def manifest(self):
@@ -97,9 +118,7 @@ class Session:
 
     def _run(self, request: Request) -> Iterator[str]:
         engine = self.engine
-        block_size = engine.block_size
-        total = len(request.prompt_ids) + request.params.max_tokens
-        request.blocks = engine.pool.allocate(-(-total // block_size))
+        engine.start(len(request.prompt_ids) + request.params.max_tokens)
         try:
             budget = engine.limits.max_num_tokens
             prompt = request.prompt_ids
@@ -107,18 +126,15 @@ class Session:
             while request.num_computed < len(prompt):
                 start = request.num_computed
                 piece = prompt[start: start + budget]
-                last = start + len(piece) == len(prompt)
-                logits = engine.step([Chunk(piece, start, request.blocks, num_logits=int(last))])
+                logits = engine.feed(piece, start)
                 request.num_computed += len(piece)
             while True:
-                delta = request.add_sample(request.sampler.sample(logits[0]))
+                delta = request.add_sample(request.sampler.sample(logits))
                 if delta:
                     yield delta
                 if request.finished:
                     return
-                token = request.output_ids[-1]
-                logits = engine.step([Chunk([token], request.num_computed, request.blocks)])
+                logits = engine.feed([request.output_ids[-1]], request.num_computed)
                 request.num_computed += 1
         finally:
-            engine.pool.free(request.blocks)
-            request.blocks = []
+            engine.finish()

@@ -48,6 +48,7 @@ MD_END = "<!-- latency:end -->"
 MD_HEADER = ("# Benchmarks\n\nMeasured numbers, each section written by the script it names. The machine is shared "
              "and noisy: compare systems through the ratios measured in the same run, not across runs.\n")
 CAMSHAFT = "camshaft"
+CAMSHAFT_BATCH = "camshaft on its batch graph"
 TRANSFORMERS = "transformers fp32"
 ORT_GENAI = "onnxruntime-genai fp32"
 
@@ -163,7 +164,7 @@ def engine_usable(engine_dir: Path, min_seq_len: int) -> bool:
     if isinstance(current_layout, str) and getattr(manifest.kv_cache, "layout", current_layout) != current_layout:
         return False
     return (manifest.target == "onnxruntime" and manifest.dtype == "float32"
-            and manifest.limits.max_seq_len >= min_seq_len)
+            and manifest.sequence_graph is not None and manifest.limits.max_seq_len >= min_seq_len)
 
 
 def graph_hash(engine_dir: Path) -> str | None:
@@ -246,13 +247,15 @@ def set_ortgenai_threads(model_dir: Path, threads: int) -> None:
 
 
 class CamshaftSystem:
-    name = CAMSHAFT
+    """The Session as users get it (graph "auto": the sequence graph), or on the engine's batch graph."""
 
-    def __init__(self, engine_dir: Path, prompt: list[int], new_tokens: int, threads: int) -> None:
+    def __init__(self, engine_dir: Path, prompt: list[int], new_tokens: int, threads: int,
+                 graph: str = "auto") -> None:
         from camshaft.runtime.sampling_params import SamplingParams
         from camshaft.runtime.session import Session
 
-        self.session = Session(engine_dir, threads=threads)
+        self.name = CAMSHAFT if graph == "auto" else CAMSHAFT_BATCH
+        self.session = Session(engine_dir, threads=threads, graph=graph)
         self.prompt = prompt
         self.params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
@@ -414,81 +417,59 @@ def summarize(per_round: dict[str, list[dict]], tokens: dict[str, list[int]]) ->
 # ------------------------------------------------------------------------------------------ where the time goes
 
 def decode_breakdown(camshaft: CamshaftSystem, repeats: int, reference_ids: list[int]) -> dict:
-    """Time the pieces of camshaft decode steps in a loop that mirrors Session._run (runtime code untouched).
-
-    Per step: Engine.prepare (build_step: the graph inputs as numpy), binding the inputs to the IOBinding,
-    InferenceSession.run_with_iobinding, fetching the logits, SequenceSampler.sample, and TextStream.append (the
-    detokenizer) when it is importable. The binding/run/fetch split re-does OnnxRuntimeBackend.step's three lines
-    around separate timers; if the backend does not look like that, backend.step is timed whole.
-    """
-    from camshaft.runtime.batch import Chunk
+    """Time the pieces of camshaft decode steps in a loop that mirrors Session._run over its sequence graph
+    (runtime code untouched): SequenceEngine.feed's three lines (the step's numpy inputs, binding them to the
+    IOBinding, InferenceSession.run_with_iobinding, copying the logits) around separate timers, then
+    SequenceSampler.sample and TextStream.append (the detokenizer)."""
+    from camshaft.runtime.detokenizer import TextStream
     from camshaft.runtime.sampler import SequenceSampler
-
-    try:
-        from camshaft.runtime.detokenizer import TextStream
-    except ImportError:
-        TextStream = None  # noqa: N806
 
     session = camshaft.session
     engine = session.engine
-    backend = engine.backend
-    split = all(hasattr(backend, a) for a in ("binding", "session", "caches"))
     prompt, params = camshaft.prompt, camshaft.params
     new_tokens = params.max_tokens
-    pieces = (["prepare", "bind", "run", "fetch"] if split else ["prepare", "backend_step"]) + ["sample"]
-    if TextStream is not None:
-        pieces.append("detokenize")
+    pieces = ["prepare", "bind", "run", "fetch", "sample", "detokenize"]
     passes = []
     perf = time.perf_counter
     for _ in range(repeats + 1):  # the first pass warms up
-        times = {p: [] for p in pieces}
+        times: dict[str, list[float]] = {p: [] for p in pieces}
         step_total = []
-        blocks = engine.pool.allocate(-(-(len(prompt) + new_tokens) // engine.block_size))
+        engine.start(len(prompt) + new_tokens)
         try:
             sampler = SequenceSampler(params, prompt, engine.eos_token_ids, [], session.manifest.model.vocab_size)
-            text = TextStream(session.tokenizer, prompt) if TextStream is not None else None
-            logits = engine.step([Chunk(prompt, 0, blocks, num_logits=1)])
-            token = sampler.sample(logits[0]).token_id
+            text = TextStream(session.tokenizer, prompt)
+            token = sampler.sample(engine.feed(prompt, 0)).token_id
             ids = [token]
-            if text is not None:
-                text.append(token)
+            text.append(token)
             pos = len(prompt)
+            binding, out = engine.binding, engine._logits
             for _step in range(new_tokens - 1):
                 t0 = perf()
-                feeds = engine.prepare([Chunk([token], pos, blocks)]).feeds
+                total = pos + 1
+                feeds = {"input_ids": np.asarray([[token]], dtype=np.int64),
+                         "seqlens_k": np.array([total - 1], dtype=np.int32),
+                         "total_sequence_length": np.array(total, dtype=np.int32)}
                 t1 = perf()
-                times["prepare"].append(t1 - t0)
-                if split:
-                    binding = backend.binding
-                    for name, array in feeds.items():
-                        binding.bind_cpu_input(name, array)
-                    out = backend._logits[: len(feeds["logits_index"])]  # as OnnxRuntimeBackend.step does
-                    binding.bind_output("logits", "cpu", 0, np.float32, out.shape, out.ctypes.data)
-                    t2 = perf()
-                    backend.session.run_with_iobinding(binding)
-                    t3 = perf()
-                    logits = out.copy()
-                    t4 = perf()
-                    times["bind"].append(t2 - t1)
-                    times["run"].append(t3 - t2)
-                    times["fetch"].append(t4 - t3)
-                else:
-                    logits = backend.step(feeds)
-                    t4 = perf()
-                    times["backend_step"].append(t4 - t1)
-                token = sampler.sample(logits[0]).token_id
+                for name, array in feeds.items():
+                    binding.bind_cpu_input(name, array)
+                binding.bind_output("logits", "cpu", 0, np.float32, out.shape, out.ctypes.data)
+                t2 = perf()
+                engine.session.run_with_iobinding(binding)
+                t3 = perf()
+                logits = out[0].copy()
+                t4 = perf()
+                token = sampler.sample(logits).token_id
                 t5 = perf()
-                times["sample"].append(t5 - t4)
-                if text is not None:
-                    text.append(token)
+                text.append(token)
                 t6 = perf()
-                if text is not None:
-                    times["detokenize"].append(t6 - t5)
+                for piece, (a, b) in zip(pieces, [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6)],
+                                         strict=True):
+                    times[piece].append(b - a)
                 step_total.append(t6 - t0)
                 ids.append(token)
                 pos += 1
         finally:
-            engine.pool.free(blocks)
+            engine.finish()
         passes.append({"pieces_ms": {p: 1000 * statistics.fmean(v) for p, v in times.items()},
                        "step_ms": 1000 * statistics.fmean(step_total), "token_ids": ids})
     passes = passes[1:]
@@ -498,22 +479,18 @@ def decode_breakdown(camshaft: CamshaftSystem, repeats: int, reference_ids: list
         "pieces_ms": {p: round(statistics.median(x["pieces_ms"][p] for x in passes), 4) for p in pieces},
         "step_ms": round(statistics.median(x["step_ms"] for x in passes), 3),
         "tokens_equal_to_session": common_prefix(passes[0]["token_ids"], reference_ids),
-        "backend_split": split,
     }
-    weights = engine.dir / (engine.manifest.artifact + ".data")
-    if split and weights.is_file():
-        result["weight_bytes"] = weights.stat().st_size
-        result["weight_bytes_per_run_gb_s"] = round(weights.stat().st_size / (result["pieces_ms"]["run"] / 1000)
-                                                    / 1e9, 1)
+    weights = engine.dir / (engine.layout.artifact + ".data")
+    result["weight_bytes"] = weights.stat().st_size
+    result["weight_bytes_per_run_gb_s"] = round(weights.stat().st_size / (result["pieces_ms"]["run"] / 1000) / 1e9, 1)
     return result
 
 
 PIECE_LABELS = {
-    "prepare": "input preparation: `Engine.prepare` → `build_step` (numpy feeds)",
+    "prepare": "input preparation: the step's numpy inputs (`SequenceEngine.feed`)",
     "bind": "binding the feeds: `IOBinding.bind_cpu_input` ×{n} + `bind_output`",
-    "run": "`InferenceSession.run_with_iobinding` (the model)",
+    "run": "`InferenceSession.run_with_iobinding` (the sequence graph)",
     "fetch": "copying the logits out of the bound output buffer",
-    "backend_step": "`backend.step` (bind + run + fetch)",
     "sample": "sampling: `SequenceSampler.sample` (greedy argmax)",
     "detokenize": "detokenizing: `TextStream.append`",
 }
@@ -590,7 +567,9 @@ def markdown(results: dict, plot_ref: str) -> str:
         f"({cfg['new_tokens']} − 1) / (time after the first token). transformers runs a KV-cached greedy loop "
         "(`model(...)` + argmax per token); onnxruntime-genai runs `append_tokens` then `generate_next_token` "
         "(TTFT = `append_tokens` + the first `generate_next_token`) on a model from its own builder "
-        "(`-p fp32 -e cpu`).",
+        "(`-p fp32 -e cpu`). camshaft runs the engine's sequence graph (contiguous cache, GroupQueryAttention: "
+        "what `Session` picks); \"camshaft on its batch graph\" is the same engine through `Session(graph=\"batch\")`: "
+        "the paged graph the in-flight batcher runs.",
         "",
         "| system | decode tok/s | TTFT ms | prefill tok/s | camshaft ÷ system, decode tok/s | "
         "camshaft ÷ system, TTFT | greedy tokens equal to camshaft's |",
@@ -713,13 +692,13 @@ def main(argv: list[str] | None = None) -> None:
     set_ortgenai_threads(ortgenai_dir, args.threads)
 
     from camshaft.manifest import read_manifest
-    from camshaft.runtime.batch import Chunk
 
     vocab = read_manifest(engine_dir).model.vocab_size
     prompt = benchmark_prompt(vocab, args.prompt_len)
     log("loading systems")
     camshaft = CamshaftSystem(engine_dir, prompt, args.new_tokens, args.threads)
     makers: list[Callable[[], object]] = [
+        lambda: CamshaftSystem(engine_dir, prompt, args.new_tokens, args.threads, graph="batch"),
         lambda: TransformersSystem(Path(model_dir), prompt, args.new_tokens, args.threads),
         lambda: OrtGenaiSystem(ortgenai_dir, prompt, args.new_tokens),
     ]
@@ -729,7 +708,7 @@ def main(argv: list[str] | None = None) -> None:
 
     log("decode-step breakdown")
     breakdown = decode_breakdown(camshaft, args.breakdown_passes, tokens[CAMSHAFT])
-    num_feeds = len(camshaft.session.engine.prepare([Chunk([0], 0, [1])]).feeds)
+    num_feeds = len(read_manifest(engine_dir).sequence_graph.inputs)
 
     results = {
         "benchmark": "latency",

@@ -13,6 +13,7 @@ from camshaft.errors import BuildConfigError, CheckpointError, EngineError
 from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS, read_manifest
 from camshaft.runtime.batch import FEED_NAMES, Chunk, build_step
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.session import Session
 
 from tiny_models import make_tiny_model
 
@@ -44,7 +45,29 @@ def test_manifest_records_the_contract(built):
     assert {"camshaft", "onnx", "onnxruntime"} <= set(m.tools)
     assert {t.name for t in m.inputs} >= {"input_ids", "positions", "kv_write_index", "decode_block_tables"}
     assert len(m.graph_sha256) == 64
-    assert set(m.files) == {"model.onnx", "model.onnx.data"}
+    assert set(m.files) == {"model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data"}
+    seq = m.sequence_graph
+    assert seq.artifact == "sequence.onnx" and [t.name for t in seq.inputs] == [
+        "input_ids", "seqlens_k", "total_sequence_length"]
+    assert len(seq.key_inputs) == len(seq.value_outputs) == m.model.num_layers
+    assert seq.bytes_per_token() == 2 * m.model.num_layers * m.model.num_kv_heads * m.model.head_dim * 4
+
+
+def test_a_format_1_engine_still_loads_and_runs_its_batch_graph(copy):
+    raw = json.loads((copy / "manifest.json").read_text())
+    del raw["sequence_graph"]
+    raw["format_version"] = 1
+    raw["files"] = {k: v for k, v in raw["files"].items() if not k.startswith("sequence")}
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    session = Session(copy)
+    assert session.graph == "batch" and session.generate("hi", max_tokens=3).finish_reason == "length"
+    session.close()
+
+
+def test_missing_sequence_graph_file(copy):
+    (copy / "sequence.onnx.data").unlink()
+    with pytest.raises(EngineError, match="missing sequence.onnx.data"):
+        Session(copy)
 
 
 def test_corrupt_manifest(copy):

@@ -1,4 +1,5 @@
-"""Logit parity with transformers through the paged cache: prefill, chunked prefill, decode, packed batches."""
+"""Logit parity with transformers through the paged cache (prefill, chunked prefill, decode, packed batches) and
+through the Session's sequence graph."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import transformers
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
+from camshaft.errors import EngineError
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.sequence import SequenceEngine
 
 from tiny_models import VARIANTS, make_tiny_model
 
@@ -131,3 +134,23 @@ def test_onnxruntime_graph_skips_an_empty_group(variant):
     decode = engine.prepare([seq.chunk(1)]).feeds
     assert (bool(prefill["has_decode"]), bool(prefill["has_prefill"])) == (False, True)
     assert (bool(decode["has_decode"]), bool(decode["has_prefill"])) == (True, False)
+
+
+def test_sequence_graph_matches_transformers(variant):
+    """The Session's single-sequence graph (contiguous cache, GroupQueryAttention): a first prefill chunk, a later
+    chunk over a non-empty cache, then decodes; every variant has one (head size 24 takes the unfused rotary)."""
+    name, engine_dir, reference = variant
+    engine = SequenceEngine(engine_dir)
+    graph = onnx.load(engine_dir / engine.layout.artifact, load_external_data=False).graph
+    assert sum(node.op_type == "GroupQueryAttention" for node in graph.node) == engine.manifest.model.num_layers
+    ids = np.random.default_rng(4).integers(3, engine.manifest.model.vocab_size, 50).tolist()
+    expected = reference_logits(reference, ids)
+    engine.start(len(ids))
+    fed = 0
+    for n in (20, 25, 1, 1, 1, 1, 1):
+        logits = engine.feed(ids[fed: fed + n], fed)
+        fed += n
+        assert_close(logits, expected[fed - 1], f"{name} sequence graph position {fed - 1}")
+    with pytest.raises(EngineError, match="holds 50 tokens; cannot continue it at 3"):
+        engine.feed([5], 3)
+    engine.close()

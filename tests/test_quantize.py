@@ -30,6 +30,7 @@ from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, SMOOTHQUANT_ALPHA, QuantSpec, modelopt_config
 from camshaft.runtime.batch import Chunk, build_step
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.sequence import SequenceEngine
 
 from tiny_models import make_tiny_model
 
@@ -175,6 +176,19 @@ def test_engine_logits_match_modelopt_fake_quant_model(quantized, prompt):
     print(f"{fmt}: |engine - fake-quant| {engine_vs_fq:.3g}, |fake-quant - fp32| {fq_vs_fp32:.3g}")
     assert fq_vs_fp32 > 1e-3  # the quantization is real
     assert engine_vs_fq <= 0.1 * fq_vs_fp32
+
+
+def test_sequence_graph_logits_match_modelopt_fake_quant_model(quantized, prompt):
+    """The Session's sequence graph lowers the same quantized layers: a prefill, then one token at a time."""
+    fmt, _, engine_dir, ref = quantized
+    engine = SequenceEngine(engine_dir)
+    ids = prompt[0].tolist()
+    engine.start(PROMPT_LEN)
+    rows = [engine.feed(ids[:30], 0)] + [engine.feed([t], 30 + i) for i, t in enumerate(ids[30:])]
+    logits, expected, fp32 = np.stack(rows), ref["logits"][29:], ref["fp32"][29:]
+    assert np.abs(expected - fp32).max() > 1e-3
+    assert np.abs(logits - expected).max() <= 0.1 * np.abs(expected - fp32).max(), fmt
+    engine.close()
 
 
 def test_weight_only_int8_compute_matches_int8_activation_reference(quantized, prompt):

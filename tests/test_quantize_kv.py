@@ -29,11 +29,13 @@ from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
 from camshaft.builder.graph.kv_quant import KVQuantizer, e4m3_values
 from camshaft.builder.graph.ops import GraphWriter
+from camshaft.errors import EngineError
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import QuantSpec
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.kv_cache import bytes_per_block
+from camshaft.runtime.session import Session
 
 from tiny_models import make_tiny_model
 
@@ -235,3 +237,14 @@ def test_kv_scales_under_vllm_names(kv_engine, tmp_path):
                for k, v in tensors.items()}, ckpt / KV_SCALES_FILE)
     with Checkpoint(ckpt) as renamed:
         assert [s for layer in range(2) for s in renamed.kv_scales(layer)] == ref["scales"]
+
+
+def test_a_quantized_kv_cache_keeps_the_session_on_the_batch_graph(kv_engine):
+    """The sequence graph keeps a float cache, so an engine with an int8/fp8 cache is built without one."""
+    _, engine_dir, _ = kv_engine
+    session = Session(engine_dir)
+    assert session.manifest.sequence_graph is None and session.graph == "batch"
+    assert not any(path.name.startswith("sequence") for path in engine_dir.iterdir())
+    with pytest.raises(EngineError, match="has no sequence graph"):
+        Session(engine_dir, graph="sequence")
+    session.close()

@@ -8,6 +8,7 @@ import pytest
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import CapacityError, RequestError
+from camshaft.runtime import sequence
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
 
@@ -15,11 +16,19 @@ from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
+def engine_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("session")
     model = make_tiny_model("llama", root / "hf")
     build_engine(BuildConfig(model, root / "engine", max_seq_len=96, max_num_tokens=16, kv_block_size=8))
-    return Session(root / "engine")
+    return root / "engine"
+
+
+@pytest.fixture(scope="module", params=["sequence", "batch"])
+def session(engine_dir, request):
+    session = Session(engine_dir, graph=request.param)
+    assert session.graph == request.param
+    yield session
+    session.close()
 
 
 def test_stream_concatenates_to_generate(session):
@@ -41,16 +50,41 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(session):
     prompt = list(range(10, 70))  # 60 tokens: 4 chunks of max_num_tokens=16
     chunked = session.generate(prompt, max_tokens=20, ignore_eos=True).token_ids
     engine = session.engine
-    from camshaft.runtime.batch import Chunk
-
-    blocks = engine.pool.allocate(10)
-    logits = engine.step([Chunk(prompt, 0, blocks)])  # one 60-token chunk
+    engine.start(80)
+    logits = engine.feed(prompt, 0)  # one 60-token chunk
     tokens = []
     for pos in range(60, 80):
-        tokens.append(int(np.argmax(logits[0])))
-        logits = engine.step([Chunk([tokens[-1]], pos, blocks)])
-    engine.pool.free(blocks)
+        tokens.append(int(np.argmax(logits)))
+        logits = engine.feed([tokens[-1]], pos)
+    engine.finish()
     assert chunked == tokens
+
+
+def test_both_graphs_give_the_same_tokens(engine_dir, session):
+    other = Session(engine_dir, graph="batch" if session.graph == "sequence" else "sequence")
+    for params in (dict(max_tokens=40, ignore_eos=True), dict(max_tokens=30, temperature=0.8, top_k=20, seed=3)):
+        assert session.generate("the same prompt", **params).token_ids == other.generate(
+            "the same prompt", **params).token_ids
+    other.close()
+
+
+def test_sequence_cache_grows_with_the_request_and_is_kept(engine_dir, monkeypatch):
+    monkeypatch.setattr(sequence, "GROW", 16)
+    session = Session(engine_dir, graph="sequence")
+    per_token = session.manifest.sequence_graph.bytes_per_token()
+    short = session.generate("a", max_tokens=4, ignore_eos=True)
+    assert session.engine.kv_cache_bytes == 16 * per_token
+    long = session.generate(list(range(10, 60)), max_tokens=40, ignore_eos=True)
+    assert session.engine.kv_cache_bytes == 96 * per_token  # 90 tokens round up to 96, the engine's max_seq_len
+    assert session.generate("a", max_tokens=4, ignore_eos=True).token_ids == short.token_ids
+    assert session.generate(list(range(10, 60)), max_tokens=40, ignore_eos=True).token_ids == long.token_ids
+    session.close()
+
+
+def test_graph_choice_is_checked(engine_dir, tmp_path):
+    with pytest.raises(RequestError, match="graph must be one of auto, sequence, batch"):
+        Session(engine_dir, graph="fast")
+    assert Session(engine_dir).graph == "sequence"  # auto: the engine has one
 
 
 def test_stop_string_cuts_exactly_when_streaming_too(session):
@@ -111,4 +145,6 @@ def test_limits(session):
         session.generate()
     with pytest.raises(RequestError, match="token ids"):
         session.generate([10**6])
-    assert session.engine.pool.num_free == session.engine.pool.capacity  # failed requests hold no blocks
+    if session.graph == "batch":
+        pool = session.engine.engine.pool
+        assert pool.num_free == pool.capacity  # failed requests hold no blocks

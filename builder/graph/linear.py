@@ -66,7 +66,8 @@ class Linears:
         return self.bias(y, prefix, [prefix], [out_dim]) if bias else y
 
     def fused(self, x: str, prefixes: list[str], out_dims: list[int], in_dim: int, bias: bool,
-              name: str) -> list[str]:
+              name: str, split: bool = True) -> list[str]:
+        """The layers' outputs; with `split` False, one concatenated output where they fuse into one product."""
         pairs = list(zip(prefixes, out_dims, strict=True))
         quantized = [self.quantized(p, o, in_dim) for p, o in pairs]
         if any(q is not None for q in quantized):
@@ -80,6 +81,8 @@ class Linears:
             y = self.g.op("MatMul", [x, self.g.weight(f"{name}.weight", weight)])
         if bias:
             y = self.bias(y, name, prefixes, out_dims)
+        if not split:
+            return [y]
         return self.g.op("Split", [y, self.g.ints(out_dims)], n_out=len(out_dims), axis=-1)
 
     def lower_quantized(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str | None:

@@ -1,0 +1,149 @@
+"""The sequence graph: one sequence at a time, for the lowest batch-1 latency (the onnxruntime target's Session).
+
+The batch graph (decoder.py) serves many sequences through a paged cache and pays for it in every layer: gathers
+through block tables, masks, two attention groups, packed-order indices. A single sequence needs none of that. This
+graph keeps each layer's K/V contiguous, [1, kv_heads, L, head_dim], bound as both input and output so ONNX
+Runtime's GroupQueryAttention appends in place, and lowers a layer to about a dozen nodes:
+  SkipSimplifiedLayerNormalization (the residual Add fused into the norm);
+  q/k/v as one product feeding GroupQueryAttention packed, rotary inside it (outside it where the head size is
+  not a multiple of 16, which its rotary requires); gate/up as one product;
+  the same linear layers as the batch graph (float or quantized: linear.py) on [1, S, hidden].
+It returns the last token's logits only. Inputs: `input_ids` [1, S]; `seqlens_k` [1] = tokens in the cache after
+this step - 1; `total_sequence_length` (scalar) = tokens after this step. S > 1 with a non-empty cache is a later
+prefill chunk, which GroupQueryAttention accepts for batch 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from onnx import TensorProto
+
+from camshaft.builder.graph.head import Head
+from camshaft.builder.graph.linear import MS_DOMAIN, Linears
+from camshaft.builder.graph.ops import GraphWriter
+from camshaft.builder.graph.rope import cos_sin_tables
+from camshaft.manifest import SEQUENCE_INPUTS, SequenceGraph
+from camshaft.model_config import ModelConfig
+
+ELEM = {"int64": TensorProto.INT64, "int32": TensorProto.INT32}
+
+
+def sequence_graph_support(config: ModelConfig, dtype: str, kv_dtype: str | None) -> str | None:
+    """Why a checkpoint gets no sequence graph (the Session then runs the batch graph), or None when it gets one."""
+    if dtype != "float32":
+        return f"it is built for {dtype}; ONNX Runtime's CPU GroupQueryAttention takes float32"
+    if kv_dtype is not None:
+        return f"its KV cache is {kv_dtype}; the sequence graph keeps a float cache"
+    if config.head_dim % 8:
+        return f"its head size {config.head_dim} is not a multiple of 8, as GroupQueryAttention requires"
+    return None
+
+
+def sequence_layout(config: ModelConfig, artifact: str) -> SequenceGraph:
+    n = range(config.num_layers)
+    return SequenceGraph(
+        artifact=artifact,
+        inputs=SEQUENCE_INPUTS,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        key_inputs=tuple(f"past_key_{i}" for i in n),
+        value_inputs=tuple(f"past_value_{i}" for i in n),
+        key_outputs=tuple(f"present_key_{i}" for i in n),
+        value_outputs=tuple(f"present_value_{i}" for i in n),
+    )
+
+
+class SequenceLowering:
+    def __init__(self, g: GraphWriter, config: ModelConfig, max_seq_len: int, linears: Linears, head: Head,
+                 weights: Callable[[str, tuple[int, ...]], np.ndarray], layout: SequenceGraph,
+                 progress: Callable[[str], None] = lambda _: None) -> None:
+        self.g, self.c, self.max_seq_len = g, config, max_seq_len
+        self.linears, self.head, self.weights, self.layout, self.progress = linears, head, weights, layout, progress
+        self.np_dtype = linears.np_dtype
+        self.fused_rope = config.head_dim % 16 == 0
+
+    def norm_weight(self, name: str) -> str:
+        return self.g.weight(name, self.weights(name, (self.c.hidden_size,)).astype(self.np_dtype))
+
+    def skip_norm(self, x: str, residual: str, weight: str) -> tuple[str, str]:
+        """(RMSNorm(x + residual), x + residual) in one node."""
+        out = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, self.norm_weight(weight)], n_out=4,
+                        domain=MS_DOMAIN, epsilon=self.c.rms_norm_eps)
+        return out[0], out[3]
+
+    def lower(self) -> None:
+        g, c, kv = self.g, self.c, self.layout
+        for spec in kv.inputs:
+            g.input(spec.name, ELEM[spec.dtype], list(spec.shape))
+        cache_shape = [1, c.num_kv_heads, "L", c.head_dim]
+        for name in kv.key_inputs + kv.value_inputs:
+            g.input(name, TensorProto.FLOAT, cache_shape)
+        cos, sin = cos_sin_tables(c.rope, c.head_dim, self.max_seq_len)
+        self.cos = g.weight("rope_cos", cos.astype(self.np_dtype))
+        self.sin = g.weight("rope_sin", sin.astype(self.np_dtype))
+        if not self.fused_rope:
+            total = g.op("Cast", ["total_sequence_length"], to=TensorProto.INT64)
+            start = g.op("Sub", [total, g.op("Shape", ["input_ids"], start=1, end=2)])
+            positions = g.op("Range", [g.op("Squeeze", [start]), total, g.const(np.array(1, np.int64), "one")])
+            self.positions = g.op("Unsqueeze", [positions, g.ints([0])])
+        embed = g.weight("embed_tokens", self.weights("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+                         .astype(self.np_dtype))
+        residual = g.op("Gather", [embed, "input_ids"], axis=0)  # [1, S, hidden]
+        x = g.op("SimplifiedLayerNormalization", [residual, self.norm_weight("model.layers.0.input_layernorm.weight")],
+                 axis=-1, epsilon=c.rms_norm_eps)
+        for i in range(c.num_layers):
+            self.progress(f"sequence graph: layer {i + 1}/{c.num_layers}")
+            p = f"model.layers.{i}"
+            attn = self.attention(i, x)
+            o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, c.num_heads * c.head_dim, c.o_bias)
+            x, residual = self.skip_norm(o, residual, f"{p}.post_attention_layernorm.weight")
+            # gate and up as one product (faster at batch 1 in a scratch A/B; the batch graph keeps two)
+            gate, up = self.linears.fused(x, [f"{p}.mlp.{n}_proj" for n in ("gate", "up")],
+                                          [c.intermediate_size] * 2, c.hidden_size, c.mlp_bias, f"{p}.mlp.gate_up_proj")
+            act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+            down = self.linears.linear(act, f"{p}.mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
+            following = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < c.num_layers else "model.norm.weight"
+            x, residual = self.skip_norm(down, residual, following)
+        last = g.op("Gather", [x, g.const(np.array(-1, np.int64), "last")], axis=1)  # [1, hidden]
+        logits = self.head.lower(last, embed)
+        g.op_to("Identity", [logits], "logits")
+        g.output("logits", TensorProto.FLOAT, [1, c.vocab_size])
+        for name in kv.key_outputs + kv.value_outputs:
+            g.output(name, TensorProto.FLOAT, cache_shape)
+
+    def attention(self, i: int, x: str) -> str:
+        g, c, kv = self.g, self.c, self.layout
+        p = f"model.layers.{i}.self_attn"
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = self.linears.fused(x, [f"{p}.{n}_proj" for n in "qkv"], [hq * d, hkv * d, hkv * d], c.hidden_size,
+                                 c.qkv_bias, f"{p}.qkv_proj", split=not self.fused_rope or c.qk_norm)
+        if c.qk_norm:
+            q, k, v = qkv
+            qkv = [self.head_norm(q, f"{p}.q_norm.weight", hq), self.head_norm(k, f"{p}.k_norm.weight", hkv), v]
+        if not self.fused_rope:
+            q, k, v = qkv
+            qkv = [self.rope(q, hq), self.rope(k, hkv), v]
+        query, key, value = (qkv[0], "", "") if len(qkv) == 1 else qkv
+        # local_window_size keys before the query, plus the query: what transformers attends for sliding_window
+        window = c.sliding_window if c.layer_types[i] == "sliding" else None
+        out = g.op("GroupQueryAttention", [query, key, value, kv.key_inputs[i], kv.value_inputs[i], "seqlens_k",
+                                           "total_sequence_length"] + ([self.cos, self.sin] if self.fused_rope else []),
+                   n_out=3, domain=MS_DOMAIN, num_heads=hq, kv_num_heads=hkv, scale=float(d) ** -0.5,
+                   do_rotary=int(self.fused_rope), local_window_size=window or -1)
+        node = g.nodes[-1]
+        node.output[1], node.output[2] = kv.key_outputs[i], kv.value_outputs[i]
+        return out[0]
+
+    def head_norm(self, x: str, weight: str, heads: int) -> str:
+        """Per-head RMSNorm of [1, S, heads*dim]."""
+        g, d = self.g, self.c.head_dim
+        scale = g.weight(weight, self.weights(weight, (d,)).astype(self.np_dtype))
+        x = g.op("Reshape", [x, g.ints([1, -1, heads, d])])
+        x = g.op("RMSNormalization", [x, scale], axis=-1, epsilon=self.c.rms_norm_eps)
+        return g.op("Reshape", [x, g.ints([1, -1, heads * d])])
+
+    def rope(self, x: str, heads: int) -> str:
+        return self.g.op("RotaryEmbedding", [x, self.cos, self.sin, self.positions], num_heads=heads, interleaved=0)
+

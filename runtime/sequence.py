@@ -1,0 +1,118 @@
+"""The sequence graph loaded for running one sequence at a time (Session), and the batch graph behind the same calls.
+
+Both give the Session `start(total)` → `feed(tokens, start)` (logits of the last token fed) → `finish()`. The
+sequence graph's cache is contiguous per layer, [1, kv_heads, L, head_dim]; it grows (in steps of GROW tokens, up
+to max_seq_len) when a request needs more and is kept for the next one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from camshaft.errors import EngineError
+from camshaft.manifest import Manifest, read_manifest
+from camshaft.runtime.backends.onnxruntime import check_compatible, session_options
+from camshaft.runtime.batch import Chunk
+from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
+
+GROW = 256
+
+
+class SequenceEngine:
+    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, manifest: Manifest | None = None):
+        self.dir = Path(engine_dir)
+        self.manifest = m = manifest or read_manifest(self.dir)
+        if m.sequence_graph is None:
+            raise EngineError(f"{self.dir} has no sequence graph; rebuild it with this camshaft for --target "
+                              "onnxruntime, or run its batch graph")
+        check_compatible(m)
+        self.layout = m.sequence_graph
+        path = self.dir / self.layout.artifact
+        try:
+            self.session = ort.InferenceSession(str(path), session_options(threads, spin_wait=True),
+                                                providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
+            raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
+        self.binding = self.session.io_binding()
+        self.tokenizer = load_tokenizer(self.dir)
+        self.eos_token_ids = end_ids(m.model, self.tokenizer)
+        self.caches: list[np.ndarray] = []
+        self._logits = np.empty((1, m.model.vocab_size), dtype=np.float32)
+        self._length = 0
+
+    @property
+    def limits(self):
+        return self.manifest.limits
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def start(self, total: int) -> None:
+        """Make room for a sequence of `total` tokens (prompt + max_tokens)."""
+        capacity = self.caches[0].shape[2] if self.caches else 0
+        if total > capacity:
+            self._bind_caches(min(-(-total // GROW) * GROW, self.limits.max_seq_len))
+        self._length = 0
+
+    def _bind_caches(self, length: int) -> None:
+        layout = self.layout
+        self.caches = []
+        names = zip(layout.key_inputs + layout.value_inputs, layout.key_outputs + layout.value_outputs, strict=True)
+        for input_name, output_name in names:
+            cache = np.zeros((1, layout.num_kv_heads, length, layout.head_dim), dtype=np.float32)
+            value = ort.OrtValue.ortvalue_from_numpy(cache)
+            self.binding.bind_ortvalue_input(input_name, value)
+            self.binding.bind_ortvalue_output(output_name, value)
+            self.caches.append(cache)
+
+    def feed(self, tokens: list[int], start: int) -> np.ndarray:
+        """Logits [vocab] after `tokens`, which continue the sequence from position `start`."""
+        if start != self._length:
+            raise EngineError(f"the sequence holds {self._length} tokens; cannot continue it at {start}")
+        total = start + len(tokens)
+        binding = self.binding
+        binding.bind_cpu_input("input_ids", np.asarray([tokens], dtype=np.int64))
+        binding.bind_cpu_input("seqlens_k", np.array([total - 1], dtype=np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(total, dtype=np.int32))
+        out = self._logits
+        binding.bind_output("logits", "cpu", 0, np.float32, out.shape, out.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        self._length = total
+        return out[0].copy()
+
+    def finish(self) -> None:
+        self._length = 0
+
+    def close(self) -> None:
+        self.binding = self.session = None
+        self.caches = []
+
+
+class BatchGraphSequence:
+    """One sequence at a time through the batch graph and its paged pool (engines without a sequence graph)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.manifest, self.tokenizer, self.eos_token_ids = engine.manifest, engine.tokenizer, engine.eos_token_ids
+        self.blocks: list[int] = []
+
+    @property
+    def limits(self):
+        return self.engine.limits
+
+    def start(self, total: int) -> None:
+        self.blocks = self.engine.pool.allocate(-(-total // self.engine.block_size))
+
+    def feed(self, tokens: list[int], start: int) -> np.ndarray:
+        return self.engine.step([Chunk(tokens, start, self.blocks, num_logits=1)])[0]
+
+    def finish(self) -> None:
+        self.engine.pool.free(self.blocks)
+        self.blocks = []
+
+    def close(self) -> None:
+        self.engine.close()

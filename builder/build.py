@@ -176,7 +176,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)
             sequence = None
             if for_ort:
-                sequence = sequence_graph(checkpoint, limits, dtype, staging, progress, accuracy_level)
+                sequence = sequence_graph(checkpoint, limits, dtype, staging, progress, accuracy_level, artifact)
                 files += [sequence.artifact, f"{sequence.artifact}.data"] if sequence else []
             tok_dir = staging / TOKENIZER_DIR
             tok_dir.mkdir()

@@ -194,11 +194,12 @@ class SequenceSampler:
         """Choose the next token from one row of model logits (shape [vocab]) and record it."""
         rows = _scratch.get(logits_row.shape[-1])
         x = self._process(logits_row, rows[0]) if self._transforms_logits else logits_row
-        top = float(x.max())
+        best = int(np.argmax(x))  # a NaN anywhere is the argmax
+        top = float(x[best])
         if top == -np.inf or np.isnan(top):
             raise RequestError("every token is banned or the logits are not finite; "
                                "relax bad_words / min_tokens or check the model output")
-        token = int(np.argmax(x)) if self.params.greedy else self._sample_filtered(x, top, rows)
+        token = best if self.params.greedy else self._sample_filtered(x, top, rows)
         return self._record(token, logits_row)
 
     def _sample_filtered(self, x: np.ndarray, top: float, rows: tuple[np.ndarray, ...]) -> int:

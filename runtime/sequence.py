@@ -40,7 +40,16 @@ class SequenceEngine:
         self.tokenizer = load_tokenizer(self.dir)
         self.eos_token_ids = end_ids(m.model, self.tokenizer)
         self.caches: list[np.ndarray] = []
-        self._logits = np.empty((1, m.model.vocab_size), dtype=np.float32)
+        # Bound once: a decode step writes its token and lengths into these and rebinds nothing.
+        self._token = np.zeros((1, 1), dtype=np.int64)
+        self._seqlens = np.zeros(1, dtype=np.int32)
+        self._total = np.zeros((), dtype=np.int32)
+        self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self._token, self._seqlens, self._total)]
+        self._token_bound = False
+        self.binding.bind_ortvalue_input("seqlens_k", self._values[1])
+        self.binding.bind_ortvalue_input("total_sequence_length", self._values[2])
+        self.logits = np.empty((1, m.model.vocab_size), dtype=np.float32)
+        self.binding.bind_output("logits", "cpu", 0, np.float32, self.logits.shape, self.logits.ctypes.data)
         self._length = 0
 
     @property
@@ -73,16 +82,24 @@ class SequenceEngine:
         """Logits [vocab] after `tokens`, which continue the sequence from position `start`."""
         if start != self._length:
             raise EngineError(f"the sequence holds {self._length} tokens; cannot continue it at {start}")
+        self.prepare(tokens, start)
+        self.session.run_with_iobinding(self.binding)
+        self._length = start + len(tokens)
+        return self.logits[0].copy()
+
+    def prepare(self, tokens: list[int], start: int) -> None:
+        """Bind a step's inputs (a decode step writes into the bound buffers)."""
         total = start + len(tokens)
-        binding = self.binding
-        binding.bind_cpu_input("input_ids", np.asarray([tokens], dtype=np.int64))
-        binding.bind_cpu_input("seqlens_k", np.array([total - 1], dtype=np.int32))
-        binding.bind_cpu_input("total_sequence_length", np.array(total, dtype=np.int32))
-        out = self._logits
-        binding.bind_output("logits", "cpu", 0, np.float32, out.shape, out.ctypes.data)
-        self.session.run_with_iobinding(binding)
-        self._length = total
-        return out[0].copy()
+        if len(tokens) == 1:
+            self._token[0, 0] = tokens[0]
+            if not self._token_bound:
+                self.binding.bind_ortvalue_input("input_ids", self._values[0])
+                self._token_bound = True
+        else:
+            self.binding.bind_cpu_input("input_ids", np.asarray([tokens], dtype=np.int64))
+            self._token_bound = False
+        self._seqlens[0] = total - 1
+        self._total[()] = total
 
     def finish(self) -> None:
         self._length = 0

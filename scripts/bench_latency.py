@@ -4,7 +4,8 @@
 Systems: camshaft's Session on an onnxruntime fp32 engine, transformers fp32 (a manual KV-cached greedy loop), and
 onnxruntime-genai fp32 (a model made by its own builder). Every system gets the same prompt ids
 (`benchmark_prompt`), generates the same number of tokens greedily with the end id ignored, and runs on the same
-number of threads. Rounds are interleaved (each round runs every system once, in a rotating order) and medians are
+number of threads, each in a process of its own. Rounds are interleaved (each round runs every system once, in a
+rotating order) and medians are
 reported, with camshaft/peer ratios taken within each round, so the noise of a shared machine mostly cancels.
 
 Also measured: the camshaft build (wall time, peak RSS, engine size), the onnxruntime-genai build for comparison,
@@ -331,6 +332,49 @@ class OrtGenaiSystem:
         return {"ttft_s": first - start, "total_s": end - start, "token_ids": ids}
 
 
+class Isolated:
+    """A system in a process of its own (spawned), driven over a pipe: `run()` runs it there once. Systems sharing
+    one process disturb each other (thread pools, allocators: measured, the camshaft Session slowed after a peer ran
+    in its process); users run one per process. While one runs, the others wait in `recv`."""
+
+    def __init__(self, make: Callable[..., object], *args: object, **kwargs: object) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve_system, args=(child, make, args, kwargs), daemon=True)
+        self.process.start()
+        reply = self.conn.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        self.name = reply
+
+    def run(self) -> dict:
+        self.conn.send("run")
+        reply = self.conn.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join(timeout=30)
+
+
+def _serve_system(conn, make: Callable[..., object], args: tuple, kwargs: dict) -> None:
+    try:
+        system = make(*args, **kwargs)
+        conn.send(system.name)
+    except BaseException as exc:  # reported to the parent, which raises it
+        conn.send(exc)
+        return
+    while conn.recv() == "run":
+        try:
+            conn.send(system.run())
+        except BaseException as exc:
+            conn.send(exc)
+
+
 def summarize_run(run: dict, prompt_len: int) -> dict:
     n = len(run["token_ids"])
     decode_s = run["total_s"] - run["ttft_s"]
@@ -418,8 +462,8 @@ def summarize(per_round: dict[str, list[dict]], tokens: dict[str, list[int]]) ->
 
 def decode_breakdown(camshaft: CamshaftSystem, repeats: int, reference_ids: list[int]) -> dict:
     """Time the pieces of camshaft decode steps in a loop that mirrors Session._run over its sequence graph
-    (runtime code untouched): SequenceEngine.feed's three lines (the step's numpy inputs, binding them to the
-    IOBinding, InferenceSession.run_with_iobinding, copying the logits) around separate timers, then
+    (runtime code untouched): SequenceEngine.feed's three lines (prepare: the token and lengths written into the
+    bound inputs; InferenceSession.run_with_iobinding; copying the logits) around separate timers, then
     SequenceSampler.sample and TextStream.append (the detokenizer)."""
     from camshaft.runtime.detokenizer import TextStream
     from camshaft.runtime.sampler import SequenceSampler
@@ -428,7 +472,7 @@ def decode_breakdown(camshaft: CamshaftSystem, repeats: int, reference_ids: list
     engine = session.engine
     prompt, params = camshaft.prompt, camshaft.params
     new_tokens = params.max_tokens
-    pieces = ["prepare", "bind", "run", "fetch", "sample", "detokenize"]
+    pieces = ["prepare", "run", "fetch", "sample", "detokenize"]
     passes = []
     perf = time.perf_counter
     for _ in range(repeats + 1):  # the first pass warms up
@@ -442,30 +486,21 @@ def decode_breakdown(camshaft: CamshaftSystem, repeats: int, reference_ids: list
             ids = [token]
             text.append(token)
             pos = len(prompt)
-            binding, out = engine.binding, engine._logits
             for _step in range(new_tokens - 1):
                 t0 = perf()
-                total = pos + 1
-                feeds = {"input_ids": np.asarray([[token]], dtype=np.int64),
-                         "seqlens_k": np.array([total - 1], dtype=np.int32),
-                         "total_sequence_length": np.array(total, dtype=np.int32)}
+                engine.prepare([token], pos)
                 t1 = perf()
-                for name, array in feeds.items():
-                    binding.bind_cpu_input(name, array)
-                binding.bind_output("logits", "cpu", 0, np.float32, out.shape, out.ctypes.data)
+                engine.session.run_with_iobinding(engine.binding)
                 t2 = perf()
-                engine.session.run_with_iobinding(binding)
+                logits = engine.logits[0].copy()
                 t3 = perf()
-                logits = out[0].copy()
-                t4 = perf()
                 token = sampler.sample(logits).token_id
-                t5 = perf()
+                t4 = perf()
                 text.append(token)
-                t6 = perf()
-                for piece, (a, b) in zip(pieces, [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6)],
-                                         strict=True):
+                t5 = perf()
+                for piece, (a, b) in zip(pieces, [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)], strict=True):
                     times[piece].append(b - a)
-                step_total.append(t6 - t0)
+                step_total.append(t5 - t0)
                 ids.append(token)
                 pos += 1
         finally:
@@ -487,8 +522,7 @@ def decode_breakdown(camshaft: CamshaftSystem, repeats: int, reference_ids: list
 
 
 PIECE_LABELS = {
-    "prepare": "input preparation: the step's numpy inputs (`SequenceEngine.feed`)",
-    "bind": "binding the feeds: `IOBinding.bind_cpu_input` ×{n} + `bind_output`",
+    "prepare": "inputs: the token and lengths written into the {n} bound input buffers (`SequenceEngine.prepare`)",
     "run": "`InferenceSession.run_with_iobinding` (the sequence graph)",
     "fetch": "copying the logits out of the bound output buffer",
     "sample": "sampling: `SequenceSampler.sample` (greedy argmax)",
@@ -562,6 +596,7 @@ def markdown(results: dict, plot_ref: str) -> str:
         f"{cfg['new_tokens']} new tokens, greedy, end id ignored, fp32, {cfg['threads']} threads everywhere "
         f"(camshaft `Session(threads={cfg['threads']})`, `torch.set_num_threads({cfg['threads']})`, "
         f"onnxruntime-genai `intra_op_num_threads: {cfg['threads']}` in genai_config.json). "
+        "Each system runs in a process of its own (spawned; the others wait idle while one runs). "
         f"One warm-up run each, then {cfg['rounds']} round(s); each round runs every system once, in rotating order. "
         "Medians, (min–max) over rounds. TTFT = prompt in → first token out; decode tok/s = "
         f"({cfg['new_tokens']} − 1) / (time after the first token). transformers runs a KV-cached greedy loop "
@@ -695,18 +730,20 @@ def main(argv: list[str] | None = None) -> None:
 
     vocab = read_manifest(engine_dir).model.vocab_size
     prompt = benchmark_prompt(vocab, args.prompt_len)
-    log("loading systems")
-    camshaft = CamshaftSystem(engine_dir, prompt, args.new_tokens, args.threads)
-    makers: list[Callable[[], object]] = [
-        lambda: CamshaftSystem(engine_dir, prompt, args.new_tokens, args.threads, graph="batch"),
-        lambda: TransformersSystem(Path(model_dir), prompt, args.new_tokens, args.threads),
-        lambda: OrtGenaiSystem(ortgenai_dir, prompt, args.new_tokens),
+    log("loading systems, one process each")
+    systems = [
+        Isolated(CamshaftSystem, engine_dir, prompt, args.new_tokens, args.threads),
+        Isolated(CamshaftSystem, engine_dir, prompt, args.new_tokens, args.threads, graph="batch"),
+        Isolated(TransformersSystem, Path(model_dir), prompt, args.new_tokens, args.threads),
+        Isolated(OrtGenaiSystem, ortgenai_dir, prompt, args.new_tokens),
     ]
-    systems = [camshaft] + [make() for make in makers]
     per_round, tokens = run_rounds(systems, args.rounds, args.prompt_len)
+    for system in systems:
+        system.close()
     summary, ratios = summarize(per_round, tokens)
 
     log("decode-step breakdown")
+    camshaft = CamshaftSystem(engine_dir, prompt, args.new_tokens, args.threads)
     breakdown = decode_breakdown(camshaft, args.breakdown_passes, tokens[CAMSHAFT])
     num_feeds = len(read_manifest(engine_dir).sequence_graph.inputs)
 

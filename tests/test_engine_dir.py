@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import onnx
 import pytest
 
 from camshaft.builder.build import build_engine
@@ -51,6 +52,22 @@ def test_manifest_records_the_contract(built):
         "input_ids", "seqlens_k", "total_sequence_length"]
     assert len(seq.key_inputs) == len(seq.value_outputs) == m.model.num_layers
     assert seq.bytes_per_token() == 2 * m.model.num_layers * m.model.num_kv_heads * m.model.head_dim * 4
+
+
+def test_the_sequence_graph_stores_no_weight_twice(built):
+    """A float engine's sequence graph reads every weight from the batch graph's data file (gate/up joined by a
+    Concat folded at load), so the engine is no larger than its batch graph."""
+    _, engine = built
+    graph = onnx.load(engine / "sequence.onnx", load_external_data=False).graph
+    external = {t.name: {e.key: e.value for e in t.external_data} for t in graph.initializer
+                if t.data_location == onnx.TensorProto.EXTERNAL}
+    shared = [n for n, e in external.items() if e["location"] == "model.onnx.data"]
+    own = [e for e in external.values() if e["location"] == "sequence.onnx.data"]
+    assert len(shared) > 10 and "embed_tokens" in shared
+    # only tensors the batch artifact keeps inside its proto (ORT saves those under 1 KB inline) have a copy
+    assert all(int(e["length"]) < 1024 for e in own)
+    assert (engine / "sequence.onnx.data").stat().st_size < 1024 * len(own) + 64
+    assert sum(node.op_type == "Concat" for node in graph.node) >= read_manifest(engine).model.num_layers
 
 
 def test_a_format_1_engine_still_loads_and_runs_its_batch_graph(copy):

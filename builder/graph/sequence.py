@@ -99,9 +99,7 @@ class SequenceLowering:
             attn = self.attention(i, x)
             o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, c.num_heads * c.head_dim, c.o_bias)
             x, residual = self.skip_norm(o, residual, f"{p}.post_attention_layernorm.weight")
-            # gate and up as one product (faster at batch 1 in a scratch A/B; the batch graph keeps two)
-            gate, up = self.linears.fused(x, [f"{p}.mlp.{n}_proj" for n in ("gate", "up")],
-                                          [c.intermediate_size] * 2, c.hidden_size, c.mlp_bias, f"{p}.mlp.gate_up_proj")
+            gate, up = self.gate_up(x, f"{p}.mlp")
             act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
             down = self.linears.linear(act, f"{p}.mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
             following = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < c.num_layers else "model.norm.weight"
@@ -135,6 +133,19 @@ class SequenceLowering:
         node = g.nodes[-1]
         node.output[1], node.output[2] = kv.key_outputs[i], kv.value_outputs[i]
         return out[0]
+
+    def gate_up(self, x: str, p: str) -> list[str]:
+        """gate and up as one product (faster at batch 1 in a scratch A/B; the batch graph keeps two). Float weights
+        stay the batch graph's two tensors, joined by a Concat that ONNX Runtime folds at load, so the engine stores
+        them once (builder/sequence_graph.py)."""
+        c, g = self.c, self.g
+        names, dims = [f"{p}.{n}_proj" for n in ("gate", "up")], [c.intermediate_size] * 2
+        if c.mlp_bias or any(self.linears.quantized(n, c.intermediate_size, c.hidden_size) for n in names):
+            return self.linears.fused(x, names, dims, c.hidden_size, c.mlp_bias, f"{p}.gate_up_proj")
+        weights = [g.weight(f"{n}.weight", self.linears.float_weight(f"{n}.weight", (c.intermediate_size,
+                                                                                      c.hidden_size))) for n in names]
+        y = g.op("MatMul", [x, g.op("Concat", weights, axis=1)])
+        return g.op("Split", [y, g.ints(dims)], n_out=2, axis=-1)
 
     def head_norm(self, x: str, weight: str, heads: int) -> str:
         """Per-head RMSNorm of [1, S, heads*dim]."""

@@ -78,14 +78,15 @@ class SequenceEngine:
             self.binding.bind_ortvalue_output(output_name, value)
             self.caches.append(cache)
 
-    def feed(self, tokens: list[int], start: int) -> np.ndarray:
-        """Logits [vocab] after `tokens`, which continue the sequence from position `start`."""
+    def feed(self, tokens: list[int], start: int, copy: bool = True) -> np.ndarray:
+        """Logits [vocab] after `tokens`, which continue the sequence from position `start`. With `copy` False, a
+        view of the bound output buffer, valid until the next feed."""
         if start != self._length:
             raise EngineError(f"the sequence holds {self._length} tokens; cannot continue it at {start}")
         self.prepare(tokens, start)
         self.session.run_with_iobinding(self.binding)
         self._length = start + len(tokens)
-        return self.logits[0].copy()
+        return self.logits[0].copy() if copy else self.logits[0]
 
     def prepare(self, tokens: list[int], start: int) -> None:
         """Bind a step's inputs (a decode step writes into the bound buffers)."""
@@ -124,7 +125,7 @@ class BatchGraphSequence:
     def start(self, total: int) -> None:
         self.blocks = self.engine.pool.allocate(-(-total // self.engine.block_size))
 
-    def feed(self, tokens: list[int], start: int) -> np.ndarray:
+    def feed(self, tokens: list[int], start: int, copy: bool = True) -> np.ndarray:
         return self.engine.step([Chunk(tokens, start, self.blocks, num_logits=1)])[0]
 
     def finish(self) -> None:

@@ -126,7 +126,7 @@ class Session:
             while request.num_computed < len(prompt):
                 start = request.num_computed
                 piece = prompt[start: start + budget]
-                logits = engine.feed(piece, start)
+                logits = engine.feed(piece, start, copy=False)
                 request.num_computed += len(piece)
             while True:
                 delta = request.add_sample(request.sampler.sample(logits))
@@ -134,7 +134,7 @@ class Session:
                     yield delta
                 if request.finished:
                     return
-                logits = engine.feed([request.output_ids[-1]], request.num_computed)
+                logits = engine.feed([request.output_ids[-1]], request.num_computed, copy=False)
                 request.num_computed += 1
         finally:
             engine.finish()

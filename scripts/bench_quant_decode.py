@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Batch-1 decode of quantized engines against the int4 peers, interleaved rounds in one process.
+"""Batch-1 decode of quantized engines against the int4 peers, interleaved rounds, one process per system.
 
-Engines are given as NAME=ENGINE_DIR (e.g. `--lm-head` float vs int4 vs int8, `--weight-only-compute` float vs
-int8); peers: an onnxruntime-genai model directory (--ortgenai) and llama.cpp on a GGUF file through
-llama-cpp-python (--llamacpp). Each round runs every system once in a rotating order; decode tok/s medians and
-per-round ratios to the first engine are printed (the machine is shared: compare ratios). Reuses the systems of
-scripts/bench_latency.py.
+Engines are given as NAME=ENGINE_DIR[@batch] (e.g. `--lm-head` float vs int4 vs int8, `--weight-only-compute` float
+vs int8; `@batch`: the Session on the engine's batch graph instead of its sequence graph); peers: an
+onnxruntime-genai model directory (--ortgenai) and llama.cpp on a GGUF file through llama-cpp-python (--llamacpp).
+Each round runs every system once in a rotating order; decode tok/s medians and per-round ratios to the first
+engine are printed (the machine is shared: compare ratios). Reuses the systems of scripts/bench_latency.py.
 
     .venv/bin/python scripts/bench_quant_decode.py float=out/q/head-float-engine int4=out/q/head-int4-engine \
         int8=out/q/head-int8-engine --ortgenai out/q/ortgenai-int4 --llamacpp SmolLM2-135M-Instruct.Q4_1.gguf
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_latency import (  # noqa: E402
     CamshaftSystem,
+    Isolated,
     OrtGenaiSystem,
     set_ortgenai_threads,
     summarize_run,
@@ -57,6 +58,31 @@ class LlamaCppSystem:
                 break
         end = time.perf_counter()
         return {"ttft_s": first - start, "total_s": end - start, "token_ids": ids}
+
+
+class Named:
+    """A system under another name (built in its own process by Isolated)."""
+
+    def __init__(self, name: str, make, *args, **kwargs) -> None:
+        self.system = make(*args, **kwargs)
+        self.name = name
+
+    def run(self) -> dict:
+        return self.system.run()
+
+
+def ortgenai_format(model_dir: Path) -> str:
+    """What the peer's graph computes with, read from the graph (its builder ignores options it does not know)."""
+    import onnx
+
+    kinds = set()
+    for node in onnx.load(str(model_dir / "model.onnx"), load_external_data=False).graph.node:
+        if node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
+            a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+            kinds.add(f"{'embedding' if node.op_type == 'GatherBlockQuantized' else 'matmuls'} int{a.get('bits', 4)} "
+                      f"block {a['block_size']}" + (f" accuracy level {a['accuracy_level']}"
+                                                   if "accuracy_level" in a else ""))
+    return "; ".join(sorted(kinds)) or "float"
 
 
 def llamacpp_perplexity(gguf: Path, text_file: Path, engine_dir: Path) -> float:
@@ -172,18 +198,17 @@ def main() -> None:
     from camshaft.manifest import read_manifest
 
     prompt = benchmark_prompt(read_manifest(pairs[0][1]).model.vocab_size, args.prompt_len)
-    systems = []
-    for name, engine_dir in pairs:
-        system = CamshaftSystem(Path(engine_dir), prompt, args.new_tokens, args.threads)
-        system.name = name
-        systems.append(system)
+    systems = []  # each in a process of its own (bench_latency.Isolated)
+    for name, spec in pairs:
+        engine_dir, _, graph = spec.partition("@")
+        systems.append(Isolated(Named, name, CamshaftSystem, Path(engine_dir), prompt, args.new_tokens,
+                                args.threads, graph=graph or "auto"))
     if args.ortgenai is not None:
         set_ortgenai_threads(args.ortgenai, args.threads)
-        peer = OrtGenaiSystem(args.ortgenai, prompt, args.new_tokens)
-        peer.name = "onnxruntime-genai int4"
-        systems.append(peer)
+        systems.append(Isolated(Named, f"onnxruntime-genai ({ortgenai_format(args.ortgenai)})", OrtGenaiSystem,
+                                args.ortgenai, prompt, args.new_tokens))
     if args.llamacpp is not None:
-        systems.append(LlamaCppSystem(args.llamacpp, prompt, args.new_tokens, args.threads))
+        systems.append(Isolated(LlamaCppSystem, args.llamacpp, prompt, args.new_tokens, args.threads))
     for system in systems:
         system.run()
     rates: dict[str, list[float]] = {s.name: [] for s in systems}
@@ -203,6 +228,8 @@ def main() -> None:
         ratio = statistics.median(v / b for v, b in zip(values, base, strict=True))
         print(f"| {system.name} | {statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f}) | "
               f"{ratio:.2f} |")
+    for system in systems:
+        system.close()
     if args.kernels:
         model = read_manifest(pairs[0][1]).model
         head_kernels(model.vocab_size, model.hidden_size, args.threads)

@@ -228,6 +228,16 @@ def main() -> None:
         ratio = statistics.median(v / b for v, b in zip(values, base, strict=True))
         print(f"| {system.name} | {statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f}) | "
               f"{ratio:.2f} |")
+    peers = systems[len(pairs):]
+    if peers:
+        print("\n| camshaft engine | " + " | ".join(f"÷ {p.name} (median of rounds, min–max)" for p in peers) + " |")
+        print("|---" * (1 + len(peers)) + "|")
+        for system in systems[:len(pairs)]:
+            cells = []
+            for peer in peers:
+                r = [v / b for v, b in zip(rates[system.name], rates[peer.name], strict=True)]
+                cells.append(f"{statistics.median(r):.2f}× ({min(r):.2f}–{max(r):.2f})")
+            print(f"| {system.name} | " + " | ".join(cells) + " |")
     for system in systems:
         system.close()
     if args.kernels:

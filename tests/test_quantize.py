@@ -189,6 +189,9 @@ def test_sequence_graph_logits_match_modelopt_fake_quant_model(quantized, prompt
     assert np.abs(expected - fp32).max() > 1e-3
     assert np.abs(logits - expected).max() <= 0.1 * np.abs(expected - fp32).max(), fmt
     engine.close()
+    if fmt in WEIGHT_ONLY:  # MatMulNBits weights, gate/up included, are the batch graph's (joined by Concats)
+        own = (engine_dir / "sequence.onnx.data").stat().st_size
+        assert own < 0.01 * (engine_dir / "model.onnx.data").stat().st_size, own
 
 
 def test_weight_only_int8_compute_matches_int8_activation_reference(quantized, prompt):

@@ -105,6 +105,13 @@ class Linears:
         self.counts[kind] += len(layers)
         return y
 
+    def joinable_nbits(self, layers: list[QuantizedLinear | None], in_dim: int) -> bool:
+        """Whether these layers (sharing an input) can be one MatMulNBits over their own tensors (`joined`)."""
+        first = layers[0]
+        return (not self.qdq and first is not None and first.activation is None
+                and nbits_block(first, in_dim) is not None
+                and all(q is not None and _fusable(q, first) for q in layers))
+
     def pre_scale(self, x: str, layer: QuantizedLinear, name: str) -> str:
         if layer.pre_quant_scale is None:
             return x
@@ -112,10 +119,28 @@ class Linears:
                                                    layer.pre_quant_scale.astype(self.np_dtype))])
 
     def matmul_nbits(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int,
-                     accuracy_level: int | None = None) -> str:
-        """x [.., in_dim] @ the layers' dequantized weights (concatenated along the output) as one MatMulNBits."""
+                     accuracy_level: int | None = None, joined: list[str] | None = None) -> str:
+        """x [.., in_dim] @ the layers' dequantized weights (concatenated along the output) as one MatMulNBits.
+        With `joined` (one name per layer), each layer keeps its own tensors under that name, as a lone layer would
+        be lowered, and a Concat joins them (ONNX Runtime folds it at load)."""
         g, first = self.g, layers[0]
         block = nbits_block(first, in_dim)
+        if joined is None:
+            qweight, scales = (g.weight(f"{name}.{kind}", t) for kind, t in zip(
+                ("qweight", "scales"), self.nbits_tensors(layers, block), strict=True))
+        else:
+            parts = [self.nbits_tensors([q], block) for q in layers]
+            qweight, scales = (g.op("Concat", [g.weight(f"{n}.{kind}", part[i]) for n, part in zip(joined, parts,
+                                                                                                  strict=True)],
+                                    axis=0) for i, kind in enumerate(("qweight", "scales")))
+        x = self.pre_scale(x, first, name)
+        return g.op("MatMulNBits", [x, qweight, scales], domain=MS_DOMAIN, K=in_dim,
+                    N=sum(len(q.values) for q in layers), bits=first.bits, block_size=block,
+                    accuracy_level=self.accuracy_level if accuracy_level is None else accuracy_level)
+
+    def nbits_tensors(self, layers: list[QuantizedLinear], block: int) -> tuple[np.ndarray, np.ndarray]:
+        """MatMulNBits' packed weight [N, K / block, block * bits / 8] and flat scales for layers stacked along N."""
+        first = layers[0]
         values = np.concatenate([q.values for q in layers], axis=0)  # [N, K] signed
         scales = np.concatenate([np.repeat(q.scales, (q.block_size // block), axis=1) for q in layers], axis=0)
         n, k = values.shape
@@ -125,11 +150,7 @@ class Linears:
             packed = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)
         else:
             packed = unsigned
-        x = self.pre_scale(x, first, name)
-        return g.op("MatMulNBits", [x, g.weight(f"{name}.qweight", np.ascontiguousarray(packed)),
-                                    g.weight(f"{name}.scales", scales.astype(self.np_dtype).reshape(-1))],
-                    domain=MS_DOMAIN, K=k, N=n, bits=first.bits, block_size=block,
-                    accuracy_level=self.accuracy_level if accuracy_level is None else accuracy_level)
+        return np.ascontiguousarray(packed), scales.astype(self.np_dtype).reshape(-1)
 
     def integer_matmul(self, x: str, layers: list[QuantizedLinear], name: str) -> str:
         g, first = self.g, layers[0]

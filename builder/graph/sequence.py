@@ -135,16 +135,20 @@ class SequenceLowering:
         return out[0]
 
     def gate_up(self, x: str, p: str) -> list[str]:
-        """gate and up as one product (faster at batch 1 in a scratch A/B; the batch graph keeps two). Float weights
-        stay the batch graph's two tensors, joined by a Concat that ONNX Runtime folds at load, so the engine stores
-        them once (builder/sequence_graph.py)."""
-        c, g = self.c, self.g
+        """gate and up as one product (faster at batch 1 in a scratch A/B; the batch graph keeps two). Float and
+        MatMulNBits weights stay the batch graph's two tensors each, joined by a Concat that ONNX Runtime folds at
+        load, so the engine stores them once (builder/sequence_graph.py)."""
+        c, g, linears = self.c, self.g, self.linears
         names, dims = [f"{p}.{n}_proj" for n in ("gate", "up")], [c.intermediate_size] * 2
-        if c.mlp_bias or any(self.linears.quantized(n, c.intermediate_size, c.hidden_size) for n in names):
-            return self.linears.fused(x, names, dims, c.hidden_size, c.mlp_bias, f"{p}.gate_up_proj")
-        weights = [g.weight(f"{n}.weight", self.linears.float_weight(f"{n}.weight", (c.intermediate_size,
-                                                                                      c.hidden_size))) for n in names]
-        y = g.op("MatMul", [x, g.op("Concat", weights, axis=1)])
+        layers = [linears.quantized(n, c.intermediate_size, c.hidden_size) for n in names]
+        if not c.mlp_bias and all(q is None for q in layers):
+            weights = [g.weight(f"{n}.weight", linears.float_weight(f"{n}.weight", (c.intermediate_size,
+                                                                                 c.hidden_size))) for n in names]
+            y = g.op("MatMul", [x, g.op("Concat", weights, axis=1)])
+        elif not c.mlp_bias and linears.joinable_nbits(layers, c.hidden_size):
+            y = linears.matmul_nbits(x, layers, f"{p}.gate_up_proj", c.hidden_size, joined=names)
+        else:
+            return linears.fused(x, names, dims, c.hidden_size, c.mlp_bias, f"{p}.gate_up_proj")
         return g.op("Split", [y, g.ints(dims)], n_out=2, axis=-1)
 
     def head_norm(self, x: str, weight: str, heads: int) -> str:

@@ -190,8 +190,10 @@ def test_sequence_graph_logits_match_modelopt_fake_quant_model(quantized, prompt
     assert np.abs(logits - expected).max() <= 0.1 * np.abs(expected - fp32).max(), fmt
     engine.close()
     if fmt in WEIGHT_ONLY:  # MatMulNBits weights, gate/up included, are the batch graph's (joined by Concats)
-        own = (engine_dir / "sequence.onnx.data").stat().st_size
-        assert own < 0.01 * (engine_dir / "model.onnx.data").stat().st_size, own
+        graph = onnx.load(engine_dir / "sequence.onnx", load_external_data=False).graph
+        own = [{e.key: e.value for e in t.external_data} for t in graph.initializer if t.external_data]
+        own = [int(e["length"]) for e in own if e["location"] == "sequence.onnx.data"]
+        assert all(n < 1024 for n in own), own  # copies only of what the batch artifact keeps inline (under 1 KB)
 
 
 def test_weight_only_int8_compute_matches_int8_activation_reference(quantized, prompt):

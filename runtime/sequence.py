@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from camshaft.errors import EngineError
-from camshaft.manifest import Manifest, read_manifest
+from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
 from camshaft.runtime.backends.onnxruntime import check_compatible, session_options
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
@@ -27,9 +27,13 @@ class SequenceEngine:
         self.manifest = m = manifest or read_manifest(self.dir)
         if m.sequence_graph is None:
             raise EngineError(f"{self.dir} has no sequence graph; rebuild it with this camshaft for --target "
-                              "onnxruntime, or run its batch graph")
+                              "onnxruntime, or run its batch graph: Session(engine_dir, graph=\"batch\")")
         check_compatible(m)
         self.layout = m.sequence_graph
+        unknown = {spec.name for spec in self.layout.inputs} - {spec.name for spec in SEQUENCE_INPUTS}
+        if unknown:
+            raise EngineError(f"{self.dir}: the sequence graph takes inputs this camshaft does not produce "
+                              f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         path = self.dir / self.layout.artifact
         try:
             self.session = ort.InferenceSession(str(path), session_options(threads, spin_wait=True),

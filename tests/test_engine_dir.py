@@ -81,6 +81,14 @@ def test_a_format_1_engine_still_loads_and_runs_its_batch_graph(copy):
     session.close()
 
 
+def test_a_sequence_graph_asking_for_an_input_this_runtime_lacks_is_refused(copy):
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["sequence_graph"]["inputs"].append({"name": "draft_tokens", "dtype": "int64", "shape": [1, "S"]})
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match=r"does not produce \(draft_tokens\); upgrade camshaft or rebuild"):
+        Session(copy)
+
+
 def test_missing_sequence_graph_file(copy):
     (copy / "sequence.onnx.data").unlink()
     with pytest.raises(EngineError, match="missing sequence.onnx.data"):

@@ -87,6 +87,10 @@ class SequenceEngine:
         view of the bound output buffer, valid until the next feed."""
         if start != self._length:
             raise EngineError(f"the sequence holds {self._length} tokens; cannot continue it at {start}")
+        capacity = self.caches[0].shape[2] if self.caches else 0
+        if start + len(tokens) > capacity:
+            raise EngineError(f"{start + len(tokens)} tokens exceed the {capacity} this sequence was started for; "
+                              "call start() with its whole length first")
         self.prepare(tokens, start)
         self.session.run_with_iobinding(self.binding)
         self._length = start + len(tokens)

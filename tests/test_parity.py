@@ -153,4 +153,6 @@ def test_sequence_graph_matches_transformers(variant):
         assert_close(logits, expected[fed - 1], f"{name} sequence graph position {fed - 1}")
     with pytest.raises(EngineError, match="holds 50 tokens; cannot continue it at 3"):
         engine.feed([5], 3)
+    with pytest.raises(EngineError, match="exceed the 128 this sequence was started for"):  # max_seq_len caps it
+        engine.feed(ids * 2, 50)
     engine.close()

@@ -49,6 +49,10 @@ class IterationStats:
         return self.kv_blocks_used / self.kv_blocks_total
 
 
+# A closed-loop client's next request, sent as its last one finishes, joins the next step (measured in the throughput
+# benchmark's joining TTFT); the loop waits at most this long, and only after a step that finished requests.
+ADMIT_WINDOW_S = 0.002
+
 Sink = Callable[[RequestOutput], None]
 
 
@@ -70,13 +74,15 @@ class Load:
 
 class Executor:
     def __init__(self, engine: Engine, config: SchedulerConfig, *, max_queue: int | None = None,
-                 stats_window: int = 100_000) -> None:
+                 stats_window: int = 100_000, admit_window_s: float = ADMIT_WINDOW_S) -> None:
         """max_queue bounds the requests that wait beyond a full running batch; past it submit raises
-        ServerBusyError. None: unbounded."""
+        ServerBusyError. None: unbounded. admit_window_s: after a step that finished requests, with none
+        waiting, how long the loop waits for new ones before it schedules the next step (0: not at all)."""
         if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 0):
             raise ValueError(f"max_queue must be a non-negative integer or None, got {max_queue!r}")
         self.engine = engine
         self.max_queue = max_queue
+        self.admit_window_s = admit_window_s
         self.scheduler = Scheduler(config)
         self.stats: deque[IterationStats] = deque(maxlen=stats_window)
         self.peak_batch_size = 0
@@ -177,9 +183,16 @@ class Executor:
             for request_id in aborts:
                 self._abort(request_id)
             scheduled = scheduler.schedule()
-            if scheduled:
-                self._step(scheduled)
+            if scheduled and self._step(scheduled) and not scheduler.waiting and self.admit_window_s > 0:
+                self._admit_window()
         self._fail_all(ServerClosedError("the executor was closed before the request finished"))
+
+    def _admit_window(self) -> None:
+        """Requests finished and freed their places: give their clients a moment to send the next ones, which then
+        join the next step. Without it a closed-loop client's next request always waits a whole step, as this
+        thread schedules again before the client's thread gets the GIL to submit."""
+        with self._wake:
+            self._wake.wait_for(lambda: self._closed or self._inbox or self._aborts, timeout=self.admit_window_s)
 
     def _abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
@@ -197,26 +210,30 @@ class Executor:
         self._requests[request.request_id] = request
         self.scheduler.add(request)
 
-    def _step(self, scheduled: list[Scheduled]) -> None:
+    def _step(self, scheduled: list[Scheduled]) -> int:
+        """Run one step; returns how many requests it finished."""
         started = time.perf_counter()
         try:
             logits = self.engine.step([item.chunk for item in scheduled])
         except Exception as exc:  # the backend failed: the requests in this step cannot continue
             for item in scheduled:
                 self._finish(item.request, exc)
-            return
+            return len(scheduled)
         self.scheduler.computed(scheduled)
         sampled = [item.request for item in scheduled if item.chunk.num_logits]
         results = sample_batch([r.sampler for r in sampled], logits)
+        finished = 0
         for request, sample in zip(sampled, results, strict=True):
             try:
                 delta = request.add_sample(sample)
             except Exception as exc:
                 self._finish(request, exc)
+                finished += 1
                 continue
             new = ((sample.token_id,), (sample,) if request.params.logprobs is not None else ())
             if request.finished:
                 self._finish(request, delta=delta, new=new)
+                finished += 1
             else:
                 self._deliver(self._sinks[request.request_id], RequestOutput(request.request_id, delta, *new))
                 self._release_held(request)
@@ -228,6 +245,7 @@ class Executor:
                 running, sum(item.num_tokens for item in scheduled),
                 sum(item.num_tokens for item in scheduled if item.num_tokens > 1), len(self.scheduler.waiting),
                 blocks.num_used, blocks.capacity, time.perf_counter() - started))
+        return finished
 
     def _release_held(self, request: Request) -> None:
         for sibling in self._held.pop(request.request_id, []):

@@ -5,6 +5,7 @@ are refused."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
 
 import pytest
@@ -198,3 +199,26 @@ def test_shared_prefixes_in_one_batch_on_a_sliding_window_model(tmp_path):
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
         assert llm.kv_cache.reuse_hits > 0 and llm.kv_cache.used == 0
         assert llm.executor.scheduler.num_preemptions > 0
+
+
+def test_a_closed_loop_clients_next_request_joins_the_next_step(engine_dir):
+    """After a step that finished a request, the loop waits briefly (admit window) for new requests: a client that
+    sends its next request as soon as the last one finishes gets it prefilled in the very next step."""
+    with LLM(engine_dir) as llm:
+        llm.executor.admit_window_s = 0.5  # generous, so the client thread's reaction on a loaded machine fits
+        steps = record_steps(llm)
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+
+        def send(prompt, max_tokens):
+            (request,) = llm._requests(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            llm.executor.submit([request], [lambda out: finished.put(out) if out.finished else None])
+
+        send(list(range(20, 60)), 40)  # keeps the batch busy: the loop would go straight on to another step
+        send(list(range(100, 110)), 3)
+        assert finished.get(timeout=60).result.token_ids is not None  # the short one
+        send([7] * 20, 2)
+        for _ in range(2):
+            finished.get(timeout=60)
+        short_last = max(i for i, step in enumerate(steps) if any(start == 10 + 1 for _, start in step))
+        joined = next(i for i, step in enumerate(steps) if ([7] * 20, 0) in step)
+        assert joined == short_last + 1, (short_last, joined)

@@ -7,7 +7,8 @@ client with at most C requests in flight (`camshaft.runtime.throughput`). Peer: 
 batches of C requests in arrival order, left padding, each batch generating until its longest request is done.
 Both get the same prompt token ids and output lengths (end id ignored) and the same thread count.
 
-Also measured in the same run: the machine's fp32 matmul peak (a torch sgemm on the same threads), the Python
+Also measured in the same run: the machine's fp32 matmul peak (ONNX Runtime, torch and numpy matmuls, before and after
+the runs), the Python
 overhead of camshaft's batch loop, and how many requests a fixed KV pool admits at once under paging against a
 contiguous max_seq_len reservation per request.
 
@@ -74,26 +75,47 @@ def ensure_engine(model_dir: Path, engine_dir: Path, args) -> None:
 
 # ---------------------------------------------------------------------------------------------------- matmul peak
 
+def best_of(first: dict, second: dict) -> dict:
+    """Two peak measurements (before and after the runs: this machine's speed drifts) merged, best per shape."""
+    out = {k: max(first["gflop_s"][k], second["gflop_s"][k]) for k in first["gflop_s"]}
+    best = max(out, key=out.get)
+    return {**first, "gflop_s": out, "peak_gflop_s": out[best], "peak_shape": best}
+
+
 def sgemm_peak(threads: int, repeats: int = 7) -> dict:
-    """fp32 matmul GFLOP/s on `threads` threads, torch.mm and numpy (its BLAS), for the model's MLP shape at a full
-    prefill step (512 tokens) and a decode step (32 tokens), and square 1024 and 2048 matmuls; median of `repeats`
-    timings per shape; the best is the peak."""
+    """fp32 matmul GFLOP/s on `threads` threads, ONNX Runtime's MatMul (the engine's kernel, weight as an
+    initializer), torch.mm and numpy (its BLAS), for the model's MLP shape at a full prefill step (512 tokens) and a
+    decode step (32 tokens), and square 1024 and 2048 matmuls; median of `repeats` timings per shape; the best is
+    the peak."""
+    import onnxruntime as ort
     import torch
+    from onnx import TensorProto, helper, numpy_helper
 
     torch.set_num_threads(threads)
     shapes = {"512x576·576x1536 (prefill step, MLP up)": (512, 576, 1536),
               "32x576·576x1536 (decode step, MLP up)": (32, 576, 1536),
               "1024³": (1024, 1024, 1024), "2048³": (2048, 2048, 2048)}
+    rng = np.random.default_rng(0)
+
+    def ort_matmul(k: int, b: np.ndarray):
+        graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["y"])], "mm",
+                                  [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                                  [numpy_helper.from_array(b, "b")])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = ort.InferenceSession(helper.make_model(graph).SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"])
+        return lambda a, _b: session.run(None, {"a": a})
+
     out = {}
-    for lib in ("torch", "numpy"):
+    for lib in ("onnxruntime", "torch", "numpy"):
         for name, (m, k, n) in shapes.items():
+            a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
             if lib == "torch":
-                a, b = torch.randn(m, k), torch.randn(k, n)
-                mm = torch.mm
+                a, b, mm = torch.from_numpy(a), torch.from_numpy(b), torch.mm
             else:
-                rng = np.random.default_rng(0)
-                a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
-                mm = np.matmul
+                mm = ort_matmul(k, b) if lib == "onnxruntime" else np.matmul
             inner = max(1, int(2e9 / (2 * m * k * n)))  # about 2 GFLOP a timing
             mm(a, b)
             times = []
@@ -286,9 +308,15 @@ def markdown(res: dict, plot_ref: str) -> str:
         "|---|---|---|",
         f"| output tok/s ≥ 3× transformers | {target['output_tok_s']:.1f} / {peer_t['output_tok_s']:.1f} = "
         f"**{ratio:.2f}×** | {verdict(ratio >= 3)} |",
-        f"| GFLOP/s ≥ 60 % of the fp32 matmul peak | {target['gflop_s']:.1f} / {peak:.1f} = "
-        f"**{100 * target['gflop_s'] / peak:.0f} %** | {verdict(target['gflop_s'] >= 0.6 * peak)} |",
+        f"| GFLOP/s ≥ 60 % of the fp32 matmul peak ({res['sgemm']['peak_shape']}) | {target['gflop_s']:.1f} / "
+        f"{peak:.1f} = **{100 * target['gflop_s'] / peak:.0f} %** | {verdict(target['gflop_s'] >= 0.6 * peak)} |",
     ]
+    blas = {k: v for k, v in res["sgemm"]["gflop_s"].items() if not k.startswith("onnxruntime")}
+    if blas and peak > max(blas.values()):
+        best = max(blas, key=blas.get)
+        share = 100 * target["gflop_s"] / blas[best]
+        out[-1] += (f"\n| (the same against the best torch/numpy matmul, {best}, the kind of peak FACTS.md quotes) | "
+                    f"{target['gflop_s']:.1f} / {blas[best]:.1f} = {share:.0f} % | — |")
     join = target["ttft_joining_ms"]
     if idle and join.get("count"):
         jr = join["p50"] / idle["ttft_ms"]["p50"]
@@ -307,9 +335,10 @@ def markdown(res: dict, plot_ref: str) -> str:
         f"= {g['linear']:.0f} GFLOP, + 2 × {res['lm_head_params'] / 1e6:.1f} M LM-head weights × one logits row "
         f"per output token = {g['lm_head']:.0f} GFLOP, + attention 4 × heads × head_dim × context length per token "
         f"per layer (QKᵀ and PV) = {g['attention']:.0f} GFLOP; embeddings, norms, RoPE, softmax and activations are "
-        f"not counted (without attention: {target['gflop_s_linear']:.1f} GFLOP/s). Matmul peak: fp32 `torch.mm` "
-        f"on {res['sgemm']['threads']} threads and numpy `matmul` (its BLAS on all {m['available_cores']} available "
-        "cores) in the same run, median of 7 timings per shape, the best counts: "
+        f"not counted (without attention: {target['gflop_s_linear']:.1f} GFLOP/s). Matmul peak: fp32 ONNX Runtime "
+        f"`MatMul` (the engine's kernel) and `torch.mm` on {res['sgemm']['threads']} threads and numpy `matmul` "
+        f"(its BLAS on all {m['available_cores']} available cores), measured before and after camshaft's runs, "
+        "median of 7 timings per shape, the better of the two per shape; the best shape counts: "
         + ", ".join(f"{k}: {x} GFLOP/s" for k, x in res["sgemm"]["gflop_s"].items()) + ".",
         "",
         "Loop overhead = the share of each batch-loop iteration (end of one `Engine.step` to the end of the next) "
@@ -393,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     engine_dir = work / "engine-throughput"
     ensure_engine(model_dir, engine_dir, args)
 
-    log("fp32 matmul peak")
+    log("fp32 matmul peak (before the run)")
     sgemm = sgemm_peak(args.threads)
     log(f"  {sgemm['gflop_s']}")
 
@@ -429,6 +458,10 @@ def main(argv: list[str] | None = None) -> None:
             log(f"  {paged[-1]}")
         memory = {"pool_tokens": paged[0]["pool_tokens"], "contiguous": paged[0]["pool_tokens"] // args.max_seq_len,
                   "paged": paged}
+
+    log("fp32 matmul peak (after camshaft's runs)")
+    sgemm = best_of(sgemm, sgemm_peak(args.threads))
+    log(f"  {sgemm['gflop_s']}")
 
     log("transformers peer")
     peer_system = TransformersPeer(model_dir, args.threads)

@@ -6,7 +6,8 @@ bash scripts/setup.sh reference
 CAMSHAFT=.venv/bin/camshaft
 MODEL="$($CAMSHAFT models fetch smollm2-135m-instruct)"
 ENGINE=engines/smollm2-135m-instruct
-if [ ! -f "$ENGINE/manifest.json" ]; then
+# (re)build unless an engine from this camshaft is there: engines of format 1 lack the faster sequence graph
+if [ ! -f "$ENGINE/manifest.json" ] || [ ! -f "$ENGINE/sequence.onnx" ]; then
     $CAMSHAFT build --model "$MODEL" --output "$ENGINE" --max-seq-len 2048
 fi
 $CAMSHAFT run --engine "$ENGINE" --chat --stream --max-tokens 96 \

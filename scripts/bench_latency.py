@@ -49,6 +49,9 @@ MD_END = "<!-- latency:end -->"
 MD_HEADER = ("# Benchmarks\n\nMeasured numbers, each section written by the script it names. The machine is shared "
              "and noisy: compare systems through the ratios measured in the same run, not across runs.\n")
 CAMSHAFT = "camshaft"
+# Before each run: the previous system's worker threads (torch's OpenMP, ONNX Runtime's pools) may still spin on the
+# two cores for a while after it returns, and would slow the first part of the next run (its TTFT) otherwise.
+PAUSE_S = 0.5
 CAMSHAFT_BATCH = "camshaft on its batch graph"
 TRANSFORMERS = "transformers fp32"
 ORT_GENAI = "onnxruntime-genai fp32"
@@ -413,6 +416,7 @@ def run_rounds(systems: list, rounds: int, prompt_len: int) -> tuple[dict, dict]
         shift = r % len(systems)
         order = systems[shift:] + systems[:shift]
         for system in order:
+            time.sleep(PAUSE_S)
             run = system.run()
             tokens.setdefault(system.name, run["token_ids"])
             summary = summarize_run(run, prompt_len)
@@ -593,7 +597,8 @@ def markdown(results: dict, plot_ref: str) -> str:
         f"{cfg['new_tokens']} new tokens, greedy, end id ignored, fp32, {cfg['threads']} threads everywhere "
         f"(camshaft `Session(threads={cfg['threads']})`, `torch.set_num_threads({cfg['threads']})`, "
         f"onnxruntime-genai `intra_op_num_threads: {cfg['threads']}` in genai_config.json). "
-        "Each system runs in a process of its own (spawned; the others wait idle while one runs). "
+        f"Each system runs in a process of its own (spawned; the others wait idle while one runs), {PAUSE_S} s after "
+        "the previous run (so no worker thread of the previous system still spins on the cores). "
         f"One warm-up run each, then {cfg['rounds']} round(s); each round runs every system once, in rotating order. "
         "Medians, (min–max) over rounds. TTFT = prompt in → first token out; decode tok/s = "
         f"({cfg['new_tokens']} − 1) / (time after the first token). transformers runs a KV-cached greedy loop "

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_latency import (  # noqa: E402
+    PAUSE_S,
     CamshaftSystem,
     Isolated,
     OrtGenaiSystem,
@@ -216,6 +217,7 @@ def main() -> None:
     for r in range(args.rounds):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for system in order:
+            time.sleep(PAUSE_S)
             rates[system.name].append(summarize_run(system.run(), args.prompt_len)["decode_tok_s"])
         loads.append(os.getloadavg()[0])
         print(f"round {r + 1}: " + ", ".join(f"{s.name} {rates[s.name][-1]:.1f}" for s in systems)

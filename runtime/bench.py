@@ -17,7 +17,7 @@ def benchmark_prompt(vocab_size: int, prompt_len: int, seed: int = 0) -> list[in
 
 
 def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: int = 128, repeats: int = 5,
-                      warmup: int = 1, session: Session | None = None) -> dict[str, float]:
+                      warmup: int = 1, session: Session | None = None) -> dict[str, float | str]:
     session = session or Session(engine_dir)
     prompt = benchmark_prompt(session.manifest.model.vocab_size, prompt_len)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -25,6 +25,7 @@ def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: 
         session.generate(prompt, params)
     runs = [session.generate(prompt, params).timings for _ in range(repeats)]
     return {
+        "graph": session.graph,
         "prompt_tokens": prompt_len,
         "new_tokens": new_tokens,
         "ttft_ms": round(statistics.median(t.ttft_s for t in runs) * 1000, 2),

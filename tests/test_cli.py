@@ -136,3 +136,11 @@ def test_build_for_a_product_that_is_not_installed_fails_before_any_work(tiny, c
     code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--target", "tensorrt")
     assert code == 1 and "needs the tensorrt Python package" in err and "Install it with" in err
     assert not out.exists() and not list(root.glob(".trt-engine*"))
+
+
+def test_bench_latency_reports_the_graph_it_ran(capsys, engine):
+    code, out, _ = camshaft(capsys, "bench", "latency", "--engine", engine, "--prompt-len", 8, "--new-tokens", 4,
+                            "--repeats", 1, "--warmup", 0)
+    assert code == 0
+    report = dict(line.strip().split(": ", 1) for line in out.strip().splitlines())
+    assert report["graph"] == "sequence" and report["new_tokens"] == "4" and float(report["decode_tok_s"]) > 0

@@ -517,9 +517,11 @@ def decode_breakdown(camshaft: CamshaftSystem, repeats: int, reference_ids: list
         "step_ms": round(statistics.median(x["step_ms"] for x in passes), 3),
         "tokens_equal_to_session": common_prefix(passes[0]["token_ids"], reference_ids),
     }
-    weights = engine.dir / (engine.layout.artifact + ".data")
-    result["weight_bytes"] = weights.stat().st_size
-    result["weight_bytes_per_run_gb_s"] = round(weights.stat().st_size / (result["pieces_ms"]["run"] / 1000) / 1e9, 1)
+    # the sequence graph reads its weights from the batch graph's data file (and its own, for what it does not share)
+    weights = sum((engine.dir / f"{name}.data").stat().st_size for name in (engine.manifest.artifact,
+                                                                             engine.layout.artifact))
+    result["weight_bytes"] = weights
+    result["weight_bytes_per_run_gb_s"] = round(weights / (result["pieces_ms"]["run"] / 1000) / 1e9, 1)
     return result
 
 

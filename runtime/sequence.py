@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from camshaft.errors import EngineError
+from camshaft.errors import CapacityError, EngineError
 from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
 from camshaft.runtime.backends.onnxruntime import check_compatible, session_options
 from camshaft.runtime.batch import Chunk
@@ -22,7 +22,10 @@ GROW = 256
 
 
 class SequenceEngine:
-    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, manifest: Manifest | None = None):
+    """`kv_cache_memory` (bytes) bounds the cache: a sequence that would need more is refused at `start`."""
+
+    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, manifest: Manifest | None = None,
+                 kv_cache_memory: int | None = None):
         self.dir = Path(engine_dir)
         self.manifest = m = manifest or read_manifest(self.dir)
         if m.sequence_graph is None:
@@ -55,6 +58,12 @@ class SequenceEngine:
         self.logits = np.empty((1, m.model.vocab_size), dtype=np.float32)
         self.binding.bind_output("logits", "cpu", 0, np.float32, self.logits.shape, self.logits.ctypes.data)
         self._length = 0
+        self.max_tokens = self.limits.max_seq_len
+        if kv_cache_memory is not None:
+            self.max_tokens = min(self.max_tokens, kv_cache_memory // self.layout.bytes_per_token())
+            if self.max_tokens < 1:
+                raise CapacityError(f"a KV cache budget of {kv_cache_memory} bytes holds no token "
+                                    f"({self.layout.bytes_per_token()} bytes each); raise the budget")
 
     @property
     def limits(self):
@@ -66,9 +75,13 @@ class SequenceEngine:
 
     def start(self, total: int) -> None:
         """Make room for a sequence of `total` tokens (prompt + max_tokens)."""
+        if total > self.max_tokens:
+            raise CapacityError(f"the request needs {total} tokens of KV cache; the budget holds {self.max_tokens} "
+                                f"({self.layout.bytes_per_token()} bytes a token): raise kv_cache_memory or lower "
+                                "max_tokens")
         capacity = self.caches[0].shape[2] if self.caches else 0
         if total > capacity:
-            self._bind_caches(min(-(-total // GROW) * GROW, self.limits.max_seq_len))
+            self._bind_caches(min(-(-total // GROW) * GROW, self.max_tokens))
         self._length = 0
 
     def _bind_caches(self, length: int) -> None:

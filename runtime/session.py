@@ -27,7 +27,7 @@ GRAPHS = ("auto", "sequence", "batch")
 class Session:
     """`graph`: "auto" runs the engine's sequence graph where it has one (onnxruntime engines built by this
     camshaft: the fastest for one request), else its batch graph; "sequence" or "batch" insists on one.
-    `kv_cache_memory` bounds the batch graph's block pool."""
+    `kv_cache_memory` (bytes) bounds the KV cache of either graph."""
 
     def __init__(self, engine_dir: str | Path, *, threads: int | None = None, kv_cache_memory: int | None = None,
                  graph: str = "auto"):
@@ -35,8 +35,8 @@ class Session:
             raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
         manifest = read_manifest(engine_dir)
         if graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None):
-            self.engine: SequenceEngine | BatchGraphSequence = SequenceEngine(engine_dir, threads=threads,
-                                                                              manifest=manifest)
+            self.engine: SequenceEngine | BatchGraphSequence = SequenceEngine(
+                engine_dir, threads=threads, manifest=manifest, kv_cache_memory=kv_cache_memory)
         else:
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
                                                     threads=threads))

@@ -148,3 +148,17 @@ def test_limits(session):
     if session.graph == "batch":
         pool = session.engine.engine.pool
         assert pool.num_free == pool.capacity  # failed requests hold no blocks
+
+
+@pytest.mark.parametrize("graph", ["sequence", "batch"])
+def test_a_kv_cache_budget_bounds_either_graph(engine_dir, graph):
+    """kv_cache_memory holds 48 tokens (in whole 8-token blocks for the batch graph): a request needing more is
+    refused before any work, one that fits runs."""
+    manifest = Session(engine_dir).manifest
+    per_token = manifest.sequence_graph.bytes_per_token()
+    session = Session(engine_dir, graph=graph, kv_cache_memory=per_token * (48 + 8))  # + the batch graph's null block
+    assert len(session.generate(list(range(10, 30)), max_tokens=20, ignore_eos=True).token_ids) == 20
+    with pytest.raises(CapacityError):
+        session.generate(list(range(10, 50)), max_tokens=30, ignore_eos=True)
+    assert len(session.generate("x", max_tokens=5, ignore_eos=True).token_ids) == 5  # nothing held after a refusal
+    session.close()

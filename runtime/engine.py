@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from camshaft.errors import EngineError
-from camshaft.manifest import TOKENIZER_DIR, Manifest, read_manifest
+from camshaft.manifest import GROUP_FLAGS, TOKENIZER_DIR, Manifest, read_manifest
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, pool_blocks
@@ -42,7 +42,7 @@ class Engine:
         if unknown:
             raise EngineError(f"{self.dir}: the engine takes inputs this camshaft does not produce "
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
-        self.group_flags = {"has_decode", "has_prefill"} <= inputs
+        self.group_flags = {spec.name for spec in GROUP_FLAGS} <= inputs
         num_blocks = pool_blocks(m, max_sequences, kv_cache_memory)
         self.backend = self._backend(num_blocks, threads, spin_wait)
         self.pool = BlockPool(num_blocks)

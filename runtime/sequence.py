@@ -95,9 +95,10 @@ class SequenceEngine:
             self.binding.bind_ortvalue_output(output_name, value)
             self.caches.append(cache)
 
-    def feed(self, tokens: list[int], start: int, copy: bool = True) -> np.ndarray:
+    def feed(self, tokens: list[int], start: int, copy: bool = True, last: bool = True) -> np.ndarray:
         """Logits [vocab] after `tokens`, which continue the sequence from position `start`. With `copy` False, a
-        view of the bound output buffer, valid until the next feed."""
+        view of the bound output buffer, valid until the next feed. (`last`: unused; this graph always returns the
+        last token's logits.)"""
         if start != self._length:
             raise EngineError(f"the sequence holds {self._length} tokens; cannot continue it at {start}")
         capacity = self.caches[0].shape[2] if self.caches else 0
@@ -146,8 +147,10 @@ class BatchGraphSequence:
     def start(self, total: int) -> None:
         self.blocks = self.engine.pool.allocate(-(-total // self.engine.block_size))
 
-    def feed(self, tokens: list[int], start: int, copy: bool = True) -> np.ndarray:
-        return self.engine.step([Chunk(tokens, start, self.blocks, num_logits=1)])[0]
+    def feed(self, tokens: list[int], start: int, copy: bool = True, last: bool = True) -> np.ndarray | None:
+        """As SequenceEngine.feed; a chunk that is not the prompt's `last` asks the graph for no logits (None)."""
+        logits = self.engine.step([Chunk(tokens, start, self.blocks, num_logits=int(last))])
+        return logits[0] if last else None
 
     def finish(self) -> None:
         self.engine.pool.free(self.blocks)

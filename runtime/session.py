@@ -126,7 +126,7 @@ class Session:
             while request.num_computed < len(prompt):
                 start = request.num_computed
                 piece = prompt[start: start + budget]
-                logits = engine.feed(piece, start, copy=False)
+                logits = engine.feed(piece, start, copy=False, last=start + len(piece) == len(prompt))
                 request.num_computed += len(piece)
             while True:
                 delta = request.add_sample(request.sampler.sample(logits))

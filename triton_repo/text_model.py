@@ -10,10 +10,8 @@ can unload the model at shutdown.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import queue
-import sys
 import threading
 import time
 import uuid
@@ -82,13 +80,9 @@ class TextModel:
         return [call.reply.result() for call in calls]
 
     def finalize(self) -> None:
-        faulthandler.dump_traceback_later(3.0, file=sys.stderr)  # as the token model's finalize does
-        try:
-            self.inbox.put(None)
-            self.owner.join(timeout=5)
-            self.channel.close()
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        self.inbox.put(None)
+        self.owner.join(timeout=5)
+        self.channel.close()
 
     def _own(self) -> None:
         while (message := self.inbox.get()) is not None:

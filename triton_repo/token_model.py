@@ -9,10 +9,8 @@ reach the same executor over the channel of channel.py.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -240,14 +238,8 @@ class TokenModel:
         return ids
 
     def finalize(self) -> None:
-        # A finalize still running at Triton's exit timeout (5 s) leaves this stub's shared memory behind (seen twice
-        # in ~20 test runs, cause unknown): past 3 s, every thread's stack goes to the server log (stderr).
-        faulthandler.dump_traceback_later(3.0, file=sys.stderr)
-        try:
-            self.channel.close()
-            self.llm.close()  # unfinished requests get an error output, which the responder still sends
-            self.outputs.put(None)
-            self.responder.join()
-            self.metrics.close()
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        self.channel.close()
+        self.llm.close()  # unfinished requests get an error output, which the responder still sends
+        self.outputs.put(None)
+        self.responder.join()
+        self.metrics.close()

@@ -32,7 +32,7 @@ from camshaft.model_config import ModelConfig
 OPSET = 23
 I64, BOOL = TensorProto.INT64, TensorProto.BOOL
 
-ELEM = {"int64": I64, "bool": BOOL}
+ELEM = {"int64": I64, "int32": TensorProto.INT32, "bool": BOOL}  # manifest dtypes of graph inputs
 
 KVScalesFn = Callable[[int], tuple[float, float]]
 KVBiasesFn = Callable[[int], tuple[np.ndarray | None, np.ndarray | None]]

@@ -20,14 +20,13 @@ from collections.abc import Callable
 import numpy as np
 from onnx import TensorProto
 
+from camshaft.builder.graph.decoder import ELEM
 from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter
 from camshaft.builder.graph.rope import cos_sin_tables
 from camshaft.manifest import SEQUENCE_INPUTS, SequenceGraph
 from camshaft.model_config import ModelConfig
-
-ELEM = {"int64": TensorProto.INT64, "int32": TensorProto.INT32}
 
 
 def sequence_graph_support(config: ModelConfig, dtype: str, kv_dtype: str | None) -> str | None:

@@ -31,13 +31,15 @@ TRT_QUANT_ALGOS = ("FP8", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16_AWQ
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
                 progress: Progress = lambda _: None, quantization: dict | None = None, qdq: bool = False,
-                accuracy_level: int | None = None, branches: bool = False) -> Path:
+                accuracy_level: int | None = None, branches: bool = False, grouped_decode: bool = False) -> Path:
     """The portable model graph (standard ONNX ops, external weights) for a checkpoint.
     Weight-only quantized layers become com.microsoft MatMulNBits (ONNX Runtime), W8A8 and FP8 layers and a quantized
     KV cache Q/DQ nodes; with `qdq` (the TensorRT targets) every quantized layer is standard Q/DQ. `quantization`
     receives what was lowered. `accuracy_level`: MatMulNBits' (weight-only layers; default 0, float compute).
     `branches` (the onnxruntime target): each attention group sits in an If, so a step skips a group it has no
-    sequences for (the TensorRT targets compute it on a one-token dummy)."""
+    sequences for (the TensorRT targets compute it on a one-token dummy). `grouped_decode` (the onnxruntime target):
+    decode attention with the query heads that share a K/V head as rows of one head (TensorRT's attention kernels
+    refuse that shape)."""
     graph_path = out_dir / GRAPH_NAME
     quantized = checkpoint.quantized_linear if checkpoint.quantization is not None else None
     kv_dtype = checkpoint.kv_cache_dtype
@@ -47,7 +49,8 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
         lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
                                    quantized=quantized, accuracy_level=accuracy_level,
                                    kv_cache=kv_cache,
-                                   qdq=qdq, lm_head=checkpoint.lm_head, branches=branches)
+                                   qdq=qdq, lm_head=checkpoint.lm_head, branches=branches,
+                                   grouped_decode=grouped_decode)
         lowering.lower()
     model = writer.model(OPSET)
     if MS_DOMAIN in _domains(model.graph):
@@ -170,7 +173,8 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             progress("writing model graph")
             for_ort = config.target == "onnxruntime"
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,
-                                     qdq=not for_ort, accuracy_level=accuracy_level, branches=for_ort)
+                                     qdq=not for_ort, accuracy_level=accuracy_level, branches=for_ort,
+                                     grouped_decode=for_ort)
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
             artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)

@@ -136,6 +136,24 @@ def test_onnxruntime_graph_skips_an_empty_group(variant):
     assert (bool(decode["has_decode"]), bool(decode["has_prefill"])) == (True, False)
 
 
+def test_onnxruntime_decode_attention_runs_one_head_per_kv_head(variant):
+    """The onnxruntime graph's decode attention takes the query heads sharing a K/V head as rows of that head (the
+    logit checks above cover its numbers); prefill attention keeps one head per query head."""
+    _, engine_dir, _ = variant
+    manifest = Engine(engine_dir, max_sequences=1).manifest
+    graph = onnx.load(engine_dir / manifest.artifact, load_external_data=False).graph
+    heads = {}
+    for node in graph.node:
+        if node.op_type == "If":
+            then = next(a.g for a in node.attribute if a.name == "then_branch")
+            attention = next(n for n in then.node if n.op_type == "Attention")
+            attrs = {a.name: a.i for a in attention.attribute if a.name.endswith("num_heads")}
+            heads.setdefault(node.input[0], set()).add((attrs["q_num_heads"], attrs["kv_num_heads"]))
+    m = manifest.model
+    grouped = m.num_kv_heads if m.num_heads > m.num_kv_heads else m.num_heads
+    assert heads == {"has_decode": {(grouped, m.num_kv_heads)}, "has_prefill": {(m.num_heads, m.num_kv_heads)}}
+
+
 def test_sequence_graph_matches_transformers(variant):
     """The Session's single-sequence graph (contiguous cache, GroupQueryAttention): a first prefill chunk, a later
     chunk over a non-empty cache, then decodes; every variant has one (head size 24 takes the unfused rotary)."""

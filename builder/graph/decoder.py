@@ -13,7 +13,7 @@ a paged cache and returns logits only for the rows in `logits_index`. Per layer:
 With `branches` (the onnxruntime target) each group's attention sits in an If on `has_decode` / `has_prefill`, so a
 step skips a group it has no sequences for; without, an empty group runs on the runtime's one-token dummy. With
 `grouped_decode` (the onnxruntime target) decode attention treats the query heads sharing a K/V head as query rows
-of that head: one product per K/V head instead of one per query head (half the attention kernel time in the
+of that head: one product per K/V head instead of one per query head (about half the attention kernel time in the
 batch-32 decode profile).
 """
 

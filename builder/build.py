@@ -17,6 +17,7 @@ from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, st
 from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
 from camshaft.builder.graph.ops import GraphWriter, save_model
 from camshaft.builder.sequence_graph import sequence_graph
+from camshaft.builder.targets.precision import ALGO_FEATURES
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
@@ -26,7 +27,7 @@ GRAPH_NAME = "graph.onnx"
 GRAPH_DATA = "graph.onnx.data"
 
 Progress = Callable[[str], None]
-TRT_QUANT_ALGOS = ("FP8", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16_AWQ")
+TRT_QUANT_ALGOS = tuple(ALGO_FEATURES)
 
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
@@ -77,7 +78,8 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
     expresses is built from its dequantized weights."""
     record = quant.get("camshaft", {})
     counts = lowering.linears.counts
-    activation = READABLE_QUANT_ALGOS[quant["quant_algo"]].activation
+    fmt = READABLE_QUANT_ALGOS[quant["quant_algo"]]
+    activation = fmt.activation and f"{fmt.activation} {'dynamic per-token' if fmt.per_token else 'static per-tensor'}"
     level = lowering.linears.accuracy_level if counts["nbits"] else None
     return {
         "format": record.get("format"),
@@ -86,7 +88,7 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
         "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
         "kv_cache_affine": lowering.kv_quant is not None and bool(lowering.kv_quant.biases),
-        "activations": (f"{activation} static per-tensor" if activation
+        "activations": (activation if activation
                         else "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None),
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
         "accuracy_level": level,

@@ -132,12 +132,13 @@ class Checkpoint:
             high = (packed >> 4).astype(np.int8)
             values = np.empty((out_dim, in_dim), dtype=np.int8)
             values[0::2], values[1::2] = (low ^ 8) - 8, (high ^ 8) - 8
-        elif fmt.weight_type == "fp8":  # one scale for the tensor
+        elif fmt.weight_type == "fp8":  # one scale for the tensor, or (per token formats) one per output channel
             block = in_dim
-            scale = scale.reshape(-1) if scale.size == 1 else scale
-            expected = {"weight": ((out_dim, in_dim), FP8), "weight_scale": ((1,),)}
+            rows = out_dim if fmt.per_token else 1
+            scale = scale.reshape(-1) if scale.size == rows else scale
+            expected = {"weight": ((out_dim, in_dim), FP8), "weight_scale": ((rows,),)}
             self._check_quantized(prefix, packed, scale, expected)
-            values, scale = packed, np.full((out_dim, 1), scale[0], dtype=np.float32)
+            values, scale = packed, np.broadcast_to(scale.reshape(-1, 1), (out_dim, 1)).astype(np.float32)
         else:
             block = in_dim
             expected = {"weight": ((out_dim, in_dim), np.int8), "weight_scale": ((out_dim,),)}
@@ -146,9 +147,10 @@ class Checkpoint:
         pqs = None
         if f"{prefix}.pre_quant_scale" in self._where:
             pqs = self.get(f"{prefix}.pre_quant_scale", (in_dim,))
-        input_scale = self._scalar(f"{prefix}.input_scale") if fmt.activation else None
+        input_scale = self._scalar(f"{prefix}.input_scale") if fmt.activation and not fmt.per_token else None
         scale_2 = self._scalar(f"{prefix}.weight_scale_2") if f"{prefix}.weight_scale_2" in self._where else None
-        return QuantizedLinear(fmt.weight_bits, block, values, scale, pqs, fmt.activation, input_scale, scale_2)
+        return QuantizedLinear(fmt.weight_bits, block, values, scale, pqs, fmt.activation, input_scale, scale_2,
+                               fmt.per_token)
 
     def _scalar(self, name: str) -> float:
         value = self._raw(name)

@@ -23,6 +23,7 @@ class QuantFormat:
     weight_type: str  # "int" (signed integers) or "fp8" (float8 e4m3fn)
     activation: str | None  # None: weight-only; "int8" / "fp8": the input is quantized with a static per-tensor scale
     blockwise: bool  # weight scales per block of group_size input channels (else per output channel or tensor)
+    per_token: bool = False  # the input's scale is computed per token at run time (no input_scale)
 
 
 # hf_quant_config.json quant_algo → storage, for the formats the builder lowers. Others are refused clearly.
@@ -30,6 +31,7 @@ READABLE_QUANT_ALGOS = {
     "W4A16_AWQ": QuantFormat(4, "int", None, True),
     "W8A16": QuantFormat(8, "int", None, False),
     "FP8": QuantFormat(8, "fp8", "fp8", False),
+    "FP8_PER_CHANNEL_PER_TOKEN": QuantFormat(8, "fp8", "fp8", False, per_token=True),
     "W8A8_SQ_PER_CHANNEL": QuantFormat(8, "int", "int8", False),
     "W4A8_AWQ": QuantFormat(4, "int", "fp8", True),  # INT4 blocks, then float8 per tensor (weight_scale_2)
 }
@@ -58,7 +60,8 @@ KV_CACHE_ALGOS = {"FP8": "float8", "INT8": "int8"}
 class QuantizedLinear:
     """One quantized linear layer: integer or float8 values and per-block scales (per output channel when
     block_size == in_dim); `pre_quant_scale` (AWQ, SmoothQuant, when not folded into a norm) multiplies the layer's
-    input; with `activation` the input is also quantized (per tensor, `input_scale`) before the product."""
+    input; with `activation` the input is also quantized (per tensor, `input_scale`; or with `per_token`, each
+    token by its own largest magnitude) before the product."""
 
     bits: int
     block_size: int
@@ -68,6 +71,7 @@ class QuantizedLinear:
     activation: str | None = None  # None, "int8" or "fp8"
     input_scale: float | None = None
     weight_scale_2: float | None = None  # W4A8: the INT4-dequantized weight is then rounded to float8 with it
+    per_token: bool = False
 
     def weight(self) -> np.ndarray:
         """[out, in] float32: the quantized weight (what ModelOpt's weight quantizer returns)."""

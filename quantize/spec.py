@@ -47,6 +47,8 @@ class FormatInfo:
 SMOOTHQUANT_ALPHA = 1.0
 FORMATS: dict[str, FormatInfo] = {
     "fp8": FormatInfo("FP8_DEFAULT_CFG", "FP8 e4m3 weights and activations, per-tensor scales", 8, False, "FP8"),
+    "fp8_pc_pt": FormatInfo("FP8_PER_CHANNEL_PER_TOKEN_CFG", "FP8 e4m3 weights per output channel, activations "
+                            "per token (scales computed at run time)", 8, False, "FP8_PER_CHANNEL_PER_TOKEN"),
     # ModelOpt's alpha 1.0, stated so that it is recorded; TensorRT-LLM's 0.5 measured worse (docs/quantize.md)
     "int8_sq": FormatInfo("INT8_SMOOTHQUANT_CFG", "INT8 weights and activations with SmoothQuant", 8, False,
                           "W8A8_SQ_PER_CHANNEL", {"method": "smoothquant", "alpha": SMOOTHQUANT_ALPHA}),

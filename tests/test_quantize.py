@@ -54,6 +54,7 @@ def prompt():
 
 LOWERING = {"int4_wo": "com.microsoft.MatMulNBits", "int8_wo": "com.microsoft.MatMulNBits",
             "int4_awq": "com.microsoft.MatMulNBits", "fp8": "QuantizeLinear/DequantizeLinear float8e4m3fn + MatMul",
+            "fp8_pc_pt": "input rounded to float8e4m3fn per token (ReduceMax, Cast) + weight DequantizeLinear + MatMul",
             "int8_sq": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales",
             "w4a8_awq": "float8 input Q/DQ; int4 blocked DequantizeLinear, float8 Q/DQ of the weight; MatMul"}
 MAX_BOUND = {"fp8": 448.0, "int8_sq": 127.0, "w4a8_awq": 448.0}  # ModelOpt's input_scale = amax / max bound
@@ -90,7 +91,7 @@ def int8_activation_logits(model, fmt: str, prompt: torch.Tensor) -> np.ndarray:
             hook.remove()
 
 
-@pytest.fixture(scope="module", params=["int4_wo", "int8_wo", "int4_awq", "fp8", "int8_sq", "w4a8_awq"])
+@pytest.fixture(scope="module", params=["int4_wo", "int8_wo", "int4_awq", "fp8", "fp8_pc_pt", "int8_sq", "w4a8_awq"])
 def quantized(request, tiny, prompt, tmp_path_factory):
     """(format, checkpoint dir, engine dir, fake-quant weights/pre-quant scales/logits, fp32 logits)."""
     fmt = request.param
@@ -106,7 +107,7 @@ def quantized(request, tiny, prompt, tmp_path_factory):
                 if wq is not None and wq.is_enabled:
                     ref["weights"][name] = wq(module.weight).numpy().copy()
                 iq = getattr(module, "input_quantizer", None)
-                if iq is not None and iq.is_enabled:
+                if iq is not None and iq.is_enabled and iq.amax is not None:  # (dynamic: none)
                     ref["input_amax"][name] = float(iq.amax)
                 pqs = getattr(getattr(module, "input_quantizer", None), "pre_quant_scale", None)
                 if pqs is not None:
@@ -166,8 +167,9 @@ def test_engine_logits_match_modelopt_fake_quant_model(quantized, prompt):
     if fmt == "int8_sq":
         assert record["algorithm"] == {"method": "smoothquant", "alpha": SMOOTHQUANT_ALPHA}
     assert manifest["format"] == fmt and manifest["lowering"] == LOWERING[fmt]
-    activations = {"fp8": "fp8", "w4a8_awq": "fp8", "int8_sq": "int8"}.get(fmt)
-    assert manifest["activations"] == (f"{activations} static per-tensor" if activations else None)
+    activations = {"fp8": "fp8 static per-tensor", "w4a8_awq": "fp8 static per-tensor",
+                   "int8_sq": "int8 static per-tensor", "fp8_pc_pt": "fp8 dynamic per-token"}.get(fmt)
+    assert manifest["activations"] == activations
     assert manifest["quantized_linear_layers"] == 14
     assert manifest["float_modules"] == ["lm_head", "model.embed_tokens"] and manifest["lm_head"] == {"dtype": "float"}
     logits = engine.step([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)])
@@ -189,11 +191,11 @@ def test_sequence_graph_logits_match_modelopt_fake_quant_model(quantized, prompt
     assert np.abs(expected - fp32).max() > 1e-3
     assert np.abs(logits - expected).max() <= 0.1 * np.abs(expected - fp32).max(), fmt
     engine.close()
-    if fmt in WEIGHT_ONLY:  # MatMulNBits weights, gate/up included, are the batch graph's (joined by Concats)
-        graph = onnx.load(engine_dir / "sequence.onnx", load_external_data=False).graph
-        own = [{e.key: e.value for e in t.external_data} for t in graph.initializer if t.external_data]
-        own = [int(e["length"]) for e in own if e["location"] == "sequence.onnx.data"]
-        assert all(n < 1024 for n in own), own  # copies only of what the batch artifact keeps inline (under 1 KB)
+    # its weights are the batch graph's (MatMulNBits gate/up joined by Concats; other formats: two products)
+    graph = onnx.load(engine_dir / "sequence.onnx", load_external_data=False).graph
+    own = [{e.key: e.value for e in t.external_data} for t in graph.initializer if t.external_data]
+    own = [int(e["length"]) for e in own if e["location"] == "sequence.onnx.data"]
+    assert all(n < 1024 for n in own), own  # copies only of what the batch artifact keeps inline (under 1 KB)
 
 
 def test_weight_only_int8_compute_matches_int8_activation_reference(quantized, prompt):
@@ -201,7 +203,7 @@ def test_weight_only_int8_compute_matches_int8_activation_reference(quantized, p
     within 10 % of what rounding the activations changes (and not the float-compute engine's logits)."""
     fmt, _, engine_dir, ref = quantized
     if fmt not in WEIGHT_ONLY:
-        pytest.skip("W8A8 / FP8 formats quantize activations statically (checked above)")
+        pytest.skip("W8A8 / FP8 formats quantize their activations themselves (checked above)")
     engine = Engine(engine_dir.with_name("engine-int8-compute"), max_sequences=1)
     record = engine.manifest.quantization
     assert record["accuracy_level"] == 4
@@ -223,7 +225,7 @@ def test_engine_stores_quantized_weights_and_runs_integer_kernels(quantized):
     """The artifact keeps 1-byte weights (no constant folding back to float); W8A8 runs ONNX Runtime's integer
     matmul; FP8 keeps its Q/DQ nodes (ONNX Runtime has no float8 matmul on the CPU)."""
     fmt, _, engine_dir, _ = quantized
-    if fmt not in MAX_BOUND:
+    if fmt not in MAX_BOUND and fmt != "fp8_pc_pt":
         pytest.skip("weight-only formats are MatMulNBits (checked by the manifest)")
     graph = onnx.load(engine_dir / "model.onnx", load_external_data=False)
     ops = Counter(n.op_type for n in graph.graph.node)
@@ -232,6 +234,11 @@ def test_engine_stores_quantized_weights_and_runs_integer_kernels(quantized):
     # QuantizeLinear nodes, not the DequantizeLinear ones)
     if fmt == "fp8":
         assert ops["QuantizeLinear"] == 8 and ops["DequantizeLinear"] == 20
+        assert elem[onnx.TensorProto.FLOAT8E4M3FN] == 10
+    elif fmt == "fp8_pc_pt":  # each distinct input rounded per token by a Cast to float8 (gate and up: merged)
+        assert ops["QuantizeLinear"] == 0 and ops["DequantizeLinear"] == 10 and ops["ReduceMax"] == 8
+        casts = Counter(a.i for n in graph.graph.node if n.op_type == "Cast" for a in n.attribute if a.name == "to")
+        assert casts[onnx.TensorProto.FLOAT8E4M3FN] == 8
         assert elem[onnx.TensorProto.FLOAT8E4M3FN] == 10
     elif fmt == "w4a8_awq":  # the int4 weight's DequantizeLinear, its float8 Q/DQ, the input's Q/DQ
         assert ops["QuantizeLinear"] == 18 and ops["DequantizeLinear"] == 30

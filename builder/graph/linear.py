@@ -32,6 +32,7 @@ LOWERINGS = {
     "nbits": "com.microsoft.MatMulNBits",
     "int8": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales",
     "fp8": "QuantizeLinear/DequantizeLinear float8e4m3fn + MatMul",
+    "fp8_per_token": "input rounded to float8e4m3fn per token (ReduceMax, Cast) + weight DequantizeLinear + MatMul",
     "w4a8": "float8 input Q/DQ; int4 blocked DequantizeLinear, float8 Q/DQ of the weight; MatMul",
     "qdq": "standard Q/DQ: input QuantizeLinear/DequantizeLinear per format, weight DequantizeLinear; MatMul",
 }
@@ -97,7 +98,7 @@ class Linears:
         elif first.activation == "int8" and per_channel:
             kind, y = "int8", self.integer_matmul(x, layers, name)
         elif first.activation == "fp8" and first.bits == 8 and per_channel:
-            kind, y = "fp8", self.fp8_matmul(x, layers, name)
+            kind, y = "fp8_per_token" if first.per_token else "fp8", self.fp8_matmul(x, layers, name)
         elif first.activation == "fp8" and first.bits == 4:
             kind, y = "w4a8", self.qdq_matmul(x, layers, name, in_dim)
         else:
@@ -194,9 +195,25 @@ class Linears:
         return g.op("MatMul", [x, w])
 
     def fp8_input(self, x: str, first: QuantizedLinear, name: str) -> str:
-        """The input as the fake-quant layer sees it: pre-scaled, then rounded to float8 with its static scale."""
+        """The input as the fake-quant layer sees it: pre-scaled, then rounded to float8 with its static scale (or
+        each token with its own)."""
         x = self.pre_scale(x, first, name)
+        if first.per_token:
+            return self.fp8_round_per_token(x)
         return self.fp8_round(x, np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
+
+    def fp8_round_per_token(self, x: str) -> str:
+        """Each row (token) of x rounded to float8 e4m3fn with scale 448 / its largest magnitude, as ModelOpt's dynamic
+        per-token quantizer does (an all-zero row: scale 1)."""
+        g, dt = self.g, self.np_dtype
+        amax = g.op("ReduceMax", [g.op("Abs", [x]), g.ints([-1])], keepdims=1)
+        tiny, one, bound = (g.const(np.array(v, dtype=dt), n) for v, n in
+                            ((2.0 ** -24, "fp8_amax_floor"), (1.0, "one"), (448.0, "fp8_max")))
+        amax = g.op("Where", [g.op("Greater", [amax, tiny]), amax, one])
+        scale = g.op("Div", [bound, amax])
+        scaled = g.op("Clip", [g.op("Mul", [x, scale]), g.op("Neg", [bound]), bound])
+        rounded = g.op("Cast", [g.op("Cast", [scaled], to=TensorProto.FLOAT8E4M3FN)], to=ONNX_DTYPES[np.dtype(dt).name])
+        return g.op("Mul", [rounded, g.op("Reciprocal", [scale])])
 
     def fp8_round(self, x: str, scale: np.ndarray, hint: str) -> str:
         """QuantizeLinear→DequantizeLinear to float8 e4m3fn, per tensor (scalar scale) or per column ([N] scale)."""
@@ -235,8 +252,8 @@ def nbits_block(q: QuantizedLinear, in_dim: int) -> int | None:
 
 
 def _fusable(q: QuantizedLinear, first: QuantizedLinear) -> bool:
-    return ((q.bits, q.block_size, q.activation, q.input_scale, q.values.dtype)
-            == (first.bits, first.block_size, first.activation, first.input_scale, first.values.dtype)
+    return ((q.bits, q.block_size, q.activation, q.input_scale, q.per_token, q.values.dtype)
+            == (first.bits, first.block_size, first.activation, first.input_scale, first.per_token, first.values.dtype)
             and _same(q.pre_quant_scale, first.pre_quant_scale))
 
 

@@ -136,7 +136,8 @@ class SequenceLowering:
     def gate_up(self, x: str, p: str) -> list[str]:
         """gate and up as one product (faster at batch 1 in a scratch A/B; the batch graph keeps two). Float and
         MatMulNBits weights stay the batch graph's two tensors each, joined by a Concat that ONNX Runtime folds at
-        load, so the engine stores them once (builder/sequence_graph.py)."""
+        load, so the engine stores them once (builder/sequence_graph.py); other formats (and biases) keep the batch
+        graph's two products, and so its tensors."""
         c, g, linears = self.c, self.g, self.linears
         names, dims = [f"{p}.{n}_proj" for n in ("gate", "up")], [c.intermediate_size] * 2
         layers = [linears.quantized(n, c.intermediate_size, c.hidden_size) for n in names]
@@ -147,7 +148,7 @@ class SequenceLowering:
         elif not c.mlp_bias and linears.joinable_nbits(layers, c.hidden_size):
             y = linears.matmul_nbits(x, layers, f"{p}.gate_up_proj", c.hidden_size, joined=names)
         else:
-            return linears.fused(x, names, dims, c.hidden_size, c.mlp_bias, f"{p}.gate_up_proj")
+            return [linears.linear(x, n, c.intermediate_size, c.hidden_size, c.mlp_bias) for n in names]
         return g.op("Split", [y, g.ints(dims)], n_out=2, axis=-1)
 
     def head_norm(self, x: str, weight: str, heads: int) -> str:

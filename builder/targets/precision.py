@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from camshaft.errors import BuildConfigError
 
-# Precision features each checkpoint quant_algo needs from the GPU.
+# Every quant_algo the TensorRT targets build, with the precisions it needs.
 ALGO_FEATURES: dict[str, tuple[str, ...]] = {
     "FP8": ("fp8",),
     "W4A8_AWQ": ("int4_weight_only", "fp8"),
@@ -74,7 +74,8 @@ def check_precision(product: str, arch: int, quant_algo: str | None = None, dtyp
 def supported_formats_text(product: str, arch: int) -> str:
     from camshaft.quantize.spec import FORMATS
 
-    ok = [name for name, info in FORMATS.items() if required_arch(product, info.checkpoint_algo)[0] <= arch]
+    ok = [name for name, info in FORMATS.items()
+          if info.checkpoint_algo in ALGO_FEATURES and required_arch(product, info.checkpoint_algo)[0] <= arch]
     return "--quant " + " | ".join(ok) if ok else "float16 only: drop --quant"
 
 

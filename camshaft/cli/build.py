@@ -11,6 +11,7 @@ import typer
 
 from camshaft.cli import app, err, models_app, progress
 from camshaft.errors import CamshaftError
+from camshaft.quantize.spec import FORMATS
 
 
 @models_app.command("fetch")
@@ -25,7 +26,7 @@ def models_fetch(
     typer.echo(str(path))
 
 
-QuantOption = Annotated[str, typer.Option(help="fp8 | int8_sq | int8_wo | int4_wo | int4_awq | w4a8_awq")]
+QuantOption = Annotated[str, typer.Option(help=" | ".join(FORMATS))]
 KVDtypeOption = Annotated[str | None, typer.Option(help="Also quantize the KV cache: fp8 | int8")]
 GroupOption = Annotated[str, typer.Option(help="INT4 block size: auto | 128 | 64 | 32")]
 CalibDataOption = Annotated[Path | None, typer.Option(help="Text/JSONL file or directory (default: built-in corpus)")]

@@ -73,9 +73,10 @@ def _domains(graph: onnx.GraphProto) -> set[str]:
 
 
 def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
-    """The manifest's record of a quantized checkpoint. Policy: the embedding stays float; lm_head too (ModelOpt
-    leaves it unquantized) unless `--lm-head int8|int4` rounded it at build time; a quantized layer no kernel
-    expresses is built from its dequantized weights."""
+    """The manifest's record of a quantized checkpoint. Policy: lm_head stays float (ModelOpt leaves it unquantized)
+    unless `--lm-head int8|int4` rounded it at build time; the embedding stays float, except that a tied one reads a
+    quantized head's tensors (onnxruntime target); a quantized layer no kernel expresses is built from its
+    dequantized weights."""
     record = quant.get("camshaft", {})
     counts = lowering.linears.counts
     fmt = READABLE_QUANT_ALGOS[quant["quant_algo"]]
@@ -94,7 +95,8 @@ def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
         "accuracy_level": level,
         "quantized_linear_layers": sum(counts.values()),
         "float_modules": sorted(m for m in quant.get("exclude_modules", [])
-                                if m != "lm_head" or lowering.head.dtype == "float"),
+                                if (m != "lm_head" or lowering.head.dtype == "float")
+                                and (m != "model.embed_tokens" or not lowering.head.shares_embedding)),
         "lm_head": lowering.head.record,
         "algorithm": record.get("algorithm"),  # ModelOpt's calibration algorithm, e.g. SmoothQuant's alpha
         "calibration": record.get("calibration"),

@@ -2,7 +2,9 @@
 
 Reference: the fake-quantized model's final normed hidden states (ModelOpt, just before export) times a numpy
 round-to-nearest copy of the head; with MatMulNBits accuracy level 4 (int8 head) the activations are also rounded to
-int8 per block of K, as ONNX Runtime does. Bar: |engine − reference| ≤ 10 % of what quantizing the head changes.
+int8 per block of K, as ONNX Runtime does. The onnxruntime engine's embedding lookup reads the same rounded matrix
+(tied), so its reference's hidden states come from the fake-quant model with that embedding. Bar: |engine −
+reference| ≤ 10 % of what quantizing the head changes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import QuantizeError, QuantSpec, check_lm_head_fits
 from camshaft.runtime.batch import Chunk, build_step
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.sequence import SequenceEngine
 
 from tiny_models import make_tiny_model
 
@@ -62,11 +65,20 @@ def heads(tmp_path_factory):
     ref: dict = {"prompt": prompt[0].tolist()}
 
     def capture(model):
-        hook = model.model.norm.register_forward_hook(lambda m, i, o: ref.__setitem__("normed", o[0].numpy().copy()))
+        normed = {}
+        hook = model.model.norm.register_forward_hook(lambda m, i, o: normed.__setitem__("x", o[0].numpy().copy()))
+        embedding = model.model.embed_tokens.weight
+        ref["embed"] = embedding.detach().numpy().copy()
         with torch.no_grad():
             ref["logits"] = model(prompt).logits[0].numpy().copy()
+            ref["normed"] = normed["x"]
+            for head, bits in BITS.items():  # the engine's lookup: the rounded head (int4 blocks of 32, int8 per row)
+                embedding.copy_(torch.from_numpy(rtn(ref["embed"], bits, 32 if bits == 4 else ref["embed"].shape[1],
+                                                     True)))
+                model(prompt)
+                ref[f"normed-{head}"] = normed["x"]
+            embedding.copy_(torch.from_numpy(ref["embed"]))
         hook.remove()
-        ref["embed"] = model.model.embed_tokens.weight.detach().numpy().copy()
 
     quantize_checkpoint(tiny, root / "int4", QuantSpec("int4_wo", lm_head="int4"), on_quantized=capture,
                         calib_size=2, calib_seq_len=32)
@@ -81,8 +93,9 @@ def heads(tmp_path_factory):
     return dirs, ref
 
 
-def reference(ref: dict, bits: int, block: int, act_block: int | None, full_range: bool) -> np.ndarray:
-    x = ref["normed"] if act_block is None else int8_blocks(ref["normed"], act_block)
+def reference(ref: dict, bits: int, block: int, act_block: int | None, full_range: bool,
+              normed: str = "normed") -> np.ndarray:
+    x = ref[normed] if act_block is None else int8_blocks(ref[normed], act_block)
     return x @ rtn(ref["embed"], bits, block, full_range).T
 
 
@@ -100,7 +113,8 @@ def test_quantized_head_matches_round_to_nearest_reference(heads, head):
     engine = Engine(engine_dir, max_sequences=1)
     record = engine.manifest.quantization
     assert record["lm_head"]["dtype"] == head and record["quantized_linear_layers"] == 14
-    assert record["float_modules"] == ["model.embed_tokens"]
+    assert record["float_modules"] == []
+    assert record["lm_head"]["embedding"] == "the head's tensors (GatherBlockQuantized)"
     graph = onnx.load(engine_dir / "model.onnx", load_external_data=False).graph
     vocab, hidden = ref["embed"].shape
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
@@ -108,13 +122,20 @@ def test_quantized_head_matches_round_to_nearest_reference(heads, head):
     head_node = next(n for n in nbits if attrs[n.name]["N"] == vocab)
     a = attrs[head_node.name]
     assert a["K"] == hidden and a["bits"] == BITS[head]
-    gather = next(n for n in graph.node if n.op_type == "Gather")  # the first: the embedding lookup
-    embed = next(t for t in graph.initializer if t.name == gather.input[0])
-    assert tuple(embed.dims) == (vocab, hidden) and embed.data_type == onnx.TensorProto.FLOAT
+    # the lookup reads the head's integer tensor; no float table is stored
+    lookup = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    assert lookup.input[0] == head_node.input[1]
+    assert not [t.name for t in graph.initializer if tuple(t.dims) in ((vocab, hidden), (hidden, vocab))]
     block = record["lm_head"]["block_size"] or hidden
-    expected = reference(ref, BITS[head], block, a["block_size"] if a["accuracy_level"] == 4 else None, True)
+    expected = reference(ref, BITS[head], block, a["block_size"] if a["accuracy_level"] == 4 else None, True,
+                         normed=f"normed-{head}")
     logits = engine.step([Chunk(ref["prompt"], 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)])
     check(logits, expected, ref, f"lm_head {head}, accuracy level {a['accuracy_level']}")
+    sequence = SequenceEngine(engine_dir)  # the Session's graph: the same lookup and head
+    sequence.start(PROMPT_LEN)
+    last = sequence.feed(ref["prompt"], 0)
+    sequence.close()
+    check(last[None], expected[-1:], {**ref, "logits": ref["logits"][-1:]}, f"sequence graph, lm_head {head}")
 
 
 @pytest.mark.parametrize("head", sorted(BITS))

@@ -102,14 +102,13 @@ class DecoderLowering:
         self.groups = {name: self.group_shapes(name) for name in ("decode", "prefill")}
         if self.branches:
             self.zero_row = g.const(np.zeros((1, c.num_heads * c.head_dim), self.np_dtype), "zero_row")
-        embed = g.weight("embed_tokens", self.w("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
-        hidden = g.op("Gather", [embed, "input_ids"], axis=0)
+        hidden = self.head.embed("input_ids")
         for layer in range(c.num_layers):
             self.progress(f"layer {layer + 1}/{c.num_layers}")
             hidden = self.layer(layer, hidden)
         picked = g.op("Gather", [hidden, "logits_index"], axis=0)
         normed = self.rms_norm(picked, "model.norm.weight", c.hidden_size)
-        logits = self.head.lower(normed, embed)
+        logits = self.head.lower(normed)
         if self.elem != TensorProto.FLOAT:
             logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
         g.op_to("Identity", [logits], "logits")

@@ -1,20 +1,25 @@
-"""The output projection (lm_head), float or rounded to nearest at build time (`--lm-head int8|int4`).
+"""The embedding lookup and the output projection (lm_head), float or rounded to nearest at build time
+(`--lm-head int8|int4`).
 
-With tied embeddings the embedding table stays float for the input Gather; a quantized head gets its own integer
-copy. ONNX Runtime: one MatMulNBits; TensorRT targets: DequantizeLinear (int4 blocked, int8 per row) → MatMul.
+ONNX Runtime: the head is one MatMulNBits; with tied embeddings the lookup reads the same integer tensor through a
+GatherBlockQuantized (one quantized matrix, as the checkpoint has one float matrix: an int4 SmolLM2 engine stores no
+113 MB float table; only the scales are stored twice, in the shape each operator takes). TensorRT targets:
+DequantizeLinear (int4 blocked, int8 per row) → MatMul, and the lookup's table stays float.
 """
 
 from __future__ import annotations
 
-from camshaft.builder.graph.linear import LOWERINGS, Linears
-from camshaft.builder.quantized import LM_HEAD_FORMATS, round_to_nearest
+from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN, Linears, nbits_block
+from camshaft.builder.quantized import LM_HEAD_FORMATS, QuantizedLinear, round_to_nearest
 from camshaft.errors import BuildConfigError
 from camshaft.model_config import ModelConfig
 from camshaft.quantize.spec import check_lm_head
 
+EMBED = "model.embed_tokens.weight"
+
 
 def head_weight_name(config: ModelConfig) -> str:
-    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return EMBED if config.tie_word_embeddings else "lm_head.weight"
 
 
 class Head:
@@ -22,28 +27,70 @@ class Head:
         check_lm_head(lm_head, config, BuildConfigError)
         self.linears, self.c, self.dtype = linears, config, lm_head
         self.record: dict = {"dtype": "float"}
+        self.shares_embedding = config.tie_word_embeddings and lm_head != "float" and not linears.qdq
+        self._table: str | None = None  # the float embedding table, once written
+        self._quantized: QuantizedLinear | None = None
+        self._tensors: tuple[str, str] | None = None  # the head's MatMulNBits tensors, once written
+        self._scales = None
 
-    def lower(self, x: str, embed: str) -> str:
-        """Logits [N, vocab] from the final normed hidden states `x`; `embed` is the graph's embedding table."""
+    def embed(self, ids: str) -> str:
+        """The embedding rows of the token ids `ids` (any shape; the rows are appended as the last axis)."""
+        linears, c = self.linears, self.c
+        g = linears.g
+        if not self.shares_embedding:
+            return g.op("Gather", [self.table(), ids], axis=0)
+        q = self.quantized()
+        qweight, scales = self.tensors()
+        block = nbits_block(q, c.hidden_size)
+        # MatMulNBits' weight [vocab, blocks, block * bits / 8] as it is; scales [vocab, blocks, 1] (its rank)
+        scales = g.weight("lm_head.embedding_scales", self._scales.reshape(c.vocab_size, -1, 1))
+        rows = g.op("GatherBlockQuantized", [qweight, ids, scales], domain=MS_DOMAIN, bits=q.bits, block_size=block,
+                    gather_axis=0, quantize_axis=2)  # [.., blocks, block]
+        return g.op("Reshape", [rows, g.op("Concat", [g.op("Shape", [ids]), g.ints([c.hidden_size])], axis=0)])
+
+    def lower(self, x: str) -> str:
+        """Logits [.., vocab] from the final normed hidden states `x`."""
         linears, c = self.linears, self.c
         g = linears.g
         if self.dtype == "float":
             if c.tie_word_embeddings:
-                return g.op("Gemm", [x, embed], transB=1)
+                return g.op("Gemm", [x, self.table()], transB=1)
             return g.op("MatMul", [x, g.weight("lm_head", linears.float_weight("lm_head.weight",
                                                                              (c.vocab_size, c.hidden_size)))])
         fmt = LM_HEAD_FORMATS[self.dtype]
-        weight = linears.weights(head_weight_name(c), (c.vocab_size, c.hidden_size))
-        q = round_to_nearest(weight, fmt.bits, fmt.block_size or c.hidden_size, full_range=not linears.qdq)
+        q = self.quantized()
         if linears.qdq:
             kind, level, y = "qdq", None, linears.qdq_matmul(x, [q], "lm_head", c.hidden_size)
         else:
             level = linears.accuracy_level if fmt.accuracy_level is None else fmt.accuracy_level
-            kind, y = "nbits", linears.matmul_nbits(x, [q], "lm_head", c.hidden_size, accuracy_level=level)
+            kind, y = "nbits", linears.matmul_nbits(x, [q], "lm_head", c.hidden_size, accuracy_level=level,
+                                                    tensors=self.tensors())
         self.record = {"dtype": self.dtype, "block_size": fmt.block_size,
                        "rounding": "nearest at build time, symmetric, "
                                    + ("amax / (2^(bits-1) - 1)" if linears.qdq else "full range"),
                        "lowering": LOWERINGS[kind], "accuracy_level": level,
-                       "activations": "int8 per block (MatMulNBits accuracy level 4)" if level == 4 else None}
+                       "activations": "int8 per block (MatMulNBits accuracy level 4)" if level == 4 else None,
+                       "embedding": "the head's tensors (GatherBlockQuantized)" if self.shares_embedding else "float"}
         return y
 
+    def table(self) -> str:
+        if self._table is None:
+            linears, c = self.linears, self.c
+            weight = linears.weights(EMBED, (c.vocab_size, c.hidden_size)).astype(linears.np_dtype)
+            self._table = linears.g.weight("embed_tokens", weight)
+        return self._table
+
+    def quantized(self) -> QuantizedLinear:
+        if self._quantized is None:
+            fmt, c = LM_HEAD_FORMATS[self.dtype], self.c
+            weight = self.linears.weights(head_weight_name(c), (c.vocab_size, c.hidden_size))
+            self._quantized = round_to_nearest(weight, fmt.bits, fmt.block_size or c.hidden_size,
+                                               full_range=not self.linears.qdq)
+        return self._quantized
+
+    def tensors(self) -> tuple[str, str]:
+        if self._tensors is None:
+            q, g = self.quantized(), self.linears.g
+            qweight, self._scales = self.linears.nbits_tensors([q], nbits_block(q, self.c.hidden_size))
+            self._tensors = g.weight("lm_head.qweight", qweight), g.weight("lm_head.scales", self._scales)
+        return self._tensors

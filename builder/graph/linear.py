@@ -120,13 +120,17 @@ class Linears:
                                                    layer.pre_quant_scale.astype(self.np_dtype))])
 
     def matmul_nbits(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int,
-                     accuracy_level: int | None = None, joined: list[str] | None = None) -> str:
+                     accuracy_level: int | None = None, joined: list[str] | None = None,
+                     tensors: tuple[str, str] | None = None) -> str:
         """x [.., in_dim] @ the layers' dequantized weights (concatenated along the output) as one MatMulNBits.
         With `joined` (one name per layer), each layer keeps its own tensors under that name, as a lone layer would
-        be lowered, and a Concat joins them (ONNX Runtime folds it at load)."""
+        be lowered, and a Concat joins them (ONNX Runtime folds it at load); `tensors`: (qweight, scales) already
+        written (the nbits_tensors of `layers`)."""
         g, first = self.g, layers[0]
         block = nbits_block(first, in_dim)
-        if joined is None:
+        if tensors is not None:
+            qweight, scales = tensors
+        elif joined is None:
             qweight, scales = (g.weight(f"{name}.{kind}", t) for kind, t in zip(
                 ("qweight", "scales"), self.nbits_tensors(layers, block), strict=True))
         else:

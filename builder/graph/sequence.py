@@ -87,9 +87,7 @@ class SequenceLowering:
             start = g.op("Sub", [total, g.op("Shape", ["input_ids"], start=1, end=2)])
             positions = g.op("Range", [g.op("Squeeze", [start]), total, g.const(np.array(1, np.int64), "one")])
             self.positions = g.op("Unsqueeze", [positions, g.ints([0])])
-        embed = g.weight("embed_tokens", self.weights("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
-                         .astype(self.np_dtype))
-        residual = g.op("Gather", [embed, "input_ids"], axis=0)  # [1, S, hidden]
+        residual = self.head.embed("input_ids")  # [1, S, hidden]
         x = g.op("SimplifiedLayerNormalization", [residual, self.norm_weight("model.layers.0.input_layernorm.weight")],
                  axis=-1, epsilon=c.rms_norm_eps)
         for i in range(c.num_layers):
@@ -104,7 +102,7 @@ class SequenceLowering:
             following = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < c.num_layers else "model.norm.weight"
             x, residual = self.skip_norm(down, residual, following)
         last = g.op("Gather", [x, g.const(np.array(-1, np.int64), "last")], axis=1)  # [1, hidden]
-        logits = self.head.lower(last, embed)
+        logits = self.head.lower(last)
         g.op_to("Identity", [logits], "logits")
         g.output("logits", TensorProto.FLOAT, [1, c.vocab_size])
         for name in kv.key_outputs + kv.value_outputs:

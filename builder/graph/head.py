@@ -9,6 +9,8 @@ DequantizeLinear (int4 blocked, int8 per row) → MatMul, and the lookup's table
 
 from __future__ import annotations
 
+import numpy as np
+
 from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN, Linears, nbits_block
 from camshaft.builder.quantized import LM_HEAD_FORMATS, QuantizedLinear, round_to_nearest
 from camshaft.errors import BuildConfigError
@@ -31,7 +33,7 @@ class Head:
         self._table: str | None = None  # the float embedding table, once written
         self._quantized: QuantizedLinear | None = None
         self._tensors: tuple[str, str] | None = None  # the head's MatMulNBits tensors, once written
-        self._scales = None
+        self._scales: np.ndarray | None = None  # their scales, flat
 
     def embed(self, ids: str) -> str:
         """The embedding rows of the token ids `ids` (any shape; the rows are appended as the last axis)."""

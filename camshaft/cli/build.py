@@ -35,7 +35,7 @@ CalibLenOption = Annotated[int, typer.Option(help="Tokens per calibration sample
 ExcludeOption = Annotated[list[str] | None, typer.Option(
     help="Module name pattern to keep unquantized (repeatable)")]
 LmHeadOption = Annotated[str, typer.Option(
-    help="lm_head weights: float | int8 | int4 (rounded to nearest at build; the embedding stays float)")]
+    help="lm_head weights: float | int8 | int4 (rounded to nearest at build; a tied embedding reads them too)")]
 
 
 @app.command()

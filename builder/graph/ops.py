@@ -16,14 +16,21 @@ ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bf
 NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
+# (tensor name, its bytes) → (data file, offset) of an identical tensor another graph already stores, or None
+Reuse = Callable[[str, bytes], tuple[str, int] | None]
+
+
 class GraphWriter:
-    def __init__(self, data_file: BinaryIO, data_location: str) -> None:
+    """`reuse`: where a weight can point instead of being written again (a second graph sharing the first's data)."""
+
+    def __init__(self, data_file: BinaryIO, data_location: str, reuse: Reuse | None = None) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self._data = data_file
         self._location = data_location
+        self._reuse = reuse
         self._offset = 0
         self._counter = 0
         self._const_cache: dict[tuple, str] = {}
@@ -43,26 +50,28 @@ class GraphWriter:
         """A large tensor, written to the external data file now so memory stays flat. int4 arrays (ml_dtypes) are
         packed two elements a byte, the first in the low nibble, as ONNX stores them."""
         array = np.ascontiguousarray(array)
-        pad = (-self._offset) % ALIGN
-        if pad:
-            self._data.write(b"\0" * pad)
-            self._offset += pad
         if array.dtype == ml_dtypes.int4:
             nibbles = array.reshape(-1).view(np.uint8) & 0x0F
             nibbles = np.concatenate([nibbles, np.zeros(nibbles.size % 2, np.uint8)])
             raw = (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
         else:
             raw = array.tobytes()
-        self._data.write(raw)
+        found = self._reuse(name, raw) if self._reuse is not None else None
+        if found is None:
+            pad = (-self._offset) % ALIGN
+            self._data.write(b"\0" * pad)
+            self._offset += pad
+            found = self._location, self._offset
+            self._data.write(raw)
+            self._offset += len(raw)
         tensor = onnx.TensorProto()
         tensor.name = name
         tensor.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
         tensor.dims.extend(array.shape)
         tensor.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", self._location), ("offset", str(self._offset)), ("length", str(len(raw)))):
+        for key, value in (("location", found[0]), ("offset", str(found[1])), ("length", str(len(raw)))):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
-        self._offset += len(raw)
         self.initializers.append(tensor)
         return name
 

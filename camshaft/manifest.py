@@ -72,9 +72,38 @@ SEQUENCE_INPUTS: tuple[TensorSpec, ...] = (
 )
 
 
+CACHE_NAMES = ("key_inputs", "value_inputs", "key_outputs", "value_outputs")
+
+
 @dataclass(frozen=True)
-class KVCacheLayout:
-    """Per layer one K and one V tensor of shape [num_blocks, block_size, num_kv_heads * head_dim].
+class CacheTensors:
+    """Per layer one K and one V tensor, each bound as both a graph input and output (updated in place)."""
+
+    num_kv_heads: int
+    head_dim: int
+    key_inputs: tuple[str, ...]
+    value_inputs: tuple[str, ...]
+    key_outputs: tuple[str, ...]
+    value_outputs: tuple[str, ...]
+
+    @staticmethod
+    def names(num_layers: int, *patterns: str) -> dict[str, tuple[str, ...]]:
+        """The four per-layer name tuples from patterns with `{}` for the layer (key in, value in, key out, value
+        out)."""
+        return {field: tuple(p.format(i) for i in range(num_layers)) for field, p in zip(CACHE_NAMES, patterns,
+                                                                                         strict=True)}
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return 2 * len(self.key_inputs) * self.num_kv_heads * self.head_dim * itemsize
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        return cls(**{**data, **{key: tuple(data[key]) for key in CACHE_NAMES}})
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheLayout(CacheTensors):
+    """The batch graph's paged cache: each tensor [num_blocks, block_size, num_kv_heads * head_dim].
 
     Block 0 is the null block: padding in block tables points at it and it is never allocated. `dtype` is the
     engine's float type, or int8 / float8 for a quantized cache (float8: e4m3fn bit patterns in uint8 tensors).
@@ -82,43 +111,24 @@ class KVCacheLayout:
 
     dtype: str
     block_size: int
-    num_kv_heads: int
-    head_dim: int
-    key_inputs: tuple[str, ...]
-    value_inputs: tuple[str, ...]
-    key_outputs: tuple[str, ...]
-    value_outputs: tuple[str, ...]
     layout: str = "num_blocks,block_size,num_kv_heads*head_dim"
 
     def bytes_per_block(self, itemsize: int) -> int:
-        return 2 * len(self.key_inputs) * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.block_size * self.bytes_per_token(itemsize)
 
 
-@dataclass(frozen=True)
-class SequenceGraph:
-    """The onnxruntime target's second graph, for one sequence at a time (Session): per layer one K and one V tensor
-    [1, num_kv_heads, L, head_dim] of float32, contiguous, L at least the sequence's length, bound in place."""
+@dataclass(frozen=True, kw_only=True)
+class SequenceGraph(CacheTensors):
+    """The onnxruntime target's second graph, for one sequence at a time (Session): each cache tensor
+    [1, num_kv_heads, L, head_dim] of float32, contiguous, L at least the sequence's length."""
 
     artifact: str
     inputs: tuple[TensorSpec, ...]
-    num_kv_heads: int
-    head_dim: int
-    key_inputs: tuple[str, ...]
-    value_inputs: tuple[str, ...]
-    key_outputs: tuple[str, ...]
-    value_outputs: tuple[str, ...]
     layout: str = "1,num_kv_heads,L,head_dim"
-
-    def bytes_per_token(self) -> int:
-        return 2 * len(self.key_inputs) * self.num_kv_heads * self.head_dim * 4
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SequenceGraph:
-        data = dict(data)
-        data["inputs"] = _specs(data["inputs"])
-        for key in ("key_inputs", "value_inputs", "key_outputs", "value_outputs"):
-            data[key] = tuple(data[key])
-        return cls(**data)
+        return super().from_dict({**data, "inputs": _specs(data["inputs"])})
 
 
 def _specs(raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
@@ -160,10 +170,7 @@ class Manifest:
         data["outputs"] = _specs(data["outputs"])
         if data.get("sequence_graph") is not None:
             data["sequence_graph"] = SequenceGraph.from_dict(data["sequence_graph"])
-        kv = dict(data["kv_cache"])
-        for key in ("key_inputs", "value_inputs", "key_outputs", "value_outputs"):
-            kv[key] = tuple(kv[key])
-        data["kv_cache"] = KVCacheLayout(**kv)
+        data["kv_cache"] = KVCacheLayout.from_dict(data["kv_cache"])
         return cls(**data)
 
 

@@ -59,15 +59,21 @@ class SequenceEngine:
         self.binding.bind_output("logits", "cpu", 0, np.float32, self.logits.shape, self.logits.ctypes.data)
         self._length = 0
         self.max_tokens = self.limits.max_seq_len
+        self.token_bytes = self.layout.bytes_per_token(np.dtype(np.float32).itemsize)
         if kv_cache_memory is not None:
-            self.max_tokens = min(self.max_tokens, kv_cache_memory // self.layout.bytes_per_token())
+            self.max_tokens = min(self.max_tokens, kv_cache_memory // self.token_bytes)
             if self.max_tokens < 1:
                 raise CapacityError(f"a KV cache budget of {kv_cache_memory} bytes holds no token "
-                                    f"({self.layout.bytes_per_token()} bytes each); raise the budget")
+                                    f"({self.token_bytes} bytes each); raise the budget")
 
     @property
     def limits(self):
         return self.manifest.limits
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the bound cache holds."""
+        return self.caches[0].shape[2] if self.caches else 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -77,10 +83,9 @@ class SequenceEngine:
         """Make room for a sequence of `total` tokens (prompt + max_tokens)."""
         if total > self.max_tokens:
             raise CapacityError(f"the request needs {total} tokens of KV cache; the budget holds {self.max_tokens} "
-                                f"({self.layout.bytes_per_token()} bytes a token): raise kv_cache_memory or lower "
+                                f"({self.token_bytes} bytes a token): raise kv_cache_memory or lower "
                                 "max_tokens")
-        capacity = self.caches[0].shape[2] if self.caches else 0
-        if total > capacity:
+        if total > self.capacity:
             self._bind_caches(min(-(-total // GROW) * GROW, self.max_tokens))
         self._length = 0
 
@@ -101,9 +106,8 @@ class SequenceEngine:
         last token's logits.)"""
         if start != self._length:
             raise EngineError(f"the sequence holds {self._length} tokens; cannot continue it at {start}")
-        capacity = self.caches[0].shape[2] if self.caches else 0
-        if start + len(tokens) > capacity:
-            raise EngineError(f"{start + len(tokens)} tokens exceed the {capacity} this sequence was started for; "
+        if start + len(tokens) > self.capacity:
+            raise EngineError(f"{start + len(tokens)} tokens exceed the {self.capacity} this sequence was started for; "
                               "call start() with its whole length first")
         self.prepare(tokens, start)
         self.session.run_with_iobinding(self.binding)

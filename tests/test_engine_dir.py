@@ -51,7 +51,7 @@ def test_manifest_records_the_contract(built):
     assert seq.artifact == "sequence.onnx" and [t.name for t in seq.inputs] == [
         "input_ids", "seqlens_k", "total_sequence_length"]
     assert len(seq.key_inputs) == len(seq.value_outputs) == m.model.num_layers
-    assert seq.bytes_per_token() == 2 * m.model.num_layers * m.model.num_kv_heads * m.model.head_dim * 4
+    assert seq.bytes_per_token(4) == 2 * m.model.num_layers * m.model.num_kv_heads * m.model.head_dim * 4
 
 
 def test_the_sequence_graph_stores_no_weight_twice(built):

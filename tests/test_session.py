@@ -71,7 +71,7 @@ def test_both_graphs_give_the_same_tokens(engine_dir, session):
 def test_sequence_cache_grows_with_the_request_and_is_kept(engine_dir, monkeypatch):
     monkeypatch.setattr(sequence, "GROW", 16)
     session = Session(engine_dir, graph="sequence")
-    per_token = session.manifest.sequence_graph.bytes_per_token()
+    per_token = session.manifest.sequence_graph.bytes_per_token(4)
     short = session.generate("a", max_tokens=4, ignore_eos=True)
     assert session.engine.kv_cache_bytes == 16 * per_token
     long = session.generate(list(range(10, 60)), max_tokens=40, ignore_eos=True)
@@ -155,7 +155,7 @@ def test_a_kv_cache_budget_bounds_either_graph(engine_dir, graph):
     """kv_cache_memory holds 48 tokens (in whole 8-token blocks for the batch graph): a request needing more is
     refused before any work, one that fits runs."""
     manifest = Session(engine_dir).manifest
-    per_token = manifest.sequence_graph.bytes_per_token()
+    per_token = manifest.sequence_graph.bytes_per_token(4)
     session = Session(engine_dir, graph=graph, kv_cache_memory=per_token * (48 + 8))  # + the batch graph's null block
     assert len(session.generate(list(range(10, 30)), max_tokens=20, ignore_eos=True).token_ids) == 20
     with pytest.raises(CapacityError):

@@ -42,17 +42,10 @@ KVBiasesFn = Callable[[int], tuple[np.ndarray | None, np.ndarray | None]]
 
 
 def kv_layout(config: ModelConfig, limits: BuildLimits, kv_dtype: str) -> KVCacheLayout:
-    n = range(config.num_layers)
-    return KVCacheLayout(
-        dtype=kv_dtype,
-        block_size=limits.kv_block_size,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        key_inputs=tuple(f"kv_cache_k_{i}" for i in n),
-        value_inputs=tuple(f"kv_cache_v_{i}" for i in n),
-        key_outputs=tuple(f"kv_cache_k_{i}_out" for i in n),
-        value_outputs=tuple(f"kv_cache_v_{i}_out" for i in n),
-    )
+    names = KVCacheLayout.names(config.num_layers, "kv_cache_k_{}", "kv_cache_v_{}", "kv_cache_k_{}_out",
+                                "kv_cache_v_{}_out")
+    return KVCacheLayout(config.num_kv_heads, config.head_dim, **names, dtype=kv_dtype,
+                         block_size=limits.kv_block_size)
 
 
 def step_inputs(config: ModelConfig, branches: bool = False) -> tuple[TensorSpec, ...]:

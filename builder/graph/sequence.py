@@ -41,17 +41,9 @@ def sequence_graph_support(config: ModelConfig, dtype: str, kv_dtype: str | None
 
 
 def sequence_layout(config: ModelConfig, artifact: str) -> SequenceGraph:
-    n = range(config.num_layers)
-    return SequenceGraph(
-        artifact=artifact,
-        inputs=SEQUENCE_INPUTS,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        key_inputs=tuple(f"past_key_{i}" for i in n),
-        value_inputs=tuple(f"past_value_{i}" for i in n),
-        key_outputs=tuple(f"present_key_{i}" for i in n),
-        value_outputs=tuple(f"present_value_{i}" for i in n),
-    )
+    names = SequenceGraph.names(config.num_layers, "past_key_{}", "past_value_{}", "present_key_{}",
+                                "present_value_{}")
+    return SequenceGraph(config.num_kv_heads, config.head_dim, **names, artifact=artifact, inputs=SEQUENCE_INPUTS)
 
 
 class SequenceLowering:

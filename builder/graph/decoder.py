@@ -26,9 +26,9 @@ from onnx import TensorProto
 
 from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.kv_quant import KV_ELEM, KVQuantizer
+from camshaft.builder.graph.layer_ops import LayerOps
 from camshaft.builder.graph.linear import Linears, QuantizedFn, WeightFn
 from camshaft.builder.graph.ops import NP_DTYPES, ONNX_DTYPES, GraphWriter
-from camshaft.builder.graph.rope import cos_sin_tables
 from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS, BuildLimits, KVCacheLayout, TensorSpec
 from camshaft.model_config import ModelConfig
 
@@ -52,7 +52,7 @@ def step_inputs(config: ModelConfig, branches: bool = False) -> tuple[TensorSpec
     return STEP_INPUTS + (GROUP_FLAGS if branches else ()) + (SLIDING_INPUTS if config.has_sliding_layers else ())
 
 
-class DecoderLowering:
+class DecoderLowering(LayerOps):
     def __init__(self, g: GraphWriter, config: ModelConfig, limits: BuildLimits, dtype: str,
                  weights: WeightFn, progress: Callable[[str], None] = lambda _: None,
                  quantized: QuantizedFn | None = None, accuracy_level: int | None = None,
@@ -73,10 +73,6 @@ class DecoderLowering:
         self.kv = kv_layout(config, limits, kv_cache[0] if kv_cache else dtype)
         self.kv_elem = KV_ELEM[kv_cache[0]] if kv_cache else self.elem
 
-    def w(self, name: str, shape: tuple[int, ...], transpose: bool = False) -> np.ndarray:
-        array = self.weights(name, shape)
-        return (array.T if transpose else array).astype(self.np_dtype)
-
     def lower(self) -> None:
         g, c = self.g, self.c
         for spec in step_inputs(c, self.branches):
@@ -84,9 +80,7 @@ class DecoderLowering:
         cache_shape = ["num_blocks", self.kv.block_size, c.num_kv_heads * c.head_dim]
         for name in self.kv.key_inputs + self.kv.value_inputs:
             g.input(name, self.kv_elem, cache_shape)
-        cos, sin = cos_sin_tables(c.rope, c.head_dim, self.limits.max_seq_len)
-        self.cos = g.weight("rope_cos", cos.astype(self.np_dtype))
-        self.sin = g.weight("rope_sin", sin.astype(self.np_dtype))
+        self.rope_tables(self.limits.max_seq_len)
         # Linear layers run on 2D [T, hidden] (so ORT fuses the residual adds into Gemm); q and k move to
         # [1, T, hidden] for RotaryEmbedding and stay there, so the batch dim is added to the indices once, here.
         one = g.ints([0])
@@ -108,21 +102,6 @@ class DecoderLowering:
         g.output("logits", TensorProto.FLOAT, ["N", c.vocab_size])
         for name in self.kv.key_outputs + self.kv.value_outputs:
             g.output(name, self.kv_elem, cache_shape)
-
-    def rms_norm(self, x: str, weight: str, dim: int) -> str:
-        scale = self.g.weight(weight, self.w(weight, (dim,)))
-        return self.g.op("RMSNormalization", [x, scale], axis=-1, epsilon=self.c.rms_norm_eps)
-
-    def rope(self, x: str, heads: int) -> str:
-        """[1, T, heads*dim] → rotated, same shape."""
-        return self.g.op("RotaryEmbedding", [x, self.cos, self.sin, self.positions], num_heads=heads, interleaved=0)
-
-    def head_norm(self, x: str, weight: str, heads: int) -> str:
-        """Per-head RMSNorm of [T, heads*dim], returned as [1, T, heads*dim] ready for rope."""
-        g, d = self.g, self.c.head_dim
-        x = g.op("Reshape", [x, g.ints([1, -1, heads, d])])
-        x = self.rms_norm(x, weight, d)
-        return g.op("Reshape", [x, g.ints([1, -1, heads * d])])
 
     def layer(self, i: int, hidden: str) -> str:
         g, c = self.g, self.c

@@ -22,9 +22,9 @@ from onnx import TensorProto
 
 from camshaft.builder.graph.decoder import ELEM
 from camshaft.builder.graph.head import Head
+from camshaft.builder.graph.layer_ops import LayerOps
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter
-from camshaft.builder.graph.rope import cos_sin_tables
 from camshaft.manifest import SEQUENCE_INPUTS, SequenceGraph
 from camshaft.model_config import ModelConfig
 
@@ -46,7 +46,7 @@ def sequence_layout(config: ModelConfig, artifact: str) -> SequenceGraph:
     return SequenceGraph(config.num_kv_heads, config.head_dim, **names, artifact=artifact, inputs=SEQUENCE_INPUTS)
 
 
-class SequenceLowering:
+class SequenceLowering(LayerOps):
     def __init__(self, g: GraphWriter, config: ModelConfig, max_seq_len: int, linears: Linears, head: Head,
                  weights: Callable[[str, tuple[int, ...]], np.ndarray], layout: SequenceGraph,
                  progress: Callable[[str], None] = lambda _: None) -> None:
@@ -55,13 +55,11 @@ class SequenceLowering:
         self.np_dtype = linears.np_dtype
         self.fused_rope = config.head_dim % 16 == 0
 
-    def norm_weight(self, name: str) -> str:
-        return self.g.weight(name, self.weights(name, (self.c.hidden_size,)).astype(self.np_dtype))
-
     def skip_norm(self, x: str, residual: str, weight: str) -> tuple[str, str]:
         """(RMSNorm(x + residual), x + residual) in one node."""
-        out = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, self.norm_weight(weight)], n_out=4,
-                        domain=MS_DOMAIN, epsilon=self.c.rms_norm_eps)
+        scale = self.norm_weight(weight, self.c.hidden_size)
+        out = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, scale], n_out=4, domain=MS_DOMAIN,
+                        epsilon=self.c.rms_norm_eps)
         return out[0], out[3]
 
     def lower(self) -> None:
@@ -71,17 +69,15 @@ class SequenceLowering:
         cache_shape = [1, c.num_kv_heads, "L", c.head_dim]
         for name in kv.key_inputs + kv.value_inputs:
             g.input(name, TensorProto.FLOAT, cache_shape)
-        cos, sin = cos_sin_tables(c.rope, c.head_dim, self.max_seq_len)
-        self.cos = g.weight("rope_cos", cos.astype(self.np_dtype))
-        self.sin = g.weight("rope_sin", sin.astype(self.np_dtype))
+        self.rope_tables(self.max_seq_len)
         if not self.fused_rope:
             total = g.op("Cast", ["total_sequence_length"], to=TensorProto.INT64)
             start = g.op("Sub", [total, g.op("Shape", ["input_ids"], start=1, end=2)])
             positions = g.op("Range", [g.op("Squeeze", [start]), total, g.const(np.array(1, np.int64), "one")])
             self.positions = g.op("Unsqueeze", [positions, g.ints([0])])
         residual = self.head.embed("input_ids")  # [1, S, hidden]
-        x = g.op("SimplifiedLayerNormalization", [residual, self.norm_weight("model.layers.0.input_layernorm.weight")],
-                 axis=-1, epsilon=c.rms_norm_eps)
+        scale = self.norm_weight("model.layers.0.input_layernorm.weight", c.hidden_size)
+        x = g.op("SimplifiedLayerNormalization", [residual, scale], axis=-1, epsilon=c.rms_norm_eps)
         for i in range(c.num_layers):
             self.progress(f"sequence graph: layer {i + 1}/{c.num_layers}")
             p = f"model.layers.{i}"
@@ -140,15 +136,3 @@ class SequenceLowering:
         else:
             return [linears.linear(x, n, c.intermediate_size, c.hidden_size, c.mlp_bias) for n in names]
         return g.op("Split", [y, g.ints(dims)], n_out=2, axis=-1)
-
-    def head_norm(self, x: str, weight: str, heads: int) -> str:
-        """Per-head RMSNorm of [1, S, heads*dim]."""
-        g, d = self.g, self.c.head_dim
-        scale = g.weight(weight, self.weights(weight, (d,)).astype(self.np_dtype))
-        x = g.op("Reshape", [x, g.ints([1, -1, heads, d])])
-        x = g.op("RMSNormalization", [x, scale], axis=-1, epsilon=self.c.rms_norm_eps)
-        return g.op("Reshape", [x, g.ints([1, -1, heads * d])])
-
-    def rope(self, x: str, heads: int) -> str:
-        return self.g.op("RotaryEmbedding", [x, self.cos, self.sin, self.positions], num_heads=heads, interleaved=0)
-

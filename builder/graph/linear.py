@@ -211,11 +211,11 @@ class Linears:
         per-token quantizer does (an all-zero row: scale 1)."""
         g, dt = self.g, self.np_dtype
         amax = g.op("ReduceMax", [g.op("Abs", [x]), g.ints([-1])], keepdims=1)
-        tiny, one, bound = (g.const(np.array(v, dtype=dt), n) for v, n in
-                            ((2.0 ** -24, "fp8_amax_floor"), (1.0, "one"), (448.0, "fp8_max")))
+        constants = ((2.0 ** -24, "fp8_amax_floor"), (1.0, "one"), (448.0, "fp8_max"), (-448.0, "fp8_min"))
+        tiny, one, bound, low = (g.const(np.array(v, dtype=dt), n) for v, n in constants)
         amax = g.op("Where", [g.op("Greater", [amax, tiny]), amax, one])
         scale = g.op("Div", [bound, amax])
-        scaled = g.op("Clip", [g.op("Mul", [x, scale]), g.op("Neg", [bound]), bound])
+        scaled = g.op("Clip", [g.op("Mul", [x, scale]), low, bound])
         rounded = g.op("Cast", [g.op("Cast", [scaled], to=TensorProto.FLOAT8E4M3FN)], to=ONNX_DTYPES[np.dtype(dt).name])
         return g.op("Mul", [rounded, g.op("Reciprocal", [scale])])
 

@@ -21,6 +21,7 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
 )
 from camshaft.errors import CheckpointError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
+from camshaft.quantize.spec import FORMATS
 
 
 class Checkpoint:
@@ -61,7 +62,7 @@ class Checkpoint:
         if algo not in READABLE_QUANT_ALGOS:
             raise CheckpointError(
                 f"{self.dir} is quantized as {algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} checkpoints "
-                "(`camshaft quantize --quant int4_wo|int4_awq|int8_wo|int8_sq|fp8|w4a8_awq`)"
+                f"(`camshaft quantize --quant {'|'.join(FORMATS)}`)"
             )
         kv_algo = quant.get("kv_cache_quant_algo")
         if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:

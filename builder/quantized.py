@@ -33,6 +33,7 @@ READABLE_QUANT_ALGOS = {
     "FP8": QuantFormat(8, "fp8", "fp8", False),
     "FP8_PER_CHANNEL_PER_TOKEN": QuantFormat(8, "fp8", "fp8", False, per_token=True),
     "W8A8_SQ_PER_CHANNEL": QuantFormat(8, "int", "int8", False),
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": QuantFormat(8, "int", "int8", False, per_token=True),
     "W4A8_AWQ": QuantFormat(4, "int", "fp8", True),  # INT4 blocks, then float8 per tensor (weight_scale_2)
 }
 

@@ -101,6 +101,8 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
 
     with torch.no_grad():
         requantize_resmooth_fused_llm_layers(model)
+    if spec.info.per_token_inputs:
+        quantize_inputs_per_token(model)
     if on_quantized is not None:
         on_quantized(model)
     kv_tensors = take_kv_biases(model)  # the export then sees per-tensor KV quantizers only
@@ -114,6 +116,8 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             export_hf_checkpoint(model, export_dir=str(staging))
         if not (staging / HF_QUANT_CONFIG).is_file():
             raise QuantizeError(f"ModelOpt's export wrote no {HF_QUANT_CONFIG}; nothing was quantized")
+        if spec.info.per_token_inputs:
+            mark_quant_algo(staging, spec.info.checkpoint_algo)
         if kv_tensors:
             write_kv_tensors(staging, kv_tensors)
         if spec.kv_cache_dtype == "int8":
@@ -137,6 +141,33 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         raise
     progress(f"quantized checkpoint written to {output} in {timings['total']} s")
     return QuantizeResult(output, spec, group_size, calib.num_samples, calib.seq_len, source, timings)
+
+
+def quantize_inputs_per_token(model: Any) -> None:
+    """Every enabled linear-layer input quantizer becomes dynamic per token (ModelOpt's form: block_sizes {-1: None},
+    the row's own amax at run time); its calibrated amax goes, the SmoothQuant pre_quant_scale stays."""
+    for module in model.modules():
+        quantizer = getattr(module, "input_quantizer", None)
+        if quantizer is None or not quantizer.is_enabled or getattr(module, "weight_quantizer", None) is None:
+            continue
+        quantizer.set_from_attribute_config({"num_bits": quantizer.num_bits, "axis": None, "type": "dynamic",
+                                             "block_sizes": {-1: None}})
+        if hasattr(quantizer, "_amax"):
+            delattr(quantizer, "_amax")
+
+
+def mark_quant_algo(checkpoint_dir: Path, quant_algo: str) -> None:
+    """Name the checkpoint's format where ModelOpt's export has no name for it (it writes INT8 SmoothQuant with
+    per-token inputs as the per-tensor W8A8_SQ_PER_CHANNEL)."""
+    path = checkpoint_dir / HF_QUANT_CONFIG
+    config = json.loads(path.read_text())
+    config["quantization"]["quant_algo"] = quant_algo
+    path.write_text(json.dumps(config, indent=4))
+    hf_config = checkpoint_dir / "config.json"
+    data = json.loads(hf_config.read_text())
+    if isinstance(data.get("quantization_config"), dict) and "quant_algo" in data["quantization_config"]:
+        data["quantization_config"]["quant_algo"] = quant_algo
+        hf_config.write_text(json.dumps(data, indent=2))
 
 
 def calibration_loop(calib: CalibrationSet, description: str, progress_bar: bool) -> Callable[[Any], None]:

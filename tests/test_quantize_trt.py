@@ -14,6 +14,7 @@ import pytest
 
 from camshaft.builder.build import GRAPH_NAME, TRT_QUANT_ALGOS, build_engine, check_quantized_target
 from camshaft.builder.config import BuildConfig
+from camshaft.builder.quantized import READABLE_QUANT_ALGOS
 from camshaft.errors import BuildConfigError
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, QuantSpec
@@ -72,11 +73,14 @@ def test_quantized_kv_cache_is_refused_before_any_work(tiny, tmp_path):
         check_quantized_target("tensorrt", "FP8", "FP8")
     with pytest.raises(BuildConfigError, match="cannot build W4A16_AWQ with a INT8 KV cache checkpoints yet"):
         check_quantized_target("tensorrt-rtx", "W4A16_AWQ", "INT8")
+    per_token = {name for name, fmt in FORMATS.items() if READABLE_QUANT_ALGOS[fmt.checkpoint_algo].per_token}
+    assert per_token == {"fp8_pc_pt", "int8_sq_pt"}
     for name, fmt in FORMATS.items():
-        if name != "fp8_pc_pt":
+        if name not in per_token:
             check_quantized_target("tensorrt-rtx", fmt.checkpoint_algo)
-    with pytest.raises(BuildConfigError, match="cannot build FP8_PER_CHANNEL_PER_TOKEN checkpoints yet"):
-        check_quantized_target("tensorrt", "FP8_PER_CHANNEL_PER_TOKEN")
+    for algo in ("FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"):
+        with pytest.raises(BuildConfigError, match=f"cannot build {algo} checkpoints yet"):
+            check_quantized_target("tensorrt", algo)
     with pytest.raises(BuildConfigError, match="cannot build NVFP4 checkpoints"):
         check_quantized_target("onnxruntime", "NVFP4")
     for fmt in FORMATS.values():

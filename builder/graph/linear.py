@@ -6,8 +6,9 @@
   stored float8 weight, then MatMul: ModelOpt's fake-quant numerics in standard ONNX;
 - W8A8 (SmoothQuant) → the input quantized with its static scale to uint8 (zero point 128: the same integers as
   int8), MatMulInteger with the int8 weight (exact int32 sums; ONNX Runtime's fast u8s8 kernel, s8s8 is ~20x
-  slower), then Mul by input scale x weight scale. (The Q/DQ form is fused by ONNX Runtime into an integer kernel
-  only where no residual Add was first fused into a Gemm.)
+  slower), then Mul by input scale x weight scale; with per-token inputs each row's scale comes from its largest
+  magnitude at run time (ReduceMax), the row rounded and offset by 128 in float. (The Q/DQ form is fused by ONNX
+  Runtime into an integer kernel only where no residual Add was first fused into a Gemm.)
 Layers sharing an input (q/k/v) become one product when their formats, pre-quant scales and input scales
 agree; otherwise each layer is lowered alone.
 """
@@ -31,6 +32,8 @@ NBITS_ACCURACY_LEVEL = 0
 LOWERINGS = {
     "nbits": "com.microsoft.MatMulNBits",
     "int8": "QuantizeLinear uint8 + MatMulInteger + Mul by input x weight scales",
+    "int8_per_token": "input rounded to int8 per token (ReduceMax, Round) + MatMulInteger + Mul by token x weight "
+                      "scales",
     "fp8": "QuantizeLinear/DequantizeLinear float8e4m3fn + MatMul",
     "fp8_per_token": "input rounded to float8e4m3fn per token (ReduceMax, Cast) + weight DequantizeLinear + MatMul",
     "w4a8": "float8 input Q/DQ; int4 blocked DequantizeLinear, float8 Q/DQ of the weight; MatMul",
@@ -96,7 +99,7 @@ class Linears:
         elif first.activation is None and nbits_block(first, in_dim) is not None:
             kind, y = "nbits", self.matmul_nbits(x, layers, name, in_dim)
         elif first.activation == "int8" and per_channel:
-            kind, y = "int8", self.integer_matmul(x, layers, name)
+            kind, y = "int8_per_token" if first.per_token else "int8", self.integer_matmul(x, layers, name)
         elif first.activation == "fp8" and first.bits == 8 and per_channel:
             kind, y = "fp8_per_token" if first.per_token else "fp8", self.fp8_matmul(x, layers, name)
         elif first.activation == "fp8" and first.bits == 4:
@@ -161,14 +164,36 @@ class Linears:
         g, first = self.g, layers[0]
         x = self.pre_scale(x, first, name)
         zero = g.const(np.array(128, dtype=np.uint8), "zero_point")
-        xq = g.op("QuantizeLinear", [x, g.const(np.array(first.input_scale, dtype=self.np_dtype), "input_scale"), zero])
+        if first.per_token:
+            xq, token_scale = self.int8_per_token(x)
+        else:
+            xq = g.op("QuantizeLinear", [x, g.const(np.array(first.input_scale, dtype=self.np_dtype), "input_scale"),
+                                         zero])
         values = np.concatenate([q.values for q in layers], axis=0).T  # [K, N] int8
-        y = g.op("MatMulInteger", [xq, g.weight(f"{name}.qweight", values), zero])
-        scales = np.concatenate([q.scales[:, 0] for q in layers]) * np.float32(first.input_scale)
-        y = g.op("Mul", [g.op("Cast", [y], to=TensorProto.FLOAT), g.weight(f"{name}.output_scale", scales)])
+        y = g.op("Cast", [g.op("MatMulInteger", [xq, g.weight(f"{name}.qweight", values), zero])], to=TensorProto.FLOAT)
+        scales = np.concatenate([q.scales[:, 0] for q in layers])
+        if first.per_token:
+            y = g.op("Mul", [g.op("Mul", [y, token_scale]), g.weight(f"{name}.weight_scale", scales)])
+        else:
+            y = g.op("Mul", [y, g.weight(f"{name}.output_scale", scales * np.float32(first.input_scale))])
         if self.np_dtype != np.float32:  # int32 sums overflow float16: scale in float32 first
             y = g.op("Cast", [y], to=ONNX_DTYPES[np.dtype(self.np_dtype).name])
         return y
+
+    def int8_per_token(self, x: str) -> tuple[str, str]:
+        """x's rows as ModelOpt's dynamic per-token int8 quantizer rounds them, round(x * 127 / row amax), offset by
+        128 into uint8 (MatMulInteger's fast kernel); and the rows' scales amax / 127 in float32 ([T, 1]). An all-zero
+        row rounds to zeros whatever its scale (ModelOpt's 1, here 127 / 2^-24)."""
+        g, dt = self.g, self.np_dtype
+        amax = g.op("ReduceMax", [g.op("Abs", [x]), g.ints([-1])], keepdims=1)
+        constants = ((2.0 ** -24, "int8_amax_floor"), (127.0, "int8_max"), (128.0, "uint8_offset"))
+        tiny, bound, offset = (g.const(np.array(v, dtype=dt), n) for v, n in constants)
+        amax = g.op("Max", [amax, tiny])
+        rounded = g.op("Round", [g.op("Mul", [x, g.op("Div", [bound, amax])])])
+        xq = g.op("Cast", [g.op("Add", [rounded, offset])], to=TensorProto.UINT8)
+        if dt != np.float32:
+            amax = g.op("Cast", [amax], to=TensorProto.FLOAT)
+        return xq, g.op("Div", [amax, g.const(np.array(127.0, dtype=np.float32), "int8_max_f32")])
 
     def qdq_matmul(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str:
         """Any format as standard ONNX: the input Q→DQ'd as its format says (int8 or float8, static scale), the
@@ -178,7 +203,13 @@ class Linears:
         if first.values.dtype == FP8:
             return self.fp8_matmul(x, layers, name)
         x = self.pre_scale(x, first, name)
-        if first.activation == "int8":
+        if first.activation == "int8" and first.per_token:
+            xq, inverse = self.int8_per_token(x)
+            offset = g.const(np.array(128.0, dtype=np.float32), "uint8_offset_f32")
+            x = g.op("Mul", [g.op("Sub", [g.op("Cast", [xq], to=TensorProto.FLOAT), offset]), inverse])
+            if self.np_dtype != np.float32:
+                x = g.op("Cast", [x], to=ONNX_DTYPES[np.dtype(self.np_dtype).name])
+        elif first.activation == "int8":
             s = g.const(np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
             z = g.const(np.zeros((), np.int8), "int8_zero_point")
             x = g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, s, z]), s, z])

@@ -6,6 +6,11 @@ affine (the bias camshaft adopted), FP8 per-channel/per-token, INT8 with per-tok
 text and calibration corpus as scripts/bench_quant_accuracy.sh (run that first for out/q/heldout.txt).
 
     .venv/bin/python scripts/probe_modelopt_configs.py kv_fp8 kv_fp8_affine kv_int8 kv_int8_affine fp8_pc_pt int8_pt
+
+`--each-layer` also leaves one part of the model float at a time (each decoder layer's linear layers, each
+projection across all layers, the last layer's MLP and its down_proj) and reports the held-out text and a validation
+text (the first 6000 bytes of IDLE's HISTORY.txt, as scripts/sweep_smoothquant.py): is a format's loss concentrated
+where `--exclude` could take it out?
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -24,6 +30,8 @@ from camshaft.quantize.calibration import load_texts, tokenize
 KV = "*[kv]_bmm_quantizer"
 AFFINE = {"bias": {-2: None, -4: None, "type": "static"}}
 PER_TOKEN = {"type": "dynamic", "block_sizes": {-1: None}}
+VALIDATION = Path(sysconfig.get_paths()["stdlib"], "idlelib", "HISTORY.txt")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def configs() -> dict[str, dict]:
@@ -54,6 +62,7 @@ def main() -> None:
     p.add_argument("--text", type=Path, default=Path("out/q/heldout.txt"))
     p.add_argument("--calib-size", type=int, default=32)
     p.add_argument("--calib-seq-len", type=int, default=256)
+    p.add_argument("--each-layer", action="store_true", help="also each layer / projection left float in turn")
     args = p.parse_args()
     import modelopt.torch.quantization as mtq
 
@@ -61,12 +70,13 @@ def main() -> None:
     model_dir = default_model_dir("smollm2-135m-instruct")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     ids = torch.tensor([tokenizer(args.text.read_text())["input_ids"]])
+    validation = torch.tensor([tokenizer(VALIDATION.read_bytes()[:6000].decode())["input_ids"]])
     calib = tokenize(*load_texts(None), tokenizer, args.calib_size, args.calib_seq_len)
 
-    def perplexity(model) -> float:
+    def perplexity(model, row: torch.Tensor = ids) -> float:
         with torch.no_grad():
-            logits = model(ids).logits[0, :-1].float()
-        return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+            logits = model(row).logits[0, :-1].float()
+        return math.exp(torch.nn.functional.cross_entropy(logits, row[0, 1:]).item())
 
     def calibrate(model) -> None:
         with torch.no_grad():
@@ -84,6 +94,36 @@ def main() -> None:
         mtq.quantize(model, available[name], forward_loop=calibrate)
         ppl = perplexity(model)
         print(f"| {name} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f} % |", flush=True)
+        if args.each_layer:
+            each_part_float(model, name, lambda m: (perplexity(m), perplexity(m, validation)),
+                            (base, perplexity(load(), validation)))
+
+
+def each_part_float(model, config: str, measure, base: tuple[float, float]) -> None:
+    """Perplexity (held-out, validation) vs fp32 with one part of the model's linear layers left unquantized."""
+    linears = [(n, m) for n, m in model.named_modules()
+               if getattr(m, "weight_quantizer", None) is not None and m.weight_quantizer.is_enabled]
+
+    def row(label: str, chosen: list) -> str:
+        for _, m in chosen:
+            for q in (m.weight_quantizer, m.input_quantizer):
+                q.disable()
+        ppls = measure(model)
+        for _, m in chosen:
+            for q in (m.weight_quantizer, m.input_quantizer):
+                q.enable()
+        cells = [f"{100 * (p / b - 1):+.2f} %" for p, b in zip(ppls, base, strict=True)]
+        return f"| {config} | {label} | " + " | ".join(cells) + " |"
+
+    print(f"\n| config | left float | held-out vs fp32 | validation vs fp32 |\n|---|---|---|---|\n"
+          f"{row('nothing', [])}", flush=True)
+    for i in range(model.config.num_hidden_layers):
+        print(row(f"layer {i}", [(n, m) for n, m in linears if f".layers.{i}." in n]), flush=True)
+    for proj in PROJECTIONS:
+        print(row(f"every {proj}", [(n, m) for n, m in linears if n.endswith(proj)]), flush=True)
+    last = f".layers.{model.config.num_hidden_layers - 1}.mlp."
+    print(row("the last layer's MLP", [(n, m) for n, m in linears if last in n]), flush=True)
+    print(row("the last layer's down_proj", [(n, m) for n, m in linears if n.endswith(last + "down_proj")]), flush=True)
 
 
 if __name__ == "__main__":

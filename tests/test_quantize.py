@@ -289,3 +289,40 @@ def test_qdq_graph_for_tensorrt_matches_fake_quant_model(quantized, prompt, tmp_
     qdq_vs_fq = np.abs(logits - ref["logits"]).max()
     print(f"{fmt} Q/DQ graph: |graph - fake-quant| {qdq_vs_fq:.3g}")
     assert_matches_fake_quant(fmt, logits, ref["logits"], ref["fp32"])
+
+
+def test_per_token_format_with_the_last_mlp_left_float_matches_its_fake_quant_model(tiny, prompt, tmp_path):
+    """The fp8_pc_pt recipe of docs/quantize.md (`--exclude` the last layer's MLP): those layers are float in the
+    checkpoint and in both graphs (their inputs are not rounded per token), and both graphs reproduce ModelOpt's
+    fake-quant model of that checkpoint."""
+    ref: dict = {}
+
+    def capture(model):
+        with torch.no_grad():
+            ref["logits"] = model(prompt).logits[0].numpy().copy()
+
+    spec = QuantSpec("fp8_pc_pt", exclude=("model.layers.1.mlp.*",))
+    quantize_checkpoint(tiny, tmp_path / "ckpt", spec, on_quantized=capture, **CALIB)
+    with Checkpoint(tmp_path / "ckpt") as ckpt:
+        for name, shape in (("gate_proj", (96, 64)), ("up_proj", (96, 64)), ("down_proj", (64, 96))):
+            assert ckpt.quantized_linear(f"model.layers.1.mlp.{name}", *shape) is None
+            assert ckpt.quantized_linear(f"model.layers.0.mlp.{name}", *shape) is not None
+    manifest = build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=128, kv_block_size=4,
+                                        max_num_tokens=64))
+    assert manifest.quantization["quantized_linear_layers"] == 14 - 3
+    graph = onnx.load(tmp_path / "engine" / "model.onnx", load_external_data=False).graph
+    # inputs rounded per token: layer 0's q/k/v, o, gate and up (one rounding, merged), down; layer 1's q/k/v and o
+    assert Counter(n.op_type for n in graph.node)["ReduceMax"] == 4 + 2
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
+    with torch.no_grad():
+        fp32_logits = fp32(prompt).logits[0].numpy()
+    assert np.abs(ref["logits"] - fp32_logits).max() > 1e-3
+    engine = Engine(tmp_path / "engine", max_sequences=1)
+    logits = engine.step([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4), PROMPT_LEN)])
+    assert_matches_fake_quant("fp8_pc_pt", logits, ref["logits"], fp32_logits)
+    sequence = SequenceEngine(tmp_path / "engine")
+    ids = prompt[0].tolist()
+    sequence.start(PROMPT_LEN)
+    rows = [sequence.feed(ids[:30], 0)] + [sequence.feed([t], 30 + i) for i, t in enumerate(ids[30:])]
+    assert_matches_fake_quant("fp8_pc_pt", np.stack(rows), ref["logits"][29:], fp32_logits[29:])
+    sequence.close()

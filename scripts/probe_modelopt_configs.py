@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
-import sysconfig
+import sys
 from pathlib import Path
 
-import torch
-import transformers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from camshaft.models import default_model_dir
-from camshaft.quantize.calibration import load_texts, tokenize
+from fake_quant import FakeQuantBench, validation_text  # noqa: E402
 
 KV = "*[kv]_bmm_quantizer"
 AFFINE = {"bias": {-2: None, -4: None, "type": "static"}}
 PER_TOKEN = {"type": "dynamic", "block_sizes": {-1: None}}
-VALIDATION = Path(sysconfig.get_paths()["stdlib"], "idlelib", "HISTORY.txt")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -66,27 +62,15 @@ def main() -> None:
     args = p.parse_args()
     import modelopt.torch.quantization as mtq
 
-    torch.set_num_threads(2)
-    model_dir = default_model_dir("smollm2-135m-instruct")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = torch.tensor([tokenizer(args.text.read_text())["input_ids"]])
-    validation = torch.tensor([tokenizer(VALIDATION.read_bytes()[:6000].decode())["input_ids"]])
-    calib = tokenize(*load_texts(None), tokenizer, args.calib_size, args.calib_seq_len)
+    texts = {"held-out": args.text.read_text()} | ({"validation": validation_text()} if args.each_layer else {})
+    bench = FakeQuantBench(args.calib_size, args.calib_seq_len, texts)
+    load, calibrate = bench.load, bench.calibrate
 
-    def perplexity(model, row: torch.Tensor = ids) -> float:
-        with torch.no_grad():
-            logits = model(row).logits[0, :-1].float()
-        return math.exp(torch.nn.functional.cross_entropy(logits, row[0, 1:]).item())
+    def perplexity(model) -> float:
+        return bench.perplexities(model)["held-out"]
 
-    def calibrate(model) -> None:
-        with torch.no_grad():
-            for row in calib.input_ids:
-                model(torch.from_numpy(row)[None])
-
-    def load():
-        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    base = perplexity(load())
+    fp32 = bench.perplexities(load())
+    base = fp32["held-out"]
     print(f"| config | perplexity | vs fp32 |\n|---|---|---|\n| fp32 | {base:.4f} | — |")
     available = configs()
     for name in args.configs:
@@ -95,8 +79,7 @@ def main() -> None:
         ppl = perplexity(model)
         print(f"| {name} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f} % |", flush=True)
         if args.each_layer:
-            each_part_float(model, name, lambda m: (perplexity(m), perplexity(m, validation)),
-                            (base, perplexity(load(), validation)))
+            each_part_float(model, name, lambda m: tuple(bench.perplexities(m).values()), tuple(fp32.values()))
 
 
 def each_part_float(model, config: str, measure, base: tuple[float, float]) -> None:

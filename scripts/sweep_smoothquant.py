@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
-import sysconfig
+import sys
 from pathlib import Path
 
-import torch
-import transformers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from camshaft.models import default_model_dir
-from camshaft.quantize.calibration import load_texts, tokenize
-from camshaft.quantize.modelopt_adapter import quantize_inputs_per_token
+from fake_quant import FakeQuantBench, validation_text  # noqa: E402
 
-VALIDATION = Path(sysconfig.get_paths()["stdlib"], "idlelib", "HISTORY.txt")
+from camshaft.quantize.modelopt_adapter import quantize_inputs_per_token  # noqa: E402
 
 
 def main() -> None:
@@ -36,31 +32,12 @@ def main() -> None:
     p.add_argument("--calib-seq-len", type=int, default=256)
     args = p.parse_args()
     import modelopt.torch.quantization as mtq
+    import torch
     from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
 
-    torch.set_num_threads(2)
-    model_dir = default_model_dir("smollm2-135m-instruct")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    texts = {"validation": VALIDATION.read_bytes()[:6000].decode(), "held-out": args.heldout.read_text()}
-    ids = {name: torch.tensor([tokenizer(text)["input_ids"]]) for name, text in texts.items()}
-    calib = tokenize(*load_texts(None), tokenizer, args.calib_size, args.calib_seq_len)
-
-    def perplexities(model) -> dict[str, float]:
-        out = {}
-        with torch.no_grad():
-            for name, row in ids.items():
-                logits = model(row).logits[0, :-1].float()
-                out[name] = math.exp(torch.nn.functional.cross_entropy(logits, row[0, 1:]).item())
-        return out
-
-    def calibrate(model) -> None:
-        with torch.no_grad():
-            for row in calib.input_ids:
-                model(torch.from_numpy(row)[None])
-
-    def load():
-        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
+    bench = FakeQuantBench(args.calib_size, args.calib_seq_len,
+                           {"validation": validation_text(), "held-out": args.heldout.read_text()})
+    perplexities, load = bench.perplexities, bench.load
     base = perplexities(load())
     print("| alpha | int8_sq validation | int8_sq held-out | int8_sq_pt validation | int8_sq_pt held-out |")
     print("|---|---|---|---|---|")
@@ -73,7 +50,7 @@ def main() -> None:
         model = load()
         cfg = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
         cfg["algorithm"] = {"method": "smoothquant", "alpha": alpha}
-        mtq.quantize(model, cfg, forward_loop=calibrate)
+        mtq.quantize(model, cfg, forward_loop=bench.calibrate)
         with torch.no_grad():  # as quantize_checkpoint does: fused layers share one pre_quant_scale
             requantize_resmooth_fused_llm_layers(model)
         static = perplexities(model)

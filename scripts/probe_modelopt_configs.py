@@ -6,6 +6,7 @@ affine (the bias camshaft adopted), FP8 per-channel/per-token, INT8 with per-tok
 text and calibration corpus as scripts/bench_quant_accuracy.sh (run that first for out/q/heldout.txt).
 
     .venv/bin/python scripts/probe_modelopt_configs.py kv_fp8 kv_fp8_affine kv_int8 kv_int8_affine fp8_pc_pt int8_pt
+    .venv/bin/python scripts/probe_modelopt_configs.py fp8 fp8_pc_pt int8_sq --each-layer
 
 `--each-layer` also leaves one part of the model float at a time (each decoder layer's linear layers, each
 projection across all layers, the last layer's MLP and its down_proj) and reports the held-out text and a validation
@@ -49,7 +50,28 @@ def configs() -> dict[str, dict]:
         "fp8": copy.deepcopy(mtq.FP8_DEFAULT_CFG),
         "fp8_pc_pt": copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG),
         "int8_pt": int8_pt,
+        "int8_sq": smoothquant(),
     }
+
+
+def smoothquant() -> dict:
+    """camshaft's int8_sq: SmoothQuant at camshaft's alpha (layers sharing an input resmoothed after calibration)."""
+    import modelopt.torch.quantization as mtq
+
+    from camshaft.quantize.spec import SMOOTHQUANT_ALPHA
+
+    cfg = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
+    cfg["algorithm"] = {"method": "smoothquant", "alpha": SMOOTHQUANT_ALPHA}
+    return cfg
+
+
+def resmooth(model) -> None:
+    """As `camshaft quantize` does before the export: layers sharing an input get one pre_quant_scale."""
+    import torch
+    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+
+    with torch.no_grad():
+        requantize_resmooth_fused_llm_layers(model)
 
 
 def main() -> None:
@@ -76,6 +98,8 @@ def main() -> None:
     for name in args.configs:
         model = load()
         mtq.quantize(model, available[name], forward_loop=calibrate)
+        if name == "int8_sq":
+            resmooth(model)
         ppl = perplexity(model)
         print(f"| {name} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f} % |", flush=True)
         if args.each_layer:

@@ -7,6 +7,7 @@ end, so an interrupted run never leaves a half-written checkpoint under the outp
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import shutil
 import time
@@ -88,6 +89,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     if not getattr(model.config, "architectures", None):  # ModelOpt's HF export needs it
         model.config.architectures = [type(model).__name__]
     timings["load"] = round(time.perf_counter() - t, 2)
+    check_excludes_match(spec, model)
 
     t = time.perf_counter()
     desc = f"calibrating {spec.format}" + (f" (group {group_size})" if group_size else "")
@@ -141,6 +143,20 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         raise
     progress(f"quantized checkpoint written to {output} in {timings['total']} s")
     return QuantizeResult(output, spec, group_size, calib.num_samples, calib.seq_len, source, timings)
+
+
+def check_excludes_match(spec: QuantSpec, model: Any) -> None:
+    """Every --exclude pattern names at least one linear layer (before calibration: a typo, or a layer index past
+    the model's last, would otherwise quantize everything silently)."""
+    import torch
+
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    for pattern in spec.exclude:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
+            raise QuantizeError(
+                f"--exclude {pattern!r} matches no linear layer of this model; its linear layers are named like "
+                f"{linears[0]!r} … {linears[-1]!r} (fnmatch patterns, e.g. 'model.layers.0.*' or '*.mlp.down_proj')"
+            )
 
 
 def quantize_inputs_per_token(model: Any) -> None:

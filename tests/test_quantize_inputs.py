@@ -149,6 +149,17 @@ def test_excluded_layers_stay_float(tiny, tmp_path):
     assert manifest.quantization["quantized_linear_layers"] == 6 + 5
 
 
+def test_an_exclude_pattern_that_matches_no_layer_is_refused_before_calibration(tiny, tmp_path, monkeypatch):
+    import camshaft.quantize.modelopt_adapter as adapter
+
+    monkeypatch.setattr(adapter, "calibration_loop", lambda *a: pytest.fail("calibrated despite the bad pattern"))
+    spec = QuantSpec("int8_wo", exclude=("*.mlp.down_proj", "model.layers.2.mlp.*"))  # the tiny model has 2 layers
+    with pytest.raises(QuantizeError, match=r"--exclude 'model.layers.2.mlp.\*' matches no linear layer") as err:
+        quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)
+    assert "'model.layers.0.self_attn.q_proj'" in str(err.value)
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_cli_quantize(tiny, tmp_path, capsys, monkeypatch):
     import camshaft.quantize.modelopt_adapter as adapter
 

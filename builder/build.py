@@ -11,7 +11,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from camshaft.builder.checkpoint import READABLE_QUANT_ALGOS, Checkpoint
+from camshaft.builder.checkpoint import MIXED, READABLE_QUANT_ALGOS, Checkpoint
 from camshaft.builder.config import ACCURACY_LEVELS, BuildConfig
 from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
 from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
@@ -57,7 +57,7 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
     if MS_DOMAIN in _domains(model.graph):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     if quantization is not None and checkpoint.quantization is not None:
-        quantization.update(_quantization_record(checkpoint.quantization, lowering))
+        quantization.update(_quantization_record(checkpoint.quantization, checkpoint.quant_algos, lowering))
     save_model(model, graph_path)
     return graph_path
 
@@ -72,25 +72,27 @@ def _domains(graph: onnx.GraphProto) -> set[str]:
     return found
 
 
-def _quantization_record(quant: dict, lowering: DecoderLowering) -> dict:
+def _quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering) -> dict:
     """The manifest's record of a quantized checkpoint. Policy: lm_head stays float (ModelOpt leaves it unquantized)
     unless `--lm-head int8|int4` rounded it at build time; the embedding stays float, except that a tied one reads a
     quantized head's tensors (onnxruntime target); a quantized layer no kernel expresses is built from its
     dequantized weights."""
     record = quant.get("camshaft", {})
     counts = lowering.linears.counts
-    fmt = READABLE_QUANT_ALGOS[quant["quant_algo"]]
-    activation = fmt.activation and f"{fmt.activation} {'dynamic per-token' if fmt.per_token else 'static per-tensor'}"
+    formats = [READABLE_QUANT_ALGOS[a] for a in algos]
+    activation = "; ".join(sorted({f"{f.activation} {'dynamic per-token' if f.per_token else 'static per-tensor'}"
+                                   for f in formats if f.activation}))
     level = lowering.linears.accuracy_level if counts["nbits"] else None
+    int8_blocks = "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None
     return {
         "format": record.get("format"),
         "quant_algo": quant["quant_algo"],
+        **({"layer_quant_algos": algos} if quant["quant_algo"] == MIXED else {}),
         "group_size": quant.get("group_size"),
         "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
         "kv_cache_affine": lowering.kv_quant is not None and bool(lowering.kv_quant.biases),
-        "activations": (activation if activation
-                        else "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None),
+        "activations": "; ".join(a for a in (activation, int8_blocks) if a) or None,
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
         "accuracy_level": level,
         "quantized_linear_layers": sum(counts.values()),
@@ -157,14 +159,16 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
         model = checkpoint.config
-        if checkpoint.quantization is not None:
-            check_quantized_target(config.target, checkpoint.quantization["quant_algo"],
-                                   checkpoint.quantization.get("kv_cache_quant_algo"), config.resolved_gpu_arch)
-        quant_algo = checkpoint.quantization["quant_algo"] if checkpoint.quantization else None
-        check_weight_only_compute(config.weight_only_compute, quant_algo, str(config.model_dir))
-        # int8 compute by default only where the checkpoint is weight-only (an int4 lm_head on an fp8 / int8_sq
-        # checkpoint keeps float compute, as before the option existed)
-        accuracy_level = config.accuracy_level if is_weight_only(quant_algo) else ACCURACY_LEVELS["float"]
+        algos = checkpoint.quant_algos
+        for algo in algos:
+            check_quantized_target(config.target, algo, checkpoint.quantization.get("kv_cache_quant_algo"),
+                                   config.resolved_gpu_arch)
+        weight_only = next((a for a in algos if is_weight_only(a)), None)
+        check_weight_only_compute(config.weight_only_compute, weight_only or (algos[0] if algos else None),
+                                  str(config.model_dir))
+        # int8 compute by default only where the checkpoint has weight-only layers (an int4 lm_head on an fp8 /
+        # int8_sq checkpoint keeps float compute, as before the option existed)
+        accuracy_level = config.accuracy_level if weight_only else ACCURACY_LEVELS["float"]
         quantization: dict = {}
         limits = BuildLimits(
             max_batch_size=config.max_batch_size,

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8 are part of this module's API)
     FP8,
     KV_CACHE_ALGOS,
+    MIXED,
     READABLE_QUANT_ALGOS,
     QuantizedLinear,
     fp8_tensors,
@@ -59,19 +60,27 @@ class Checkpoint:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{path} is malformed: {exc}") from exc
         algo = quant.get("quant_algo")
-        if algo not in READABLE_QUANT_ALGOS:
-            raise CheckpointError(
-                f"{self.dir} is quantized as {algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} checkpoints "
-                f"(`camshaft quantize --quant {'|'.join(FORMATS)}`)"
-            )
+        layers = quant.get("quantized_layers")
+        if algo == MIXED and not (isinstance(layers, dict) and layers
+                                  and all(isinstance(v, dict) for v in layers.values())):
+            raise CheckpointError(f"{path} is {MIXED} but has no quantized_layers {{layer: {{quant_algo: ...}}}}")
+        for name, layer_algo in ([(n, v.get("quant_algo")) for n, v in layers.items()] if algo == MIXED
+                                 else [(None, algo)]):
+            if layer_algo not in READABLE_QUANT_ALGOS:
+                where = f"{self.dir} quantizes {name} as" if name else f"{self.dir} is quantized as"
+                raise CheckpointError(
+                    f"{where} {layer_algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} (and {MIXED} "
+                    f"checkpoints of those) (`camshaft quantize --quant {'|'.join(FORMATS)}`)"
+                )
+            group = (layers[name] if name else quant).get("group_size", quant.get("group_size"))
+            if READABLE_QUANT_ALGOS[layer_algo].blockwise and not isinstance(group, int):
+                raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}")
         kv_algo = quant.get("kv_cache_quant_algo")
         if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:
             raise CheckpointError(
                 f"{self.dir} quantizes the KV cache as {kv_algo}; camshaft builds {' or '.join(KV_CACHE_ALGOS)} KV "
                 "caches"
             )
-        if READABLE_QUANT_ALGOS[algo].blockwise and not isinstance(quant.get("group_size"), int):
-            raise CheckpointError(f"{path} has no integer group_size for {algo}")
         record = self.dir / CAMSHAFT_QUANT_RECORD
         if record.is_file():
             try:
@@ -79,6 +88,21 @@ class Checkpoint:
             except json.JSONDecodeError as exc:
                 raise CheckpointError(f"{record} is malformed: {exc}") from exc
         return quant
+
+    def layer_algo(self, prefix: str) -> str | None:
+        """The quant_algo of linear layer `prefix` (per layer in a MIXED_PRECISION checkpoint); None if float."""
+        quant = self.quantization or {}
+        if quant.get("quant_algo") != MIXED:
+            return quant.get("quant_algo")
+        return (quant["quantized_layers"].get(prefix) or {}).get("quant_algo")
+
+    @property
+    def quant_algos(self) -> list[str]:
+        """Every quant_algo the checkpoint's layers use (one, unless it is MIXED_PRECISION); [] if float."""
+        quant = self.quantization or {}
+        if quant.get("quant_algo") != MIXED:
+            return [quant["quant_algo"]] if quant else []
+        return sorted({v["quant_algo"] for v in quant["quantized_layers"].values()})
 
     @property
     def lm_head(self) -> str:
@@ -119,13 +143,15 @@ class Checkpoint:
 
     def quantized_linear(self, prefix: str, out_dim: int, in_dim: int) -> QuantizedLinear | None:
         """The quantized weights of linear layer `prefix` (None when the layer is not quantized)."""
-        if self.quantization is None or f"{prefix}.weight_scale" not in self._where:
+        algo = self.layer_algo(prefix)
+        if algo is None or f"{prefix}.weight_scale" not in self._where:
             return None
-        fmt = READABLE_QUANT_ALGOS[self.quantization["quant_algo"]]
+        fmt = READABLE_QUANT_ALGOS[algo]
         packed = self._raw(f"{prefix}.weight")
         scale = self._raw(f"{prefix}.weight_scale").astype(np.float32)
         if fmt.weight_bits == 4:
-            block = int(self.quantization["group_size"])
+            layer = (self.quantization.get("quantized_layers") or {}).get(prefix) or {}
+            block = int(layer.get("group_size", self.quantization.get("group_size")))
             expected = {"weight": ((out_dim // 2, in_dim), np.uint8), "weight_scale": ((out_dim, in_dim // block),)}
             self._check_quantized(prefix, packed, scale, expected)
             # ModelOpt packs output rows 2j (low nibble) and 2j+1 (high nibble) into one byte.
@@ -164,7 +190,7 @@ class Checkpoint:
         if tuple(weight.shape) != shape or weight.dtype != dtype:
             raise CheckpointError(
                 f"{prefix}.weight is {weight.dtype}{tuple(weight.shape)}, expected {np.dtype(dtype)}{shape} for "
-                f"{self.quantization['quant_algo']}"
+                f"{self.layer_algo(prefix)}"
             )
         if tuple(scale.shape) != expected["weight_scale"][0]:
             raise CheckpointError(

@@ -26,6 +26,9 @@ class QuantFormat:
     per_token: bool = False  # the input's scale is computed per token at run time (no input_scale)
 
 
+# ModelOpt's quant_algo for a checkpoint whose layers differ; each layer's own is in "quantized_layers".
+MIXED = "MIXED_PRECISION"
+
 # hf_quant_config.json quant_algo → storage, for the formats the builder lowers. Others are refused clearly.
 READABLE_QUANT_ALGOS = {
     "W4A16_AWQ": QuantFormat(4, "int", None, True),

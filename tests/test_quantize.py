@@ -326,3 +326,60 @@ def test_per_token_format_with_the_last_mlp_left_float_matches_its_fake_quant_mo
     rows = [sequence.feed(ids[:30], 0)] + [sequence.feed([t], 30 + i) for i, t in enumerate(ids[30:])]
     assert_matches_fake_quant("fp8_pc_pt", np.stack(rows), ref["logits"][29:], fp32_logits[29:])
     sequence.close()
+
+
+def test_mixed_precision_checkpoint_builds_and_matches_its_fake_quant_model(tiny, prompt, tmp_path, monkeypatch):
+    """A ModelOpt MIXED_PRECISION checkpoint (a quant_algo per layer): SmoothQuant W8A8 everywhere but down_proj,
+    whose inputs stay float (W8A16), as ModelOpt's own export writes it. Built with float compute it reproduces the
+    fake-quant model; by default its W8A16 layers compute with int8 activations per block, like int8_wo."""
+    import camshaft.quantize.modelopt_adapter as adapter
+
+    plain = adapter.modelopt_config
+
+    def down_proj_weight_only(spec, group_size):
+        cfg = plain(spec, group_size)
+        cfg["quant_cfg"].append({"quantizer_name": "*down_proj*input_quantizer", "enable": False})
+        return cfg
+
+    monkeypatch.setattr(adapter, "modelopt_config", down_proj_weight_only)
+    ref: dict = {}
+
+    def capture(model):
+        with torch.no_grad():
+            ref["logits"] = model(prompt).logits[0].numpy().copy()
+
+    quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec("int8_sq"), on_quantized=capture, **CALIB)
+    hf_quant = json.loads((tmp_path / "ckpt" / "hf_quant_config.json").read_text())["quantization"]
+    assert hf_quant["quant_algo"] == "MIXED_PRECISION"
+    with Checkpoint(tmp_path / "ckpt") as ckpt:
+        assert ckpt.quant_algos == ["W8A16", "W8A8_SQ_PER_CHANNEL"]
+        down, gate = (ckpt.quantized_linear(f"model.layers.1.mlp.{n}", *s)
+                      for n, s in (("down_proj", (64, 96)), ("gate_proj", (96, 64))))
+        assert down.activation is None and down.input_scale is None and down.bits == 8
+        assert gate.activation == "int8" and gate.input_scale is not None
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
+    with torch.no_grad():
+        fp32_logits = fp32(prompt).logits[0].numpy()
+    quant_effect = np.abs(ref["logits"] - fp32_logits).max()
+    assert quant_effect > 1e-3
+    limits = dict(max_seq_len=128, kv_block_size=4, max_num_tokens=64)
+    results = {}
+    for compute in ("float", "auto"):
+        manifest = build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / compute, weight_only_compute=compute,
+                                            **limits))
+        record = manifest.quantization
+        assert record["quant_algo"] == "MIXED_PRECISION" and record["quantized_linear_layers"] == 14
+        assert record["layer_quant_algos"] == ["W8A16", "W8A8_SQ_PER_CHANNEL"]
+        engine = Engine(tmp_path / compute, max_sequences=1)
+        results[compute] = engine.step([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4),
+                                              PROMPT_LEN)])
+        sequence = SequenceEngine(tmp_path / compute)
+        sequence.start(PROMPT_LEN)
+        np.testing.assert_allclose(sequence.feed(prompt[0].tolist(), 0), results[compute][-1], atol=1e-4, rtol=0)
+        sequence.close()
+        assert record["activations"] == "int8 static per-tensor" + (
+            "; int8 dynamic per block (MatMulNBits accuracy level 4)" if compute == "auto" else "")
+    assert_matches_fake_quant("int8_sq", results["float"], ref["logits"], fp32_logits)
+    int8_blocks = np.abs(results["auto"] - ref["logits"]).max()
+    print(f"mixed: |int8-compute engine - fake-quant| {int8_blocks:.3g}, |fake-quant - fp32| {quant_effect:.3g}")
+    assert 0 < int8_blocks < 0.5 * quant_effect

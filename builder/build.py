@@ -84,6 +84,9 @@ def _quantization_record(quant: dict, algos: list[str], lowering: DecoderLowerin
                                    for f in formats if f.activation}))
     level = lowering.linears.accuracy_level if counts["nbits"] else None
     int8_blocks = "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None
+    # ModelOpt's MIXED_PRECISION config lists no exclude_modules: the head, the embedding and camshaft's --exclude
+    listed_float = (quant.get("exclude_modules", []) if quant["quant_algo"] != MIXED
+                    else ["lm_head", "model.embed_tokens", *record.get("exclude", [])])
     return {
         "format": record.get("format"),
         "quant_algo": quant["quant_algo"],
@@ -96,7 +99,7 @@ def _quantization_record(quant: dict, algos: list[str], lowering: DecoderLowerin
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
         "accuracy_level": level,
         "quantized_linear_layers": sum(counts.values()),
-        "float_modules": sorted(m for m in quant.get("exclude_modules", [])
+        "float_modules": sorted(m for m in listed_float
                                 if (m != "lm_head" or lowering.head.dtype == "float")
                                 and (m != "model.embed_tokens" or not lowering.head.shares_embedding)),
         "lm_head": lowering.head.record,

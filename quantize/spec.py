@@ -43,6 +43,13 @@ class FormatInfo:
     checkpoint_algo: str  # hf_quant_config.json's quant_algo for this format
     algorithm: dict[str, Any] | None = None  # replaces the named config's "algorithm" (None: keep it)
     per_token_inputs: bool = False  # after calibration, each layer's input is quantized per token at run time
+    weight_only_layers: tuple[str, ...] = ()  # module patterns whose inputs stay float (their weights int8: W8A16)
+    mixed_algos: tuple[str, ...] = ()  # with weight_only_layers: the per-layer quant_algos of its MIXED_PRECISION
+
+    @property
+    def layer_algos(self) -> tuple[str, ...]:
+        """The quant_algos the checkpoint's layers carry (one, unless the format is mixed)."""
+        return self.mixed_algos or (self.checkpoint_algo,)
 
 
 # SmoothQuant's migration strength, each the best of 0.5-1.0 (steps of 0.1) on a validation text that is neither the
@@ -61,6 +68,13 @@ FORMATS: dict[str, FormatInfo] = {
                              "per token (scales computed at run time)", 8, False,
                              "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
                              {"method": "smoothquant", "alpha": SMOOTHQUANT_PER_TOKEN_ALPHA}, per_token_inputs=True),
+    # int8_sq's loss on SmolLM2 is the down_proj inputs (SwiGLU products) of every layer: those layers keep float
+    # inputs and int8 weights (W8A16); static scales throughout, so TensorRT builds it (docs/quantize.md)
+    "int8_sq_mixed": FormatInfo("INT8_SMOOTHQUANT_CFG", "INT8 weights and activations with SmoothQuant, except "
+                                "down_proj: INT8 weights, float activations (W8A16)", 8, False, "MIXED_PRECISION",
+                                {"method": "smoothquant", "alpha": SMOOTHQUANT_ALPHA},
+                                weight_only_layers=("*.mlp.down_proj",),
+                                mixed_algos=("W8A8_SQ_PER_CHANNEL", "W8A16")),
     "int8_wo": FormatInfo("INT8_WEIGHT_ONLY_CFG", "INT8 weights, per output channel scales", 8, False, "W8A16"),
     "int4_wo": FormatInfo("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "INT4 weights, blockwise scales (round to nearest)", 4,
                           True, "W4A16_AWQ"),
@@ -183,6 +197,8 @@ def modelopt_config(spec: QuantSpec, group_size: int | None) -> dict[str, Any]:
     if spec.kv_cache_dtype is not None:
         entries.append({"quantizer_name": "*[kv]_bmm_quantizer",
                         "cfg": copy.deepcopy(KV_CACHE_DTYPES[spec.kv_cache_dtype])})
+    for pattern in spec.info.weight_only_layers:
+        entries.append({"quantizer_name": f"{pattern}*input_quantizer", "enable": False})
     for pattern in spec.exclude:
         entries.append({"quantizer_name": f"{pattern}*_quantizer", "enable": False})
     return cfg

@@ -328,27 +328,17 @@ def test_per_token_format_with_the_last_mlp_left_float_matches_its_fake_quant_mo
     sequence.close()
 
 
-def test_mixed_precision_checkpoint_builds_and_matches_its_fake_quant_model(tiny, prompt, tmp_path, monkeypatch):
-    """A ModelOpt MIXED_PRECISION checkpoint (a quant_algo per layer): SmoothQuant W8A8 everywhere but down_proj,
-    whose inputs stay float (W8A16), as ModelOpt's own export writes it. Built with float compute it reproduces the
-    fake-quant model; by default its W8A16 layers compute with int8 activations per block, like int8_wo."""
-    import camshaft.quantize.modelopt_adapter as adapter
-
-    plain = adapter.modelopt_config
-
-    def down_proj_weight_only(spec, group_size):
-        cfg = plain(spec, group_size)
-        cfg["quant_cfg"].append({"quantizer_name": "*down_proj*input_quantizer", "enable": False})
-        return cfg
-
-    monkeypatch.setattr(adapter, "modelopt_config", down_proj_weight_only)
+def test_mixed_precision_checkpoint_builds_and_matches_its_fake_quant_model(tiny, prompt, tmp_path):
+    """int8_sq_mixed: SmoothQuant W8A8 everywhere but down_proj, whose inputs stay float (W8A16), which ModelOpt's
+    export writes as a MIXED_PRECISION checkpoint (a quant_algo per layer). Built with float compute it reproduces
+    the fake-quant model; by default its W8A16 layers compute with int8 activations per block, like int8_wo."""
     ref: dict = {}
 
     def capture(model):
         with torch.no_grad():
             ref["logits"] = model(prompt).logits[0].numpy().copy()
 
-    quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec("int8_sq"), on_quantized=capture, **CALIB)
+    quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec("int8_sq_mixed"), on_quantized=capture, **CALIB)
     hf_quant = json.loads((tmp_path / "ckpt" / "hf_quant_config.json").read_text())["quantization"]
     assert hf_quant["quant_algo"] == "MIXED_PRECISION"
     with Checkpoint(tmp_path / "ckpt") as ckpt:
@@ -370,6 +360,7 @@ def test_mixed_precision_checkpoint_builds_and_matches_its_fake_quant_model(tiny
         record = manifest.quantization
         assert record["quant_algo"] == "MIXED_PRECISION" and record["quantized_linear_layers"] == 14
         assert record["layer_quant_algos"] == ["W8A16", "W8A8_SQ_PER_CHANNEL"]
+        assert record["float_modules"] == ["lm_head", "model.embed_tokens"] and record["format"] == "int8_sq_mixed"
         engine = Engine(tmp_path / compute, max_sequences=1)
         results[compute] = engine.step([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(PROMPT_LEN // 4),
                                               PROMPT_LEN)])

@@ -32,7 +32,7 @@ CALIB = dict(calib_size=2, calib_seq_len=32)
 BUILD = dict(max_seq_len=64, max_batch_size=4, max_num_tokens=32, kv_block_size=8)
 WEIGHT_TYPES = {"fp8": onnx.TensorProto.FLOAT8E4M3FN, "w4a8_awq": onnx.TensorProto.INT4,
                 "int4_awq": onnx.TensorProto.INT4, "int4_wo": onnx.TensorProto.INT4, "int8_wo": onnx.TensorProto.INT8,
-                "int8_sq": onnx.TensorProto.INT8}
+                "int8_sq": onnx.TensorProto.INT8, "int8_sq_mixed": onnx.TensorProto.INT8}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def tiny(tmp_path_factory):
 def test_quantized_formats_build_tensorrt_rtx_plans(tiny, tmp_path, fmt):
     quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec(fmt), **CALIB)
     out = tmp_path / "engine"
-    assert FORMATS[fmt].checkpoint_algo in TRT_QUANT_ALGOS
+    assert set(FORMATS[fmt].layer_algos) <= set(TRT_QUANT_ALGOS)
     manifest = build_engine(BuildConfig(tmp_path / "ckpt", out, target="tensorrt-rtx", **BUILD))
     assert manifest.dtype == "float16" and manifest.quantization["quantized_linear_layers"] == 14
     assert manifest.quantization["lowering"].startswith("standard Q/DQ")
@@ -73,18 +73,20 @@ def test_quantized_kv_cache_is_refused_before_any_work(tiny, tmp_path):
         check_quantized_target("tensorrt", "FP8", "FP8")
     with pytest.raises(BuildConfigError, match="cannot build W4A16_AWQ with a INT8 KV cache checkpoints yet"):
         check_quantized_target("tensorrt-rtx", "W4A16_AWQ", "INT8")
-    per_token = {name for name, fmt in FORMATS.items() if READABLE_QUANT_ALGOS[fmt.checkpoint_algo].per_token}
+    per_token = {name for name, fmt in FORMATS.items()
+                 if any(READABLE_QUANT_ALGOS[algo].per_token for algo in fmt.layer_algos)}
     assert per_token == {"fp8_pc_pt", "int8_sq_pt"}
     for name, fmt in FORMATS.items():
-        if name not in per_token:
-            check_quantized_target("tensorrt-rtx", fmt.checkpoint_algo)
+        for algo in fmt.layer_algos if name not in per_token else ():
+            check_quantized_target("tensorrt-rtx", algo)
     for algo in ("FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"):
         with pytest.raises(BuildConfigError, match=f"cannot build {algo} checkpoints yet"):
             check_quantized_target("tensorrt", algo)
     with pytest.raises(BuildConfigError, match="cannot build NVFP4 checkpoints"):
         check_quantized_target("onnxruntime", "NVFP4")
     for fmt in FORMATS.values():
-        check_quantized_target("onnxruntime", fmt.checkpoint_algo, "INT8")
+        for algo in fmt.layer_algos:
+            check_quantized_target("onnxruntime", algo, "INT8")
     quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec("int8_sq", kv_cache_dtype="int8"), **CALIB)
     with pytest.raises(BuildConfigError, match="--target onnxruntime"):
         build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", target="tensorrt-rtx"))

@@ -23,7 +23,7 @@ HAS_RTX = importlib.util.find_spec("tensorrt_rtx") is not None
 NEEDS_RTX = pytest.mark.skipif(not HAS_RTX,
                                reason="tensorrt_rtx is not installed (pip install 'camshaft[tensorrt-rtx]')")
 LIMITS = BuildLimits(max_batch_size=4, max_seq_len=64, max_num_tokens=32, kv_block_size=8)
-ALGO = {name: info.checkpoint_algo for name, info in FORMATS.items()}
+ALGO = {name: info.checkpoint_algo for name, info in FORMATS.items() if len(info.layer_algos) == 1}
 
 
 @pytest.mark.parametrize("product", ["tensorrt-rtx", "tensorrt"])
@@ -49,7 +49,7 @@ def test_turing_lacks_weight_only_gemms_in_tensorrt_rtx() -> None:
 
 def test_every_format_builds_for_sm89_and_bf16_needs_ampere() -> None:
     for product in PRODUCT_ARCHS:
-        for algo in ALGO.values():
+        for algo in {a for info in FORMATS.values() for a in info.layer_algos}:
             assert required_arch(product, algo)[0] <= 89
             check_precision(product, 89, algo)
     with pytest.raises(BuildConfigError, match=r"no BF16 kernels(.|\n)*--dtype float16"):

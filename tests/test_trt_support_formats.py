@@ -29,7 +29,8 @@ from tiny_models import make_tiny_model
 pytest.importorskip("modelopt.torch.quantization")
 
 LIMITS = BuildLimits(max_batch_size=4, max_seq_len=64, max_num_tokens=16, kv_block_size=4)
-TRT_FORMATS = sorted(name for name, info in FORMATS.items() if info.checkpoint_algo in ALGO_FEATURES)  # (not fp8_pc_pt)
+TRT_FORMATS = sorted(name for name, info in FORMATS.items()  # (not the per-token formats)
+                     if all(algo in ALGO_FEATURES for algo in info.layer_algos))
 CASES = ["fp16", *TRT_FORMATS, "int8_wo+head-int4", "fp8+head-int8"]
 VERSIONS = {"tensorrt-rtx": None, "tensorrt": "10.15"}
 
@@ -58,8 +59,8 @@ def graphs(tmp_path_factory) -> dict[str, Path]:
 def _algos(case: str) -> list[str | None]:
     """The checkpoint algorithms whose precisions the case's graph uses (a quantized head is weight-only)."""
     fmt, _, head = case.partition("+head-")
-    return [FORMATS[fmt].checkpoint_algo if fmt in FORMATS else None] + ([FORMATS[f"{head}_wo"].checkpoint_algo]
-                                                                        if head else [])
+    return [*(FORMATS[fmt].layer_algos if fmt in FORMATS else [None])] + ([FORMATS[f"{head}_wo"].checkpoint_algo]
+                                                                          if head else [])
 
 
 @pytest.mark.parametrize("case", CASES)

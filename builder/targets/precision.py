@@ -75,7 +75,7 @@ def supported_formats_text(product: str, arch: int) -> str:
     from camshaft.quantize.spec import FORMATS
 
     ok = [name for name, info in FORMATS.items()
-          if info.checkpoint_algo in ALGO_FEATURES and required_arch(product, info.checkpoint_algo)[0] <= arch]
+          if all(a in ALGO_FEATURES and required_arch(product, a)[0] <= arch for a in info.layer_algos)]
     return "--quant " + " | ".join(ok) if ok else "float16 only: drop --quant"
 
 

@@ -135,6 +135,15 @@ def test_unsupported_quantized_checkpoint_is_refused_by_the_builder(tiny, tmp_pa
     config.write_text(json.dumps({**raw, "quantization": {**raw["quantization"], "quant_algo": "NVFP4"}}))
     with pytest.raises(CheckpointError, match="quantized as NVFP4; camshaft builds W4A16_AWQ, W8A16, FP8"):
         Checkpoint(tmp_path / "fp8")
+    layers = {"model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4"},
+              "model.layers.0.mlp.up_proj": {"quant_algo": "FP8"}}
+    mixed = {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}
+    config.write_text(json.dumps({**raw, "quantization": mixed}))
+    with pytest.raises(CheckpointError, match="quantizes model.layers.0.mlp.down_proj as NVFP4; camshaft builds"):
+        Checkpoint(tmp_path / "fp8")
+    config.write_text(json.dumps({**raw, "quantization": {"quant_algo": "MIXED_PRECISION"}}))
+    with pytest.raises(CheckpointError, match="MIXED_PRECISION but has no quantized_layers"):
+        Checkpoint(tmp_path / "fp8")
 
 
 def test_excluded_layers_stay_float(tiny, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import onnx
@@ -135,16 +135,16 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
         check_precision(target, parse_arch(gpu_arch), quant_algo)
 
 
-def is_weight_only(quant_algo: str | None) -> bool:
-    return quant_algo is not None and READABLE_QUANT_ALGOS[quant_algo].activation is None
+def has_weight_only_layers(quant_algos: Sequence[str]) -> bool:
+    return any(READABLE_QUANT_ALGOS[algo].activation is None for algo in quant_algos)
 
 
-def check_weight_only_compute(weight_only_compute: str, quant_algo: str | None, source: str) -> None:
-    """Refuse an explicit --weight-only-compute for a checkpoint that is not weight-only (before any work)."""
-    if weight_only_compute != "auto" and not is_weight_only(quant_algo):
+def check_weight_only_compute(weight_only_compute: str, quant_algos: Sequence[str], source: str) -> None:
+    """Refuse an explicit --weight-only-compute for a checkpoint without weight-only layers (before any work)."""
+    if weight_only_compute != "auto" and not has_weight_only_layers(quant_algos):
         raise BuildConfigError(
-            "--weight-only-compute applies to weight-only checkpoints (int8_wo, int4_wo, int4_awq); "
-            f"{source} is {'not quantized' if quant_algo is None else quant_algo}. Drop it.")
+            "--weight-only-compute applies to weight-only checkpoints (int8_wo, int4_wo, int4_awq; int8_sq_mixed's "
+            f"down_proj); {source} is {' + '.join(quant_algos) or 'not quantized'}. Drop it.")
 
 
 def file_sha256(path: Path) -> str:
@@ -166,12 +166,10 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         for algo in algos:
             check_quantized_target(config.target, algo, checkpoint.quantization.get("kv_cache_quant_algo"),
                                    config.resolved_gpu_arch)
-        weight_only = next((a for a in algos if is_weight_only(a)), None)
-        check_weight_only_compute(config.weight_only_compute, weight_only or (algos[0] if algos else None),
-                                  str(config.model_dir))
+        check_weight_only_compute(config.weight_only_compute, algos, str(config.model_dir))
         # int8 compute by default only where the checkpoint has weight-only layers (an int4 lm_head on an fp8 /
         # int8_sq checkpoint keeps float compute, as before the option existed)
-        accuracy_level = config.accuracy_level if weight_only else ACCURACY_LEVELS["float"]
+        accuracy_level = config.accuracy_level if has_weight_only_layers(algos) else ACCURACY_LEVELS["float"]
         quantization: dict = {}
         limits = BuildLimits(
             max_batch_size=config.max_batch_size,

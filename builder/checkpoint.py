@@ -89,12 +89,15 @@ class Checkpoint:
                 raise CheckpointError(f"{record} is malformed: {exc}") from exc
         return quant
 
-    def layer_algo(self, prefix: str) -> str | None:
-        """The quant_algo of linear layer `prefix` (per layer in a MIXED_PRECISION checkpoint); None if float."""
+    def _layer_entry(self, prefix: str) -> dict[str, Any]:
+        """What hf_quant_config.json says of linear layer `prefix`: its own entry in a MIXED_PRECISION checkpoint
+        (empty for a float layer), else the checkpoint's section."""
         quant = self.quantization or {}
-        if quant.get("quant_algo") != MIXED:
-            return quant.get("quant_algo")
-        return (quant["quantized_layers"].get(prefix) or {}).get("quant_algo")
+        return (quant["quantized_layers"].get(prefix) or {}) if quant.get("quant_algo") == MIXED else quant
+
+    def layer_algo(self, prefix: str) -> str | None:
+        """The quant_algo of linear layer `prefix`; None if it is float."""
+        return self._layer_entry(prefix).get("quant_algo")
 
     @property
     def quant_algos(self) -> list[str]:
@@ -150,8 +153,7 @@ class Checkpoint:
         packed = self._raw(f"{prefix}.weight")
         scale = self._raw(f"{prefix}.weight_scale").astype(np.float32)
         if fmt.weight_bits == 4:
-            layer = (self.quantization.get("quantized_layers") or {}).get(prefix) or {}
-            block = int(layer.get("group_size", self.quantization.get("group_size")))
+            block = int(self._layer_entry(prefix).get("group_size", self.quantization.get("group_size")))
             expected = {"weight": ((out_dim // 2, in_dim), np.uint8), "weight_scale": ((out_dim, in_dim // block),)}
             self._check_quantized(prefix, packed, scale, expected)
             # ModelOpt packs output rows 2j (low nibble) and 2j+1 (high nibble) into one byte.

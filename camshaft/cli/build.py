@@ -78,15 +78,14 @@ def build(
         raise CamshaftError(
             "--kv-cache-dtype, --calib-data, --exclude and --lm-head are quantization options: add --quant")
     if quant is not None:
-        from camshaft.builder.build import check_quantized_target, check_weight_only_compute, is_weight_only
+        from camshaft.builder.build import check_quantized_target, check_weight_only_compute
         from camshaft.quantize.spec import QuantSpec
 
         spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
         for algo in spec.info.layer_algos:
             check_quantized_target(target, algo, kv_cache_dtype and kv_cache_dtype.upper(),
                                    gpu_arch=config.resolved_gpu_arch)
-        weight_only = [a for a in spec.info.layer_algos if is_weight_only(a)]
-        check_weight_only_compute(weight_only_compute, (weight_only or spec.info.layer_algos)[0], f"--quant {quant}")
+        check_weight_only_compute(weight_only_compute, spec.info.layer_algos, f"--quant {quant}")
         checkpoint = output.with_name(output.name + ".ckpt")
         _quantize(model, quant, checkpoint, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len,
                   exclude, lm_head)

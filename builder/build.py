@@ -50,7 +50,8 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
         lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
                                    quantized=quantized, accuracy_level=accuracy_level,
                                    kv_cache=kv_cache,
-                                   qdq=qdq, lm_head=checkpoint.lm_head, branches=branches,
+                                   qdq=qdq, lm_head=checkpoint.lm_head,
+                                   lm_head_float_channels=checkpoint.lm_head_float_channels, branches=branches,
                                    grouped_decode=grouped_decode)
         lowering.lower()
     model = writer.model(OPSET)

@@ -113,6 +113,12 @@ class Checkpoint:
         return str(((self.quantization or {}).get("camshaft") or {}).get("lm_head", "float"))
 
     @property
+    def lm_head_float_channels(self) -> tuple[int, ...]:
+        """The head's input channels `camshaft quantize` recorded to keep float (the builder checks them)."""
+        channels = ((self.quantization or {}).get("camshaft") or {}).get("lm_head_float_channels") or ()
+        return tuple(channels) if isinstance(channels, list | tuple) else ()
+
+    @property
     def kv_cache_dtype(self) -> str | None:
         """The KV pool's element type for a checkpoint with a quantized KV cache (int8 or float8), else None."""
         algo = (self.quantization or {}).get("kv_cache_quant_algo")

@@ -79,7 +79,7 @@ def write_sequence_graph(checkpoint: Checkpoint, max_seq_len: int, out_dir: Path
     with open(path.with_name(path.name + ".data"), "wb") as data:
         writer = GraphWriter(data, path.name + ".data", reuse)
         linears = Linears(writer, np.dtype(np.float32), checkpoint.get, quantized, accuracy_level)
-        head = Head(linears, checkpoint.config, checkpoint.lm_head)
+        head = Head(linears, checkpoint.config, checkpoint.lm_head, checkpoint.lm_head_float_channels)
         SequenceLowering(writer, checkpoint.config, max_seq_len, linears, head, checkpoint.get, layout,
                          progress).lower()
     model = writer.model(OPSET)

@@ -21,7 +21,14 @@ from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENI
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.quantize.calibration import CalibrationSet, check_sizes, load_texts, tokenize
 from camshaft.quantize.kv_scales import mark_int8_kv_cache, take_int8_kv_scales, take_kv_biases, write_kv_tensors
-from camshaft.quantize.spec import QuantizeError, QuantSpec, check_lm_head_fits, modelopt_config, resolve_group_size
+from camshaft.quantize.spec import (
+    LM_HEAD_FLOAT_CHANNELS,
+    QuantizeError,
+    QuantSpec,
+    check_lm_head_fits,
+    modelopt_config,
+    resolve_group_size,
+)
 
 INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
 
@@ -94,8 +101,12 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     t = time.perf_counter()
     desc = f"calibrating {spec.format}" + (f" (group {group_size})" if group_size else "")
     progress(f"{desc} on {calib.num_samples} x {calib.seq_len} tokens from {source}")
-    with torch.inference_mode(False), torch.no_grad():
-        mtq.quantize(model, cfg, forward_loop=calibration_loop(calib, desc, progress_bar))
+    head_inputs = HeadInputs(model)
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            mtq.quantize(model, cfg, forward_loop=calibration_loop(calib, desc, progress_bar))
+    finally:
+        head_inputs.remove()
     timings["calibrate"] = round(time.perf_counter() - t, 2)
     # The export's first step, done here so `on_quantized` sees the model the checkpoint holds: layers sharing an
     # input get one pre_quant_scale (AWQ: folded into the norm before them) and input scale, and are requantized.
@@ -133,6 +144,8 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             "format": spec.format, "kv_cache_dtype": spec.kv_cache_dtype, "group_size": group_size,
             "exclude": list(spec.exclude), "modelopt_config": spec.info.modelopt_config,
             "algorithm": cfg.get("algorithm"), "lm_head": spec.lm_head,
+            **({"lm_head_float_channels": head_inputs.largest(LM_HEAD_FLOAT_CHANNELS[spec.lm_head])}
+               if LM_HEAD_FLOAT_CHANNELS[spec.lm_head] else {}),
             "calibration": {"source": source, "samples": calib.num_samples, "seq_len": calib.seq_len},
             "seconds": timings, "tools": _tool_versions(),
         }
@@ -184,6 +197,32 @@ def mark_quant_algo(checkpoint_dir: Path, quant_algo: str) -> None:
     if isinstance(data.get("quantization_config"), dict) and "quant_algo" in data["quantization_config"]:
         data["quantization_config"]["quant_algo"] = quant_algo
         hf_config.write_text(json.dumps(data, indent=2))
+
+
+class HeadInputs:
+    """Mean |input| per channel of the model's output projection over the tokens it sees (the calibration passes):
+    the builder keeps the largest few float in a quantized lm_head."""
+
+    def __init__(self, model: Any) -> None:
+        self.total: Any = None
+        self.tokens = 0
+        self.handle = model.get_output_embeddings().register_forward_hook(self._see)
+
+    def _see(self, module: Any, inputs: tuple, output: Any) -> None:
+        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+        total = x.abs().sum(0)
+        self.total = total if self.total is None else self.total + total
+        self.tokens += x.shape[0]
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+    def largest(self, count: int) -> list[int]:
+        """The `count` channels with the largest mean |input|, largest first."""
+        if self.total is None:
+            raise QuantizeError("calibration never ran the output projection; cannot choose the lm_head's float "
+                                "channels (use --lm-head float)")
+        return [int(i) for i in self.total.argsort(descending=True)[:count]]
 
 
 def calibration_loop(calib: CalibrationSet, description: str, progress_bar: bool) -> Callable[[Any], None]:

@@ -1,14 +1,16 @@
 """--lm-head int8|int4: the output projection rounded to nearest at build time, on a tiny tied-embedding model.
 
 Reference: the fake-quantized model's final normed hidden states (ModelOpt, just before export) times a numpy
-round-to-nearest copy of the head; with MatMulNBits accuracy level 4 (int8 head) the activations are also rounded to
-int8 per block of K, as ONNX Runtime does. The onnxruntime engine's embedding lookup reads the same rounded matrix
-(tied), so its reference's hidden states come from the fake-quant model with that embedding. Bar: |engine −
-reference| ≤ 10 % of what quantizing the head changes.
+round-to-nearest copy of the head; with MatMulNBits accuracy level 4 the activations are also rounded to int8 per
+block of K, as ONNX Runtime does. int4 keeps the head's largest input channels (recorded by `camshaft quantize`)
+float: they are zeroed in the rounded matrix and in the rounded product's input, and multiplied in float. The
+onnxruntime engine's embedding lookup reads the same matrix (tied), so its reference's hidden states come from the
+fake-quant model with that embedding. Bar: |engine − reference| ≤ 10 % of what quantizing the head changes.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import sys
@@ -24,9 +26,11 @@ from camshaft import cli
 from camshaft.builder.build import build_engine, write_graph
 from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
+from camshaft.errors import BuildConfigError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD, ModelConfig
+from camshaft.quantize.calibration import load_texts, tokenize
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
-from camshaft.quantize.spec import QuantizeError, QuantSpec, check_lm_head_fits
+from camshaft.quantize.spec import LM_HEAD_BLOCKS, LM_HEAD_FLOAT_CHANNELS, QuantizeError, QuantSpec, check_lm_head_fits
 from camshaft.runtime.batch import Chunk, build_step
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.sequence import SequenceEngine
@@ -50,6 +54,15 @@ def rtn(weight: np.ndarray, bits: int, block: int, full_range: bool) -> np.ndarr
     return (np.clip(np.round(w / scale), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) * scale).reshape(weight.shape)
 
 
+def head_weight(embed: np.ndarray, bits: int, block: int, full_range: bool, channels: list[int]) -> np.ndarray:
+    """The head as the engine applies it: the float channels' columns exact, the rest rounded without them."""
+    zeroed = embed.copy()
+    zeroed[:, channels] = 0
+    weight = rtn(zeroed, bits, block, full_range)
+    weight[:, channels] = embed[:, channels]
+    return weight
+
+
 def int8_blocks(x: np.ndarray, block: int) -> np.ndarray:
     xb = x.reshape(x.shape[0], -1, block)
     scale = np.abs(xb).max(-1, keepdims=True) / 127
@@ -63,25 +76,27 @@ def heads(tmp_path_factory):
     tiny = make_tiny_model("llama3-rope", root / "hf")  # tied embeddings
     prompt = torch.randint(3, 384, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     ref: dict = {"prompt": prompt[0].tolist()}
+    kept: dict = {}
 
     def capture(model):
-        normed = {}
-        hook = model.model.norm.register_forward_hook(lambda m, i, o: normed.__setitem__("x", o[0].numpy().copy()))
-        embedding = model.model.embed_tokens.weight
-        ref["embed"] = embedding.detach().numpy().copy()
+        kept["model"] = copy.deepcopy(model)  # the export packs this one; the float channels are known after it
         with torch.no_grad():
             ref["logits"] = model(prompt).logits[0].numpy().copy()
-            ref["normed"] = normed["x"]
-            for head, bits in BITS.items():  # the engine's lookup: the rounded head (int4 blocks of 32, int8 per row)
-                embedding.copy_(torch.from_numpy(rtn(ref["embed"], bits, 32 if bits == 4 else ref["embed"].shape[1],
-                                                     True)))
-                model(prompt)
-                ref[f"normed-{head}"] = normed["x"]
-            embedding.copy_(torch.from_numpy(ref["embed"]))
-        hook.remove()
+            ref["normed"] = model.model(prompt).last_hidden_state[0].numpy().copy()
+        ref["embed"] = model.model.embed_tokens.weight.detach().numpy().copy()
 
     quantize_checkpoint(tiny, root / "int4", QuantSpec("int4_wo", lm_head="int4"), on_quantized=capture,
                         calib_size=2, calib_seq_len=32)
+    ref["channels"] = json.loads((root / "int4" / CAMSHAFT_QUANT_RECORD).read_text())["lm_head_float_channels"]
+    ref["largest"] = largest_head_inputs(tiny, calib_size=2, calib_seq_len=32)
+    model = kept["model"]
+    with torch.no_grad():  # the engine's lookup: the rounded head (int4 blocks with float channels, int8 per row)
+        for head, bits in BITS.items():
+            block = LM_HEAD_BLOCKS[head] or ref["embed"].shape[1]
+            channels = ref["channels"] if LM_HEAD_FLOAT_CHANNELS[head] else []
+            model.model.embed_tokens.weight.copy_(torch.from_numpy(head_weight(ref["embed"], bits, block, True,
+                                                                               channels)))
+            ref[f"normed-{head}"] = model.model(prompt).last_hidden_state[0].numpy().copy()
     shutil.copytree(root / "int4", root / "int8")  # the record is all that --lm-head changes in a checkpoint
     record = json.loads((root / "int8" / CAMSHAFT_QUANT_RECORD).read_text())
     (root / "int8" / CAMSHAFT_QUANT_RECORD).write_text(json.dumps({**record, "lm_head": "int8"}))
@@ -93,10 +108,31 @@ def heads(tmp_path_factory):
     return dirs, ref
 
 
+def largest_head_inputs(model_dir, calib_size: int, calib_seq_len: int) -> list[int]:
+    """The float model's final normed hidden states over the default calibration tokens: channels by mean |x|."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    calib = tokenize(*load_texts(None), tokenizer, calib_size, calib_seq_len)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        normed = np.concatenate([model.model(torch.from_numpy(row[None])).last_hidden_state[0].numpy()
+                                 for row in calib.input_ids])
+    return np.argsort(-np.abs(normed).mean(0), kind="stable")[:LM_HEAD_FLOAT_CHANNELS["int4"]].tolist()
+
+
 def reference(ref: dict, bits: int, block: int, act_block: int | None, full_range: bool,
               normed: str = "normed") -> np.ndarray:
-    x = ref[normed] if act_block is None else int8_blocks(ref[normed], act_block)
-    return x @ rtn(ref["embed"], bits, block, full_range).T
+    channels = ref["channels"] if LM_HEAD_FLOAT_CHANNELS[{4: "int4", 8: "int8"}[bits]] else []
+    x = ref[normed]
+    rounded = x.copy()
+    rounded[:, channels] = 0  # as the engine zeroes them before the rounded product (and its int8 activations)
+    if act_block is not None:
+        rounded = int8_blocks(rounded, act_block)
+    weight = head_weight(ref["embed"], bits, block, full_range, channels)
+    exact = np.zeros_like(weight)
+    exact[:, channels] = weight[:, channels]
+    return rounded @ (weight - exact).T + x @ exact.T
 
 
 def check(logits: np.ndarray, expected: np.ndarray, ref: dict, what: str) -> None:
@@ -115,6 +151,10 @@ def test_quantized_head_matches_round_to_nearest_reference(heads, head):
     assert record["lm_head"]["dtype"] == head and record["quantized_linear_layers"] == 14
     assert record["float_modules"] == []
     assert record["lm_head"]["embedding"] == "the head's tensors (GatherBlockQuantized)"
+    if head == "int4":  # the largest input channels over the calibration tokens stay float
+        assert record["lm_head"]["float_channels"] == ref["channels"] == ref["largest"]
+    else:
+        assert record["lm_head"]["float_channels"] == []
     graph = onnx.load(engine_dir / "model.onnx", load_external_data=False).graph
     vocab, hidden = ref["embed"].shape
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
@@ -170,7 +210,7 @@ def test_bad_lm_head_is_refused_before_any_work(heads, capsys, tmp_path):
     dirs, _ = heads
     model = ModelConfig.from_hf_dir(dirs["int4"][0])
     check_lm_head_fits(QuantSpec("int8_wo", lm_head="int8"), replace(model, hidden_size=72))
-    with pytest.raises(QuantizeError, match="blocks of 32 inputs, which do not divide hidden_size 72"):
+    with pytest.raises(QuantizeError, match="blocks of 64 inputs, which do not divide hidden_size 72"):
         check_lm_head_fits(QuantSpec("int8_wo", lm_head="int4"), replace(model, hidden_size=72))
     argv = sys.argv
     sys.argv = ["camshaft", "build", "--model", str(dirs["int4"][0]), "--output", str(tmp_path / "e"),
@@ -192,3 +232,17 @@ def test_int4_head_on_a_w8a8_checkpoint_keeps_float_compute(tmp_path):
     manifest = build_engine(BuildConfig(tmp_path / "fp8", tmp_path / "e", max_seq_len=64, kv_block_size=4))
     head = manifest.quantization["lm_head"]
     assert head["dtype"] == "int4" and head["accuracy_level"] == 0 and head["activations"] is None
+
+
+def test_int4_head_without_recorded_float_channels_is_refused(heads, tmp_path):
+    """A checkpoint quantized before the int4 head kept float channels (no lm_head_float_channels in its record)
+    is refused with what to do, not built with a less accurate head."""
+    dirs, _ = heads
+    old = tmp_path / "old"
+    shutil.copytree(dirs["int4"][0], old)
+    record = json.loads((old / CAMSHAFT_QUANT_RECORD).read_text())
+    del record["lm_head_float_channels"]
+    (old / CAMSHAFT_QUANT_RECORD).write_text(json.dumps(record))
+    with pytest.raises(BuildConfigError, match=r"records none \(lm_head_float_channels .*Quantize the original"):
+        build_engine(BuildConfig(old, tmp_path / "e", max_seq_len=64, kv_block_size=4))
+    assert not (tmp_path / "e").exists()

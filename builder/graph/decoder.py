@@ -57,7 +57,8 @@ class DecoderLowering(LayerOps):
                  weights: WeightFn, progress: Callable[[str], None] = lambda _: None,
                  quantized: QuantizedFn | None = None, accuracy_level: int | None = None,
                  kv_cache: tuple[str, KVScalesFn, KVBiasesFn] | None = None, qdq: bool = False,
-                 lm_head: str = "float", branches: bool = False, grouped_decode: bool = False) -> None:
+                 lm_head: str = "float", lm_head_float_channels: tuple[int, ...] = (), branches: bool = False,
+                 grouped_decode: bool = False) -> None:
         self.g, self.c, self.limits = g, config, limits
         self.branches, self.grouped_decode = branches, grouped_decode
         self.np_dtype = NP_DTYPES[dtype]
@@ -65,7 +66,7 @@ class DecoderLowering(LayerOps):
         self.weights = weights
         self.progress = progress
         self.linears = Linears(g, self.np_dtype, weights, quantized, accuracy_level, qdq)
-        self.head = Head(self.linears, config, lm_head)
+        self.head = Head(self.linears, config, lm_head, lm_head_float_channels)
         # A quantized KV cache: (int8 | float8, layer → (k_scale, v_scale)); else the cache holds the float type.
         self.kv_quant = KVQuantizer(g, kv_cache[0], self.np_dtype) if kv_cache else None
         self.kv_scales = kv_cache[1] if kv_cache else None

@@ -5,6 +5,11 @@ ONNX Runtime: the head is one MatMulNBits; with tied embeddings the lookup reads
 GatherBlockQuantized (one quantized matrix, as the checkpoint has one float matrix: an int4 SmolLM2 engine stores no
 113 MB float table; only the scales are stored twice, in the shape each operator takes). TensorRT targets:
 DequantizeLinear (int4 blocked, int8 per row) → MatMul, and the lookup's table stays float.
+
+Float channels (int4): the head's input channels `camshaft quantize` found largest are zeroed in the rounded matrix
+and multiplied in float from their own [vocab, k] columns (a Gemm that adds the rounded product; the lookup adds them
+back to its rows). The rounded product's input has them zeroed too, so int8 activations (accuracy level 4) are not
+scaled by them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN, Linears, nbits_b
 from camshaft.builder.quantized import LM_HEAD_FORMATS, QuantizedLinear, round_to_nearest
 from camshaft.errors import BuildConfigError
 from camshaft.model_config import ModelConfig
-from camshaft.quantize.spec import check_lm_head
+from camshaft.quantize.spec import LM_HEAD_FLOAT_CHANNELS, check_lm_head
 
 EMBED = "model.embed_tokens.weight"
 
@@ -24,10 +29,26 @@ def head_weight_name(config: ModelConfig) -> str:
     return EMBED if config.tie_word_embeddings else "lm_head.weight"
 
 
+def check_float_channels(lm_head: str, channels: tuple[int, ...], config: ModelConfig) -> None:
+    wanted = LM_HEAD_FLOAT_CHANNELS[lm_head]
+    if not wanted:
+        return
+    if len(channels) != wanted or len(set(channels)) != wanted or not all(
+            isinstance(c, int) and 0 <= c < config.hidden_size for c in channels):
+        raise BuildConfigError(
+            f"--lm-head {lm_head} keeps the {wanted} largest input channels float, chosen by `camshaft quantize`; "
+            f"this checkpoint records {list(channels) or 'none'} (lm_head_float_channels in its camshaft_quantize.json)"
+            ". Quantize the original checkpoint again with this camshaft")
+
+
 class Head:
-    def __init__(self, linears: Linears, config: ModelConfig, lm_head: str) -> None:
+    def __init__(self, linears: Linears, config: ModelConfig, lm_head: str,
+                 float_channels: tuple[int, ...] = ()) -> None:
         check_lm_head(lm_head, config, BuildConfigError)
+        check_float_channels(lm_head, float_channels, config)
         self.linears, self.c, self.dtype = linears, config, lm_head
+        self.channels = tuple(float_channels) if LM_HEAD_FLOAT_CHANNELS[lm_head] else ()
+        self._columns: str | None = None  # the float channels' head columns [vocab, k], once written
         self.record: dict = {"dtype": "float"}
         self.shares_embedding = config.tie_word_embeddings and lm_head != "float" and not linears.qdq
         self._table: str | None = None  # the float embedding table, once written
@@ -48,7 +69,13 @@ class Head:
         scales = g.weight("lm_head.embedding_scales", self._scales.reshape(c.vocab_size, -1, 1))
         rows = g.op("GatherBlockQuantized", [qweight, ids, scales], domain=MS_DOMAIN, bits=q.bits, block_size=block,
                     gather_axis=0, quantize_axis=2)  # [.., blocks, block]
-        return g.op("Reshape", [rows, g.op("Concat", [g.op("Shape", [ids]), g.ints([c.hidden_size])], axis=0)])
+        rows = g.op("Reshape", [rows, g.op("Concat", [g.op("Shape", [ids]), g.ints([c.hidden_size])], axis=0)])
+        if not self.channels:
+            return rows
+        place = np.zeros((len(self.channels), c.hidden_size), dtype=linears.np_dtype)
+        place[np.arange(len(self.channels)), self.channels] = 1
+        floats = g.op("MatMul", [g.op("Gather", [self.columns(), ids], axis=0), g.weight("lm_head.float_place", place)])
+        return g.op("Add", [rows, floats])
 
     def lower(self, x: str) -> str:
         """Logits [.., vocab] from the final normed hidden states `x`."""
@@ -65,13 +92,22 @@ class Head:
             kind, level, y = "qdq", None, linears.qdq_matmul(x, [q], "lm_head", c.hidden_size)
         else:
             level = linears.accuracy_level if fmt.accuracy_level is None else fmt.accuracy_level
-            kind, y = "nbits", linears.matmul_nbits(x, [q], "lm_head", c.hidden_size, accuracy_level=level,
+            rounded = x
+            if self.channels and level == 4:  # int8 activations: the float channels must not set their scales
+                keep = np.ones(c.hidden_size, dtype=linears.np_dtype)
+                keep[list(self.channels)] = 0
+                rounded = g.op("Mul", [x, g.weight("lm_head.rounded_channels", keep)])
+            kind, y = "nbits", linears.matmul_nbits(rounded, [q], "lm_head", c.hidden_size, accuracy_level=level,
                                                     tensors=self.tensors())
+        if self.channels:
+            picked = g.op("Gather", [x, g.const(np.array(self.channels, dtype=np.int64), "lm_head_channels")], axis=-1)
+            y = g.op("Gemm", [picked, self.columns(), y], transB=1)  # picked @ columns^T + y
         self.record = {"dtype": self.dtype, "block_size": fmt.block_size,
                        "rounding": "nearest at build time, symmetric, "
                                    + ("amax / (2^(bits-1) - 1)" if linears.qdq else "full range"),
                        "lowering": LOWERINGS[kind], "accuracy_level": level,
                        "activations": "int8 per block (MatMulNBits accuracy level 4)" if level == 4 else None,
+                       "float_channels": list(self.channels),
                        "embedding": "the head's tensors (GatherBlockQuantized)" if self.shares_embedding else "float"}
         return y
 
@@ -86,9 +122,21 @@ class Head:
         if self._quantized is None:
             fmt, c = LM_HEAD_FORMATS[self.dtype], self.c
             weight = self.linears.weights(head_weight_name(c), (c.vocab_size, c.hidden_size))
+            if self.channels:
+                weight = weight.astype(np.float32)  # a copy: the checkpoint's array stays as read
+                weight[:, list(self.channels)] = 0
             self._quantized = round_to_nearest(weight, fmt.bits, fmt.block_size or c.hidden_size,
                                                full_range=not self.linears.qdq)
         return self._quantized
+
+    def columns(self) -> str:
+        """The float channels' columns of the head, [vocab, k]."""
+        if self._columns is None:
+            c, linears = self.c, self.linears
+            weight = linears.weights(head_weight_name(c), (c.vocab_size, c.hidden_size))
+            columns = np.ascontiguousarray(weight[:, list(self.channels)]).astype(linears.np_dtype)
+            self._columns = linears.g.weight("lm_head.float_columns", columns)
+        return self._columns
 
     def tensors(self) -> tuple[str, str]:
         if self._tensors is None:

@@ -216,7 +216,7 @@ class Linears:
         elif first.activation == "fp8":
             x = self.fp8_round(x, np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
         values = np.concatenate([q.values for q in layers], axis=0).T  # [K, N]
-        if first.block_size == in_dim:
+        if first.block_size == in_dim and first.bits == 8:
             scales = np.concatenate([q.scales[:, 0] for q in layers]).astype(self.np_dtype)
             w = g.op("DequantizeLinear", [g.weight(f"{name}.qweight", values), g.weight(f"{name}.scales", scales)],
                      axis=1)

@@ -130,8 +130,8 @@ def ortgenai_perplexity(model_dir: Path, text_file: Path, engine_dir: Path) -> f
 
 def head_kernels(vocab: int, hidden: int, threads: int, rounds: int = 7, calls: int = 50) -> None:
     """The head's product alone for one token ([1, hidden] @ [hidden, vocab]) in ONNX Runtime, as each --lm-head
-    builds it (int4 blocks of 32, int8 per row; random weights: time does not depend on values); interleaved
-    rounds, medians in ms."""
+    builds it (int4 in blocks of 64, and of 32 as before 2026-12-05; int8 per row; random weights: time does not
+    depend on values); interleaved rounds, medians in ms."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -139,8 +139,7 @@ def head_kernels(vocab: int, hidden: int, threads: int, rounds: int = 7, calls: 
     rng = np.random.default_rng(0)
     row_block = next(b for b in (128, 64, 32, 16) if hidden % b == 0)  # int8 per row: scales repeated per block
 
-    def session(bits: int | None, level: int) -> ort.InferenceSession:
-        block = 32 if bits == 4 else row_block
+    def session(bits: int | None, level: int, block: int = row_block) -> ort.InferenceSession:
         if bits is None:
             inits = [numpy_helper.from_array(rng.standard_normal((vocab, hidden)).astype(np.float32), "w")]
             node = helper.make_node("Gemm", ["x", "w"], ["y"], transB=1)
@@ -158,7 +157,8 @@ def head_kernels(vocab: int, hidden: int, threads: int, rounds: int = 7, calls: 
         options.intra_op_num_threads = threads
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
-    kernels = {"float (Gemm)": (None, 0), "int4, accuracy level 0": (4, 0), "int4, accuracy level 4": (4, 4),
+    kernels = {"float (Gemm)": (None, 0), "int4 blocks of 64, accuracy level 0": (4, 0, 64),
+               "int4 blocks of 64, accuracy level 4": (4, 4, 64), "int4 blocks of 32, accuracy level 4": (4, 4, 32),
                "int8, accuracy level 0": (8, 0), "int8, accuracy level 4": (8, 4)}
     sessions = {name: session(*spec) for name, spec in kernels.items()}
     x = {"x": rng.standard_normal((1, hidden)).astype(np.float32)}

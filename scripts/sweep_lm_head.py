@@ -30,7 +30,8 @@ from camshaft.quantize import spec  # noqa: E402
 from camshaft.runtime.perplexity import engine_perplexity  # noqa: E402
 
 
-def ranked_channels(model_dir: Path, calib_size: int, calib_seq_len: int) -> list[int]:
+def ranked_channels(model_dir: Path, calib_size: int, calib_seq_len: int) -> tuple[list[int], list[float], float]:
+    """Channels by mean |input| of the output projection, largest first; the 8 largest means and the median."""
     import torch
     import transformers
 
@@ -44,7 +45,9 @@ def ranked_channels(model_dir: Path, calib_size: int, calib_seq_len: int) -> lis
     with torch.no_grad():
         calibration_loop(calib, "ranking the head's inputs", progress_bar=False)(model)
     inputs.remove()
-    return inputs.largest(model.config.hidden_size)
+    mean = inputs.total / inputs.tokens
+    largest = mean.sort(descending=True).values[:8].tolist()
+    return inputs.largest(model.config.hidden_size), largest, float(mean.median())
 
 
 def variant(checkpoint: Path, out: Path, channels: list[int]) -> Path:
@@ -74,9 +77,10 @@ def main() -> None:
     record = json.loads((args.checkpoint / CAMSHAFT_QUANT_RECORD).read_text())
     if record.get("lm_head") != "int4":
         sys.exit(f"{args.checkpoint} was not quantized with --lm-head int4")
-    ranking = ranked_channels(args.model, args.calib_size, args.calib_seq_len)
+    ranking, largest, median = ranked_channels(args.model, args.calib_size, args.calib_seq_len)
     texts = {"held-out": args.text.read_text(), "validation": validation_text()}
-    print(f"head input channels by mean |input|, largest first: {ranking[:16]}")
+    print(f"head input channels by mean |input|, largest first: {ranking[:16]}; the largest means "
+          f"{', '.join(f'{v:.2f}' for v in largest)}, the median {median:.2f}")
     print("\n| int4 head | float channels | held-out perplexity | validation perplexity | engine size |")
     print("|---|---|---|---|---|")
     for block in args.blocks:
@@ -91,7 +95,7 @@ def main() -> None:
                 shutil.rmtree(engine)
             build_engine(BuildConfig(source, engine, max_seq_len=2048))
             ppl = {k: engine_perplexity(engine, t).perplexity for k, t in texts.items()}
-            size = sum(f.stat().st_size for f in engine.rglob("*") if f.is_file()) / 1e6
+            size = sum(f.stat().st_size for f in engine.rglob("*") if f.is_file()) / 2**20  # MiB, as du -sh
             print(f"| blocks of {block} | {count} | {ppl['held-out']:.3f} | {ppl['validation']:.3f} | "
                   f"{size:.0f} MB |", flush=True)
 

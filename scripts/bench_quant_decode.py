@@ -4,7 +4,8 @@
 Engines are given as NAME=ENGINE_DIR[@batch] (e.g. `--lm-head` float vs int4 vs int8, `--weight-only-compute` float
 vs int8; `@batch`: the Session on the engine's batch graph instead of its sequence graph); peers: an
 onnxruntime-genai model directory (--ortgenai) and llama.cpp on a GGUF file through llama-cpp-python (--llamacpp).
-Each round runs every system once in a rotating order; decode tok/s medians and per-round ratios to the first
+Each round runs every system once in a shuffled order (seeded per round: a rotation would give every
+system the same predecessor each round); decode tok/s medians and per-round ratios to the first
 engine are printed (the machine is shared: compare ratios). Reuses the systems of scripts/bench_latency.py.
 
     .venv/bin/python scripts/bench_quant_decode.py float=out/q/head-float-engine int4=out/q/head-int4-engine \
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -215,7 +217,7 @@ def main() -> None:
     rates: dict[str, list[float]] = {s.name: [] for s in systems}
     loads = []
     for r in range(args.rounds):
-        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        order = random.Random(r).sample(systems, len(systems))  # each round its own order and predecessors
         for system in order:
             time.sleep(PAUSE_S)
             rates[system.name].append(summarize_run(system.run(), args.prompt_len)["decode_tok_s"])

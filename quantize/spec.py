@@ -25,7 +25,7 @@ LM_HEAD_DTYPES = tuple(LM_HEAD_BLOCKS)
 # --lm-head → how many of the head's input channels stay float: those with the largest mean |input| over the
 # calibration tokens (`camshaft quantize` records them). A few channels of the final hidden states are ~10-40x the
 # rest (SmolLM2: one at 40x the median) and dominate the int4 head's error; kept float, blocks of 64 are more
-# accurate than blocks of 32 without them, and faster (BENCHMARKS.md, docs/quantize.md "lm_head policy").
+# accurate than blocks of 32 without them, at about the same speed (BENCHMARKS.md, docs/quantize.md "lm_head policy").
 LM_HEAD_FLOAT_CHANNELS: dict[str, int] = {"float": 0, "int8": 0, "int4": 8}
 
 

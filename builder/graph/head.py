@@ -121,7 +121,7 @@ class Head:
     def quantized(self) -> QuantizedLinear:
         if self._quantized is None:
             fmt, c = LM_HEAD_FORMATS[self.dtype], self.c
-            weight = self.linears.weights(head_weight_name(c), (c.vocab_size, c.hidden_size))
+            weight = self.weight()
             if self.channels:
                 weight = weight.astype(np.float32)  # a copy: the checkpoint's array stays as read
                 weight[:, list(self.channels)] = 0
@@ -132,11 +132,14 @@ class Head:
     def columns(self) -> str:
         """The float channels' columns of the head, [vocab, k]."""
         if self._columns is None:
-            c, linears = self.c, self.linears
-            weight = linears.weights(head_weight_name(c), (c.vocab_size, c.hidden_size))
-            columns = np.ascontiguousarray(weight[:, list(self.channels)]).astype(linears.np_dtype)
-            self._columns = linears.g.weight("lm_head.float_columns", columns)
+            columns = np.ascontiguousarray(self.weight()[:, list(self.channels)]).astype(self.linears.np_dtype)
+            self._columns = self.linears.g.weight("lm_head.float_columns", columns)
         return self._columns
+
+    def weight(self) -> np.ndarray:
+        """The checkpoint's head matrix [vocab, hidden], as read."""
+        c = self.c
+        return self.linears.weights(head_weight_name(c), (c.vocab_size, c.hidden_size))
 
     def tensors(self) -> tuple[str, str]:
         if self._tensors is None:

@@ -49,6 +49,8 @@ def configs() -> dict[str, dict]:
         "kv_int8_affine": kv_only({"num_bits": 8, "axis": None, **AFFINE}),
         "fp8": copy.deepcopy(mtq.FP8_DEFAULT_CFG),
         "fp8_pc_pt": copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG),
+        "fp8_mse": {**copy.deepcopy(mtq.FP8_DEFAULT_CFG), "algorithm": {"method": "mse"}},  # scales by MSE search
+        "fp8_pc_pt_mse": {**copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG), "algorithm": {"method": "mse"}},
         "int8_pt": int8_pt,
         "int8_sq": smoothquant(),
     }

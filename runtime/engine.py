@@ -33,7 +33,8 @@ def end_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
 
 class Engine:
     def __init__(self, engine_dir: str | Path, *, max_sequences: int = 1, kv_cache_memory: int | None = None,
-                 threads: int | None = None, spin_wait: bool = True) -> None:
+                 threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
+        """huge_pages: the loaded weights on transparent huge pages (Linux; see runtime/backends/huge_pages.py)."""
         self.dir = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.dir)
         m = self.manifest
@@ -44,23 +45,23 @@ class Engine:
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.group_flags = {spec.name for spec in GROUP_FLAGS} <= inputs
         num_blocks = pool_blocks(m, max_sequences, kv_cache_memory)
-        self.backend = self._backend(num_blocks, threads, spin_wait)
+        self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)
         self.pool = BlockPool(num_blocks)
         self.tokenizer = load_tokenizer(self.dir)
         config = m.model
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None
         self.eos_token_ids = end_ids(config, self.tokenizer)
 
-    def _backend(self, num_blocks: int, threads: int | None, spin_wait: bool):
+    def _backend(self, num_blocks: int, threads: int | None, spin_wait: bool, huge_pages: bool):
         target = self.manifest.target
         if target == "onnxruntime":
             from camshaft.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-            return OnnxRuntimeBackend(self.dir, self.manifest, num_blocks, threads, spin_wait)
+            return OnnxRuntimeBackend(self.dir, self.manifest, num_blocks, threads, spin_wait, huge_pages)
         if target in ("tensorrt-rtx", "tensorrt"):  # never run on a GPU yet: see backends/tensorrt.py
             from camshaft.runtime.backends.tensorrt import TensorRTBackend
 
-            return TensorRTBackend(self.dir, self.manifest, num_blocks, threads, spin_wait)
+            return TensorRTBackend(self.dir, self.manifest, num_blocks, threads, spin_wait, huge_pages)
         raise EngineError(f"{self.dir}: engines for target {target!r} cannot run in this build of camshaft")
 
     def close(self) -> None:

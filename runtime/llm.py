@@ -42,9 +42,10 @@ class LLM:
     def __init__(self, engine_dir: str | Path, *, policy: str = "guaranteed_no_evict",
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  kv_cache_memory: int | None = None, threads: int | None = None, max_queue: int | None = None,
-                 spin_wait: bool = True) -> None:
+                 spin_wait: bool = True, huge_pages: bool = True) -> None:
         """max_queue: requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers);
-        spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait)."""
+        spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
+        on transparent huge pages (Linux; see runtime/backends/huge_pages.py)."""
         if policy not in POLICIES:  # before the engine and its KV pool are allocated
             raise RequestError(f"unknown capacity policy {policy!r}; use one of {POLICIES}")
         limits = read_manifest(Path(engine_dir)).limits
@@ -54,7 +55,7 @@ class LLM:
                                    f"rebuild with a larger --{name.replace('_', '-')} or pass a smaller value")
         batch = max_batch_size or limits.max_batch_size
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=kv_cache_memory,
-                                      threads=threads, spin_wait=spin_wait)
+                                      threads=threads, spin_wait=spin_wait, huge_pages=huge_pages)
         self.config = SchedulerConfig(
             num_blocks=engine.pool.num_blocks, block_size=engine.block_size, max_batch_size=batch,
             max_num_tokens=max_num_tokens or limits.max_num_tokens, max_seq_len=limits.max_seq_len, policy=policy)

@@ -14,6 +14,7 @@ import onnxruntime as ort
 
 from camshaft.errors import CapacityError, EngineError
 from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
+from camshaft.runtime.backends.huge_pages import load_in_huge_pages
 from camshaft.runtime.backends.onnxruntime import check_compatible, session_options
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
@@ -25,7 +26,7 @@ class SequenceEngine:
     """`kv_cache_memory` (bytes) bounds the cache: a sequence that would need more is refused at `start`."""
 
     def __init__(self, engine_dir: str | Path, *, threads: int | None = None, manifest: Manifest | None = None,
-                 kv_cache_memory: int | None = None):
+                 kv_cache_memory: int | None = None, huge_pages: bool = True):
         self.dir = Path(engine_dir)
         self.manifest = m = manifest or read_manifest(self.dir)
         if m.sequence_graph is None:
@@ -39,8 +40,8 @@ class SequenceEngine:
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         path = self.dir / self.layout.artifact
         try:
-            self.session = ort.InferenceSession(str(path), session_options(threads, spin_wait=True),
-                                                providers=["CPUExecutionProvider"])
+            self.session, self.huge_page_bytes = load_in_huge_pages(lambda: ort.InferenceSession(
+                str(path), session_options(threads, spin_wait=True), providers=["CPUExecutionProvider"]), huge_pages)
         except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
             raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
         self.binding = self.session.io_binding()

@@ -27,19 +27,21 @@ GRAPHS = ("auto", "sequence", "batch")
 class Session:
     """`graph`: "auto" runs the engine's sequence graph where it has one (onnxruntime engines built by this
     camshaft: the fastest for one request), else its batch graph; "sequence" or "batch" insists on one.
-    `kv_cache_memory` (bytes) bounds the KV cache of either graph."""
+    `kv_cache_memory` (bytes) bounds the KV cache of either graph. `huge_pages`: the weights on transparent huge
+    pages (Linux; see runtime/backends/huge_pages.py)."""
 
     def __init__(self, engine_dir: str | Path, *, threads: int | None = None, kv_cache_memory: int | None = None,
-                 graph: str = "auto"):
+                 graph: str = "auto", huge_pages: bool = True):
         if graph not in GRAPHS:
             raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
         manifest = read_manifest(engine_dir)
         if graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None):
             self.engine: SequenceEngine | BatchGraphSequence = SequenceEngine(
-                engine_dir, threads=threads, manifest=manifest, kv_cache_memory=kv_cache_memory)
+                engine_dir, threads=threads, manifest=manifest, kv_cache_memory=kv_cache_memory,
+                huge_pages=huge_pages)
         else:
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
-                                                    threads=threads))
+                                                    threads=threads, huge_pages=huge_pages))
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -254,12 +254,12 @@ class CamshaftSystem:
     """The Session as users get it (graph "auto": the sequence graph), or on the engine's batch graph."""
 
     def __init__(self, engine_dir: Path, prompt: list[int], new_tokens: int, threads: int,
-                 graph: str = "auto") -> None:
+                 graph: str = "auto", huge_pages: bool = True) -> None:
         from camshaft.runtime.sampling_params import SamplingParams
         from camshaft.runtime.session import Session
 
         self.name = CAMSHAFT if graph == "auto" else CAMSHAFT_BATCH
-        self.session = Session(engine_dir, threads=threads, graph=graph)
+        self.session = Session(engine_dir, threads=threads, graph=graph, huge_pages=huge_pages)
         self.prompt = prompt
         self.params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
@@ -362,6 +362,29 @@ class Isolated:
     def close(self) -> None:
         self.conn.send(None)
         self.process.join(timeout=30)
+
+
+class Replicas:
+    """One system in `count` processes of its own (each Isolated); `run()` runs each in turn and returns their mean
+    times. Where a process lands in memory moved one engine's decode speed by 4 % between processes (measured), and
+    that offset persists for the process's life: rounds alone do not average it out."""
+
+    def __init__(self, count: int, make: Callable[..., object], *args: object, **kwargs: object) -> None:
+        self.replicas = [Isolated(make, *args, **kwargs) for _ in range(count)]
+        self.name = self.replicas[0].name
+
+    def run(self) -> dict:
+        runs = []
+        for i, replica in enumerate(self.replicas):
+            if i:
+                time.sleep(PAUSE_S)
+            runs.append(replica.run())
+        mean = {key: statistics.mean(r[key] for r in runs) for key in ("ttft_s", "total_s")}
+        return {**mean, "token_ids": runs[0]["token_ids"]}
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
 
 
 def _serve_system(conn, make: Callable[..., object], args: tuple, kwargs: dict) -> None:
@@ -599,9 +622,11 @@ def markdown(results: dict, plot_ref: str) -> str:
         f"{cfg['new_tokens']} new tokens, greedy, end id ignored, fp32, {cfg['threads']} threads everywhere "
         f"(camshaft `Session(threads={cfg['threads']})`, `torch.set_num_threads({cfg['threads']})`, "
         f"onnxruntime-genai `intra_op_num_threads: {cfg['threads']}` in genai_config.json). "
-        f"Each system runs in a process of its own (spawned; the others wait idle while one runs), {PAUSE_S} s after "
-        "the previous run (so no worker thread of the previous system still spins on the cores). "
-        f"One warm-up run each, then {cfg['rounds']} round(s); each round runs every system once, in rotating order. "
+        f"Each system runs in {cfg.get('processes', 1)} process(es) of its own (spawned; the others wait idle while "
+        f"one runs; where a process lands in memory moves its speed by a few per cent for its whole life), {PAUSE_S} s "
+        "after the previous run (so no worker thread of the previous system still spins on the cores). "
+        f"One warm-up run each, then {cfg['rounds']} round(s); each round runs every system once (each of its "
+        "processes in turn; their mean time), in rotating order. "
         "Medians, (min–max) over rounds. TTFT = prompt in → first token out; decode tok/s = "
         f"({cfg['new_tokens']} − 1) / (time after the first token). transformers runs a KV-cached greedy loop "
         "(`model(...)` + argmax per token); onnxruntime-genai runs `append_tokens` then `generate_next_token` "
@@ -695,6 +720,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engines, the onnxruntime-genai model and latency.json go here")
     p.add_argument("--model-dir", type=Path, default=None, help="SmolLM2 checkpoint (default: fetch into the cache)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each runs every system once)")
+    p.add_argument("--processes", type=int, default=3,
+                   help="processes per system, each run once a round (memory placement differs per process)")
     p.add_argument("--threads", type=int, default=2, help="threads for every system")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -707,8 +734,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--md", type=Path, default=REPO / "BENCHMARKS.md")
     p.add_argument("--write-md", action="store_true", help="replace the latency section of --md")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.threads < 1 or args.prompt_len < 1 or args.new_tokens < 2:
-        p.error("--rounds, --threads, --prompt-len must be >= 1 and --new-tokens >= 2")
+    if min(args.rounds, args.processes, args.threads, args.prompt_len) < 1 or args.new_tokens < 2:
+        p.error("--rounds, --processes, --threads, --prompt-len must be >= 1 and --new-tokens >= 2")
     return args
 
 
@@ -734,12 +761,13 @@ def main(argv: list[str] | None = None) -> None:
 
     vocab = read_manifest(engine_dir).model.vocab_size
     prompt = benchmark_prompt(vocab, args.prompt_len)
-    log("loading systems, one process each")
+    log(f"loading systems, {args.processes} process(es) each")
+    k = args.processes
     systems = [
-        Isolated(CamshaftSystem, engine_dir, prompt, args.new_tokens, args.threads),
-        Isolated(CamshaftSystem, engine_dir, prompt, args.new_tokens, args.threads, graph="batch"),
-        Isolated(TransformersSystem, Path(model_dir), prompt, args.new_tokens, args.threads),
-        Isolated(OrtGenaiSystem, ortgenai_dir, prompt, args.new_tokens),
+        Replicas(k, CamshaftSystem, engine_dir, prompt, args.new_tokens, args.threads),
+        Replicas(k, CamshaftSystem, engine_dir, prompt, args.new_tokens, args.threads, graph="batch"),
+        Replicas(k, TransformersSystem, Path(model_dir), prompt, args.new_tokens, args.threads),
+        Replicas(k, OrtGenaiSystem, ortgenai_dir, prompt, args.new_tokens),
     ]
     per_round, tokens = run_rounds(systems, args.rounds, args.prompt_len)
     for system in systems:
@@ -758,7 +786,8 @@ def main(argv: list[str] | None = None) -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": machine_info(),
         "config": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "threads": args.threads,
-                   "rounds": args.rounds, "greedy": True, "ignore_eos": True, "dtype": "float32", "batch": 1,
+                   "rounds": args.rounds, "processes": args.processes, "greedy": True, "ignore_eos": True,
+                   "dtype": "float32", "batch": 1,
                    "model_dir": str(model_dir), "engine_dir": rel(engine_dir), "ortgenai_dir": rel(ortgenai_dir),
                    "max_seq_len": args.max_seq_len},
         "summary": summary,

@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Batch-1 decode of quantized engines against the int4 peers, interleaved rounds, one process per system.
+"""Batch-1 decode of quantized engines against the int4 peers, interleaved rounds, processes of their own.
 
-Engines are given as NAME=ENGINE_DIR[@batch] (e.g. `--lm-head` float vs int4 vs int8, `--weight-only-compute` float
-vs int8; `@batch`: the Session on the engine's batch graph instead of its sequence graph); peers: an
-onnxruntime-genai model directory (--ortgenai) and llama.cpp on a GGUF file through llama-cpp-python (--llamacpp).
-Each round runs every system once in a shuffled order (seeded per round: a rotation would give every
-system the same predecessor each round); decode tok/s medians and per-round ratios to the first
-engine are printed (the machine is shared: compare ratios). Reuses the systems of scripts/bench_latency.py.
+Engines are given as NAME=ENGINE_DIR[@OPTION,...] (e.g. `--lm-head` float vs int4 vs int8, `--weight-only-compute`
+float vs int8; options: `batch`, the Session on the engine's batch graph instead of its sequence graph; `small-pages`,
+the Session with `huge_pages=False`); peers: an onnxruntime-genai model directory (--ortgenai) and llama.cpp on a
+GGUF file through llama-cpp-python (--llamacpp). Each system runs in --processes processes of its own; each round
+runs every system once (each of its processes in turn, their mean time) in a shuffled order (seeded per round: a
+rotation would give every system the same predecessor each round); decode tok/s medians and per-round ratios to the
+first engine are printed (the machine is shared: compare ratios). Reuses the systems of scripts/bench_latency.py.
 
     .venv/bin/python scripts/bench_quant_decode.py float=out/q/head-float-engine int4=out/q/head-int4-engine \
         int8=out/q/head-int8-engine --ortgenai out/q/ortgenai-int4 --llamacpp SmolLM2-135M-Instruct.Q4_1.gguf
@@ -28,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_latency import (  # noqa: E402
     PAUSE_S,
     CamshaftSystem,
-    Isolated,
     OrtGenaiSystem,
+    Replicas,
     set_ortgenai_threads,
     summarize_run,
 )
@@ -187,6 +188,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--processes", type=int, default=1,
+                        help="processes per system, each run once a round (memory placement differs per process)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--ppl-text", type=Path, help="also the peers' perplexity on this text (one window)")
     parser.add_argument("--kernels", action="store_true", help="also time the head's product alone per format")
@@ -201,17 +204,21 @@ def main() -> None:
     from camshaft.manifest import read_manifest
 
     prompt = benchmark_prompt(read_manifest(pairs[0][1]).model.vocab_size, args.prompt_len)
-    systems = []  # each in a process of its own (bench_latency.Isolated)
+    systems = []  # each in --processes processes of its own (bench_latency.Replicas)
     for name, spec in pairs:
-        engine_dir, _, graph = spec.partition("@")
-        systems.append(Isolated(Named, name, CamshaftSystem, Path(engine_dir), prompt, args.new_tokens,
-                                args.threads, graph=graph or "auto"))
+        engine_dir, _, options = spec.partition("@")
+        unknown = set(filter(None, options.split(","))) - {"batch", "small-pages"}
+        if unknown:
+            parser.error(f"unknown engine option(s) {', '.join(sorted(unknown))} in {spec!r}; use batch, small-pages")
+        systems.append(Replicas(args.processes, Named, name, CamshaftSystem, Path(engine_dir), prompt,
+                                args.new_tokens, args.threads, graph="batch" if "batch" in options else "auto",
+                                huge_pages="small-pages" not in options))
     if args.ortgenai is not None:
         set_ortgenai_threads(args.ortgenai, args.threads)
-        systems.append(Isolated(Named, f"onnxruntime-genai ({ortgenai_format(args.ortgenai)})", OrtGenaiSystem,
-                                args.ortgenai, prompt, args.new_tokens))
+        systems.append(Replicas(args.processes, Named, f"onnxruntime-genai ({ortgenai_format(args.ortgenai)})",
+                                OrtGenaiSystem, args.ortgenai, prompt, args.new_tokens))
     if args.llamacpp is not None:
-        systems.append(Isolated(LlamaCppSystem, args.llamacpp, prompt, args.new_tokens, args.threads))
+        systems.append(Replicas(args.processes, LlamaCppSystem, args.llamacpp, prompt, args.new_tokens, args.threads))
     for system in systems:
         system.run()
     rates: dict[str, list[float]] = {s.name: [] for s in systems}
@@ -247,7 +254,8 @@ def main() -> None:
     if args.kernels:
         model = read_manifest(pairs[0][1]).model
         head_kernels(model.vocab_size, model.hidden_size, args.threads)
-    print(f"\n{args.rounds} rounds, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+    print(f"\n{args.rounds} rounds × {args.processes} process(es) per system, prompt {args.prompt_len} tokens, "
+          f"{args.new_tokens} new tokens, "
           f"{args.threads} threads; 1-minute load {min(loads):.2f}–{max(loads):.2f}")
 
 

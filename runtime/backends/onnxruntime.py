@@ -10,6 +10,7 @@ import onnxruntime as ort
 
 from camshaft.errors import EngineError
 from camshaft.manifest import Manifest
+from camshaft.runtime.backends.huge_pages import load_in_huge_pages
 
 # KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8": np.uint8}
@@ -48,12 +49,12 @@ def session_options(threads: int | None, spin_wait: bool) -> ort.SessionOptions:
 
 class OnnxRuntimeBackend:
     def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
-                 spin_wait: bool = True) -> None:
+                 spin_wait: bool = True, huge_pages: bool = True) -> None:
         check_compatible(manifest)
         options = session_options(threads, spin_wait)
         try:
-            self.session = ort.InferenceSession(str(engine_dir / manifest.artifact), options,
-                                                providers=["CPUExecutionProvider"])
+            self.session, self.huge_page_bytes = load_in_huge_pages(lambda: ort.InferenceSession(
+                str(engine_dir / manifest.artifact), options, providers=["CPUExecutionProvider"]), huge_pages)
         except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
             path = engine_dir / manifest.artifact
             raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc

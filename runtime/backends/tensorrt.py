@@ -94,8 +94,8 @@ class TensorRTBackend:
     """Never run on a GPU (see the module docstring)."""
 
     def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
-                 spin_wait: bool = True) -> None:
-        del threads, spin_wait  # CPU-thread options of the onnxruntime backend; nothing to set here
+                 spin_wait: bool = True, huge_pages: bool = True) -> None:
+        del threads, spin_wait, huge_pages  # CPU options of the onnxruntime backend; nothing to set here
         product = manifest.target
         options = manifest.target_options
         arch = str(options.get("gpu_arch", "(unknown architecture)"))

@@ -1,0 +1,97 @@
+"""Engine memory on transparent huge pages: collapsed after load, contents unchanged, off when asked."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import platform
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from camshaft.runtime.backends.huge_pages import anonymous_regions, available, load_in_huge_pages
+
+MiB = 1 << 20
+PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)  # malloc-like memory (not shared)
+
+
+def _collapse_supported() -> bool:
+    release = tuple(int(p) for p in platform.release().split("-")[0].split(".")[:2] if p.isdigit())
+    return available() and release >= (6, 1)  # MADV_COLLAPSE
+
+
+needs_collapse = pytest.mark.skipif(not _collapse_supported(), reason="needs Linux >= 6.1 with THP not 'never'")
+
+
+def _unadvised(size: int) -> np.ndarray:
+    """Filled anonymous memory nobody advised (like the malloc'd memory onnxruntime prepacks weights into; numpy's
+    own arrays are advised by numpy)."""
+    array = np.frombuffer(mmap.mmap(-1, size, flags=PRIVATE), dtype=np.float32)
+    array[:] = np.arange(len(array), dtype=np.float32)
+    return array
+
+
+def _pages(array: np.ndarray) -> tuple[int, int]:
+    """Resident and huge-page bytes of the regions under an array."""
+    lo, hi = array.ctypes.data, array.ctypes.data + array.nbytes
+    under = [r for r in anonymous_regions() if r.start < hi and lo < r.end]
+    return sum(r.resident for r in under), sum(r.huge for r in under)
+
+
+def test_regions_hold_filled_memory():
+    if sys.platform != "linux":
+        pytest.skip("reads /proc/self/smaps")
+    array = _unadvised(8 * MiB)
+    assert _pages(array)[0] >= array.nbytes
+
+
+@needs_collapse
+def test_load_collapses_what_it_filled_and_keeps_contents():
+    data, huge = load_in_huge_pages(lambda: _unadvised(64 * MiB))
+    assert huge >= 60 * MiB
+    assert _pages(data)[1] >= 60 * MiB
+    np.testing.assert_array_equal(data, np.arange(16 * MiB, dtype=np.float32))
+
+
+@needs_collapse
+def test_disabled_leaves_small_pages():
+    data, huge = load_in_huge_pages(lambda: _unadvised(64 * MiB), enabled=False)
+    assert huge == 0
+    assert _pages(data) == (64 * MiB, 0)
+
+
+@needs_collapse
+def test_empty_regions_are_left_alone():
+    """A region mostly not in memory (a thread stack, a reserved arena) would be filled by collapsing it."""
+    region = mmap.mmap(-1, 64 * MiB, flags=PRIVATE)
+    array = np.frombuffer(region, dtype=np.uint8)
+    _, huge = load_in_huge_pages(lambda: array[: 4 * MiB].fill(1))
+    assert huge == 0
+    assert _pages(array) == (4 * MiB, 0)
+
+
+@needs_collapse
+def test_smollm2_weights_on_huge_pages_same_tokens(smollm2_engine):
+    """In a fresh process (as users load an engine): most of the weights end on huge pages; tokens do not change."""
+    code = (
+        "import json, sys\n"
+        "from camshaft.runtime.session import Session\n"
+        "from camshaft.runtime.sampling_params import SamplingParams\n"
+        "params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)\n"
+        "out = {}\n"
+        "for huge in (True, False):\n"
+        "    s = Session(sys.argv[1], huge_pages=huge)\n"
+        "    ids = s.generate('The capital of France is', params).token_ids\n"
+        "    out[str(huge)] = [s.engine.huge_page_bytes, list(ids)]\n"
+        "    s.close()\n"
+        "print(json.dumps(out))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(smollm2_engine)], capture_output=True, text=True,
+                            timeout=300, check=True)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    weights = (smollm2_engine / "model.onnx.data").stat().st_size
+    assert out["True"][0] >= 0.75 * weights
+    assert out["False"][0] == 0
+    assert out["True"][1] == out["False"][1]

@@ -75,9 +75,12 @@ def _aligned(start: int, end: int) -> tuple[int, int]:
 def load_in_huge_pages(load: Callable[[], T], enabled: bool = True) -> tuple[T, int]:
     """Run `load`, then collapse what it allocated; returns its result and the bytes now on huge pages."""
     madvise = _madvise() if enabled and available() else None
-    if madvise is None:
+    try:
+        before = {r.start: r.end for r in anonymous_regions()} if madvise is not None else None
+    except OSError:  # /proc not readable (a sandbox): leave the pages as they come
+        before = None
+    if madvise is None or before is None:
         return load(), 0
-    before = {r.start: r.end for r in anonymous_regions()}
     value = load()
     grown = [_aligned(r.start, r.end) for r in anonymous_regions()
              if before.get(r.start) != r.end and r.resident >= MIN_RESIDENT * (r.end - r.start)]

@@ -29,7 +29,9 @@ def run(
     from camshaft.runtime.session import Session
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    session = Session(engine)
+    # One prompt, then exit: moving the weights to huge pages (0.2-1.3 s for SmolLM2 fp32) repays itself at 6 % of
+    # each decode step after 200-1300 tokens (both scale with the weights' size; BENCHMARKS.md): only long runs ask.
+    session = Session(engine, huge_pages=max_tokens >= 512)
     messages = None
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

@@ -96,6 +96,7 @@ class TensorRTBackend:
     def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
                  spin_wait: bool = True, huge_pages: bool = True) -> None:
         del threads, spin_wait, huge_pages  # CPU options of the onnxruntime backend; nothing to set here
+        self.huge_page_bytes = 0
         product = manifest.target
         options = manifest.target_options
         arch = str(options.get("gpu_arch", "(unknown architecture)"))

@@ -26,6 +26,7 @@ def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: 
     runs = [session.generate(prompt, params).timings for _ in range(repeats)]
     return {
         "graph": session.graph,
+        "huge_pages_mib": session.huge_page_bytes >> 20,
         "prompt_tokens": prompt_len,
         "new_tokens": new_tokens,
         "ttft_ms": round(statistics.median(t.ttft_s for t in runs) * 1000, 2),

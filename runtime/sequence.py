@@ -149,6 +149,10 @@ class BatchGraphSequence:
     def limits(self):
         return self.engine.limits
 
+    @property
+    def huge_page_bytes(self) -> int:
+        return self.engine.backend.huge_page_bytes
+
     def start(self, total: int) -> None:
         self.blocks = self.engine.pool.allocate(-(-total // self.engine.block_size))
 

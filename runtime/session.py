@@ -53,6 +53,11 @@ class Session:
     def manifest(self):
         return self.engine.manifest
 
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of the loaded engine on transparent huge pages (0: off, or not possible here)."""
+        return self.engine.huge_page_bytes
+
     def encode(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):
             raise RequestError("pass exactly one of a prompt or chat messages")

@@ -144,3 +144,4 @@ def test_bench_latency_reports_the_graph_it_ran(capsys, engine):
     assert code == 0
     report = dict(line.strip().split(": ", 1) for line in out.strip().splitlines())
     assert report["graph"] == "sequence" and report["new_tokens"] == "4" and float(report["decode_tok_s"]) > 0
+    assert int(report["huge_pages_mib"]) >= 0

@@ -5,9 +5,10 @@ weights it prepacks into memory from malloc, which the kernel backs with 4 KiB p
 it cannot be told before the allocation. So after a load, the anonymous memory the load created (or grew) and
 filled is collapsed into 2 MiB pages (`MADV_COLLAPSE`, Linux >= 6.1: synchronous, contents unchanged; SmolLM2's
 530 MB of fp32 weights in 0.1-0.6 s here, 1.2-1.4 s when advised `MADV_HUGEPAGE` first, so they are not). Mostly
-empty regions (thread stacks) are left alone: collapsing fills them. Best effort: where the kernel cannot, nothing
-changes but the speed. A system whose THP mode is "never" is obeyed. (Arrays from numpy, the KV caches among them,
-need none of this: numpy advises its large allocations itself.)
+empty regions (thread stacks) are left alone: collapsing fills them, and so is memory a load reuses in place (a
+process that freed an engine before may put the next one there: it keeps the pages it had, and is not counted).
+Best effort: where the kernel cannot, nothing changes but the speed. A system whose THP mode is "never" is obeyed.
+(Arrays from numpy, the KV caches among them, need none of this: numpy advises its large allocations itself.)
 """
 
 from __future__ import annotations

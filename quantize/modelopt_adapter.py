@@ -205,20 +205,18 @@ class HeadInputs:
 
     def __init__(self, model: Any) -> None:
         self.total: Any = None
-        self.tokens = 0
         self.handle = model.get_output_embeddings().register_forward_hook(self._see)
 
     def _see(self, module: Any, inputs: tuple, output: Any) -> None:
         x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
         total = x.abs().sum(0)
         self.total = total if self.total is None else self.total + total
-        self.tokens += x.shape[0]
 
     def remove(self) -> None:
         self.handle.remove()
 
     def largest(self, count: int) -> list[int]:
-        """The `count` channels with the largest mean |input|, largest first."""
+        """The `count` channels with the largest mean |input| (the same order as the sums), largest first."""
         if self.total is None:
             raise QuantizeError("calibration never ran the output projection; cannot choose the lm_head's float "
                                 "channels (use --lm-head float)")

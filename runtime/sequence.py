@@ -14,8 +14,7 @@ import onnxruntime as ort
 
 from camshaft.errors import CapacityError, EngineError
 from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
-from camshaft.runtime.backends.huge_pages import load_in_huge_pages
-from camshaft.runtime.backends.onnxruntime import check_compatible, session_options
+from camshaft.runtime.backends.onnxruntime import check_compatible, load_session, session_options
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
 
@@ -38,12 +37,8 @@ class SequenceEngine:
         if unknown:
             raise EngineError(f"{self.dir}: the sequence graph takes inputs this camshaft does not produce "
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
-        path = self.dir / self.layout.artifact
-        try:
-            self.session, self.huge_page_bytes = load_in_huge_pages(lambda: ort.InferenceSession(
-                str(path), session_options(threads, spin_wait=True), providers=["CPUExecutionProvider"]), huge_pages)
-        except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
-            raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
+        self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
+                                                          session_options(threads, spin_wait=True), huge_pages)
         self.binding = self.session.io_binding()
         self.tokenizer = load_tokenizer(self.dir)
         self.eos_token_ids = end_ids(m.model, self.tokenizer)

@@ -47,17 +47,22 @@ def session_options(threads: int | None, spin_wait: bool) -> ort.SessionOptions:
     return options
 
 
+def load_session(path: Path, options: ort.SessionOptions, huge_pages: bool) -> tuple[ort.InferenceSession, int]:
+    """An engine graph on the CPU provider, its weights on huge pages when asked (bytes that are); a corrupt file is
+    an EngineError that says to rebuild."""
+    try:
+        return load_in_huge_pages(lambda: ort.InferenceSession(str(path), options,
+                                                               providers=["CPUExecutionProvider"]), huge_pages)
+    except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
+        raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
+
+
 class OnnxRuntimeBackend:
     def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
                  spin_wait: bool = True, huge_pages: bool = True) -> None:
         check_compatible(manifest)
-        options = session_options(threads, spin_wait)
-        try:
-            self.session, self.huge_page_bytes = load_in_huge_pages(lambda: ort.InferenceSession(
-                str(engine_dir / manifest.artifact), options, providers=["CPUExecutionProvider"]), huge_pages)
-        except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
-            path = engine_dir / manifest.artifact
-            raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
+        self.session, self.huge_page_bytes = load_session(engine_dir / manifest.artifact,
+                                                          session_options(threads, spin_wait), huge_pages)
         kv = manifest.kv_cache
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
         self.num_blocks = num_blocks

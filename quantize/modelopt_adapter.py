@@ -101,12 +101,14 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     t = time.perf_counter()
     desc = f"calibrating {spec.format}" + (f" (group {group_size})" if group_size else "")
     progress(f"{desc} on {calib.num_samples} x {calib.seq_len} tokens from {source}")
-    head_inputs = HeadInputs(model)
+    float_channels = LM_HEAD_FLOAT_CHANNELS[spec.lm_head]
+    head_inputs = HeadInputs(model) if float_channels else None
     try:
         with torch.inference_mode(False), torch.no_grad():
             mtq.quantize(model, cfg, forward_loop=calibration_loop(calib, desc, progress_bar))
     finally:
-        head_inputs.remove()
+        if head_inputs is not None:
+            head_inputs.remove()
     timings["calibrate"] = round(time.perf_counter() - t, 2)
     # The export's first step, done here so `on_quantized` sees the model the checkpoint holds: layers sharing an
     # input get one pre_quant_scale (AWQ: folded into the norm before them) and input scale, and are requantized.
@@ -144,8 +146,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             "format": spec.format, "kv_cache_dtype": spec.kv_cache_dtype, "group_size": group_size,
             "exclude": list(spec.exclude), "modelopt_config": spec.info.modelopt_config,
             "algorithm": cfg.get("algorithm"), "lm_head": spec.lm_head,
-            **({"lm_head_float_channels": head_inputs.largest(LM_HEAD_FLOAT_CHANNELS[spec.lm_head])}
-               if LM_HEAD_FLOAT_CHANNELS[spec.lm_head] else {}),
+            **({"lm_head_float_channels": head_inputs.largest(float_channels)} if head_inputs else {}),
             "calibration": {"source": source, "samples": calib.num_samples, "seq_len": calib.seq_len},
             "seconds": timings, "tools": _tool_versions(),
         }

@@ -6,6 +6,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from camshaft.errors import CamshaftError
 
@@ -21,16 +22,14 @@ err = Console(stderr=True)
 
 
 def progress(message: str) -> None:
-    err.print(f"[dim]·[/dim] {message}")
-
-
+    err.print(f"[dim]·[/dim] {escape(message)}")
 
 
 def main() -> None:
     try:
         app()
     except CamshaftError as exc:
-        err.print(f"[bold red]error:[/bold red] {exc}")
+        err.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("interrupted")

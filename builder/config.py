@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from camshaft.errors import BuildConfigError
+from camshaft.manifest import TARGETS
 
-TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The first is the target's default. TensorRT: float16 or bfloat16 (sm80+, targets/precision.py) base precision.
 TARGET_DTYPES = {"onnxruntime": ("float32",), "tensorrt": ("float16", "bfloat16"),

@@ -13,12 +13,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from camshaft.errors import EngineError
+from camshaft.errors import CamshaftError, EngineError
 from camshaft.model_config import ModelConfig
 from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __version__
 
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
+TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
+
+
+def check_positive_ints(owner: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{type(owner).__name__}.{name} must be a positive integer, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,9 @@ class BuildLimits:
     max_seq_len: int
     max_num_tokens: int
     kv_block_size: int
+
+    def __post_init__(self) -> None:
+        check_positive_ints(self, ("max_batch_size", "max_seq_len", "max_num_tokens", "kv_block_size"))
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -113,6 +124,9 @@ class KVCacheLayout(CacheTensors):
     block_size: int
     layout: str = "num_blocks,block_size,num_kv_heads*head_dim"
 
+    def __post_init__(self) -> None:
+        check_positive_ints(self, ("num_kv_heads", "head_dim", "block_size"))
+
     def bytes_per_block(self, itemsize: int) -> int:
         return self.block_size * self.bytes_per_token(itemsize)
 
@@ -155,6 +169,17 @@ class Manifest:
     camshaft_version: str = __version__
     complete: bool = True
 
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"target {self.target!r} is none of {', '.join(TARGETS)}")
+        if self.kv_cache.block_size != self.limits.kv_block_size:
+            raise ValueError(f"the KV cache's block size {self.kv_cache.block_size} differs from the limits' "
+                             f"{self.limits.kv_block_size}")
+        artifacts = [self.artifact] + ([self.sequence_graph.artifact] if self.sequence_graph else [])
+        unlisted = [a for a in artifacts if a not in self.files]
+        if unlisted:
+            raise ValueError(f"the artifact(s) {', '.join(unlisted)} are not among the engine's files")
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
 
@@ -177,6 +202,8 @@ class Manifest:
 def read_manifest(engine_dir: str | Path) -> Manifest:
     """Read and validate an engine directory's manifest; every failure is an EngineError saying what to do."""
     engine_dir = Path(engine_dir)
+    if engine_dir.exists() and not engine_dir.is_dir():
+        raise EngineError(f"{engine_dir} is a file; an engine is the directory `camshaft build --output` wrote")
     if not engine_dir.is_dir():
         raise EngineError(f"engine directory {engine_dir} does not exist; build one with `camshaft build`")
     path = engine_dir / MANIFEST_NAME
@@ -202,7 +229,7 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
         raise EngineError(f"{engine_dir}: the build never finished; rebuild it with `camshaft build`")
     try:
         manifest = Manifest.from_dict(raw)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, CamshaftError) as exc:
         raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {exc}); rebuild the engine") from exc
     for name, size in manifest.files.items():
         file = engine_dir / name

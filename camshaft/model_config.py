@@ -76,6 +76,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"{name} must be a positive integer, not {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
@@ -108,12 +113,9 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{path} not found: a Hugging Face checkpoint directory needs a config.json")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+        hf = read_json_object(path)
         gen_path = Path(model_dir) / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        gen = read_json_object(gen_path) if gen_path.is_file() else {}
         return cls.from_hf(hf, gen, source=str(path))
 
     @classmethod
@@ -215,3 +217,14 @@ def _attention_layout(hf: dict[str, Any], arch: str, layers: int, source: str) -
         first_full = int(hf.get("max_window_layers", layers))
         return int(window), tuple("full" if i < first_full else "sliding" for i in range(layers))
     return int(window), ("sliding",) * layers
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); restore it from the original checkpoint") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object; restore it from the original "
+                              "checkpoint")
+    return data

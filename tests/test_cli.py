@@ -104,6 +104,17 @@ def test_pickle_only_checkpoint_is_refused(tiny, tmp_path, capsys):
     assert code == 1 and "pickle" in err and "safetensors" in err
 
 
+def test_corrupt_generation_config_is_named(tiny, tmp_path, capsys):
+    import shutil
+
+    _, model = tiny
+    broken = tmp_path / "hf"
+    shutil.copytree(model, broken)
+    (broken / "generation_config.json").write_text("{")
+    code, _, err = camshaft(capsys, "build", "--model", broken, "--output", tmp_path / "out")
+    assert code == 1 and "generation_config.json is not valid JSON" in err and "Traceback" not in err
+
+
 def test_build_quant_is_quantize_then_build_in_one_step(tiny, capsys):
     root, model = tiny
     out = root / "int8-engine"

@@ -101,6 +101,36 @@ def test_corrupt_manifest(copy):
         Engine(copy)
 
 
+MANIFEST_EDITS = {
+    "max_seq_len a string": (("limits", "max_seq_len"), "abc", "max_seq_len must be a positive integer"),
+    "max_seq_len negative": (("limits", "max_seq_len"), -5, "max_seq_len must be a positive integer"),
+    "hidden_size zero": (("model", "hidden_size"), 0, "hidden_size must be a positive integer"),
+    "unknown target": (("target",), "tpu", "target 'tpu' is none of"),
+    "artifact not among the files": (("artifact",), "other.onnx", "other.onnx are not among"),
+    "block sizes disagree": (("kv_cache", "block_size"), 4, "block size 4 differs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MANIFEST_EDITS))
+def test_a_manifest_with_wrong_values_is_corrupt(copy, case):
+    keys, value, needle = MANIFEST_EDITS[case]
+    raw = json.loads((copy / "manifest.json").read_text())
+    node = raw
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match="corrupt") as info:
+        Session(copy)
+    assert needle in str(info.value) and "rebuild" in str(info.value)
+
+
+def test_a_file_is_not_an_engine_dir(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(EngineError, match="is a file"):
+        Session(tmp_path / "afile")
+
+
 def test_missing_manifest_means_unfinished_build(copy):
     (copy / "manifest.json").unlink()
     with pytest.raises(EngineError, match="never finished"):

@@ -22,14 +22,14 @@ err = Console(stderr=True)
 
 
 def progress(message: str) -> None:
-    err.print(f"[dim]·[/dim] {escape(message)}")
+    err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
 
 
 def main() -> None:
     try:
         app()
     except CamshaftError as exc:
-        err.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
+        err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -18,10 +18,11 @@ _TRIM_AFTER = 64  # drop tokens before the window once this many have piled up
 class TextStream:
     """Turns generated token ids into text deltas that are safe to show: never half a UTF-8 character, never the
     start of a stop string that may still complete. After a stop string the text is cut at its first occurrence
-    (the one that ends first; kept only with include_stop) and later tokens are ignored."""
+    (the one that ends first; kept only with include_stop) and later tokens are ignored. Stop strings are not
+    looked for before `min_tokens` tokens were appended (vLLM's meaning: text wholly before then is kept)."""
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: tuple[str, ...] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         backend = tokenizer.backend_tokenizer
         self._decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
         self._stops = tuple(s for s in stop if s)
@@ -37,6 +38,8 @@ class TextStream:
         self._text = ""  # emitted text
         self._matched: str | None = None
         self._done = False
+        self._min_tokens = min_tokens
+        self._appended = 0
 
     @property
     def text(self) -> str:
@@ -56,6 +59,7 @@ class TextStream:
         """Add one generated token; return the newly safe text (often empty). Ignored once stopped or finished."""
         if self._done:
             return ""
+        self._appended += 1
         self._ids.append(token_id)
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
@@ -79,7 +83,7 @@ class TextStream:
     def _release(self, delta: str, final: bool) -> str:
         pending = self._pending + delta
         searched_from = max(0, len(self._pending) - max((len(s) for s in self._stops), default=0) + 1)
-        cut = self._first_stop(pending, searched_from)
+        cut = self._first_stop(pending, searched_from) if self._appended >= self._min_tokens else None
         if cut is not None:
             self._done = True
             safe = pending[:cut]

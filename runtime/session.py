@@ -62,8 +62,7 @@ class Session:
         if (prompt is None) == (messages is None):
             raise RequestError("pass exactly one of a prompt or chat messages")
         if messages is not None:
-            if not messages:
-                raise RequestError("chat messages are empty; pass at least one {'role': ..., 'content': ...}")
+            check_messages(messages)
             if self.tokenizer.chat_template is None:
                 raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt instead")
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -86,7 +85,11 @@ class Session:
         unknown = set(overrides) - _PARAM_NAMES
         if unknown:
             raise RequestError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(_PARAM_NAMES)}")
-        return replace(params or SamplingParams(), **overrides)
+        params = replace(params or SamplingParams(), **overrides)
+        if params.n > 1:
+            raise RequestError(f"a Session gives one output per request (n={params.n}); for several outputs of one "
+                               "prompt use camshaft.LLM(engine_dir).generate(prompt, SamplingParams(n=...))")
+        return params
 
     def _request(self, ids: list[int], params: SamplingParams) -> Request:
         limit = self.manifest.limits.max_seq_len
@@ -103,7 +106,8 @@ class Session:
         engine = self.engine
         sampler = SequenceSampler(params, ids, engine.eos_token_ids,
                                   tokenize_bad_words(self.tokenizer, params.bad_words), self.manifest.model.vocab_size)
-        text = TextStream(self.tokenizer, ids, params.stop, include_stop=params.include_stop_str_in_output)
+        text = TextStream(self.tokenizer, ids, params.stop, include_stop=params.include_stop_str_in_output,
+                          min_tokens=params.min_tokens)
         return Request(str(next(self._ids)), ids, params, sampler, text, engine.eos_token_ids)
 
     def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
@@ -145,3 +149,15 @@ class Session:
                 request.num_computed += 1
         finally:
             engine.finish()
+
+
+def check_messages(messages: list[dict[str, str]]) -> None:
+    if not messages:
+        raise RequestError("chat messages are empty; pass at least one {'role': ..., 'content': ...}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise RequestError(f"chat message {i} is {message!r}; each message is a dict with a 'role' and a "
+                               "'content' string")
+    if not any(m["content"].strip() for m in messages):
+        raise RequestError("every chat message's content is empty; pass some text")

@@ -68,6 +68,7 @@ def test_run_streams_the_same_text_as_generate(engine, capsys):
 
 BAD_RUNS = {
     "empty prompt": (["--prompt", ""], "prompt is empty"),
+    "empty chat prompt": (["--prompt", "", "--chat"], "content is empty"),
     "prompt too long": (["--prompt", "x" * 200], "allows 64 tokens"),
     "max_tokens zero": (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
     "negative temperature": (["--prompt", "hi", "--temperature", "-1"], "temperature"),

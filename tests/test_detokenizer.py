@@ -188,3 +188,15 @@ def test_random_real_text_never_emits_broken_characters(tokenizer, seed):
     stream, deltas = _stream(tokenizer, [], ids, stop=stops)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == _expected(tokenizer, ids, stops)
+
+
+def test_stop_strings_are_not_looked_for_before_min_tokens(tokenizer):
+    ids = tokenizer.encode("a. b. c. d", add_special_tokens=False)
+    text = tokenizer.decode(ids)
+    dots = [i for i in range(1, len(ids) + 1) if tokenizer.decode(ids[:i]).count(".") == 2]
+    min_tokens = dots[0]  # the token that completes the second "."
+    stream, deltas = _stream(tokenizer, [], ids, stop=(".",), min_tokens=min_tokens)
+    assert stream.matched_stop == "."
+    assert "".join(deltas) == stream.text == text[: text.index(".", text.index(".") + 1)]
+    stream, _ = _stream(tokenizer, [], ids, stop=(".",), min_tokens=len(ids) + 1)
+    assert not stream.stopped and stream.text == text

@@ -99,6 +99,15 @@ def test_stop_string_cuts_exactly_when_streaming_too(session):
     assert kept.text == cut + stop
 
 
+def test_min_tokens_holds_back_stop_strings(session):
+    free = session.generate("xyz", max_tokens=40, ignore_eos=True)
+    stop = free.text[5:8]
+    first = session.generate("xyz", max_tokens=40, ignore_eos=True, stop=[stop])
+    later = session.generate("xyz", max_tokens=40, ignore_eos=True, stop=[stop], min_tokens=len(first.token_ids) + 1)
+    assert later.text.startswith(first.text + stop)  # the first occurrence, before min_tokens, is kept
+    assert len(later.token_ids) > len(first.token_ids)
+
+
 def test_stop_token_ids_and_eos(session):
     free = session.generate("q", max_tokens=30, ignore_eos=True)
     target = free.token_ids[10]
@@ -145,6 +154,12 @@ def test_limits(session):
         session.generate()
     with pytest.raises(RequestError, match="token ids"):
         session.generate([10**6])
+    with pytest.raises(RequestError, match="one output per request"):
+        session.generate("hello", n=2, temperature=1.0)
+    with pytest.raises(RequestError, match="'role' and a 'content'"):
+        session.chat([{"content": "hi"}])
+    with pytest.raises(RequestError, match="content is empty"):
+        session.chat([{"role": "user", "content": " "}])
     if session.graph == "batch":
         pool = session.engine.engine.pool
         assert pool.num_free == pool.capacity  # failed requests hold no blocks

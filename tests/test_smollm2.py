@@ -8,6 +8,7 @@ import torch
 
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.session import Session
 
 pytestmark = pytest.mark.slow
 
@@ -57,17 +58,41 @@ def engine_greedy(engine: Engine, ids: list[int], steps: int) -> list[int]:
         engine.pool.free(blocks)
 
 
-@pytest.mark.parametrize("messages", PROMPTS, ids=["france", "haiku", "primes", "code"])
-def test_greedy_tokens_equal_transformers(smollm2_engine, smollm2_reference, messages):
-    engine = Engine(smollm2_engine)
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
-    expected, margins = reference_greedy(smollm2_reference, ids, 64)
-    actual = engine_greedy(engine, ids, 64)
+@pytest.fixture(scope="module")
+def references(smollm2_engine, smollm2_reference) -> dict[int, tuple[list[int], list[int], list[float]]]:
+    """Per prompt: its ids, transformers' 64 greedy tokens and their top-2 margins."""
+    session = Session(smollm2_engine, graph="sequence")
+    out = {}
+    for i, messages in enumerate(PROMPTS):
+        ids = session.encode(messages=messages)
+        out[i] = (ids, *reference_greedy(smollm2_reference, ids, 64))
+    session.close()
+    return out
+
+
+def assert_same_greedy(actual: list[int], expected: list[int], margins: list[float]) -> None:
     for step, (a, e) in enumerate(zip(actual, expected, strict=True)):
         if a != e:
             assert margins[step] < 1e-4, f"diverged at step {step} where transformers' top-2 margin is {margins[step]}"
             break
+
+
+@pytest.mark.parametrize("prompt", range(len(PROMPTS)), ids=["france", "haiku", "primes", "code"])
+def test_greedy_tokens_equal_transformers(smollm2_engine, references, prompt):
+    ids, expected, margins = references[prompt]
+    assert_same_greedy(engine_greedy(Engine(smollm2_engine), ids, 64), expected, margins)
+
+
+def test_session_greedy_tokens_equal_transformers(smollm2_engine, references):
+    """The path `camshaft run` and Session take: the sequence graph, through generate (chat encoding included)."""
+    session = Session(smollm2_engine)
+    assert session.graph == "sequence"
+    for prompt, messages in enumerate(PROMPTS):
+        ids, expected, margins = references[prompt]
+        result = session.chat(messages, max_tokens=64, ignore_eos=True)
+        assert result.prompt_token_ids == ids
+        assert_same_greedy(result.token_ids, expected, margins)
+    session.close()
 
 
 def test_perplexity_equals_transformers(smollm2_engine, smollm2_reference):

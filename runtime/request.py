@@ -50,6 +50,8 @@ class Request:
     samples: list[SampleResult] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
+    priority: int = 0  # lower runs first (vLLM's meaning); ties: first come, first served
+    queue_order: int = 0  # set by the scheduler when the request arrives
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

@@ -2,13 +2,18 @@
 
 One rule per step: every running request advances its computed tokens toward its total (prompt + output so
 far) under a token budget and a batch limit. Decodes (one token to go) come first so a long prompt, fed in
-chunks with whatever budget is left, never stalls them; waiting requests are admitted first come, first served
-while KV blocks allow. The scheduler owns the block manager.
+chunks with whatever budget is left, never stalls them; waiting requests are admitted by priority (lower first),
+then first come, first served, while KV blocks allow. Under max_utilization a full pool preempts the lowest-priority,
+newest running request. The scheduler owns the block manager.
+
+`kv_reservation`: "paged" takes blocks as a request grows; "contiguous" reserves max_seq_len tokens of blocks per
+request at admission, as a cache with one contiguous region per request would (the memory benchmark's baseline).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from dataclasses import dataclass
 
 from camshaft.errors import CapacityError, RequestError
@@ -17,6 +22,7 @@ from camshaft.runtime.block_manager import BlockManager
 from camshaft.runtime.request import Request
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
+RESERVATIONS = ("paged", "contiguous")
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class SchedulerConfig:
     max_num_tokens: int
     max_seq_len: int
     policy: str = "guaranteed_no_evict"
+    kv_reservation: str = "paged"
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_batch_size", "max_num_tokens", "max_seq_len"):
@@ -35,6 +42,8 @@ class SchedulerConfig:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
         if self.policy not in POLICIES:
             raise RequestError(f"unknown capacity policy {self.policy!r}; use one of {POLICIES}")
+        if self.kv_reservation not in RESERVATIONS:
+            raise RequestError(f"unknown KV reservation {self.kv_reservation!r}; use one of {RESERVATIONS}")
         if self.num_blocks < 2:
             raise CapacityError(f"a KV pool needs at least 2 blocks (one is the null block), got {self.num_blocks}")
 
@@ -53,20 +62,27 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # sorted by queue_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _total_blocks(self, request: Request) -> int:
+        if self.config.kv_reservation == "contiguous":
+            return self.blocks.blocks_for(self.config.max_seq_len)
         return self.blocks.blocks_for(len(request.prompt_ids) + request.params.max_tokens)
 
     def add(self, request: Request) -> None:
         self.check(request)
-        self.waiting.append(request)
+        request.queue_order = next(self._arrivals)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=queue_key)
 
     def check(self, request: Request) -> None:
         """Refuse a request that could never fit the engine or the KV pool, rather than leave it waiting forever."""
@@ -97,7 +113,7 @@ class Scheduler:
             request = self.waiting[0]
             if not self._admit(request):
                 break
-            self.running.append(self.waiting.popleft())
+            self.running.append(self.waiting.pop(0))
             scheduled.append(self._chunk(request, min(request.num_tokens - request.num_computed, budget)))
             budget -= len(scheduled[-1].chunk.token_ids)
         return scheduled
@@ -114,7 +130,7 @@ class Scheduler:
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids
         reused = self.blocks.cached_prefix(tokens)
-        if self.config.policy == "guaranteed_no_evict":
+        if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
             wanted = self._total_blocks(request)
         else:
             wanted = self.blocks.blocks_for(len(tokens))
@@ -125,12 +141,12 @@ class Scheduler:
         return True
 
     def _grow(self, request: Request) -> bool:
-        """Make room for the request's next token, preempting the newest running requests if the pool is full.
-        False if the request itself had to be preempted."""
+        """Make room for the request's next token, preempting the lowest-priority, newest running requests if the
+        pool is full. False if the request itself had to be preempted."""
         if self.blocks.blocks_for(request.num_computed + 1) <= len(request.blocks):
             return True
         while self.blocks.num_free == 0:
-            victim = self.running[-1]
+            victim = max(self.running, key=queue_key)
             self.preempt(victim)
             if victim is request:
                 return False
@@ -138,12 +154,13 @@ class Scheduler:
         return True
 
     def preempt(self, request: Request) -> None:
-        """Free the request's blocks and requeue it first in line; it recomputes prompt + output when readmitted."""
+        """Free the request's blocks and requeue it in its place (before any later arrival of its priority); it
+        recomputes prompt + output when readmitted."""
         self.running.remove(request)
         self.blocks.free(request.blocks)
         request.blocks = []
         request.num_computed = 0
-        self.waiting.appendleft(request)
+        self._enqueue(request)
         self.num_preemptions += 1
 
     def computed(self, scheduled: list[Scheduled]) -> None:
@@ -163,3 +180,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.free(request.blocks)
         request.blocks = []
+
+
+def queue_key(request: Request) -> tuple[int, int]:
+    return request.priority, request.queue_order

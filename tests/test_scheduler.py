@@ -13,8 +13,21 @@ from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import Scheduler, SchedulerConfig
 
 
-def make_request(name: str, prompt: list[int], max_tokens: int) -> Request:
-    return Request(name, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, None, ())
+def make_request(name: str, prompt: list[int], max_tokens: int, priority: int = 0) -> Request:
+    return Request(name, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, None, (),
+                   priority=priority)
+
+
+class RecordingScheduler(Scheduler):
+    """Records which requests were preempted, in order."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.preempted: list[str] = []
+
+    def preempt(self, request: Request) -> None:
+        self.preempted.append(request.request_id)
+        super().preempt(request)
 
 
 def next_token(request: Request) -> int:
@@ -114,12 +127,41 @@ def test_guaranteed_no_evict_reserves_prompt_plus_max_tokens():
 
 
 def test_max_utilization_preempts_the_newest_and_recomputes_it():
-    scheduler = Scheduler(config(num_blocks=9, policy="max_utilization"))  # 8 usable blocks
+    scheduler = RecordingScheduler(config(num_blocks=9, policy="max_utilization"))  # 8 usable blocks
     old, new = make_request("old", [1] * 8, 20), make_request("new", [2] * 8, 20)  # 7 blocks each at the end
     run(scheduler, [old, new])
-    assert scheduler.num_preemptions > 0
+    assert scheduler.num_preemptions > 0 and set(scheduler.preempted) == {"new"}
     assert old.output_ids == reference_output(old.prompt_ids, 20)
     assert new.output_ids == reference_output(new.prompt_ids, 20)
+
+
+def test_priority_orders_admission_and_chooses_the_preempted():
+    scheduler = RecordingScheduler(config(num_blocks=9, policy="max_utilization", max_batch_size=2))
+    low = make_request("low", [1] * 8, 20, priority=1)  # arrives first
+    high = make_request("high", [2] * 8, 20, priority=0)
+    late = make_request("late", [3] * 4, 2, priority=0)
+    for request in (low, high, late):
+        scheduler.add(request)
+    scheduler.schedule()
+    assert [r.request_id for r in scheduler.running] == ["high", "late"]  # lower priority value first
+    run(scheduler, [])
+    assert scheduler.num_preemptions > 0 and set(scheduler.preempted) == {"low"}  # never the higher priority
+    for request in (low, high, late):
+        assert request.output_ids == reference_output(request.prompt_ids, request.params.max_tokens)
+
+
+@pytest.mark.parametrize("reservation", ["paged", "contiguous"])
+def test_contiguous_reservation_holds_max_seq_len_per_request(reservation):
+    # 32 usable blocks of 4 tokens; max_seq_len 32 = 8 blocks: a contiguous reservation admits at most 4
+    scheduler = Scheduler(config(num_blocks=33, max_seq_len=32, max_batch_size=16, max_num_tokens=64,
+                                 kv_reservation=reservation))
+    requests = [make_request(f"r{i}", [i + 1] * 6, 4) for i in range(12)]  # 10 tokens = 3 blocks each
+    steps = run(scheduler, requests)
+    peak = max(len({item.request.request_id for item in step}) for step in steps)
+    assert peak == (4 if reservation == "contiguous" else 10)  # paged: 32 // 3 blocks
+    for request in requests:
+        assert request.output_ids == reference_output(request.prompt_ids, 4)
+    assert scheduler.blocks.num_used == 0
 
 
 def test_prefix_blocks_are_reused_and_only_new_tokens_scheduled():
@@ -180,3 +222,11 @@ def test_config_is_validated():
         config(policy="fastest")
     with pytest.raises(RequestError, match="max_batch_size"):
         config(max_batch_size=0)
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [("policy", "fastest", "unknown capacity policy"),
+                                                        ("kv_reservation", "static", "unknown KV reservation"),
+                                                        ("max_batch_size", 0, "max_batch_size must be")])
+def test_a_bad_scheduler_config_is_refused(field, value, needle):
+    with pytest.raises(RequestError, match=needle):
+        config(**{field: value})

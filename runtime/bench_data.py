@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +49,23 @@ class Distribution:
 class BenchRequest:
     prompt_ids: list[int]
     max_tokens: int
+    asked: tuple[int, int] | None = field(default=None, compare=False)  # (prompt, output) lengths before clipping
+
+
+def clipped_requests(requests: list[BenchRequest], max_seq_len: int) -> dict | None:
+    """How many requests were clipped to fit max_seq_len and to what (token totals over those), or None."""
+    clipped = [r for r in requests if r.asked is not None]
+    if not clipped:
+        return None
+    prompt = {"asked": sum(r.asked[0] for r in clipped), "run": sum(len(r.prompt_ids) for r in clipped)}
+    output = {"asked": sum(r.asked[1] for r in clipped), "run": sum(r.max_tokens for r in clipped)}
+    return {"count": len(clipped), "of": len(requests), "max_seq_len": max_seq_len, "prompt_tokens": prompt,
+            "output_tokens": output}
+
+
+def _request(prompt_ids: list[int], max_tokens: int, asked_prompt: int, asked_output: int) -> BenchRequest:
+    changed = (len(prompt_ids), max_tokens) != (asked_prompt, asked_output)
+    return BenchRequest(prompt_ids, max_tokens, (asked_prompt, asked_output) if changed else None)
 
 
 @dataclass(frozen=True)
@@ -127,7 +144,8 @@ def parse_dataset_spec(spec: str) -> DatasetSpec:
 
 def load_dataset(spec: str | DatasetSpec, num_requests: int, *, max_seq_len: int, vocab_size: int, seed: int = 0,
                  tokenizer=None) -> list[BenchRequest]:
-    """`num_requests` requests; lengths clipped so prompt >= 1, output >= 1 and prompt + output <= max_seq_len."""
+    """`num_requests` requests; lengths clipped so prompt >= 1, output >= 1 and prompt + output <= max_seq_len
+    (a clipped request keeps what it asked for in `asked`: see clipped_requests)."""
     if num_requests < 1:
         raise RequestError(f"num_requests must be >= 1, got {num_requests}")
     if max_seq_len < 2:
@@ -136,12 +154,14 @@ def load_dataset(spec: str | DatasetSpec, num_requests: int, *, max_seq_len: int
     if spec.kind == "jsonl":
         return _load_jsonl(spec.path, num_requests, max_seq_len, vocab_size, tokenizer)
     rng = np.random.default_rng(seed)
-    prompt_lens = np.clip(spec.prompt_len.sample(rng, num_requests), 1, max_seq_len - 1)
-    output_lens = np.clip(spec.output_len.sample(rng, num_requests), 1, max_seq_len - prompt_lens)
+    asked_prompt = np.maximum(spec.prompt_len.sample(rng, num_requests), 1)
+    asked_output = np.maximum(spec.output_len.sample(rng, num_requests), 1)
+    prompt_lens = np.minimum(asked_prompt, max_seq_len - 1)
+    output_lens = np.minimum(asked_output, max_seq_len - prompt_lens)
     high = min(vocab_size, 30000)
     low = 100 if high > 200 else 0
-    return [BenchRequest(rng.integers(low, high, int(p)).tolist(), int(o))
-            for p, o in zip(prompt_lens, output_lens, strict=True)]
+    return [_request(rng.integers(low, high, int(p)).tolist(), int(o), int(ap), int(ao))
+            for p, o, ap, ao in zip(prompt_lens, output_lens, asked_prompt, asked_output, strict=True)]
 
 
 def read_jsonl_requests(path: Path) -> list[tuple[str | list, int]]:
@@ -174,8 +194,8 @@ def _load_jsonl(path: Path, num_requests: int, max_seq_len: int, vocab_size: int
             ids = list(prompt)
         else:
             raise RequestError(f"{path}: prompt must be text or token ids in [0, {vocab_size}), got {prompt!r:.80}")
-        ids = ids[-(max_seq_len - 1):]  # keep the end of a prompt that is too long
-        rows.append(BenchRequest(ids, min(max_tokens, max_seq_len - len(ids))))
+        kept = ids[-(max_seq_len - 1):]  # keep the end of a prompt that is too long
+        rows.append(_request(kept, min(max_tokens, max_seq_len - len(kept)), len(ids), max_tokens))
     return [rows[i % len(rows)] for i in range(num_requests)]
 
 

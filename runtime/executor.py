@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from camshaft.errors import ServerBusyError, ServerClosedError
+from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.request import GenerationResult, Request
 from camshaft.runtime.sampler import SampleResult, sample_batch
@@ -72,14 +72,18 @@ class Load:
         return self.kv_blocks_used / self.kv_blocks_total
 
 
+def check_max_queue(max_queue: int | None) -> None:
+    if max_queue is not None and (type(max_queue) is not int or max_queue < 0):
+        raise RequestError(f"max_queue must be an integer >= 0, or None for no limit; got {max_queue!r}")
+
+
 class Executor:
     def __init__(self, engine: Engine, config: SchedulerConfig, *, max_queue: int | None = None,
                  stats_window: int = 100_000, admit_window_s: float = ADMIT_WINDOW_S) -> None:
         """max_queue bounds the requests that wait beyond a full running batch; past it submit raises
         ServerBusyError. None: unbounded. admit_window_s: after a step that finished requests, with none
         waiting, how long the loop waits for new ones before it schedules the next step (0: not at all)."""
-        if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 0):
-            raise ValueError(f"max_queue must be a non-negative integer or None, got {max_queue!r}")
+        check_max_queue(max_queue)
         self.engine = engine
         self.max_queue = max_queue
         self.admit_window_s = admit_window_s
@@ -99,19 +103,21 @@ class Executor:
 
     def submit(self, group: list[Request], sinks: list[Sink]) -> None:
         """Queue requests that share a prompt (n > 1 outputs): the first computes the prompt, the others start once
-        its full blocks are cached and reuse them. Raises CapacityError at once for a request that can never fit."""
+        its full blocks are cached and reuse them. Raises at once: CapacityError for a request that can never fit,
+        RequestError for more outputs than max_batch_size + max_queue, ServerBusyError while the queue is full."""
         for request in group:
             self.scheduler.check(request)
+        batch, limit = self.scheduler.config.max_batch_size, self.max_queue
+        if limit is not None and len(group) > batch + limit:
+            raise RequestError(f"n={len(group)} outputs can never be queued: at most {batch + limit} requests fit in "
+                               f"flight (max_batch_size {batch} + max_queue {limit}); lower n or raise max_queue")
         with self._wake:
             if self._closed:
                 raise ServerClosedError("the batch loop has stopped; create a new LLM (or restart the server)")
-            if self.max_queue is not None:
-                limit = self.scheduler.config.max_batch_size + self.max_queue
-                if len(self._sinks) + len(group) > limit:
-                    raise ServerBusyError(
-                        f"server busy: {len(self._sinks)} requests in flight and the queue holds at most "
-                        f"{self.max_queue} beyond a running batch of {self.scheduler.config.max_batch_size}; "
-                        "retry later or raise the queue limit")
+            if limit is not None and len(self._sinks) + len(group) > batch + limit:
+                raise ServerBusyError(f"server busy: {len(self._sinks)} requests in flight and the queue holds at "
+                                      f"most {limit} beyond a running batch of {batch}; retry later or raise the "
+                                      "queue limit")
             for request, sink in zip(group, sinks, strict=True):
                 self._sinks[request.request_id] = sink
             self._inbox.append(group)

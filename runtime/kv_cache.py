@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from camshaft.errors import CapacityError
+import numbers
+import re
+
+from camshaft.errors import CapacityError, RequestError
 from camshaft.manifest import Manifest
 
 NULL_BLOCK = 0
@@ -13,39 +16,55 @@ def bytes_per_block(manifest: Manifest) -> int:
     return manifest.kv_cache.bytes_per_block(itemsize)
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_MEMORY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*([A-Za-z]*)")
+MEMORY_HELP = ("bytes as an integer, optionally with a unit (512MiB, 2GB, 1000000), or a fraction of the memory "
+               "available now as a number with a decimal point in (0, 1] (0.3, 1.0)")
 
 
-def parse_memory(spec: str | int | None) -> int | None:
-    """A KV cache budget: bytes with an optional unit ("512MiB", "2GB", "1000000"), or a fraction of the memory
-    available now ("0.3"). None stays None (size the pool from the engine limits)."""
-    if spec is None or isinstance(spec, int):
-        return spec
-    text = spec.strip().upper().replace(" ", "")
-    number = text.rstrip("KMGIB")
-    unit = text[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or value <= 0:
-        raise CapacityError(f"cannot read the memory size {spec!r}; use bytes with a unit (512MiB, 2GB) or a fraction "
-                            "of available memory (0.3)")
-    if not unit and value < 1:
+def parse_memory(spec: str | int | float | None) -> int | None:
+    """A KV cache budget in bytes. An integer is bytes ("1000000", 1000000), also with a unit ("512MiB", "2GB");
+    a float or a number with a decimal point or exponent is a fraction of the memory available now and must be in
+    (0, 1] ("0.3", 0.3). None stays None (the pool is sized from the engine limits)."""
+    if spec is None:
+        return None
+    if isinstance(spec, bool) or not isinstance(spec, (str, numbers.Real)):
+        raise RequestError(f"kv_cache_memory must be {MEMORY_HELP}; got {spec!r}")
+    if isinstance(spec, numbers.Integral):
+        value, fraction, unit = int(spec), False, "B"
+    elif isinstance(spec, numbers.Real):
+        value, fraction, unit = float(spec), True, ""
+    else:
+        match = _MEMORY.fullmatch(spec.strip())
+        unit = match.group(3).upper() if match else ""
+        if not match or (unit and unit not in _UNITS):
+            raise RequestError(f"cannot read the memory size {spec!r}; use {MEMORY_HELP}")
+        number = match.group(1) + (match.group(2) or "")
+        fraction = not unit and not number.isdigit()
+        value = int(number) if number.isdigit() else float(number)
+    if fraction:
+        if not 0 < value <= 1:
+            raise RequestError(f"the memory fraction {spec!r} is not in (0, 1]; use {MEMORY_HELP}")
         import psutil
 
         return int(value * psutil.virtual_memory().available)
-    return int(value * _UNITS[unit])
+    total = int(value * _UNITS[unit or "B"])
+    if total < 1:
+        raise RequestError(f"the memory size {spec!r} is not a positive number of bytes; use {MEMORY_HELP}")
+    return total
 
 
-def pool_blocks(manifest: Manifest, max_sequences: int, memory_bytes: int | None = None) -> int:
-    """Blocks for `max_sequences` full-length sequences, or as many as fit `memory_bytes` (plus the null block)."""
+def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | float | None = None) -> int:
+    """Blocks for `max_sequences` full-length sequences, or as many as fit `memory` (see parse_memory), plus the
+    null block."""
+    memory_bytes = parse_memory(memory)
     if memory_bytes is not None:
         blocks = memory_bytes // bytes_per_block(manifest)
         if blocks < 2:
             raise CapacityError(
                 f"a KV cache budget of {memory_bytes} bytes holds no block ({bytes_per_block(manifest)} bytes each); "
-                "raise the budget"
+                "raise the budget (a fraction of available memory needs a decimal point: 0.5)"
             )
         return int(blocks)
     return max_sequences * manifest.limits.max_blocks_per_seq + 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import numbers
 import queue
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
-from camshaft.runtime.executor import Executor, IterationStats, Load, RequestOutput, Sink
+from camshaft.runtime.executor import Executor, IterationStats, Load, RequestOutput, Sink, check_max_queue
+from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.request import GenerationResult, Request
 from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
@@ -41,24 +43,26 @@ class PromptOutput:
 class LLM:
     def __init__(self, engine_dir: str | Path, *, policy: str = "guaranteed_no_evict",
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
-                 kv_cache_memory: int | None = None, threads: int | None = None, max_queue: int | None = None,
-                 spin_wait: bool = True, huge_pages: bool = True) -> None:
-        """max_queue: requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers);
+                 kv_cache_memory: int | float | str | None = None, threads: int | None = None,
+                 max_queue: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
+        """max_batch_size, max_num_tokens: at most the engine's (the default). kv_cache_memory: the KV pool's budget
+        (kv_cache.parse_memory): int bytes, a string with a unit ("512MiB", "2GB") or a float fraction of available
+        memory in (0, 1] (0.3, "0.3"); None: room for max_batch_size full-length sequences. max_queue:
+        requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers);
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
         on transparent huge pages (Linux; see runtime/backends/huge_pages.py)."""
         if policy not in POLICIES:  # before the engine and its KV pool are allocated
             raise RequestError(f"unknown capacity policy {policy!r}; use one of {POLICIES}")
         limits = read_manifest(Path(engine_dir)).limits
-        for name, value in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
-            if value is not None and value > getattr(limits, name):
-                raise RequestError(f"{name} {value} exceeds the engine's {getattr(limits, name)}; "
-                                   f"rebuild with a larger --{name.replace('_', '-')} or pass a smaller value")
-        batch = max_batch_size or limits.max_batch_size
-        self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=kv_cache_memory,
+        batch = _limit("max_batch_size", max_batch_size, limits.max_batch_size)
+        tokens = _limit("max_num_tokens", max_num_tokens, limits.max_num_tokens)
+        check_max_queue(max_queue)
+        self.kv_cache_memory = parse_memory(kv_cache_memory)  # bytes; a fraction is resolved once, here
+        self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=self.kv_cache_memory,
                                       threads=threads, spin_wait=spin_wait, huge_pages=huge_pages)
         self.config = SchedulerConfig(
             num_blocks=engine.pool.num_blocks, block_size=engine.block_size, max_batch_size=batch,
-            max_num_tokens=max_num_tokens or limits.max_num_tokens, max_seq_len=limits.max_seq_len, policy=policy)
+            max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy)
         self.tokenizer = engine.tokenizer
         self._encoder = _Encoder(engine)
         self.executor = Executor(engine, self.config, max_queue=max_queue)
@@ -210,6 +214,17 @@ class _Encoder(Session):
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer
+
+
+def _limit(name: str, value: int | None, engine_limit: int) -> int:
+    """None: the engine's limit; otherwise a positive integer up to it."""
+    if value is None:
+        return engine_limit
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= engine_limit:
+        raise RequestError(f"{name} must be a positive integer up to the engine's {engine_limit}, got {value!r}; "
+                           f"pass 1..{engine_limit} (unset: the engine's) or rebuild the engine with a larger "
+                           f"--{name.replace('_', '-')}")
+    return int(value)
 
 
 def _check(output: RequestOutput) -> bool:

@@ -9,15 +9,13 @@ TTFT = submitted -> first token sampled, inter-token latencies (ITL) = gaps betw
 sampled (`Request.add_sample`), since text deltas skip tokens that end mid-character.
 
 Also: output tok/s and requests/s over the whole run, peak KV usage (executor stats), achieved GFLOP/s and the
-Python scheduling overhead of the batch loop (the share of each loop iteration spent outside `Engine.step`, and
-outside the backend's model call), timed by wrapping those two calls on this LLM's engine.
+Python scheduling overhead of the batch loop (runtime/step_timer.py). Printing and JSON: runtime/throughput_report.py.
 """
 
 from __future__ import annotations
 
 import math
 import queue
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,10 +24,13 @@ import numpy as np
 
 from camshaft.errors import RequestError
 from camshaft.manifest import Manifest
-from camshaft.runtime.bench_data import BenchRequest, load_dataset, warmup_requests
+from camshaft.runtime.bench_data import BenchRequest, clipped_requests, load_dataset, warmup_requests
 from camshaft.runtime.executor import RequestOutput
+from camshaft.runtime.kv_cache import bytes_per_block, parse_memory
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.step_timer import StepTimer
+from camshaft.runtime.throughput_report import json_ready
 
 # ---------------------------------------------------------------------------------------------------------- flops
 
@@ -111,65 +112,19 @@ class ThroughputResult:
     python_overhead: dict[str, float]
     preemptions: int
     prefix_reuse_hits: int  # KV blocks taken from the prefix cache (0 unless prompts repeat)
+    config: dict[str, str | int]  # the LLM's: policy, max_batch_size, max_num_tokens, kv_pool_blocks, kv_pool_bytes
+    clipped: dict | None = None  # requests cut to fit max_seq_len (bench_data.clipped_requests)
     records: list[RequestRecord] = field(repr=False, default_factory=list)
 
     def to_dict(self, with_requests: bool = False) -> dict:
-        out = asdict(self)
+        """Plain JSON values: a percentile without data (nan) is None."""
+        out = json_ready(asdict(self))
         out.pop("records")
         if with_requests:
             out["requests"] = [{"prompt_tokens": r.prompt_tokens, "output_tokens": len(r.token_times),
                                 "ttft_ms": r.ttft_s * 1000, "e2e_ms": r.e2e_s * 1000,
                                 "in_flight_at_submit": r.in_flight_at_submit} for r in self.records]
         return out
-
-
-class _StepTimer:
-    """Wraps Engine.step and the backend's step on one engine: (start, end of Engine.step, backend seconds,
-    sequences) per call."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.calls: list[tuple[float, float, float, int]] = []
-        engine = llm.engine
-        self._engine, self._step, self._backend_step = engine, engine.step, engine.backend.step
-        self._backend_s = 0.0
-
-        def backend_step(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return self._backend_step(*args, **kwargs)
-            finally:
-                self._backend_s = time.perf_counter() - t0
-
-        def step(chunks):
-            t0 = time.perf_counter()
-            self._backend_s = 0.0
-            try:
-                return self._step(chunks)
-            finally:
-                self.calls.append((t0, time.perf_counter(), self._backend_s, len(chunks)))
-
-        engine.step, engine.backend.step = step, backend_step
-
-    def restore(self) -> None:
-        self._engine.step, self._engine.backend.step = self._step, self._backend_step
-
-    def overhead(self, batch_size: int | None = None) -> dict[str, float]:
-        """Share of each loop iteration (end of one Engine.step to the end of the next, while the loop stays busy)
-        outside Engine.step and outside the backend call; medians over iterations (of `batch_size` sequences)."""
-        outside_step, outside_backend, iteration = [], [], []
-        for (_, prev_end, _, _), (start, end, backend_s, n) in zip(self.calls, self.calls[1:], strict=False):
-            total = end - prev_end
-            if total <= 0 or start - prev_end > 0.05 or (batch_size is not None and n != batch_size):
-                continue  # the loop idled (waiting for a submission) between the two steps
-            iteration.append(total)
-            outside_step.append((total - (end - start)) / total)
-            outside_backend.append((total - backend_s) / total)
-        if not iteration:
-            return {"steps": 0, "outside_engine_step": math.nan, "outside_model_call": math.nan,
-                    "iteration_ms": math.nan}
-        return {"steps": len(iteration), "outside_engine_step": statistics.median(outside_step),
-                "outside_model_call": statistics.median(outside_backend),
-                "iteration_ms": statistics.median(iteration) * 1000}
 
 
 def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
@@ -186,7 +141,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     executor.peak_batch_size = 0
     records = [RequestRecord(i, len(r.prompt_ids), r.max_tokens) for i, r in enumerate(requests)]
     done: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
-    timer = _StepTimer(llm)
+    timer = StepTimer(llm)
     in_flight = 0
 
     def submit(index: int) -> None:
@@ -244,29 +199,43 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         gflop={k: v / 1e9 for k, v in flops.items() if k != "tokens_fed"} | {"tokens_fed": flops["tokens_fed"]},
         gflop_s=total_flop / wall / 1e9, gflop_s_linear=(flops["linear"] + flops["lm_head"]) / wall / 1e9,
         python_overhead=overhead, preemptions=executor.scheduler.num_preemptions - preempt_before,
-        prefix_reuse_hits=llm.kv_cache.reuse_hits - hits_before,
-        records=records)
+        prefix_reuse_hits=llm.kv_cache.reuse_hits - hits_before, config=llm_config(llm),
+        clipped=clipped_requests(requests, llm.config.max_seq_len), records=records)
 
 
 def _ms(p: dict[str, float]) -> dict[str, float]:
     return {k: v * 1000 for k, v in p.items()}
 
 
+def llm_config(llm: LLM) -> dict[str, str | int]:
+    c = llm.config
+    return {"policy": c.policy, "max_batch_size": c.max_batch_size, "max_num_tokens": c.max_num_tokens,
+            "kv_pool_blocks": c.num_blocks - 1, "kv_pool_bytes": c.num_blocks * bytes_per_block(llm.engine.manifest)}
 
 
 def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int, concurrency: int | list[int], *,
                          seed: int = 0, threads: int | None = None, warmup: int = 2,
-                         max_batch_size: int | None = None) -> list[ThroughputResult]:
+                         policy: str = "guaranteed_no_evict", max_batch_size: int | None = None,
+                         max_num_tokens: int | None = None, kv_cache_memory: int | float | str | None = None
+                         ) -> list[ThroughputResult]:
     """Load the dataset for the engine and run it once per concurrency, each on a fresh `LLM` (an empty prefix
-    cache) after `warmup` short requests with other prompts."""
+    cache) after `warmup` short requests with other prompts. policy, max_batch_size, max_num_tokens and
+    kv_cache_memory go to every LLM (a memory fraction is resolved once, before the first)."""
     levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
+    if not levels or any(type(c) is not int or c < 1 for c in levels):
+        raise RequestError(f"concurrency takes positive integers, got {concurrency!r}")
+    if num_requests < 1:
+        raise RequestError(f"num_requests must be >= 1, got {num_requests}")
+    memory = parse_memory(kv_cache_memory)
     results, requests = [], None
     for c in levels:
-        with LLM(engine_dir, threads=threads, max_batch_size=max_batch_size) as llm:
+        with LLM(engine_dir, threads=threads, policy=policy, max_batch_size=max_batch_size,
+                 max_num_tokens=max_num_tokens, kv_cache_memory=memory) as llm:
             limits, model = llm.engine.manifest.limits, llm.engine.manifest.model
             if c > llm.config.max_batch_size:
-                raise RequestError(f"concurrency {c} exceeds the batch size {llm.config.max_batch_size}; "
-                                   "requests beyond it would only queue")
+                raise RequestError(f"concurrency {c} exceeds the batch size {llm.config.max_batch_size}; requests "
+                                   "beyond it would only queue: lower --concurrency or raise --max-batch-size (at "
+                                   f"most the engine's {limits.max_batch_size})")
             if requests is None:
                 requests = load_dataset(dataset, num_requests, max_seq_len=limits.max_seq_len,
                                         vocab_size=model.vocab_size, seed=seed, tokenizer=llm.tokenizer)

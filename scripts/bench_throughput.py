@@ -269,7 +269,15 @@ def admitted_under_paging(engine_dir: Path, requests, pool_tokens: int, threads:
 # ------------------------------------------------------------------------------------------------- plot and text
 
 def fmt_p(p: dict, digits: int = 0) -> str:
-    return f"{p['p50']:.{digits}f} / {p['p90']:.{digits}f} / {p['p99']:.{digits}f}"
+    from camshaft.runtime.throughput_report import fmt
+
+    return " / ".join(fmt(p[k], f".{digits}f") for k in ("p50", "p90", "p99"))
+
+
+def fmt_share(x: float | None) -> str:
+    from camshaft.runtime.throughput_report import NO_DATA, fmt
+
+    return NO_DATA if x is None else f"{fmt(100 * x, '.1f')} %"
 
 
 def verdict(ok: bool) -> str:
@@ -318,7 +326,7 @@ def markdown(res: dict, plot_ref: str) -> str:
         e2e = {k: x / 1000 for k, x in r["e2e_ms"].items()}
         out.append(f"| **camshaft** | {r['concurrency']} | {r['num_requests']} | {r['output_tok_s']:.1f} | "
                    f"{r['requests_s']:.3f} | {fmt_p(r['ttft_ms'])} | {fmt_p(r['itl_ms'], 1)} | {fmt_p(e2e, 1)} | "
-                   f"{100 * r['peak_kv_usage']:.0f} % | {r['gflop_s']:.1f} | {100 * o['outside_engine_step']:.1f} % |")
+                   f"{100 * r['peak_kv_usage']:.0f} % | {r['gflop_s']:.1f} | {fmt_share(o['outside_engine_step'])} |")
     for p in peer:
         e2e = {k: x / 1000 for k, x in p["e2e_ms"].items()}
         out.append(f"| {PEER} | {p['concurrency']} | {p['num_requests']} | {p['output_tok_s']:.1f} | "
@@ -450,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     from camshaft.runtime.llm import LLM
     from camshaft.runtime.throughput import linear_params, run_throughput
     from camshaft.runtime.throughput_plot import plot_sweep
+    from camshaft.runtime.throughput_report import clipped_line
 
     load_before = os.getloadavg()[0]
     work: Path = args.work_dir
@@ -479,6 +488,8 @@ def main(argv: list[str] | None = None) -> None:
         if c == args.concurrency:
             tokens = [rec.token_ids for rec in r.records]
         cam.append(r.to_dict())
+        if clipped_line(r.clipped):
+            log(clipped_line(r.clipped))
         log(f"  {r.output_tok_s:.1f} out tok/s, TTFT p50 {r.ttft_ms['p50']:.0f} ms, {r.gflop_s:.1f} GFLOP/s, "
             f"overhead {100 * r.python_overhead['all_steps']['outside_engine_step']:.1f} %, "
             f"prefix hits {r.prefix_reuse_hits}, {r.wall_s:.0f} s")

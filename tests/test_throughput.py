@@ -135,3 +135,92 @@ def test_cli_bench_throughput(engine_dir, tmp_path):
     assert [r["concurrency"] for r in data["results"]] == [2] and len(data["results"][0]["requests"]) == 2
     zero = CliRunner().invoke(app, ["bench", "throughput", "--engine", str(engine_dir), "--concurrency", "0"])
     assert zero.exit_code != 0 and "positive integers" in str(zero.exception)
+
+
+def test_clipped_requests_are_counted_with_what_they_asked(tmp_path):
+    from camshaft.runtime.bench_data import clipped_requests
+
+    rows = load_dataset("synthetic:in=CONST(5000),out=CONST(5)", 2, max_seq_len=64, vocab_size=300)
+    assert [(len(r.prompt_ids), r.max_tokens, r.asked) for r in rows] == [(63, 1, (5000, 5))] * 2
+    assert clipped_requests(rows, 64) == {"count": 2, "of": 2, "max_seq_len": 64,
+                                          "prompt_tokens": {"asked": 10000, "run": 126},
+                                          "output_tokens": {"asked": 10, "run": 2}}
+    fitting = load_dataset("synthetic:in=10,out=5", 3, max_seq_len=64, vocab_size=300)
+    assert clipped_requests(fitting, 64) is None
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": [5, 6], "max_tokens": 4}) + "\n"
+                    + json.dumps({"prompt": list(range(3, 100)), "max_tokens": 50}) + "\n")
+    clipped = clipped_requests(load_dataset(f"jsonl:{path}", 2, max_seq_len=64, vocab_size=300), 64)
+    assert clipped["count"] == 1 and clipped["prompt_tokens"] == {"asked": 97, "run": 63}
+
+
+def test_cli_reports_clipping_and_prints_no_nan(engine_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from camshaft.cli import app
+
+    out = tmp_path / "clip.json"
+    result = CliRunner().invoke(app, ["bench", "throughput", "--engine", str(engine_dir), "--dataset",
+                                      "synthetic:in=CONST(5000),out=CONST(5)", "--num-requests", "1",
+                                      "--concurrency", "1", "--threads", "1", "--output-json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"1 of 1 requests did not fit the engine's max_seq_len {MAX_SEQ_LEN}" in result.output
+    assert f"prompt tokens 5000 -> {MAX_SEQ_LEN - 1}, output tokens 5 -> 1" in result.output
+    assert "ITL p50/p90/p99 —/—/— ms" in result.output and "nan" not in result.output
+    data = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    (run,) = data["results"]
+    assert run["clipped"]["count"] == 1 and run["clipped"]["prompt_tokens"] == {"asked": 5000, "run": MAX_SEQ_LEN - 1}
+    assert run["itl_ms"]["p50"] is None and run["ttft_ms"]["p50"] > 0
+
+
+def test_cli_bench_throughput_sets_the_llm_like_serve(engine_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from camshaft.cli import app
+    from camshaft.manifest import read_manifest
+    from camshaft.runtime.kv_cache import bytes_per_block
+
+    block = bytes_per_block(read_manifest(engine_dir))
+    out = tmp_path / "opts.json"
+    args = ["bench", "throughput", "--engine", str(engine_dir), "--dataset", "synthetic:in=40,out=4",
+            "--num-requests", "4", "--concurrency", "2", "--threads", "1", "--policy", "max_utilization",
+            "--kv-cache-memory", f"{block * 12 / 1024}KiB", "--max-batch-size", "2", "--max-num-tokens", "16",
+            "--output-json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "policy max_utilization, max batch size 2, max num tokens 16, KV pool 11 blocks" in result.output
+    data = json.loads(out.read_text())
+    assert data["options"] == {"policy": "max_utilization", "kv_cache_memory": f"{block * 12 / 1024}KiB",
+                               "max_batch_size": 2, "max_num_tokens": 16}
+    (run,) = data["results"]
+    assert run["config"] == {"policy": "max_utilization", "max_batch_size": 2, "max_num_tokens": 16,
+                             "kv_pool_blocks": 11, "kv_pool_bytes": 12 * block}
+    assert run["peak_batch_size"] <= 2 and run["output_tokens"] == 16
+    # 40-token prompts under a 16-token budget: prefill is chunked
+    assert run["num_steps"] >= -(-run["gflop"]["tokens_fed"] // 16)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["throughput", "--num-requests", "0"], "--num-requests"),
+    (["throughput", "--concurrency", "-2"], "positive integers"),
+    (["throughput", "--threads", "0"], "--threads"),
+    (["throughput", "--seed", "-1"], "--seed"),
+    (["throughput", "--max-batch-size", "0"], "max_batch_size must be a positive integer"),
+    (["throughput", "--max-batch-size", "9"], "up to the engine's 8"),
+    (["throughput", "--max-num-tokens", "-1"], "max_num_tokens must be a positive integer"),
+    (["throughput", "--kv-cache-memory", "1.5"], "not in (0, 1]"),
+    (["throughput", "--policy", "greedy"], "capacity policy"),
+    (["latency", "--repeats", "0"], "--repeats"),
+    (["latency", "--prompt-len", "0"], "--prompt-len"),
+    (["latency", "--new-tokens", "-1"], "--new-tokens"),
+    (["latency", "--warmup", "-1"], "--warmup"),
+])
+def test_cli_bench_numbers_are_checked(engine_dir, args, message):
+    from typer.testing import CliRunner
+
+    from camshaft.cli import app
+
+    result = CliRunner().invoke(app, ["bench", args[0], "--engine", str(engine_dir), *args[1:]])
+    assert result.exit_code != 0
+    assert message in result.output + str(result.exception)
+    assert result.exception is None or isinstance(result.exception, (RequestError, SystemExit))

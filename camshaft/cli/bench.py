@@ -8,16 +8,20 @@ from typing import Annotated
 import typer
 
 from camshaft.cli import bench_app
+from camshaft.cli.serve import BatchOption, MemoryOption, PolicyOption
 from camshaft.errors import CamshaftError
+
+TokensOption = Annotated[int | None, typer.Option(help="Most tokens a step computes (the prefill chunk budget; "
+                                                       "default and maximum: the engine's)")]
 
 
 @bench_app.command("latency")
 def bench_latency(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
-    prompt_len: Annotated[int, typer.Option(help="Prompt tokens")] = 64,
-    new_tokens: Annotated[int, typer.Option(help="Generated tokens (greedy, end id ignored)")] = 128,
-    repeats: Annotated[int, typer.Option(help="Measured runs (medians are reported)")] = 5,
-    warmup: Annotated[int, typer.Option()] = 1,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens")] = 64,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Generated tokens (greedy, end id ignored)")] = 128,
+    repeats: Annotated[int, typer.Option(min=1, help="Measured runs (medians are reported)")] = 5,
+    warmup: Annotated[int, typer.Option(min=0, help="Unmeasured runs first")] = 1,
 ) -> None:
     """Batch-1 latency: TTFT, prefill and decode tokens/s (medians over repeats)."""
     from camshaft.runtime.bench import latency_benchmark
@@ -42,21 +46,27 @@ def bench_throughput(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     dataset: Annotated[str, typer.Option(help="synthetic:in=NORMAL(200,50),out=NORMAL(128,32) | jsonl:PATH")]
     = "synthetic:in=NORMAL(200,50),out=NORMAL(128,32)",
-    num_requests: Annotated[int, typer.Option("--num-requests", "--num-prompts", help="Requests to run")] = 64,
+    num_requests: Annotated[int, typer.Option("--num-requests", "--num-prompts", min=1, help="Requests to run")] = 64,
     concurrency: Annotated[str, typer.Option(
         "--concurrency", "--max-concurrency", "--sweep",
         help="Most requests in flight; a comma-separated list sweeps, e.g. 1,8,32")] = "32",
-    seed: Annotated[int, typer.Option(help="Seed of the synthetic lengths and prompt ids")] = 0,
-    threads: Annotated[int | None, typer.Option(help="Engine threads (default: the backend's)")] = None,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the synthetic lengths and prompt ids")] = 0,
+    threads: Annotated[int | None, typer.Option(min=1, help="Engine threads (default: the backend's)")] = None,
+    policy: PolicyOption = "guaranteed_no_evict",
+    kv_cache_memory: MemoryOption = None,
+    max_batch_size: BatchOption = None,
+    max_num_tokens: TokensOption = None,
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: output tok/s and p50 TTFT vs concurrency")] = None,
 ) -> None:
-    """Closed-loop throughput: N greedy requests, at most C in flight; tok/s, TTFT/ITL/E2E percentiles, GFLOP/s."""
+    """Closed-loop throughput: N greedy requests, at most C in flight; tok/s, TTFT/ITL/E2E percentiles, GFLOP/s.
+    Requests longer than the engine's max_seq_len are clipped to fit, and the report says how many."""
     import json
 
     from camshaft.errors import RequestError
     from camshaft.runtime.throughput import throughput_benchmark
     from camshaft.runtime.throughput_plot import plot_sweep
+    from camshaft.runtime.throughput_report import report_lines
 
     require_plotting(plot)
     try:
@@ -65,19 +75,16 @@ def bench_throughput(
         levels = []
     if not levels or min(levels) < 1:
         raise RequestError(f"--concurrency takes positive integers, comma-separated to sweep; got {concurrency!r}")
-    results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads)
-    for r in results:
-        o = r.python_overhead["all_steps"]
-        typer.echo(f"concurrency {r.concurrency:>3}: {r.output_tok_s:8.1f} out tok/s  {r.requests_s:6.2f} req/s  "
-                   f"TTFT p50/p90/p99 {r.ttft_ms['p50']:.0f}/{r.ttft_ms['p90']:.0f}/{r.ttft_ms['p99']:.0f} ms  "
-                   f"ITL p50/p90/p99 {r.itl_ms['p50']:.1f}/{r.itl_ms['p90']:.1f}/{r.itl_ms['p99']:.1f} ms  "
-                   f"E2E p50 {r.e2e_ms['p50'] / 1000:.2f} s  peak KV {100 * r.peak_kv_usage:.0f}%  "
-                   f"{r.gflop_s:.1f} GFLOP/s  loop overhead {100 * o['outside_engine_step']:.1f}%")
+    options = {"policy": policy, "kv_cache_memory": kv_cache_memory, "max_batch_size": max_batch_size,
+               "max_num_tokens": max_num_tokens}
+    results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads, **options)
+    for line in report_lines(results):
+        typer.echo(line)
     if output_json:
         output_json.parent.mkdir(parents=True, exist_ok=True)
         output_json.write_text(json.dumps({"engine": str(engine), "dataset": dataset, "num_requests": num_requests,
-                                           "seed": seed, "results": [r.to_dict(True) for r in results]},
-                                          indent=2) + "\n")
+                                           "seed": seed, "options": options,
+                                           "results": [r.to_dict(True) for r in results]}, indent=2) + "\n")
     if plot:
         plot_sweep(results, plot)
 

@@ -11,8 +11,9 @@ from camshaft.cli import app, progress
 from camshaft.errors import CamshaftError
 
 MemoryOption = Annotated[str | None, typer.Option(
-    help="KV cache budget: bytes with a unit (512MiB, 2GB) or a fraction of available memory (0.3); "
-         "default: room for max-batch-size full-length sequences")]
+    help="KV cache budget: an integer is bytes, also with a unit (1000000, 512MiB, 2GB); a number with a decimal "
+         "point is a fraction of the memory available now, in (0, 1] (0.3, 1.0); default: room for max-batch-size "
+         "full-length sequences")]
 QUEUE_PER_BATCH = 4
 QueueOption = Annotated[int | None, typer.Option(help="Requests that may wait beyond a full batch before new ones "
                                                       f"are refused as busy (default: {QUEUE_PER_BATCH} x the batch "

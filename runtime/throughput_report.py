@@ -1,0 +1,63 @@
+"""The throughput benchmark's text report and JSON values: a percentile without data prints as "—" and is null in
+JSON (not nan); requests clipped to fit the engine are counted, with the lengths asked for and run."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from camshaft.runtime.throughput import ThroughputResult
+
+NO_DATA = "—"
+
+
+def json_ready(value: Any) -> Any:
+    """`value` with every nan or infinite float (in dicts, lists, tuples) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
+def fmt(value: float | None, spec: str = ".0f") -> str:
+    return NO_DATA if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def fmt_percentiles(p: dict[str, float], spec: str = ".0f") -> str:
+    return "/".join(fmt(p[k], spec) for k in ("p50", "p90", "p99"))
+
+
+def result_line(r: ThroughputResult) -> str:
+    e2e = r.e2e_ms["p50"] / 1000
+    return (f"concurrency {r.concurrency:>3}: {r.output_tok_s:8.1f} out tok/s  {r.requests_s:6.2f} req/s  "
+            f"TTFT p50/p90/p99 {fmt_percentiles(r.ttft_ms)} ms  ITL p50/p90/p99 {fmt_percentiles(r.itl_ms, '.1f')} ms  "
+            f"E2E p50 {fmt(e2e, '.2f')} s  peak KV {100 * r.peak_kv_usage:.0f}%  {r.gflop_s:.1f} GFLOP/s  "
+            f"loop overhead {fmt(100 * r.python_overhead['all_steps']['outside_engine_step'], '.1f')}%")
+
+
+def config_line(config: dict) -> str:
+    return (f"policy {config['policy']}, max batch size {config['max_batch_size']}, max num tokens "
+            f"{config['max_num_tokens']}, KV pool {config['kv_pool_blocks']} blocks "
+            f"({config['kv_pool_bytes'] / 2**20:.1f} MiB)")
+
+
+def clipped_line(clipped: dict | None) -> str | None:
+    """A warning for requests cut to fit max_seq_len, or None when none were."""
+    if not clipped:
+        return None
+    p, o = clipped["prompt_tokens"], clipped["output_tokens"]
+    return (f"warning: {clipped['count']} of {clipped['of']} requests did not fit the engine's max_seq_len "
+            f"{clipped['max_seq_len']} (prompt + output) and were clipped: prompt tokens {p['asked']} -> {p['run']}, "
+            f"output tokens {o['asked']} -> {o['run']} (totals over those requests); rebuild with a larger "
+            "--max-seq-len or shorten the dataset's lengths to measure what was asked")
+
+
+def report_lines(results: list[ThroughputResult]) -> list[str]:
+    """The printed report: the LLM's configuration, a clipping warning if any, one line per concurrency."""
+    lines = [config_line(results[0].config)] if results else []
+    warning = clipped_line(results[0].clipped) if results else None
+    return lines + ([warning] if warning else []) + [result_line(r) for r in results]

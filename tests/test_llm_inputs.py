@@ -1,0 +1,109 @@
+"""LLM's options on a tiny engine: the KV budget in every documented form (one parser with the CLI), scheduler limits
+refused unless they are positive and within the engine, n beyond what the queue can ever hold refused at admission
+(busy stays for real fullness), and the per-step queue length."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import RequestError, ServerBusyError
+from camshaft.manifest import read_manifest
+from camshaft.runtime.kv_cache import bytes_per_block, parse_memory
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llm_inputs")
+    model = make_tiny_model("llama", root / "hf")
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=128, max_num_tokens=32, kv_block_size=16,
+                             max_batch_size=4))
+    return root / "engine"
+
+
+@pytest.mark.parametrize("spec, expected", [
+    (4096, 4096), ("4096", 4096), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 KiB", 1536), ("64kb", 64_000),
+    (None, None),
+])
+def test_memory_in_bytes(spec, expected):
+    assert parse_memory(spec) == expected
+
+
+@pytest.mark.parametrize("spec", [0.25, "0.25", ".25", 1.0, "1.0"])
+def test_memory_fractions_of_available(spec):
+    available = psutil.virtual_memory().available
+    assert parse_memory(spec) == pytest.approx(float(spec) * available, rel=0.2)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("1.5", "not in \\(0, 1\\]"), (1.5, "not in \\(0, 1\\]"), (0.0, "not in"), (float("nan"), "not in"),
+    ("1e9", "not in"), (0, "positive number of bytes"), (-5, "positive number of bytes"), ("0", "positive"),
+    ("-5", "cannot read"), ("abc", "cannot read"), ("5 parsecs", "cannot read"), ("", "cannot read"),
+    (True, "must be"), ([1], "must be"),
+])
+def test_bad_memory_is_a_clear_error(spec, message):
+    with pytest.raises(RequestError, match=message) as info:
+        parse_memory(spec)
+    assert "decimal point" in str(info.value)  # the rule, with examples
+
+
+def test_llm_takes_the_budget_in_every_form(engine_dir):
+    block = bytes_per_block(read_manifest(engine_dir))
+    for budget in (block * 9, str(block * 9), f"{block * 9 / 1024}KiB"):
+        with LLM(engine_dir, kv_cache_memory=budget) as llm:
+            assert llm.config.num_blocks == 9 and llm.kv_cache_memory == block * 9
+            assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids
+    fraction = 40 * block / psutil.virtual_memory().available
+    for budget in (fraction, f"{fraction:.15f}"):
+        with LLM(engine_dir, kv_cache_memory=budget) as llm:
+            assert 20 <= llm.config.num_blocks <= 80
+    with pytest.raises(RequestError, match="decimal point"):
+        LLM(engine_dir, kv_cache_memory=1)  # one byte holds no block; the error says how to write a fraction
+
+
+@pytest.mark.parametrize("option", ["max_batch_size", "max_num_tokens"])
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "2"])
+def test_scheduler_limits_must_be_positive_integers(engine_dir, option, value):
+    with pytest.raises(RequestError, match=f"{option} must be a positive integer up to the engine's"):
+        LLM(engine_dir, **{option: value})
+
+
+def test_scheduler_limits_within_the_engine_are_used(engine_dir):
+    with LLM(engine_dir, max_batch_size=1, max_num_tokens=8) as llm:
+        assert (llm.config.max_batch_size, llm.config.max_num_tokens) == (1, 8)
+        llm.generate([[5] * 20, [6] * 20], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert max(s.batch_size for s in llm.stats) == 1 and max(s.num_tokens for s in llm.stats) == 8
+    with pytest.raises(RequestError, match="max_queue must be an integer >= 0"):
+        LLM(engine_dir, max_queue=-1)
+
+
+def test_n_beyond_what_the_queue_can_hold_is_refused_not_busy(engine_dir):
+    with LLM(engine_dir, max_batch_size=4, max_queue=2) as llm:
+        with pytest.raises(RequestError, match="n=7 outputs can never be queued.*lower n") as info:
+            llm.generate("Hi", SamplingParams(n=7, temperature=1, max_tokens=2), use_tqdm=False)
+        assert not isinstance(info.value, ServerBusyError)
+        assert len(llm.generate("Hi", SamplingParams(n=6, temperature=1, max_tokens=2), use_tqdm=False)[0].outputs) == 6
+
+
+def test_a_full_queue_is_still_busy(engine_dir):
+    with LLM(engine_dir, max_batch_size=1, max_queue=0) as llm:
+        (first,) = llm.submit([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True), lambda output: None)
+        with pytest.raises(ServerBusyError, match="retry later"):
+            llm.submit([8, 9], SamplingParams(max_tokens=2), lambda output: None)
+        llm.abort(first)
+
+
+def test_queue_length_is_recorded_and_drains(engine_dir):
+    with LLM(engine_dir, max_batch_size=2) as llm:
+        prompts = [[3 + i, 10, 11] for i in range(6)]
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        stats = llm.stats
+        assert any(s.batch_size == 2 and s.queue_length > 0 for s in stats)  # 6 requests, at most 2 running
+        assert max(s.queue_length for s in stats) <= 4 and stats[-1].queue_length == 0
+        assert llm.load().waiting == 0

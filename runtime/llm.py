@@ -44,13 +44,15 @@ class LLM:
     def __init__(self, engine_dir: str | Path, *, policy: str = "guaranteed_no_evict",
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  kv_cache_memory: int | float | str | None = None, threads: int | None = None,
-                 max_queue: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
+                 max_queue: int | None = None, spin_wait: bool = True, huge_pages: bool = True,
+                 kv_reservation: str = "paged") -> None:
         """max_batch_size, max_num_tokens: at most the engine's (the default). kv_cache_memory: the KV pool's budget
         (kv_cache.parse_memory): int bytes, a string with a unit ("512MiB", "2GB") or a float fraction of available
         memory in (0, 1] (0.3, "0.3"); None: room for max_batch_size full-length sequences. max_queue:
         requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers);
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
-        on transparent huge pages (Linux; see runtime/backends/huge_pages.py)."""
+        on transparent huge pages (Linux; see runtime/backends/huge_pages.py); kv_reservation "contiguous" reserves
+        max_seq_len tokens of KV blocks per request, as a cache without paging would (for comparisons)."""
         if policy not in POLICIES:  # before the engine and its KV pool are allocated
             raise RequestError(f"unknown capacity policy {policy!r}; use one of {POLICIES}")
         limits = read_manifest(Path(engine_dir)).limits
@@ -62,7 +64,7 @@ class LLM:
                                       threads=threads, spin_wait=spin_wait, huge_pages=huge_pages)
         self.config = SchedulerConfig(
             num_blocks=engine.pool.num_blocks, block_size=engine.block_size, max_batch_size=batch,
-            max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy)
+            max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy, kv_reservation=kv_reservation)
         self.tokenizer = engine.tokenizer
         self._encoder = _Encoder(engine)
         self.executor = Executor(engine, self.config, max_queue=max_queue)
@@ -96,11 +98,11 @@ class LLM:
         """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template)."""
         return self._encoder.encode(prompt, messages)
 
-    def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink) -> list[str]:
+    def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
         """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
-        only hand it over. Returns the request ids (for abort). Raises RequestError, CapacityError or
-        ServerBusyError at once."""
-        group = self._requests(prompt, params)
+        only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (for
+        abort). Raises RequestError, CapacityError or ServerBusyError at once."""
+        group = self._requests(prompt, params, priority)
         self.executor.submit(group, [sink] * len(group))
         return [r.request_id for r in group]
 
@@ -108,14 +110,15 @@ class LLM:
         """Stop a request and free its KV blocks before the next step; its sink gets a final output."""
         self.executor.abort(request_id)
 
-    async def stream_outputs(self, prompt: Prompt, params: SamplingParams | None = None
+    async def stream_outputs(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0
                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) pairs for the prompt's n outputs as the batch loop produces them, each ending with a
         finished output; errors are raised; closing or cancelling the consumer aborts what is unfinished."""
         params = params or SamplingParams()
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        ids = self.submit(prompt, params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output))
+        ids = self.submit(prompt, params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output),
+                          priority)
         index = {request_id: i for i, request_id in enumerate(ids)}
         unfinished = set(ids)
         try:
@@ -130,21 +133,25 @@ class LLM:
             for request_id in unfinished:
                 self.executor.abort(request_id)
 
-    def _requests(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
+    def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestError(f"priority must be an integer (lower runs first), got {priority!r}")
         ids = self._encoder.encode(prompt)
         engine, vocab = self.engine, self.engine.manifest.model.vocab_size
         bad_words = tokenize_bad_words(self.tokenizer, params.bad_words)
         base = next(self._ids)
         return [Request(f"{base}" if params.n == 1 else f"{base}-{i}", ids, params,
                         SequenceSampler(params, ids, engine.eos_token_ids, bad_words, vocab, sequence_index=i),
-                        TextStream(self.tokenizer, ids, params.stop, include_stop=params.include_stop_str_in_output),
-                        engine.eos_token_ids)
+                        TextStream(self.tokenizer, ids, params.stop, include_stop=params.include_stop_str_in_output,
+                                   min_tokens=params.min_tokens),
+                        engine.eos_token_ids, priority=priority)
                 for i in range(params.n)]
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[PromptOutput]:
-        """Generate for every prompt with in-flight batching; results come back in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[PromptOutput]:
+        """Generate for every prompt with in-flight batching; results come back in input order. `priority`: one
+        per prompt, lower first (vLLM's meaning); None: all equal, first come, first served."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -153,7 +160,10 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
-        groups = [self._requests(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise RequestError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one each")
+        groups = [self._requests(p, sp, pr) for p, sp, pr in zip(prompts, params, priority, strict=True)]
         done: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         where = {r.request_id: (i, j) for i, group in enumerate(groups) for j, r in enumerate(group)}
         submitted = []
@@ -177,9 +187,9 @@ class LLM:
             raise
         return [PromptOutput(g[0].prompt_ids, list(r)) for g, r in zip(groups, results, strict=True)]
 
-    def stream_sync(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+    def stream_sync(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> Iterator[str]:
         """Text deltas of one request as the batch loop produces them; closing the iterator aborts the request."""
-        request = self._single(prompt, params)
+        request = self._single(prompt, params, priority)
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self.executor.submit([request], [outputs.put])
         finished = False
@@ -193,20 +203,21 @@ class LLM:
             if not finished:
                 self.executor.abort(request.request_id)
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[str]:
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                     priority: int = 0) -> AsyncIterator[str]:
         """`async for delta in llm.stream(prompt)`; cancelling the consumer aborts the request."""
         params = params or SamplingParams()
         if params.n != 1:
             raise RequestError("streaming text gives one output; use n=1 (or stream_outputs for several)")
-        async for _, output in self.stream_outputs(prompt, params):
+        async for _, output in self.stream_outputs(prompt, params, priority):
             if output.delta:
                 yield output.delta
 
-    def _single(self, prompt: Prompt, params: SamplingParams | None) -> Request:
+    def _single(self, prompt: Prompt, params: SamplingParams | None, priority: int) -> Request:
         params = params or SamplingParams()
         if params.n != 1:
             raise RequestError("streaming gives one output; use n=1 (or generate() for several outputs)")
-        return self._requests(prompt, params)[0]
+        return self._requests(prompt, params, priority)[0]
 
 
 class _Encoder(Session):

@@ -27,18 +27,18 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("batching")
-    model = make_tiny_model("llama", root / "hf")
-    build_engine(BuildConfig(model, root / "engine", max_seq_len=512, max_num_tokens=64, kv_block_size=BLOCK,
+    model = make_tiny_model("llama", root / "hf", max_position_embeddings=1024)
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=1024, max_num_tokens=64, kv_block_size=BLOCK,
                              max_batch_size=8))
     return root / "engine"
 
 
 @pytest.fixture(scope="module")
 def workload():
-    """32 requests, prompts 5-300 tokens and outputs 1-200 (the issue's 5-600 / 1-200 scaled to max_seq_len 512)."""
+    """32 requests, prompts 5-600 tokens and outputs 1-200 (both ends present)."""
     rng = random.Random(4)
-    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(5, 300))] for _ in range(32)]
-    prompts[0], prompts[1] = prompts[0][:5], [rng.randrange(3, 380) for _ in range(300)]
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(5, 600))] for _ in range(32)]
+    prompts[0], prompts[1] = prompts[0][:5], [rng.randrange(3, 380) for _ in range(600)]
     params = [SamplingParams(max_tokens=rng.randint(1, 200), ignore_eos=True) for _ in prompts]
     params[0] = SamplingParams(max_tokens=200, ignore_eos=True)
     params[1] = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -67,7 +67,7 @@ def record_steps(llm: LLM) -> list[list]:
 
 
 @pytest.mark.parametrize("policy, usable_blocks", [
-    ("guaranteed_no_evict", None), ("max_utilization", None), ("guaranteed_no_evict", 40), ("max_utilization", 40)])
+    ("guaranteed_no_evict", None), ("max_utilization", None), ("guaranteed_no_evict", 56), ("max_utilization", 56)])
 def test_in_flight_batching_matches_one_at_a_time(engine_dir, workload, one_at_a_time, policy, usable_blocks):
     budget = pool_budget(engine_dir, usable_blocks) if usable_blocks else None
     with LLM(engine_dir, policy=policy, kv_cache_memory=budget) as llm:
@@ -167,7 +167,7 @@ def test_a_request_that_can_never_fit_is_refused_not_hung(engine_dir):
             llm.generate([list(range(3, 60))], SamplingParams(max_tokens=20), use_tqdm=False)
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs
         with pytest.raises(CapacityError, match="max_seq_len"):
-            llm.generate([[5] * 500], SamplingParams(max_tokens=20), use_tqdm=False)
+            llm.generate([[5] * 1020], SamplingParams(max_tokens=20), use_tqdm=False)
 
 
 def test_limits_beyond_the_engine_are_refused(engine_dir):
@@ -222,3 +222,32 @@ def test_a_closed_loop_clients_next_request_joins_the_next_step(engine_dir):
         short_last = max(i for i, step in enumerate(steps) if any(start == 10 + 1 for _, start in step))
         joined = next(i for i, step in enumerate(steps) if ([7] * 20, 0) in step)
         assert joined == short_last + 1, (short_last, joined)
+
+
+def test_priorities_order_the_queue(engine_dir):
+    """One running slot, busy with a long request while three more arrive: they run by priority, not arrival."""
+    with LLM(engine_dir, max_batch_size=1) as llm:
+        blocker = llm.stream_sync([3, 4, 5], SamplingParams(max_tokens=400, ignore_eos=True))
+        next(blocker)  # running now
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        outputs = llm.generate([[10, 11], [12, 13], [14, 15]], params, priority=[2, 0, 1], use_tqdm=False)
+        finished = [o.outputs[0].timings.total_s for o in outputs]
+        assert finished[1] < finished[2] < finished[0]
+        assert len("".join(blocker)) > 0
+        from camshaft.errors import RequestError
+
+        with pytest.raises(RequestError, match="priorities for 3 prompts"):
+            llm.generate([[10], [11], [12]], params, priority=[0], use_tqdm=False)
+
+
+@pytest.mark.parametrize("reservation", ["paged", "contiguous"])
+def test_paging_admits_more_than_a_contiguous_reservation(engine_dir, reservation):
+    """The same pool (128 usable blocks = two max_seq_len sequences) and workload: a contiguous reservation runs
+    two requests at a time; paging runs all eight (each needs 7 blocks)."""
+    prompts = [list(range(3 + i, 83 + i)) for i in range(8)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    with LLM(engine_dir, kv_cache_memory=pool_budget(engine_dir, 128), kv_reservation=reservation) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 20 for o in outputs)
+        assert llm.executor.peak_batch_size == (2 if reservation == "contiguous" else 8)
+        assert llm.executor.scheduler.blocks.num_used == 0

@@ -225,6 +225,7 @@ HI = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": HI, "max_tokens": -3}, "max_tokens"),
     (CHAT, {"model": MODEL}, "messages"),
     (CHAT, {"model": MODEL, "messages": HI, "temperature": "hot"}, "temperature"),
+    (CHAT, {"model": MODEL, "messages": HI, "priority": "high"}, "priority"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, None),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4200}, None),
 ])
@@ -236,6 +237,22 @@ def test_bad_input_is_an_openai_400(served, path, body, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["message"] and error["param"] == param
+
+
+def test_priority_reaches_the_scheduler(served, client):
+    _, llm = served
+    seen, scheduler_add = [], llm.executor.scheduler.add
+
+    def add(request):
+        seen.append(request.priority)
+        scheduler_add(request)
+
+    llm.executor.scheduler.add = add
+    try:
+        out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": -5})
+    finally:
+        llm.executor.scheduler.add = scheduler_add
+    assert out.choices[0].text is not None and seen == [-5]
 
 
 def test_openai_client_raises_bad_request(client):

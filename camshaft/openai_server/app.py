@@ -79,8 +79,8 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         return ids
 
     async def respond(request: Request, stream: bool, include_usage: bool, prompts: list[list[int]],
-                      params: SamplingParams, shape: _Shape, arrival: float) -> Response:
-        generation = Generation(llm, prompts, params, metrics, arrival)
+                      params: SamplingParams, shape: _Shape, arrival: float, priority: int = 0) -> Response:
+        generation = Generation(llm, prompts, params, metrics, arrival, priority)
         with_logprobs = params.logprobs is not None
         if stream:
             metrics.http(route_path(request), 200)
@@ -124,7 +124,7 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs)
         shape = CompletionShape(model_name, llm.tokenizer, len(prompts) * params.n)
-        return await respond(request, body.stream, body.include_usage, prompts, params, shape, arrival)
+        return await respond(request, body.stream, body.include_usage, prompts, params, shape, arrival, body.priority)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -135,7 +135,7 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         params = body.sampling_params(max_seq_len - len(ids) if max_tokens is None else max_tokens,
                                       body.logprobs_count())
         shape = ChatShape(model_name, llm.tokenizer)
-        return await respond(request, body.stream, body.include_usage, [ids], params, shape, arrival)
+        return await respond(request, body.stream, body.include_usage, [ids], params, shape, arrival, body.priority)
 
     return app
 

@@ -18,7 +18,7 @@ class Generation:
     """Prompt p's output j is choice p * n + j, as OpenAI numbers choices."""
 
     def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
-                 arrival: float) -> None:
+                 arrival: float, priority: int = 0) -> None:
         self.llm, self.metrics, self.arrival = llm, metrics, arrival
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.num_choices = len(prompts) * params.n
@@ -33,7 +33,7 @@ class Generation:
 
         try:
             for p, ids in enumerate(prompts):
-                request_ids = llm.submit(ids, params, sink)
+                request_ids = llm.submit(ids, params, sink, priority)
                 self._unfinished.update(request_ids)
                 self._index.update({rid: p * params.n + j for j, rid in enumerate(request_ids)})
         except BaseException:

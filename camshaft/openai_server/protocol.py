@@ -2,7 +2,8 @@
 
 Unknown fields are accepted and ignored (clients send `user`, `metadata`, ...); fields that would change the output
 in ways camshaft cannot honour are refused. vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output) are accepted too.
+min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output) are accepted too, and its request `priority`
+(lower is scheduled first).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    priority: int = 0
 
     @property
     def include_usage(self) -> bool:

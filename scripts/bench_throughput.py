@@ -233,9 +233,11 @@ def ms(p: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- memory: admitted
 
-def admitted_under_paging(engine_dir: Path, requests, pool_tokens: int, threads: int, policy: str) -> dict:
+def admitted_at_once(engine_dir: Path, requests, pool_tokens: int, threads: int, policy: str,
+                     reservation: str = "paged") -> dict:
     """Submit all requests to an LLM whose KV pool holds `pool_tokens` tokens; once the scheduler has admitted all
-    it can (a step with no prefill while requests still wait), record the most requests running at once; abort."""
+    it can (a step with no prefill while requests still wait), record the most requests running at once; abort.
+    reservation "contiguous": each request holds max_seq_len tokens of the pool, as without paging."""
     from camshaft.manifest import read_manifest
     from camshaft.runtime.kv_cache import bytes_per_block
     from camshaft.runtime.llm import LLM
@@ -244,7 +246,7 @@ def admitted_under_paging(engine_dir: Path, requests, pool_tokens: int, threads:
     manifest = read_manifest(engine_dir)
     block = manifest.limits.kv_block_size
     budget = bytes_per_block(manifest) * (pool_tokens // block + 1)  # + the null block
-    with LLM(engine_dir, threads=threads, kv_cache_memory=budget, policy=policy) as llm:
+    with LLM(engine_dir, threads=threads, kv_cache_memory=budget, policy=policy, kv_reservation=reservation) as llm:
         ids = []
         for r in requests:
             (request,) = llm._requests(list(r.prompt_ids),
@@ -407,12 +409,14 @@ def markdown(res: dict, plot_ref: str) -> str:
             "",
             "| KV layout | requests admitted at once | |",
             "|---|---|---|",
-            f"| contiguous, max_seq_len reserved per request | {mem['contiguous']} | pool_tokens // max_seq_len |",
+            f"| contiguous, max_seq_len reserved per request | {mem['contiguous']['peak_admitted']} | measured the "
+            f"same way (the scheduler's `kv_reservation=\"contiguous\"`); pool_tokens // max_seq_len = "
+            f"{mem['pool_tokens'] // cfg['max_seq_len']} |",
         ]
         for p in mem["paged"]:
             note = ("reserves prompt + max_tokens in blocks" if p["policy"] == "guaranteed_no_evict"
                     else "prompt blocks now, grows (preempts) later")
-            times = p["peak_admitted"] / mem["contiguous"]
+            times = p["peak_admitted"] / mem["contiguous"]["peak_admitted"]
             out.append(f"| paged, `{p['policy']}` | **{p['peak_admitted']}** ({times:.1f}×) "
                        f"| {note}; peak KV use {100 * p['peak_kv_usage']:.0f} % |")
         out.append("")
@@ -501,10 +505,12 @@ def main(argv: list[str] | None = None) -> None:
         paged = []
         for policy in ("guaranteed_no_evict", "max_utilization"):
             log(f"memory: {len(subset)} requests into a {pool}-token pool, {policy}")
-            paged.append(admitted_under_paging(engine_dir, subset, pool, args.threads, policy))
+            paged.append(admitted_at_once(engine_dir, subset, pool, args.threads, policy))
             log(f"  {paged[-1]}")
-        memory = {"pool_tokens": paged[0]["pool_tokens"], "contiguous": paged[0]["pool_tokens"] // args.max_seq_len,
-                  "paged": paged}
+        log(f"memory: {len(subset)} requests into a {pool}-token pool, max_seq_len reserved per request")
+        contiguous = admitted_at_once(engine_dir, subset, pool, args.threads, "guaranteed_no_evict", "contiguous")
+        log(f"  {contiguous}")
+        memory = {"pool_tokens": paged[0]["pool_tokens"], "contiguous": contiguous, "paged": paged}
 
     log("fp32 matmul peak (after camshaft's runs)")
     sgemm = best_of(sgemm, sgemm_peak(args.threads))

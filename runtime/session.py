@@ -12,6 +12,7 @@ from camshaft.errors import CapacityError, RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.request import GenerationResult, Request
 from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
@@ -27,13 +28,15 @@ GRAPHS = ("auto", "sequence", "batch")
 class Session:
     """`graph`: "auto" runs the engine's sequence graph where it has one (onnxruntime engines built by this
     camshaft: the fastest for one request), else its batch graph; "sequence" or "batch" insists on one.
-    `kv_cache_memory` (bytes) bounds the KV cache of either graph. `huge_pages`: the weights on transparent huge
+    `kv_cache_memory` bounds the KV cache of either graph (bytes, "512MiB", or a fraction of available memory:
+    kv_cache.parse_memory). `huge_pages`: the weights on transparent huge
     pages (Linux; see runtime/backends/huge_pages.py)."""
 
-    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, kv_cache_memory: int | None = None,
-                 graph: str = "auto", huge_pages: bool = True):
+    def __init__(self, engine_dir: str | Path, *, threads: int | None = None,
+                 kv_cache_memory: int | float | str | None = None, graph: str = "auto", huge_pages: bool = True):
         if graph not in GRAPHS:
             raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
+        kv_cache_memory = parse_memory(kv_cache_memory)
         manifest = read_manifest(engine_dir)
         if graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None):
             self.engine: SequenceEngine | BatchGraphSequence = SequenceEngine(

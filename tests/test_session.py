@@ -171,7 +171,8 @@ def test_a_kv_cache_budget_bounds_either_graph(engine_dir, graph):
     refused before any work, one that fits runs."""
     manifest = Session(engine_dir).manifest
     per_token = manifest.sequence_graph.bytes_per_token(4)
-    session = Session(engine_dir, graph=graph, kv_cache_memory=per_token * (48 + 8))  # + the batch graph's null block
+    budget = f"{per_token * (48 + 8)}B"  # + the batch graph's null block; the same forms as LLM's (a unit here)
+    session = Session(engine_dir, graph=graph, kv_cache_memory=budget)
     assert len(session.generate(list(range(10, 30)), max_tokens=20, ignore_eos=True).token_ids) == 20
     with pytest.raises(CapacityError):
         session.generate(list(range(10, 50)), max_tokens=30, ignore_eos=True)

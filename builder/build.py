@@ -159,14 +159,13 @@ def file_sha256(path: Path) -> str:
 def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Manifest:
     output = Path(config.output_dir)
     check_replaceable(output, MANIFEST_NAME, "an engine", BuildConfigError)
-    _check_target(config)
+    gpu_arch = check_target(config)
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
         model = checkpoint.config
         algos = checkpoint.quant_algos
         for algo in algos:
-            check_quantized_target(config.target, algo, checkpoint.quantization.get("kv_cache_quant_algo"),
-                                   config.resolved_gpu_arch)
+            check_quantized_target(config.target, algo, checkpoint.quantization.get("kv_cache_quant_algo"), gpu_arch)
         check_weight_only_compute(config.weight_only_compute, algos, str(config.model_dir))
         # int8 compute by default only where the checkpoint has weight-only layers (an int4 lm_head on an fp8 /
         # int8_sq checkpoint keeps float compute, as before the option existed)
@@ -227,14 +226,23 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
     return manifest
 
 
-def _check_target(config: BuildConfig) -> None:
-    """Refuse a target whose product is missing or cannot build for the architecture, before any work."""
-    if config.target.startswith("tensorrt"):
-        from camshaft.builder.targets import tensorrt
+def check_target(config: BuildConfig) -> str | None:
+    """Refuse a target whose product is missing or cannot build for the architecture, before any work (`camshaft
+    build --quant` calls it before calibrating). Returns the GPU architecture the plan is built for (the tensorrt
+    target without --gpu-arch: the local GPU's); None for onnxruntime."""
+    if not config.target.startswith("tensorrt"):
+        return None
+    from camshaft.builder.targets import tensorrt
 
-        trt = tensorrt.import_product(config.target)
-        if config.resolved_gpu_arch is not None:
-            tensorrt.check_arch(trt, config.target, config.resolved_gpu_arch)
+    trt = tensorrt.import_product(config.target)
+    if config.resolved_gpu_arch is None:  # BuildConfig checked the dtype against an explicit --gpu-arch only
+        from camshaft.builder.targets.precision import check_precision
+
+        arch = tensorrt.supported_archs(trt, config.target)[0]
+        check_precision(config.target, arch, dtype=config.resolved_dtype)
+        return f"sm{arch}"
+    tensorrt.check_arch(trt, config.target, config.resolved_gpu_arch)
+    return config.resolved_gpu_arch
 
 
 def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging: Path,

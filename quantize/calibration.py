@@ -2,21 +2,24 @@
 
 The default corpus ships with every Python: the docstrings of a fixed list of standard-library modules and their
 public members, gathered at run time in a fixed order (the same text on every run of the same Python version).
-A user corpus is a text file, a JSONL file (one {"text": ...} object or string a line), or a directory of those.
+A user corpus is a text file, a JSONL file (one {"text": ...} object or string a line), or a directory of those; or,
+read through the `datasets` library, a parquet/arrow/csv file or directory of them, or a `save_to_disk` directory.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from camshaft.quantize.calibration_datasets import DATA_SUFFIXES, column_texts, open_dataset, text_column
 from camshaft.quantize.spec import QuantizeError
 
 # English prose-heavy modules first; importing them has no side effects.
@@ -33,6 +36,8 @@ STDLIB_MODULES = (
 )
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".json")
+DEFAULT_CALIB_SIZE = 64
+DEFAULT_CALIB_SEQ_LEN = 256
 
 
 def stdlib_docstrings(min_chars: int = 40) -> Iterator[str]:
@@ -75,29 +80,33 @@ def default_corpus() -> list[str]:
     return list(stdlib_docstrings())
 
 
-def read_corpus(path: str | Path) -> list[str]:
-    """Texts from a .txt/.md/.rst file, a .jsonl/.json file, or a directory of those (sorted by name)."""
-    path = Path(path)
-    if not path.exists():
-        raise QuantizeError(f"calibration data {path} does not exist")
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
-        if not files:
-            raise QuantizeError(
-                f"calibration directory {path} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files"
-            )
-    else:
-        files = [path]
-    texts: list[str] = []
-    for file in files:
-        texts.extend(_read_file(file))
-    texts = [t for t in texts if t.strip()]
+def split_column(calib_data: str | Path) -> tuple[Path, str | None]:
+    """PATH:COLUMN → (PATH, COLUMN) when PATH exists and PATH:COLUMN does not; anything else is a path."""
+    path = Path(calib_data)
+    head, sep, column = str(calib_data).rpartition(":")
+    if sep and column and "/" not in column and not path.exists() and Path(head).exists():
+        return Path(head), column
+    return path, None
+
+
+def read_text_corpus(path: Path, column: str | None = None) -> list[str]:
+    """Texts of a text/JSONL file or of a directory of those, sorted by name (README files, dataset cards, skipped);
+    `column`: the JSONL field (default text)."""
+    files = [path] if not path.is_dir() else sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES
+        and p.stem.lower() != "readme")
+    if not files:
+        raise QuantizeError(f"calibration directory {path} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} or "
+                            f"{'/'.join(DATA_SUFFIXES)} files and is no saved dataset (README files are skipped)")
+    if column is not None and any(f.suffix not in JSONL_SUFFIXES for f in files):
+        raise QuantizeError(f"{path} holds plain text, which has no column {column}; drop :{column}")
+    texts = [t for file in files for t in _read_file(file, column or "text") if t.strip()]
     if not texts:
         raise QuantizeError(f"calibration data {path} is empty (no text found)")
     return texts
 
 
-def _read_file(file: Path) -> list[str]:
+def _read_file(file: Path, field: str) -> list[str]:
     try:
         raw = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -114,10 +123,11 @@ def _read_file(file: Path) -> list[str]:
             raise QuantizeError(f"{file}:{number} is not valid JSON ({exc}); expected one JSON object a line") from exc
         if isinstance(item, str):
             texts.append(item)
-        elif isinstance(item, dict) and isinstance(item.get("text"), str):
-            texts.append(item["text"])
+        elif isinstance(item, dict) and isinstance(item.get(field), str):
+            texts.append(item[field])
         else:
-            raise QuantizeError(f'{file}:{number}: expected a string or an object with a "text" string field')
+            raise QuantizeError(f'{file}:{number}: expected a string or an object with a "{field}" string field '
+                                f"(another field: --calib-data {file}:FIELD)")
     return texts
 
 
@@ -144,13 +154,27 @@ def check_sizes(num_samples: int, seq_len: int) -> None:
         raise QuantizeError(f"--calib-seq-len must be at least 8, got {seq_len}")
 
 
-def load_texts(calib_data: str | Path | None) -> tuple[list[str], str]:
+def load_texts(calib_data: str | Path | None) -> tuple[Iterable[str], str]:
+    """(non-empty texts, where they are from) of --calib-data (None: the default corpus); a dataset's are read
+    lazily, in order. PATH:COLUMN names the JSONL field or dataset column."""
     if calib_data is None:
         return default_corpus(), "python standard library docstrings"
-    return read_corpus(calib_data), str(calib_data)
+    path, column = split_column(calib_data)
+    if not path.exists():
+        raise QuantizeError(f"calibration data {path} does not exist")
+    opened = open_dataset(path)
+    if opened is None:
+        return read_text_corpus(path, column), str(path)
+    data, source = opened
+    column = text_column(data, path, column)
+    texts = column_texts(data, path, column)
+    first = next(texts, None)
+    if first is None:
+        raise QuantizeError(f"calibration data {path} is empty (no text in its column {column})")
+    return itertools.chain([first], texts), f"{source}, column {column}"
 
 
-def tokenize(texts: list[str], source: str, tokenizer, num_samples: int, seq_len: int,
+def tokenize(texts: Iterable[str], source: str, tokenizer, num_samples: int, seq_len: int,
              progress: Callable[[str], None] = lambda _: None) -> CalibrationSet:
     """Tokenize texts (each followed by the EOS token) until num_samples x seq_len tokens are gathered."""
     check_sizes(num_samples, seq_len)

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from camshaft.errors import RequestError
+from camshaft.manifest import MANIFEST_NAME
+from camshaft.model_config import HF_QUANT_CONFIG
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
 
@@ -28,6 +30,30 @@ def read_text(path: str | Path) -> str:
     if not text.strip():
         raise RequestError(f"{path} is empty; perplexity needs some text")
     return text
+
+
+def check_window(window: int) -> None:
+    if window < 2:
+        raise RequestError(f"--window must be at least 2 tokens (each window scores its tokens after the first), "
+                           f"got {window}")
+
+
+def check_reference_model(model_dir: str | Path) -> None:
+    """Refuse a --model directory transformers cannot score as the float reference, before loading anything."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise RequestError(f"--model {path} is not a directory; pass a Hugging Face checkpoint directory")
+    if (path / MANIFEST_NAME).is_file():
+        raise RequestError(f"--model {path} is an engine directory; pass it with --engine (--model takes the "
+                           "Hugging Face checkpoint it was built from)")
+    if (path / HF_QUANT_CONFIG).is_file():
+        raise RequestError(f"--model {path} is a quantized checkpoint ({HF_QUANT_CONFIG}), which transformers does "
+                           f"not run as camshaft builds it; build an engine (camshaft build --model {path} --output "
+                           "ENGINE) and pass --engine ENGINE, or pass the float checkpoint to --model")
+    if not (path / "config.json").is_file():
+        raise RequestError(f"--model {path} has no config.json; pass a Hugging Face checkpoint directory")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise RequestError(f"--model {path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
 
 
 def windows(ids: list[int], size: int) -> list[list[int]]:
@@ -65,6 +91,8 @@ def engine_perplexity(engine_dir: str | Path, text: str) -> PerplexityResult:
 
 def reference_perplexity(model_dir: str | Path, text: str, window: int) -> PerplexityResult:
     """transformers fp32 on the same windows: the numerics reference (needs torch)."""
+    check_window(window)
+    check_reference_model(model_dir)
     try:
         import torch
         import transformers

@@ -42,6 +42,60 @@ def test_bad_input(tiny, tmp_path, capsys):
     assert code == 1 and "is empty" in err and "Traceback" not in err
 
 
+def refuse_loading(monkeypatch):
+    """Fails the test if transformers loads anything: the errors below must come first."""
+    import transformers
+
+    def refuse(*_a, **_k):
+        raise AssertionError("transformers loaded a model or tokenizer before the input was checked")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    refuse_loading(monkeypatch)
+
+
+def quantized_checkpoint(model, out):
+    pytest.importorskip("modelopt.torch.quantization")
+    from camshaft.quantize.modelopt_adapter import quantize_checkpoint
+    from camshaft.quantize.spec import QuantSpec
+
+    return quantize_checkpoint(model, out, QuantSpec("int8_wo"), calib_size=2, calib_seq_len=32).output
+
+
+@pytest.mark.parametrize("case", ["missing", "engine", "quantized", "no-config", "window 0", "window 1"])
+def test_bad_reference_input_is_one_clear_error_before_loading(tiny, tmp_path, capsys, monkeypatch, case):
+    model, engine = tiny
+    (tmp_path / "t.txt").write_text(TEXT)
+    args, expected = {
+        "missing": (["--model", tmp_path / "nonexist"], "nonexist is not a directory; pass a Hugging Face checkpoint"),
+        "engine": (["--model", engine], "is an engine directory; pass it with --engine"),
+        "quantized": (["--model", tmp_path / "q"], "is a quantized checkpoint (hf_quant_config.json), which "
+                      "transformers does not run as camshaft builds it; build an engine"),
+        "no-config": (["--model", tmp_path], "has no config.json"),
+        "window 0": (["--model", model, "--window", "0"], "--window must be at least 2 tokens"),
+        "window 1": (["--engine", engine, "--model", model, "--window", "1"], "--window must be at least 2 tokens"),
+    }[case]
+    if case == "quantized":
+        quantized_checkpoint(model, tmp_path / "q")
+    capsys.readouterr()
+    refuse_loading(monkeypatch)
+    code, out, err = camshaft(capsys, "eval", "ppl", "--data", tmp_path / "t.txt", *args)
+    err = " ".join(err.split())
+    assert code == 1 and out == "" and err.startswith("error: ") and expected in err, err
+    assert "Traceback" not in err and err.count("error:") == 1
+
+
+def test_reference_perplexity_checks_its_inputs_first(tiny, tmp_path, no_model_load):
+    _, engine = tiny
+    with pytest.raises(RequestError, match="is an engine directory"):
+        reference_perplexity(engine, TEXT, window=128)
+    with pytest.raises(RequestError, match="--window must be at least 2"):
+        reference_perplexity(engine, TEXT, window=1)
+
+
 def test_cli_prints_both(tiny, tmp_path, capsys):
     model, engine = tiny
     (tmp_path / "t.txt").write_text(TEXT)

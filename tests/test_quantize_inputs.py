@@ -16,7 +16,7 @@ from camshaft.builder.config import BuildConfig
 from camshaft.errors import CheckpointError
 from camshaft.model_config import ModelConfig
 from camshaft.quantize import calibration
-from camshaft.quantize.calibration import default_corpus, read_corpus
+from camshaft.quantize.calibration import default_corpus, load_texts
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, QuantizeError, QuantSpec, modelopt_config, resolve_group_size
 
@@ -107,7 +107,81 @@ def test_too_little_calibration_text(tiny, tmp_path):
 def test_user_corpus_formats(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     (tmp_path / "b.jsonl").write_text('{"text": "one"}\n"two"\n\n')
-    assert read_corpus(tmp_path) == ["plain text", "one", "two"]
+    (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# A dataset card\n")
+    texts, source = load_texts(tmp_path)
+    assert list(texts) == ["plain text", "one", "two"] and source == str(tmp_path)
+    (tmp_path / "c.jsonl").write_text('{"body": "three"}\n')
+    with pytest.raises(QuantizeError, match=r'c.jsonl:1: expected .* "text" string field .*c.jsonl:FIELD'):
+        load_texts(tmp_path)
+    assert list(load_texts(f"{tmp_path / 'c.jsonl'}:body")[0]) == ["three"]
+    with pytest.raises(QuantizeError, match="holds plain text, which has no column body"):
+        load_texts(f"{tmp_path}:body")
+
+
+@pytest.fixture
+def datasets():
+    return pytest.importorskip("datasets")
+
+
+ROWS = {"id": [3, 1, 2], "text": ["first row", "  ", "third row"], "lang": ["en", "en", "fr"]}
+
+
+def test_save_to_disk_directory(datasets, tmp_path):
+    datasets.Dataset.from_dict(ROWS).save_to_disk(tmp_path / "saved")
+    texts, source = load_texts(tmp_path / "saved")
+    assert list(texts) == ["first row", "third row"]  # in order, blank rows dropped
+    assert source == f"{tmp_path / 'saved'}, column text"
+    assert list(load_texts(f"{tmp_path / 'saved'}:lang")[0]) == ["en", "en", "fr"]
+    with pytest.raises(QuantizeError, match="has no string column id .its columns: id, text, lang"):
+        load_texts(f"{tmp_path / 'saved'}:id")
+    splits = datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": ["held out"]}),
+                                   "train": datasets.Dataset.from_dict({"text": ["trained on"]})})
+    splits.save_to_disk(tmp_path / "splits")
+    texts, source = load_texts(tmp_path / "splits")
+    assert list(texts) == ["trained on"] and source.endswith("split train, column text")
+    del splits["train"]
+    splits["validation"] = splits["test"]
+    splits.save_to_disk(tmp_path / "no-train")
+    with pytest.raises(QuantizeError, match="splits test, validation, none named train; pass one split's dir"):
+        load_texts(tmp_path / "no-train")
+    assert list(load_texts(tmp_path / "no-train" / "test")[0]) == ["held out"]
+
+
+def test_dataset_snapshot_directory_reads_its_data_files_not_its_card(datasets, tmp_path):
+    snapshot = tmp_path / "snapshot"
+    (snapshot / "data").mkdir(parents=True)
+    (snapshot / "README.md").write_text("---\nconfigs:\n- config_name: default\n---\n# Dataset card\n")
+    datasets.Dataset.from_dict({"content": ["a", "b"], "n": [1, 2]}).to_parquet(snapshot / "data" / "train-0.parquet")
+    datasets.Dataset.from_dict({"content": ["c"], "n": [3]}).to_parquet(snapshot / "data" / "train-1.parquet")
+    texts, source = load_texts(snapshot)
+    assert list(texts) == ["a", "b", "c"]  # the only string column, files in name order
+    assert source == f"{snapshot}, 2 parquet file(s), column content"
+    datasets.Dataset.from_dict({"q": ["x"], "a": ["y"]}).to_csv(tmp_path / "qa.csv")
+    with pytest.raises(QuantizeError, match=r"several string columns, none named text .its columns: q, a.; choose "
+                                            r"one with --calib-data .*qa.csv:COLUMN"):
+        load_texts(tmp_path / "qa.csv")
+    assert list(load_texts(f"{tmp_path / 'qa.csv'}:a")[0]) == ["y"]
+    datasets.Dataset.from_dict({"text": [" "]}).to_parquet(snapshot / "data" / "train-2.parquet")
+    (snapshot / "data" / "extra.csv").write_text("content\nd\n")
+    with pytest.raises(QuantizeError, match="holds csv and parquet files; pass a directory .or file. of one kind"):
+        load_texts(snapshot)
+    (tmp_path / "card-only").mkdir()
+    (tmp_path / "card-only" / "README.md").write_text("# just a card")
+    with pytest.raises(QuantizeError, match="holds no .* files and is no saved dataset .README files are skipped"):
+        load_texts(tmp_path / "card-only")
+
+
+def test_quantize_calibrates_on_a_saved_dataset(datasets, tiny, tmp_path):
+    corpus = default_corpus()[:200]
+    datasets.Dataset.from_dict({"text": corpus}).save_to_disk(tmp_path / "saved")
+    result = quantize_checkpoint(tiny, tmp_path / "q", QuantSpec("int8_wo"), calib_data=tmp_path / "saved", **CALIB)
+    assert result.calib_source == f"{tmp_path / 'saved'}, column text"
+    record = json.loads((tmp_path / "q" / "camshaft_quantize.json").read_text())
+    assert record["calibration"]["source"] == result.calib_source
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny))
+    expected = calibration.tokenize(corpus, "", tokenizer, CALIB["calib_size"], CALIB["calib_seq_len"])
+    got = calibration.tokenize(*load_texts(tmp_path / "saved"), tokenizer, CALIB["calib_size"], CALIB["calib_seq_len"])
+    assert (got.input_ids == expected.input_ids).all()  # the same samples as the texts themselves
 
 
 def test_default_corpus_is_deterministic_stdlib_docstrings():

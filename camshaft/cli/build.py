@@ -5,13 +5,17 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from camshaft.cli import app, err, models_app, progress
 from camshaft.errors import CamshaftError
+from camshaft.quantize.calibration import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_SIZE
 from camshaft.quantize.spec import FORMATS
+
+if TYPE_CHECKING:
+    from camshaft.builder.config import BuildConfig
 
 
 @models_app.command("fetch")
@@ -28,14 +32,23 @@ def models_fetch(
 
 QuantOption = Annotated[str, typer.Option(help=" | ".join(FORMATS))]
 KVDtypeOption = Annotated[str | None, typer.Option(help="Also quantize the KV cache: fp8 | int8")]
-GroupOption = Annotated[str, typer.Option(help="INT4 block size: auto | 128 | 64 | 32")]
-CalibDataOption = Annotated[Path | None, typer.Option(help="Text/JSONL file or directory (default: built-in corpus)")]
+GROUP_HELP = "INT4 block size: auto | 128 | 64 | 32"
+GroupOption = Annotated[str, typer.Option(help=GROUP_HELP)]
+CalibDataOption = Annotated[Path | None, typer.Option(
+    help="Text/JSONL file, directory of them, parquet/arrow/csv file or a local HF datasets directory; "
+         "PATH:COLUMN picks the text column (default: built-in corpus)")]
 CalibSizeOption = Annotated[int, typer.Option(help="Calibration samples")]
 CalibLenOption = Annotated[int, typer.Option(help="Tokens per calibration sample")]
 ExcludeOption = Annotated[list[str] | None, typer.Option(
     help="Module name pattern to keep unquantized (repeatable)")]
-LmHeadOption = Annotated[str, typer.Option(
-    help="lm_head weights: float | int8 | int4 (rounded to nearest at build; a tied embedding reads them too)")]
+LM_HEAD_HELP = "lm_head weights: float | int8 | int4 (rounded to nearest at build; a tied embedding reads them too)"
+LmHeadOption = Annotated[str, typer.Option(help=LM_HEAD_HELP)]
+# build: None = not passed (refused without --quant), then the defaults above
+BuildGroupOption = Annotated[str | None, typer.Option(help=f"{GROUP_HELP} (default auto)")]
+BuildCalibSizeOption = Annotated[int | None, typer.Option(help=f"Calibration samples (default {DEFAULT_CALIB_SIZE})")]
+BuildCalibLenOption = Annotated[int | None, typer.Option(
+    help=f"Tokens per calibration sample (default {DEFAULT_CALIB_SEQ_LEN})")]
+BuildLmHeadOption = Annotated[str | None, typer.Option(help=f"{LM_HEAD_HELP} (default float)")]
 
 
 @app.command()
@@ -55,12 +68,12 @@ def build(
         help="Quantize first, as `camshaft quantize --quant` does (the quantized checkpoint is kept in OUTPUT.ckpt)")]
     = None,
     kv_cache_dtype: KVDtypeOption = None,
-    group_size: GroupOption = "auto",
+    group_size: BuildGroupOption = None,
     calib_data: CalibDataOption = None,
-    calib_size: CalibSizeOption = 64,
-    calib_seq_len: CalibLenOption = 256,
+    calib_size: BuildCalibSizeOption = None,
+    calib_seq_len: BuildCalibLenOption = None,
     exclude: ExcludeOption = None,
-    lm_head: LmHeadOption = "float",
+    lm_head: BuildLmHeadOption = None,
     weight_only_compute: Annotated[str, typer.Option(
         help="onnxruntime target, int8_wo/int4_wo/int4_awq layers: int8 (inputs quantized to int8 per block on the "
              "fly: faster, a small extra error) | float (exact dequantized weights) | auto (= int8)")] = "auto",
@@ -74,26 +87,52 @@ def build(
     config = BuildConfig(model, output, target=target, dtype=dtype, max_batch_size=max_batch_size,
                          max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
                          gpu_arch=gpu_arch, weight_only_compute=weight_only_compute)
-    if quant is None and (kv_cache_dtype is not None or calib_data is not None or exclude or lm_head != "float"):
-        raise CamshaftError(
-            "--kv-cache-dtype, --calib-data, --exclude and --lm-head are quantization options: add --quant")
-    if quant is not None:
-        from camshaft.builder.build import check_quantized_target, check_weight_only_compute
-        from camshaft.quantize.spec import QuantSpec
-
-        spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
-        for algo in spec.info.layer_algos:
-            check_quantized_target(target, algo, kv_cache_dtype and kv_cache_dtype.upper(),
-                                   gpu_arch=config.resolved_gpu_arch)
-        check_weight_only_compute(weight_only_compute, spec.info.layer_algos, f"--quant {quant}")
+    if quant is None:
+        _refuse_quant_options({"--kv-cache-dtype": kv_cache_dtype, "--group-size": group_size,
+                               "--calib-data": calib_data, "--calib-size": calib_size,
+                               "--calib-seq-len": calib_seq_len, "--exclude": exclude or None, "--lm-head": lm_head})
+    else:
+        group_size = "auto" if group_size is None else group_size
+        lm_head = "float" if lm_head is None else lm_head
+        _check_quantized_build(config, quant, kv_cache_dtype, group_size, lm_head)
         checkpoint = output.with_name(output.name + ".ckpt")
-        _quantize(model, quant, checkpoint, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len,
-                  exclude, lm_head)
+        _quantize(model, quant, checkpoint, kv_cache_dtype, group_size, calib_data,
+                  DEFAULT_CALIB_SIZE if calib_size is None else calib_size,
+                  DEFAULT_CALIB_SEQ_LEN if calib_seq_len is None else calib_seq_len, exclude, lm_head)
         config = replace(config, model_dir=checkpoint)
     manifest = build_engine(config, progress=progress)
     err.print(f"built {manifest.model.architecture} engine for {manifest.target} ({manifest.dtype}) in "
               f"{manifest.target_options.get('build_seconds', '?')} s")
     typer.echo(str(output))
+
+
+def _refuse_quant_options(options: dict[str, object]) -> None:
+    """Without --quant, the quantization options the user passed would be ignored: refuse them."""
+    passed = [name for name, value in options.items() if value is not None]
+    if passed:
+        what = "is a quantization option" if len(passed) == 1 else "are quantization options"
+        raise CamshaftError(f"{', '.join(passed)} {what}: add --quant FORMAT to quantize first, or drop "
+                            f"{'it' if len(passed) == 1 else 'them'}")
+
+
+def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str | None, group_size: str,
+                           lm_head: str) -> None:
+    """Everything the build after quantizing would refuse, checked before calibration starts."""
+    from camshaft.builder.build import check_quantized_target, check_target, check_weight_only_compute
+    from camshaft.errors import BuildConfigError
+    from camshaft.manifest import MANIFEST_NAME
+    from camshaft.model_config import ModelConfig
+    from camshaft.outdir import check_replaceable
+    from camshaft.quantize.spec import QuantSpec
+
+    spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
+    check_replaceable(config.output_dir, MANIFEST_NAME, "an engine", BuildConfigError)
+    gpu_arch = check_target(config)
+    for algo in spec.info.layer_algos:
+        check_quantized_target(config.target, algo, kv_cache_dtype and kv_cache_dtype.upper(), gpu_arch=gpu_arch)
+    check_weight_only_compute(config.weight_only_compute, spec.info.layer_algos, f"--quant {quant}")
+    if Path(config.model_dir).is_dir():  # a missing one: quantize says so
+        config.resolved_max_seq_len(ModelConfig.from_hf_dir(config.model_dir).max_position_embeddings)
 
 
 def _quantize(model: Path, quant: str, output: Path, kv_cache_dtype: str | None, group_size: str,

@@ -58,10 +58,19 @@ def eval_ppl(
 ) -> None:
     """Perplexity of a text through an engine and/or transformers, in non-overlapping windows."""
     from camshaft.errors import RequestError
-    from camshaft.runtime.perplexity import engine_perplexity, read_text, reference_perplexity
+    from camshaft.runtime.perplexity import (
+        check_reference_model,
+        check_window,
+        engine_perplexity,
+        read_text,
+        reference_perplexity,
+    )
 
     if engine is None and model is None:
         raise RequestError("pass --engine, --model or both")
+    check_window(window)
+    if model is not None:
+        check_reference_model(model)
     text = read_text(data)
     results = []
     if engine is not None:

@@ -1,0 +1,94 @@
+"""Calibration text from datasets read by the `datasets` library: a `save_to_disk` directory, or parquet / arrow /
+csv files (a file, or a directory of one kind), local files only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from camshaft.quantize.spec import QuantizeError
+
+DATA_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}  # → datasets' packaged loader
+SAVED_DATASET_FILES = (("dataset_dict.json",), ("state.json", "dataset_info.json"))  # save_to_disk's
+
+
+def open_dataset(path: Path) -> tuple[Any, str] | None:
+    """(a datasets Dataset or local-file stream, its description) for a save_to_disk directory or parquet/arrow/csv
+    files (a file, or a directory of one kind; nothing else in it is read); None for anything else."""
+    if path.is_dir() and any(all((path / name).is_file() for name in names) for names in SAVED_DATASET_FILES):
+        return _load_from_disk(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
+    else:
+        files = [path] if path.suffix in DATA_SUFFIXES else []
+    kinds = sorted({DATA_SUFFIXES[f.suffix] for f in files})
+    if len(kinds) > 1:
+        raise QuantizeError(f"{path} holds {' and '.join(kinds)} files; pass a directory (or file) of one kind")
+    if not files:
+        return None
+    try:
+        data = _datasets().load_dataset(kinds[0], data_files=[str(f) for f in files], split="train", streaming=True)
+    except Exception as exc:  # datasets raises many types for unreadable files
+        raise QuantizeError(f"{path}: the {kinds[0]} files could not be read as a dataset: {exc}") from exc
+    return data, str(path) if path.is_file() else f"{path}, {len(files)} {kinds[0]} file(s)"
+
+
+def _load_from_disk(path: Path) -> tuple[Any, str]:
+    """A save_to_disk directory: a Dataset, or a DatasetDict's train (or only) split."""
+    datasets = _datasets()
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise QuantizeError(f"{path} looks like a saved dataset but could not be loaded: {exc}") from exc
+    if not isinstance(data, datasets.DatasetDict):
+        return data, str(path)
+    splits = sorted(data)
+    if "train" not in data and len(splits) != 1:
+        raise QuantizeError(f"{path} holds the splits {', '.join(splits)}, none named train; pass one split's "
+                            f"directory, e.g. --calib-data {path / splits[0]}")
+    split = "train" if "train" in data else splits[0]
+    return data[split], f"{path}, split {split}"
+
+
+def text_column(data: Any, path: Path, column: str | None) -> str:
+    """`column` if given, else the `text` column, else the only string column."""
+    if data.features is not None:
+        types = {n: getattr(f, "dtype", None) for n, f in data.features.items()}
+    else:  # a csv stream, typed by its first row
+        types = {n: "string" if isinstance(v, str) else None for n, v in _first_row(data, path).items()}
+    strings = [n for n, t in types.items() if t in ("string", "large_string")]
+    listed = ", ".join(types) or "none"
+    if column is not None and column not in strings:
+        raise QuantizeError(f"{path} has no string column {column} (its columns: {listed})")
+    chosen = column or ("text" if "text" in strings else strings[0] if len(strings) == 1 else None)
+    if chosen is None:
+        raise QuantizeError(f"{path} has no string column (its columns: {listed})" if not strings else
+                            f"{path} has several string columns, none named text (its columns: {listed}); choose "
+                            f"one with --calib-data {path}:COLUMN")
+    return chosen
+
+
+def _first_row(data: Any, path: Path) -> dict[str, Any]:
+    try:
+        return next(iter(data), None) or {}
+    except Exception as exc:  # pandas, pyarrow: many types
+        raise QuantizeError(f"calibration data {path} could not be read: {exc}") from exc
+
+
+def column_texts(data: Any, path: Path, column: str) -> Iterator[str]:
+    try:
+        for batch in data.select_columns([column]).iter(batch_size=256):
+            yield from (t for t in batch[column] if isinstance(t, str) and t.strip())
+    except Exception as exc:  # a damaged file further in
+        raise QuantizeError(f"calibration data {path} could not be read: {exc}") from exc
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise QuantizeError(f"reading datasets needs the datasets package ({exc}); install the quantize extra: "
+                            "pip install 'camshaft[quantize]'") from exc
+    datasets.disable_progress_bars()
+    return datasets

@@ -1,0 +1,74 @@
+"""`camshaft build --quant` refuses what the build after calibration would refuse, before calibrating; without --quant
+it refuses the quantization options the user passed instead of ignoring them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from test_cli import camshaft
+
+from tiny_models import make_tiny_model
+
+pytest.importorskip("modelopt.torch.quantization")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("cli-quant") / "hf")
+
+
+def one_line(err: str) -> str:
+    return " ".join(err.split())
+
+
+def nothing_quantized(engine) -> bool:
+    """No quantized checkpoint (OUTPUT.ckpt) and no staging directory of one."""
+    return not engine.with_name(engine.name + ".ckpt").exists() and not list(engine.parent.glob(".*.ckpt.partial-*"))
+
+
+def test_a_missing_target_package_is_refused_before_calibration(tiny, tmp_path, capsys):
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("tensorrt is installed here")
+    engine = tmp_path / "e"
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", engine, "--target", "tensorrt",
+                            "--quant", "fp8", "--calib-size", "2", "--calib-seq-len", "32")
+    err = one_line(err)
+    assert code == 1 and "the tensorrt target needs the tensorrt Python package" in err, err
+    assert "Traceback" not in err and nothing_quantized(engine) and not engine.exists()
+
+
+def test_an_engine_output_that_cannot_be_replaced_is_refused_before_calibration(tiny, tmp_path, capsys):
+    engine = tmp_path / "e"
+    engine.mkdir()
+    (engine / "notes.txt").write_text("mine")
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", engine, "--quant", "int8_wo",
+                            "--calib-size", "2", "--calib-seq-len", "32")
+    assert code == 1 and "refusing to overwrite" in one_line(err) and nothing_quantized(engine)
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", tmp_path / "f", "--quant", "int8_wo",
+                            "--max-seq-len", "4096", "--calib-size", "2", "--calib-seq-len", "32")
+    assert code == 1 and "--max-seq-len 4096 exceeds" in one_line(err) and nothing_quantized(tmp_path / "f")
+
+
+@pytest.mark.parametrize("option", [("--group-size", "32"), ("--calib-size", "8"), ("--calib-seq-len", "32"),
+                                    ("--lm-head", "float"), ("--kv-cache-dtype", "int8"), ("--exclude", "*.q_proj")])
+def test_quantization_options_without_quant_are_refused(tiny, tmp_path, capsys, option):
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", tmp_path / "e", *option)
+    err = one_line(err)
+    assert code == 1 and f"error: {option[0]} is a quantization option: add --quant FORMAT" in err, err
+    assert not (tmp_path / "e").exists()
+
+
+def test_several_options_are_named_together(tiny, tmp_path, capsys):
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", tmp_path / "e", "--calib-size", "8",
+                            "--group-size", "auto")
+    assert code == 1 and "--group-size, --calib-size are quantization options" in one_line(err)
+
+
+def test_explicit_values_are_used_not_replaced_by_defaults(tiny, tmp_path, capsys):
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", tmp_path / "e", "--quant", "int8_wo",
+                            "--calib-size", "0")
+    assert code == 1 and "--calib-size must be at least 1, got 0" in one_line(err)
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", tmp_path / "e", "--quant", "int4_wo",
+                            "--group-size", "64")
+    assert code == 1 and "group size 64 does not divide" in one_line(err) and nothing_quantized(tmp_path / "e")

@@ -23,6 +23,7 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
 from camshaft.errors import CheckpointError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
 from camshaft.quantize.spec import FORMATS
+from camshaft.weight_files import weight_files
 
 
 class Checkpoint:
@@ -33,7 +34,7 @@ class Checkpoint:
         if not self.dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         self.config = ModelConfig.from_hf_dir(self.dir)
-        self.files = self._weight_files()
+        self.files = weight_files(self.dir)
         self._stack = ExitStack()
         self._where: dict[str, Path] = {}
         self._handles = {}
@@ -215,30 +216,6 @@ class Checkpoint:
             return self._handles[file].get_tensor(name)
         except (SafetensorError, OSError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{file.name}: tensor {name!r} could not be read: {exc}") from exc
-
-    def _weight_files(self) -> list[Path]:
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise CheckpointError(f"{index} is malformed: {exc}") from exc
-            files = sorted({self.dir / f for f in weight_map.values()})
-            missing = [f.name for f in files if not f.is_file()]
-            if missing:
-                raise CheckpointError(f"{index} names shards that are missing: {', '.join(missing)}")
-            return files
-        files = sorted(self.dir.glob("*.safetensors"))
-        if files:
-            return files
-        pickles = sorted(p.name for p in self.dir.glob("*.bin")) + sorted(p.name for p in self.dir.glob("*.pt"))
-        if pickles:
-            raise CheckpointError(
-                f"{self.dir} holds only pickle weights ({', '.join(pickles[:3])}); camshaft never unpickles weights "
-                "(unpickling can run arbitrary code). Convert them to safetensors first, e.g. "
-                "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)`."
-            )
-        raise CheckpointError(f"{self.dir} has no *.safetensors weights")
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from camshaft.quantize.spec import (
     modelopt_config,
     resolve_group_size,
 )
+from camshaft.weight_files import matrix_names
 
 INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
 
@@ -77,6 +79,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     group_size = resolve_group_size(spec, model_config)
     check_lm_head_fits(spec, model_config)
     check_sizes(calib_size, calib_seq_len)
+    check_excludes_match(spec, matrix_names(model_dir))
     check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError)
     if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise CheckpointError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
@@ -92,11 +95,11 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     timings["prepare"] = round(time.perf_counter() - start, 2)
     progress(f"loading {model_config.architecture} from {model_dir} (float32, CPU)")
     t = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                               use_safetensors=True).eval()
     if not getattr(model.config, "architectures", None):  # ModelOpt's HF export needs it
         model.config.architectures = [type(model).__name__]
     timings["load"] = round(time.perf_counter() - t, 2)
-    check_excludes_match(spec, model)
 
     t = time.perf_counter()
     desc = f"calibrating {spec.format}" + (f" (group {group_size})" if group_size else "")
@@ -159,17 +162,15 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     return QuantizeResult(output, spec, group_size, calib.num_samples, calib.seq_len, source, timings)
 
 
-def check_excludes_match(spec: QuantSpec, model: Any) -> None:
-    """Every --exclude pattern names at least one linear layer (before calibration: a typo, or a layer index past
-    the model's last, would otherwise quantize everything silently)."""
-    import torch
-
-    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+def check_excludes_match(spec: QuantSpec, linears: list[str]) -> None:
+    """Every --exclude pattern names at least one linear layer (before loading: a typo, or a layer index past the
+    model's last, would otherwise quantize everything silently)."""
     for pattern in spec.exclude:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
             raise QuantizeError(
                 f"--exclude {pattern!r} matches no linear layer of this model; its linear layers are named like "
-                f"{linears[0]!r} … {linears[-1]!r} (fnmatch patterns, e.g. 'model.layers.0.*' or '*.mlp.down_proj')"
+                f"{', '.join(map(repr, examples(linears)))} (fnmatch patterns, e.g. 'model.layers.0.*' or "
+                "'*.mlp.down_proj')"
             )
 
 
@@ -248,3 +249,9 @@ def _tool_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return tools
+
+
+def examples(names: list[str]) -> list[str]:
+    """The first and last few names, in layer order (layer 2 before layer 10)."""
+    ordered = sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
+    return ordered if len(ordered) <= 4 else ordered[:2] + ["…"] + ordered[-2:]

@@ -233,13 +233,32 @@ def test_excluded_layers_stay_float(tiny, tmp_path):
 
 
 def test_an_exclude_pattern_that_matches_no_layer_is_refused_before_calibration(tiny, tmp_path, monkeypatch):
+    import transformers
+
     import camshaft.quantize.modelopt_adapter as adapter
 
     monkeypatch.setattr(adapter, "calibration_loop", lambda *a: pytest.fail("calibrated despite the bad pattern"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("loaded the model despite the bad pattern"))
     spec = QuantSpec("int8_wo", exclude=("*.mlp.down_proj", "model.layers.2.mlp.*"))  # the tiny model has 2 layers
     with pytest.raises(QuantizeError, match=r"--exclude 'model.layers.2.mlp.\*' matches no linear layer") as err:
         quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)
-    assert "'model.layers.0.self_attn.q_proj'" in str(err.value)
+    assert "'model.layers.0.mlp.down_proj'" in str(err.value) and "model.layers.1." in str(err.value)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_pickle_weights_are_never_loaded_for_calibration(tiny, tmp_path):
+    import shutil
+
+    from camshaft.errors import CheckpointError
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny, pickled)
+    for file in pickled.glob("*.safetensors"):
+        file.unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"not really")
+    with pytest.raises(CheckpointError, match="never unpickles"):
+        quantize_checkpoint(pickled, tmp_path / "ckpt", QuantSpec("int8_wo"), **CALIB)
     assert not (tmp_path / "ckpt").exists()
 
 

@@ -1,0 +1,52 @@
+"""Where a Hugging Face checkpoint's weights are: its safetensors files (never pickles), and their tensor names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from camshaft.errors import CheckpointError
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards its index names, else every *.safetensors file."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is malformed: {exc}") from exc
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+    if pickles:
+        raise CheckpointError(
+            f"{model_dir} holds only pickle weights ({', '.join(pickles[:3])}); camshaft never unpickles weights "
+            "(unpickling can run arbitrary code). Convert them to safetensors first, e.g. "
+            "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)`."
+        )
+    raise CheckpointError(f"{model_dir} has no *.safetensors weights")
+
+
+def matrix_names(model_dir: Path) -> list[str]:
+    """Names (without `.weight`) of the checkpoint's 2-D weights other than embeddings: its linear layers, read from
+    the safetensors headers without loading a tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    names = []
+    for file in weight_files(model_dir):
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                for key in handle.keys():
+                    if key.endswith(".weight") and "embed" not in key and len(handle.get_slice(key).get_shape()) == 2:
+                        names.append(key[: -len(".weight")])
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
+    return names

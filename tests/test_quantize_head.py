@@ -221,7 +221,7 @@ def test_bad_lm_head_is_refused_before_any_work(heads, capsys, tmp_path):
     finally:
         sys.argv = argv
     err = " ".join(capsys.readouterr().err.split())
-    assert "--lm-head are quantization options: add --quant" in err and not (tmp_path / "e").exists()
+    assert "--lm-head is a quantization option: add --quant" in err and not (tmp_path / "e").exists()
 
 
 def test_int4_head_on_a_w8a8_checkpoint_keeps_float_compute(tmp_path):

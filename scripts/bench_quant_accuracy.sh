@@ -14,7 +14,7 @@ MODEL="${MODEL:-$($CAMSHAFT models fetch smollm2-135m-instruct)}"  # MODEL=DIR: 
 [ -f "$OUT/fp32-engine/manifest.json" ] || $CAMSHAFT build --model "$MODEL" --output "$OUT/fp32-engine" --max-seq-len 2048 \
     > "$OUT/fp32.log" 2>&1
 echo "fp32: size $(du -sm "$MODEL" | cut -f1) MB: $($CAMSHAFT eval ppl --engine "$OUT/fp32-engine" --data "$OUT/heldout.txt")"
-for q in int8_wo int4_wo int4_awq; do
+for q in int8_wo int4_wo int4_awq w4a8_awq; do
     start=$(date +%s)
     $CAMSHAFT quantize --model "$MODEL" --quant "$q" --output "$OUT/$q" --calib-size 32 > "$OUT/$q.log" 2>&1
     took=$(( $(date +%s) - start ))

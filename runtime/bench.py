@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from camshaft.errors import RequestError
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
 
@@ -18,6 +19,10 @@ def benchmark_prompt(vocab_size: int, prompt_len: int, seed: int = 0) -> list[in
 
 def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: int = 128, repeats: int = 5,
                       warmup: int = 1, session: Session | None = None) -> dict[str, float | str]:
+    for name, value, least in (("prompt_len", prompt_len, 1), ("new_tokens", new_tokens, 1), ("repeats", repeats, 1),
+                               ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise RequestError(f"{name} must be an integer >= {least}, got {value!r}")
     session = session or Session(engine_dir)
     prompt = benchmark_prompt(session.manifest.model.vocab_size, prompt_len)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

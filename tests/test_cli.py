@@ -158,3 +158,11 @@ def test_bench_latency_reports_the_graph_it_ran(capsys, engine):
     report = dict(line.strip().split(": ", 1) for line in out.strip().splitlines())
     assert report["graph"] == "sequence" and report["new_tokens"] == "4" and float(report["decode_tok_s"]) > 0
     assert int(report["huge_pages_mib"]) >= 0
+
+
+def test_bench_latency_refuses_zero_repeats_from_python_too(engine):
+    from camshaft.errors import RequestError
+    from camshaft.runtime.bench import latency_benchmark
+
+    with pytest.raises(RequestError, match="repeats must be an integer >= 1"):
+        latency_benchmark(engine, repeats=0)

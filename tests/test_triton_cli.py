@@ -38,7 +38,8 @@ def engine(tmp_path_factory) -> Path:
 def test_deploy_writes_a_complete_repository(engine, tmp_path):
     repo = tmp_path / "repo"
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(repo), "--name", "llm",
-                           "--kv-cache-memory", "8MiB", "--max-queue", "5"], capture_output=True, text=True)
+                           "--kv-cache-memory", "8MiB", "--max-queue", "5", "--max-num-tokens", "32"],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     configs = {p.parent.name: p.read_text() for p in repo.glob("*/config.pbtxt")}
     assert sorted(configs) == ["llm", "llm_sync", "tensorrt_llm"]
@@ -47,7 +48,8 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     assert "decoupled: true" in configs["llm"] and "decoupled: false" in configs["llm_sync"]
     assert f'"{engine.resolve()}"' in configs["tensorrt_llm"] and "max_batch_size: 4" in configs["tensorrt_llm"]
     options = json.loads((repo / MARKER).read_text())["llm_options"]
-    assert options == {"kv_cache_memory": 8 * 2**20, "max_queue": 5, "policy": "guaranteed_no_evict"}
+    assert options == {"kv_cache_memory": 8 * 2**20, "max_queue": 5, "max_num_tokens": 32,
+                       "policy": "guaranteed_no_evict"}
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "default")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

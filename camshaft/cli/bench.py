@@ -8,11 +8,8 @@ from typing import Annotated
 import typer
 
 from camshaft.cli import bench_app
-from camshaft.cli.serve import BatchOption, MemoryOption, PolicyOption
+from camshaft.cli.serve import BatchOption, MemoryOption, PolicyOption, TokensOption
 from camshaft.errors import CamshaftError
-
-TokensOption = Annotated[int | None, typer.Option(help="Most tokens a step computes (the prefill chunk budget; "
-                                                       "default and maximum: the engine's)")]
 
 
 @bench_app.command("latency")

@@ -20,10 +20,12 @@ QueueOption = Annotated[int | None, typer.Option(help="Requests that may wait be
                                                       "size)")]
 BatchOption = Annotated[int | None, typer.Option(help="Most running requests (default and maximum: the engine's)")]
 PolicyOption = Annotated[str, typer.Option(help="guaranteed_no_evict | max_utilization")]
+TokensOption = Annotated[int | None, typer.Option(help="Most tokens a step computes (the prefill chunk budget; "
+                                                       "default and maximum: the engine's)")]
 
 
 def _llm_options(engine: Path | None, kv_cache_memory: str | None, max_queue: int | None,
-                 max_batch_size: int | None, policy: str) -> dict:
+                 max_batch_size: int | None, policy: str, max_num_tokens: int | None = None) -> dict:
     """The keyword arguments of camshaft.runtime.llm.LLM that servers take, validated now; max_queue None:
     QUEUE_PER_BATCH x the batch size (--max-batch-size, else the engine's)."""
     from camshaft.manifest import read_manifest
@@ -37,7 +39,7 @@ def _llm_options(engine: Path | None, kv_cache_memory: str | None, max_queue: in
     if max_queue is None and engine is not None:
         max_queue = QUEUE_PER_BATCH * (max_batch_size or read_manifest(Path(engine)).limits.max_batch_size)
     return {"kv_cache_memory": parse_memory(kv_cache_memory), "max_queue": max_queue,
-            "max_batch_size": max_batch_size, "policy": policy}
+            "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy}
 
 
 @app.command()
@@ -48,13 +50,14 @@ def deploy(
     kv_cache_memory: MemoryOption = None,
     max_queue: QueueOption = None,
     max_batch_size: BatchOption = None,
+    max_num_tokens: TokensOption = None,
     policy: PolicyOption = "guaranteed_no_evict",
 ) -> None:
     """Write a Triton model repository that serves an engine with in-flight batching."""
     from camshaft.triton_repo.deploy import deploy_repository
 
-    deploy_repository(engine, repo, name=name,
-                      llm_options=_llm_options(engine, kv_cache_memory, max_queue, max_batch_size, policy))
+    deploy_repository(engine, repo, name=name, llm_options=_llm_options(engine, kv_cache_memory, max_queue,
+                                                                         max_batch_size, policy, max_num_tokens))
     typer.echo(str(repo))
 
 
@@ -74,10 +77,11 @@ def serve(
     kv_cache_memory: MemoryOption = None,
     max_queue: QueueOption = None,
     max_batch_size: BatchOption = None,
+    max_num_tokens: TokensOption = None,
     policy: PolicyOption = "guaranteed_no_evict",
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
-    options = _llm_options(engine, kv_cache_memory, max_queue, max_batch_size, policy)
+    options = _llm_options(engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens)
     if api == "openai":
         if engine is None or repo is not None:
             raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")

@@ -93,15 +93,18 @@ class Scheduler:
                                 f"exceeds the engine's max_seq_len ({limit}); lower max_tokens or shorten the prompt")
         need = self._total_blocks(request)
         if need > self.blocks.capacity:
+            fix = ("lower max_tokens" if self.config.kv_reservation == "paged" else
+                   "use kv_reservation='paged' (a contiguous reservation holds max_seq_len tokens per request)")
             raise CapacityError(f"the request needs {need} KV blocks but the pool holds {self.blocks.capacity}; "
-                                "give the engine a larger kv_cache_memory or lower max_tokens")
+                                f"give the engine a larger kv_cache_memory or {fix}")
 
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_tokens
         scheduled: list[Scheduled] = []
         preemptions_before = self.num_preemptions
-        for request in [r for r in self.running if r.num_tokens - r.num_computed == 1]:
-            if budget and request in self.running and self._grow(request):  # absent: preempted for an older one
+        decodes = sorted((r for r in self.running if r.num_tokens - r.num_computed == 1), key=queue_key)
+        for request in decodes:  # in priority order, so that a preemption never takes a request scheduled already
+            if budget and request in self.running and self._grow(request, {s.request.request_id for s in scheduled}):
                 scheduled.append(self._chunk(request, 1))
                 budget -= 1
         for request in [r for r in self.running if r.num_tokens - r.num_computed > 1]:
@@ -140,13 +143,13 @@ class Scheduler:
         request.num_computed = len(reused) * self.config.block_size
         return True
 
-    def _grow(self, request: Request) -> bool:
-        """Make room for the request's next token, preempting the lowest-priority, newest running requests if the
-        pool is full. False if the request itself had to be preempted."""
+    def _grow(self, request: Request, scheduled: set[str]) -> bool:
+        """Make room for the request's next token, preempting the lowest-priority, newest running requests not in
+        this step yet (`scheduled` ids) if the pool is full. False if the request itself had to be preempted."""
         if self.blocks.blocks_for(request.num_computed + 1) <= len(request.blocks):
             return True
         while self.blocks.num_free == 0:
-            victim = max(self.running, key=queue_key)
+            victim = max((r for r in self.running if r.request_id not in scheduled), key=queue_key)
             self.preempt(victim)
             if victim is request:
                 return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from camshaft.checks import is_int_at_least
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import TARGETS
 
@@ -44,7 +45,7 @@ class BuildConfig:
             )
         for name in ("max_batch_size", "max_num_tokens", "kv_block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not is_int_at_least(value, 1):
                 raise BuildConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len <= 1):
             raise BuildConfigError(f"--max-seq-len must be an integer > 1, got {self.max_seq_len!r}")

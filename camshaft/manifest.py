@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from camshaft.checks import is_int_at_least
 from camshaft.errors import CamshaftError, EngineError
 from camshaft.model_config import ModelConfig
 from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __version__
@@ -25,7 +26,7 @@ TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
 def check_positive_ints(owner: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(owner, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int_at_least(value, 1):
             raise ValueError(f"{type(owner).__name__}.{name} must be a positive integer, not {value!r}")
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from camshaft.checks import is_int_at_least
 from camshaft.errors import RequestError
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
@@ -21,7 +22,7 @@ def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: 
                       warmup: int = 1, session: Session | None = None) -> dict[str, float | str]:
     for name, value, least in (("prompt_len", prompt_len, 1), ("new_tokens", new_tokens, 1), ("repeats", repeats, 1),
                                ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if not is_int_at_least(value, least):
             raise RequestError(f"{name} must be an integer >= {least}, got {value!r}")
     session = session or Session(engine_dir)
     prompt = benchmark_prompt(session.manifest.model.vocab_size, prompt_len)

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from camshaft.checks import is_int_at_least
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.request import GenerationResult, Request
@@ -73,7 +74,7 @@ class Load:
 
 
 def check_max_queue(max_queue: int | None) -> None:
-    if max_queue is not None and (type(max_queue) is not int or max_queue < 0):
+    if max_queue is not None and not is_int_at_least(max_queue, 0):
         raise RequestError(f"max_queue must be an integer >= 0, or None for no limit; got {max_queue!r}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from camshaft.checks import is_int
 from camshaft.errors import RequestError
 
 MAX_LOGPROBS = 20
@@ -12,10 +13,6 @@ MAX_LOGPROBS = 20
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise RequestError(message)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
@@ -51,12 +48,12 @@ class SamplingParams:
                      f"{name} must be a list of non-empty strings, got {value!r}")
             object.__setattr__(self, name, words)
         ids = tuple(self.stop_token_ids)
-        _require(all(_is_int(t) and t >= 0 for t in ids),
+        _require(all(is_int(t) and t >= 0 for t in ids),
                  f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
 
         for name in ("max_tokens", "min_tokens", "top_k", "n", "beam_width"):
-            _require(_is_int(getattr(self, name)), f"{name} must be an integer, got {getattr(self, name)!r}")
+            _require(is_int(getattr(self, name)), f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             _require(_is_number(getattr(self, name)), f"{name} must be a number, got {getattr(self, name)!r}")
 
@@ -74,8 +71,8 @@ class SamplingParams:
                  f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        _require(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+        _require(self.seed is None or is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        _require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         _require(self.n >= 1, f"n must be at least 1, got {self.n}")
 

@@ -16,6 +16,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
+from camshaft.checks import is_int_at_least
 from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.block_manager import BlockManager
@@ -38,7 +39,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_batch_size", "max_num_tokens", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_int_at_least(value, 1):
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
         if self.policy not in POLICIES:
             raise RequestError(f"unknown capacity policy {self.policy!r}; use one of {POLICIES}")

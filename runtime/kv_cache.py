@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 
@@ -19,40 +20,46 @@ def bytes_per_block(manifest: Manifest) -> int:
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _MEMORY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*([A-Za-z]*)")
-MEMORY_HELP = ("bytes as an integer, optionally with a unit (512MiB, 2GB, 1000000), or a fraction of the memory "
-               "available now as a number with a decimal point in (0, 1] (0.3, 1.0)")
+MEMORY_HELP = ("bytes, optionally with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory available now: "
+               "a number in (0, 1] with a decimal point (0.3, 1.0)")
 
 
-def parse_memory(spec: str | int | float | None) -> int | None:
-    """A KV cache budget in bytes. An integer is bytes ("1000000", 1000000), also with a unit ("512MiB", "2GB");
-    a float or a number with a decimal point or exponent is a fraction of the memory available now and must be in
-    (0, 1] ("0.3", 0.3). None stays None (the pool is sized from the engine limits)."""
+def memory_spec(spec: str | int | float | None) -> int | float | None:
+    """A KV cache budget as given: int bytes, or a float fraction of the memory available when it is used. A number
+    in (0, 1] written with a decimal point (or a Python float there) is a fraction; any other number is bytes
+    ("1000000", "1e9", 1000000), also with a unit ("512MiB", "2GB"). None stays None (sized from the engine limits)."""
     if spec is None:
         return None
     if isinstance(spec, bool) or not isinstance(spec, (str, numbers.Real)):
         raise RequestError(f"kv_cache_memory must be {MEMORY_HELP}; got {spec!r}")
-    if isinstance(spec, numbers.Integral):
-        value, fraction, unit = int(spec), False, "B"
-    elif isinstance(spec, numbers.Real):
-        value, fraction, unit = float(spec), True, ""
+    if isinstance(spec, numbers.Real):
+        value, decimal_point, unit = spec, isinstance(spec, float), ""
     else:
         match = _MEMORY.fullmatch(spec.strip())
         unit = match.group(3).upper() if match else ""
         if not match or (unit and unit not in _UNITS):
             raise RequestError(f"cannot read the memory size {spec!r}; use {MEMORY_HELP}")
         number = match.group(1) + (match.group(2) or "")
-        fraction = not unit and not number.isdigit()
-        value = int(number) if number.isdigit() else float(number)
-    if fraction:
-        if not 0 < value <= 1:
-            raise RequestError(f"the memory fraction {spec!r} is not in (0, 1]; use {MEMORY_HELP}")
-        import psutil
-
-        return int(value * psutil.virtual_memory().available)
+        value, decimal_point = (int(number) if number.isdigit() else float(number)), "." in match.group(1)
+    if decimal_point and not unit and 0 < value <= 1:
+        return float(value)
+    if not math.isfinite(value) or (not unit and value != int(value)):
+        raise RequestError(f"the memory size {spec!r} is neither a whole number of bytes nor a fraction in (0, 1]; "
+                           f"use {MEMORY_HELP}")
     total = int(value * _UNITS[unit or "B"])
     if total < 1:
         raise RequestError(f"the memory size {spec!r} is not a positive number of bytes; use {MEMORY_HELP}")
     return total
+
+
+def parse_memory(spec: str | int | float | None) -> int | None:
+    """A KV cache budget in bytes (memory_spec; a fraction of the memory available now)."""
+    value = memory_spec(spec)
+    if isinstance(value, float):
+        import psutil
+
+        return int(value * psutil.virtual_memory().available)
+    return value
 
 
 def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | float | None = None) -> int:

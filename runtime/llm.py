@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import numbers
 import queue
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from camshaft.errors import RequestError
@@ -15,12 +14,13 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
-from camshaft.runtime.executor import Executor, IterationStats, Load, RequestOutput, Sink, check_max_queue
+from camshaft.runtime.executor import Executor, IterationStats, Load, RequestOutput, Sink
 from camshaft.runtime.kv_cache import parse_memory
+from camshaft.runtime.llm_options import check_llm_options, check_priority, priorities
 from camshaft.runtime.request import GenerationResult, Request
 from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
-from camshaft.runtime.scheduler import POLICIES, SchedulerConfig
+from camshaft.runtime.scheduler import SchedulerConfig
 from camshaft.runtime.session import Prompt, Session
 
 
@@ -53,12 +53,10 @@ class LLM:
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
         on transparent huge pages (Linux; see runtime/backends/huge_pages.py); kv_reservation "contiguous" reserves
         max_seq_len tokens of KV blocks per request, as a cache without paging would (for comparisons)."""
-        if policy not in POLICIES:  # before the engine and its KV pool are allocated
-            raise RequestError(f"unknown capacity policy {policy!r}; use one of {POLICIES}")
         limits = read_manifest(Path(engine_dir)).limits
-        batch = _limit("max_batch_size", max_batch_size, limits.max_batch_size)
-        tokens = _limit("max_num_tokens", max_num_tokens, limits.max_num_tokens)
-        check_max_queue(max_queue)
+        batch, tokens = astuple(check_llm_options(
+            limits, policy=policy, kv_reservation=kv_reservation, max_batch_size=max_batch_size,
+            max_num_tokens=max_num_tokens, max_queue=max_queue))
         self.kv_cache_memory = parse_memory(kv_cache_memory)  # bytes; a fraction is resolved once, here
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=self.kv_cache_memory,
                                       threads=threads, spin_wait=spin_wait, huge_pages=huge_pages)
@@ -134,8 +132,7 @@ class LLM:
                 self.executor.abort(request_id)
 
     def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise RequestError(f"priority must be an integer (lower runs first), got {priority!r}")
+        priority = check_priority(priority)
         ids = self._encoder.encode(prompt)
         engine, vocab = self.engine, self.engine.manifest.model.vocab_size
         bad_words = tokenize_bad_words(self.tokenizer, params.bad_words)
@@ -149,9 +146,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[PromptOutput]:
+                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[PromptOutput]:
         """Generate for every prompt with in-flight batching; results come back in input order. `priority`: one
-        per prompt, lower first (vLLM's meaning); None: all equal, first come, first served."""
+        for all or one per prompt, lower first (vLLM's meaning); None: all equal, first come, first served."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -160,10 +157,8 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
-        priority = [0] * len(prompts) if priority is None else list(priority)
-        if len(priority) != len(prompts):
-            raise RequestError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one each")
-        groups = [self._requests(p, sp, pr) for p, sp, pr in zip(prompts, params, priority, strict=True)]
+        each = priorities(priority, len(prompts))
+        groups = [self._requests(p, sp, pr) for p, sp, pr in zip(prompts, params, each, strict=True)]
         done: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         where = {r.request_id: (i, j) for i, group in enumerate(groups) for j, r in enumerate(group)}
         submitted = []
@@ -225,17 +220,6 @@ class _Encoder(Session):
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer
-
-
-def _limit(name: str, value: int | None, engine_limit: int) -> int:
-    """None: the engine's limit; otherwise a positive integer up to it."""
-    if value is None:
-        return engine_limit
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= engine_limit:
-        raise RequestError(f"{name} must be a positive integer up to the engine's {engine_limit}, got {value!r}; "
-                           f"pass 1..{engine_limit} (unset: the engine's) or rebuild the engine with a larger "
-                           f"--{name.replace('_', '-')}")
-    return int(value)
 
 
 def _check(output: RequestOutput) -> bool:

@@ -208,7 +208,7 @@ def test_cli_bench_throughput_sets_the_llm_like_serve(engine_dir, tmp_path):
     (["throughput", "--max-batch-size", "0"], "max_batch_size must be a positive integer"),
     (["throughput", "--max-batch-size", "9"], "up to the engine's 8"),
     (["throughput", "--max-num-tokens", "-1"], "max_num_tokens must be a positive integer"),
-    (["throughput", "--kv-cache-memory", "1.5"], "not in (0, 1]"),
+    (["throughput", "--kv-cache-memory", "1.5"], "neither a whole number of bytes nor a fraction"),
     (["throughput", "--policy", "greedy"], "capacity policy"),
     (["latency", "--repeats", "0"], "--repeats"),
     (["latency", "--prompt-len", "0"], "--prompt-len"),

@@ -56,6 +56,13 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     marker = json.loads((tmp_path / "default" / MARKER).read_text())
     assert marker["llm_options"]["max_queue"] == 4 * 4
     assert 'string_value: "20"' in (tmp_path / "default" / "ensemble" / "config.pbtxt").read_text()  # max_requests
+    done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "fraction"),
+                           "--kv-cache-memory", "0.25"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr  # a fraction of the serving machine's memory, resolved there
+    assert json.loads((tmp_path / "fraction" / MARKER).read_text())["llm_options"]["kv_cache_memory"] == 0.25
+    done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "too-big"),
+                           "--max-batch-size", "99"], capture_output=True, text=True)
+    assert done.returncode == 1 and "up to the engine's 4" in done.stderr and not (tmp_path / "too-big").exists()
     deploy_repository(engine, repo, name="again")  # a camshaft repository is replaced
     assert sorted(p.parent.name for p in repo.glob("*/config.pbtxt")) == ["again", "again_sync", "tensorrt_llm"]
     (tmp_path / "other").mkdir()

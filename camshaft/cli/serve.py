@@ -11,9 +11,9 @@ from camshaft.cli import app, progress
 from camshaft.errors import CamshaftError
 
 MemoryOption = Annotated[str | None, typer.Option(
-    help="KV cache budget: an integer is bytes, also with a unit (1000000, 512MiB, 2GB); a number with a decimal "
-         "point is a fraction of the memory available now, in (0, 1] (0.3, 1.0); default: room for max-batch-size "
-         "full-length sequences")]
+    help="KV cache budget: bytes, also with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory "
+         "available when the engine loads: a number in (0, 1] with a decimal point (0.3, 1.0); default: room for "
+         "max-batch-size full-length sequences")]
 QUEUE_PER_BATCH = 4
 QueueOption = Annotated[int | None, typer.Option(help="Requests that may wait beyond a full batch before new ones "
                                                       f"are refused as busy (default: {QUEUE_PER_BATCH} x the batch "
@@ -26,19 +26,23 @@ TokensOption = Annotated[int | None, typer.Option(help="Most tokens a step compu
 
 def _llm_options(engine: Path | None, kv_cache_memory: str | None, max_queue: int | None,
                  max_batch_size: int | None, policy: str, max_num_tokens: int | None = None) -> dict:
-    """The keyword arguments of camshaft.runtime.llm.LLM that servers take, validated now; max_queue None:
-    QUEUE_PER_BATCH x the batch size (--max-batch-size, else the engine's)."""
+    """The keyword arguments of camshaft.runtime.llm.LLM that servers take, checked now against the engine (when
+    given); max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available
+    where the engine loads."""
     from camshaft.manifest import read_manifest
-    from camshaft.runtime.kv_cache import parse_memory
+    from camshaft.runtime.kv_cache import memory_spec
+    from camshaft.runtime.llm_options import check_llm_options
     from camshaft.runtime.scheduler import POLICIES
 
     if policy not in POLICIES:
         raise CamshaftError(f"unknown --policy {policy!r}; use one of {', '.join(POLICIES)}")
     if max_queue is not None and max_queue < 0:
         raise CamshaftError(f"--max-queue must be >= 0, got {max_queue}")
-    if max_queue is None and engine is not None:
-        max_queue = QUEUE_PER_BATCH * (max_batch_size or read_manifest(Path(engine)).limits.max_batch_size)
-    return {"kv_cache_memory": parse_memory(kv_cache_memory), "max_queue": max_queue,
+    if engine is not None:
+        limits = check_llm_options(read_manifest(Path(engine)).limits, policy=policy, max_batch_size=max_batch_size,
+                                   max_num_tokens=max_num_tokens, max_queue=max_queue)
+        max_queue = QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue
+    return {"kv_cache_memory": memory_spec(kv_cache_memory), "max_queue": max_queue,
             "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy}
 
 

@@ -1,0 +1,58 @@
+"""The options of an LLM (and of the servers built on it), checked against the engine before it loads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from camshaft.checks import is_int, is_int_at_least
+from camshaft.errors import RequestError
+from camshaft.manifest import BuildLimits
+from camshaft.runtime.executor import check_max_queue
+from camshaft.runtime.scheduler import POLICIES, RESERVATIONS
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch_size: int
+    max_num_tokens: int
+
+
+def check_llm_options(limits: BuildLimits, *, policy: str, kv_reservation: str = "paged",
+                      max_batch_size: int | None = None, max_num_tokens: int | None = None,
+                      max_queue: int | None = None) -> BatchLimits:
+    """The batch limits to run with (unset: the engine's); every option refused before any memory is allocated."""
+    if policy not in POLICIES:
+        raise RequestError(f"unknown capacity policy {policy!r}; use one of {', '.join(POLICIES)}")
+    if kv_reservation not in RESERVATIONS:
+        raise RequestError(f"unknown KV reservation {kv_reservation!r}; use one of {', '.join(RESERVATIONS)}")
+    check_max_queue(max_queue)
+    return BatchLimits(_limit("max_batch_size", max_batch_size, limits.max_batch_size),
+                       _limit("max_num_tokens", max_num_tokens, limits.max_num_tokens))
+
+
+def _limit(name: str, value: int | None, engine_limit: int) -> int:
+    if value is None:
+        return engine_limit
+    if not is_int_at_least(value, 1) or value > engine_limit:
+        raise RequestError(f"{name} must be a positive integer up to the engine's {engine_limit}, got {value!r}; "
+                           f"pass 1..{engine_limit} (unset: the engine's) or rebuild the engine with a larger "
+                           f"--{name.replace('_', '-')}")
+    return int(value)
+
+
+def check_priority(priority: object) -> int:
+    if not is_int(priority):
+        raise RequestError(f"priority must be an integer (lower runs first), got {priority!r}")
+    return int(priority)
+
+
+def priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
+    """One priority per prompt: None → all 0, one integer → all that, a sequence → one each."""
+    if priority is None or is_int(priority):
+        return [check_priority(priority or 0)] * count
+    if isinstance(priority, str) or not isinstance(priority, Sequence):
+        raise RequestError(f"priority must be an integer or one integer per prompt, got {priority!r}")
+    if len(priority) != count:
+        raise RequestError(f"got {len(priority)} priorities for {count} prompts; pass one each (or one for all)")
+    return [check_priority(p) for p in priority]

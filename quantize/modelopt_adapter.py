@@ -7,9 +7,7 @@ end, so an interrupted run never leaves a half-written checkpoint under the outp
 
 from __future__ import annotations
 
-import fnmatch
 import json
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -18,9 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from camshaft.errors import CheckpointError
-from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
+from camshaft.model_config import (
+    CAMSHAFT_QUANT_RECORD,
+    HF_QUANT_CONFIG,
+    NO_TOKENIZER,
+    TOKENIZER_FILES,
+    ModelConfig,
+    has_tokenizer,
+)
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.quantize.calibration import CalibrationSet, check_sizes, load_texts, tokenize
+from camshaft.quantize.excludes import check_excludes_match, module_names
 from camshaft.quantize.kv_scales import mark_int8_kv_cache, take_int8_kv_scales, take_kv_biases, write_kv_tensors
 from camshaft.quantize.spec import (
     LM_HEAD_FLOAT_CHANNELS,
@@ -30,7 +36,6 @@ from camshaft.quantize.spec import (
     modelopt_config,
     resolve_group_size,
 )
-from camshaft.weight_files import matrix_names
 
 INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
 
@@ -79,10 +84,10 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     group_size = resolve_group_size(spec, model_config)
     check_lm_head_fits(spec, model_config)
     check_sizes(calib_size, calib_seq_len)
-    check_excludes_match(spec, matrix_names(model_dir))
+    check_excludes_match(spec, module_names(model_dir))
     check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError)
-    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise CheckpointError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    if not has_tokenizer(model_dir):
+        raise CheckpointError(f"{model_dir} {NO_TOKENIZER}")
     texts, source = load_texts(calib_data)
     mtq, export_hf_checkpoint = import_modelopt()
     cfg = modelopt_config(spec, group_size)
@@ -162,18 +167,6 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     return QuantizeResult(output, spec, group_size, calib.num_samples, calib.seq_len, source, timings)
 
 
-def check_excludes_match(spec: QuantSpec, linears: list[str]) -> None:
-    """Every --exclude pattern names at least one linear layer (before loading: a typo, or a layer index past the
-    model's last, would otherwise quantize everything silently)."""
-    for pattern in spec.exclude:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
-            raise QuantizeError(
-                f"--exclude {pattern!r} matches no linear layer of this model; its linear layers are named like "
-                f"{', '.join(map(repr, examples(linears)))} (fnmatch patterns, e.g. 'model.layers.0.*' or "
-                "'*.mlp.down_proj')"
-            )
-
-
 def quantize_inputs_per_token(model: Any) -> None:
     """Every enabled linear-layer input quantizer becomes dynamic per token (ModelOpt's form: block_sizes {-1: None},
     the row's own amax at run time); its calibrated amax goes, the SmoothQuant pre_quant_scale stays."""
@@ -249,9 +242,3 @@ def _tool_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return tools
-
-
-def examples(names: list[str]) -> list[str]:
-    """The first and last few names, in layer order (layer 2 before layer 10)."""
-    ordered = sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
-    return ordered if len(ordered) <= 4 else ordered[:2] + ["…"] + ordered[-2:]

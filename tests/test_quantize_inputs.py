@@ -247,6 +247,14 @@ def test_an_exclude_pattern_that_matches_no_layer_is_refused_before_calibration(
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_exclude_patterns_see_module_names(tiny):
+    from camshaft.quantize.excludes import check_excludes_match, module_names
+
+    names = module_names(tiny)
+    assert "lm_head" in names and "model.layers.1.mlp.down_proj" in names and not any("embed" in n for n in names)
+    check_excludes_match(QuantSpec("int8_wo", exclude=("lm_head", "model.layers.1.*")), names)  # no error
+
+
 def test_pickle_weights_are_never_loaded_for_calibration(tiny, tmp_path):
     import shutil
 

@@ -1,0 +1,36 @@
+"""--exclude: fnmatch patterns over the linear layers' module names, checked against the checkpoint before any long
+work (a typo, or a layer index past the model's last, would otherwise quantize everything silently)."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+
+from camshaft.quantize.spec import QuantizeError, QuantSpec
+from camshaft.weight_files import matrix_names
+
+
+def module_names(model_dir: Path) -> list[str]:
+    """The linear layers' module names as transformers will load them: the checkpoint's matrices, under `model.`
+    where a checkpoint leaves that prefix out, and `lm_head` (a tied head has no tensor of its own)."""
+    names = matrix_names(model_dir)
+    return sorted({n if n.startswith("model.") or n == "lm_head" else f"model.{n}" for n in names} | {"lm_head"})
+
+
+def check_excludes_match(spec: QuantSpec, linears: list[str]) -> None:
+    """Every --exclude pattern names at least one linear layer (before loading: a typo, or a layer index past the
+    model's last, would otherwise quantize everything silently)."""
+    for pattern in spec.exclude:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
+            raise QuantizeError(
+                f"--exclude {pattern!r} matches no linear layer of this model; its linear layers are named like "
+                f"{', '.join(map(repr, examples(linears)))} (fnmatch patterns, e.g. 'model.layers.0.*' or "
+                "'*.mlp.down_proj')"
+            )
+
+
+def examples(names: list[str]) -> list[str]:
+    """The first and last few names, in layer order (layer 2 before layer 10)."""
+    ordered = sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
+    return ordered if len(ordered) <= 4 else ordered[:2] + ["…"] + ordered[-2:]

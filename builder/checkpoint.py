@@ -21,7 +21,14 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
     read_fp8,
 )
 from camshaft.errors import CheckpointError
-from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig
+from camshaft.model_config import (
+    CAMSHAFT_QUANT_RECORD,
+    HF_QUANT_CONFIG,
+    NO_TOKENIZER,
+    TOKENIZER_FILES,
+    ModelConfig,
+    has_tokenizer,
+)
 from camshaft.quantize.spec import FORMATS
 from camshaft.weight_files import weight_files
 
@@ -245,10 +252,9 @@ class Checkpoint:
         return array.astype(np.float32, copy=False)
 
     def tokenizer_files(self) -> list[Path]:
-        files = [self.dir / n for n in TOKENIZER_FILES if (self.dir / n).is_file()]
-        if not any(f.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for f in files):
-            raise CheckpointError(f"{self.dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
-        return files
+        if not has_tokenizer(self.dir):
+            raise CheckpointError(f"{self.dir} {NO_TOKENIZER}")
+        return [self.dir / n for n in TOKENIZER_FILES if (self.dir / n).is_file()]
 
     def close(self) -> None:
         self._stack.close()

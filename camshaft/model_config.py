@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from camshaft.checks import is_int_at_least
 from camshaft.errors import CheckpointError, UnsupportedModelError
 
 ARCHITECTURES = {
@@ -32,6 +33,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "generation_config.json",
 )
+TOKENIZER_VOCABS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # at least one of these makes a tokenizer
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's unified HF checkpoint (written by `camshaft quantize`)
 CAMSHAFT_QUANT_RECORD = "camshaft_quantize.json"
 
@@ -79,7 +81,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int_at_least(value, 1):
                 raise CheckpointError(f"{name} must be a positive integer, not {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
@@ -228,3 +230,10 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object; restore it from the original "
                               "checkpoint")
     return data
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((Path(model_dir) / name).is_file() for name in TOKENIZER_VOCABS)
+
+
+NO_TOKENIZER = f"has no tokenizer ({', '.join(TOKENIZER_VOCABS)})"

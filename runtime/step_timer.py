@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from camshaft.runtime.llm import LLM
@@ -22,14 +22,14 @@ class StepTimer:
         self._engine, self._step, self._backend_step = engine, engine.step, engine.backend.step
         self._backend_s = 0.0
 
-        def backend_step(*args, **kwargs):
+        def backend_step(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return self._backend_step(*args, **kwargs)
             finally:
                 self._backend_s = time.perf_counter() - t0
 
-        def step(chunks):
+        def step(chunks: list[Any]) -> Any:
             t0 = time.perf_counter()
             self._backend_s = 0.0
             try:

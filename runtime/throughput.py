@@ -210,7 +210,8 @@ def _ms(p: dict[str, float]) -> dict[str, float]:
 def llm_config(llm: LLM) -> dict[str, str | int]:
     c = llm.config
     return {"policy": c.policy, "max_batch_size": c.max_batch_size, "max_num_tokens": c.max_num_tokens,
-            "kv_pool_blocks": c.num_blocks - 1, "kv_pool_bytes": c.num_blocks * bytes_per_block(llm.engine.manifest)}
+            "kv_pool_blocks": c.num_blocks - 1,  # usable; the bytes include the null block (the memory taken)
+            "kv_pool_bytes": c.num_blocks * bytes_per_block(llm.engine.manifest)}
 
 
 def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int, concurrency: int | list[int], *,

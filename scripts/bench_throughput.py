@@ -276,6 +276,10 @@ def fmt_p(p: dict, digits: int = 0) -> str:
     return " / ".join(fmt(p[k], f".{digits}f") for k in ("p50", "p90", "p99"))
 
 
+def seconds(p_ms: dict) -> dict:
+    return {k: None if x is None else x / 1000 for k, x in p_ms.items()}
+
+
 def fmt_share(x: float | None) -> str:
     from camshaft.runtime.throughput_report import NO_DATA, fmt
 
@@ -325,12 +329,12 @@ def markdown(res: dict, plot_ref: str) -> str:
     ]
     for r in sorted(cam, key=lambda r: r["concurrency"]):
         o = r["python_overhead"]["all_steps"]
-        e2e = {k: x / 1000 for k, x in r["e2e_ms"].items()}
+        e2e = seconds(r["e2e_ms"])
         out.append(f"| **camshaft** | {r['concurrency']} | {r['num_requests']} | {r['output_tok_s']:.1f} | "
                    f"{r['requests_s']:.3f} | {fmt_p(r['ttft_ms'])} | {fmt_p(r['itl_ms'], 1)} | {fmt_p(e2e, 1)} | "
                    f"{100 * r['peak_kv_usage']:.0f} % | {r['gflop_s']:.1f} | {fmt_share(o['outside_engine_step'])} |")
     for p in peer:
-        e2e = {k: x / 1000 for k, x in p["e2e_ms"].items()}
+        e2e = seconds(p["e2e_ms"])
         out.append(f"| {PEER} | {p['concurrency']} | {p['num_requests']} | {p['output_tok_s']:.1f} | "
                    f"{p['requests_s']:.3f} | {fmt_p(p['ttft_ms'])} | {fmt_p(p['itl_ms'], 1)} | {fmt_p(e2e, 1)} | — | "
                    f"— | — |")

@@ -68,8 +68,8 @@ def eval_ppl(
 
     if engine is None and model is None:
         raise RequestError("pass --engine, --model or both")
-    check_window(window)
     if model is not None:
+        check_window(window)
         check_reference_model(model)
     text = read_text(data)
     results = []

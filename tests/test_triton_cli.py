@@ -63,6 +63,9 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "too-big"),
                            "--max-batch-size", "99"], capture_output=True, text=True)
     assert done.returncode == 1 and "up to the engine's 4" in done.stderr and not (tmp_path / "too-big").exists()
+    done = subprocess.run([*CAMSHAFT, "serve", "--repo", str(repo), "--max-queue", "3", "--policy",
+                           "max_utilization"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "--max-queue, --policy would be ignored" in done.stderr  # not silently dropped
     deploy_repository(engine, repo, name="again")  # a camshaft repository is replaced
     assert sorted(p.parent.name for p in repo.glob("*/config.pbtxt")) == ["again", "again_sync", "tensorrt_llm"]
     (tmp_path / "other").mkdir()

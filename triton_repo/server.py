@@ -185,7 +185,8 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
                                      llm_options=llm_options)
             log(f"deployed {engine} to {repo}")
         elif any(v is not None and k != "policy" for k, v in llm_options.items()):
-            log("note: --repo serves the options written by camshaft deploy; the LLM options given here are ignored")
+            raise CamshaftError(f"{repo} serves the LLM options camshaft deploy wrote into it; pass them to "
+                                "camshaft deploy instead")
         server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
                               metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600,
                               log_file=Path(tmp) / "tritonserver.log")

@@ -82,10 +82,17 @@ def serve(
     max_queue: QueueOption = None,
     max_batch_size: BatchOption = None,
     max_num_tokens: TokensOption = None,
-    policy: PolicyOption = "guaranteed_no_evict",
+    policy: Annotated[str | None, typer.Option(help="guaranteed_no_evict (default) | max_utilization")] = None,
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
-    options = _llm_options(engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens)
+    given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
+             "--max-num-tokens": max_num_tokens, "--policy": policy}
+    if repo is not None and any(v is not None for v in given.values()):
+        names = ", ".join(k for k, v in given.items() if v is not None)
+        raise CamshaftError(f"--repo serves the options `camshaft deploy` wrote into it, so {names} would be ignored; "
+                            "pass them to camshaft deploy (and serve the new repository), or serve --engine with them")
+    options = _llm_options(engine, kv_cache_memory, max_queue, max_batch_size, policy or "guaranteed_no_evict",
+                           max_num_tokens)
     if api == "openai":
         if engine is None or repo is not None:
             raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")

@@ -108,19 +108,29 @@ class Scheduler:
             if budget and request in self.running and self._grow(request, {s.request.request_id for s in scheduled}):
                 scheduled.append(self._chunk(request, 1))
                 budget -= 1
-        for request in [r for r in self.running if r.num_tokens - r.num_computed > 1]:
+        admit = self.num_preemptions == preemptions_before  # after a preemption, admitting would only thrash
+        prefills = sorted((r for r in self.running if r.num_tokens - r.num_computed > 1), key=queue_key)
+        for request in prefills:  # a waiting request of higher priority takes the budget before a running prompt
+            if admit:
+                budget = self._admit_waiting(scheduled, budget, before=queue_key(request))
             if budget:
                 scheduled.append(self._chunk(request, min(request.num_tokens - request.num_computed, budget)))
                 budget -= len(scheduled[-1].chunk.token_ids)
-        admit = self.num_preemptions == preemptions_before  # after a preemption, admitting would only thrash
-        while admit and budget and self.waiting and len(self.running) < self.config.max_batch_size:
+        if admit:
+            self._admit_waiting(scheduled, budget)
+        return scheduled
+
+    def _admit_waiting(self, scheduled: list[Scheduled], budget: int, before: tuple[int, int] | None = None) -> int:
+        """Admit waiting requests in queue order (those ahead of `before` only) while budget, batch and blocks
+        allow; returns the budget left."""
+        while budget and self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
-            if not self._admit(request):
+            if (before is not None and queue_key(request) >= before) or not self._admit(request):
                 break
             self.running.append(self.waiting.pop(0))
             scheduled.append(self._chunk(request, min(request.num_tokens - request.num_computed, budget)))
             budget -= len(scheduled[-1].chunk.token_ids)
-        return scheduled
+        return budget
 
     def _chunk(self, request: Request, take: int) -> Scheduled:
         start = request.num_computed

@@ -169,6 +169,24 @@ def test_a_higher_priority_request_admitted_later_preempts_one_not_yet_in_the_st
         assert request.output_ids == reference_output(request.prompt_ids, 20)
 
 
+def test_a_higher_priority_arrival_is_not_held_behind_a_running_prompt():
+    scheduler = Scheduler(config(max_num_tokens=8))
+    low, high = make_request("low", [1] * 40, 4, priority=5), make_request("high", [2] * 6, 4, priority=0)
+    scheduler.add(low)
+    steps = [scheduler.schedule()]
+    scheduler.computed(steps[0])
+    scheduler.add(high)
+    steps.append(scheduler.schedule())
+    assert [(s.request.request_id, s.num_tokens) for s in steps[1]] == [("high", 6), ("low", 2)]
+    scheduler.computed(steps[1])
+    for item in steps[1]:
+        if item.chunk.num_logits:
+            item.request.output_ids.append(next_token(item.request))
+    run(scheduler, [])
+    for request in (low, high):
+        assert request.output_ids == reference_output(request.prompt_ids, 4)
+
+
 @pytest.mark.parametrize("reservation", ["paged", "contiguous"])
 def test_contiguous_reservation_holds_max_seq_len_per_request(reservation):
     # 32 usable blocks of 4 tokens; max_seq_len 32 = 8 blocks: a contiguous reservation admits at most 4

@@ -21,19 +21,19 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _MEMORY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*([A-Za-z]*)")
 MEMORY_HELP = ("bytes, optionally with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory available now: "
-               "a number in (0, 1] with a decimal point (0.3, 1.0)")
+               "a number between 0 and 1, or 1.0 for all of it (0.3, 5e-1, 1.0)")
 
 
 def memory_spec(spec: str | int | float | None) -> int | float | None:
     """A KV cache budget as given: int bytes, or a float fraction of the memory available when it is used. A number
-    in (0, 1] written with a decimal point (or a Python float there) is a fraction; any other number is bytes
+    in (0, 1) is a fraction, and so is 1 written with a decimal point ("1.0", 1.0); any other number is bytes
     ("1000000", "1e9", 1000000), also with a unit ("512MiB", "2GB"). None stays None (sized from the engine limits)."""
     if spec is None:
         return None
     if isinstance(spec, bool) or not isinstance(spec, (str, numbers.Real)):
         raise RequestError(f"kv_cache_memory must be {MEMORY_HELP}; got {spec!r}")
     if isinstance(spec, numbers.Real):
-        value, decimal_point, unit = spec, isinstance(spec, float), ""
+        value, decimal_point, unit = spec, not isinstance(spec, numbers.Integral), ""
     else:
         match = _MEMORY.fullmatch(spec.strip())
         unit = match.group(3).upper() if match else ""
@@ -41,7 +41,7 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
             raise RequestError(f"cannot read the memory size {spec!r}; use {MEMORY_HELP}")
         number = match.group(1) + (match.group(2) or "")
         value, decimal_point = (int(number) if number.isdigit() else float(number)), "." in match.group(1)
-    if decimal_point and not unit and 0 < value <= 1:
+    if not unit and 0 < value <= 1 and (decimal_point or value != 1):  # 0.5, 5e-1 and 1.0; "1" is one byte
         return float(value)
     if not math.isfinite(value) or (not unit and value != int(value)):
         raise RequestError(f"the memory size {spec!r} is neither a whole number of bytes nor a fraction in (0, 1]; "
@@ -58,20 +58,26 @@ def parse_memory(spec: str | int | float | None) -> int | None:
     if isinstance(value, float):
         import psutil
 
-        return int(value * psutil.virtual_memory().available)
+        available = psutil.virtual_memory().available
+        if value * available < 1:
+            raise RequestError(f"a KV cache budget of {value} of the memory available ({available} bytes) is under "
+                               f"one byte; raise the budget: {MEMORY_HELP}")
+        return int(value * available)
     return value
 
 
 def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | float | None = None) -> int:
     """Blocks for `max_sequences` full-length sequences, or as many as fit `memory` (see parse_memory), plus the
     null block."""
-    memory_bytes = parse_memory(memory)
+    spec = memory_spec(memory)
+    memory_bytes = parse_memory(spec)
     if memory_bytes is not None:
         blocks = memory_bytes // bytes_per_block(manifest)
         if blocks < 2:
+            given = f" ({spec} of the memory available)" if isinstance(spec, float) else ""
             raise CapacityError(
-                f"a KV cache budget of {memory_bytes} bytes holds no block ({bytes_per_block(manifest)} bytes each); "
-                "raise the budget (a fraction of available memory needs a decimal point: 0.5)"
+                f"a KV cache budget of {memory_bytes} bytes{given} holds no block ({bytes_per_block(manifest)} bytes "
+                f"each, and one more is kept empty); raise the budget: {MEMORY_HELP}"
             )
         return int(blocks)
     return max_sequences * manifest.limits.max_blocks_per_seq + 1

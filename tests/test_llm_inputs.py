@@ -4,6 +4,7 @@ refused unless they are positive and within the engine, n beyond what the queue 
 
 from __future__ import annotations
 
+import numpy as np
 import psutil
 import pytest
 
@@ -29,13 +30,13 @@ def engine_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("spec, expected", [
     (4096, 4096), ("4096", 4096), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 KiB", 1536), ("64kb", 64_000),
-    ("1e9", 10**9), (2e9, 2 * 10**9), ("2.0", 2), (None, None),
+    ("1e9", 10**9), (2e9, 2 * 10**9), ("2.0", 2), ("1", 1), ("1e0", 1), (np.int64(4096), 4096), (None, None),
 ])
 def test_memory_in_bytes(spec, expected):
     assert parse_memory(spec) == expected
 
 
-@pytest.mark.parametrize("spec", [0.25, "0.25", ".25", 1.0, "1.0"])
+@pytest.mark.parametrize("spec", [0.25, "0.25", ".25", "5e-1", np.float32(0.25), 1.0, "1.0"])
 def test_memory_fractions_of_available(spec):
     available = psutil.virtual_memory().available
     assert parse_memory(spec) == pytest.approx(float(spec) * available, rel=0.2)
@@ -50,7 +51,7 @@ def test_memory_fractions_of_available(spec):
 def test_bad_memory_is_a_clear_error(spec, message):
     with pytest.raises(RequestError, match=message) as info:
         parse_memory(spec)
-    assert "decimal point" in str(info.value)  # the rule, with examples
+    assert "1.0 for all of it" in str(info.value)  # the rule, with examples
 
 
 def test_llm_takes_the_budget_in_every_form(engine_dir):
@@ -63,8 +64,10 @@ def test_llm_takes_the_budget_in_every_form(engine_dir):
     for budget in (fraction, f"{fraction:.15f}"):
         with LLM(engine_dir, kv_cache_memory=budget) as llm:
             assert 20 <= llm.config.num_blocks <= 80
-    with pytest.raises(RequestError, match="decimal point"):
+    with pytest.raises(RequestError, match="1.0 for all of it"):
         LLM(engine_dir, kv_cache_memory=1)  # one byte holds no block; the error says how to write a fraction
+    with pytest.raises(RequestError, match="1e-12 of the memory available"):
+        LLM(engine_dir, kv_cache_memory="1e-12")
 
 
 @pytest.mark.parametrize("option", ["max_batch_size", "max_num_tokens"])

@@ -12,8 +12,8 @@ from camshaft.errors import CamshaftError
 
 MemoryOption = Annotated[str | None, typer.Option(
     help="KV cache budget: bytes, also with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory "
-         "available when the engine loads: a number in (0, 1] with a decimal point (0.3, 1.0); default: room for "
-         "max-batch-size full-length sequences")]
+         "available when the engine loads: a number between 0 and 1, or 1.0 for all of it (0.3, 1.0); default: "
+         "room for max-batch-size full-length sequences")]
 QUEUE_PER_BATCH = 4
 QueueOption = Annotated[int | None, typer.Option(help="Requests that may wait beyond a full batch before new ones "
                                                       f"are refused as busy (default: {QUEUE_PER_BATCH} x the batch "
@@ -91,8 +91,8 @@ def serve(
         names = ", ".join(k for k, v in given.items() if v is not None)
         raise CamshaftError(f"--repo serves the options `camshaft deploy` wrote into it, so {names} would be ignored; "
                             "pass them to camshaft deploy (and serve the new repository), or serve --engine with them")
-    options = _llm_options(engine, kv_cache_memory, max_queue, max_batch_size, policy or "guaranteed_no_evict",
-                           max_num_tokens)
+    options = {} if repo is not None else _llm_options(engine, kv_cache_memory, max_queue, max_batch_size,
+                                                        policy or "guaranteed_no_evict", max_num_tokens)
     if api == "openai":
         if engine is None or repo is not None:
             raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")

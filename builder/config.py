@@ -47,7 +47,7 @@ class BuildConfig:
             value = getattr(self, name)
             if not is_int_at_least(value, 1):
                 raise BuildConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len <= 1):
+        if self.max_seq_len is not None and not is_int_at_least(self.max_seq_len, 2):
             raise BuildConfigError(f"--max-seq-len must be an integer > 1, got {self.max_seq_len!r}")
         if self.kv_block_size & (self.kv_block_size - 1):
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")

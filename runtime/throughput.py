@@ -22,12 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import RequestError
-from camshaft.manifest import Manifest
+from camshaft.manifest import Manifest, read_manifest
 from camshaft.runtime.bench_data import BenchRequest, clipped_requests, load_dataset, warmup_requests
 from camshaft.runtime.executor import RequestOutput
 from camshaft.runtime.kv_cache import bytes_per_block, parse_memory
 from camshaft.runtime.llm import LLM
+from camshaft.runtime.llm_options import check_llm_options
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.step_timer import StepTimer
 from camshaft.runtime.throughput_report import json_ready
@@ -222,21 +224,24 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
     """Load the dataset for the engine and run it once per concurrency, each on a fresh `LLM` (an empty prefix
     cache) after `warmup` short requests with other prompts. policy, max_batch_size, max_num_tokens and
     kv_cache_memory go to every LLM (a memory fraction is resolved once, before the first)."""
-    levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
-    if not levels or any(type(c) is not int or c < 1 for c in levels):
+    levels = [concurrency] if is_int(concurrency) else list(concurrency)
+    if not levels or not all(is_int_at_least(c, 1) for c in levels):
         raise RequestError(f"concurrency takes positive integers, got {concurrency!r}")
-    if num_requests < 1:
-        raise RequestError(f"num_requests must be >= 1, got {num_requests}")
+    if not is_int_at_least(num_requests, 1):
+        raise RequestError(f"num_requests must be an integer >= 1, got {num_requests!r}")
     memory = parse_memory(kv_cache_memory)
+    engine_limits = read_manifest(Path(engine_dir)).limits
+    batch = check_llm_options(engine_limits, policy=policy, max_batch_size=max_batch_size,
+                              max_num_tokens=max_num_tokens).max_batch_size
+    if max(levels) > batch:  # before any level runs
+        raise RequestError(f"concurrency {max(levels)} exceeds the batch size {batch}; requests beyond it would only "
+                           "queue: lower --concurrency or raise --max-batch-size (at most the engine's "
+                           f"{engine_limits.max_batch_size})")
     results, requests = [], None
     for c in levels:
         with LLM(engine_dir, threads=threads, policy=policy, max_batch_size=max_batch_size,
                  max_num_tokens=max_num_tokens, kv_cache_memory=memory) as llm:
             limits, model = llm.engine.manifest.limits, llm.engine.manifest.model
-            if c > llm.config.max_batch_size:
-                raise RequestError(f"concurrency {c} exceeds the batch size {llm.config.max_batch_size}; requests "
-                                   "beyond it would only queue: lower --concurrency or raise --max-batch-size (at "
-                                   f"most the engine's {limits.max_batch_size})")
             if requests is None:
                 requests = load_dataset(dataset, num_requests, max_seq_len=limits.max_seq_len,
                                         vocab_size=model.vocab_size, seed=seed, tokenizer=llm.tokenizer)

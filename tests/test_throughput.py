@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import RequestError
+from camshaft.runtime import throughput
 from camshaft.runtime.bench_data import BenchRequest, load_dataset, parse_dataset_spec
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.throughput import count_flops, run_throughput, throughput_benchmark
@@ -108,6 +110,15 @@ def test_benchmark_runs_a_sweep(engine_dir):
     assert results[0].peak_batch_size == 1
     with pytest.raises(RequestError, match="exceeds the batch size"):
         throughput_benchmark(engine_dir, "synthetic:in=20,out=5", 6, 9, threads=1)
+
+    def no_llm(*_args, **_kwargs):
+        raise AssertionError("an LLM was loaded before the levels were checked")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(throughput, "LLM", no_llm)
+        with pytest.raises(RequestError, match="concurrency 9 exceeds the batch size 2"):  # before level 1 runs
+            throughput_benchmark(engine_dir, "synthetic:in=20,out=5", 6, [1, 9], threads=1, max_batch_size=2)
+    assert throughput_benchmark(engine_dir, "synthetic:in=20,out=2", np.int64(2), np.int64(1), threads=1, warmup=0)
 
 
 def test_cli_bench_throughput(engine_dir, tmp_path):

@@ -164,7 +164,7 @@ def load_texts(calib_data: str | Path | None) -> tuple[Iterable[str], str]:
         raise QuantizeError(f"calibration data {path} does not exist")
     opened = open_dataset(path)
     if opened is None:
-        return read_text_corpus(path, column), str(path)
+        return read_text_corpus(path, column), str(path) + (f", field {column}" if column else "")
     data, source = opened
     column = text_column(data, path, column)
     texts = column_texts(data, path, column)

@@ -226,6 +226,7 @@ HI = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL}, "messages"),
     (CHAT, {"model": MODEL, "messages": HI, "temperature": "hot"}, "temperature"),
     (CHAT, {"model": MODEL, "messages": HI, "priority": "high"}, "priority"),
+    (CHAT, {"model": MODEL, "messages": HI, "priority": True}, "priority"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, None),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4200}, None),
 ])

@@ -113,7 +113,8 @@ def test_user_corpus_formats(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"body": "three"}\n')
     with pytest.raises(QuantizeError, match=r'c.jsonl:1: expected .* "text" string field .*c.jsonl:FIELD'):
         load_texts(tmp_path)
-    assert list(load_texts(f"{tmp_path / 'c.jsonl'}:body")[0]) == ["three"]
+    texts, source = load_texts(f"{tmp_path / 'c.jsonl'}:body")
+    assert list(texts) == ["three"] and source == f"{tmp_path / 'c.jsonl'}, field body"
     with pytest.raises(QuantizeError, match="holds plain text, which has no column body"):
         load_texts(f"{tmp_path}:body")
 

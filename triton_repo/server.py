@@ -184,9 +184,9 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             repo = deploy_repository(Path(engine), Path(tmp) / "repo", name=name or "ensemble",
                                      llm_options=llm_options)
             log(f"deployed {engine} to {repo}")
-        elif any(v is not None and k != "policy" for k, v in llm_options.items()):
-            raise CamshaftError(f"{repo} serves the LLM options camshaft deploy wrote into it; pass them to "
-                                "camshaft deploy instead")
+        elif given := [k for k, v in llm_options.items() if v is not None]:
+            raise CamshaftError(f"{repo} serves the LLM options camshaft deploy wrote into it, so {', '.join(given)} "
+                                "would be ignored; pass them to camshaft deploy instead")
         server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
                               metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600,
                               log_file=Path(tmp) / "tritonserver.log")

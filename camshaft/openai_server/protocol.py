@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt
 
 from camshaft.errors import RequestError
 from camshaft.runtime.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: StrictInt = 0  # true or "2" is refused, as the Python API refuses them
 
     @property
     def include_usage(self) -> bool:

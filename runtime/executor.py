@@ -10,72 +10,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from camshaft.checks import is_int_at_least
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.engine import Engine
-from camshaft.runtime.request import GenerationResult, Request
+from camshaft.runtime.llm_options import check_max_queue
+from camshaft.runtime.outputs import IterationStats, Load, RequestOutput, Sink
+from camshaft.runtime.request import Request
 from camshaft.runtime.sampler import SampleResult, sample_batch
 from camshaft.runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    delta: str  # text that became safe to emit (may be empty while a stop string is held back)
-    token_ids: tuple[int, ...] = ()  # tokens sampled since the previous output
-    logprobs: tuple[SampleResult, ...] = ()  # their log-probs, when the request asked for them
-    result: GenerationResult | None = None  # set on the request's last output
-    error: Exception | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.result is not None or self.error is not None
-
-
-@dataclass(frozen=True)
-class IterationStats:
-    batch_size: int
-    num_tokens: int
-    num_prefill_tokens: int
-    queue_length: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    step_s: float
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
-
 
 # A closed-loop client's next request, sent as its last one finishes, joins the next step (measured in the throughput
 # benchmark's joining TTFT); the loop waits at most this long, and only after a step that finished requests.
 ADMIT_WINDOW_S = 0.002
-
-Sink = Callable[[RequestOutput], None]
-
-
-@dataclass(frozen=True)
-class Load:
-    """What the batch loop holds now: for metrics, health checks and admission."""
-
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_hits: int
-    preemptions: int
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
-
-
-def check_max_queue(max_queue: int | None) -> None:
-    if max_queue is not None and not is_int_at_least(max_queue, 0):
-        raise RequestError(f"max_queue must be an integer >= 0, or None for no limit; got {max_queue!r}")
 
 
 class Executor:

@@ -14,9 +14,10 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
-from camshaft.runtime.executor import Executor, IterationStats, Load, RequestOutput, Sink
+from camshaft.runtime.executor import Executor
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, priorities
+from camshaft.runtime.outputs import IterationStats, Load, RequestOutput, Sink
 from camshaft.runtime.request import GenerationResult, Request
 from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams

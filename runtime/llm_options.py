@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import RequestError
 from camshaft.manifest import BuildLimits
-from camshaft.runtime.executor import check_max_queue
 from camshaft.runtime.scheduler import POLICIES, RESERVATIONS
 
 
@@ -39,6 +38,11 @@ def _limit(name: str, value: int | None, engine_limit: int) -> int:
                            f"pass 1..{engine_limit} (unset: the engine's) or rebuild the engine with a larger "
                            f"--{name.replace('_', '-')}")
     return int(value)
+
+
+def check_max_queue(max_queue: int | None) -> None:
+    if max_queue is not None and not is_int_at_least(max_queue, 0):
+        raise RequestError(f"max_queue must be an integer >= 0, or None for no limit; got {max_queue!r}")
 
 
 def check_priority(priority: object) -> int:

@@ -26,10 +26,10 @@ from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import RequestError
 from camshaft.manifest import Manifest, read_manifest
 from camshaft.runtime.bench_data import BenchRequest, clipped_requests, load_dataset, warmup_requests
-from camshaft.runtime.executor import RequestOutput
 from camshaft.runtime.kv_cache import bytes_per_block, parse_memory
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.llm_options import check_llm_options
+from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.step_timer import StepTimer
 from camshaft.runtime.throughput_report import json_ready

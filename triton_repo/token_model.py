@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from camshaft.runtime.executor import RequestOutput
 from camshaft.runtime.llm import LLM
+from camshaft.runtime.outputs import RequestOutput
 from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import TokenRequest, error_status, one, token_request

@@ -8,8 +8,8 @@ import time
 from collections.abc import AsyncIterator
 
 from camshaft.openai_server.metrics import Metrics
-from camshaft.runtime.executor import RequestOutput
 from camshaft.runtime.llm import LLM
+from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.request import GenerationResult
 from camshaft.runtime.sampling_params import SamplingParams
 

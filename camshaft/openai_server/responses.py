@@ -8,7 +8,7 @@ import time
 import uuid
 
 from camshaft.openai_server.tokens import TokenText
-from camshaft.runtime.executor import RequestOutput
+from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.request import GenerationResult
 from camshaft.runtime.sampler import SampleResult
 

@@ -1,0 +1,57 @@
+"""What the batch loop reports: per-request outputs (to a request's sink), per-step stats and its current load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from camshaft.runtime.request import GenerationResult
+from camshaft.runtime.sampler import SampleResult
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    delta: str  # text that became safe to emit (may be empty while a stop string is held back)
+    token_ids: tuple[int, ...] = ()  # tokens sampled since the previous output
+    logprobs: tuple[SampleResult, ...] = ()  # their log-probs, when the request asked for them
+    result: GenerationResult | None = None  # set on the request's last output
+    error: Exception | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    batch_size: int
+    num_tokens: int
+    num_prefill_tokens: int
+    queue_length: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    step_s: float
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the batch loop holds now: for metrics, health checks and admission."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_hits: int
+    preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -17,7 +17,12 @@ from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, st
 from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
 from camshaft.builder.graph.ops import GraphWriter, save_model
 from camshaft.builder.sequence_graph import sequence_graph
-from camshaft.builder.targets.precision import ALGO_FEATURES
+from camshaft.builder.target_checks import (
+    check_quantized_target,
+    check_target,
+    check_weight_only_compute,
+    has_weight_only_layers,
+)
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
@@ -27,7 +32,6 @@ GRAPH_NAME = "graph.onnx"
 GRAPH_DATA = "graph.onnx.data"
 
 Progress = Callable[[str], None]
-TRT_QUANT_ALGOS = tuple(ALGO_FEATURES)
 
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
@@ -110,44 +114,6 @@ def _quantization_record(quant: dict, algos: list[str], lowering: DecoderLowerin
     }
 
 
-def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: str | None = None,
-                           gpu_arch: str | None = None) -> None:
-    """Refuse a quantized checkpoint the target cannot build, before any work (`camshaft build --quant` calls it
-    before quantizing). The TensorRT targets get every format but fp8_pc_pt and int8_sq_pt (per-token scales,
-    computed at run time) as standard Q/DQ (plans built with tensorrt-rtx 1.7, tests/test_quantize_trt.py); a
-    quantized KV cache is refused (its float8 pool is uint8 codes, which TensorRT rejects); so is a format whose
-    precision `gpu_arch` has no kernels for (fp8 before sm89: targets/precision.py)."""
-    if quant_algo not in READABLE_QUANT_ALGOS:
-        raise BuildConfigError(f"camshaft cannot build {quant_algo} checkpoints; it builds "
-                               f"{', '.join(READABLE_QUANT_ALGOS)}")
-    if target == "onnxruntime":
-        return
-    if quant_algo not in TRT_QUANT_ALGOS or kv_cache_quant_algo:
-        what = quant_algo + (f" with a {kv_cache_quant_algo} KV cache" if kv_cache_quant_algo else "")
-        raise BuildConfigError(
-            f"the {target} target cannot build {what} checkpoints yet; it takes {', '.join(TRT_QUANT_ALGOS)} "
-            "(--quant fp8 | w4a8_awq | int8_sq | int8_wo | int4_wo | int4_awq) without --kv-cache-dtype. "
-            "Build this one for --target onnxruntime."
-        )
-    if gpu_arch is not None:
-        from camshaft.builder.targets.precision import check_precision
-        from camshaft.builder.targets.tensorrt import parse_arch
-
-        check_precision(target, parse_arch(gpu_arch), quant_algo)
-
-
-def has_weight_only_layers(quant_algos: Sequence[str]) -> bool:
-    return any(READABLE_QUANT_ALGOS[algo].activation is None for algo in quant_algos)
-
-
-def check_weight_only_compute(weight_only_compute: str, quant_algos: Sequence[str], source: str) -> None:
-    """Refuse an explicit --weight-only-compute for a checkpoint without weight-only layers (before any work)."""
-    if weight_only_compute != "auto" and not has_weight_only_layers(quant_algos):
-        raise BuildConfigError(
-            "--weight-only-compute applies to weight-only checkpoints (int8_wo, int4_wo, int4_awq; int8_sq_mixed's "
-            f"down_proj); {source} is {' + '.join(quant_algos) or 'not quantized'}. Drop it.")
-
-
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -224,25 +190,6 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             raise
     progress(f"engine written to {output}")
     return manifest
-
-
-def check_target(config: BuildConfig) -> str | None:
-    """Refuse a target whose product is missing or cannot build for the architecture, before any work (`camshaft
-    build --quant` calls it before calibrating). Returns the GPU architecture the plan is built for (the tensorrt
-    target without --gpu-arch: the local GPU's); None for onnxruntime."""
-    if not config.target.startswith("tensorrt"):
-        return None
-    from camshaft.builder.targets import tensorrt
-
-    trt = tensorrt.import_product(config.target)
-    if config.resolved_gpu_arch is None:  # BuildConfig checked the dtype against an explicit --gpu-arch only
-        from camshaft.builder.targets.precision import check_precision
-
-        arch = tensorrt.supported_archs(trt, config.target)[0]
-        check_precision(config.target, arch, dtype=config.resolved_dtype)
-        return f"sm{arch}"
-    tensorrt.check_arch(trt, config.target, config.resolved_gpu_arch)
-    return config.resolved_gpu_arch
 
 
 def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging: Path,

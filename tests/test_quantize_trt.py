@@ -12,9 +12,10 @@ import importlib.util
 import onnx
 import pytest
 
-from camshaft.builder.build import GRAPH_NAME, TRT_QUANT_ALGOS, build_engine, check_quantized_target
+from camshaft.builder.build import GRAPH_NAME, build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.builder.quantized import READABLE_QUANT_ALGOS
+from camshaft.builder.target_checks import TRT_QUANT_ALGOS, check_quantized_target
 from camshaft.errors import BuildConfigError
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, QuantSpec

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from camshaft.builder.build import build_engine, check_quantized_target, write_graph
+from camshaft.builder.build import build_engine, write_graph
 from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
+from camshaft.builder.target_checks import check_quantized_target
 from camshaft.builder.targets.precision import PRODUCT_ARCHS, check_precision, required_arch
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import BuildLimits

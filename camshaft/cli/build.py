@@ -118,7 +118,7 @@ def _refuse_quant_options(options: dict[str, object]) -> None:
 def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str | None, group_size: str,
                            lm_head: str) -> None:
     """Everything the build after quantizing would refuse, checked before calibration starts."""
-    from camshaft.builder.build import check_quantized_target, check_target, check_weight_only_compute
+    from camshaft.builder.target_checks import check_quantized_target, check_target, check_weight_only_compute
     from camshaft.errors import BuildConfigError
     from camshaft.manifest import MANIFEST_NAME
     from camshaft.model_config import ModelConfig

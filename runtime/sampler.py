@@ -15,11 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from camshaft.errors import RequestError
+from camshaft.runtime.row_select import draw, nucleus, top_k_indices
 from camshaft.runtime.sampling_params import SamplingParams
-
-_BLOCK = 256
-_BINS_PER_NAT = 32
-_NUM_BINS = 40 * _BINS_PER_NAT
 
 
 @dataclass(frozen=True)
@@ -64,71 +61,6 @@ class _TokenCounts:
     @property
     def ids(self) -> np.ndarray:
         return self._ids[: self._num_ids]
-
-
-def top_k_indices(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest finite values, largest first (ties: lower index first). Avoids a full partition."""
-    finite = np.count_nonzero(values > -np.inf)
-    if finite <= k:
-        candidates = np.flatnonzero(values > -np.inf)
-    else:
-        top = float(values.max())
-        cap = 4 * k + 256
-        near, far = 0.0, 1.0  # count(values >= top - near) < k; widen `far` until it holds at least k
-        while (count := np.count_nonzero(values >= top - far)) < k:
-            near, far = far, far * 2
-        for _ in range(24):
-            if count <= cap:
-                break
-            mid = (near + far) / 2
-            mid_count = np.count_nonzero(values >= top - mid)
-            if mid_count >= k:
-                far, count = mid, mid_count
-            else:
-                near = mid
-        candidates = np.flatnonzero(values >= top - far)
-    return candidates[np.argsort(-values[candidates], kind="stable")][:k]
-
-
-def _search(cumulative: np.ndarray, weights: np.ndarray, target: float) -> int:
-    i = int(np.searchsorted(cumulative, target, side="right"))
-    if i >= weights.size:  # float rounding at the top end: take the last token with weight
-        i = int(np.flatnonzero(weights > 0)[-1])
-    return i
-
-
-def _draw(weights: np.ndarray, u: float) -> int:
-    """Index i with probability weights[i] / sum, for u uniform in [0, 1). Blocked so large rows need one pass."""
-    if weights.size <= 4 * _BLOCK:
-        cumulative = np.cumsum(weights, dtype=np.float64)
-        return _search(cumulative, weights, u * cumulative[-1])
-    whole = weights.size // _BLOCK * _BLOCK
-    block_sums = np.append(weights[:whole].reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64),
-                           weights[whole:].sum(dtype=np.float64))
-    cumulative = np.cumsum(block_sums)
-    target = u * cumulative[-1]
-    block = _search(cumulative, block_sums, target)
-    inner = weights[block * _BLOCK : (block + 1) * _BLOCK]
-    inner_target = target - (cumulative[block - 1] if block else 0.0)
-    return block * _BLOCK + _search(np.cumsum(inner, dtype=np.float64), inner, inner_target)
-
-
-def _nucleus(log_weights: np.ndarray, weights: np.ndarray, target: float, bins: np.ndarray) -> np.ndarray:
-    """Indices of the smallest set of heaviest tokens whose weight sum reaches target (ties: lower index first).
-
-    Buckets log-weights into narrow bins (one weighted bincount) so only the bin where the sum crosses is sorted.
-    Overwrites log_weights and bins (scratch rows).
-    """
-    np.multiply(log_weights, np.float32(-_BINS_PER_NAT), out=log_weights)
-    np.minimum(log_weights, np.float32(_NUM_BINS - 1), out=log_weights)
-    bins[...] = log_weights
-    cumulative = np.cumsum(np.bincount(bins, weights=weights, minlength=_NUM_BINS))
-    edge_bin = min(int(np.searchsorted(cumulative, target)), _NUM_BINS - 1)
-    edge = np.flatnonzero(bins == edge_bin)
-    edge = edge[np.argsort(-weights[edge], kind="stable")]
-    mass_before = (cumulative[edge_bin - 1] if edge_bin else 0.0) + np.cumsum(weights[edge], dtype=np.float64)
-    mass_before -= weights[edge]
-    return np.concatenate([np.flatnonzero(bins < edge_bin), edge[mass_before < target]])
 
 
 class SequenceSampler:
@@ -215,12 +147,12 @@ class SequenceSampler:
                 mass_before = np.cumsum(w, dtype=np.float64) - w
                 kept = kept[mass_before < p.top_p * w.sum(dtype=np.float64)]
         elif p.top_p < 1.0:
-            kept = _nucleus(log_weights, weights, p.top_p * weights.sum(dtype=np.float64), rows[3])
+            kept = nucleus(log_weights, weights, p.top_p * weights.sum(dtype=np.float64), rows[3])
         if p.min_p > 0.0:
             kept = np.flatnonzero(weights >= p.min_p) if kept is None else kept[weights[kept] >= p.min_p]
         if kept is None:
-            return _draw(weights, self._rng.random())
-        return int(kept[_draw(weights[kept], self._rng.random())])
+            return draw(weights, self._rng.random())
+        return int(kept[draw(weights[kept], self._rng.random())])
 
     def _record(self, token: int, raw_row: np.ndarray) -> SampleResult:
         self.generated_ids.append(token)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from camshaft.errors import RequestError
-from camshaft.runtime.sampler import SequenceSampler, sample_batch, tokenize_bad_words, top_k_indices
+from camshaft.runtime.row_select import top_k_indices
+from camshaft.runtime.sampler import SequenceSampler, sample_batch, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
 
 V = 49152

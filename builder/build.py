@@ -201,12 +201,12 @@ def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging
         graph_path.unlink()
         (staging / GRAPH_DATA).unlink()
         return ort_target.ARTIFACT, [ort_target.ARTIFACT, ort_target.ARTIFACT_DATA], options
-    from camshaft.builder.targets import tensorrt, trt_support
+    from camshaft.builder.targets import tensorrt, trt_product, trt_support
 
     # The published operator matrix first: a clear list of offending nodes instead of a parser failure.
-    arch = config.resolved_gpu_arch or f"sm{tensorrt.supported_archs(None, config.target)[0]}"
-    trt_support.require_supported(graph_path, config.target, tensorrt.import_product(config.target).__version__,
-                                  gpu_arch=tensorrt.parse_arch(arch))
+    arch = config.resolved_gpu_arch or f"sm{trt_product.supported_archs(None, config.target)[0]}"
+    trt_support.require_supported(graph_path, config.target, trt_product.import_product(config.target).__version__,
+                                  gpu_arch=trt_product.parse_arch(arch))
     num_blocks_max = limits.max_batch_size * limits.max_blocks_per_seq + 1
     meta = tensorrt.build_plan(graph_path, staging / tensorrt.ARTIFACT, product=config.target, gpu_arch=arch,
                                limits=limits, num_blocks_max=num_blocks_max, progress=progress)

@@ -61,7 +61,7 @@ class BuildConfig:
                                    "its own kernels. Drop it.")
         if self.resolved_gpu_arch is not None:
             from camshaft.builder.targets.precision import check_precision
-            from camshaft.builder.targets.tensorrt import parse_arch
+            from camshaft.builder.targets.trt_product import parse_arch
 
             check_precision(self.target, parse_arch(self.resolved_gpu_arch), dtype=self.resolved_dtype)
         if Path(self.model_dir).resolve() == Path(self.output_dir).resolve():

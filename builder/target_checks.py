@@ -35,7 +35,7 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
         )
     if gpu_arch is not None:
         from camshaft.builder.targets.precision import check_precision
-        from camshaft.builder.targets.tensorrt import parse_arch
+        from camshaft.builder.targets.trt_product import parse_arch
 
         check_precision(target, parse_arch(gpu_arch), quant_algo)
 
@@ -58,14 +58,14 @@ def check_target(config: BuildConfig) -> str | None:
     target without --gpu-arch: the local GPU's); None for onnxruntime."""
     if not config.target.startswith("tensorrt"):
         return None
-    from camshaft.builder.targets import tensorrt
+    from camshaft.builder.targets import trt_product
 
-    trt = tensorrt.import_product(config.target)
+    trt = trt_product.import_product(config.target)
     if config.resolved_gpu_arch is None:  # BuildConfig checked the dtype against an explicit --gpu-arch only
         from camshaft.builder.targets.precision import check_precision
 
-        arch = tensorrt.supported_archs(trt, config.target)[0]
+        arch = trt_product.supported_archs(trt, config.target)[0]
         check_precision(config.target, arch, dtype=config.resolved_dtype)
         return f"sm{arch}"
-    tensorrt.check_arch(trt, config.target, config.resolved_gpu_arch)
+    trt_product.check_arch(trt, config.target, config.resolved_gpu_arch)
     return config.resolved_gpu_arch

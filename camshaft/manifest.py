@@ -21,6 +21,7 @@ from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
+TRT_MODULES = {"tensorrt-rtx": "tensorrt_rtx", "tensorrt": "tensorrt"}  # TensorRT target → its Python module
 
 
 def check_positive_ints(owner: object, names: tuple[str, ...]) -> None:

@@ -67,7 +67,7 @@ def test_unsupported_arch_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_arch_spellings() -> None:
-    from camshaft.builder.targets.tensorrt import parse_arch
+    from camshaft.builder.targets.trt_product import parse_arch
 
     assert {parse_arch(a) for a in ("sm89", "SM_89", "89", "8.9")} == {89}
     assert parse_arch("sm120") == 120 and parse_arch("12.0") == 120

@@ -62,7 +62,7 @@ def test_every_format_builds_for_sm89_and_bf16_needs_ampere() -> None:
 def test_product_arch_list_is_tensorrt_rtx_own() -> None:
     import tensorrt_rtx
 
-    from camshaft.builder.targets.tensorrt import supported_archs
+    from camshaft.builder.targets.trt_product import supported_archs
 
     assert PRODUCT_ARCHS["tensorrt-rtx"] == supported_archs(tensorrt_rtx, "tensorrt-rtx")
 

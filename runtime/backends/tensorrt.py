@@ -28,9 +28,7 @@ from typing import Any
 import numpy as np
 
 from camshaft.errors import EngineError
-from camshaft.manifest import Manifest
-
-PRODUCTS = {"tensorrt-rtx": "tensorrt_rtx", "tensorrt": "tensorrt"}
+from camshaft.manifest import TRT_MODULES, Manifest
 
 
 def _cudart(product: str, arch: str) -> Any:
@@ -160,7 +158,7 @@ class TensorRTBackend:
 
     @staticmethod
     def _import(product: str) -> Any:
-        module = PRODUCTS.get(product)
+        module = TRT_MODULES.get(product)
         if module is None:
             raise EngineError(f"unknown TensorRT product {product!r} in the manifest")
         try:

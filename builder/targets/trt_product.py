@@ -1,0 +1,85 @@
+"""The TensorRT products (tensorrt-rtx, tensorrt) as build targets: importing one with an install hint, and the GPU
+architectures it can build plans for."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from camshaft.errors import BuildConfigError
+from camshaft.manifest import TRT_MODULES
+
+INSTALL_HINT = {
+    "tensorrt-rtx": "pip install 'camshaft[tensorrt-rtx]'",
+    "tensorrt": "pip install 'camshaft[tensorrt]'",
+}
+
+
+def import_product(product: str) -> Any:
+    """The product's Python module, or a BuildConfigError that says how to install it."""
+    if product not in TRT_MODULES:
+        raise BuildConfigError(f"unknown TensorRT product {product!r}; choose one of {', '.join(TRT_MODULES)}")
+    import importlib
+
+    try:
+        return importlib.import_module(TRT_MODULES[product])
+    except ImportError as exc:
+        raise BuildConfigError(
+            f"the {product} target needs the {TRT_MODULES[product]} Python package, which is not importable here "
+            f"({exc}). Install it with: {INSTALL_HINT[product]}"
+        ) from exc
+
+
+def parse_arch(gpu_arch: str) -> int:
+    """"sm89", "sm_89", "SM89", "89" or "8.9" → 89."""
+    text = gpu_arch.strip().lower()
+    match = re.fullmatch(r"(?:sm_?)?(\d{2,3})", text) or re.fullmatch(r"(\d{1,2})\.(\d)", text)
+    if match is None:
+        raise BuildConfigError(f"{gpu_arch!r} is not a GPU architecture; write it like sm89 (or 8.9)")
+    return int("".join(match.groups()))
+
+
+def supported_archs(trt: Any, product: str) -> list[int]:
+    """The compute capabilities a plan can be built for with this product, as integers (89 for SM 8.9)."""
+    if product == "tensorrt-rtx":
+        return sorted(int(m.value) for n, m in trt.ComputeCapability.__members__.items() if n.startswith("SM"))
+    return [_local_arch(product)]
+
+
+def _local_arch(product: str) -> int:
+    """The compute capability of GPU 0, probed through cuda-python (creating a TensorRT runtime without a driver can
+    crash the process, so TensorRT itself is never asked)."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError as exc:
+        raise BuildConfigError(
+            f"the {product} target needs cuda-python to find the GPU; install it with: {INSTALL_HINT[product]}"
+        ) from exc
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or count == 0:
+        raise BuildConfigError(
+            f"the {product} target builds plans on a GPU of the target architecture and this machine has none "
+            f"({getattr(err, 'name', err)}). Build on such a GPU, or use the tensorrt-rtx target, which builds ahead "
+            "of time without a GPU."
+        )
+    attr = cudart.cudaDeviceAttr
+    _, major = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, 0)
+    _, minor = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, 0)
+    return major * 10 + minor
+
+
+def check_arch(trt: Any, product: str, gpu_arch: str) -> int:
+    arch = parse_arch(gpu_arch)
+    supported = supported_archs(trt, product)
+    if arch not in supported:
+        names = ", ".join(f"sm{a}" for a in supported)
+        if product == "tensorrt-rtx":
+            raise BuildConfigError(
+                f"{product} {trt.__version__} cannot build for sm{arch}; it supports {names}. "
+                "(Datacenter GPUs such as sm90 need the tensorrt target, built on such a GPU.)"
+            )
+        raise BuildConfigError(
+            f"{product} builds for the GPU it runs on, which is {names}, not sm{arch}: build on an sm{arch} GPU "
+            f"or target {names}"
+        )
+    return arch

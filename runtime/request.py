@@ -78,13 +78,13 @@ class Request:
         self.output_ids.append(token)
         if self.params.logprobs is not None:
             self.samples.append(sample)
-        delta = self.text.append(token)
         params = self.params
-        if self.text.stopped:
+        stop_id = (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)) \
+            and len(self.output_ids) >= params.min_tokens
+        # a stop token's text is left out unless include_stop_str_in_output (vLLM); its id stays in the output
+        delta = "" if stop_id and not params.include_stop_str_in_output else self.text.append(token)
+        if self.text.stopped or stop_id:
             self.finish_reason = "stop"
-        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            if len(self.output_ids) >= params.min_tokens:
-                self.finish_reason = "stop"
         if self.finish_reason is None and len(self.output_ids) >= params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:

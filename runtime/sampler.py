@@ -78,8 +78,10 @@ class SequenceSampler:
             if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                 raise RequestError(f"{name} contains a token id outside the vocabulary (0..{vocab_size - 1}); "
                                    "check the ids against the model's tokenizer")
-        seed = None if params.seed is None else params.seed % 2**64
-        self._rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(sequence_index,))))
+        # every integer seed its own stream: a negative one as its magnitude under another spawn key
+        seed, key = (None, (sequence_index,)) if params.seed is None else \
+            (abs(params.seed), (sequence_index,) if params.seed >= 0 else (sequence_index, 1))
+        self._rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
         self.generated_ids: list[int] = []
         self._seen = None
         if params.repetition_penalty != 1.0:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from camshaft.checks import is_int
 from camshaft.errors import RequestError
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (vLLM's rule; 1/T would overflow float32)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -16,7 +18,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class SamplingParams:
         for name in ("max_tokens", "min_tokens", "top_k", "n", "beam_width"):
             _require(is_int(getattr(self, name)), f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            _require(_is_number(getattr(self, name)), f"{name} must be a number, got {getattr(self, name)!r}")
+            _require(_is_number(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)!r}")
 
         _require(self.beam_width <= 1,
                  "beam search is not supported; use beam_width=1 (sampling with n>1 gives several outputs)")
@@ -79,4 +81,4 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """The output is the argmax of the processed logits (no randomness)."""
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1

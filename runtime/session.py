@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from camshaft.checks import is_int
 from camshaft.errors import CapacityError, RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.detokenizer import TextStream
@@ -48,9 +52,16 @@ class Session:
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._running = threading.Lock()
 
     def close(self) -> None:
         self.engine.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def manifest(self):
@@ -68,7 +79,7 @@ class Session:
             check_messages(messages)
             if self.tokenizer.chat_template is None:
                 raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt instead")
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._apply_template(messages)
             # The template already holds the special tokens: encoding must not add a second BOS.
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, str):
@@ -76,13 +87,24 @@ class Session:
                 raise RequestError("the prompt is empty; pass some text")
             ids = self.tokenizer(prompt)["input_ids"]
         else:
-            ids = [int(t) for t in prompt]
             vocab = self.manifest.model.vocab_size
+            items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+            if items is None or not all(is_int(t) for t in items):
+                raise RequestError(f"a prompt is a string or a list of integer token ids, got {prompt!r:.80}")
+            ids = [int(t) for t in items]
             if any(t < 0 or t >= vocab for t in ids):
                 raise RequestError(f"prompt token ids must lie in [0, {vocab})")
         if not ids:
             raise RequestError("the prompt encodes to no tokens; pass some text")
         return ids
+
+    def _apply_template(self, messages: list[dict[str, str]]) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as exc:  # e.g. a template that wants alternating user/assistant turns, no system role
+            raise RequestError(f"this model's chat template refused the messages: {exc}") from exc
 
     def _params(self, params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
         unknown = set(overrides) - _PARAM_NAMES
@@ -115,9 +137,10 @@ class Session:
 
     def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                messages: list[dict[str, str]] | None = None, **overrides: Any) -> Iterator[str]:
-        """Yield text deltas as they become safe; they concatenate to the generated text."""
+        """Text deltas as they become safe; they concatenate to the generated text. Bad input raises here, before
+        the first delta."""
         request = self._request(self.encode(prompt, messages), self._params(params, overrides))
-        yield from self._run(request)
+        return self._run(request)
 
     def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                  messages: list[dict[str, str]] | None = None, **overrides: Any) -> GenerationResult:
@@ -131,8 +154,15 @@ class Session:
         return self.generate(params=params, messages=messages, **overrides)
 
     def _run(self, request: Request) -> Iterator[str]:
+        if not self._running.acquire(blocking=False):
+            raise RequestError("a Session runs one request at a time and another is in progress; finish or close "
+                               "its stream first, or use camshaft.LLM for concurrent requests")
         engine = self.engine
-        engine.start(len(request.prompt_ids) + request.params.max_tokens)
+        try:
+            engine.start(len(request.prompt_ids) + request.params.max_tokens)
+        except BaseException:
+            self._running.release()
+            raise
         try:
             budget = engine.limits.max_num_tokens
             prompt = request.prompt_ids
@@ -152,6 +182,7 @@ class Session:
                 request.num_computed += 1
         finally:
             engine.finish()
+            self._running.release()
 
 
 def check_messages(messages: list[dict[str, str]]) -> None:

@@ -74,6 +74,7 @@ BAD_RUNS = {
     "negative temperature": (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     "top_p zero": (["--prompt", "hi", "--top-p", "0"], "top_p"),
     "top_p above one": (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+    "system without chat": (["--prompt", "hi", "--system", "be brief"], "add --chat"),
 }
 
 
@@ -166,3 +167,8 @@ def test_bench_latency_refuses_zero_repeats_from_python_too(engine):
 
     with pytest.raises(RequestError, match="repeats must be an integer >= 1"):
         latency_benchmark(engine, repeats=0)
+
+
+def test_bench_latency_names_its_own_options_when_too_long(capsys, engine):
+    code, _, err = camshaft(capsys, "bench", "latency", "--engine", engine, "--prompt-len", 60, "--new-tokens", 10)
+    assert code == 1 and "prompt_len (60) + new_tokens (10)" in err and "--new-tokens" in err

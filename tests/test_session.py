@@ -114,6 +114,12 @@ def test_stop_token_ids_and_eos(session):
     first = free.token_ids.index(target)
     stopped = session.generate("q", max_tokens=30, ignore_eos=True, stop_token_ids=[target])
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    before = session.tokenizer.decode(free.token_ids[:first])
+    assert stopped.text == before != session.tokenizer.decode(free.token_ids[: first + 1])  # its text left out
+    assert "".join(session.stream("q", max_tokens=30, ignore_eos=True, stop_token_ids=[target])) == before
+    kept = session.generate("q", max_tokens=30, ignore_eos=True, stop_token_ids=[target],
+                            include_stop_str_in_output=True)
+    assert kept.text == session.tokenizer.decode(free.token_ids[: first + 1])
 
 
 def test_bad_words_never_appear(session):
@@ -160,9 +166,57 @@ def test_limits(session):
         session.chat([{"content": "hi"}])
     with pytest.raises(RequestError, match="content is empty"):
         session.chat([{"role": "user", "content": " "}])
+    for prompt in ([1.9, 2.7], ["hello"], [None], 42, b"hi"):
+        with pytest.raises(RequestError, match="a prompt is a string or a list of integer token ids"):
+            session.generate(prompt)
+    assert session.generate(np.array([5, 6, 7]), max_tokens=2).prompt_token_ids == [5, 6, 7]
+    with pytest.raises(RequestError, match="temperature"):
+        session.stream("hello", temperature=-1)  # raised by the call, not by the first next()
     if session.graph == "batch":
         pool = session.engine.engine.pool
         assert pool.num_free == pool.capacity  # failed requests hold no blocks
+
+
+def test_one_request_at_a_time(session):
+    first = session.stream("hello", max_tokens=10, ignore_eos=True)
+    next(first)
+    with pytest.raises(RequestError, match="one request at a time"):
+        session.generate("other", max_tokens=3)
+    rest = list(first)
+    assert len(rest) >= 1
+    alone = session.generate("hello", max_tokens=10, ignore_eos=True)
+    assert alone.token_ids == session.generate("hello", max_tokens=10, ignore_eos=True).token_ids
+    abandoned = session.stream("hello", max_tokens=10, ignore_eos=True)
+    next(abandoned)
+    abandoned.close()  # closing a stream frees the session
+    assert session.generate("other", max_tokens=3).finish_reason in ("length", "stop")
+    if session.graph == "batch":
+        pool = session.engine.engine.pool
+        assert pool.num_free == pool.capacity
+
+
+def test_tiny_temperatures_are_greedy_and_seeds_are_distinct(session):
+    greedy = session.generate("abc", max_tokens=8, ignore_eos=True).token_ids
+    for t in (1e-6, 1e-39, 5e-324):
+        assert session.generate("abc", max_tokens=8, ignore_eos=True, temperature=t).token_ids == greedy
+    with pytest.raises(RequestError, match="finite number"):
+        session.generate("abc", temperature=float("inf"))
+    runs = [session.generate("abc", max_tokens=20, temperature=1.0, seed=s, ignore_eos=True).token_ids
+            for s in (-1, 2**64 - 1, -1)]
+    assert runs[0] == runs[2] != runs[1]
+
+
+def test_a_chat_template_refusal_is_a_request_error(engine_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir, copy)
+    next(copy.rglob("chat_template.jinja")).write_text(  # a template like Mistral's, which has no system role
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}")
+    with Session(copy) as session:
+        with pytest.raises(RequestError, match="chat template refused the messages: no system role"):
+            session.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
 
 
 @pytest.mark.parametrize("graph", ["sequence", "batch"])

@@ -25,9 +25,12 @@ def run(
     stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
 ) -> None:
     """Generate text from a prompt."""
+    from camshaft.errors import RequestError
     from camshaft.runtime.sampling_params import SamplingParams
     from camshaft.runtime.session import Session
 
+    if system is not None and not chat:
+        raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     # One prompt, then exit: moving the weights to huge pages (0.2-1.3 s for SmolLM2 fp32) repays itself at 6 % of
     # each decode step after 200-1300 tokens (both scale with the weights' size; BENCHMARKS.md): only long runs ask.

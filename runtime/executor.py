@@ -177,6 +177,10 @@ class Executor:
         results = sample_batch([r.sampler for r in sampled], logits)
         finished = 0
         for request, sample in zip(sampled, results, strict=True):
+            if isinstance(sample, Exception):  # this request's parameters cannot be sampled: it alone ends
+                self._finish(request, sample)
+                finished += 1
+                continue
             try:
                 delta = request.add_sample(sample)
             except Exception as exc:

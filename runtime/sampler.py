@@ -111,7 +111,8 @@ class SequenceSampler:
         if self._seen is not None:
             ids = self._seen.ids
             vals = x[ids]
-            x[ids] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            with np.errstate(over="ignore"):  # an overflow is refused in sample() with a clear message
+                x[ids] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if self._output_counts is not None:
             ids = self._output_counts.ids
             x[ids] -= p.presence_penalty + p.frequency_penalty * self._output_counts.counts[ids]
@@ -132,7 +133,9 @@ class SequenceSampler:
         top = float(x[best])
         if top == -np.inf or np.isnan(top):
             raise RequestError("every token is banned or the logits are not finite; "
-                               "relax bad_words / min_tokens or check the model output")
+                               "relax bad_words / min_tokens / stop_token_ids or check the model output")
+        if top == np.inf:
+            raise RequestError("the penalties pushed a logit to infinity; use a repetition_penalty nearer 1")
         token = best if self.params.greedy else self._sample_filtered(x, top, rows)
         return self._record(token, logits_row)
 
@@ -175,8 +178,9 @@ class SequenceSampler:
         return SampleResult(token, float(raw[token]) - log_total, alternatives)
 
 
-def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> list[SampleResult]:
-    """Sample row i of logits [batch, vocab] with samplers[i]; plain greedy rows share one vectorised argmax."""
+def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> list[SampleResult | RequestError]:
+    """Sample row i of logits [batch, vocab] with samplers[i]; plain greedy rows share one vectorised argmax. A row
+    that cannot be sampled gets its RequestError in its place, so one request's error never stops the others."""
     plain = [i for i, s in enumerate(samplers)
              if s.params.greedy and s.params.logprobs is None and not s._transforms_logits]
     results: list[SampleResult | None] = [None] * len(samplers)
@@ -186,7 +190,10 @@ def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> lis
             results[i] = samplers[i]._record(tokens[i], logits[i])
     for i, sampler in enumerate(samplers):
         if results[i] is None:
-            results[i] = sampler.sample(logits[i])
+            try:
+                results[i] = sampler.sample(logits[i])
+            except RequestError as exc:
+                results[i] = exc
     return results  # type: ignore[return-value]
 
 

@@ -9,6 +9,7 @@ from camshaft.checks import is_int
 from camshaft.errors import RequestError
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
 GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (vLLM's rule; 1/T would overflow float32)
 
 
@@ -49,6 +50,9 @@ class SamplingParams:
             _require(all(isinstance(w, str) and w for w in words),
                      f"{name} must be a list of non-empty strings, got {value!r}")
             object.__setattr__(self, name, words)
+        _require(len(self.stop) <= MAX_STOP_STRINGS and sum(map(len, self.stop)) <= MAX_STOP_CHARS,
+                 f"stop takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all (each is "
+                 f"looked for after every token, on the loop every request shares); got {len(self.stop)}")
         ids = tuple(self.stop_token_ids)
         _require(all(is_int(t) and t >= 0 for t in ids),
                  f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")

@@ -110,3 +110,20 @@ def test_queue_length_is_recorded_and_drains(engine_dir):
         assert any(s.batch_size == 2 and s.queue_length > 0 for s in stats)  # 6 requests, at most 2 running
         assert max(s.queue_length for s in stats) <= 4 and stats[-1].queue_length == 0
         assert llm.load().waiting == 0
+
+
+def test_a_request_that_cannot_be_sampled_fails_alone(engine_dir):
+    """Parameters that pass validation but cannot be sampled (every token banned by min_tokens + stop ids; a
+    repetition penalty that overflows the logits) end that request with its error; the batch loop goes on."""
+    vocab = read_manifest(engine_dir).model.vocab_size
+    good = SamplingParams(max_tokens=6, ignore_eos=True)
+    bad = [SamplingParams(max_tokens=6, min_tokens=3, stop_token_ids=list(range(vocab))),
+           SamplingParams(max_tokens=6, temperature=1.0, repetition_penalty=1e-40, seed=0)]
+    with LLM(engine_dir) as llm:
+        for params, message in zip(bad, ("every token is banned", "repetition_penalty nearer 1"), strict=True):
+            with pytest.raises(RequestError, match=message):
+                llm.generate([[5, 6, 7], [8, 9, 10]], [params, good], use_tqdm=False)
+            assert llm.executor.alive
+            alone = llm.generate([[8, 9, 10]], good, use_tqdm=False)[0]
+            assert len(alone.token_ids) == 6
+        assert llm.executor.scheduler.blocks.num_used == 0

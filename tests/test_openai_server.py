@@ -274,5 +274,7 @@ def test_a_full_queue_answers_503_and_the_server_recovers(engine_dir):
         wait_until(lambda: llm.load().running + llm.load().waiting == 0)  # the closed stream's request is gone
         assert HTTP.post(url + "/v1/completions", json={**body, "stream": False}).status_code == 200
         assert llm.load().kv_blocks_used == 0
+        never = HTTP.post(url + "/v1/completions", json={**body, "stream": False, "prompt": PROMPTS[:2]})
+        assert never.status_code == 400 and never.json()["error"]["param"] == "prompt"  # no retry can help: not 503
         llm.close()  # the batch loop stops: health says so
         assert HTTP.get(url + "/health").status_code == 503

@@ -157,6 +157,7 @@ def test_stop_reaches_the_request_with_that_id_and_finished_ids_are_forgotten(st
 
 
 def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
+    refused = stack.metrics()["camshaft_requests_refused_total"]
     streams = [Stream(stack.server.endpoints.grpc).send("ensemble", tensors(grpcclient, **long_text()))
                for _ in range(BATCH + QUEUE)]
     try:
@@ -173,6 +174,8 @@ def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
         _, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", tensors(
             grpcclient, input_ids=[5, 6], request_output_len=4))
         assert error is not None and "server busy" in error.message()
+        # the text model's two refusals count with the token model's one
+        stack.wait_metrics(lambda m: m["camshaft_requests_refused_total"] - refused == 3, "three refusals counted")
     finally:
         for stream in streams:
             stream.cancel()

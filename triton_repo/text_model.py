@@ -10,6 +10,7 @@ can unload the model at shutdown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -113,6 +114,9 @@ class TextModel:
             self.channel.send(("submit", call.id, self._token_inputs(values, call.text)))
         except Exception as exc:
             self._final(call, error_response(exc))
+            if not isinstance(exc, ServerClosedError):  # counted with the token model's refusals
+                with contextlib.suppress(Exception):
+                    self.channel.send(("refused", call.id))
             return
         self.calls[call.id] = call
 

@@ -70,7 +70,8 @@ class TokenModel:
         self.lock = threading.Lock()
         self.responder = threading.Thread(target=self._respond, name="camshaft-responder", daemon=True)
         self.responder.start()
-        self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort)
+        self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort,
+                                     lambda: self.metrics.count("camshaft_requests_refused_total"))
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -71,6 +71,7 @@ class Generation:
     def _observe(self, index: int, output: RequestOutput) -> None:
         now = time.perf_counter()
         if output.token_ids:
+            self.metrics.generation_tokens.inc(len(output.token_ids))  # as they come: an aborted request's count too
             last = self._last.get(index)
             if last is None:
                 self.metrics.ttft.observe(now - self.arrival)
@@ -80,4 +81,3 @@ class Generation:
         if output.result is not None:
             self.metrics.e2e.observe(now - self.arrival)
             self.metrics.finished.labels(finish_reason=output.result.finish_reason).inc()
-            self.metrics.generation_tokens.inc(len(output.result.token_ids))

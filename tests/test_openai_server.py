@@ -107,7 +107,7 @@ def test_http_metrics_label_routes_not_raw_paths(served):
         assert HTTP.get(url + suffix).status_code == 404
     http = {k: v for k, v in scrape(url).items() if k.startswith("camshaft_http_requests_total")}
     assert not [k for k in http if "a1" in k or "b2" in k or "path-" in k]
-    assert http['camshaft_http_requests_total{path="/v1/models/{model}",status="404"}'] >= 2
+    assert http['camshaft_http_requests_total{path="/v1/models/{model:path}",status="404"}'] >= 2
     assert http['camshaft_http_requests_total{path="other",status="404"}'] >= 2
 
 
@@ -227,6 +227,9 @@ HI = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": HI, "temperature": "hot"}, "temperature"),
     (CHAT, {"model": MODEL, "messages": HI, "priority": "high"}, "priority"),
     (CHAT, {"model": MODEL, "messages": HI, "priority": True}, "priority"),
+    (CHAT, {"model": MODEL, "messages": HI, "max_tokens": True}, "max_tokens"),
+    (CHAT, {"model": MODEL, "messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, None),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4200}, None),
 ])
@@ -278,3 +281,13 @@ def test_a_full_queue_answers_503_and_the_server_recovers(engine_dir):
         assert never.status_code == 400 and never.json()["error"]["param"] == "prompt"  # no retry can help: not 503
         llm.close()  # the batch loop stops: health says so
         assert HTTP.get(url + "/health").status_code == 503
+
+
+def test_a_served_name_may_hold_slashes(served):
+    from fastapi.testclient import TestClient
+
+    from camshaft.openai_server.app import create_app
+
+    with TestClient(create_app(served[1], "org/model")) as http:
+        assert http.get("/v1/models/org/model").json()["id"] == "org/model"
+        assert http.get("/v1/models/org/other").status_code == 404

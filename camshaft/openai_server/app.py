@@ -111,7 +111,7 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model}")
+    @app.get("/v1/models/{model:path}")  # a served name may hold slashes (org/model)
     async def model(model: str) -> dict:
         if model != model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",

@@ -11,7 +11,8 @@ from camshaft.errors import CapacityError, RequestError, ServerBusyError, Server
 from camshaft.openai_server.metrics import Metrics
 
 _SAMPLING_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "logprobs", "n"}
+                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "logprobs", "n",
+                    "top_logprobs", "stream_options"}
 
 
 class APIError(Exception):

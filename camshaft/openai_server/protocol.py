@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from camshaft.errors import RequestError
-from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass temperature=0 for greedy output
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -24,35 +24,39 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationRequest(BaseModel):
+    """Integer fields are strict (true or "2" is refused, as the Python API refuses them)."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float = 1.0
-    n: int = 1
+    n: StrictInt = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
-    top_k: int = 0
+    top_k: StrictInt = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: StrictInt = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
-    priority: StrictInt = 0  # true or "2" is refused, as the Python API refuses them
+    priority: StrictInt = 0
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options applies to streamed responses; set stream: true or leave it out")
         if self.logit_bias:
             raise RequestError("logit_bias is not supported; leave it out (bad_words are not exposed either)")
 
@@ -69,10 +73,10 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: StrictInt | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -110,8 +114,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -123,6 +127,8 @@ class ChatCompletionRequest(_GenerationRequest):
             raise RequestError("response_format other than {'type': 'text'} is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {self.top_logprobs}")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
+from camshaft.checks import is_int
 from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
@@ -150,7 +151,7 @@ class LLM:
                  use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[PromptOutput]:
         """Generate for every prompt with in-flight batching; results come back in input order. `priority`: one
         for all or one per prompt, lower first (vLLM's meaning); None: all equal, first come, first served."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_int(prompts[0])):
             prompts = [prompts]
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):

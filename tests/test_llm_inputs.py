@@ -127,3 +127,10 @@ def test_a_request_that_cannot_be_sampled_fails_alone(engine_dir):
             alone = llm.generate([[8, 9, 10]], good, use_tqdm=False)[0]
             assert len(alone.token_ids) == 6
         assert llm.executor.scheduler.blocks.num_used == 0
+
+
+def test_one_token_id_prompt_in_numpy_integers(engine_dir):
+    with LLM(engine_dir) as llm:
+        ids = [np.int64(5), np.int64(6), np.int64(7)]
+        outputs = llm.generate(ids, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(outputs) == 1 and outputs[0].prompt_token_ids == [5, 6, 7]

@@ -13,14 +13,8 @@ from typing import Any
 
 from camshaft.checks import is_int_at_least
 from camshaft.errors import CheckpointError, UnsupportedModelError
+from camshaft.hf_config import ROPE_TYPES, model_fields
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-ROPE_TYPES = ("default", "linear", "llama3")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -52,6 +46,8 @@ class RopeConfig:
             raise UnsupportedModelError(
                 f"rope scaling type {self.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
             )
+        if not (self.theta > 0 and self.factor > 0 and is_int_at_least(self.original_max_position_embeddings, 1)):
+            raise CheckpointError(f"rope theta, factor and original_max_position_embeddings must be positive: {self}")
 
 
 @dataclass(frozen=True)
@@ -122,103 +118,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None, source: str = "config.json") -> ModelConfig:
-        gen = gen or {}
-        if hf.get("auto_map"):
-            raise UnsupportedModelError(
-                f"{source} asks for custom modelling code (auto_map / trust_remote_code); camshaft never runs "
-                "code from a checkpoint. Use a checkpoint of a supported architecture: "
-                + ", ".join(ARCHITECTURES)
-            )
-        archs = hf.get("architectures") or []
-        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            model_type = hf.get("model_type")
-            by_type = {v: v for v in ARCHITECTURES.values()}
-            arch = by_type.get(model_type)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"{source}: architecture {archs or hf.get('model_type')} is not supported; "
-                f"supported: {', '.join(ARCHITECTURES)}"
-            )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
-        try:
-            hidden = int(hf["hidden_size"])
-            heads = int(hf["num_attention_heads"])
-            layers = int(hf["num_hidden_layers"])
-            config = dict(
-                architecture=arch,
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=layers,
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            )
-        except KeyError as exc:
-            raise CheckpointError(f"{source} lacks required field {exc.args[0]!r}") from exc
-        config["rope"] = _rope_from_hf(hf, source)
-        config["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
-        bias = bool(hf.get("attention_bias", False))
-        config["qkv_bias"] = True if arch == "qwen2" else bias
-        config["o_bias"] = bias
-        config["mlp_bias"] = bool(hf.get("mlp_bias", False))
-        config["qk_norm"] = arch == "qwen3"
-        window, layer_types = _attention_layout(hf, arch, layers, source)
-        config["sliding_window"] = window
-        config["layer_types"] = layer_types
-        config["bos_token_id"] = gen.get("bos_token_id", hf.get("bos_token_id"))
-        eos = gen.get("eos_token_id", hf.get("eos_token_id"))
-        config["eos_token_ids"] = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-        return cls(**config)
-
-
-def _rope_from_hf(hf: dict[str, Any], source: str) -> RopeConfig:
-    # transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling.
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{source}: rope scaling {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
-        )
-    return RopeConfig(
-        theta=theta,
-        type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
-        ),
-    )
-
-
-def _attention_layout(hf: dict[str, Any], arch: str, layers: int, source: str) -> tuple[int | None, tuple[str, ...]]:
-    window = hf.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-        window = None
-    names = {"full_attention": "full", "sliding_attention": "sliding"}
-    if hf.get("layer_types"):
-        try:
-            types = tuple(names[t] for t in hf["layer_types"])
-        except KeyError as exc:
-            raise UnsupportedModelError(f"{source}: layer type {exc.args[0]!r} is not supported") from exc
-        if window is None:
-            types = tuple("full" for _ in types)
-        return (int(window) if window else None), types
-    if window is None:
-        return None, ("full",) * layers
-    if arch in ("qwen2", "qwen3"):
-        first_full = int(hf.get("max_window_layers", layers))
-        return int(window), tuple("full" if i < first_full else "sliding" for i in range(layers))
-    return int(window), ("sliding",) * layers
+        fields = model_fields(hf, gen or {}, source)
+        return cls(**{**fields, "rope": RopeConfig(**fields["rope"])})
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -1,0 +1,173 @@
+"""Reads a Hugging Face config.json (+ generation_config.json) into the fields of a ModelConfig, strictly: a value of
+the wrong type or out of range is a CheckpointError naming the field, never coerced (bool("false") is True)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from camshaft.checks import is_int
+from camshaft.errors import CheckpointError, UnsupportedModelError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig default when config.json has no sliding_window
+_REQUIRED = object()
+_KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
+
+
+class Fields:
+    """Typed access to one JSON object; `source` names it in errors."""
+
+    def __init__(self, data: Any, source: str) -> None:
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{source} must be a JSON object, not {data!r:.60}; restore it from the original "
+                                  "checkpoint")
+        self.data, self.source = data, source
+
+    def get(self, key: str, kind: str, default: Any = _REQUIRED, *, least: float | None = None) -> Any:
+        """The value of `key` (an absent key or null: `default`, or an error when required)."""
+        value = self.data.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.source} lacks required field {key!r}")
+            return default
+        if kind == "int" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        ok = {"int": is_int(value), "bool": isinstance(value, bool),
+              "number": isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)}[kind]
+        if not ok or (least is not None and value < least):
+            bound = "" if least is None else f" >= {least:g}"
+            raise CheckpointError(f"{self.source}: {key} must be {_KINDS[kind]}{bound}, not {value!r}; restore it "
+                                  "from the original checkpoint")
+        return value
+
+
+def architecture(hf: dict[str, Any], source: str) -> str:
+    if hf.get("auto_map"):
+        raise UnsupportedModelError(
+            f"{source} asks for custom modelling code (auto_map / trust_remote_code); camshaft never runs code from a "
+            f"checkpoint. Use a checkpoint of a supported architecture: {', '.join(ARCHITECTURES)}")
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list):
+        raise CheckpointError(f"{source}: architectures must be a list of class names, not {archs!r}")
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None and not archs:  # model_type speaks only for a config that names no class
+        arch = {v: v for v in ARCHITECTURES.values()}.get(hf.get("model_type"))
+    if arch is None:
+        raise UnsupportedModelError(f"{source}: architecture {archs or hf.get('model_type')} is not supported; "
+                                    f"supported: {', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[str, Any]:
+    """The keyword arguments of ModelConfig, but `rope` as a dict of RopeConfig's."""
+    arch = architecture(hf, source)
+    f = Fields(hf, source)
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    hidden, heads = f.get("hidden_size", "int", least=1), f.get("num_attention_heads", "int", least=1)
+    layers = f.get("num_hidden_layers", "int", least=1)
+    bias = f.get("attention_bias", "bool", False)
+    window, layer_types = attention_layout(f, arch, layers)
+    return dict(
+        architecture=arch,
+        vocab_size=f.get("vocab_size", "int", least=1),
+        hidden_size=hidden,
+        intermediate_size=f.get("intermediate_size", "int", least=1),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=f.get("num_key_value_heads", "int", heads, least=1),
+        head_dim=f.get("head_dim", "int", hidden // heads, least=1),
+        rms_norm_eps=f.get("rms_norm_eps", "number", 1e-6, least=0),
+        max_position_embeddings=f.get("max_position_embeddings", "int", 2048, least=1),
+        rope=rope_fields(hf, f, source),
+        tie_word_embeddings=f.get("tie_word_embeddings", "bool", False),
+        qkv_bias=True if arch == "qwen2" else bias,
+        o_bias=bias,
+        mlp_bias=f.get("mlp_bias", "bool", False),
+        qk_norm=arch == "qwen3",
+        sliding_window=window,
+        layer_types=layer_types,
+        bos_token_id=special_id(gen, hf, "bos_token_id", source),
+        eos_token_ids=eos_ids(gen, hf, source),
+    )
+
+
+def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
+    # transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling.
+    sections = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        section = hf.get(key) or {}
+        if not isinstance(section, dict):
+            raise CheckpointError(f"{source}: {key} must be an object, not {section!r}")
+        sections[key] = section
+    params, scaling = sections["rope_parameters"], sections["rope_scaling"]
+    kinds = {s.get("rope_type", s.get("type", "default")) for s in (params, scaling) if s}
+    if len(kinds) > 1:
+        raise CheckpointError(f"{source} holds rope_parameters and rope_scaling of different types ({sorted(kinds)}); "
+                              "keep the one the model was trained with")
+    p = Fields({**scaling, **params}, f"{source} (rope)")
+    rope_type = p.data.get("rope_type", p.data.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(f"{source}: rope scaling {rope_type!r} is not supported (supported: "
+                                    f"{', '.join(ROPE_TYPES)})")
+    low, high = p.get("low_freq_factor", "number", 1.0, least=0), p.get("high_freq_factor", "number", 4.0, least=0)
+    if rope_type == "llama3" and not low < high:
+        raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
+    theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", 10000.0, least=0)
+    factor = p.get("factor", "number", 1.0, least=0)
+    if theta <= 0 or factor <= 0:
+        raise CheckpointError(f"{source}: rope_theta and the rope factor must be > 0, got {theta} and {factor}")
+    original = p.get("original_max_position_embeddings", "int", None, least=1) \
+        or f.get("max_position_embeddings", "int", 8192, least=1)
+    return dict(theta=float(theta), type=rope_type, factor=float(factor), low_freq_factor=float(low),
+                high_freq_factor=float(high), original_max_position_embeddings=original)
+
+
+def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, per-layer "full" | "sliding") as transformers reads them: Llama has no window, Mistral's
+    defaults to 4096, Qwen2/3 slide only with use_sliding_window (from layer max_window_layers on)."""
+    if arch == "llama":
+        window = None
+    elif arch == "mistral":
+        window = f.get("sliding_window", "int", MISTRAL_DEFAULT_WINDOW if "sliding_window" not in f.data else None,
+                       least=1)
+    else:
+        window = f.get("sliding_window", "int", None, least=1) if f.get("use_sliding_window", "bool", False) \
+            else None
+    names = {"full_attention": "full", "sliding_attention": "sliding"}
+    if f.data.get("layer_types"):
+        try:
+            types = tuple(names[t] for t in f.data["layer_types"])
+        except (KeyError, TypeError) as exc:
+            raise UnsupportedModelError(f"{f.source}: layer types {f.data['layer_types']!r} are not supported "
+                                        "(full_attention, sliding_attention)") from exc
+        return window, (types if window is not None else ("full",) * len(types))
+    if window is None:
+        return None, ("full",) * layers
+    if arch in ("qwen2", "qwen3"):
+        first_sliding = f.get("max_window_layers", "int", layers, least=0)
+        return window, tuple("full" if i < first_sliding else "sliding" for i in range(layers))
+    return window, ("sliding",) * layers
+
+
+def special_id(gen: dict[str, Any], hf: dict[str, Any], key: str, source: str) -> int | None:
+    value = gen.get(key, hf.get(key))
+    if value is not None and not (is_int(value) and value >= 0):
+        raise CheckpointError(f"{source}: {key} must be a token id (an integer >= 0), not {value!r}")
+    return value
+
+
+def eos_ids(gen: dict[str, Any], hf: dict[str, Any], source: str) -> tuple[int, ...]:
+    eos = gen.get("eos_token_id", hf.get("eos_token_id"))
+    ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if not all(is_int(t) and t >= 0 for t in ids):
+        raise CheckpointError(f"{source}: eos_token_id must be a token id or a list of them, not {eos!r}")
+    return tuple(ids)

@@ -1,0 +1,82 @@
+"""config.json is read strictly: wrong types and nonsense values are one CheckpointError naming the field (never
+coerced: bool("false") is True), and attention windows are read as transformers reads them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from camshaft.errors import CamshaftError, CheckpointError, UnsupportedModelError
+from camshaft.model_config import ModelConfig
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: json.loads((make_tiny_model(arch, root / arch) / "config.json").read_text())
+            for arch in ("llama", "mistral-sliding", "qwen2-bias")}
+
+
+def edited(config: dict, **changes) -> dict:
+    out = dict(config)
+    for key, value in changes.items():
+        if value is ...:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
+    (dict(hidden_size=64.9), "hidden_size must be an integer"),
+    (dict(hidden_size=None), "lacks required field 'hidden_size'"),
+    (dict(num_hidden_layers="2"), "num_hidden_layers must be an integer"),
+    (dict(eos_token_id="2"), "eos_token_id must be a token id"),
+    (dict(bos_token_id=-1), "bos_token_id must be a token id"),
+    (dict(rms_norm_eps="x"), "rms_norm_eps must be a finite number"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -5.0}), "rope_theta must be a finite number >= 0"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), "must be > 0"),
+    (dict(rope_parameters=..., rope_theta=0), "must be > 0"),
+    (dict(rope_scaling=[1, 2]), "rope_scaling must be an object"),
+    (dict(rope_parameters=..., rope_scaling={"rope_type": "linear", "factor": 0}), "must be > 0"),
+    (dict(rope_parameters=..., rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                             "high_freq_factor": 1.0}), "low_freq_factor < high_freq_factor"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling={"rope_type": "linear",
+                                                                                     "factor": 2.0}),
+     "different types"),
+    (dict(architectures="LlamaForCausalLM"), "architectures must be a list"),
+])
+def test_bad_values_are_one_clear_error(configs, changes, message):
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf(edited(configs["llama"], **changes))
+
+
+def test_good_variants_read_as_transformers_does(configs):
+    llama = ModelConfig.from_hf(edited(configs["llama"], sliding_window=5, hidden_size=float(
+        configs["llama"]["hidden_size"]), rms_norm_eps=None))
+    assert llama.sliding_window is None and set(llama.layer_types) == {"full"}  # Llama has no window
+    assert llama.rms_norm_eps == 1e-6 and isinstance(llama.hidden_size, int)
+    mistral = configs["mistral-sliding"]
+    assert ModelConfig.from_hf(edited(mistral, sliding_window=...)).sliding_window == 4096  # MistralConfig's
+    assert ModelConfig.from_hf(edited(mistral, sliding_window=None)).sliding_window is None
+    assert ModelConfig.from_hf(edited(mistral, sliding_window=7)).layer_types == ("sliding",) * mistral[
+        "num_hidden_layers"]
+    qwen = ModelConfig.from_hf(edited(configs["qwen2-bias"], use_sliding_window=False, sliding_window=7))
+    assert qwen.sliding_window is None
+    scaled = ModelConfig.from_hf(edited(configs["llama"], rope_parameters=..., rope_theta=5e5, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}))
+    assert scaled.rope.type == "llama3" and scaled.rope.original_max_position_embeddings == 64
+    assert scaled.rope.theta == 5e5  # the old style: rope_theta beside rope_scaling
+
+
+def test_an_unsupported_class_is_not_rescued_by_model_type(configs):
+    with pytest.raises(UnsupportedModelError, match="LlamaForSequenceClassification"):
+        ModelConfig.from_hf(edited(configs["llama"], architectures=["LlamaForSequenceClassification"]))
+    assert ModelConfig.from_hf(edited(configs["llama"], architectures=...)).architecture == "llama"
+    with pytest.raises(CamshaftError):
+        ModelConfig.from_hf(edited(configs["llama"], architectures=..., model_type="bert"))

@@ -144,6 +144,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             kv_block_size=config.kv_block_size,
         )
         dtype = config.resolved_dtype
+        tokenizer_files = checkpoint.tokenizer_files()  # before any long work: a checkpoint without one fails now
         staging = staging_dir(output)
         try:
             progress("writing model graph")
@@ -160,7 +161,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 files += [sequence.artifact, f"{sequence.artifact}.data"] if sequence else []
             tok_dir = staging / TOKENIZER_DIR
             tok_dir.mkdir()
-            for file in checkpoint.tokenizer_files():
+            for file in tokenizer_files:
                 shutil.copy2(file, tok_dir / file.name)
             if not (tok_dir / "tokenizer.json").is_file():
                 _convert_tokenizer(checkpoint.dir, tok_dir)

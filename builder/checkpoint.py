@@ -39,7 +39,9 @@ class Checkpoint:
     def __init__(self, model_dir: str | Path) -> None:
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
-            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+            raise CheckpointError(f"{self.dir} is a file; --model takes a checkpoint directory (config.json, "
+                                  "safetensors, tokenizer)" if self.dir.exists() else
+                                  f"checkpoint directory {self.dir} does not exist")
         self.config = ModelConfig.from_hf_dir(self.dir)
         self.files = weight_files(self.dir)
         self._stack = ExitStack()

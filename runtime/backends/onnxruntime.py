@@ -28,6 +28,9 @@ def physical_cores() -> int:
 
 def check_compatible(manifest: Manifest) -> None:
     built = manifest.tools.get("onnxruntime", "")
+    if not isinstance(built, str) or not built:
+        raise EngineError("the manifest does not say which onnxruntime built this engine (tools.onnxruntime); "
+                          "rebuild the engine with `camshaft build`")
     if built.split(".")[:2] != ort.__version__.split(".")[:2]:
         raise EngineError(
             f"this engine was built with onnxruntime {built}, but onnxruntime {ort.__version__} is installed; "
@@ -57,6 +60,20 @@ def load_session(path: Path, options: ort.SessionOptions, huge_pages: bool) -> t
         raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
 
 
+def check_signature(session: ort.InferenceSession, path: Path, vocab_size: int, cache_dims: tuple[int, int]) -> None:
+    """The loaded graph agrees with the manifest on what the runtime sizes from it: the logits' width and the KV
+    cache's [block, kv_heads x head_dim]."""
+    found = {"logits": [o.shape[-1] for o in session.get_outputs() if o.name == "logits"][-1:],
+             "KV cache": [tuple(i.shape[1:]) for i in session.get_inputs() if i.name.startswith("kv_cache")][:1]}
+    wanted = {"logits": [vocab_size], "KV cache": [cache_dims]}
+    for what, dims in found.items():
+        if dims and all(isinstance(d, int) for d in (dims[0] if what == "KV cache" else dims)) \
+                and dims != wanted[what]:
+            raise EngineError(f"{path}'s {what} dimensions {dims[0]} disagree with its manifest "
+                              f"({wanted[what][0]}): the manifest was edited or belongs to another build; rebuild "
+                              "the engine")
+
+
 class OnnxRuntimeBackend:
     def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
                  spin_wait: bool = True, huge_pages: bool = True) -> None:
@@ -65,6 +82,7 @@ class OnnxRuntimeBackend:
                                                           session_options(threads, spin_wait), huge_pages)
         kv = manifest.kv_cache
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
+        check_signature(self.session, engine_dir / manifest.artifact, manifest.model.vocab_size, shape[1:])
         self.num_blocks = num_blocks
         self.binding = self.session.io_binding()
         self.caches: list[np.ndarray] = []

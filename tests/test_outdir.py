@@ -1,0 +1,74 @@
+"""Build outputs: what a killed build leaves is cleaned up by the next, an unwritable output and a checkpoint without
+a tokenizer fail before any work, and a manifest that does not match its graph is refused at load."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import CamshaftError, CheckpointError, EngineError
+from camshaft.outdir import staging_dir
+from camshaft.runtime.engine import Engine
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("outdir")
+    model = make_tiny_model("llama", root / "hf")
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=64, kv_block_size=8))
+    return model, root / "engine"
+
+
+def test_a_killed_runs_leftovers_are_removed_and_a_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    leftovers = [tmp_path / f".engine.partial-{dead_pid}", tmp_path / f".engine.old-{dead_pid}"]
+    live = tmp_path / f".engine.partial-{os.getppid()}"
+    for path in [*leftovers, live]:
+        path.mkdir()
+        (path / "graph.onnx.data").write_bytes(b"x" * 1000)
+    staging = staging_dir(tmp_path / "engine")
+    assert staging.is_dir() and not any(p.exists() for p in leftovers) and live.is_dir()
+
+
+def test_an_output_that_cannot_be_written_is_one_error(built, tmp_path):
+    model, _ = built
+    with pytest.raises(CamshaftError, match="cannot write beside --output"):
+        build_engine(BuildConfig(model, "/dev/null/engine", max_seq_len=64))
+
+
+def test_a_checkpoint_without_a_tokenizer_fails_before_the_graph_is_written(built, tmp_path, monkeypatch):
+    model, _ = built
+    bare = tmp_path / "bare"
+    shutil.copytree(model, bare)
+    (bare / "tokenizer.json").unlink()
+    from camshaft.builder import build
+
+    monkeypatch.setattr(build, "write_graph", lambda *a, **k: pytest.fail("the graph was written first"))
+    with pytest.raises(CheckpointError, match="has no tokenizer"):
+        build_engine(BuildConfig(bare, tmp_path / "engine", max_seq_len=64))
+    assert not list(tmp_path.glob(".engine.partial-*"))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["model"].update(vocab_size=m["model"]["vocab_size"] + 1), "logits dimensions"),
+    (lambda m: m["tools"].pop("onnxruntime"), "does not say which onnxruntime"),
+])
+def test_a_manifest_that_disagrees_with_its_graph_is_refused(built, tmp_path, edit, message):
+    _, engine = built
+    copy = tmp_path / "engine"
+    shutil.copytree(engine, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match=message):
+        Engine(copy)

@@ -10,6 +10,8 @@ from camshaft.errors import RequestError
 from camshaft.manifest import BuildLimits
 from camshaft.runtime.scheduler import POLICIES, RESERVATIONS
 
+QUEUE_PER_BATCH = 4  # servers' default max_queue: this many x the batch size may wait beyond a full batch
+
 
 @dataclass(frozen=True)
 class BatchLimits:

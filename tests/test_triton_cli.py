@@ -117,3 +117,47 @@ def test_a_stopped_batch_loop_is_unavailable_and_says_restart(engine):
     with pytest.raises(RequestError) as bad:
         llm.submit([5, 6], SamplingParams(max_tokens=10_000), lambda output: None)
     assert error_status(bad.value)[0] == "INVALID_ARG"
+
+
+def test_stop_ends_the_stubs_even_after_tritonserver_died(engine, tmp_path):
+    import os
+
+    import psutil
+
+    from camshaft.triton_repo.server import TritonServer
+
+    server = TritonServer(deploy_repository(engine, tmp_path / "repo")).start()
+    pid = server.process.pid
+    stubs = [p for p in psutil.process_iter() if p.pid != pid and _pgid(p.pid) == pid]
+    regions = server.shm_regions
+    assert stubs and regions
+    os.kill(pid, signal.SIGKILL)  # a crash: the stubs now belong to init, not to tritonserver
+    server.process.wait()
+    server.stop()
+    gone, alive = psutil.wait_procs(stubs, timeout=10)
+    assert not alive, alive
+    assert not [name for name in regions if Path("/dev/shm", name).exists()]
+
+
+def test_a_port_in_use_is_refused_before_starting(engine, tmp_path):
+    import socket
+
+    from camshaft.triton_repo.server import TritonServer
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = TritonServer(deploy_repository(engine, tmp_path / "repo"), http_port=port)
+        with pytest.raises(CamshaftError, match=f"port {port} on 127.0.0.1 is in use"):
+            server.start()
+        assert server.process is None
+
+
+def _pgid(pid: int) -> int | None:
+    import os
+
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None

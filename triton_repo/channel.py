@@ -11,6 +11,7 @@ code, message). The engine is still loaded once, and every request shares its on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
@@ -26,9 +27,15 @@ from camshaft.triton_repo.protocol import error_status
 Send = Callable[[tuple], None]
 
 
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket path (sun_path) on Linux
+
+
 def channel_path(token_model: str) -> Path:
-    """The same path in every stub of one tritonserver: their parent process is the server."""
-    return Path(tempfile.gettempdir()) / f"camshaft-triton-{os.getuid()}-{os.getppid()}" / f"{token_model}.sock"
+    """The same path in every stub of one tritonserver: their parent process is the server. Under /tmp when the
+    temporary directory's path is too long for a socket."""
+    name = Path(f"camshaft-triton-{os.getuid()}-{os.getppid()}") / f"{token_model}.sock"
+    path = Path(tempfile.gettempdir()) / name
+    return path if len(os.fsencode(path)) <= SOCKET_PATH_MAX else Path("/tmp") / name
 
 
 class ChannelServer:
@@ -106,6 +113,8 @@ class ChannelServer:
         for connection in self.connections:
             connection.close()
         self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the directory, once the server's last token model is gone
+            self.path.parent.rmdir()
 
 
 def _write(connection: Connection, outgoing: queue.SimpleQueue) -> None:

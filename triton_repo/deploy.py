@@ -16,6 +16,7 @@ import camshaft
 from camshaft.errors import CamshaftError
 from camshaft.manifest import read_manifest
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
+from camshaft.runtime.llm_options import QUEUE_PER_BATCH
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, TOKEN_OUTPUTS, config_block
 from camshaft.version import __version__
 
@@ -52,7 +53,8 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     if unknown:
         raise CamshaftError(f"unknown LLM option(s) {sorted(unknown)}; known: {', '.join(LLM_OPTIONS)}")
     batch = options.get("max_batch_size") or manifest.limits.max_batch_size
-    admitted = batch + (256 if options.get("max_queue") is None else options["max_queue"])
+    options.setdefault("max_queue", QUEUE_PER_BATCH * batch)  # as the CLI: a bounded queue the text models match
+    admitted = batch + options["max_queue"]
     common = {"engine_dir": str(engine), "camshaft_path": str(Path(camshaft.__file__).resolve().parents[1])}
     models = {
         TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=True, max_batch_size=batch, token=True, params={

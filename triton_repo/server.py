@@ -7,8 +7,11 @@ and a readiness poll that fails fast when the process exits (a broken stub makes
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -57,9 +60,15 @@ class TritonServer:
                 "--strict-readiness=true", f"--log-verbose={self.log_verbose}"]
 
     def start(self) -> TritonServer:
+        e = self.endpoints
+        for port in (e.http_port, e.grpc_port, e.metrics_port):  # a server already there would answer our poll
+            if not port_free(e.host, port):
+                raise CamshaftError(f"port {port} on {e.host} is in use; pick another (--port / --grpc-port / "
+                                    "--metrics-port) or stop what listens there")
         with open(self.log_file, "ab") as log:
+            # its own process group, which the stubs join: stop() can end them even after Triton itself died
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env(),
-                                            stdin=subprocess.DEVNULL)
+                                            stdin=subprocess.DEVNULL, process_group=0)
         try:
             self.wait_ready()
         except BaseException:
@@ -113,18 +122,16 @@ class TritonServer:
         if self.process is None:
             return None
         self._shm |= self._shm_regions()
-        children = _children(self.process.pid)
         self.signal(signal.SIGTERM)
         try:
             code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
             code = self.process.wait()
-        for child in children:  # a stub left behind when Triton gave up unloading ("Exiting immediately")
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
+        # stubs left behind: Triton gave up unloading ("Exiting immediately"), or died before stop() was called
+        self._shm |= _shm_of(_group(self.process.pid))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.leaked_shm = sorted(name for name in self._shm if Path("/dev/shm", name).exists())
         for name in self.leaked_shm:  # only regions our server's processes mapped; a clean exit leaves none
             Path("/dev/shm", name).unlink(missing_ok=True)
@@ -140,12 +147,7 @@ class TritonServer:
         names = set()
         if self.process is None or self.process.poll() is not None:
             return names
-        for proc in [psutil.Process(self.process.pid), *_children(self.process.pid)]:
-            try:
-                names |= {Path(m.path).name for m in proc.memory_maps() if SHM_PREFIX in m.path}
-            except psutil.Error:
-                continue
-        return names
+        return names | _shm_of([psutil.Process(self.process.pid), *_children(self.process.pid)])
 
     def __enter__(self) -> TritonServer:
         return self.start()
@@ -161,6 +163,34 @@ def _text_model_name(repo: Path) -> str:
         return json.loads((repo / MARKER).read_text())["name"]
     except (OSError, ValueError, KeyError):
         return "ensemble"
+
+
+def _group(pgid: int) -> list[psutil.Process]:
+    """The live processes of process group `pgid` (Triton's stubs, also once Triton itself has exited)."""
+    members = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(proc.pid) == pgid:
+                members.append(proc)
+    return members
+
+
+def _shm_of(processes: list[psutil.Process]) -> set[str]:
+    names: set[str] = set()
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            names |= {Path(m.path).name for m in proc.memory_maps() if SHM_PREFIX in m.path}
+    return names
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing socket in TIME_WAIT is no listener
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _children(pid: int) -> list[psutil.Process]:
@@ -187,9 +217,9 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
         elif given := [k for k, v in llm_options.items() if v is not None]:
             raise CamshaftError(f"{repo} serves the LLM options camshaft deploy wrote into it, so {', '.join(given)} "
                                 "would be ignored; pass them to camshaft deploy instead")
+        log_file = Path(tempfile.gettempdir()) / f"camshaft-tritonserver-{os.getpid()}.log"  # kept if it fails
         server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
-                              metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600,
-                              log_file=Path(tmp) / "tritonserver.log")
+                              metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600, log_file=log_file)
         log(f"starting tritonserver on {repo} (log: {server.log_file})")
         stopping = []
 
@@ -218,4 +248,5 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             server.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        log_file.unlink(missing_ok=True)
         log("stopped")

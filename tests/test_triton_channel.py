@@ -111,3 +111,15 @@ def test_no_listener_is_a_clear_error(tmp_path):
     client = ChannelClient(tmp_path / "nobody.sock", lambda message: None, connect_timeout_s=0.3)
     with pytest.raises(ServerClosedError, match="no executor listens on .*nobody.sock"):
         client.send(("submit", "x", {}))
+
+
+def test_the_socket_path_fits_a_long_tmpdir(monkeypatch):
+    import tempfile
+
+    from camshaft.triton_repo.channel import SOCKET_PATH_MAX, channel_path
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: "/scratch/" + "job-1234567890" * 6)
+    path = channel_path("tensorrt_llm")
+    assert str(path).startswith("/tmp/camshaft-triton-") and len(str(path)) <= SOCKET_PATH_MAX
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: "/var/tmp")
+    assert str(channel_path("tensorrt_llm")).startswith("/var/tmp/camshaft-triton-")

@@ -259,7 +259,7 @@ def test_token_model_end_id_and_stop_words_list(stack):
             words.set_data_from_numpy(np.array([extra["stop_words_list"]], dtype=np.int32))
             inputs.append(words)
         outputs, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", inputs)
-        assert error is None, error
+        assert error is None, error.message()
         assert outputs[0]["output_ids"].reshape(-1).tolist() == expected.token_ids
         assert outputs[0]["finish_reason"].reshape(-1)[0] == b"stop"
 
@@ -273,6 +273,7 @@ def test_token_model_end_id_and_stop_words_list(stack):
     ({"text_input": "hi", "max_tokens": 4, "beam_width": 4}, "beam search is not supported"),
     ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in"),
     ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
+    ({"text_input": "hi", "max_tokens": 4, "end_id": 10**6}, "end_id 1000000 is outside this model's vocabulary"),
 ])
 def test_bad_requests_get_clear_errors(stack, body, message):
     response = requests.post(f"{stack.http}/ensemble/generate", json=body, timeout=60)

@@ -79,13 +79,16 @@ def word_lists(array: np.ndarray | None, name: str) -> list[list[int]]:
     return words
 
 
-def token_request(values: Values, *, tokenizer, eos_token_ids: Sequence[int], exclude_default: bool) -> TokenRequest:
+def token_request(values: Values, *, tokenizer, eos_token_ids: Sequence[int], exclude_default: bool,
+                  vocab_size: int) -> TokenRequest:
     ids_array = values.get("input_ids")
     if ids_array is None:
         raise RequestError("input_ids is required: the prompt's token ids, shape [1, L] INT32")
     if ids_array.ndim >= 2 and ids_array.shape[0] != 1:
         raise RequestError(f"input_ids holds {ids_array.shape[0]} prompts; send one request per prompt")
     prompt = [int(t) for t in ids_array.reshape(-1)]
+    if not prompt:
+        raise RequestError("input_ids is empty; send at least one token id, shape [1, L] INT32")
     length = one(values, "input_lengths")
     if length is not None:
         if not 0 < length <= len(prompt):
@@ -100,7 +103,7 @@ def token_request(values: Values, *, tokenizer, eos_token_ids: Sequence[int], ex
     for name in ("return_context_logits", "return_generation_logits"):
         if one(values, name):
             raise RequestError(f"{name} is not supported by camshaft's Triton models; leave it false")
-    return TokenRequest(prompt, sampling_params(values, tokenizer, eos_token_ids, max_tokens),
+    return TokenRequest(prompt, sampling_params(values, tokenizer, eos_token_ids, max_tokens, vocab_size),
                         bool(one(values, "streaming")),
                         bool(exclude_default if one(values, "exclude_input_in_output") is None
                              else one(values, "exclude_input_in_output")),
@@ -108,7 +111,8 @@ def token_request(values: Values, *, tokenizer, eos_token_ids: Sequence[int], ex
                         bool(one(values, "return_num_output_tokens")))
 
 
-def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max_tokens: int) -> SamplingParams:
+def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max_tokens: int,
+                    vocab_size: int) -> SamplingParams:
     kwargs: dict = {"max_tokens": max_tokens}
     for source, target in (("temperature", "temperature"), ("runtime_top_k", "top_k"), ("min_tokens", "min_tokens"),
                            ("repetition_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
@@ -134,6 +138,9 @@ def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max
     end_id = one(values, "end_id")
     if end_id is not None and end_id not in eos_token_ids:  # end_id replaces the engine's eos; -1: never stop
         kwargs["ignore_eos"] = True
+        if end_id >= vocab_size:
+            raise RequestError(f"end_id {end_id} is outside this model's vocabulary [0, {vocab_size}); pass a "
+                               "token id or -1 (never stop on an end id)")
         if end_id >= 0:
             stop_ids.append(end_id)
     bad = list(strings(values, "bad_words"))

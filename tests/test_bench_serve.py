@@ -108,3 +108,24 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
         assert (r["completed"], r["failed"], r["output_tokens"]) == (12, 0, 12 * 12)
         assert 0 < r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
     assert (tmp_path / "serve.png").stat().st_size > 10_000
+
+
+def test_bench_serve_reads_triton_token_counts(engine_dir, tmp_path):
+    """Both Triton clients against a real tritonserver: every request completes and the token counts are the
+    server's (num_output_tokens), which equal what was asked for since min_tokens forces the length."""
+    from typer.testing import CliRunner
+
+    from camshaft.triton_repo.deploy import deploy_repository
+    from camshaft.triton_repo.server import TritonServer
+
+    out = tmp_path / "serve.json"
+    with TritonServer(deploy_repository(engine_dir, tmp_path / "repo")) as server:
+        e = server.endpoints
+        result = CliRunner().invoke(app, [
+            "bench", "serve", "--target", f"http=http://{e.http},backend=triton-generate",
+            "--target", f"grpc={e.grpc},backend=triton-grpc", "--dataset", "synthetic:in=20,out=6",
+            "--num-prompts", "6", "--request-rate", "inf", "--max-concurrency", "3", "--output-json", str(out),
+            "--tokenizer", str(engine_dir / "tokenizer")])
+    assert result.exit_code == 0, result.output
+    for r in json.loads(out.read_text())["results"]:
+        assert (r["completed"], r["failed"], r["output_tokens"]) == (6, 0, 36), (r["target"], r["first_error"])

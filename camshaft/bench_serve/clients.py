@@ -45,7 +45,7 @@ class Record:
     error: str | None = None
 
     def chunk(self, text: str, *, tokens: int = 0) -> None:
-        """A piece of output arrived: text, or tokens whose text is still held back (in-process only)."""
+        """A piece of output arrived: text, or tokens whose text is still held back or empty."""
         if text or tokens:
             self.chunk_times.append(time.perf_counter())
             self.text += text
@@ -107,7 +107,7 @@ class TritonGenerateClient:
 
     async def __call__(self, request: ServeRequest, record: Record) -> None:
         body = {"text_input": request.prompt, "max_tokens": request.max_tokens, "min_tokens": request.max_tokens,
-                "temperature": 0.0, "stream": True, "exclude_input_in_output": True}
+                "temperature": 0.0, "stream": True, "exclude_input_in_output": True, "return_num_output_tokens": True}
         url = f"{self.target.url}/v2/models/{self.model}/generate_stream"
         async with self.http.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -119,7 +119,11 @@ class TritonGenerateClient:
                     if "error" in event:
                         record.error = str(event["error"])
                         return
-                    record.chunk(event.get("text_output", ""))
+                    count = event.get("num_output_tokens")
+                    if count is not None:  # the count, not max_tokens, on the final event
+                        record.output_tokens = int(count)
+                    # the final event ends the request even when its tokens decode to no text
+                    record.chunk(event.get("text_output", ""), tokens=int(count or 0))
 
     async def close(self) -> None:
         pass

@@ -41,7 +41,7 @@ class TritonGrpcClient:
     async def __call__(self, request: ServeRequest, record) -> None:
         values = {"text_input": request.prompt.encode(), "max_tokens": request.max_tokens,
                   "min_tokens": request.max_tokens, "temperature": 0.0, "stream": True,
-                  "exclude_input_in_output": True}
+                  "exclude_input_in_output": True, "return_num_output_tokens": True}
         inputs = [self._tensor(name, value) for name, value in values.items() if name in self.inputs]
         done = asyncio.Event()
 
@@ -56,8 +56,12 @@ class TritonGrpcClient:
                     record.error = str(error)
                     break
                 out = result.as_numpy("text_output")
-                if out is not None:
-                    record.chunk(b"".join(out.reshape(-1)).decode("utf-8", errors="replace"))
+                text = "" if out is None else b"".join(out.reshape(-1)).decode("utf-8", errors="replace")
+                count = result.as_numpy("num_output_tokens")
+                if count is not None:  # the count, not max_tokens, where the model reports it (final response)
+                    record.output_tokens = int(count.reshape(-1)[0])
+                # the final response ends the request even when its tokens decode to no text
+                record.chunk(text, tokens=(record.output_tokens or 0) if count is not None else 0)
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
         finally:

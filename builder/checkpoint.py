@@ -24,10 +24,9 @@ from camshaft.errors import CheckpointError
 from camshaft.model_config import (
     CAMSHAFT_QUANT_RECORD,
     HF_QUANT_CONFIG,
-    NO_TOKENIZER,
     TOKENIZER_FILES,
     ModelConfig,
-    has_tokenizer,
+    require_tokenizer,
 )
 from camshaft.quantize.spec import FORMATS
 from camshaft.weight_files import weight_files
@@ -254,8 +253,7 @@ class Checkpoint:
         return array.astype(np.float32, copy=False)
 
     def tokenizer_files(self) -> list[Path]:
-        if not has_tokenizer(self.dir):
-            raise CheckpointError(f"{self.dir} {NO_TOKENIZER}")
+        require_tokenizer(self.dir)
         return [self.dir / n for n in TOKENIZER_FILES if (self.dir / n).is_file()]
 
     def close(self) -> None:

@@ -133,8 +133,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return data
 
 
-def has_tokenizer(model_dir: Path) -> bool:
-    return any((Path(model_dir) / name).is_file() for name in TOKENIZER_VOCABS)
-
-
-NO_TOKENIZER = f"has no tokenizer ({', '.join(TOKENIZER_VOCABS)})"
+def require_tokenizer(model_dir: Path, error: type[Exception] = CheckpointError, name: str | None = None) -> None:
+    """Raise `error` unless the directory holds a tokenizer vocabulary; `name` is how the message calls it."""
+    if not any((Path(model_dir) / vocab).is_file() for vocab in TOKENIZER_VOCABS):
+        raise error(f"{name or model_dir} has no tokenizer ({', '.join(TOKENIZER_VOCABS)})")

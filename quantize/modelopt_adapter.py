@@ -19,10 +19,9 @@ from camshaft.errors import CheckpointError
 from camshaft.model_config import (
     CAMSHAFT_QUANT_RECORD,
     HF_QUANT_CONFIG,
-    NO_TOKENIZER,
     TOKENIZER_FILES,
     ModelConfig,
-    has_tokenizer,
+    require_tokenizer,
 )
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.quantize.calibration import CalibrationSet, check_sizes, load_texts, tokenize
@@ -86,8 +85,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     check_sizes(calib_size, calib_seq_len)
     check_excludes_match(spec, module_names(model_dir))
     check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError)
-    if not has_tokenizer(model_dir):
-        raise CheckpointError(f"{model_dir} {NO_TOKENIZER}")
+    require_tokenizer(model_dir)
     texts, source = load_texts(calib_data)
     mtq, export_hf_checkpoint = import_modelopt()
     cfg = modelopt_config(spec, group_size)

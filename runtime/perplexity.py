@@ -10,7 +10,7 @@ import numpy as np
 
 from camshaft.errors import RequestError
 from camshaft.manifest import MANIFEST_NAME
-from camshaft.model_config import HF_QUANT_CONFIG, NO_TOKENIZER, has_tokenizer
+from camshaft.model_config import HF_QUANT_CONFIG, require_tokenizer
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
 
@@ -52,8 +52,7 @@ def check_reference_model(model_dir: str | Path) -> None:
                            "ENGINE) and pass --engine ENGINE, or pass the float checkpoint to --model")
     if not (path / "config.json").is_file():
         raise RequestError(f"--model {path} has no config.json; pass a Hugging Face checkpoint directory")
-    if not has_tokenizer(path):
-        raise RequestError(f"--model {path} {NO_TOKENIZER}")
+    require_tokenizer(path, RequestError, f"--model {path}")
 
 
 def windows(ids: list[int], size: int) -> list[list[int]]:

@@ -154,7 +154,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                                      grouped_decode=for_ort)
             graph_hash = file_sha256(graph_path)
             progress(f"compiling for {config.target}")
-            artifact, files, target_options = _compile(config, limits, graph_path, staging, progress)
+            artifact, files, target_options = _compile(config, limits, graph_path, staging, progress, gpu_arch)
             sequence = None
             if for_ort:
                 sequence = sequence_graph(checkpoint, limits, dtype, staging, progress, accuracy_level, artifact)
@@ -194,7 +194,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
 
 
 def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging: Path,
-             progress: Progress) -> tuple[str, list[str], dict]:
+             progress: Progress, gpu_arch: str | None) -> tuple[str, list[str], dict]:
     if config.target == "onnxruntime":
         from camshaft.builder.targets import onnxruntime as ort_target
 
@@ -205,11 +205,10 @@ def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging
     from camshaft.builder.targets import tensorrt, trt_product, trt_support
 
     # The published operator matrix first: a clear list of offending nodes instead of a parser failure.
-    arch = config.resolved_gpu_arch or f"sm{trt_product.supported_archs(None, config.target)[0]}"
     trt_support.require_supported(graph_path, config.target, trt_product.import_product(config.target).__version__,
-                                  gpu_arch=trt_product.parse_arch(arch))
+                                  gpu_arch=trt_product.parse_arch(gpu_arch))  # check_target's architecture
     num_blocks_max = limits.max_batch_size * limits.max_blocks_per_seq + 1
-    meta = tensorrt.build_plan(graph_path, staging / tensorrt.ARTIFACT, product=config.target, gpu_arch=arch,
+    meta = tensorrt.build_plan(graph_path, staging / tensorrt.ARTIFACT, product=config.target, gpu_arch=gpu_arch,
                                limits=limits, num_blocks_max=num_blocks_max, progress=progress)
     meta["tools"] = {meta["product"]: meta["version"]}
     # The graph the plan was built from stays beside it: its hash is in the manifest.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from camshaft.checks import is_int
+from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import CheckpointError, UnsupportedModelError
 
 ARCHITECTURES = {
@@ -160,7 +160,7 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
 
 def special_id(gen: dict[str, Any], hf: dict[str, Any], key: str, source: str) -> int | None:
     value = gen.get(key, hf.get(key))
-    if value is not None and not (is_int(value) and value >= 0):
+    if value is not None and not is_int_at_least(value, 0):
         raise CheckpointError(f"{source}: {key} must be a token id (an integer >= 0), not {value!r}")
     return value
 
@@ -168,6 +168,6 @@ def special_id(gen: dict[str, Any], hf: dict[str, Any], key: str, source: str) -
 def eos_ids(gen: dict[str, Any], hf: dict[str, Any], source: str) -> tuple[int, ...]:
     eos = gen.get("eos_token_id", hf.get("eos_token_id"))
     ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    if not all(is_int(t) and t >= 0 for t in ids):
+    if not all(is_int_at_least(t, 0) for t in ids):
         raise CheckpointError(f"{source}: eos_token_id must be a token id or a list of them, not {eos!r}")
     return tuple(ids)

@@ -24,7 +24,14 @@ from camshaft.model_config import (
     require_tokenizer,
 )
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
-from camshaft.quantize.calibration import CalibrationSet, check_sizes, load_texts, tokenize
+from camshaft.quantize.calibration import (
+    DEFAULT_CALIB_SEQ_LEN,
+    DEFAULT_CALIB_SIZE,
+    CalibrationSet,
+    check_sizes,
+    load_texts,
+    tokenize,
+)
 from camshaft.quantize.excludes import check_excludes_match, module_names
 from camshaft.quantize.kv_scales import mark_int8_kv_cache, take_int8_kv_scales, take_kv_biases, write_kv_tensors
 from camshaft.quantize.spec import (
@@ -63,7 +70,8 @@ def import_modelopt():
 
 
 def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSpec, *,
-                        calib_data: str | Path | None = None, calib_size: int = 64, calib_seq_len: int = 256,
+                        calib_data: str | Path | None = None, calib_size: int = DEFAULT_CALIB_SIZE,
+                        calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN,
                         progress: Progress = lambda _: None, progress_bar: bool = False,
                         on_quantized: Callable[[Any], None] | None = None) -> QuantizeResult:
     """Calibrate and quantize a HF checkpoint with ModelOpt and write ModelOpt's unified HF checkpoint.

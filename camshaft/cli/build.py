@@ -158,8 +158,8 @@ def quantize(
     kv_cache_dtype: KVDtypeOption = None,
     group_size: GroupOption = "auto",
     calib_data: CalibDataOption = None,
-    calib_size: CalibSizeOption = 64,
-    calib_seq_len: CalibLenOption = 256,
+    calib_size: CalibSizeOption = DEFAULT_CALIB_SIZE,
+    calib_seq_len: CalibLenOption = DEFAULT_CALIB_SEQ_LEN,
     exclude: ExcludeOption = None,
     lm_head: LmHeadOption = "float",
 ) -> None:

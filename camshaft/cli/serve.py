@@ -24,25 +24,19 @@ TokensOption = Annotated[int | None, typer.Option(help="Most tokens a step compu
                                                        "default and maximum: the engine's)")]
 
 
-def _llm_options(engine: Path | None, kv_cache_memory: str | None, max_queue: int | None,
-                 max_batch_size: int | None, policy: str, max_num_tokens: int | None = None) -> dict:
-    """The keyword arguments of camshaft.runtime.llm.LLM that servers take, checked now against the engine (when
-    given); max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available
-    where the engine loads."""
+def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | None, max_batch_size: int | None,
+                 policy: str, max_num_tokens: int | None = None) -> dict:
+    """The keyword arguments of camshaft.runtime.llm.LLM that servers take, checked now against the engine;
+    max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available where
+    the engine loads."""
     from camshaft.manifest import read_manifest
     from camshaft.runtime.kv_cache import memory_spec
     from camshaft.runtime.llm_options import check_llm_options
-    from camshaft.runtime.scheduler import POLICIES
 
-    if policy not in POLICIES:
-        raise CamshaftError(f"unknown --policy {policy!r}; use one of {', '.join(POLICIES)}")
-    if max_queue is not None and max_queue < 0:
-        raise CamshaftError(f"--max-queue must be >= 0, got {max_queue}")
-    if engine is not None:
-        limits = check_llm_options(read_manifest(Path(engine)).limits, policy=policy, max_batch_size=max_batch_size,
-                                   max_num_tokens=max_num_tokens, max_queue=max_queue)
-        max_queue = QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue
-    return {"kv_cache_memory": memory_spec(kv_cache_memory), "max_queue": max_queue,
+    limits = check_llm_options(read_manifest(Path(engine)).limits, policy=policy, max_batch_size=max_batch_size,
+                               max_num_tokens=max_num_tokens, max_queue=max_queue)
+    return {"kv_cache_memory": memory_spec(kv_cache_memory),
+            "max_queue": QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue,
             "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy}
 
 
@@ -91,17 +85,17 @@ def serve(
         names = ", ".join(k for k, v in given.items() if v is not None)
         raise CamshaftError(f"--repo serves the options `camshaft deploy` wrote into it, so {names} would be ignored; "
                             "pass them to camshaft deploy (and serve the new repository), or serve --engine with them")
-    options = {} if repo is not None else _llm_options(engine, kv_cache_memory, max_queue, max_batch_size,
-                                                        policy or "guaranteed_no_evict", max_num_tokens)
+    if api == "openai" and (engine is None or repo is not None):
+        raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")
+    if (engine is None) == (repo is None):
+        raise CamshaftError("pass exactly one of --engine (deployed to a temporary repository) or --repo")
+    options = {} if engine is None else _llm_options(engine, kv_cache_memory, max_queue, max_batch_size,
+                                                     policy or "guaranteed_no_evict", max_num_tokens)
     if api == "openai":
-        if engine is None or repo is not None:
-            raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")
         from camshaft.openai_server.server import serve as serve_openai
 
         serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name)
     elif api == "triton":
-        if (engine is None) == (repo is None):
-            raise CamshaftError("pass exactly one of --engine (deployed to a temporary repository) or --repo")
         from camshaft.triton_repo.server import serve as serve_triton
 
         serve_triton(engine=engine, repo=repo, host=host, http_port=port, grpc_port=grpc_port,

@@ -105,7 +105,7 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         decodes = sorted((r for r in self.running if r.num_tokens - r.num_computed == 1), key=queue_key)
         for request in decodes:  # in priority order, so that a preemption never takes a request scheduled already
-            if budget and request in self.running and self._grow(request, {s.request.request_id for s in scheduled}):
+            if budget and request in self.running and self._grow(request):
                 scheduled.append(self._chunk(request, 1))
                 budget -= 1
         admit = self.num_preemptions == preemptions_before  # after a preemption, admitting would only thrash
@@ -154,13 +154,14 @@ class Scheduler:
         request.num_computed = len(reused) * self.config.block_size
         return True
 
-    def _grow(self, request: Request, scheduled: set[str]) -> bool:
-        """Make room for the request's next token, preempting the lowest-priority, newest running requests not in
-        this step yet (`scheduled` ids) if the pool is full. False if the request itself had to be preempted."""
+    def _grow(self, request: Request) -> bool:
+        """Make room for the request's next token, preempting the lowest-priority, newest running requests if the
+        pool is full. False if the request itself had to be preempted. Decodes grow in queue order, so every
+        request already in this step ranks before `request` and is never the victim."""
         if self.blocks.blocks_for(request.num_computed + 1) <= len(request.blocks):
             return True
         while self.blocks.num_free == 0:
-            victim = max((r for r in self.running if r.request_id not in scheduled), key=queue_key)
+            victim = max(self.running, key=queue_key)
             self.preempt(victim)
             if victim is request:
                 return False

@@ -144,10 +144,9 @@ class TritonServer:
         return set(self._shm)
 
     def _shm_regions(self) -> set[str]:
-        names = set()
         if self.process is None or self.process.poll() is not None:
-            return names
-        return names | _shm_of([psutil.Process(self.process.pid), *_children(self.process.pid)])
+            return set()
+        return _shm_of(_group(self.process.pid))  # tritonserver and its stubs share its process group
 
     def __enter__(self) -> TritonServer:
         return self.start()
@@ -191,13 +190,6 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _children(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
 
 
 def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, grpc_port: int, metrics_port: int,

@@ -58,10 +58,11 @@ class TritonGrpcClient:
                 out = result.as_numpy("text_output")
                 text = "" if out is None else b"".join(out.reshape(-1)).decode("utf-8", errors="replace")
                 count = result.as_numpy("num_output_tokens")
+                tokens = 0 if count is None else int(count.reshape(-1)[0])
                 if count is not None:  # the count, not max_tokens, where the model reports it (final response)
-                    record.output_tokens = int(count.reshape(-1)[0])
+                    record.output_tokens = tokens
                 # the final response ends the request even when its tokens decode to no text
-                record.chunk(text, tokens=(record.output_tokens or 0) if count is not None else 0)
+                record.chunk(text, tokens=tokens)
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
         finally:

@@ -70,12 +70,6 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         body.check_supported()
         if body.n > max_n:
             raise APIError(400, f"n must be at most {max_n} (this server's batch size), got {body.n}", param="n")
-        outputs = body.n * (len(body.prompts()) if isinstance(body, CompletionRequest) else 1)
-        limit = llm.executor.max_queue
-        if limit is not None and outputs > max_n + limit:  # never fits, however long the client waits: not 503
-            raise APIError(400, f"{outputs} outputs (prompts x n) can never be in flight at once: this server holds "
-                           f"{max_n + limit} (batch {max_n} + queue {limit}); send fewer prompts per request",
-                           param="prompt")
 
     async def prompt_ids(**prompt: Any) -> list[int]:
         ids = await asyncio.to_thread(llm.encode, **prompt)  # a long prompt must not stall the open streams
@@ -126,6 +120,11 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         check(body)
+        outputs, limit = body.n * len(body.prompts()), llm.executor.max_queue
+        if limit is not None and outputs > max_n + limit:  # never fits, however long the client waits: not 503
+            raise APIError(400, f"{outputs} outputs (prompts x n) can never be in flight at once: this server holds "
+                           f"{max_n + limit} (batch {max_n} + queue {limit}); send fewer prompts per request",
+                           param="prompt")
         prompts = [await prompt_ids(prompt=p) for p in body.prompts()]
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs)

@@ -62,16 +62,13 @@ def load_session(path: Path, options: ort.SessionOptions, huge_pages: bool) -> t
 
 def check_signature(session: ort.InferenceSession, path: Path, vocab_size: int, cache_dims: tuple[int, int]) -> None:
     """The loaded graph agrees with the manifest on what the runtime sizes from it: the logits' width and the KV
-    cache's [block, kv_heads x head_dim]."""
-    found = {"logits": [o.shape[-1] for o in session.get_outputs() if o.name == "logits"][-1:],
-             "KV cache": [tuple(i.shape[1:]) for i in session.get_inputs() if i.name.startswith("kv_cache")][:1]}
-    wanted = {"logits": [vocab_size], "KV cache": [cache_dims]}
-    for what, dims in found.items():
-        if dims and all(isinstance(d, int) for d in (dims[0] if what == "KV cache" else dims)) \
-                and dims != wanted[what]:
-            raise EngineError(f"{path}'s {what} dimensions {dims[0]} disagree with its manifest "
-                              f"({wanted[what][0]}): the manifest was edited or belongs to another build; rebuild "
-                              "the engine")
+    cache's [block, kv_heads x head_dim] (symbolic dimensions are not compared)."""
+    logits = [tuple(o.shape[-1:]) for o in session.get_outputs() if o.name == "logits"]
+    caches = [tuple(i.shape[1:]) for i in session.get_inputs() if i.name.startswith("kv_cache")]
+    for what, found, wanted in (("logits", logits, (vocab_size,)), ("KV cache", caches, tuple(cache_dims))):
+        if found and all(isinstance(d, int) for d in found[0]) and found[0] != wanted:
+            raise EngineError(f"{path}'s {what} dimensions {found[0]} disagree with its manifest ({wanted}): the "
+                              "manifest was edited or belongs to another build; rebuild the engine")
 
 
 class OnnxRuntimeBackend:

@@ -49,8 +49,8 @@ class LLM:
                  max_queue: int | None = None, spin_wait: bool = True, huge_pages: bool = True,
                  kv_reservation: str = "paged") -> None:
         """max_batch_size, max_num_tokens: at most the engine's (the default). kv_cache_memory: the KV pool's budget
-        (kv_cache.parse_memory): int bytes, a string with a unit ("512MiB", "2GB") or a float fraction of available
-        memory in (0, 1] (0.3, "0.3"); None: room for max_batch_size full-length sequences. max_queue:
+        (kv_cache.parse_memory): bytes, also with a unit ("512MiB", "2GB"), or a fraction of the available memory (a
+        number between 0 and 1, 1.0 for all of it); None: room for max_batch_size full-length sequences. max_queue:
         requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers);
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
         on transparent huge pages (Linux; see runtime/backends/huge_pages.py); kv_reservation "contiguous" reserves

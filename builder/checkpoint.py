@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -19,16 +18,10 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
     QuantizedLinear,
     fp8_tensors,
     read_fp8,
+    read_quant_config,
 )
 from camshaft.errors import CheckpointError
-from camshaft.model_config import (
-    CAMSHAFT_QUANT_RECORD,
-    HF_QUANT_CONFIG,
-    TOKENIZER_FILES,
-    ModelConfig,
-    require_tokenizer,
-)
-from camshaft.quantize.spec import FORMATS
+from camshaft.model_config import TOKENIZER_FILES, ModelConfig, require_tokenizer
 from camshaft.weight_files import weight_files
 
 
@@ -56,47 +49,7 @@ class Checkpoint:
             for name in handle.keys():
                 self._where[name] = file
             self._fp8.update(fp8_tensors(file))
-        self.quantization = self._quantization()
-
-    def _quantization(self) -> dict[str, Any] | None:
-        """hf_quant_config.json's "quantization" section (None for a float checkpoint), checked to be buildable."""
-        path = self.dir / HF_QUANT_CONFIG
-        if not path.is_file():
-            return None
-        try:
-            raw = json.loads(path.read_text())
-            quant = {**raw["quantization"], "producer": raw.get("producer")}
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{path} is malformed: {exc}") from exc
-        algo = quant.get("quant_algo")
-        layers = quant.get("quantized_layers")
-        if algo == MIXED and not (isinstance(layers, dict) and layers
-                                  and all(isinstance(v, dict) for v in layers.values())):
-            raise CheckpointError(f"{path} is {MIXED} but has no quantized_layers {{layer: {{quant_algo: ...}}}}")
-        for name, layer_algo in ([(n, v.get("quant_algo")) for n, v in layers.items()] if algo == MIXED
-                                 else [(None, algo)]):
-            if layer_algo not in READABLE_QUANT_ALGOS:
-                where = f"{self.dir} quantizes {name} as" if name else f"{self.dir} is quantized as"
-                raise CheckpointError(
-                    f"{where} {layer_algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} (and {MIXED} "
-                    f"checkpoints of those) (`camshaft quantize --quant {'|'.join(FORMATS)}`)"
-                )
-            group = (layers[name] if name else quant).get("group_size", quant.get("group_size"))
-            if READABLE_QUANT_ALGOS[layer_algo].blockwise and not isinstance(group, int):
-                raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}")
-        kv_algo = quant.get("kv_cache_quant_algo")
-        if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:
-            raise CheckpointError(
-                f"{self.dir} quantizes the KV cache as {kv_algo}; camshaft builds {' or '.join(KV_CACHE_ALGOS)} KV "
-                "caches"
-            )
-        record = self.dir / CAMSHAFT_QUANT_RECORD
-        if record.is_file():
-            try:
-                quant = {**quant, "camshaft": json.loads(record.read_text())}
-            except json.JSONDecodeError as exc:
-                raise CheckpointError(f"{record} is malformed: {exc}") from exc
-        return quant
+        self.quantization = read_quant_config(self.dir)
 
     def _layer_entry(self, prefix: str) -> dict[str, Any]:
         """What hf_quant_config.json says of linear layer `prefix`: its own entry in a MIXED_PRECISION checkpoint
@@ -238,16 +191,10 @@ class Checkpoint:
             quantized = self.quantized_linear(name[: -len(".weight")], *shape)
             if quantized is not None:
                 return quantized.dequantize()
-        file = self._where.get(name)
-        if file is None:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
-        try:
-            array = self._handles[file].get_tensor(name)
-        except (SafetensorError, OSError, TypeError) as exc:
-            raise CheckpointError(f"{file.name}: tensor {name!r} could not be read: {exc}") from exc
+        array = self._raw(name)
         if tuple(array.shape) != tuple(shape):
             raise CheckpointError(
-                f"{file.name}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)} "
+                f"{self._where[name].name}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)} "
                 "from config.json"
             )
         return array.astype(np.float32, copy=False)

@@ -1,16 +1,19 @@
-"""What the builder reads from quantized checkpoints: each quant_algo's storage, one quantized linear layer, and the
-float8 tensors of safetensors files (safetensors' numpy reader cannot return them)."""
+"""What the builder reads from quantized checkpoints: hf_quant_config.json, each quant_algo's storage, one quantized
+linear layer, and the float8 tensors of safetensors files (safetensors' numpy reader cannot return them)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes  # also registers bfloat16 with numpy so safetensors can return it
 import numpy as np
 
-from camshaft.quantize.spec import LM_HEAD_BLOCKS
+from camshaft.errors import CheckpointError
+from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG
+from camshaft.quantize.spec import FORMATS, LM_HEAD_BLOCKS
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -124,3 +127,44 @@ def read_fp8(file: Path, shape: tuple[int, ...], start: int, end: int) -> np.nda
         f.seek(start)
         raw = f.read(end - start)
     return np.frombuffer(raw, dtype=FP8).reshape(shape).copy()
+
+
+def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
+    """hf_quant_config.json's "quantization" section (None for a float checkpoint), checked to be buildable."""
+    path = model_dir / HF_QUANT_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        quant = {**raw["quantization"], "producer": raw.get("producer")}
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is malformed: {exc}") from exc
+    algo = quant.get("quant_algo")
+    layers = quant.get("quantized_layers")
+    if algo == MIXED and not (isinstance(layers, dict) and layers
+                              and all(isinstance(v, dict) for v in layers.values())):
+        raise CheckpointError(f"{path} is {MIXED} but has no quantized_layers {{layer: {{quant_algo: ...}}}}")
+    for name, layer_algo in ([(n, v.get("quant_algo")) for n, v in layers.items()] if algo == MIXED
+                             else [(None, algo)]):
+        if layer_algo not in READABLE_QUANT_ALGOS:
+            where = f"{model_dir} quantizes {name} as" if name else f"{model_dir} is quantized as"
+            raise CheckpointError(
+                f"{where} {layer_algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} (and {MIXED} "
+                f"checkpoints of those) (`camshaft quantize --quant {'|'.join(FORMATS)}`)"
+            )
+        group = (layers[name] if name else quant).get("group_size", quant.get("group_size"))
+        if READABLE_QUANT_ALGOS[layer_algo].blockwise and not isinstance(group, int):
+            raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}")
+    kv_algo = quant.get("kv_cache_quant_algo")
+    if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:
+        raise CheckpointError(
+            f"{model_dir} quantizes the KV cache as {kv_algo}; camshaft builds {' or '.join(KV_CACHE_ALGOS)} KV "
+            "caches"
+        )
+    record = model_dir / CAMSHAFT_QUANT_RECORD
+    if record.is_file():
+        try:
+            quant = {**quant, "camshaft": json.loads(record.read_text())}
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{record} is malformed: {exc}") from exc
+    return quant

@@ -24,6 +24,7 @@ from onnx import TensorProto
 
 from camshaft.builder.checkpoint import FP8, QuantizedLinear
 from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
+from camshaft.builder.graph.rounding import fp8_round, fp8_round_per_token, int8_per_token
 
 MS_DOMAIN = "com.microsoft"
 # MatMulNBits block sizes; accuracy_level 0 computes in the activation's float type (4 quantizes activations to int8).
@@ -165,7 +166,7 @@ class Linears:
         x = self.pre_scale(x, first, name)
         zero = g.const(np.array(128, dtype=np.uint8), "zero_point")
         if first.per_token:
-            xq, token_scale = self.int8_per_token(x)
+            xq, token_scale = int8_per_token(self.g, x, self.np_dtype)
         else:
             xq = g.op("QuantizeLinear", [x, g.const(np.array(first.input_scale, dtype=self.np_dtype), "input_scale"),
                                          zero])
@@ -180,21 +181,6 @@ class Linears:
             y = g.op("Cast", [y], to=ONNX_DTYPES[np.dtype(self.np_dtype).name])
         return y
 
-    def int8_per_token(self, x: str) -> tuple[str, str]:
-        """x's rows as ModelOpt's dynamic per-token int8 quantizer rounds them, round(x * 127 / row amax), offset by
-        128 into uint8 (MatMulInteger's fast kernel); and the rows' scales amax / 127 in float32 ([T, 1]). An all-zero
-        row rounds to zeros whatever its scale (ModelOpt's 1, here 127 / 2^-24)."""
-        g, dt = self.g, self.np_dtype
-        amax = g.op("ReduceMax", [g.op("Abs", [x]), g.ints([-1])], keepdims=1)
-        constants = ((2.0 ** -24, "int8_amax_floor"), (127.0, "int8_max"), (128.0, "uint8_offset"))
-        tiny, bound, offset = (g.const(np.array(v, dtype=dt), n) for v, n in constants)
-        amax = g.op("Max", [amax, tiny])
-        rounded = g.op("Round", [g.op("Mul", [x, g.op("Div", [bound, amax])])])
-        xq = g.op("Cast", [g.op("Add", [rounded, offset])], to=TensorProto.UINT8)
-        if dt != np.float32:
-            amax = g.op("Cast", [amax], to=TensorProto.FLOAT)
-        return xq, g.op("Div", [amax, g.const(np.array(127.0, dtype=np.float32), "int8_max_f32")])
-
     def qdq_matmul(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str:
         """Any format as standard ONNX: the input Q→DQ'd as its format says (int8 or float8, static scale), the
         weight [K, N] through DequantizeLinear (int4 in blocks along K, int8 per column, float8), W4A8's weight then
@@ -204,7 +190,7 @@ class Linears:
             return self.fp8_matmul(x, layers, name)
         x = self.pre_scale(x, first, name)
         if first.activation == "int8" and first.per_token:
-            xq, inverse = self.int8_per_token(x)
+            xq, inverse = int8_per_token(g, x, self.np_dtype)
             offset = g.const(np.array(128.0, dtype=np.float32), "uint8_offset_f32")
             x = g.op("Mul", [g.op("Sub", [g.op("Cast", [xq], to=TensorProto.FLOAT), offset]), inverse])
             if self.np_dtype != np.float32:
@@ -214,7 +200,7 @@ class Linears:
             z = g.const(np.zeros((), np.int8), "int8_zero_point")
             x = g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, s, z]), s, z])
         elif first.activation == "fp8":
-            x = self.fp8_round(x, np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
+            x = fp8_round(g, x, np.array(first.input_scale, dtype=self.np_dtype), "input_scale", self.np_dtype)
         values = np.concatenate([q.values for q in layers], axis=0).T  # [K, N]
         if first.block_size == in_dim and first.bits == 8:
             scales = np.concatenate([q.scales[:, 0] for q in layers]).astype(self.np_dtype)
@@ -226,7 +212,7 @@ class Linears:
                                           g.weight(f"{name}.scales", scales)], axis=0, block_size=first.block_size)
         if first.weight_scale_2 is not None:
             scale_2 = np.concatenate([np.full(len(q.values), q.weight_scale_2) for q in layers])
-            w = self.fp8_round(w, scale_2.astype(self.np_dtype), f"{name}.weight_scale_2")
+            w = fp8_round(g, w, scale_2.astype(self.np_dtype), f"{name}.weight_scale_2", self.np_dtype)
         return g.op("MatMul", [x, w])
 
     def fp8_input(self, x: str, first: QuantizedLinear, name: str) -> str:
@@ -234,33 +220,8 @@ class Linears:
         each token with its own)."""
         x = self.pre_scale(x, first, name)
         if first.per_token:
-            return self.fp8_round_per_token(x)
-        return self.fp8_round(x, np.array(first.input_scale, dtype=self.np_dtype), "input_scale")
-
-    def fp8_round_per_token(self, x: str) -> str:
-        """Each row (token) of x rounded to float8 e4m3fn with scale 448 / its largest magnitude, as ModelOpt's dynamic
-        per-token quantizer does (an all-zero row: scale 1)."""
-        g, dt = self.g, self.np_dtype
-        amax = g.op("ReduceMax", [g.op("Abs", [x]), g.ints([-1])], keepdims=1)
-        constants = ((2.0 ** -24, "fp8_amax_floor"), (1.0, "one"), (448.0, "fp8_max"), (-448.0, "fp8_min"))
-        tiny, one, bound, low = (g.const(np.array(v, dtype=dt), n) for v, n in constants)
-        amax = g.op("Where", [g.op("Greater", [amax, tiny]), amax, one])
-        scale = g.op("Div", [bound, amax])
-        scaled = g.op("Clip", [g.op("Mul", [x, scale]), low, bound])
-        rounded = g.op("Cast", [g.op("Cast", [scaled], to=TensorProto.FLOAT8E4M3FN)], to=ONNX_DTYPES[np.dtype(dt).name])
-        return g.op("Mul", [rounded, g.op("Reciprocal", [scale])])
-
-    def fp8_round(self, x: str, scale: np.ndarray, hint: str) -> str:
-        """QuantizeLinear→DequantizeLinear to float8 e4m3fn, per tensor (scalar scale) or per column ([N] scale)."""
-        g = self.g
-        if scale.ndim and np.all(scale == scale[0]):
-            scale = scale[:1].reshape(())
-        zero = ml_dtypes.float8_e4m3fn
-        if scale.ndim:
-            s, z = g.weight(f"{hint}.fp8_scale", scale), g.weight(f"{hint}.fp8_zero", np.zeros(len(scale), zero))
-        else:
-            s, z = g.const(scale.astype(self.np_dtype), hint), g.const(np.zeros((), zero), "zero_point")
-        return g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, s, z], axis=-1), s, z], axis=-1)
+            return fp8_round_per_token(self.g, x, self.np_dtype)
+        return fp8_round(self.g, x, np.array(first.input_scale, dtype=self.np_dtype), "input_scale", self.np_dtype)
 
     def fp8_matmul(self, x: str, layers: list[QuantizedLinear], name: str) -> str:
         """FP8: input Q→DQ with its static scale; float8 weights [K, N] through DequantizeLinear with one scale per

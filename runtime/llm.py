@@ -13,14 +13,12 @@ from camshaft.checks import is_int
 from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
-from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.executor import Executor
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, priorities
 from camshaft.runtime.outputs import IterationStats, Load, RequestOutput, Sink
-from camshaft.runtime.request import GenerationResult, Request
-from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
+from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import SchedulerConfig
 from camshaft.runtime.session import Prompt, Session
@@ -136,15 +134,8 @@ class LLM:
     def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
         priority = check_priority(priority)
         ids = self._encoder.encode(prompt)
-        engine, vocab = self.engine, self.engine.manifest.model.vocab_size
-        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words)
-        base = next(self._ids)
-        return [Request(f"{base}" if params.n == 1 else f"{base}-{i}", ids, params,
-                        SequenceSampler(params, ids, engine.eos_token_ids, bad_words, vocab, sequence_index=i),
-                        TextStream(self.tokenizer, ids, params.stop, include_stop=params.include_stop_str_in_output,
-                                   min_tokens=params.min_tokens),
-                        engine.eos_token_ids, priority=priority)
-                for i in range(params.n)]
+        return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
+                            self.engine.manifest.model.vocab_size, priority)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,

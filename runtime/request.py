@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from camshaft.runtime.detokenizer import TextStream
-from camshaft.runtime.sampler import SampleResult, SequenceSampler
+from camshaft.runtime.sampler import SampleResult, SequenceSampler, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
 
 
@@ -105,3 +105,16 @@ class Request:
             timings=timings,
             logprobs=list(self.samples) if self.params.logprobs is not None else None,
         )
+
+
+def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: object,
+                 eos_token_ids: tuple[int, ...], vocab_size: int, priority: int = 0) -> list[Request]:
+    """The params.n requests one prompt makes, each with its own sampler and text stream (ids `request_id`, or
+    `request_id-i` when n > 1)."""
+    bad_words = tokenize_bad_words(tokenizer, params.bad_words)
+    return [Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_ids, params,
+                    SequenceSampler(params, prompt_ids, eos_token_ids, bad_words, vocab_size, sequence_index=i),
+                    TextStream(tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output,
+                               min_tokens=params.min_tokens),
+                    eos_token_ids, priority=priority)
+            for i in range(params.n)]

@@ -14,11 +14,9 @@ import numpy as np
 from camshaft.checks import is_int
 from camshaft.errors import CapacityError, RequestError
 from camshaft.manifest import read_manifest
-from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.kv_cache import parse_memory
-from camshaft.runtime.request import GenerationResult, Request
-from camshaft.runtime.sampler import SequenceSampler, tokenize_bad_words
+from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
 
@@ -128,12 +126,8 @@ class Session:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's max_seq_len "
                 f"({limit}); pass max_tokens <= {limit - len(ids)}"
             )
-        engine = self.engine
-        sampler = SequenceSampler(params, ids, engine.eos_token_ids,
-                                  tokenize_bad_words(self.tokenizer, params.bad_words), self.manifest.model.vocab_size)
-        text = TextStream(self.tokenizer, ids, params.stop, include_stop=params.include_stop_str_in_output,
-                          min_tokens=params.min_tokens)
-        return Request(str(next(self._ids)), ids, params, sampler, text, engine.eos_token_ids)
+        return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
+                            self.manifest.model.vocab_size)[0]
 
     def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                messages: list[dict[str, str]] | None = None, **overrides: Any) -> Iterator[str]:

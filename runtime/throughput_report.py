@@ -27,8 +27,8 @@ def fmt(value: float | None, spec: str = ".0f") -> str:
     return NO_DATA if value is None or not math.isfinite(value) else format(value, spec)
 
 
-def fmt_percentiles(p: dict[str, float], spec: str = ".0f") -> str:
-    return "/".join(fmt(p[k], spec) for k in ("p50", "p90", "p99"))
+def fmt_percentiles(p: dict[str, float | None], spec: str = ".0f", sep: str = "/") -> str:
+    return sep.join(fmt(p[k], spec) for k in ("p50", "p90", "p99"))
 
 
 def result_line(r: ThroughputResult) -> str:

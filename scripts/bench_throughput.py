@@ -271,9 +271,9 @@ def admitted_at_once(engine_dir: Path, requests, pool_tokens: int, threads: int,
 # ------------------------------------------------------------------------------------------------- plot and text
 
 def fmt_p(p: dict, digits: int = 0) -> str:
-    from camshaft.runtime.throughput_report import fmt
+    from camshaft.runtime.throughput_report import fmt_percentiles
 
-    return " / ".join(fmt(p[k], f".{digits}f") for k in ("p50", "p90", "p99"))
+    return fmt_percentiles(p, f".{digits}f", sep=" / ")
 
 
 def seconds(p_ms: dict) -> dict:

@@ -16,7 +16,7 @@ from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter, Reuse, save_model
 from camshaft.builder.graph.sequence import SequenceLowering, sequence_graph_support, sequence_layout
-from camshaft.manifest import BuildLimits, SequenceGraph
+from camshaft.manifest import BuildLimits, SequenceGraph, graph_limits_props
 
 SEQUENCE_ARTIFACT = "sequence.onnx"
 
@@ -84,5 +84,6 @@ def write_sequence_graph(checkpoint: Checkpoint, max_seq_len: int, out_dir: Path
                          progress).lower()
     model = writer.model(OPSET)
     model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    helper.set_model_props(model, graph_limits_props({"max_seq_len": max_seq_len}))
     save_model(model, path)
     return path

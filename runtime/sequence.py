@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from camshaft.errors import CapacityError, EngineError
 from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
-from camshaft.runtime.backends.onnxruntime import check_compatible, load_session, session_options
+from camshaft.runtime.backends.onnxruntime import check_compatible, check_signature, load_session, session_options
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
 
@@ -39,6 +39,8 @@ class SequenceEngine:
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
                                                           session_options(threads, spin_wait=True), huge_pages)
+        check_signature(self.session, self.dir / self.layout.artifact, m, self.layout.key_inputs,
+                        (1, self.layout.num_kv_heads, None, self.layout.head_dim))
         self.binding = self.session.io_binding()
         self.tokenizer = load_tokenizer(self.dir)
         self.eos_token_ids = end_ids(m.model, self.tokenizer)

@@ -1,5 +1,5 @@
 """Build outputs: what a killed build leaves is cleaned up by the next, an unwritable output and a checkpoint without
-a tokenizer fail before any work, and a manifest that does not match its graph is refused at load."""
+a tokenizer fail before any work, and a manifest that does not match its graph (logits, limits) is refused at load."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from camshaft.builder.config import BuildConfig
 from camshaft.errors import CamshaftError, CheckpointError, EngineError
 from camshaft.outdir import staging_dir
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.session import Session
 
 from tiny_models import make_tiny_model
 
@@ -59,11 +60,17 @@ def test_a_checkpoint_without_a_tokenizer_fails_before_the_graph_is_written(buil
     assert not list(tmp_path.glob(".engine.partial-*"))
 
 
+def _longer(manifest: dict) -> None:
+    manifest["limits"]["max_seq_len"] *= 2
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m["model"].update(vocab_size=m["model"]["vocab_size"] + 1), "logits dimensions"),
     (lambda m: m["tools"].pop("onnxruntime"), "does not say which onnxruntime"),
+    (_longer, r"built for max_seq_len 64 \(manifest: 128\)"),
 ])
-def test_a_manifest_that_disagrees_with_its_graph_is_refused(built, tmp_path, edit, message):
+@pytest.mark.parametrize("runner", [Engine, Session])
+def test_a_manifest_that_disagrees_with_its_graph_is_refused(built, tmp_path, edit, message, runner):
     _, engine = built
     copy = tmp_path / "engine"
     shutil.copytree(engine, copy)
@@ -71,4 +78,4 @@ def test_a_manifest_that_disagrees_with_its_graph_is_refused(built, tmp_path, ed
     edit(manifest)
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineError, match=message):
-        Engine(copy)
+        runner(copy)

@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from camshaft.errors import EngineError
-from camshaft.manifest import Manifest
+from camshaft.manifest import GRAPH_LIMITS_KEY, Manifest, check_graph_limits
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
 
 # KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
@@ -60,15 +60,21 @@ def load_session(path: Path, options: ort.SessionOptions, huge_pages: bool) -> t
         raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
 
 
-def check_signature(session: ort.InferenceSession, path: Path, vocab_size: int, cache_dims: tuple[int, int]) -> None:
-    """The loaded graph agrees with the manifest on what the runtime sizes from it: the logits' width and the KV
-    cache's [block, kv_heads x head_dim] (symbolic dimensions are not compared)."""
-    logits = [tuple(o.shape[-1:]) for o in session.get_outputs() if o.name == "logits"]
-    caches = [tuple(i.shape[1:]) for i in session.get_inputs() if i.name.startswith("kv_cache")]
-    for what, found, wanted in (("logits", logits, (vocab_size,)), ("KV cache", caches, tuple(cache_dims))):
-        if found and all(isinstance(d, int) for d in found[0]) and found[0] != wanted:
-            raise EngineError(f"{path}'s {what} dimensions {found[0]} disagree with its manifest ({wanted}): the "
-                              "manifest was edited or belongs to another build; rebuild the engine")
+def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifest, caches: list[str],
+                    cache_shape: tuple[int | None, ...]) -> None:
+    """The loaded graph agrees with the manifest on what the runtime sizes from it: the logits' width, the shape
+    of the KV cache inputs `caches` (None and symbolic dimensions are not compared) and the build limits the graph
+    was lowered for (its rope table holds max_seq_len positions)."""
+    shapes = {t.name: t.shape for t in [*session.get_inputs(), *session.get_outputs()]}
+    wanted = {"logits": (None, manifest.model.vocab_size), **{name: cache_shape for name in caches[:1]}}
+    for name, dims in wanted.items():
+        found = shapes.get(name)
+        if found is not None and any(isinstance(f, int) and w is not None and f != w
+                                     for f, w in zip(found, dims, strict=False)):
+            raise EngineError(f"{path}'s {name} dimensions {tuple(found)} disagree with its manifest "
+                              f"({tuple('?' if w is None else w for w in dims)}): the manifest was edited or belongs "
+                              "to another build; rebuild the engine")
+    check_graph_limits(session.get_modelmeta().custom_metadata_map.get(GRAPH_LIMITS_KEY), manifest.limits, path)
 
 
 class OnnxRuntimeBackend:
@@ -79,7 +85,7 @@ class OnnxRuntimeBackend:
                                                           session_options(threads, spin_wait), huge_pages)
         kv = manifest.kv_cache
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
-        check_signature(self.session, engine_dir / manifest.artifact, manifest.model.vocab_size, shape[1:])
+        check_signature(self.session, engine_dir / manifest.artifact, manifest, kv.key_inputs, (None, *shape[1:]))
         self.num_blocks = num_blocks
         self.binding = self.session.io_binding()
         self.caches: list[np.ndarray] = []

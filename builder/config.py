@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from camshaft.checks import is_int_at_least
+from camshaft.checks import check_positive_ints, is_int_at_least
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import TARGETS
 
@@ -43,10 +43,8 @@ class BuildConfig:
                 f"target {self.target} builds {'/'.join(TARGET_DTYPES[self.target])} engines, not {self.dtype}; "
                 f"drop --dtype or pass --dtype {TARGET_DTYPES[self.target][0]}"
             )
-        for name in ("max_batch_size", "max_num_tokens", "kv_block_size"):
-            value = getattr(self, name)
-            if not is_int_at_least(value, 1):
-                raise BuildConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("max_batch_size", "max_num_tokens", "kv_block_size"), BuildConfigError,
+                            lambda name: f"--{name.replace('_', '-')}")
         if self.max_seq_len is not None and not is_int_at_least(self.max_seq_len, 2):
             raise BuildConfigError(f"--max-seq-len must be an integer > 1, got {self.max_seq_len!r}")
         if self.kv_block_size & (self.kv_block_size - 1):

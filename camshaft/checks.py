@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 
 
 def is_int(value: object) -> bool:
@@ -11,3 +12,12 @@ def is_int(value: object) -> bool:
 
 def is_int_at_least(value: object, least: int) -> bool:
     return is_int(value) and value >= least
+
+
+def check_positive_ints(owner: object, names: tuple[str, ...], error: type[Exception] = ValueError,
+                        label: Callable[[str], str] = str) -> None:
+    """Each named attribute of `owner` is an integer >= 1, else `error` naming it as `label(name)` says."""
+    for name in names:
+        value = getattr(owner, name)
+        if not is_int_at_least(value, 1):
+            raise error(f"{label(name)} must be a positive integer, not {value!r}")

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from camshaft.checks import is_int_at_least
+from camshaft.checks import check_positive_ints
 from camshaft.errors import CamshaftError, EngineError
 from camshaft.model_config import ModelConfig
 from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __version__
@@ -25,11 +25,8 @@ TRT_MODULES = {"tensorrt-rtx": "tensorrt_rtx", "tensorrt": "tensorrt"}  # Tensor
 GRAPH_LIMITS_KEY = "camshaft.build_limits"  # the ONNX graph's metadata entry: the BuildLimits it was lowered for (JSON)
 
 
-def check_positive_ints(owner: object, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(owner, name)
-        if not is_int_at_least(value, 1):
-            raise ValueError(f"{type(owner).__name__}.{name} must be a positive integer, not {value!r}")
+def _positive_ints(owner: object, names: tuple[str, ...]) -> None:
+    check_positive_ints(owner, names, label=lambda name: f"{type(owner).__name__}.{name}")
 
 
 @dataclass(frozen=True)
@@ -40,7 +37,7 @@ class BuildLimits:
     kv_block_size: int
 
     def __post_init__(self) -> None:
-        check_positive_ints(self, ("max_batch_size", "max_seq_len", "max_num_tokens", "kv_block_size"))
+        _positive_ints(self, ("max_batch_size", "max_seq_len", "max_num_tokens", "kv_block_size"))
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -146,7 +143,7 @@ class KVCacheLayout(CacheTensors):
     layout: str = "num_blocks,block_size,num_kv_heads*head_dim"
 
     def __post_init__(self) -> None:
-        check_positive_ints(self, ("num_kv_heads", "head_dim", "block_size"))
+        _positive_ints(self, ("num_kv_heads", "head_dim", "block_size"))
 
     def bytes_per_block(self, itemsize: int) -> int:
         return self.block_size * self.bytes_per_token(itemsize)

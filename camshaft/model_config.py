@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from camshaft.checks import is_int_at_least
+from camshaft.checks import check_positive_ints, is_int_at_least
 from camshaft.errors import CheckpointError, UnsupportedModelError
 from camshaft.hf_config import ROPE_TYPES, model_fields
 
@@ -74,11 +74,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not is_int_at_least(value, 1):
-                raise CheckpointError(f"{name} must be a positive integer, not {value!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                   "num_kv_heads", "head_dim", "max_position_embeddings"), CheckpointError)
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"

@@ -15,12 +15,13 @@ TRT_QUANT_ALGOS = tuple(ALGO_FEATURES)
 
 
 def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: str | None = None,
-                           gpu_arch: str | None = None) -> None:
+                           gpu_arch: str | None = None, shown_as: str | None = None) -> None:
     """Refuse a quantized checkpoint the target cannot build, before any work (`camshaft build --quant` calls it
     before quantizing). The TensorRT targets get every format but fp8_pc_pt and int8_sq_pt (per-token scales,
     computed at run time) as standard Q/DQ (plans built with tensorrt-rtx 1.7, tests/test_quantize_trt.py); a
     quantized KV cache is refused (its float8 pool is uint8 codes, which TensorRT rejects); so is a format whose
-    precision `gpu_arch` has no kernels for (fp8 before sm89: targets/precision.py)."""
+    precision `gpu_arch` has no kernels for (fp8 before sm89: targets/precision.py). `shown_as`: the format's name
+    in messages (the user's --quant; default the checkpoint's quant_algo)."""
     if quant_algo not in READABLE_QUANT_ALGOS:
         raise BuildConfigError(f"camshaft cannot build {quant_algo} checkpoints; it builds "
                                f"{', '.join(READABLE_QUANT_ALGOS)}")
@@ -37,7 +38,7 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
         from camshaft.builder.targets.precision import check_precision
         from camshaft.builder.targets.trt_product import parse_arch
 
-        check_precision(target, parse_arch(gpu_arch), quant_algo)
+        check_precision(target, parse_arch(gpu_arch), quant_algo, shown_as=shown_as)
 
 
 def has_weight_only_layers(quant_algos: Sequence[str]) -> bool:

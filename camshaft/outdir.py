@@ -9,18 +9,19 @@ from pathlib import Path
 from camshaft.errors import CamshaftError
 
 
-def check_replaceable(output: Path, marker: str, kind: str, error: type[Exception]) -> None:
-    """Refuse an output that exists and is neither empty nor a `kind` (recognised by its `marker` file)."""
+def check_replaceable(output: Path, marker: str, kind: str, error: type[Exception], flag: str = "--output") -> None:
+    """Refuse an output (given as `flag`) that exists and is neither empty nor a `kind` (recognised by its `marker`
+    file)."""
     if output.exists() and not output.is_dir():
-        raise error(f"--output {output} exists and is not a directory")
+        raise error(f"{flag} {output} exists and is not a directory")
     if output.is_dir() and any(output.iterdir()) and not (output / marker).exists():
         raise error(
-            f"--output {output} is a non-empty directory that is not {kind}; refusing to overwrite it. "
+            f"{flag} {output} is a non-empty directory that is not {kind}; refusing to overwrite it. "
             "Choose an empty or new directory."
         )
 
 
-def staging_dir(output: Path) -> Path:
+def staging_dir(output: Path, flag: str = "--output") -> Path:
     """A fresh sibling of `output` to write into; `replace_dir` moves it into place. Siblings left by runs that were
     killed (their process is gone) are removed first."""
     for stale in output.parent.glob(f".{output.name}.*-*") if output.parent.is_dir() else ():
@@ -32,7 +33,7 @@ def staging_dir(output: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     except OSError as exc:
-        raise CamshaftError(f"cannot write beside --output {output} ({exc.strerror or exc}); choose a directory you "
+        raise CamshaftError(f"cannot write beside {flag} {output} ({exc.strerror or exc}); choose a directory you "
                             "can write to") from exc
     return staging
 

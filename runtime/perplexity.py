@@ -14,6 +14,8 @@ from camshaft.model_config import HF_QUANT_CONFIG, require_tokenizer
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
 
+REFERENCE_WINDOW = 1024  # tokens a transformers window scores (--window)
+
 
 @dataclass(frozen=True)
 class PerplexityResult:
@@ -24,9 +26,15 @@ class PerplexityResult:
 
 def read_text(path: str | Path) -> str:
     path = Path(path)
+    if path.is_dir():
+        raise RequestError(f"{path} is a directory; pass a UTF-8 text file with --data")
     if not path.is_file():
         raise RequestError(f"{path} does not exist; pass a UTF-8 text file with --data")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); pass a UTF-8 text file "
+                           "with --data") from exc
     if not text.strip():
         raise RequestError(f"{path} is empty; perplexity needs some text")
     return text

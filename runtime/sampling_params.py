@@ -64,7 +64,8 @@ class SamplingParams:
             _require(_is_number(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)!r}")
 
         _require(self.beam_width <= 1,
-                 "beam search is not supported; use beam_width=1 (sampling with n>1 gives several outputs)")
+                 "beam search is not supported; use beam_width=1 (several outputs of one prompt: sample with n > 1 "
+                 "in the Python or OpenAI API)")
         _require(self.beam_width == 1, f"beam_width must be 1, got {self.beam_width}")
         _require(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         _require(0 <= self.min_tokens <= self.max_tokens,

@@ -68,8 +68,8 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
                                              "token_model": TOKEN_MODEL, "max_requests": str(admitted),
                                              **common}),
     }
-    check_replaceable(repo, MARKER, "a camshaft Triton repository", CamshaftError)
-    staging = staging_dir(repo)
+    check_replaceable(repo, MARKER, "a camshaft Triton repository", CamshaftError, flag="--repo")
+    staging = staging_dir(repo, flag="--repo")
     try:
         for model, config in models.items():
             (staging / model / "1").mkdir(parents=True)

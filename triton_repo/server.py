@@ -187,7 +187,7 @@ def port_free(host: str, port: int) -> bool:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing socket in TIME_WAIT is no listener
         try:
             probe.bind((host, port))
-        except OSError:
+        except (OSError, OverflowError):
             return False
     return True
 

@@ -54,19 +54,22 @@ def required_arch(product: str, quant_algo: str | None = None, dtype: str | None
     return best
 
 
-def check_precision(product: str, arch: int, quant_algo: str | None = None, dtype: str | None = None) -> None:
-    """Refuse a quantized format (or base dtype) the architecture has no kernels for, naming the ones that have."""
+def check_precision(product: str, arch: int, quant_algo: str | None = None, dtype: str | None = None,
+                    shown_as: str | None = None) -> None:
+    """Refuse a quantized format (or base dtype) the architecture has no kernels for, naming the ones that have
+    (`shown_as`: the format's name in the message, default quant_algo)."""
     need, feature = required_arch(product, quant_algo, dtype)
     if feature is None or arch >= need:
         return
-    what = quant_algo if quant_algo and feature in ALGO_FEATURES.get(quant_algo, ()) else dtype
+    by_format = bool(quant_algo and feature in ALGO_FEATURES.get(quant_algo, ()))
+    what = (shown_as or quant_algo) if by_format else dtype
     able = [a for a in PRODUCT_ARCHS[product] if a >= need]
     names = ", ".join(f"sm{a}" for a in able) or f"sm{need} and later"
     raise BuildConfigError(
         f"sm{arch} ({ARCH_NAMES.get(arch, 'this GPU')}) has no {FEATURE_NAMES[feature]} kernels in {product}, which "
         f"{what} needs; {product} builds it for {names}. Pass --gpu-arch {f'sm{able[0]}' if able else f'sm{need}'} "
         "for a GPU that has them, or "
-        + (f"choose a format this GPU supports ({supported_formats_text(product, arch)})." if what == quant_algo
+        + (f"choose a format this GPU supports ({supported_formats_text(product, arch)})." if by_format
            else "build float16 (--dtype float16).")
     )
 

@@ -11,6 +11,7 @@ from dataclasses import replace
 from camshaft.bench_serve.clients import Record, Target, make_client
 from camshaft.bench_serve.report import Goodput, ServeResult, summarize
 from camshaft.bench_serve.workload import ServeRequest, arrival_times
+from camshaft.errors import CamshaftError
 
 
 def salted(requests: list[ServeRequest], salt: str) -> list[ServeRequest]:
@@ -48,8 +49,15 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as http:
         clients = [make_client(t, http) for t in targets]
         try:
-            for client in clients:
-                await client.start()
+            for target, client in zip(targets, clients, strict=True):
+                try:
+                    await client.start()
+                except CamshaftError:
+                    raise
+                except Exception as exc:  # a refused connection, an HTTP error, gRPC's own errors
+                    raise CamshaftError(f"target {target.name} ({target.url}, backend {target.backend}) did not "
+                                        f"answer: {type(exc).__name__}: {exc}; is the server up at that address?") \
+                        from exc
                 if warmup:
                     short = [replace(r, max_tokens=min(r.max_tokens, 4)) for r in salted(requests[:warmup], "warm")]
                     await _drive(client, short, [0.0] * len(short), None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -28,8 +29,17 @@ def bench_latency(
         typer.echo(f"{key:>22}: {value}")
 
 
-def require_plotting(plot: Path | None) -> None:
-    """Refuse --plot before any work when matplotlib is missing, rather than after the whole benchmark."""
+def require_outputs(plot: Path | None, output_json: Path | None) -> None:
+    """Refuse --plot and --output-json before any work (matplotlib missing, a path that cannot be written), rather
+    than after the whole benchmark."""
+    for flag, path in (("--plot", plot), ("--output-json", output_json)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise CamshaftError(f"{flag} {path} is a directory; give a file path")
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise CamshaftError(f"{flag} {path} cannot be written ({parent} is not a writable directory)")
     if plot is None:
         return
     try:
@@ -65,7 +75,7 @@ def bench_throughput(
     from camshaft.runtime.throughput_plot import plot_sweep
     from camshaft.runtime.throughput_report import report_lines
 
-    require_plotting(plot)
+    require_outputs(plot, output_json)
     try:
         levels = [int(x) for x in concurrency.split(",") if x.strip()]
     except ValueError:
@@ -102,8 +112,8 @@ def bench_serve(
         "--max-concurrency", "--concurrency",
         help="Most requests in flight per target; a comma-separated list sweeps, e.g. 1,8,32")] = None,
     goodput: Annotated[str | None, typer.Option(help="SLOs for goodput, e.g. ttft_ms=1000,tpot_ms=100")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the prompts and arrivals")] = 0,
-    warmup: Annotated[int, typer.Option(help="Short warm-up requests per target")] = 2,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and arrivals")] = 0,
+    warmup: Annotated[int, typer.Option(min=0, help="Short warm-up requests per target")] = 2,
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: latency vs throughput, one line per target")] = None,
 ) -> None:
@@ -115,8 +125,9 @@ def bench_serve(
     from camshaft.bench_serve.report import plot as plot_results
     from camshaft.bench_serve.run import bench_serve as run_bench
     from camshaft.bench_serve.workload import load_requests, load_tokenizer, parse_rates
+    from camshaft.manifest import read_manifest
 
-    require_plotting(plot)
+    require_outputs(plot, output_json)
     try:
         concurrencies = [int(c) for c in max_concurrency.split(",")] if max_concurrency else [None]
     except ValueError:
@@ -126,6 +137,9 @@ def bench_serve(
     targets = [Target.parse(t) for t in target]
     if len({t.name for t in targets}) != len(targets):
         raise CamshaftError("--target names must differ")
+    for t in targets:
+        if t.backend == "llm":
+            read_manifest(Path(t.url))  # a missing or broken engine says so before anything loads
     source = tokenizer or next((Path(t.url) for t in targets if t.backend == "llm"), None)
     requests = load_requests(dataset, num_prompts, load_tokenizer(source) if source else None, seed=seed)
     results = run_bench(targets, requests, parse_rates(request_rate), concurrencies=concurrencies,
@@ -138,5 +152,9 @@ def bench_serve(
     if plot:
         plot_results(results, plot, title=f"{dataset}, {num_prompts} prompts, request rate {request_rate}, "
                                           f"max concurrency {max_concurrency or 'unlimited'}")
+    failed = [r for r in results if r.completed == 0]
+    if failed:
+        raise CamshaftError(f"every request of {len(failed)} run(s) failed ({failed[0].target}: "
+                            f"{failed[0].first_error}); the results above are of errors, not of a server")
 
 

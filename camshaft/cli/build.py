@@ -129,7 +129,8 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     check_replaceable(config.output_dir, MANIFEST_NAME, "an engine", BuildConfigError)
     gpu_arch = check_target(config)
     for algo in spec.info.layer_algos:
-        check_quantized_target(config.target, algo, kv_cache_dtype and kv_cache_dtype.upper(), gpu_arch=gpu_arch)
+        check_quantized_target(config.target, algo, kv_cache_dtype and kv_cache_dtype.upper(), gpu_arch=gpu_arch,
+                               shown_as=f"--quant {quant}")
     check_weight_only_compute(config.weight_only_compute, spec.info.layer_algos, f"--quant {quant}")
     if Path(config.model_dir).is_dir():  # a missing one: quantize says so
         config.resolved_max_seq_len(ModelConfig.from_hf_dir(config.model_dir).max_position_embeddings)

@@ -57,11 +57,13 @@ def eval_ppl(
     data: Annotated[Path, typer.Option(help="UTF-8 text file")],
     engine: Annotated[Path | None, typer.Option(help="Engine directory")] = None,
     model: Annotated[Path | None, typer.Option(help="HF checkpoint: transformers fp32 reference")] = None,
-    window: Annotated[int, typer.Option(help="Window (tokens) for --model; engines use their max_seq_len")] = 1024,
+    window: Annotated[int | None, typer.Option(help="Window (tokens) for --model (default 1024); engines use "
+                                                    "their max_seq_len")] = None,
 ) -> None:
     """Perplexity of a text through an engine and/or transformers, in non-overlapping windows."""
     from camshaft.errors import RequestError
     from camshaft.runtime.perplexity import (
+        REFERENCE_WINDOW,
         check_reference_model,
         check_window,
         engine_perplexity,
@@ -71,6 +73,10 @@ def eval_ppl(
 
     if engine is None and model is None:
         raise RequestError("pass --engine, --model or both")
+    if model is None and window is not None:
+        raise RequestError("--window sets the transformers reference's window (--model); an engine scores in "
+                           "windows of its max_seq_len: drop --window or add --model")
+    window = REFERENCE_WINDOW if window is None else window
     if model is not None:
         check_window(window)
         check_reference_model(model)

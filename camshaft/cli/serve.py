@@ -15,12 +15,14 @@ MemoryOption = Annotated[str | None, typer.Option(
     help="KV cache budget: bytes, also with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory "
          "available when the engine loads: a number between 0 and 1, or 1.0 for all of it (0.3, 1.0); default: "
          "room for max-batch-size full-length sequences")]
-QueueOption = Annotated[int | None, typer.Option(help="Requests that may wait beyond a full batch before new ones "
-                                                      f"are refused as busy (default: {QUEUE_PER_BATCH} x the batch "
-                                                      "size)")]
-BatchOption = Annotated[int | None, typer.Option(help="Most running requests (default and maximum: the engine's)")]
+QueueOption = Annotated[int | None, typer.Option(
+    min=0, help=f"Requests that may wait beyond a full batch before new ones are refused as busy (default: "
+                f"{QUEUE_PER_BATCH} x the batch size)")]
+BatchOption = Annotated[int | None, typer.Option(
+    min=1, help="Most running requests (default and maximum: the engine's)")]
 PolicyOption = Annotated[str, typer.Option(help="guaranteed_no_evict | max_utilization")]
-TokensOption = Annotated[int | None, typer.Option(help="Most tokens a step computes (the prefill chunk budget; "
+TRITON_PORTS = {"--grpc-port": 8001, "--metrics-port": 8002}
+TokensOption = Annotated[int | None, typer.Option(min=1, help="Most tokens a step computes (the prefill chunk budget; "
                                                        "default and maximum: the engine's)")]
 
 
@@ -30,12 +32,16 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
     max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available where
     the engine loads."""
     from camshaft.manifest import read_manifest
-    from camshaft.runtime.kv_cache import memory_spec
+    from camshaft.runtime.kv_cache import memory_spec, pool_blocks
     from camshaft.runtime.llm_options import check_llm_options
 
-    limits = check_llm_options(read_manifest(Path(engine)).limits, policy=policy, max_batch_size=max_batch_size,
+    manifest = read_manifest(Path(engine))
+    limits = check_llm_options(manifest.limits, policy=policy, max_batch_size=max_batch_size,
                                max_num_tokens=max_num_tokens, max_queue=max_queue)
-    return {"kv_cache_memory": memory_spec(kv_cache_memory),
+    memory = memory_spec(kv_cache_memory)
+    if isinstance(memory, int):  # bytes: checked now; a fraction depends on the machine that loads the engine
+        pool_blocks(manifest, limits.max_batch_size, memory)
+    return {"kv_cache_memory": memory,
             "max_queue": QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue,
             "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy}
 
@@ -66,9 +72,11 @@ def serve(
     repo: Annotated[Path | None, typer.Option(help="Triton: a repository written by `camshaft deploy`")] = None,
     api: Annotated[str, typer.Option(help="triton | openai")] = "triton",
     host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="HTTP port (OpenAI API, or Triton's HTTP endpoint)")] = 8000,
-    grpc_port: Annotated[int, typer.Option(help="Triton: gRPC port")] = 8001,
-    metrics_port: Annotated[int, typer.Option(help="Triton: metrics port")] = 8002,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="HTTP port (OpenAI API, or Triton's HTTP endpoint)")]
+    = 8000,
+    grpc_port: Annotated[int | None, typer.Option(min=1, max=65535, help="Triton: gRPC port (default 8001)")] = None,
+    metrics_port: Annotated[int | None, typer.Option(min=1, max=65535, help="Triton: metrics port (default 8002)")]
+    = None,
     name: Annotated[str | None, typer.Option(help="Served model name: the OpenAI model id (default: the engine "
                                                   "directory's name) or the Triton text model deployed from "
                                                   "--engine (default: ensemble; --repo keeps its own)")] = None,
@@ -87,6 +95,14 @@ def serve(
                             "pass them to camshaft deploy (and serve the new repository), or serve --engine with them")
     if api == "openai" and (engine is None or repo is not None):
         raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")
+    triton_ports = {"--grpc-port": grpc_port, "--metrics-port": metrics_port}
+    if api == "openai" and any(v is not None for v in triton_ports.values()):
+        names = ", ".join(k for k, v in triton_ports.items() if v is not None)
+        raise CamshaftError(f"{names} are Triton's; --api openai listens on --port only: drop them")
+    grpc_port, metrics_port = (TRITON_PORTS[k] if v is None else v for k, v in triton_ports.items())
+    if api == "triton" and len({port, grpc_port, metrics_port}) < 3:
+        raise CamshaftError(f"Triton needs three different ports: --port {port}, --grpc-port {grpc_port}, "
+                            f"--metrics-port {metrics_port}")
     if (engine is None) == (repo is None):
         raise CamshaftError("pass exactly one of --engine (deployed to a temporary repository) or --repo")
     options = {} if engine is None else _llm_options(engine, kv_cache_memory, max_queue, max_batch_size,

@@ -1,0 +1,89 @@
+"""Bad input on the serving, benchmark and eval commands: one clear error naming the user's flag, before any work."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.cli import app
+from camshaft.errors import CamshaftError
+from camshaft.triton_repo.server import free_port
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_surface")
+    build_engine(BuildConfig(make_tiny_model("llama", root / "hf"), root / "engine", max_seq_len=128,
+                             max_batch_size=4, max_num_tokens=64))
+    return root / "engine"
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def refused(result, message: str) -> None:
+    assert isinstance(result.exception, CamshaftError), result.output
+    assert message in str(result.exception), str(result.exception)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--max-queue", "-1"], "--max-queue"),
+    (["serve", "--max-batch-size", "0"], "--max-batch-size"),
+    (["bench", "serve", "--target", "a=x,backend=llm", "--seed", "-1"], "--seed"),
+    (["bench", "serve", "--target", "a=x,backend=llm", "--warmup", "-1"], "--warmup"),
+])
+def test_out_of_range_numbers_are_usage_errors(engine, args, flag):
+    if args[0] == "serve":
+        args = [*args, "--engine", engine]
+    result = invoke(*args)
+    assert result.exit_code == 2 and flag in result.output, result.output
+
+
+def test_serve_refuses_ports_it_would_ignore_or_share(engine):
+    refused(invoke("serve", "--api", "openai", "--engine", engine, "--grpc-port", "5"), "--grpc-port are Triton's")
+    refused(invoke("serve", "--engine", engine, "--port", "18300", "--grpc-port", "18300"),
+            "Triton needs three different ports")
+
+
+def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    refused(invoke("deploy", "--engine", engine, "--repo", not_a_dir), f"--repo {not_a_dir} exists")
+    refused(invoke("deploy", "--engine", engine, "--repo", tmp_path / "repo", "--kv-cache-memory", "10"),
+            "holds no block")
+    assert not (tmp_path / "repo").exists()
+    result = invoke("deploy", "--engine", engine, "--repo", tmp_path / "repo", "--kv-cache-memory", "0.5")
+    assert result.exit_code == 0, result.output  # a fraction is resolved where the engine loads
+
+
+def test_bench_refuses_unwritable_outputs_before_running(engine, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    refused(invoke("bench", "throughput", "--engine", engine, "--output-json", tmp_path), "is a directory")
+    refused(invoke("bench", "throughput", "--engine", engine, "--plot", not_a_dir / "x.png"), "cannot be written")
+    refused(invoke("bench", "serve", "--target", f"a={engine},backend=llm", "--output-json", not_a_dir / "x.json"),
+            "cannot be written")
+
+
+def test_bench_serve_names_a_missing_engine_and_an_unreachable_server(engine, tmp_path):
+    refused(invoke("bench", "serve", "--target", f"a={tmp_path / 'nope'},backend=llm"), "does not exist")
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    refused(invoke("bench", "serve", "--target", f"a={url},backend=openai", "--tokenizer", engine,
+                   "--dataset", "synthetic:in=8,out=4", "--num-prompts", "2"),
+            f"target a ({url}, backend openai) did not answer")
+
+
+def test_eval_ppl_bad_data_and_a_window_without_model(engine, tmp_path):
+    refused(invoke("eval", "ppl", "--engine", engine, "--data", tmp_path), "is a directory")
+    binary = tmp_path / "bad.txt"
+    binary.write_bytes(b"\xff\xfe\x00text")
+    refused(invoke("eval", "ppl", "--engine", engine, "--data", binary), "is not UTF-8 text")
+    text = tmp_path / "ok.txt"
+    text.write_text("hello world " * 20)
+    refused(invoke("eval", "ppl", "--engine", engine, "--data", text, "--window", "64"), "drop --window or add --model")

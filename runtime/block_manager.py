@@ -64,7 +64,9 @@ class BlockManager:
         return self.capacity - self.num_free
 
     def counters(self) -> BlockCounters:
-        return BlockCounters(self.capacity, self.num_used, self.num_free, len(self._by_hash), self.reuse_hits,
+        """A snapshot other threads may take while the batch loop runs: free is read once, so used + free = total."""
+        free = self.num_free
+        return BlockCounters(self.capacity, self.capacity - free, free, len(self._by_hash), self.reuse_hits,
                              self.evictions)
 
     def blocks_for(self, num_tokens: int) -> int:

@@ -92,8 +92,8 @@ class Executor:
             in_flight = len(self._sinks)
         running = len(scheduler.running)
         counters = scheduler.blocks.counters()
-        return Load(running, max(0, in_flight - running), scheduler.blocks.num_used, scheduler.blocks.capacity,
-                    counters.reuse_hits, scheduler.num_preemptions)
+        return Load(running, max(0, in_flight - running), counters.used, counters.total, counters.reuse_hits,
+                    scheduler.num_preemptions)
 
     def snapshot_stats(self) -> list[IterationStats]:
         with self._stats_lock:

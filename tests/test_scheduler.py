@@ -263,3 +263,18 @@ def test_config_is_validated():
         config(kv_reservation="static")
 
 
+
+
+def test_block_counters_are_one_snapshot_while_the_loop_moves_blocks():
+    """Another thread reads the counters while the batch loop allocates: each read of the free list may see a
+    different length, yet a snapshot always has used + free = total."""
+    class Shrinking(list):  # each len() sees one block fewer, as if the loop took one in between
+        def __len__(self) -> int:
+            self.seen = getattr(self, "seen", 0) + 1
+            return max(0, super().__len__() - self.seen)
+
+    manager = BlockManager(num_blocks=9, block_size=2)
+    manager._empty = Shrinking(manager._empty)
+    for _ in range(3):
+        c = manager.counters()
+        assert c.used + c.free == c.total == 8

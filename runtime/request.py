@@ -12,7 +12,7 @@ from camshaft.runtime.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class Timings:
-    queued_s: float
+    queued_s: float  # arrival to admission (the running batch, or the Session's turn)
     ttft_s: float
     total_s: float
     prompt_tokens: int
@@ -54,6 +54,7 @@ class Request:
     queue_order: int = 0  # set by the scheduler when the request arrives
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None  # first taken into the running batch (a preempted request keeps it)
     first_token_at: float | None = None
     finished_at: float | None = None
 
@@ -96,7 +97,8 @@ class Request:
     def result(self) -> GenerationResult:
         end = self.finished_at or time.perf_counter()
         first = self.first_token_at or end
-        timings = Timings(0.0, first - self.arrival, end - self.arrival, len(self.prompt_ids), len(self.output_ids))
+        queued = (self.admitted_at or end) - self.arrival  # never admitted: it waited until it ended
+        timings = Timings(queued, first - self.arrival, end - self.arrival, len(self.prompt_ids), len(self.output_ids))
         return GenerationResult(
             text=self.text.text,
             token_ids=list(self.output_ids),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from dataclasses import dataclass
 
 from camshaft.checks import is_int_at_least
@@ -128,6 +129,8 @@ class Scheduler:
             if (before is not None and queue_key(request) >= before) or not self._admit(request):
                 break
             self.running.append(self.waiting.pop(0))
+            if request.admitted_at is None:
+                request.admitted_at = time.perf_counter()
             scheduled.append(self._chunk(request, min(request.num_tokens - request.num_computed, budget)))
             budget -= len(scheduled[-1].chunk.token_ids)
         return budget

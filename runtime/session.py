@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import fields, replace
 from pathlib import Path
@@ -157,6 +158,7 @@ class Session:
         except BaseException:
             self._running.release()
             raise
+        request.admitted_at = time.perf_counter()
         try:
             budget = engine.limits.max_num_tokens
             prompt = request.prompt_ids

@@ -233,6 +233,9 @@ def test_priorities_order_the_queue(engine_dir):
         outputs = llm.generate([[10, 11], [12, 13], [14, 15]], params, priority=[2, 0, 1], use_tqdm=False)
         finished = [o.outputs[0].timings.total_s for o in outputs]
         assert finished[1] < finished[2] < finished[0]
+        queued = [o.outputs[0].timings.queued_s for o in outputs]  # each waited for the slot, in priority order
+        assert 0 < queued[1] < queued[2] < queued[0]
+        assert all(o.outputs[0].timings.queued_s < o.outputs[0].timings.ttft_s for o in outputs)
         assert len("".join(blocker)) > 0
         from camshaft.errors import RequestError
 

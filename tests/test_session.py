@@ -38,6 +38,7 @@ def test_stream_concatenates_to_generate(session):
     assert "".join(deltas) == result.text
     assert len(result.token_ids) == 40 and result.finish_reason == "length"
     assert result.timings.output_tokens == 40 and result.timings.ttft_s > 0
+    assert 0 <= result.timings.queued_s < result.timings.ttft_s  # a Session has no queue: only its set-up
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(session):

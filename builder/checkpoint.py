@@ -21,7 +21,7 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
     read_quant_config,
 )
 from camshaft.errors import CheckpointError
-from camshaft.model_config import TOKENIZER_FILES, ModelConfig, require_tokenizer
+from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig, require_tokenizer
 from camshaft.weight_files import weight_files
 
 
@@ -192,6 +192,14 @@ class Checkpoint:
             if quantized is not None:
                 return quantized.dequantize()
         array = self._raw(name)
+        if np.issubdtype(array.dtype, np.integer) or array.dtype == FP8:
+            why = (f"it has no {HF_QUANT_CONFIG}" if self.quantization is None else
+                   f"its {HF_QUANT_CONFIG} quantizes no such layer, or the layer has no weight_scale")
+            raise CheckpointError(
+                f"{self._where[name].name}: tensor {name!r} holds {array.dtype} codes, but {self.dir} does not say "
+                f"how to dequantize them ({why}); restore the checkpoint's quantization files or build from the "
+                "float checkpoint"
+            )
         if tuple(array.shape) != tuple(shape):
             raise CheckpointError(
                 f"{self._where[name].name}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)} "

@@ -12,7 +12,7 @@ import ml_dtypes  # also registers bfloat16 with numpy so safetensors can return
 import numpy as np
 
 from camshaft.errors import CheckpointError
-from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG
+from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, unreadable_quantization
 from camshaft.quantize.spec import FORMATS, LM_HEAD_BLOCKS
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -132,6 +132,13 @@ def read_fp8(file: Path, shape: tuple[int, ...], start: int, end: int) -> np.nda
 def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
     """hf_quant_config.json's "quantization" section (None for a float checkpoint), checked to be buildable."""
     path = model_dir / HF_QUANT_CONFIG
+    method = unreadable_quantization(model_dir)
+    if method is not None:
+        raise CheckpointError(
+            f"{model_dir}/config.json says the weights are quantized (quant_method {method}), but there is no "
+            f"{HF_QUANT_CONFIG}: camshaft reads quantized checkpoints in ModelOpt's unified format only. Build from "
+            "the float checkpoint (quantize it with `camshaft quantize` or `camshaft build --quant`)"
+        )
     if not path.is_file():
         return None
     try:

@@ -134,3 +134,15 @@ def require_tokenizer(model_dir: Path, error: type[Exception] = CheckpointError,
     """Raise `error` unless the directory holds a tokenizer vocabulary; `name` is how the message calls it."""
     if not any((Path(model_dir) / vocab).is_file() for vocab in TOKENIZER_VOCABS):
         raise error(f"{name or model_dir} has no tokenizer ({', '.join(TOKENIZER_VOCABS)})")
+
+
+def unreadable_quantization(model_dir: Path) -> str | None:
+    """The quant_method config.json names when the checkpoint is quantized but has no hf_quant_config.json (its
+    weights are codes camshaft would otherwise read as floats); None when there is nothing of the kind."""
+    path = Path(model_dir) / "config.json"
+    if (Path(model_dir) / HF_QUANT_CONFIG).is_file() or not path.is_file():
+        return None
+    quant = read_json_object(path).get("quantization_config")
+    if not quant:
+        return None
+    return str(quant.get("quant_method", "unnamed")) if isinstance(quant, dict) else "unnamed"

@@ -3,6 +3,7 @@ csv files (a file, or a directory of one kind), local files only."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from camshaft.quantize.spec import QuantizeError
 
 DATA_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}  # → datasets' packaged loader
+PLAIN_TEXT_SUFFIXES = (".txt", ".rst", ".jsonl")  # calibration text a dataset directory must not also hold
 SAVED_DATASET_FILES = (("dataset_dict.json",), ("state.json", "dataset_info.json"))  # save_to_disk's
 
 
@@ -23,6 +25,10 @@ def open_dataset(path: Path) -> tuple[Any, str] | None:
     else:
         files = [path] if path.suffix in DATA_SUFFIXES else []
     kinds = sorted({DATA_SUFFIXES[f.suffix] for f in files})
+    texts = [p for p in path.rglob("*") if p.suffix in PLAIN_TEXT_SUFFIXES] if path.is_dir() and files else []
+    if texts:
+        raise QuantizeError(f"{path} holds {kinds[0]} files and text files ({texts[0].name}, ...); one of them would "
+                            "be left out: pass a directory (or file) of one kind")
     if len(kinds) > 1:
         raise QuantizeError(f"{path} holds {' and '.join(kinds)} files; pass a directory (or file) of one kind")
     if not files:
@@ -55,8 +61,10 @@ def text_column(data: Any, path: Path, column: str | None) -> str:
     """`column` if given, else the `text` column, else the only string column."""
     if data.features is not None:
         types = {n: getattr(f, "dtype", None) for n, f in data.features.items()}
-    else:  # a csv stream, typed by its first row
-        types = {n: "string" if isinstance(v, str) else None for n, v in _first_row(data, path).items()}
+    else:  # a csv stream, typed by its first rows (an empty cell reads as NaN)
+        rows = _first_rows(data, path)
+        names = list(rows[0]) if rows else []
+        types = {n: "string" if any(isinstance(r.get(n), str) for r in rows) else None for n in names}
     strings = [n for n, t in types.items() if t in ("string", "large_string")]
     listed = ", ".join(types) or "none"
     if column is not None and column not in strings:
@@ -69,9 +77,9 @@ def text_column(data: Any, path: Path, column: str | None) -> str:
     return chosen
 
 
-def _first_row(data: Any, path: Path) -> dict[str, Any]:
+def _first_rows(data: Any, path: Path, count: int = 100) -> list[dict[str, Any]]:
     try:
-        return next(iter(data), None) or {}
+        return list(itertools.islice(iter(data), count))
     except Exception as exc:  # pandas, pyarrow: many types
         raise QuantizeError(f"calibration data {path} could not be read: {exc}") from exc
 

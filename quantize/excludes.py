@@ -20,7 +20,14 @@ def module_names(model_dir: Path) -> list[str]:
 
 def check_excludes_match(spec: QuantSpec, linears: list[str]) -> None:
     """Every --exclude pattern names at least one linear layer (before loading: a typo, or a layer index past the
-    model's last, would otherwise quantize everything silently)."""
+    model's last, would otherwise quantize everything silently), and some layer is left to quantize; lm_head is
+    quantized by --lm-head, not refused by --exclude."""
+    excluded = {name for name in linears if any(fnmatch.fnmatchcase(name, p) for p in spec.exclude)}
+    if "lm_head" in excluded and spec.lm_head != "float":
+        raise QuantizeError(f"--exclude keeps lm_head float but --lm-head {spec.lm_head} quantizes it; drop one")
+    if spec.exclude and not set(linears) - excluded - {"lm_head"}:
+        raise QuantizeError(f"--exclude {' '.join(spec.exclude)} leaves no linear layer to quantize; exclude fewer "
+                            "layers (or build the float checkpoint)")
     for pattern in spec.exclude:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
             raise QuantizeError(

@@ -22,6 +22,7 @@ from camshaft.model_config import (
     TOKENIZER_FILES,
     ModelConfig,
     require_tokenizer,
+    unreadable_quantization,
 )
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.quantize.calibration import (
@@ -85,8 +86,10 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     # --- checks, all before any long work ---
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
-    if (model_dir / HF_QUANT_CONFIG).is_file():
-        raise QuantizeError(f"{model_dir} is already quantized ({HF_QUANT_CONFIG}); quantize the original checkpoint")
+    method = unreadable_quantization(model_dir)
+    if (model_dir / HF_QUANT_CONFIG).is_file() or method is not None:
+        where = HF_QUANT_CONFIG if method is None else f"config.json's quantization_config, quant_method {method}"
+        raise QuantizeError(f"{model_dir} is already quantized ({where}); quantize the original checkpoint")
     model_config = ModelConfig.from_hf_dir(model_dir)
     group_size = resolve_group_size(spec, model_config)
     check_lm_head_fits(spec, model_config)

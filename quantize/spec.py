@@ -206,6 +206,7 @@ def modelopt_config(spec: QuantSpec, group_size: int | None) -> dict[str, Any]:
                         "cfg": copy.deepcopy(KV_CACHE_DTYPES[spec.kv_cache_dtype])})
     for pattern in spec.info.weight_only_layers:
         entries.append({"quantizer_name": f"{pattern}*input_quantizer", "enable": False})
-    for pattern in spec.exclude:
-        entries.append({"quantizer_name": f"{pattern}*_quantizer", "enable": False})
+    for pattern in spec.exclude:  # a linear layer's own quantizers, not the KV cache's (the attention module's)
+        entries.extend({"quantizer_name": f"{pattern}*.{kind}_quantizer", "enable": False}
+                       for kind in ("input", "weight", "output"))
     return cfg

@@ -166,6 +166,13 @@ def test_dataset_snapshot_directory_reads_its_data_files_not_its_card(datasets, 
     (snapshot / "data" / "extra.csv").write_text("content\nd\n")
     with pytest.raises(QuantizeError, match="holds csv and parquet files; pass a directory .or file. of one kind"):
         load_texts(snapshot)
+    (snapshot / "data" / "extra.csv").unlink()
+    (snapshot / "notes.txt").write_text("calibration prose")
+    with pytest.raises(QuantizeError, match="holds parquet files and text files .notes.txt"):
+        load_texts(snapshot)
+    (tmp_path / "gaps.csv").write_text("id,text\n1,\n2,hello there\n3,more text\n")  # the first cell is empty
+    assert list(load_texts(tmp_path / "gaps.csv")[0]) == ["hello there", "more text"]
+    assert list(load_texts(f"{tmp_path / 'gaps.csv'}:text")[0]) == ["hello there", "more text"]
     (tmp_path / "card-only").mkdir()
     (tmp_path / "card-only" / "README.md").write_text("# just a card")
     with pytest.raises(QuantizeError, match="holds no .* files and is no saved dataset .README files are skipped"):
@@ -199,8 +206,60 @@ def test_modelopt_config_applies_group_kv_and_exclude():
     blocks = [e["cfg"]["block_sizes"][-1] for e in entries if isinstance(e.get("cfg"), dict)
               and "block_sizes" in e["cfg"]]
     assert blocks == [64]
-    assert {"quantizer_name": "*.mlp.down_proj*_quantizer", "enable": False} == entries[-1]
-    assert entries[-2]["quantizer_name"] == "*[kv]_bmm_quantizer"
+    assert [e["quantizer_name"] for e in entries[-3:]] == [f"*.mlp.down_proj*.{kind}_quantizer"
+                                                          for kind in ("input", "weight", "output")]
+    assert all(e["enable"] is False for e in entries[-3:])
+    assert entries[-4]["quantizer_name"] == "*[kv]_bmm_quantizer"
+
+
+def test_excluding_a_whole_layer_keeps_its_kv_cache_quantized(tiny, tmp_path):
+    """'model.layers.0.*' keeps that layer's linear layers float; its attention's K/V quantizers stay on, so the
+    checkpoint has the layer's KV scales and builds."""
+    spec = QuantSpec("int8_wo", kv_cache_dtype="int8", exclude=("model.layers.0.*",))
+    quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)
+    with Checkpoint(tmp_path / "ckpt") as ckpt:
+        assert ckpt.quantized_linear("model.layers.0.self_attn.q_proj", 64, 64) is None
+        assert all(scale > 0 for layer in (0, 1) for scale in ckpt.kv_scales(layer))
+    manifest = build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=64, kv_block_size=4))
+    assert manifest.kv_cache.dtype == "int8"
+
+
+def test_excludes_that_leave_nothing_or_fight_lm_head_are_refused(tiny):
+    from camshaft.quantize.excludes import check_excludes_match, module_names
+
+    names = module_names(tiny)
+    with pytest.raises(QuantizeError, match="leaves no linear layer to quantize"):
+        check_excludes_match(QuantSpec("fp8", kv_cache_dtype="fp8", exclude=("*_proj",)), names)
+    with pytest.raises(QuantizeError, match="--exclude keeps lm_head float but --lm-head int8 quantizes it"):
+        check_excludes_match(QuantSpec("int8_wo", exclude=("lm_head",), lm_head="int8"), names)
+
+
+def test_quantized_weights_without_their_config_are_refused(tiny, tmp_path):
+    """Codes must never be read as float weights: a checkpoint whose config.json says it is quantized but has no
+    hf_quant_config.json, and a layer whose weight_scale is gone, are refused by the builder and by quantize."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    quantize_checkpoint(tiny, tmp_path / "q", QuantSpec("int8_wo"), **CALIB)
+    bare = tmp_path / "bare"
+    shutil.copytree(tmp_path / "q", bare)
+    (bare / "hf_quant_config.json").unlink()
+    config = json.loads((bare / "config.json").read_text())
+    config.setdefault("quantization_config", {"quant_method": "modelopt"})
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="says the weights are quantized .quant_method modelopt."):
+        Checkpoint(bare)
+    with pytest.raises(QuantizeError, match="already quantized .config.json's quantization_config"):
+        quantize_checkpoint(bare, tmp_path / "again", QuantSpec("int8_wo"), **CALIB)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "q", damaged)
+    [weights] = damaged.glob("*.safetensors")
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
+    save_file(tensors, weights)
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' holds int8 codes"):
+        build_engine(BuildConfig(damaged, tmp_path / "engine", max_seq_len=64, kv_block_size=4))
 
 
 def test_unsupported_quantized_checkpoint_is_refused_by_the_builder(tiny, tmp_path):

@@ -159,9 +159,9 @@ class Executor:
             request.finish_reason = request.finish_reason or "abort"
             self._finish(request)
 
-    def _add(self, request: Request) -> None:
+    def _add(self, request: Request, queue_order: int | None = None) -> None:
         self._requests[request.request_id] = request
-        self.scheduler.add(request)
+        self.scheduler.add(request, queue_order)
 
     def _step(self, scheduled: list[Scheduled]) -> int:
         """Run one step; returns how many requests it finished."""
@@ -200,13 +200,13 @@ class Executor:
         with self._stats_lock:
             self.stats.append(IterationStats(
                 running, sum(item.num_tokens for item in scheduled),
-                sum(item.num_tokens for item in scheduled if item.num_tokens > 1), len(self.scheduler.waiting),
+                sum(item.num_tokens for item in scheduled if not item.decode), len(self.scheduler.waiting),
                 blocks.num_used, blocks.capacity, time.perf_counter() - started))
         return finished
 
     def _release_held(self, request: Request) -> None:
-        for sibling in self._held.pop(request.request_id, []):
-            self._add(sibling)
+        for sibling in self._held.pop(request.request_id, []):  # in the queue where their first sequence arrived
+            self._add(sibling, request.queue_order)
 
     def _finish(self, request: Request, error: Exception | None = None, delta: str = "",
                 new: tuple[tuple[int, ...], tuple[SampleResult, ...]] = ((), ())) -> None:

@@ -54,6 +54,7 @@ class SchedulerConfig:
 class Scheduled:
     request: Request
     chunk: Chunk
+    decode: bool = False  # the one token after the last output token; anything else is prompt (or recompute) work
 
     @property
     def num_tokens(self) -> int:
@@ -78,9 +79,11 @@ class Scheduler:
             return self.blocks.blocks_for(self.config.max_seq_len)
         return self.blocks.blocks_for(len(request.prompt_ids) + request.params.max_tokens)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, queue_order: int | None = None) -> None:
+        """Queue a request; `queue_order`: its place among equal priorities (an n > 1 sibling takes its first
+        sequence's), default after everything queued so far."""
         self.check(request)
-        request.queue_order = next(self._arrivals)
+        request.queue_order = next(self._arrivals) if queue_order is None else queue_order
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
@@ -138,11 +141,12 @@ class Scheduler:
     def _chunk(self, request: Request, take: int) -> Scheduled:
         start = request.num_computed
         done = start + take == request.num_tokens
-        if done and take == 1:  # a decode: no need to copy the whole sequence
+        if done and take == 1:  # no need to copy the whole sequence
             tokens = [request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]]
         else:
             tokens = request.all_ids[start: start + take]
-        return Scheduled(request, Chunk(tokens, start, request.blocks, int(done)))
+        return Scheduled(request, Chunk(tokens, start, request.blocks, int(done)),
+                         decode=done and take == 1 and bool(request.output_ids))
 
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids

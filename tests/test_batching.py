@@ -88,6 +88,12 @@ def test_in_flight_batching_matches_one_at_a_time(engine_dir, workload, one_at_a
         assert all(0 <= s.kv_usage <= 1 and s.step_s > 0 for s in stats)
 
 
+def test_step_stats_count_a_one_token_prompt_chunk_as_prefill(engine_dir):
+    with LLM(engine_dir, max_num_tokens=4) as llm:
+        llm.generate([list(range(10, 15))], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert [(s.num_tokens, s.num_prefill_tokens) for s in llm.stats] == [(4, 4), (1, 1), (1, 0), (1, 0)]
+
+
 def test_shared_prefix_feeds_only_new_tokens(engine_dir):
     rng = random.Random(9)
     prefix = [rng.randrange(3, 380) for _ in range(256)]
@@ -222,6 +228,17 @@ def test_a_closed_loop_clients_next_request_joins_the_next_step(engine_dir):
         short_last = max(i for i, step in enumerate(steps) if any(start == 10 + 1 for _, start in step))
         joined = next(i for i, step in enumerate(steps) if ([7] * 20, 0) in step)
         assert joined == short_last + 1, (short_last, joined)
+
+
+def test_n_siblings_keep_their_first_sequences_place_in_the_queue(engine_dir):
+    """One running slot: the n = 2 request's second sequence, released once the first has its prompt blocks, runs
+    before a request that arrived after them (it queued behind that request before)."""
+    with LLM(engine_dir, max_batch_size=1) as llm:
+        first = SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=1, ignore_eos=True)
+        later = SamplingParams(max_tokens=6, ignore_eos=True)
+        outputs = llm.generate([[10, 11, 12], [20, 21]], [first, later], use_tqdm=False)
+        sibling, after = outputs[0].outputs[1].timings, outputs[1].outputs[0].timings
+        assert sibling.queued_s < after.queued_s and sibling.total_s < after.total_s
 
 
 def test_priorities_order_the_queue(engine_dir):

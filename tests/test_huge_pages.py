@@ -25,10 +25,20 @@ def _collapse_supported() -> bool:
 needs_collapse = pytest.mark.skipif(not _collapse_supported(), reason="needs Linux >= 6.1 with THP not 'never'")
 
 
+def _isolated(size: int, dtype: type = np.uint8) -> np.ndarray:
+    """Anonymous private memory in a mapping of its own: a guard page at each end, advised differently, keeps the
+    kernel from merging it with a neighbouring mapping (whose pages _pages would then count too)."""
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, size + 2 * page, flags=PRIVATE)
+    for start in (0, size + page):
+        region.madvise(mmap.MADV_NOHUGEPAGE, start, page)
+    return np.frombuffer(region, dtype=dtype, count=size // np.dtype(dtype).itemsize, offset=page)
+
+
 def _unadvised(size: int) -> np.ndarray:
     """Filled anonymous memory nobody advised (like the malloc'd memory onnxruntime prepacks weights into; numpy's
     own arrays are advised by numpy)."""
-    array = np.frombuffer(mmap.mmap(-1, size, flags=PRIVATE), dtype=np.float32)
+    array = _isolated(size, np.float32)
     array[:] = np.arange(len(array), dtype=np.float32)
     return array
 
@@ -65,8 +75,7 @@ def test_disabled_leaves_small_pages():
 @needs_collapse
 def test_empty_regions_are_left_alone():
     """A region mostly not in memory (a thread stack, a reserved arena) would be filled by collapsing it."""
-    region = mmap.mmap(-1, 64 * MiB, flags=PRIVATE)
-    array = np.frombuffer(region, dtype=np.uint8)
+    array = _isolated(64 * MiB)
     _, huge = load_in_huge_pages(lambda: array[: 4 * MiB].fill(1))
     assert huge == 0
     assert _pages(array) == (4 * MiB, 0)

@@ -16,7 +16,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
-MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig default when config.json has no sliding_window
+DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
+QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 _REQUIRED = object()
 _KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
 
@@ -133,15 +134,14 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
 
 def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tuple[str, ...]]:
     """(sliding window, per-layer "full" | "sliding") as transformers reads them: Llama has no window, Mistral's
-    defaults to 4096, Qwen2/3 slide only with use_sliding_window (from layer max_window_layers on)."""
+    defaults to 4096, Qwen2/3 slide only with use_sliding_window (window 4096 and max_window_layers 28 unless
+    config.json says otherwise; layers from max_window_layers on slide)."""
     if arch == "llama":
         window = None
-    elif arch == "mistral":
-        window = f.get("sliding_window", "int", MISTRAL_DEFAULT_WINDOW if "sliding_window" not in f.data else None,
-                       least=1)
+    elif arch == "mistral" or f.get("use_sliding_window", "bool", False):
+        window = f.get("sliding_window", "int", DEFAULT_WINDOW if "sliding_window" not in f.data else None, least=1)
     else:
-        window = f.get("sliding_window", "int", None, least=1) if f.get("use_sliding_window", "bool", False) \
-            else None
+        window = None
     names = {"full_attention": "full", "sliding_attention": "sliding"}
     if f.data.get("layer_types"):
         try:
@@ -153,7 +153,7 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
     if window is None:
         return None, ("full",) * layers
     if arch in ("qwen2", "qwen3"):
-        first_sliding = f.get("max_window_layers", "int", layers, least=0)
+        first_sliding = f.get("max_window_layers", "int", QWEN_DEFAULT_WINDOW_LAYERS, least=0)
         return window, tuple("full" if i < first_sliding else "sliding" for i in range(layers))
     return window, ("sliding",) * layers
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers
 
 from camshaft.errors import CamshaftError, CheckpointError, UnsupportedModelError
 from camshaft.model_config import ModelConfig
@@ -72,6 +73,18 @@ def test_good_variants_read_as_transformers_does(configs):
         "original_max_position_embeddings": 64}))
     assert scaled.rope.type == "llama3" and scaled.rope.original_max_position_embeddings == 64
     assert scaled.rope.theta == 5e5  # the old style: rope_theta beside rope_scaling
+
+
+@pytest.mark.parametrize("changes", [{}, {"sliding_window": 64}, {"max_window_layers": 1}, {"sliding_window": None}])
+def test_qwen_windows_default_as_transformers_does(configs, changes):
+    """use_sliding_window with keys left out: transformers' defaults (window 4096 from layer 28 on) apply."""
+    hf = edited(configs["qwen2-bias"], **{"layer_types": ..., "sliding_window": ..., "max_window_layers": ...,
+                                          "use_sliding_window": True, "num_hidden_layers": 30, **changes})
+    reference = transformers.Qwen2Config(**hf)
+    ours = ModelConfig.from_hf(hf)
+    assert ours.sliding_window == reference.sliding_window
+    names = {"full_attention": "full", "sliding_attention": "sliding"}
+    assert ours.layer_types == tuple(names[t] for t in reference.layer_types)
 
 
 def test_an_unsupported_class_is_not_rescued_by_model_type(configs):

@@ -71,13 +71,12 @@ class SequenceSampler:
                  bad_word_ids: Sequence[Sequence[int]], vocab_size: int, sequence_index: int = 0) -> None:
         self.params = params
         self.vocab_size = vocab_size
-        prompt = np.asarray(prompt_ids, dtype=np.int64)
         bad_ids = [t for word in bad_word_ids for t in word]
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("bad_words", bad_ids), ("prompt", prompt)):
-            ids = np.asarray(ids, dtype=np.int64)
-            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("bad_words", bad_ids), ("prompt", prompt_ids)):
+            if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):  # Python ints: no overflow on huge ids
                 raise RequestError(f"{name} contains a token id outside the vocabulary (0..{vocab_size - 1}); "
                                    "check the ids against the model's tokenizer")
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
         # every integer seed its own stream: a negative one as its magnitude under another spawn key
         seed, key = (None, (sequence_index,)) if params.seed is None else \
             (abs(params.seed), (sequence_index,) if params.seed >= 0 else (sequence_index, 1))

@@ -132,6 +132,34 @@ def test_completion_logprobs_of_token_prompt_match_session(client, session):
         assert sorted(top.values()) == pytest.approx(sorted(lp for _, lp in sample.top_logprobs), abs=1e-5)
 
 
+def test_completion_logprobs_hold_the_chosen_token_and_character_offsets(client):
+    """OpenAI's legacy logprobs: each top_logprobs dict holds the sampled token too, and text_offset indexes the
+    choice's text (a token that ends inside a character adds no characters; the tiny model's byte tokens do)."""
+    out = client.completions.create(model=MODEL, prompt="Once", max_tokens=60, temperature=1.5, seed=3, logprobs=1,
+                                    extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    tokens, offsets, text = choice.logprobs.tokens, choice.logprobs.text_offset, choice.text
+    assert all(token in top for token, top in zip(tokens, choice.logprobs.top_logprobs, strict=True))
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    whole = [(o, t) for o, t in zip(offsets, tokens, strict=True) if not t.startswith(("bytes:", "token_id:"))]
+    assert any(t.startswith("bytes:") for t in tokens) and whole
+    assert all(text[o: o + len(t)] == t for o, t in whole)
+    only = client.completions.create(model=MODEL, prompt="Once", max_tokens=5, temperature=1.0, seed=1, logprobs=0)
+    chosen = only.choices[0].logprobs
+    assert [list(top) for top in chosen.top_logprobs] == [[t] for t in chosen.tokens]
+
+
+def test_null_fields_take_their_defaults(served):
+    body = {"model": MODEL, "messages": HI, "max_tokens": 3, "n": None, "top_p": None, "presence_penalty": None,
+            "frequency_penalty": None, "stream": None, "logprobs": None, "temperature": None, "seed": None}
+    response = HTTP.post(served[0] + CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1 and response.json()["choices"][0]["logprobs"] is None
+    response = HTTP.post(served[0] + "/v1/completions",
+                         json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": None, "echo": None})
+    assert response.status_code == 200, response.text
+
+
 def test_several_prompts_in_one_completion(client, session):
     out = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=8, temperature=0)
     assert [c.index for c in out.choices] == [0, 1, 2]
@@ -230,6 +258,9 @@ HI = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": HI, "max_tokens": True}, "max_tokens"),
     (CHAT, {"model": MODEL, "messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"model": MODEL, "messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stop_token_ids": [10**20]}, "stop_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**20, 5]}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, None),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4200}, None),
 ])
@@ -247,9 +278,9 @@ def test_priority_reaches_the_scheduler(served, client):
     _, llm = served
     seen, scheduler_add = [], llm.executor.scheduler.add
 
-    def add(request):
+    def add(request, queue_order=None):
         seen.append(request.priority)
-        scheduler_add(request)
+        scheduler_add(request, queue_order)
 
     llm.executor.scheduler.add = add
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictInt, model_validator
 
 from camshaft.errors import RequestError
 from camshaft.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -27,6 +27,14 @@ class _GenerationRequest(BaseModel):
     """Integer fields are strict (true or "2" is refused, as the Python API refuses them)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit null takes the field's default, as OpenAI's nullable fields do ("n": null is n = 1)."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
 
     model: str
     max_tokens: StrictInt | None = None
@@ -125,6 +133,8 @@ class ChatCompletionRequest(_GenerationRequest):
             raise RequestError("tools (function calling) are not supported; leave them out")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise RequestError("response_format other than {'type': 'text'} is not supported")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise RequestError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

@@ -8,6 +8,7 @@ import time
 import uuid
 
 from camshaft.openai_server.tokens import TokenText
+from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.request import GenerationResult
 from camshaft.runtime.sampler import SampleResult
@@ -59,19 +60,35 @@ class CompletionShape(_Shape):
     object = chunk_object = "text_completion"
     prefix = "cmpl"
 
-    def __init__(self, model: str, tokenizer, num_choices: int) -> None:
+    def __init__(self, model: str, tokenizer, prompts: list[list[int]], n: int) -> None:
         super().__init__(model, tokenizer)
-        self._offsets = [0] * num_choices  # text_offset runs on across a streamed choice's chunks
+        # text_offset: characters of the choice's text before each token (a token that ends inside a character
+        # adds none), counted by a detokenizer of its own that runs on across a streamed choice's chunks
+        self._tokenizer, self._prompts, self._n = tokenizer, prompts, n
+        self._texts: dict[int, TextStream] = {}
 
     def logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
-        tokens = [self.token(s.token_id) for s in samples]
+        if index not in self._texts:
+            self._texts[index] = TextStream(self._tokenizer, self._prompts[index // self._n])
+        text = self._texts[index]
         offsets = []
-        for text in tokens:
-            offsets.append(self._offsets[index])
-            self._offsets[index] += len(text)
-        return {"tokens": tokens, "token_logprobs": [_logprob(s.logprob) for s in samples],
-                "top_logprobs": [{self.token(t): _logprob(lp) for t, lp in s.top_logprobs or ()} for s in samples],
-                "text_offset": offsets}
+        for s in samples:
+            before, delta, shown = len(text.text), text.append(s.token_id), self.token(s.token_id)
+            if not delta:  # a character still incomplete, or no text: where the next character will be
+                offsets.append(before)
+            elif text.text.endswith(shown):
+                offsets.append(len(text.text) - len(shown))
+            else:  # a byte that ends a character (or a U+FFFD for bytes that make none): that character
+                offsets.append(len(text.text) - 1)
+        return {"tokens": [self.token(s.token_id) for s in samples],
+                "token_logprobs": [_logprob(s.logprob) for s in samples],
+                "top_logprobs": [self._top(s) for s in samples], "text_offset": offsets}
+
+    def _top(self, sample: SampleResult) -> dict[str, float | None]:
+        """The alternatives, best first, and the chosen token among them (OpenAI's legacy shape)."""
+        top = {self.token(t): _logprob(lp) for t, lp in sample.top_logprobs or ()}
+        top.setdefault(self.token(sample.token_id), _logprob(sample.logprob))
+        return top
 
     def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
         return {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),

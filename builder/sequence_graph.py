@@ -15,8 +15,8 @@ from camshaft.builder.graph.decoder import OPSET
 from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter, Reuse, save_model
-from camshaft.builder.graph.sequence import SequenceLowering, sequence_graph_support, sequence_layout
-from camshaft.manifest import BuildLimits, SequenceGraph, graph_limits_props
+from camshaft.builder.graph.sequence import SequenceLowering, sequence_layout
+from camshaft.manifest import BuildLimits, SequenceGraph, graph_limits_props, sequence_graph_support
 
 SEQUENCE_ARTIFACT = "sequence.onnx"
 
@@ -36,7 +36,7 @@ def sequence_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, stag
     batch = staging / batch_artifact
     with open(batch.with_name(batch.name + ".data"), "rb") as batch_data:
         shared = BatchWeights(batch, batch_data)
-        write_sequence_graph(checkpoint, limits.max_seq_len, staging, layout, progress, accuracy_level, shared.find)
+        write_sequence_graph(checkpoint, limits, staging, layout, progress, accuracy_level, shared.find)
     progress(f"sequence graph: {shared.bytes / 1e6:.0f} MB of its weights are the batch graph's, stored once")
     return layout
 
@@ -69,7 +69,7 @@ def _location(tensor: onnx.TensorProto) -> tuple[str, int, int]:
     return entries["location"], int(entries.get("offset", 0)), int(entries["length"])
 
 
-def write_sequence_graph(checkpoint: Checkpoint, max_seq_len: int, out_dir: Path, layout: SequenceGraph,
+def write_sequence_graph(checkpoint: Checkpoint, limits: BuildLimits, out_dir: Path, layout: SequenceGraph,
                          progress: Progress = lambda _: None, accuracy_level: int | None = None,
                          reuse: Reuse | None = None) -> Path:
     """The single-sequence graph (sequence.py) as `layout.artifact` in `out_dir`, its weights in that file's .data
@@ -80,10 +80,10 @@ def write_sequence_graph(checkpoint: Checkpoint, max_seq_len: int, out_dir: Path
         writer = GraphWriter(data, path.name + ".data", reuse)
         linears = Linears(writer, np.dtype(np.float32), checkpoint.get, quantized, accuracy_level)
         head = Head(linears, checkpoint.config, checkpoint.lm_head, checkpoint.lm_head_float_channels)
-        SequenceLowering(writer, checkpoint.config, max_seq_len, linears, head, checkpoint.get, layout,
+        SequenceLowering(writer, checkpoint.config, limits, linears, head, checkpoint.get, layout,
                          progress).lower()
     model = writer.model(OPSET)
     model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    helper.set_model_props(model, graph_limits_props({"max_seq_len": max_seq_len}))
+    helper.set_model_props(model, graph_limits_props({"max_seq_len": limits.max_seq_len}))
     save_model(model, path)
     return path

@@ -62,6 +62,17 @@ def check_graph_limits(recorded: str | None, limits: BuildLimits, path: Path) ->
                           "rebuild the engine")
 
 
+def sequence_graph_support(config: ModelConfig, dtype: str, kv_dtype: str | None) -> str | None:
+    """Why an engine gets no sequence graph (the Session then runs the batch graph), or None when it gets one."""
+    if dtype != "float32":
+        return f"it is built for {dtype}; ONNX Runtime's CPU GroupQueryAttention takes float32"
+    if kv_dtype is not None:
+        return f"its KV cache is {kv_dtype}; the sequence graph keeps a float cache"
+    if config.head_dim % 8:
+        return f"its head size {config.head_dim} is not a multiple of 8, as GroupQueryAttention requires"
+    return None
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str

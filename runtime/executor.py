@@ -48,13 +48,14 @@ class Executor:
         self._thread = threading.Thread(target=self._loop, name="camshaft-executor", daemon=True)
         self._thread.start()
 
-    def submit(self, group: list[Request], sinks: list[Sink]) -> None:
+    def submit(self, group: list[Request], sinks: list[Sink], bounded: bool = True) -> None:
         """Queue requests that share a prompt (n > 1 outputs): the first computes the prompt, the others start once
         its full blocks are cached and reuse them. Raises at once: CapacityError for a request that can never fit,
-        RequestError for more outputs than max_batch_size + max_queue, ServerBusyError while the queue is full."""
+        RequestError for more outputs than max_batch_size + max_queue, ServerBusyError while the queue is full.
+        `bounded` False: past max_queue (offline work that waits its turn)."""
         for request in group:
             self.scheduler.check(request)
-        batch, limit = self.scheduler.config.max_batch_size, self.max_queue
+        batch, limit = self.scheduler.config.max_batch_size, self.max_queue if bounded else None
         if limit is not None and len(group) > batch + limit:
             raise RequestError(f"n={len(group)} outputs can never be queued: at most {batch + limit} requests fit in "
                                f"flight (max_batch_size {batch} + max_queue {limit}); lower n or raise max_queue")
@@ -79,7 +80,8 @@ class Executor:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join()
+        if threading.current_thread() is not self._thread:  # a sink may drop the last reference to its LLM
+            self._thread.join()
 
     @property
     def alive(self) -> bool:
@@ -117,7 +119,10 @@ class Executor:
         pending += list(self._requests.values())
         for request in pending:
             if request.request_id in self._sinks:
-                self._finish(request, error)
+                try:
+                    self._finish(request, error)
+                except BaseException:  # a sink that raises must not keep the others from their final output
+                    continue
 
     def _run(self) -> None:
         scheduler = self.scheduler
@@ -220,6 +225,6 @@ class Executor:
     def _deliver(self, sink: Sink, output: RequestOutput) -> None:
         try:
             sink(output)
-        except Exception:  # the consumer is gone (e.g. its event loop closed): abort rather than stop the loop
+        except BaseException:  # the consumer is gone or failed (even SystemExit): abort it, keep the loop
             if not output.finished:
                 self._aborts.append(output.request_id)

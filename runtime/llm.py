@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
@@ -49,7 +50,8 @@ class LLM:
         """max_batch_size, max_num_tokens: at most the engine's (the default). kv_cache_memory: the KV pool's budget
         (kv_cache.parse_memory): bytes, also with a unit ("512MiB", "2GB"), or a fraction of the available memory (a
         number between 0 and 1, 1.0 for all of it); None: room for max_batch_size full-length sequences. max_queue:
-        requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers);
+        requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers; generate()
+        queues all its prompts whatever it is);
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
         on transparent huge pages (Linux; see runtime/backends/huge_pages.py); kv_reservation "contiguous" reserves
         max_seq_len tokens of KV blocks per request, as a cache without paging would (for comparisons)."""
@@ -67,6 +69,9 @@ class LLM:
         self._encoder = _Encoder(engine)
         self.executor = Executor(engine, self.config, max_queue=max_queue)
         self._ids = itertools.count()
+        # closed when dropped without close(), and at interpreter exit: the loop thread would otherwise keep the
+        # engine alive, or still be inside onnxruntime as the process ends
+        self._finalizer = weakref.finalize(self, _shutdown, self.executor, engine)
 
     @property
     def stats(self) -> list[IterationStats]:
@@ -83,8 +88,7 @@ class LLM:
         return self.executor.load()
 
     def close(self) -> None:
-        self.executor.close()
-        self.engine.close()
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
@@ -157,7 +161,7 @@ class LLM:
         submitted = []
         try:
             for group in groups:
-                self.executor.submit(group, [_finals(done)] * len(group))
+                self.executor.submit(group, [_finals(done)] * len(group), bounded=False)
                 submitted.extend(r.request_id for r in group)
             results: list[list[GenerationResult | None]] = [[None] * len(g) for g in groups]
             bar = _progress(len(where), use_tqdm)
@@ -239,3 +243,8 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="generate", unit="req")
+
+
+def _shutdown(executor: Executor, engine: Engine) -> None:
+    executor.close()
+    engine.close()

@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from camshaft.errors import CapacityError, EngineError
-from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
+from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest, sequence_graph_support
 from camshaft.runtime.backends.onnxruntime import check_compatible, check_signature, load_session, session_options
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
@@ -29,7 +29,11 @@ class SequenceEngine:
         self.dir = Path(engine_dir)
         self.manifest = m = manifest or read_manifest(self.dir)
         if m.sequence_graph is None:
-            raise EngineError(f"{self.dir} has no sequence graph; rebuild it with this camshaft for --target "
+            kv_dtype = m.kv_cache.dtype if m.kv_cache.dtype in ("int8", "float8") else None
+            reason = sequence_graph_support(m.model, m.dtype, kv_dtype) if m.target == "onnxruntime" else None
+            raise EngineError(f"{self.dir} has no sequence graph ({reason}); run its batch graph: "
+                              "Session(engine_dir, graph=\"batch\")" if reason else
+                              f"{self.dir} has no sequence graph; rebuild it with this camshaft for --target "
                               "onnxruntime, or run its batch graph: Session(engine_dir, graph=\"batch\")")
         check_compatible(m)
         self.layout = m.sequence_graph
@@ -151,7 +155,13 @@ class BatchGraphSequence:
         return self.engine.backend.huge_page_bytes
 
     def start(self, total: int) -> None:
-        self.blocks = self.engine.pool.allocate(-(-total // self.engine.block_size))
+        pool, block = self.engine.pool, self.engine.block_size
+        need = -(-total // block)
+        if need > pool.capacity:
+            raise CapacityError(f"the request needs {total} tokens of KV cache; the budget holds "
+                                f"{pool.capacity * block} ({pool.capacity} blocks of {block} tokens): raise "
+                                "kv_cache_memory or lower max_tokens")
+        self.blocks = pool.allocate(need)
 
     def feed(self, tokens: list[int], start: int, copy: bool = True, last: bool = True) -> np.ndarray | None:
         """As SequenceEngine.feed; a chunk that is not the prompt's `last` asks the graph for no logits (None)."""

@@ -52,9 +52,17 @@ class Session:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         self._running = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
-        self.engine.close()
+        """Release the engine now; a request running in another thread ends at its next token with a RequestError
+        and releases it then."""
+        self._closed = True
+        if self._running.acquire(blocking=False):
+            try:
+                self.engine.close()
+            finally:
+                self._running.release()
 
     def __enter__(self) -> Session:
         return self
@@ -154,6 +162,7 @@ class Session:
                                "its stream first, or use camshaft.LLM for concurrent requests")
         engine = self.engine
         try:
+            self._check_open()
             engine.start(len(request.prompt_ids) + request.params.max_tokens)
         except BaseException:
             self._running.release()
@@ -166,6 +175,7 @@ class Session:
             while request.num_computed < len(prompt):
                 start = request.num_computed
                 piece = prompt[start: start + budget]
+                self._check_open()
                 logits = engine.feed(piece, start, copy=False, last=start + len(piece) == len(prompt))
                 request.num_computed += len(piece)
             while True:
@@ -174,11 +184,18 @@ class Session:
                     yield delta
                 if request.finished:
                     return
+                self._check_open()
                 logits = engine.feed([request.output_ids[-1]], request.num_computed, copy=False)
                 request.num_computed += 1
         finally:
             engine.finish()
+            if self._closed:  # closed while this request ran: the engine is released here
+                engine.close()
             self._running.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RequestError("this Session is closed; create a new Session to generate")
 
 
 def check_messages(messages: list[dict[str, str]]) -> None:

@@ -87,11 +87,12 @@ def test_scheduler_limits_within_the_engine_are_used(engine_dir):
 
 
 def test_n_beyond_what_the_queue_can_hold_is_refused_not_busy(engine_dir):
+    """A server's submit() refuses what could never be in flight; offline generate() waits its turn instead."""
     with LLM(engine_dir, max_batch_size=4, max_queue=2) as llm:
         with pytest.raises(RequestError, match="n=7 outputs can never be queued.*lower n") as info:
-            llm.generate("Hi", SamplingParams(n=7, temperature=1, max_tokens=2), use_tqdm=False)
+            llm.submit("Hi", SamplingParams(n=7, temperature=1, max_tokens=2), lambda output: None)
         assert not isinstance(info.value, ServerBusyError)
-        assert len(llm.generate("Hi", SamplingParams(n=6, temperature=1, max_tokens=2), use_tqdm=False)[0].outputs) == 6
+        assert len(llm.generate("Hi", SamplingParams(n=7, temperature=1, max_tokens=2), use_tqdm=False)[0].outputs) == 7
 
 
 def test_a_full_queue_is_still_busy(engine_dir):

@@ -29,7 +29,7 @@ from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
 from camshaft.builder.graph.kv_quant import KVQuantizer, e4m3_values
 from camshaft.builder.graph.ops import GraphWriter
-from camshaft.errors import EngineError
+from camshaft.errors import CapacityError, EngineError
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import QuantSpec
 from camshaft.runtime.batch import Chunk
@@ -245,6 +245,12 @@ def test_a_quantized_kv_cache_keeps_the_session_on_the_batch_graph(kv_engine):
     session = Session(engine_dir)
     assert session.manifest.sequence_graph is None and session.graph == "batch"
     assert not any(path.name.startswith("sequence") for path in engine_dir.iterdir())
-    with pytest.raises(EngineError, match="has no sequence graph"):
+    with pytest.raises(EngineError, match=r"has no sequence graph \(its KV cache is (int8|float8); the sequence "
+                                          r"graph keeps a float cache\); run its batch graph"):
         Session(engine_dir, graph="sequence")
     session.close()
+    tight = Session(engine_dir, kv_cache_memory=4 * bytes_per_block(session.manifest))
+    with pytest.raises(CapacityError, match="the request needs 60 tokens of KV cache; the budget holds .* raise "
+                                            "kv_cache_memory or lower max_tokens"):
+        tight.generate(list(range(10, 30)), max_tokens=40)
+    tight.close()

@@ -81,7 +81,7 @@ class DecoderLowering(LayerOps):
         cache_shape = ["num_blocks", self.kv.block_size, c.num_kv_heads * c.head_dim]
         for name in self.kv.key_inputs + self.kv.value_inputs:
             g.input(name, self.kv_elem, cache_shape)
-        self.rope_tables(self.limits.max_seq_len)
+        self.rope_tables(self.limits)
         # Linear layers run on 2D [T, hidden] (so ORT fuses the residual adds into Gemm); q and k move to
         # [1, T, hidden] for RotaryEmbedding and stay there, so the batch dim is added to the indices once, here.
         one = g.ints([0])

@@ -10,6 +10,7 @@ import numpy as np
 
 from camshaft.builder.graph.ops import GraphWriter
 from camshaft.builder.graph.rope import cos_sin_tables
+from camshaft.manifest import BuildLimits
 from camshaft.model_config import ModelConfig
 
 
@@ -35,8 +36,12 @@ class LayerOps:
         x = self.rms_norm(x, weight, d)
         return g.op("Reshape", [x, g.ints([1, -1, heads * d])])
 
-    def rope_tables(self, max_seq_len: int) -> None:
-        cos, sin = cos_sin_tables(self.c.rope, self.c.head_dim, max_seq_len)
+    def rope_tables(self, limits: BuildLimits) -> None:
+        """cos/sin rows for every position, and at least one per packed token: ONNX Runtime's RotaryEmbedding
+        refuses a [1, T, ...] input with T above its table's rows (a step may pack more tokens than max_seq_len).
+        Both graphs' tables are the same tensors, stored once."""
+        rows = max(limits.max_seq_len, limits.max_num_tokens)
+        cos, sin = cos_sin_tables(self.c.rope, self.c.head_dim, rows)
         self.cos = self.g.weight("rope_cos", cos.astype(self.np_dtype))
         self.sin = self.g.weight("rope_sin", sin.astype(self.np_dtype))
 

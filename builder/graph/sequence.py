@@ -25,19 +25,8 @@ from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.layer_ops import LayerOps
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter
-from camshaft.manifest import SEQUENCE_INPUTS, SequenceGraph
+from camshaft.manifest import SEQUENCE_INPUTS, BuildLimits, SequenceGraph
 from camshaft.model_config import ModelConfig
-
-
-def sequence_graph_support(config: ModelConfig, dtype: str, kv_dtype: str | None) -> str | None:
-    """Why a checkpoint gets no sequence graph (the Session then runs the batch graph), or None when it gets one."""
-    if dtype != "float32":
-        return f"it is built for {dtype}; ONNX Runtime's CPU GroupQueryAttention takes float32"
-    if kv_dtype is not None:
-        return f"its KV cache is {kv_dtype}; the sequence graph keeps a float cache"
-    if config.head_dim % 8:
-        return f"its head size {config.head_dim} is not a multiple of 8, as GroupQueryAttention requires"
-    return None
 
 
 def sequence_layout(config: ModelConfig, artifact: str) -> SequenceGraph:
@@ -47,10 +36,10 @@ def sequence_layout(config: ModelConfig, artifact: str) -> SequenceGraph:
 
 
 class SequenceLowering(LayerOps):
-    def __init__(self, g: GraphWriter, config: ModelConfig, max_seq_len: int, linears: Linears, head: Head,
+    def __init__(self, g: GraphWriter, config: ModelConfig, limits: BuildLimits, linears: Linears, head: Head,
                  weights: Callable[[str, tuple[int, ...]], np.ndarray], layout: SequenceGraph,
                  progress: Callable[[str], None] = lambda _: None) -> None:
-        self.g, self.c, self.max_seq_len = g, config, max_seq_len
+        self.g, self.c, self.limits = g, config, limits
         self.linears, self.head, self.weights, self.layout, self.progress = linears, head, weights, layout, progress
         self.np_dtype = linears.np_dtype
         self.fused_rope = config.head_dim % 16 == 0
@@ -69,7 +58,7 @@ class SequenceLowering(LayerOps):
         cache_shape = [1, c.num_kv_heads, "L", c.head_dim]
         for name in kv.key_inputs + kv.value_inputs:
             g.input(name, TensorProto.FLOAT, cache_shape)
-        self.rope_tables(self.max_seq_len)
+        self.rope_tables(self.limits)
         if not self.fused_rope:
             total = g.op("Cast", ["total_sequence_length"], to=TensorProto.INT64)
             start = g.op("Sub", [total, g.op("Shape", ["input_ids"], start=1, end=2)])

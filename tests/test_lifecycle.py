@@ -1,0 +1,83 @@
+"""The Python API as an application embeds it: an LLM dropped without close() frees its loop and engine, a failing
+consumer cannot stop the loop, offline generate() is not bounded by a server's queue, a step may pack more tokens
+than max_seq_len, and a closed Session says so."""
+
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+import weakref
+
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import RequestError
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+
+from tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    """max_seq_len 32 under the default max_num_tokens (512): a step packs far more tokens than one sequence holds."""
+    root = tmp_path_factory.mktemp("lifecycle")
+    build_engine(BuildConfig(make_tiny_model("llama", root / "hf"), root / "engine", max_seq_len=32,
+                             kv_block_size=8, max_batch_size=64))
+    return root / "engine"
+
+
+def test_a_step_may_pack_more_tokens_than_max_seq_len(engine_dir):
+    prompts = [[10 + i, 11, 12, 13, 14, 15, 16, 17, 18, 19] for i in range(40)]  # 400 prompt tokens in one step
+    with LLM(engine_dir) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert max(s.num_tokens for s in llm.stats) > 32
+    with Session(engine_dir) as session:
+        assert [o.token_ids for o in outputs] == [session.generate(p, GREEDY).token_ids for p in prompts]
+
+
+def test_an_llm_dropped_without_close_frees_its_loop_and_engine(engine_dir):
+    llm = LLM(engine_dir)
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    thread, engine = llm.executor._thread, weakref.ref(llm.engine)
+    del llm
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and engine() is None
+
+
+def test_a_consumer_raising_system_exit_cannot_stop_the_loop(engine_dir):
+    def fail(output):
+        raise SystemExit("consumer gone")
+
+    with LLM(engine_dir) as llm:
+        llm.submit([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), fail)
+        outputs = llm.generate([[8, 9, 10]], GREEDY, use_tqdm=False)  # the loop still runs
+        assert len(outputs[0].token_ids) == 6 and llm.executor.alive
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        llm.submit([5, 6, 7], GREEDY, lambda o: o.finished and done.put(o))
+        assert done.get(timeout=30).error is None
+
+
+def test_offline_generate_is_not_bounded_by_a_servers_queue(engine_dir):
+    with LLM(engine_dir, max_batch_size=2, max_queue=1) as llm:
+        outputs = llm.generate([[20 + i, 21, 22] for i in range(8)], GREEDY, use_tqdm=False)
+        assert [len(o.token_ids) for o in outputs] == [6] * 8
+
+
+def test_a_closed_session_says_so(engine_dir):
+    session = Session(engine_dir)
+    stream = session.stream([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+    next(stream)
+    closer = threading.Thread(target=session.close)
+    closer.start()
+    closer.join()
+    with pytest.raises(RequestError, match="this Session is closed"):
+        list(stream)  # closed while it ran: ends at its next token
+    with pytest.raises(RequestError, match="this Session is closed"):
+        session.generate([5, 6, 7], GREEDY)

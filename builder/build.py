@@ -6,7 +6,6 @@ import hashlib
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import onnx
@@ -25,7 +24,8 @@ from camshaft.builder.target_checks import (
     has_weight_only_layers,
 )
 from camshaft.errors import BuildConfigError
-from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec, graph_limits_props
+from camshaft.graph_meta import graph_limits
+from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.version import __version__
 
@@ -62,7 +62,7 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
     model = writer.model(OPSET)
     if MS_DOMAIN in _domains(model.graph):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    helper.set_model_props(model, graph_limits_props(asdict(limits)))
+    helper.set_model_props(model, graph_limits(limits, batch_graph=True))
     if quantization is not None and checkpoint.quantization is not None:
         quantization.update(_quantization_record(checkpoint.quantization, checkpoint.quant_algos, lowering))
     save_model(model, graph_path)

@@ -16,7 +16,8 @@ from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter, Reuse, save_model
 from camshaft.builder.graph.sequence import SequenceLowering, sequence_layout
-from camshaft.manifest import BuildLimits, SequenceGraph, graph_limits_props, sequence_graph_support
+from camshaft.graph_meta import graph_limits, sequence_graph_support
+from camshaft.manifest import BuildLimits, SequenceGraph
 
 SEQUENCE_ARTIFACT = "sequence.onnx"
 
@@ -84,6 +85,6 @@ def write_sequence_graph(checkpoint: Checkpoint, limits: BuildLimits, out_dir: P
                          progress).lower()
     model = writer.model(OPSET)
     model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    helper.set_model_props(model, graph_limits_props({"max_seq_len": limits.max_seq_len}))
+    helper.set_model_props(model, graph_limits(limits, batch_graph=False))
     save_model(model, path)
     return path

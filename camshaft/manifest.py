@@ -22,7 +22,6 @@ MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
 TRT_MODULES = {"tensorrt-rtx": "tensorrt_rtx", "tensorrt": "tensorrt"}  # TensorRT target → its Python module
-GRAPH_LIMITS_KEY = "camshaft.build_limits"  # the ONNX graph's metadata entry: the BuildLimits it was lowered for (JSON)
 
 
 def _positive_ints(owner: object, names: tuple[str, ...]) -> None:
@@ -42,35 +41,6 @@ class BuildLimits:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_seq_len // self.kv_block_size)
-
-
-def graph_limits_props(limits: dict[str, int]) -> dict[str, str]:
-    """The ONNX graph's metadata entry naming the build limits it was lowered for (those it depends on)."""
-    return {GRAPH_LIMITS_KEY: json.dumps(limits, sort_keys=True)}
-
-
-def check_graph_limits(recorded: str | None, limits: BuildLimits, path: Path) -> None:
-    """A graph lowered for other limits than its manifest says (its rope table holds max_seq_len positions) is
-    refused; a graph without the entry (built before it existed) is not compared."""
-    if recorded is None:
-        return
-    wanted = asdict(limits)
-    differ = {k: v for k, v in json.loads(recorded).items() if wanted.get(k) != v}
-    if differ:
-        says = ", ".join(f"{k} {v} (manifest: {wanted.get(k)})" for k, v in differ.items())
-        raise EngineError(f"{path} was built for {says}: the manifest was edited or belongs to another build; "
-                          "rebuild the engine")
-
-
-def sequence_graph_support(config: ModelConfig, dtype: str, kv_dtype: str | None) -> str | None:
-    """Why an engine gets no sequence graph (the Session then runs the batch graph), or None when it gets one."""
-    if dtype != "float32":
-        return f"it is built for {dtype}; ONNX Runtime's CPU GroupQueryAttention takes float32"
-    if kv_dtype is not None:
-        return f"its KV cache is {kv_dtype}; the sequence graph keeps a float cache"
-    if config.head_dim % 8:
-        return f"its head size {config.head_dim} is not a multiple of 8, as GroupQueryAttention requires"
-    return None
 
 
 @dataclass(frozen=True)

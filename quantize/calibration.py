@@ -19,7 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-from camshaft.quantize.calibration_datasets import DATA_SUFFIXES, column_texts, open_dataset, text_column
+from camshaft.quantize.calibration_datasets import (
+    DATA_SUFFIXES,
+    JSONL_SUFFIXES,
+    TEXT_SUFFIXES,
+    column_texts,
+    open_dataset,
+    text_column,
+    text_files,
+)
 from camshaft.quantize.spec import QuantizeError
 
 # English prose-heavy modules first; importing them has no side effects.
@@ -34,8 +42,6 @@ STDLIB_MODULES = (
     "unittest", "urllib.parse", "urllib.request", "uuid", "warnings", "weakref", "xml.etree.ElementTree",
     "zipfile", "zoneinfo",
 )
-TEXT_SUFFIXES = (".txt", ".md", ".rst")
-JSONL_SUFFIXES = (".jsonl", ".json")
 DEFAULT_CALIB_SIZE = 64
 DEFAULT_CALIB_SEQ_LEN = 256
 
@@ -92,9 +98,7 @@ def split_column(calib_data: str | Path) -> tuple[Path, str | None]:
 def read_text_corpus(path: Path, column: str | None = None) -> list[str]:
     """Texts of a text/JSONL file or of a directory of those, sorted by name (README files, dataset cards, skipped);
     `column`: the JSONL field (default text)."""
-    files = [path] if not path.is_dir() else sorted(
-        p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES
-        and p.stem.lower() != "readme")
+    files = [path] if not path.is_dir() else text_files(path)
     if not files:
         raise QuantizeError(f"calibration directory {path} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} or "
                             f"{'/'.join(DATA_SUFFIXES)} files and is no saved dataset (README files are skipped)")

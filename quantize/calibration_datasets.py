@@ -11,7 +11,16 @@ from typing import Any
 from camshaft.quantize.spec import QuantizeError
 
 DATA_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}  # → datasets' packaged loader
-PLAIN_TEXT_SUFFIXES = (".txt", ".rst", ".jsonl")  # calibration text a dataset directory must not also hold
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+JSONL_SUFFIXES = (".jsonl", ".json")
+DATASET_METADATA = {"dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json"}  # not text
+
+
+def text_files(path: Path) -> list[Path]:
+    """The calibration text files under a directory, by name: text and JSONL, not README files (dataset cards) or a
+    dataset's own metadata."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES
+                  and p.stem.lower() != "readme" and p.name not in DATASET_METADATA)
 SAVED_DATASET_FILES = (("dataset_dict.json",), ("state.json", "dataset_info.json"))  # save_to_disk's
 
 
@@ -25,7 +34,7 @@ def open_dataset(path: Path) -> tuple[Any, str] | None:
     else:
         files = [path] if path.suffix in DATA_SUFFIXES else []
     kinds = sorted({DATA_SUFFIXES[f.suffix] for f in files})
-    texts = [p for p in path.rglob("*") if p.suffix in PLAIN_TEXT_SUFFIXES] if path.is_dir() and files else []
+    texts = text_files(path) if path.is_dir() and files else []
     if texts:
         raise QuantizeError(f"{path} holds {kinds[0]} files and text files ({texts[0].name}, ...); one of them would "
                             "be left out: pass a directory (or file) of one kind")

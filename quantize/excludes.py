@@ -20,8 +20,8 @@ def module_names(model_dir: Path) -> list[str]:
 
 def check_excludes_match(spec: QuantSpec, linears: list[str]) -> None:
     """Every --exclude pattern names at least one linear layer (before loading: a typo, or a layer index past the
-    model's last, would otherwise quantize everything silently), and some layer is left to quantize; lm_head is
-    quantized by --lm-head, not refused by --exclude."""
+    model's last, would otherwise quantize everything silently), and some layer is left to quantize. lm_head is
+    ModelOpt's to leave float and --lm-head's to quantize: excluding it while --lm-head quantizes it is refused."""
     excluded = {name for name in linears if any(fnmatch.fnmatchcase(name, p) for p in spec.exclude)}
     if "lm_head" in excluded and spec.lm_head != "float":
         raise QuantizeError(f"--exclude keeps lm_head float but --lm-head {spec.lm_head} quantizes it; drop one")

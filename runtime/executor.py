@@ -119,10 +119,7 @@ class Executor:
         pending += list(self._requests.values())
         for request in pending:
             if request.request_id in self._sinks:
-                try:
-                    self._finish(request, error)
-                except BaseException:  # a sink that raises must not keep the others from their final output
-                    continue
+                self._finish(request, error)
 
     def _run(self) -> None:
         scheduler = self.scheduler

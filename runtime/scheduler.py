@@ -17,7 +17,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from camshaft.checks import is_int_at_least
+from camshaft.checks import check_positive_ints
 from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.block_manager import BlockManager
@@ -38,10 +38,8 @@ class SchedulerConfig:
     kv_reservation: str = "paged"
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_batch_size", "max_num_tokens", "max_seq_len"):
-            value = getattr(self, name)
-            if not is_int_at_least(value, 1):
-                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("num_blocks", "block_size", "max_batch_size", "max_num_tokens", "max_seq_len"),
+                            RequestError)
         if self.policy not in POLICIES:
             raise RequestError(f"unknown capacity policy {self.policy!r}; use one of {POLICIES}")
         if self.kv_reservation not in RESERVATIONS:

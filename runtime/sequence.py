@@ -13,7 +13,8 @@ import numpy as np
 import onnxruntime as ort
 
 from camshaft.errors import CapacityError, EngineError
-from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest, sequence_graph_support
+from camshaft.graph_meta import sequence_graph_support
+from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
 from camshaft.runtime.backends.onnxruntime import check_compatible, check_signature, load_session, session_options
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer

@@ -189,9 +189,12 @@ class Session:
                 request.num_computed += 1
         finally:
             engine.finish()
-            if self._closed:  # closed while this request ran: the engine is released here
-                engine.close()
             self._running.release()
+            if self._closed and self._running.acquire(blocking=False):  # closed while this request ran
+                try:
+                    engine.close()
+                finally:
+                    self._running.release()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -149,6 +149,26 @@ def test_completion_logprobs_hold_the_chosen_token_and_character_offsets(client)
     assert [list(top) for top in chosen.top_logprobs] == [[t] for t in chosen.tokens]
 
 
+def test_text_offset_of_a_token_that_ends_a_character_and_adds_more():
+    """Byte-level BPE: 'é' is C3 A9 and a merged token holds A9 plus 'a'; it points at the 'é' it completes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from camshaft.openai_server.responses import CompletionShape
+    from camshaft.runtime.sampler import SampleResult
+
+    vocab = {t: i for i, t in enumerate(["<unk>", *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    vocab["©a"] = len(vocab)
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[("©", "a")], unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+    ids = tokenizer.encode("xéab")
+    logprobs = CompletionShape("m", tokenizer, [tokenizer.encode("Hi ")], 1).logprobs(
+        0, [SampleResult(t, -1.0) for t in ids])
+    assert logprobs["tokens"] == ["x", "bytes:\\xc3", "bytes:\\xa9\\x61", "b"]
+    assert logprobs["text_offset"] == [0, 1, 1, 3]  # x, é (begun), é (completed, then a), b
+
+
 def test_null_fields_take_their_defaults(served):
     body = {"model": MODEL, "messages": HI, "max_tokens": 3, "n": None, "top_p": None, "presence_penalty": None,
             "frequency_penalty": None, "stream": None, "logprobs": None, "temperature": None, "seed": None}

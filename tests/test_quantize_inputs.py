@@ -167,9 +167,15 @@ def test_dataset_snapshot_directory_reads_its_data_files_not_its_card(datasets, 
     with pytest.raises(QuantizeError, match="holds csv and parquet files; pass a directory .or file. of one kind"):
         load_texts(snapshot)
     (snapshot / "data" / "extra.csv").unlink()
-    (snapshot / "notes.txt").write_text("calibration prose")
-    with pytest.raises(QuantizeError, match="holds parquet files and text files .notes.txt"):
-        load_texts(snapshot)
+    (snapshot / "data" / "train-2.parquet").unlink()
+    (snapshot / "dataset_infos.json").write_text("{}")  # a dataset's own metadata, like its card: not text
+    (snapshot / "data" / "README.txt").write_text("about the files")
+    assert list(load_texts(snapshot)[0]) == ["a", "b", "c"]
+    for extra in ("notes.txt", "more.json"):
+        (snapshot / extra).write_text("calibration prose")
+        with pytest.raises(QuantizeError, match=f"holds parquet files and text files .{extra}"):
+            load_texts(snapshot)
+        (snapshot / extra).unlink()
     (tmp_path / "gaps.csv").write_text("id,text\n1,\n2,hello there\n3,more text\n")  # the first cell is empty
     assert list(load_texts(tmp_path / "gaps.csv")[0]) == ["hello there", "more text"]
     assert list(load_texts(f"{tmp_path / 'gaps.csv'}:text")[0]) == ["hello there", "more text"]

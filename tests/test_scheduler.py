@@ -264,7 +264,6 @@ def test_config_is_validated():
 
 
 
-
 def test_block_counters_are_one_snapshot_while_the_loop_moves_blocks():
     """Another thread reads the counters while the batch loop allocates: each read of the free list may see a
     different length, yet a snapshot always has used + free = total."""

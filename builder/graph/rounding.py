@@ -10,7 +10,7 @@ from onnx import TensorProto
 from camshaft.builder.graph.ops import ONNX_DTYPES, GraphWriter
 
 
-def int8_per_token(g: GraphWriter, x: str, dt: type) -> tuple[str, str]:
+def int8_per_token(g: GraphWriter, x: str, dt: np.dtype | type) -> tuple[str, str]:
     """x's rows as ModelOpt's dynamic per-token int8 quantizer rounds them, round(x * 127 / row amax), offset by
     128 into uint8 (MatMulInteger's fast kernel); and the rows' scales amax / 127 in float32 ([T, 1]). An all-zero
     row rounds to zeros whatever its scale (ModelOpt's 1, here 127 / 2^-24)."""
@@ -25,7 +25,7 @@ def int8_per_token(g: GraphWriter, x: str, dt: type) -> tuple[str, str]:
     return xq, g.op("Div", [amax, g.const(np.array(127.0, dtype=np.float32), "int8_max_f32")])
 
 
-def fp8_round_per_token(g: GraphWriter, x: str, dt: type) -> str:
+def fp8_round_per_token(g: GraphWriter, x: str, dt: np.dtype | type) -> str:
     """Each row (token) of x rounded to float8 e4m3fn with scale 448 / its largest magnitude, as ModelOpt's dynamic
     per-token quantizer does (an all-zero row: scale 1)."""
     amax = g.op("ReduceMax", [g.op("Abs", [x]), g.ints([-1])], keepdims=1)
@@ -38,7 +38,7 @@ def fp8_round_per_token(g: GraphWriter, x: str, dt: type) -> str:
     return g.op("Mul", [rounded, g.op("Reciprocal", [scale])])
 
 
-def fp8_round(g: GraphWriter, x: str, scale: np.ndarray, hint: str, dt: type) -> str:
+def fp8_round(g: GraphWriter, x: str, scale: np.ndarray, hint: str, dt: np.dtype | type) -> str:
     """QuantizeLinear→DequantizeLinear to float8 e4m3fn, per tensor (scalar scale) or per column ([N] scale)."""
     if scale.ndim and np.all(scale == scale[0]):
         scale = scale[:1].reshape(())

@@ -98,7 +98,7 @@ def serve(
     triton_ports = {"--grpc-port": grpc_port, "--metrics-port": metrics_port}
     if api == "openai" and any(v is not None for v in triton_ports.values()):
         names = ", ".join(k for k, v in triton_ports.items() if v is not None)
-        raise CamshaftError(f"{names} are Triton's; --api openai listens on --port only: drop them")
+        raise CamshaftError(f"--api openai listens on --port only; {names} set Triton's ports: drop them")
     grpc_port, metrics_port = (TRITON_PORTS[k] if v is None else v for k, v in triton_ports.items())
     if api == "triton" and len({port, grpc_port, metrics_port}) < 3:
         raise CamshaftError(f"Triton needs three different ports: --port {port}, --grpc-port {grpc_port}, "

@@ -78,8 +78,8 @@ class CompletionShape(_Shape):
                 offsets.append(before)
             elif text.text.endswith(shown):
                 offsets.append(len(text.text) - len(shown))
-            else:  # a byte that ends a character (or a U+FFFD for bytes that make none): that character
-                offsets.append(len(text.text) - 1)
+            else:  # it ends a character begun before it (or bytes that make none, U+FFFD): that character
+                offsets.append(len(text.text) - len(delta))
         return {"tokens": [self.token(s.token_id) for s in samples],
                 "token_logprobs": [_logprob(s.logprob) for s in samples],
                 "top_logprobs": [self._top(s) for s in samples], "text_offset": offsets}

@@ -9,7 +9,8 @@ import numpy as np
 import onnxruntime as ort
 
 from camshaft.errors import EngineError
-from camshaft.manifest import GRAPH_LIMITS_KEY, Manifest, check_graph_limits
+from camshaft.graph_meta import check_graph_limits
+from camshaft.manifest import Manifest
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
 
 # KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
@@ -64,7 +65,7 @@ def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifes
                     cache_shape: tuple[int | None, ...]) -> None:
     """The loaded graph agrees with the manifest on what the runtime sizes from it: the logits' width, the shape
     of the KV cache inputs `caches` (None and symbolic dimensions are not compared) and the build limits the graph
-    was lowered for (its rope table holds max_seq_len positions)."""
+    was lowered for (graph_meta.py)."""
     shapes = {t.name: t.shape for t in [*session.get_inputs(), *session.get_outputs()]}
     wanted = {"logits": (None, manifest.model.vocab_size), **{name: cache_shape for name in caches[:1]}}
     for name, dims in wanted.items():
@@ -74,7 +75,7 @@ def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifes
             raise EngineError(f"{path}'s {name} dimensions {tuple(found)} disagree with its manifest "
                               f"({tuple('?' if w is None else w for w in dims)}): the manifest was edited or belongs "
                               "to another build; rebuild the engine")
-    check_graph_limits(session.get_modelmeta().custom_metadata_map.get(GRAPH_LIMITS_KEY), manifest.limits, path)
+    check_graph_limits(session.get_modelmeta().custom_metadata_map, manifest.limits, path)
 
 
 class OnnxRuntimeBackend:

@@ -359,7 +359,7 @@ def markdown(res: dict, plot_ref: str) -> str:
     if blas and peak > max(blas.values()):
         best = max(blas, key=blas.get)
         share = 100 * target["gflop_s"] / blas[best]
-        out[-1] += (f"\n| (the same against the best torch/numpy matmul, {best}, the kind of peak FACTS.md quotes) | "
+        out[-1] += (f"\n| (the same against the best torch/numpy matmul, {best}, the kind of peak the issue quotes) | "
                     f"{target['gflop_s']:.1f} / {blas[best]:.1f} = {share:.0f} % | — |")
     streamed = res.get("streamed")
     if streamed:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,8 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     assert done.returncode == 1 and "--max-queue, --policy would be ignored" in done.stderr  # not silently dropped
     deploy_repository(engine, repo, name="again")  # a camshaft repository is replaced
     assert sorted(p.parent.name for p in repo.glob("*/config.pbtxt")) == ["again", "again_sync", "tensorrt_llm"]
+    with pytest.raises(CamshaftError, match="other than tensorrt_llm and camshaft_repository.json"):
+        deploy_repository(engine, tmp_path / "marker", name="camshaft_repository.json")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.txt").write_text("mine")
     with pytest.raises(CamshaftError, match="refusing to overwrite"):
@@ -124,19 +127,22 @@ def test_stop_ends_the_stubs_even_after_tritonserver_died(engine, tmp_path):
 
     import psutil
 
+    from camshaft.triton_repo.channel import channel_path
     from camshaft.triton_repo.server import TritonServer
 
     server = TritonServer(deploy_repository(engine, tmp_path / "repo")).start()
     pid = server.process.pid
     stubs = [p for p in psutil.process_iter() if p.pid != pid and _pgid(p.pid) == pid]
     regions = server.shm_regions
-    assert stubs and regions
+    socket = channel_path("tensorrt_llm", pid)
+    assert stubs and regions and socket.exists()
     os.kill(pid, signal.SIGKILL)  # a crash: the stubs now belong to init, not to tritonserver
     server.process.wait()
     server.stop()
     gone, alive = psutil.wait_procs(stubs, timeout=10)
     assert not alive, alive
     assert not [name for name in regions if Path("/dev/shm", name).exists()]
+    assert not socket.parent.exists()  # the token model never finalized: stop() removes its socket directory
 
 
 def test_a_port_in_use_is_refused_before_starting(engine, tmp_path):
@@ -161,3 +167,26 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def test_a_stop_lets_text_model_requests_in_flight_finish(tmp_path):
+    """SIGTERM while a text-model request streams over gRPC: Triton unloads the token model as soon as its own
+    requests are done, but the text model's request (which reaches it over the channel) still finishes, every token,
+    without an error."""
+    import tritonclient.grpc as grpcclient
+    from test_triton import Stream, tensors
+
+    from camshaft.triton_repo.server import TritonServer
+
+    model = make_tiny_model("llama", tmp_path / "hf", max_position_embeddings=4096)
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=4096, max_batch_size=2))
+    with TritonServer(deploy_repository(tmp_path / "engine", tmp_path / "repo"), exit_timeout_s=60) as server:
+        stream = Stream(server.endpoints.grpc).send("ensemble", tensors(
+            grpcclient, text_input="hello", max_tokens=4000, min_tokens=4000, stream=True,
+            return_num_output_tokens=True))
+        while stream.responses.empty():
+            time.sleep(0.01)
+        server.signal(signal.SIGTERM)
+        outputs, error, _ = stream.collect()
+    assert error is None
+    assert int(outputs[-1]["num_output_tokens"].reshape(-1)[0]) == 4000

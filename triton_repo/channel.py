@@ -30,10 +30,10 @@ Send = Callable[[tuple], None]
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket path (sun_path) on Linux
 
 
-def channel_path(token_model: str) -> Path:
-    """The same path in every stub of one tritonserver: their parent process is the server. Under /tmp when the
-    temporary directory's path is too long for a socket."""
-    name = Path(f"camshaft-triton-{os.getuid()}-{os.getppid()}") / f"{token_model}.sock"
+def channel_path(token_model: str, server_pid: int | None = None) -> Path:
+    """The same path in every stub of one tritonserver: their parent process is the server (`server_pid`, for
+    the launcher that cleans up after it). Under /tmp when the temporary directory's path is too long for a socket."""
+    name = Path(f"camshaft-triton-{os.getuid()}-{server_pid or os.getppid()}") / f"{token_model}.sock"
     path = Path(tempfile.gettempdir()) / name
     return path if len(os.fsencode(path)) <= SOCKET_PATH_MAX else Path("/tmp") / name
 

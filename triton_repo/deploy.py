@@ -45,9 +45,10 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments."""
     engine, repo = Path(engine).resolve(), Path(repo)
     manifest = read_manifest(engine)  # refuses a missing or broken engine directory
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name in (TOKEN_MODEL, f"{TOKEN_MODEL}_sync"):
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name in (TOKEN_MODEL, f"{TOKEN_MODEL}_sync") \
+            or MARKER in (name, f"{name}_sync"):
         raise CamshaftError(f"--name {name!r} must be a plain model name (letters, digits, _ . -) "
-                            f"other than {TOKEN_MODEL}")
+                            f"other than {TOKEN_MODEL} and {MARKER}")
     options = {k: v for k, v in (llm_options or {}).items() if v is not None}
     unknown = set(options) - set(LLM_OPTIONS)
     if unknown:

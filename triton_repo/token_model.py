@@ -26,6 +26,7 @@ from camshaft.triton_repo.protocol import TokenRequest, error_status, one, token
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.2  # how often a running request asks Triton whether it was cancelled (an IPC round trip)
+DRAIN_S = 60.0  # at unload, the longest the text models' requests in flight may take to finish
 
 
 def merge(outputs: list[RequestOutput]) -> RequestOutput:
@@ -240,6 +241,11 @@ class TokenModel:
         return ids
 
     def finalize(self) -> None:
+        # Triton unloads this model once its own requests are done, but the text models' requests reach it over the
+        # channel: let them finish (Triton's exit timeout still bounds the whole shutdown)
+        deadline = time.monotonic() + DRAIN_S
+        while time.monotonic() < deadline and (load := self.llm.load()).running + load.waiting:
+            time.sleep(0.05)
         self.channel.close()
         self.llm.close()  # unfinished requests get an error output, which the responder still sends
         self.outputs.put(None)

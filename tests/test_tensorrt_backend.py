@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import re
 import types
 from pathlib import Path
 
@@ -130,6 +131,11 @@ class FakeCudart:
         assert stream == 7
         return (0,)
 
+    def cudaStreamDestroy(self, stream):  # noqa: N802
+        assert stream == 7
+        self.streams_destroyed = getattr(self, "streams_destroyed", 0) + 1
+        return (0,)
+
 
 def _view(ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -137,8 +143,10 @@ def _view(ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
                          count=int(np.prod(shape))).reshape(shape)
 
 
-def fake_tensorrt(graph: Path, version: str):
-    """A TensorRT module whose plan is the float16 ONNX graph, executed by ONNX Runtime through bound addresses."""
+def fake_tensorrt(graph: Path, version: str, aliased: bool = False):
+    """A TensorRT module whose plan is the float16 ONNX graph, executed by ONNX Runtime through bound addresses.
+    Like a real plan of this graph (ScatterND writes a whole new cache), no output aliases an input unless
+    `aliased` (as TensorRT's KVCacheUpdate would)."""
     session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     np_types = {"tensor(float16)": np.float16, "tensor(float)": np.float32, "tensor(int64)": np.int64,
                 "tensor(bool)": np.bool_}
@@ -179,6 +187,9 @@ def fake_tensorrt(graph: Path, version: str):
 
         def get_tensor_dtype(self, name):
             return io[name]
+
+        def get_aliased_input_tensor(self, name):
+            return name.removesuffix("_out") if aliased and name.endswith("_out") else None
 
         def create_execution_context(self):
             self.context = Context()
@@ -221,12 +232,17 @@ def test_backend_plumbing_against_simulated_cuda_and_tensorrt(simulated):
     trt_backend = engine.backend
     kv = engine.manifest.kv_cache
     assert len(trt_backend.caches) == 2 * engine.manifest.model.num_layers
-    assert trt_backend.kv_cache_bytes == len(trt_backend.caches) * trt_backend.num_blocks * kv.block_size * (
-        kv.num_kv_heads * kv.head_dim) * 2  # float16
+    assert trt_backend.kv_cache_bytes == 2 * len(trt_backend.caches) * trt_backend.num_blocks * kv.block_size * (
+        kv.num_kv_heads * kv.head_dim) * 2  # two float16 buffers a cache
     context = trt_backend.context
-    for i, name in enumerate(kv.key_inputs + kv.value_inputs):
-        out = (kv.key_outputs + kv.value_outputs)[i]
-        assert context.addresses[name] == context.addresses[out] == trt_backend.caches[i].ptr  # in place
+    pairs = list(zip(kv.key_inputs + kv.value_inputs, kv.key_outputs + kv.value_outputs, strict=True))
+
+    def bound() -> list[tuple[int, int]]:
+        return [(context.addresses[name], context.addresses[out]) for name, out in pairs]
+
+    # ScatterND's output is a new cache: each cache has a second buffer for it, and the two swap every step
+    before = bound()
+    assert all(i != o for i, o in before) and [i for i, _ in before] == [c.ptr for c in trt_backend.caches]
 
     rng = np.random.default_rng(0)
     vocab = engine.manifest.model.vocab_size
@@ -247,8 +263,25 @@ def test_backend_plumbing_against_simulated_cuda_and_tensorrt(simulated):
     last = Chunk(ids["a"][-1:], done["a"] - 1, tables["a"], num_logits=0)
     assert engine.step([last]).shape == (0, vocab)
     assert context.runs == len(schedule) + 1
+    assert bound() == (before if context.runs % 2 == 0 else [(o, i) for i, o in before])
     trt_backend.close()
-    assert not cudart.allocations
+    assert not cudart.allocations and cudart.streams_destroyed == 1
+
+
+def test_a_cache_the_plan_aliases_is_bound_in_place(engines, monkeypatch):
+    import tensorrt_rtx
+
+    rtx_dir, _ = engines
+    trt = fake_tensorrt(rtx_dir / GRAPH_NAME, tensorrt_rtx.__version__, aliased=True)
+    monkeypatch.setattr(backend, "_cudart", lambda product, arch: FakeCudart())
+    monkeypatch.setattr(backend.TensorRTBackend, "_import", staticmethod(lambda product: trt))
+    engine = Engine(rtx_dir)
+    trt_backend, kv = engine.backend, engine.manifest.kv_cache
+    addresses = trt_backend.context.addresses
+    for i, (name, out) in enumerate(zip(kv.key_inputs + kv.value_inputs, kv.key_outputs + kv.value_outputs,
+                                        strict=True)):
+        assert addresses[name] == addresses[out] == trt_backend.caches[i].ptr
+    assert trt_backend.kv_cache_bytes == sum(c.nbytes for c in trt_backend.caches)  # one buffer a cache
 
 
 def test_wrong_gpu_arch_and_version_and_pool_size(engines, monkeypatch):
@@ -266,10 +299,11 @@ def test_wrong_gpu_arch_and_version_and_pool_size(engines, monkeypatch):
     monkeypatch.setattr(backend, "_cudart", lambda product, arch: FakeCudart())
     with pytest.raises(EngineError, match="exceeds the .* blocks the plan was built for"):
         Engine(rtx_dir, max_sequences=50)
-    old = fake_tensorrt(rtx_dir / GRAPH_NAME, "0.9.0")
-    monkeypatch.setattr(backend.TensorRTBackend, "_import", staticmethod(lambda product: old))
-    with pytest.raises(EngineError, match="built with tensorrt-rtx .* but 0.9.0 is installed"):
-        Engine(rtx_dir)
+    for version in ("0.9.0", tensorrt_rtx.__version__ + ".1"):  # a plan runs only on the release that built it
+        other = fake_tensorrt(rtx_dir / GRAPH_NAME, version)
+        monkeypatch.setattr(backend.TensorRTBackend, "_import", staticmethod(lambda product, other=other: other))
+        with pytest.raises(EngineError, match=f"built with tensorrt-rtx .* but {re.escape(version)} is installed"):
+            Engine(rtx_dir)
 
 
 @pytest.mark.skipif(GPU_ARCH is None, reason="needs an NVIDIA GPU with a driver; none here (the backend has never "

@@ -117,13 +117,8 @@ def _logger(trt: Any, progress: Progress, messages: list[str]) -> Any:
 
 
 def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str, limits: BuildLimits,
-               num_blocks_max: int, progress: Progress = lambda _: None,
-               timing_cache: Path | None = None) -> dict[str, object]:
-    """Compile an ONNX graph (with external data beside it) into a TensorRT plan written atomically at plan_path.
-
-    `timing_cache` (datacenter TensorRT only) is loaded if it exists and saved back after the build. TensorRT-RTX
-    has no use for one: its timing cache does not change the plan and makes the builder look for a GPU.
-    """
+               num_blocks_max: int, progress: Progress = lambda _: None) -> dict[str, object]:
+    """Compile an ONNX graph (with external data beside it) into a TensorRT plan written atomically at plan_path."""
     graph_path, plan_path = Path(graph_path), Path(plan_path)
     trt = import_product(product)
     arch = check_arch(trt, product, gpu_arch)
@@ -156,11 +151,6 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
         config.num_compute_capabilities = 1
         if not config.set_compute_capability(getattr(trt.ComputeCapability, f"SM{arch}"), 0):
             raise BuildConfigError(f"{product} refused compute capability sm{arch}")
-    cache = None
-    if product == "tensorrt":
-        blob = timing_cache.read_bytes() if timing_cache is not None and timing_cache.is_file() else b""
-        cache = config.create_timing_cache(blob)
-        config.set_timing_cache(cache, ignore_mismatch=False)
 
     profile = builder.create_optimization_profile()
     for i in range(network.num_inputs):
@@ -180,8 +170,6 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
             detail += "\nThe graph is float32 and TensorRT has no float32 attention kernel: build it as float16."
         raise BuildConfigError(f"{product} {trt.__version__} failed to build a plan for sm{arch}:\n{detail}")
     _write_atomic(plan_path, memoryview(plan))
-    if cache is not None and timing_cache is not None:
-        _write_atomic(timing_cache, memoryview(cache.serialize()))
     seconds = time.perf_counter() - started
     progress(f"{product} plan: {plan.nbytes / 2**20:.1f} MiB in {seconds:.1f} s")
     return {
@@ -191,7 +179,6 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
         "plan_bytes": plan.nbytes,
         "build_seconds": round(seconds, 2),
         "profile": {name: list(r) for name, r in ranges.items()},
-        "timing_cache": str(timing_cache) if cache is not None and timing_cache is not None else None,
     }
 
 

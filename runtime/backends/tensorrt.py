@@ -103,12 +103,14 @@ class TensorRTBackend:
         self.cudart = cudart
         if arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) != local:
             raise EngineError(
-                f"this engine was built for {arch} but GPU 0 is sm{local}; rebuild it with --gpu-arch sm{local}"
+                f"this engine was built for {arch} but GPU 0 is sm{local}; rebuild it with --gpu-arch sm{local} "
+                f"({product} does not target every architecture: `camshaft build` refuses those it does not, and "
+                "--target tensorrt builds for datacenter GPUs)"
             )
         # 2. The product, at the version the plan was built with.
         trt = self._import(product)
         built = str(options.get("version", manifest.tools.get(product, "")))
-        if built.split(".")[:2] != trt.__version__.split(".")[:2]:
+        if built != trt.__version__:  # a plan runs only on the release that built it
             raise EngineError(
                 f"this engine was built with {product} {built}, but {trt.__version__} is installed; rebuild the engine "
                 f"or install {product}=={built}"
@@ -139,22 +141,39 @@ class TensorRTBackend:
         for i in range(self.engine.num_io_tensors):
             name = self.engine.get_tensor_name(i)
             self._dtypes[name] = _numpy_dtype(trt, self.engine.get_tensor_dtype(name))
-        # 4. KV caches: one device buffer each, bound as input and output.
+        # 4. KV caches. An output the plan aliases to its input (TensorRT's KVCacheUpdate) is bound in place; the
+        # graph's ScatterND writes a whole new cache, so otherwise each cache gets a second buffer, the output, and
+        # the two swap after every step.
         kv = manifest.kv_cache
         self.num_blocks = num_blocks
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
         self.caches: list[_DeviceBuffer] = []
+        self._spares: list[_DeviceBuffer | None] = []
         self._buffers: dict[str, _DeviceBuffer] = {}
-        names = zip(kv.key_inputs + kv.value_inputs, kv.key_outputs + kv.value_outputs, strict=True)
-        for input_name, output_name in names:
+        self._cache_names = list(zip(kv.key_inputs + kv.value_inputs, kv.key_outputs + kv.value_outputs, strict=True))
+        aliased = getattr(self.engine, "get_aliased_input_tensor", lambda name: None)
+        for input_name, output_name in self._cache_names:
             nbytes = int(np.prod(shape)) * self._dtypes[input_name].itemsize
             cache = _DeviceBuffer(cudart, nbytes)
             _check(cudart, cudart.cudaMemset(cache.ptr, 0, nbytes), "cudaMemset")
             self.caches.append(cache)
+            self._spares.append(None if aliased(output_name) == input_name else _DeviceBuffer(cudart, nbytes))
             self._shape(input_name, shape)
-            self.context.set_tensor_address(input_name, cache.ptr)
-            self.context.set_tensor_address(output_name, cache.ptr)
+        self._bind_caches()
         self.vocab_size = manifest.model.vocab_size
+
+    def _bind_caches(self) -> None:
+        for (input_name, output_name), cache, spare in zip(self._cache_names, self.caches, self._spares, strict=True):
+            self.context.set_tensor_address(input_name, cache.ptr)
+            self.context.set_tensor_address(output_name, (spare or cache).ptr)
+
+    def _swap_caches(self) -> None:
+        """After a step: the outputs hold the updated caches, which the next step reads."""
+        if any(spare is not None for spare in self._spares):
+            pairs = list(zip(self.caches, self._spares, strict=True))
+            self.caches = [cache if spare is None else spare for cache, spare in pairs]
+            self._spares = [None if spare is None else cache for cache, spare in pairs]
+            self._bind_caches()
 
     @staticmethod
     def _import(product: str) -> Any:
@@ -213,16 +232,20 @@ class TensorRTBackend:
                "logits download")
         _check(self.cudart, self.cudart.cudaStreamSynchronize(self.stream), "stream synchronise")
         self._pinned = []
+        self._swap_caches()
         return out[:rows]
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+        return sum(c.nbytes for c in [*self.caches, *self._spares] if c is not None)
 
     def close(self) -> None:
-        for buffer in [*self.caches, *self._buffers.values()]:
+        for buffer in [*self.caches, *(s for s in self._spares if s is not None), *self._buffers.values()]:
             buffer.free()
-        self.caches, self._buffers = [], {}
+        self.caches, self._spares, self._buffers = [], [], {}
+        stream, self.stream = getattr(self, "stream", None), None
+        if stream is not None:
+            _check(self.cudart, self.cudart.cudaStreamDestroy(stream), "cudaStreamDestroy")
 
     def __del__(self) -> None:
         try:

@@ -149,6 +149,11 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         tokenizer_files = checkpoint.tokenizer_files()  # before any long work: a checkpoint without one fails now
         staging = staging_dir(output)
         try:
+            tok_dir = staging / TOKENIZER_DIR  # first: a tokenizer that cannot load fails before any long work
+            tok_dir.mkdir()
+            for file in tokenizer_files:
+                shutil.copy2(file, tok_dir / file.name)
+            _save_tokenizer(checkpoint.dir, tok_dir)
             progress("writing model graph")
             for_ort = config.target == "onnxruntime"
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,
@@ -161,12 +166,6 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             if for_ort:
                 sequence = sequence_graph(checkpoint, limits, dtype, staging, progress, accuracy_level, artifact)
                 files += [sequence.artifact, f"{sequence.artifact}.data"] if sequence else []
-            tok_dir = staging / TOKENIZER_DIR
-            tok_dir.mkdir()
-            for file in tokenizer_files:
-                shutil.copy2(file, tok_dir / file.name)
-            if not (tok_dir / "tokenizer.json").is_file():
-                _convert_tokenizer(checkpoint.dir, tok_dir)
             import onnxruntime
 
             manifest = Manifest(
@@ -217,15 +216,25 @@ def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging
     return tensorrt.ARTIFACT, [tensorrt.ARTIFACT, GRAPH_NAME, GRAPH_DATA], meta
 
 
-def _convert_tokenizer(model_dir: Path, tok_dir: Path) -> None:
-    """Engines always carry a fast tokenizer (tokenizer.json), so loading one never needs a slow conversion."""
+def _save_tokenizer(model_dir: Path, tok_dir: Path) -> None:
+    """The engine's tokenizer as transformers loads the checkpoint's (its class may rewrite tokenizer.json's
+    pre-tokenizer, e.g. Llama's legacy / add_prefix_space), saved as a fast tokenizer (tokenizer.json) that the runtime
+    loads without its class."""
     from transformers import AutoTokenizer
 
     from camshaft.errors import CheckpointError
 
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file() and path.read_bytes()[:40].startswith(b"version https://git-lfs"):
+            raise CheckpointError(f"{path} is a git-lfs pointer, not the file: fetch it (git lfs pull) and build again")
     try:
         AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(tok_dir))
-    except Exception as exc:  # transformers raises many types for tokenizers it cannot convert
-        raise CheckpointError(f"the tokenizer in {model_dir} could not be converted to tokenizer.json: {exc}") from exc
+    except Exception as exc:  # transformers raises many types for tokenizers it cannot load or convert
+        hint = ""
+        if not (model_dir / "tokenizer.json").is_file() and (model_dir / "tokenizer.model").is_file():
+            hint = (" (a SentencePiece tokenizer.model without tokenizer.json: install sentencepiece, "
+                    "pip install sentencepiece, or add the checkpoint's tokenizer.json)")
+        raise CheckpointError(f"the tokenizer in {model_dir} could not be loaded{hint}: {exc}") from exc
     if not (tok_dir / "tokenizer.json").is_file():
         raise CheckpointError(f"the tokenizer in {model_dir} has no fast (tokenizer.json) form")

@@ -50,6 +50,20 @@ class Checkpoint:
                 self._where[name] = file
             self._fp8.update(fp8_tensors(file))
         self.quantization = read_quant_config(self.dir)
+        self._check_tied_head()
+
+    def _check_tied_head(self) -> None:
+        """A tied head reads the embedding; a checkpoint that also stores a different lm_head.weight is refused
+        (transformers would run that tensor, so the engine would disagree with it)."""
+        embed, head = "model.embed_tokens.weight", "lm_head.weight"
+        if not (self.config.tie_word_embeddings and head in self._where and embed in self._where):
+            return
+        if not np.array_equal(self._raw(head), self._raw(embed)):
+            raise CheckpointError(
+                f"{self.dir}/config.json ties the output head to the embedding (tie_word_embeddings: true), but the "
+                f"checkpoint stores a different {head}, which transformers runs instead; set tie_word_embeddings to "
+                "false in config.json to build the head it stores"
+            )
 
     def _layer_entry(self, prefix: str) -> dict[str, Any]:
         """What hf_quant_config.json says of linear layer `prefix`: its own entry in a MIXED_PRECISION checkpoint

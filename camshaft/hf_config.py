@@ -4,6 +4,7 @@ the wrong type or out of range is a CheckpointError naming the field, never coer
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from camshaft.checks import is_int, is_int_at_least
@@ -71,15 +72,16 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     arch = architecture(hf, source)
     f = Fields(hf, source)
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' two names for x * sigmoid(x)
         raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
     hidden, heads = f.get("hidden_size", "int", least=1), f.get("num_attention_heads", "int", least=1)
     layers = f.get("num_hidden_layers", "int", least=1)
     bias = f.get("attention_bias", "bool", False)
     window, layer_types = attention_layout(f, arch, layers)
+    vocab = f.get("vocab_size", "int", least=1)
     return dict(
         architecture=arch,
-        vocab_size=f.get("vocab_size", "int", least=1),
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=f.get("intermediate_size", "int", least=1),
         num_layers=layers,
@@ -96,8 +98,8 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         qk_norm=arch == "qwen3",
         sliding_window=window,
         layer_types=layer_types,
-        bos_token_id=special_id(gen, hf, "bos_token_id", source),
-        eos_token_ids=eos_ids(gen, hf, source),
+        bos_token_id=special_id(gen, hf, "bos_token_id", source, vocab),
+        eos_token_ids=eos_ids(gen, hf, source, vocab),
     )
 
 
@@ -158,16 +160,23 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
     return window, ("sliding",) * layers
 
 
-def special_id(gen: dict[str, Any], hf: dict[str, Any], key: str, source: str) -> int | None:
+def _where(gen: dict[str, Any], key: str, source: str) -> str:
+    """The file a special token id is read from: generation_config.json wins over config.json, as in transformers."""
+    return str(Path(source).with_name("generation_config.json")) if key in gen else source
+
+
+def special_id(gen: dict[str, Any], hf: dict[str, Any], key: str, source: str, vocab: int) -> int | None:
     value = gen.get(key, hf.get(key))
-    if value is not None and not is_int_at_least(value, 0):
-        raise CheckpointError(f"{source}: {key} must be a token id (an integer >= 0), not {value!r}")
+    if value is not None and not (is_int_at_least(value, 0) and value < vocab):
+        raise CheckpointError(f"{_where(gen, key, source)}: {key} must be a token id of the vocabulary "
+                              f"(0..{vocab - 1}), not {value!r}")
     return value
 
 
-def eos_ids(gen: dict[str, Any], hf: dict[str, Any], source: str) -> tuple[int, ...]:
+def eos_ids(gen: dict[str, Any], hf: dict[str, Any], source: str, vocab: int) -> tuple[int, ...]:
     eos = gen.get("eos_token_id", hf.get("eos_token_id"))
     ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    if not all(is_int_at_least(t, 0) for t in ids):
-        raise CheckpointError(f"{source}: eos_token_id must be a token id or a list of them, not {eos!r}")
+    if not all(is_int_at_least(t, 0) and t < vocab for t in ids):
+        raise CheckpointError(f"{_where(gen, 'eos_token_id', source)}: eos_token_id must be a token id of the "
+                              f"vocabulary (0..{vocab - 1}) or a list of them, not {eos!r}")
     return tuple(ids)

@@ -1,0 +1,103 @@
+"""Checkpoints as users bring them: a Llama-class tokenizer tokenizes in the engine as transformers does, and a
+tokenizer that cannot load, a tied head stored differently, or special ids outside the vocabulary are refused at
+build, naming the file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import transformers
+from safetensors.numpy import load_file, save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import CheckpointError
+from camshaft.model_config import ModelConfig
+from camshaft.runtime.session import Session
+
+from tiny_models import make_tiny_model
+
+
+def sentencepiece_bpe(path) -> None:
+    """A Llama-2 / Mistral style tokenizer.json: SentencePiece BPE with byte fallback, no pre-tokenizer."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "h", "e", "l", "o", "t", "r", "i", "▁h", "he", "ll", "▁t", "▁he", "▁hell", "▁hello", "▁th",
+                  "▁the", "er", "▁ther", "▁there", "▁hi"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "h"), ("h", "e"), ("l", "l"), ("▁", "t"), ("▁h", "e"), ("▁he", "ll"), ("▁hell", "o"),
+              ("▁t", "h"), ("▁th", "e"), ("e", "r"), ("▁th", "er"), ("▁ther", "e"), ("▁h", "i")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.add_special_tokens([AddedToken(t, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("variants") / "hf")
+
+
+def copy_of(model, tmp_path):
+    shutil.copytree(model, tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_a_llama_class_tokenizer_encodes_as_transformers_does(tiny, tmp_path):
+    model = copy_of(tiny, tmp_path)
+    sentencepiece_bpe(model / "tokenizer.json")
+    (model / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "legacy": False}))
+    reference = transformers.AutoTokenizer.from_pretrained(str(model))
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+    with Session(tmp_path / "engine") as session:
+        for text in (" hello there", "hi there", "hello  there"):
+            assert session.encode(text) == reference(text)["input_ids"], text
+        messages = [{"role": "user", "content": "hello"}]
+        expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
+        assert session.encode(messages=messages) == expected
+
+
+def test_a_tokenizer_that_cannot_load_is_refused_before_the_graph(tiny, tmp_path, monkeypatch):
+    from camshaft.builder import build
+
+    model = copy_of(tiny, tmp_path)
+    (model / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 1\n")
+    monkeypatch.setattr(build, "write_graph", lambda *a, **k: pytest.fail("the graph was written first"))
+    with pytest.raises(CheckpointError, match="tokenizer.json is a git-lfs pointer, not the file: fetch it"):
+        build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+    (model / "tokenizer.json").write_text("{")
+    with pytest.raises(CheckpointError, match="the tokenizer in .* could not be loaded"):
+        build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+
+
+def test_a_tied_head_stored_differently_is_refused(tmp_path):
+    model = make_tiny_model("llama3-rope", tmp_path / "hf")  # tie_word_embeddings: true
+    [weights] = model.glob("*.safetensors")
+    tensors = load_file(weights)
+    embed = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embed.copy()}, weights)  # equal: still one tied head
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+    save_file({**tensors, "lm_head.weight": (embed * 2).astype(np.float32)}, weights)
+    with pytest.raises(CheckpointError, match="stores a different lm_head.weight, which transformers runs instead"):
+        build_engine(BuildConfig(model, tmp_path / "engine2", max_seq_len=64))
+
+
+def test_special_ids_outside_the_vocabulary_name_their_file(tiny):
+    hf = json.loads((tiny / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"generation_config.json: eos_token_id must be a token id of the "
+                                              r"vocabulary \(0..383\)"):
+        ModelConfig.from_hf(hf, {"eos_token_id": [2, 500]}, source=str(tiny / "config.json"))
+    with pytest.raises(CheckpointError, match=r"config.json: bos_token_id must be a token id"):
+        ModelConfig.from_hf({**hf, "bos_token_id": 384}, {}, source=str(tiny / "config.json"))
+    assert ModelConfig.from_hf({**hf, "hidden_act": "swish"}).architecture == "llama"  # transformers' SiLU alias

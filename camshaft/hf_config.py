@@ -19,6 +19,7 @@ ARCHITECTURES = {
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
+QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others: hidden / heads)
 _REQUIRED = object()
 _KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
 
@@ -87,7 +88,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=f.get("num_key_value_heads", "int", heads, least=1),
-        head_dim=f.get("head_dim", "int", hidden // heads, least=1),
+        head_dim=f.get("head_dim", "int", QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // heads, least=1),
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-6, least=0),
         max_position_embeddings=f.get("max_position_embeddings", "int", 2048, least=1),
         rope=rope_fields(hf, f, source),

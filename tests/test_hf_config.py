@@ -18,7 +18,7 @@ from tiny_models import make_tiny_model
 def configs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {arch: json.loads((make_tiny_model(arch, root / arch) / "config.json").read_text())
-            for arch in ("llama", "mistral-sliding", "qwen2-bias")}
+            for arch in ("llama", "mistral-sliding", "qwen2-bias", "qwen3-qknorm")}
 
 
 def edited(config: dict, **changes) -> dict:
@@ -85,6 +85,12 @@ def test_qwen_windows_default_as_transformers_does(configs, changes):
     assert ours.sliding_window == reference.sliding_window
     names = {"full_attention": "full", "sliding_attention": "sliding"}
     assert ours.layer_types == tuple(names[t] for t in reference.layer_types)
+
+
+def test_head_dim_defaults_as_transformers_does(configs):
+    for name, config_class in (("qwen3-qknorm", transformers.Qwen3Config), ("llama", transformers.LlamaConfig)):
+        hf = edited(configs[name], head_dim=...)
+        assert ModelConfig.from_hf(hf).head_dim == config_class(**hf).head_dim
 
 
 def test_an_unsupported_class_is_not_rescued_by_model_type(configs):

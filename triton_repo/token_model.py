@@ -240,11 +240,15 @@ class TokenModel:
         self.metrics.count("camshaft_requests_total")
         return ids
 
+    def _in_flight(self) -> int:
+        load = self.llm.load()
+        return load.running + load.waiting
+
     def finalize(self) -> None:
         # Triton unloads this model once its own requests are done, but the text models' requests reach it over the
         # channel: let them finish (Triton's exit timeout still bounds the whole shutdown)
         deadline = time.monotonic() + DRAIN_S
-        while time.monotonic() < deadline and (load := self.llm.load()).running + load.waiting:
+        while time.monotonic() < deadline and self.llm.executor.alive and self._in_flight():
             time.sleep(0.05)
         self.channel.close()
         self.llm.close()  # unfinished requests get an error output, which the responder still sends

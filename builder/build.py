@@ -216,6 +216,16 @@ def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging
     return tensorrt.ARTIFACT, [tensorrt.ARTIFACT, GRAPH_NAME, GRAPH_DATA], meta
 
 
+def _plain_tokenizer_json(model_dir: Path) -> bool:
+    from transformers import PreTrainedTokenizerFast
+
+    path = model_dir / "tokenizer.json"
+    try:
+        return path.is_file() and PreTrainedTokenizerFast(tokenizer_file=str(path)) is not None
+    except Exception:  # tokenizers raises its own types for a file it cannot read
+        return False
+
+
 def _save_tokenizer(model_dir: Path, tok_dir: Path) -> None:
     """The engine's tokenizer as transformers loads the checkpoint's (its class may rewrite tokenizer.json's
     pre-tokenizer, e.g. Llama's legacy / add_prefix_space), saved as a fast tokenizer (tokenizer.json) that the runtime
@@ -229,8 +239,10 @@ def _save_tokenizer(model_dir: Path, tok_dir: Path) -> None:
         if path.is_file() and path.read_bytes()[:40].startswith(b"version https://git-lfs"):
             raise CheckpointError(f"{path} is a git-lfs pointer, not the file: fetch it (git lfs pull) and build again")
     try:
-        AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(tok_dir))
+        AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False).save_pretrained(str(tok_dir))
     except Exception as exc:  # transformers raises many types for tokenizers it cannot load or convert
+        if _plain_tokenizer_json(model_dir):  # e.g. a custom tokenizer class: its tokenizer.json, as it is
+            return
         hint = ""
         if not (model_dir / "tokenizer.json").is_file() and (model_dir / "tokenizer.model").is_file():
             hint = (" (a SentencePiece tokenizer.model without tokenizer.json: install sentencepiece, "

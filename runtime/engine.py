@@ -10,7 +10,7 @@ from camshaft.errors import EngineError
 from camshaft.manifest import GROUP_FLAGS, TOKENIZER_DIR, Manifest, read_manifest
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
-from camshaft.runtime.kv_cache import BlockPool, pool_blocks
+from camshaft.runtime.kv_cache import BlockPool, cache_copies, pool_blocks
 
 
 def load_tokenizer(engine_dir: Path):
@@ -44,7 +44,7 @@ class Engine:
             raise EngineError(f"{self.dir}: the engine takes inputs this camshaft does not produce "
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.group_flags = {spec.name for spec in GROUP_FLAGS} <= inputs
-        num_blocks = pool_blocks(m, max_sequences, kv_cache_memory)
+        num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))
         self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)
         self.pool = BlockPool(num_blocks)
         self.tokenizer = load_tokenizer(self.dir)

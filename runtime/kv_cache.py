@@ -66,18 +66,26 @@ def parse_memory(spec: str | int | float | None) -> int | None:
     return value
 
 
-def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | float | None = None) -> int:
-    """Blocks for `max_sequences` full-length sequences, or as many as fit `memory` (see parse_memory), plus the
-    null block."""
+def cache_copies(manifest: Manifest) -> int:
+    """Buffers a backend holds of each cache: the TensorRT backend two where the plan writes a new cache rather than
+    updating its input in place (backends/tensorrt.py), so a memory budget is counted for both."""
+    return 2 if manifest.target.startswith("tensorrt") else 1
+
+
+def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | float | None = None,
+                copies: int = 1) -> int:
+    """Blocks for `max_sequences` full-length sequences, or as many as fit `memory` (see parse_memory) when the
+    backend holds `copies` buffers of each cache, plus the null block."""
     spec = memory_spec(memory)
     memory_bytes = parse_memory(spec)
     if memory_bytes is not None:
-        blocks = memory_bytes // bytes_per_block(manifest)
+        each = copies * bytes_per_block(manifest)
+        blocks = memory_bytes // each
         if blocks < 2:
             given = f" ({spec} of the memory available)" if isinstance(spec, float) else ""
             raise CapacityError(
-                f"a KV cache budget of {memory_bytes} bytes{given} holds no block ({bytes_per_block(manifest)} bytes "
-                f"each, and one more is kept empty); raise the budget: {MEMORY_HELP}"
+                f"a KV cache budget of {memory_bytes} bytes{given} holds no block ({each} bytes each, and one more "
+                f"is kept empty); raise the budget: {MEMORY_HELP}"
             )
         return int(blocks)
     return max_sequences * manifest.limits.max_blocks_per_seq + 1

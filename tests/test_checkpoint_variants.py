@@ -101,3 +101,14 @@ def test_special_ids_outside_the_vocabulary_name_their_file(tiny):
     with pytest.raises(CheckpointError, match=r"config.json: bos_token_id must be a token id"):
         ModelConfig.from_hf({**hf, "bos_token_id": 384}, {}, source=str(tiny / "config.json"))
     assert ModelConfig.from_hf({**hf, "hidden_act": "swish"}).architecture == "llama"  # transformers' SiLU alias
+
+
+def test_a_custom_tokenizer_class_builds_from_its_tokenizer_json_without_running_its_code(tiny, tmp_path):
+    model = copy_of(tiny, tmp_path)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="MyTokenizer", auto_map={"AutoTokenizer": [None, "my_tokenizer.MyTokenizer"]})
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+    plain = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"))
+    with Session(tmp_path / "engine") as session:
+        assert session.encode("hello there") == plain("hello there")["input_ids"]

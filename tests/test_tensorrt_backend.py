@@ -268,6 +268,16 @@ def test_backend_plumbing_against_simulated_cuda_and_tensorrt(simulated):
     assert not cudart.allocations and cudart.streams_destroyed == 1
 
 
+def test_a_kv_budget_counts_both_buffers_of_each_cache(simulated):
+    rtx_dir, _, _ = simulated
+    manifest = Engine(rtx_dir, max_sequences=1).manifest
+    from camshaft.runtime.kv_cache import bytes_per_block
+
+    budget = 10 * 2 * bytes_per_block(manifest)  # room for 10 blocks of every cache, twice
+    engine = Engine(rtx_dir, kv_cache_memory=budget)
+    assert engine.pool.num_blocks == 10 and engine.backend.kv_cache_bytes <= budget
+
+
 def test_a_cache_the_plan_aliases_is_bound_in_place(engines, monkeypatch):
     import tensorrt_rtx
 

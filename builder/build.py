@@ -216,6 +216,11 @@ def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging
     return tensorrt.ARTIFACT, [tensorrt.ARTIFACT, GRAPH_NAME, GRAPH_DATA], meta
 
 
+def _head(path: Path, size: int = 40) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(size)
+
+
 def _plain_tokenizer_json(model_dir: Path) -> bool:
     from transformers import PreTrainedTokenizerFast
 
@@ -236,7 +241,7 @@ def _save_tokenizer(model_dir: Path, tok_dir: Path) -> None:
 
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         path = model_dir / name
-        if path.is_file() and path.read_bytes()[:40].startswith(b"version https://git-lfs"):
+        if path.is_file() and _head(path).startswith(b"version https://git-lfs"):
             raise CheckpointError(f"{path} is a git-lfs pointer, not the file: fetch it (git lfs pull) and build again")
     try:
         AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False).save_pretrained(str(tok_dir))

@@ -24,6 +24,8 @@ from camshaft.errors import CheckpointError
 from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig, require_tokenizer
 from camshaft.weight_files import weight_files
 
+EMBED = "model.embed_tokens.weight"
+
 
 class Checkpoint:
     """Tensors by name across one or many safetensors files, each checked against its expected shape."""
@@ -55,7 +57,7 @@ class Checkpoint:
     def _check_tied_head(self) -> None:
         """A tied head reads the embedding; a checkpoint that also stores a different lm_head.weight is refused
         (transformers would run that tensor, so the engine would disagree with it)."""
-        embed, head = "model.embed_tokens.weight", "lm_head.weight"
+        embed, head = EMBED, "lm_head.weight"
         if not (self.config.tie_word_embeddings and head in self._where and embed in self._where):
             return
         if not np.array_equal(self._raw(head), self._raw(embed)):

@@ -4,6 +4,7 @@ they were lowered for (graph metadata), and why an engine has no sequence graph.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from camshaft.errors import EngineError
@@ -28,8 +29,7 @@ def check_graph_limits(metadata: dict[str, str], limits: BuildLimits, path: Path
     recorded = metadata.get(GRAPH_LIMITS_KEY)
     if recorded is None:
         return
-    wanted = {"max_seq_len": limits.max_seq_len, "max_num_tokens": limits.max_num_tokens,
-              "kv_block_size": limits.kv_block_size, "max_batch_size": limits.max_batch_size}
+    wanted = asdict(limits)
     differ = {k: v for k, v in json.loads(recorded).items() if wanted.get(k) != v}
     if differ:
         says = ", ".join(f"{k} {v} (manifest: {wanted.get(k)})" for k, v in differ.items())

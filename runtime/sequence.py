@@ -22,6 +22,11 @@ from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
 GROW = 256
 
 
+def over_budget(total: int, holds: int, how: str) -> CapacityError:
+    return CapacityError(f"the request needs {total} tokens of KV cache; the budget holds {holds} ({how}): raise "
+                         "kv_cache_memory or lower max_tokens")
+
+
 class SequenceEngine:
     """`kv_cache_memory` (bytes) bounds the cache: a sequence that would need more is refused at `start`."""
 
@@ -85,9 +90,7 @@ class SequenceEngine:
     def start(self, total: int) -> None:
         """Make room for a sequence of `total` tokens (prompt + max_tokens)."""
         if total > self.max_tokens:
-            raise CapacityError(f"the request needs {total} tokens of KV cache; the budget holds {self.max_tokens} "
-                                f"({self.token_bytes} bytes a token): raise kv_cache_memory or lower "
-                                "max_tokens")
+            raise over_budget(total, self.max_tokens, f"{self.token_bytes} bytes a token")
         if total > self.capacity:
             self._bind_caches(min(-(-total // GROW) * GROW, self.max_tokens))
         self._length = 0
@@ -159,9 +162,7 @@ class BatchGraphSequence:
         pool, block = self.engine.pool, self.engine.block_size
         need = -(-total // block)
         if need > pool.capacity:
-            raise CapacityError(f"the request needs {total} tokens of KV cache; the budget holds "
-                                f"{pool.capacity * block} ({pool.capacity} blocks of {block} tokens): raise "
-                                "kv_cache_memory or lower max_tokens")
+            raise over_budget(total, pool.capacity * block, f"{pool.capacity} blocks of {block} tokens")
         self.blocks = pool.allocate(need)
 
     def feed(self, tokens: list[int], start: int, copy: bool = True, last: bool = True) -> np.ndarray | None:

@@ -58,6 +58,9 @@ class Session:
         """Release the engine now; a request running in another thread ends at its next token with a RequestError
         and releases it then."""
         self._closed = True
+        self._release_engine_if_idle()
+
+    def _release_engine_if_idle(self) -> None:
         if self._running.acquire(blocking=False):
             try:
                 self.engine.close()
@@ -190,11 +193,8 @@ class Session:
         finally:
             engine.finish()
             self._running.release()
-            if self._closed and self._running.acquire(blocking=False):  # closed while this request ran
-                try:
-                    engine.close()
-                finally:
-                    self._running.release()
+            if self._closed:  # closed while this request ran
+                self._release_engine_if_idle()
 
     def _check_open(self) -> None:
         if self._closed:

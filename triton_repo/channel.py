@@ -112,9 +112,14 @@ class ChannelServer:
         self.listener.close()
         for connection in self.connections:
             connection.close()
-        self.path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # the directory, once the server's last token model is gone
-            self.path.parent.rmdir()
+        remove_socket(self.path)
+
+
+def remove_socket(path: Path) -> None:
+    """A channel's socket, and its directory once the server's last token model is gone."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+        path.parent.rmdir()
 
 
 def _write(connection: Connection, outgoing: queue.SimpleQueue) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 
 from camshaft.errors import CamshaftError
-from camshaft.triton_repo.channel import channel_path
+from camshaft.triton_repo.channel import channel_path, remove_socket
 from camshaft.triton_repo.deploy import TOKEN_MODEL
 from camshaft.triton_repo.launch import Endpoints, free_port, make_backends_dir, server_env, tritonserver_root
 
@@ -137,10 +137,7 @@ class TritonServer:
         self.leaked_shm = sorted(name for name in self._shm if Path("/dev/shm", name).exists())
         for name in self.leaked_shm:  # only regions our server's processes mapped; a clean exit leaves none
             Path("/dev/shm", name).unlink(missing_ok=True)
-        socket = channel_path(TOKEN_MODEL, self.process.pid)  # the token model removes it, unless it never finalized
-        with contextlib.suppress(OSError):
-            socket.unlink(missing_ok=True)
-            socket.parent.rmdir()
+        remove_socket(channel_path(TOKEN_MODEL, self.process.pid))  # the token model's, unless it never finalized
         self._tmp.cleanup()
         return code
 

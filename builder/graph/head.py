@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from camshaft.builder.checkpoint import EMBED
 from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN, Linears, nbits_block
 from camshaft.builder.quantized import LM_HEAD_FORMATS, QuantizedLinear, round_to_nearest
 from camshaft.errors import BuildConfigError
 from camshaft.model_config import ModelConfig
 from camshaft.quantize.spec import LM_HEAD_FLOAT_CHANNELS, check_lm_head
-
-EMBED = "model.embed_tokens.weight"
 
 
 def head_weight_name(config: ModelConfig) -> str:

@@ -71,16 +71,16 @@ class CompletionShape(_Shape):
         if index not in self._texts:
             self._texts[index] = TextStream(self._tokenizer, self._prompts[index // self._n])
         text = self._texts[index]
-        offsets = []
-        for s in samples:
-            before, delta, shown = len(text.text), text.append(s.token_id), self.token(s.token_id)
+        offsets, tokens = [], [self.token(s.token_id) for s in samples]
+        for s, shown in zip(samples, tokens, strict=True):
+            before, delta = len(text.text), text.append(s.token_id)
             if not delta:  # a character still incomplete, or no text: where the next character will be
                 offsets.append(before)
             elif text.text.endswith(shown):
                 offsets.append(len(text.text) - len(shown))
             else:  # it ends a character begun before it (or bytes that make none, U+FFFD): that character
                 offsets.append(len(text.text) - len(delta))
-        return {"tokens": [self.token(s.token_id) for s in samples],
+        return {"tokens": tokens,
                 "token_logprobs": [_logprob(s.logprob) for s in samples],
                 "top_logprobs": [self._top(s) for s in samples], "text_offset": offsets}
 

@@ -5,21 +5,16 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from camshaft.builder.build import build_engine
-from camshaft.builder.config import BuildConfig
 from camshaft.cli import app
 from camshaft.errors import CamshaftError
 from camshaft.triton_repo.server import free_port
 
-from tiny_models import make_tiny_model
+from tiny_models import tiny_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_surface")
-    build_engine(BuildConfig(make_tiny_model("llama", root / "hf"), root / "engine", max_seq_len=128,
-                             max_batch_size=4, max_num_tokens=64))
-    return root / "engine"
+    return tiny_engine(tmp_path_factory.mktemp("cli_surface"), max_seq_len=128, max_batch_size=4, max_num_tokens=64)
 
 
 def invoke(*args: str):

@@ -11,14 +11,12 @@ import weakref
 
 import pytest
 
-from camshaft.builder.build import build_engine
-from camshaft.builder.config import BuildConfig
 from camshaft.errors import RequestError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
 
-from tiny_models import make_tiny_model
+from tiny_models import tiny_engine
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -26,10 +24,7 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
     """max_seq_len 32 under the default max_num_tokens (512): a step packs far more tokens than one sequence holds."""
-    root = tmp_path_factory.mktemp("lifecycle")
-    build_engine(BuildConfig(make_tiny_model("llama", root / "hf"), root / "engine", max_seq_len=32,
-                             kv_block_size=8, max_batch_size=64))
-    return root / "engine"
+    return tiny_engine(tmp_path_factory.mktemp("lifecycle"), max_seq_len=32, kv_block_size=8, max_batch_size=64)
 
 
 def test_a_step_may_pack_more_tokens_than_max_seq_len(engine_dir):

@@ -74,3 +74,12 @@ def tokenizer_json(out_dir: Path, vocab_size: int) -> None:
         "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
     fast.save_pretrained(out_dir)
+
+
+def tiny_engine(root: Path, arch: str = "llama", **build_options) -> Path:
+    """A tiny model's checkpoint in root/hf built into root/engine (BuildConfig keyword arguments)."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    build_engine(BuildConfig(make_tiny_model(arch, root / "hf"), root / "engine", **build_options))
+    return root / "engine"

@@ -169,6 +169,28 @@ def test_text_offset_of_a_token_that_ends_a_character_and_adds_more():
     assert logprobs["text_offset"] == [0, 1, 1, 3]  # x, é (begun), é (completed, then a), b
 
 
+def test_sentencepiece_tokens_keep_their_leading_space():
+    """SentencePiece marks a word's leading space with '▁', which decoding one token alone strips: the token strings
+    and offsets must still spell the choice's text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from camshaft.openai_server.responses import CompletionShape
+    from camshaft.runtime.sampler import SampleResult
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "▁", "H", "i", "▁there", "!", "<0xC3>", "<0xA9>"])}
+    spm = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    spm.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=spm, unk_token="<unk>")
+    ids = [vocab["▁there"], vocab["!"], vocab["▁there"], vocab["<0xC3>"], vocab["<0xA9>"]]
+    logprobs = CompletionShape("m", tokenizer, [[vocab["H"], vocab["i"]]], 1).logprobs(
+        0, [SampleResult(t, -1.0) for t in ids])
+    assert logprobs["tokens"] == [" there", "!", " there", "bytes:\\xc3", "bytes:\\xa9"]
+    assert logprobs["text_offset"] == [0, 6, 7, 13, 13]
+
+
 def test_null_fields_take_their_defaults(served):
     body = {"model": MODEL, "messages": HI, "max_tokens": 3, "n": None, "top_p": None, "presence_penalty": None,
             "frequency_penalty": None, "stream": None, "logprobs": None, "temperature": None, "seed": None}

@@ -7,6 +7,7 @@ import re
 from functools import lru_cache
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte tokens
+_SPACE_MARK = "\u2581"  # SentencePiece's "▁": the token begins with a space
 
 
 @lru_cache(maxsize=1)
@@ -39,9 +40,11 @@ class TokenText:
 
     def _text_and_bytes(self, token_id: int) -> tuple[str, list[int] | None]:
         text = self.tokenizer.decode([token_id])
-        if text and "\ufffd" not in text:
-            return text, list(text.encode())
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if text and "\ufffd" not in text:
+            if isinstance(piece, str) and piece.startswith(_SPACE_MARK) and not text.startswith(" "):
+                text = " " + text  # decoding one SentencePiece token alone strips the space it starts with
+            return text, list(text.encode())
         if piece is None:
             return f"token_id:{token_id}", None
         raw = _raw_bytes(piece)

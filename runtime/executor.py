@@ -105,7 +105,8 @@ class Executor:
         try:
             self._run()
         except BaseException as exc:  # a bug in the loop: fail every request rather than leave callers hanging
-            self._fail_all(ServerClosedError(f"the batch loop failed: {exc!r}; restart the server"))
+            self._fail_all(ServerClosedError(f"the batch loop failed: {exc!r}; create a new LLM (or restart the "
+                                             "server)"))
             raise
 
     def _fail_all(self, error: Exception) -> None:

@@ -178,17 +178,17 @@ def test_sentencepiece_tokens_keep_their_leading_space():
     from camshaft.openai_server.responses import CompletionShape
     from camshaft.runtime.sampler import SampleResult
 
-    vocab = {t: i for i, t in enumerate(["<unk>", "▁", "H", "i", "▁there", "!", "<0xC3>", "<0xA9>"])}
+    vocab = {t: i for i, t in enumerate(["<unk>", "▁", "▁▁", "H", "i", "▁there", "!", "<0xC3>", "<0xA9>"])}
     spm = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     spm.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     spm.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=spm, unk_token="<unk>")
-    ids = [vocab["▁there"], vocab["!"], vocab["▁there"], vocab["<0xC3>"], vocab["<0xA9>"]]
+    ids = [vocab[t] for t in ["▁there", "!", "▁", "▁▁", "▁there", "<0xC3>", "<0xA9>"]]
     logprobs = CompletionShape("m", tokenizer, [[vocab["H"], vocab["i"]]], 1).logprobs(
         0, [SampleResult(t, -1.0) for t in ids])
-    assert logprobs["tokens"] == [" there", "!", " there", "bytes:\\xc3", "bytes:\\xa9"]
-    assert logprobs["text_offset"] == [0, 6, 7, 13, 13]
+    assert logprobs["tokens"] == [" there", "!", " ", "  ", " there", "bytes:\\xc3", "bytes:\\xa9"]
+    assert logprobs["text_offset"] == [0, 6, 7, 8, 10, 16, 16]
 
 
 def test_null_fields_take_their_defaults(served):

@@ -7,7 +7,7 @@ import re
 from functools import lru_cache
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte tokens
-_SPACE_MARK = "\u2581"  # SentencePiece's "▁": the token begins with a space
+_SPACE_MARK = "\u2581"  # SentencePiece's "▁": a space
 
 
 @lru_cache(maxsize=1)
@@ -39,11 +39,12 @@ class TokenText:
         self.get = lru_cache(maxsize=65536)(self._text_and_bytes)
 
     def _text_and_bytes(self, token_id: int) -> tuple[str, list[int] | None]:
-        text = self.tokenizer.decode([token_id])
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and _SPACE_MARK in piece and not _BYTE_FALLBACK.fullmatch(piece):
+            text = piece.replace(_SPACE_MARK, " ")  # decoding it alone would strip (or keep) the space it begins with
+            return text, list(text.encode())
+        text = self.tokenizer.decode([token_id])
         if text and "\ufffd" not in text:
-            if isinstance(piece, str) and piece.startswith(_SPACE_MARK) and not text.startswith(" "):
-                text = " " + text  # decoding one SentencePiece token alone strips the space it starts with
             return text, list(text.encode())
         if piece is None:
             return f"token_id:{token_id}", None

@@ -1,7 +1,8 @@
 """Per-request logits processing and sampling on numpy rows.
 
 Order: repetition penalty -> presence/frequency penalties -> bad words -> min_tokens -> greedy argmax, or
-temperature -> top_k -> top_p -> min_p -> draw. Logprobs are log_softmax of the RAW model logits (vLLM's default).
+temperature -> top_k -> top_p -> min_p -> draw (transformers' order; vLLM applies min_p before top_k/top_p, which
+differs only when min_p and top_p are combined). Logprobs are log_softmax of the RAW model logits (vLLM's default).
 Repetition penalty covers prompt + output tokens, presence/frequency only output tokens; min_tokens bans
 stop_token_ids and, unless ignore_eos, the eos ids. `SequenceSampler.sample` records the token it returns.
 """
@@ -17,6 +18,8 @@ import numpy as np
 from camshaft.errors import RequestError
 from camshaft.runtime.row_select import draw, nucleus, top_k_indices
 from camshaft.runtime.sampling_params import SamplingParams
+
+_TINY = np.finfo(np.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ class SequenceSampler:
     def _sample_filtered(self, x: np.ndarray, top: float, rows: tuple[np.ndarray, ...]) -> int:
         p = self.params
         log_weights = np.subtract(x, np.float32(top), out=rows[1])
-        log_weights *= np.float32(1.0 / p.temperature)
+        log_weights *= max(np.float32(1.0 / p.temperature), _TINY)  # a banned token's -inf times 0 would be NaN
         weights = np.exp(log_weights, out=rows[2])  # the most likely token has weight 1
         kept = None
         if p.top_k and p.top_k < x.size:
@@ -193,6 +196,8 @@ def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> lis
                 results[i] = sampler.sample(logits[i])
             except RequestError as exc:
                 results[i] = exc
+            except Exception as exc:  # a bug here fails this request, not the loop every request shares
+                results[i] = RequestError(f"sampling failed: {exc!r}")
     return results  # type: ignore[return-value]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from camshaft.checks import is_int
@@ -19,7 +20,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,11 @@ class SamplingParams:
         _require(0 <= self.min_tokens <= self.max_tokens,
                  f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _require(self.temperature >= 0, f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        _require(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _require(self.top_k >= -1, f"top_k must be >= 1, or 0 or -1 to disable it, got {self.top_k}")
+        if self.top_k == -1:  # vLLM's "all tokens"
+            object.__setattr__(self, "top_k", 0)
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
-        _require(0 <= self.min_p < 1, f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
+        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         _require(self.repetition_penalty > 0,
                  f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -46,8 +46,8 @@ def _reference_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) 
     (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(min_p=1.0), "min_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.01), "min_p"),
     (dict(min_p=-0.1), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=2.5), "presence_penalty"),
@@ -99,6 +99,40 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ():
     assert run(7) != run(8)
     assert run(7, index=1) != run(7) and run(7, index=1) == run(7, index=1)
     assert run(None) != run(None)
+
+
+def test_vllm_values_are_accepted():
+    """top_k -1 (vLLM's "all tokens") is top_k 0; min_p 1 keeps the most likely tokens only; numpy scalars are
+    numbers."""
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    row = np.array([2.0, 2.0, 1.9, -1.0], dtype=np.float32)
+    assert set(np.flatnonzero(_sample_counts(row, 200, temperature=1.0, min_p=1.0))) == {0, 1}
+    params = SamplingParams(temperature=np.float32(0.7), top_p=np.float32(0.9), min_p=np.float64(0.1))
+    assert params.temperature == pytest.approx(0.7) and params.top_p == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_a_huge_temperature_samples_the_allowed_tokens_uniformly(top_p):
+    """1/T underflows float32 past ~1e38; a banned token's -inf times that 0 was NaN, which top_p turned into an
+    exception that stopped the batch loop (and without top_p, one token took every draw)."""
+    row = np.linspace(-1, 1, 10, dtype=np.float32)
+    counts = _sample_counts(row, 4000, temperature=1e46, top_p=top_p, bad_words=[[2], [7]])
+    expected = np.full(10, 1 / 8)
+    expected[[2, 7]] = 0
+    if top_p < 1:  # the nucleus of a flat row: the lowest ids first, until half the mass
+        expected[:] = 0
+        expected[[0, 1, 3, 4]] = 1 / 4
+    _assert_matches(counts, expected)
+
+
+def test_an_unexpected_sampling_error_fails_its_row_only(monkeypatch):
+    from camshaft.runtime.sampler import sample_batch
+
+    broken, fine = _sampler(vocab=8, temperature=1.0, seed=1), _sampler(vocab=8, temperature=1.0, seed=1)
+    monkeypatch.setattr(broken, "sample", lambda row: 1 / 0)
+    results = sample_batch([broken, fine], np.zeros((2, 8), dtype=np.float32))
+    assert isinstance(results[0], RequestError) and "ZeroDivisionError" in str(results[0])
+    assert isinstance(results[1].token_id, int)
 
 
 def _sample_counts(logits, n, **params) -> np.ndarray:

@@ -206,6 +206,9 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
     if not engine_dir.is_dir():
         raise EngineError(f"engine directory {engine_dir} does not exist; build one with `camshaft build`")
     path = engine_dir / MANIFEST_NAME
+    if not path.is_file() and (engine_dir / "config.json").is_file():
+        raise EngineError(f"{engine_dir} is a Hugging Face checkpoint, not an engine; build one from it with "
+                          f"`camshaft build --model {engine_dir} --output ENGINE_DIR` and pass that")
     if not path.is_file():
         raise EngineError(
             f"{engine_dir} has no {MANIFEST_NAME}: it is not an engine directory, or its build never finished. "

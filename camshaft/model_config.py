@@ -106,6 +106,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dir(cls, model_dir: Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
+        if not path.is_file() and (Path(model_dir) / "manifest.json").is_file():
+            raise CheckpointError(f"{model_dir} is a camshaft engine, not a checkpoint; pass the Hugging Face "
+                                  "checkpoint directory it was built from (or use the engine with --engine)")
         if not path.is_file():
             raise CheckpointError(f"{path} not found: a Hugging Face checkpoint directory needs a config.json")
         hf = read_json_object(path)

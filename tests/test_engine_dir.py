@@ -131,6 +131,14 @@ def test_a_file_is_not_an_engine_dir(tmp_path):
         Session(tmp_path / "afile")
 
 
+def test_a_checkpoint_and_an_engine_swapped_say_which_is_which(built, tmp_path):
+    model, engine = built
+    with pytest.raises(EngineError, match=f"is a Hugging Face checkpoint, not an engine.*--model {model}"):
+        Session(model)
+    with pytest.raises(CheckpointError, match="is a camshaft engine, not a checkpoint"):
+        build_engine(BuildConfig(engine, tmp_path / "out", max_seq_len=64))
+
+
 def test_missing_manifest_means_unfinished_build(copy):
     (copy / "manifest.json").unlink()
     with pytest.raises(EngineError, match="never finished"):

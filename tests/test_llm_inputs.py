@@ -4,6 +4,10 @@ refused unless they are positive and within the engine, n beyond what the queue 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import psutil
 import pytest
@@ -135,3 +139,22 @@ def test_one_token_id_prompt_in_numpy_integers(engine_dir):
         ids = [np.int64(5), np.int64(6), np.int64(7)]
         outputs = llm.generate(ids, SamplingParams(max_tokens=2), use_tqdm=False)
         assert len(outputs) == 1 and outputs[0].prompt_token_ids == [5, 6, 7]
+
+
+def test_a_pool_beyond_the_process_memory_is_a_clear_error(engine_dir):
+    """Under an address-space limit (ulimit -v, a container's), the pool's allocation fails: a CapacityError naming
+    the options to change, not numpy's MemoryError traceback."""
+    script = textwrap.dedent(f"""
+        import resource
+        from camshaft.runtime.llm import LLM
+        from camshaft.errors import CapacityError
+        size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (size + 2**30, size + 2**30))
+        try:
+            LLM({str(engine_dir)!r}, kv_cache_memory="8GiB")
+        except CapacityError as exc:
+            print("REFUSED", exc)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in run.stdout, run.stdout + run.stderr[-2000:]
+    assert "does not fit this process's memory" in run.stdout and "--kv-cache-memory" in run.stdout

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from camshaft.errors import EngineError
+from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_graph_limits
 from camshaft.manifest import Manifest
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
@@ -61,6 +62,17 @@ def load_session(path: Path, options: ort.SessionOptions, huge_pages: bool) -> t
         raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
 
 
+def _allocate(shape: tuple[int, ...], dtype: type, count: int) -> np.ndarray:
+    try:
+        return np.zeros(shape, dtype=dtype)
+    except MemoryError:
+        size = count * math.prod(shape) * np.dtype(dtype).itemsize
+        raise CapacityError(f"the KV cache pool ({shape[0]} blocks, {size / 2**30:.2f} GiB in all) does not fit this "
+                            "process's memory; give a smaller budget (kv_cache_memory / --kv-cache-memory, e.g. 0.5 "
+                            "of free memory) or build the engine with a smaller --max-seq-len or --max-batch-size"
+                            ) from None
+
+
 def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifest, caches: list[str],
                     cache_shape: tuple[int | None, ...]) -> None:
     """The loaded graph agrees with the manifest on what the runtime sizes from it: the logits' width, the shape
@@ -92,7 +104,7 @@ class OnnxRuntimeBackend:
         self.caches: list[np.ndarray] = []
         names = zip(kv.key_inputs + kv.value_inputs, kv.key_outputs + kv.value_outputs, strict=True)
         for input_name, output_name in names:
-            cache = np.zeros(shape, dtype=NUMPY_DTYPES[kv.dtype])
+            cache = _allocate(shape, NUMPY_DTYPES[kv.dtype], len(kv.key_inputs) + len(kv.value_inputs))
             value = ort.OrtValue.ortvalue_from_numpy(cache)
             self.binding.bind_ortvalue_input(input_name, value)
             self.binding.bind_ortvalue_output(output_name, value)

@@ -33,6 +33,20 @@ def test_engine_perplexity_equals_transformers(tiny):
     assert abs(ours.perplexity - theirs.perplexity) / theirs.perplexity < 1e-4
 
 
+def test_the_cli_scores_engine_and_reference_on_the_same_windows(tiny, tmp_path, capsys):
+    model, engine = tiny
+    (tmp_path / "text.txt").write_text(TEXT)
+    text = tmp_path / "text.txt"
+    code, out, _ = camshaft(capsys, "eval", "ppl", "--engine", engine, "--model", model, "--data", text)
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 2, out
+    engine_ppl, reference_ppl = (float(line.split()[2]) for line in lines)
+    assert abs(engine_ppl - reference_ppl) / reference_ppl < 1e-4 and lines[0].split("(")[1] == lines[1].split("(")[1]
+    code, _, err = camshaft(capsys, "eval", "ppl", "--engine", engine, "--model", model, "--data",
+                            tmp_path / "text.txt", "--window", "64")
+    assert code == 0 and "not of the same windows" in err
+
+
 def test_bad_input(tiny, tmp_path, capsys):
     _, engine = tiny
     with pytest.raises(RequestError, match="does not exist"):

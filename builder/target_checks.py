@@ -28,11 +28,16 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
     if target == "onnxruntime":
         return
     if quant_algo not in TRT_QUANT_ALGOS or kv_cache_quant_algo:
-        what = quant_algo + (f" with a {kv_cache_quant_algo} KV cache" if kv_cache_quant_algo else "")
+        from camshaft.quantize.spec import FORMATS
+
+        what = shown_as or f"{quant_algo} checkpoints"
+        why = (f"the KV cache is quantized ({kv_cache_quant_algo.lower()}: its pool holds uint8 codes, which "
+               "TensorRT rejects)" if kv_cache_quant_algo else
+               "the inputs take per-token scales, computed at run time (static Q/DQ cannot)")
+        builds = [name for name, info in FORMATS.items() if set(info.layer_algos) <= set(TRT_QUANT_ALGOS)]
         raise BuildConfigError(
-            f"the {target} target cannot build {what} checkpoints yet; it takes {', '.join(TRT_QUANT_ALGOS)} "
-            "(--quant fp8 | w4a8_awq | int8_sq | int8_wo | int4_wo | int4_awq) without --kv-cache-dtype. "
-            "Build this one for --target onnxruntime."
+            f"the {target} target cannot build {what}: {why}. It builds --quant {' | '.join(builds)} without "
+            "--kv-cache-dtype; build this one for --target onnxruntime."
         )
     if gpu_arch is not None:
         from camshaft.builder.targets.precision import check_precision

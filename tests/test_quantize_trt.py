@@ -70,10 +70,12 @@ def test_quantized_formats_build_tensorrt_rtx_plans(tiny, tmp_path, fmt):
 
 
 def test_quantized_kv_cache_is_refused_before_any_work(tiny, tmp_path):
-    with pytest.raises(BuildConfigError, match=r"cannot build FP8 with a FP8 KV cache checkpoints"):
+    with pytest.raises(BuildConfigError, match=r"cannot build FP8 checkpoints: the KV cache is quantized \(fp8"):
         check_quantized_target("tensorrt", "FP8", "FP8")
-    with pytest.raises(BuildConfigError, match="cannot build W4A16_AWQ with a INT8 KV cache checkpoints yet"):
-        check_quantized_target("tensorrt-rtx", "W4A16_AWQ", "INT8")
+    with pytest.raises(BuildConfigError, match=r"cannot build --quant int4_awq: the KV cache is quantized \(int8.*"
+                       r"It builds --quant fp8 \| int8_sq \| int8_sq_mixed \| int8_wo \| int4_wo \| int4_awq \| "
+                       r"w4a8_awq without --kv-cache-dtype"):
+        check_quantized_target("tensorrt-rtx", "W4A16_AWQ", "INT8", shown_as="--quant int4_awq")
     per_token = {name for name, fmt in FORMATS.items()
                  if any(READABLE_QUANT_ALGOS[algo].per_token for algo in fmt.layer_algos)}
     assert per_token == {"fp8_pc_pt", "int8_sq_pt"}
@@ -81,7 +83,7 @@ def test_quantized_kv_cache_is_refused_before_any_work(tiny, tmp_path):
         for algo in fmt.layer_algos if name not in per_token else ():
             check_quantized_target("tensorrt-rtx", algo)
     for algo in ("FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"):
-        with pytest.raises(BuildConfigError, match=f"cannot build {algo} checkpoints yet"):
+        with pytest.raises(BuildConfigError, match=f"cannot build {algo} checkpoints: the inputs take per-token"):
             check_quantized_target("tensorrt", algo)
     with pytest.raises(BuildConfigError, match="cannot build NVFP4 checkpoints"):
         check_quantized_target("onnxruntime", "NVFP4")

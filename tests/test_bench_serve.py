@@ -29,6 +29,7 @@ def engine_dir(tmp_path_factory):
 
 
 def test_targets_and_slos_parse_or_say_what_to_write():
+    assert Target.parse("c=http://127.0.0.1:8000/v1/,backend=openai").url == "http://127.0.0.1:8000"  # a client's base
     t = Target.parse("camshaft=http://127.0.0.1:8000/,backend=openai,model=m")
     assert (t.name, t.url, t.backend, t.model) == ("camshaft", "http://127.0.0.1:8000", "openai", "m")
     assert Target.parse("t=127.0.0.1:8001,backend=triton-grpc").model is None
@@ -108,6 +109,16 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
         assert (r["completed"], r["failed"], r["output_tokens"]) == (12, 0, 12 * 12)
         assert 0 < r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
     assert (tmp_path / "serve.png").stat().st_size > 10_000
+
+
+def test_a_dataset_longer_than_an_engine_is_refused_before_the_run(engine_dir, capsys):
+    from test_cli import camshaft
+
+    code, _, err = camshaft(capsys, "bench", "serve", "--target", f"t={engine_dir},backend=llm", "--dataset",
+                            "decode-heavy", "--num-prompts", "2", "--warmup", "0")
+    err = " ".join(err.split())
+    assert code == 1 and "does not fit target t's max_seq_len 256" in err, err
+    assert "synthetic:in=NORMAL(128,12),out=64" in err and "Traceback" not in err
 
 
 def test_bench_serve_reads_triton_token_counts(engine_dir, tmp_path):

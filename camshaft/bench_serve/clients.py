@@ -31,7 +31,10 @@ class Target:
         if not sep or not name or not url or unknown or fields.get("backend") not in BACKENDS:
             raise RequestError(f"cannot read --target {spec!r}; use NAME=URL,backend={{{','.join(BACKENDS)}}}"
                                "[,model=NAME], e.g. camshaft=http://127.0.0.1:8000,backend=openai")
-        return cls(name, url.rstrip("/"), fields["backend"], fields.get("model") or None)
+        url = url.rstrip("/")
+        if fields["backend"] == "openai":
+            url = url.removesuffix("/v1")  # the base URL OpenAI clients take; the paths below add it
+        return cls(name, url, fields["backend"], fields.get("model") or None)
 
 
 @dataclass

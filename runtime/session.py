@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -142,9 +142,10 @@ class Session:
                             self.manifest.model.vocab_size)[0]
 
     def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
-               messages: list[dict[str, str]] | None = None, **overrides: Any) -> Iterator[str]:
-        """Text deltas as they become safe; they concatenate to the generated text. Bad input raises here, before
-        the first delta."""
+               messages: list[dict[str, str]] | None = None,
+               **overrides: Any) -> Generator[str, None, GenerationResult]:
+        """Text deltas as they become safe; they concatenate to the generated text, and the generator returns the
+        GenerationResult (StopIteration.value). Bad input raises here, before the first delta."""
         request = self._request(self.encode(prompt, messages), self._params(params, overrides))
         return self._run(request)
 
@@ -159,7 +160,7 @@ class Session:
              **overrides: Any) -> GenerationResult:
         return self.generate(params=params, messages=messages, **overrides)
 
-    def _run(self, request: Request) -> Iterator[str]:
+    def _run(self, request: Request) -> Generator[str, None, GenerationResult]:
         if not self._running.acquire(blocking=False):
             raise RequestError("a Session runs one request at a time and another is in progress; finish or close "
                                "its stream first, or use camshaft.LLM for concurrent requests")
@@ -186,7 +187,7 @@ class Session:
                 if delta:
                     yield delta
                 if request.finished:
-                    return
+                    return request.result()
                 self._check_open()
                 logits = engine.feed([request.output_ids[-1]], request.num_computed, copy=False)
                 request.num_computed += 1

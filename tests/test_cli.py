@@ -58,12 +58,13 @@ def test_build_then_run(tiny, capsys):
 
 
 def test_run_streams_the_same_text_as_generate(engine, capsys):
-    code, plain, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "12")
+    code, plain, stats = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "12")
     assert code == 0
-    code, streamed, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "12",
-                                 "--stream")
+    code, streamed, streamed_stats = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens",
+                                              "12", "--stream")
     assert code == 0
     assert streamed == plain
+    assert "12 tokens · finish length" in stats and "12 tokens · finish length" in streamed_stats
 
 
 BAD_RUNS = {

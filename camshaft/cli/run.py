@@ -17,11 +17,12 @@ def run(
     prompt: Annotated[str, typer.Option(help="Prompt text")],
     chat: Annotated[bool, typer.Option(help="Wrap the prompt as a user message in the chat template")] = False,
     system: Annotated[str | None, typer.Option(help="System message (with --chat)")] = None,
-    max_tokens: Annotated[int, typer.Option()] = 128,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much "
+                                              "probability (1 = off)")] = 1.0,
     top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
-    seed: Annotated[int | None, typer.Option()] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the sampling (default: a fresh one)")] = None,
     stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
 ) -> None:
     """Generate text from a prompt."""
@@ -40,13 +41,18 @@ def run(
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     kwargs = {"messages": messages} if chat else {"prompt": prompt}
     if stream:
-        for delta in session.stream(params=params, **kwargs):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+        deltas = session.stream(params=params, **kwargs)
+        while True:
+            try:
+                sys.stdout.write(next(deltas))
+                sys.stdout.flush()
+            except StopIteration as done:
+                result = done.value
+                break
         sys.stdout.write("\n")
-        return
-    result = session.generate(params=params, **kwargs)
-    typer.echo(result.text)
+    else:
+        result = session.generate(params=params, **kwargs)
+        typer.echo(result.text)
     t = result.timings
     err.print(f"[dim]{t.output_tokens} tokens · finish {result.finish_reason} · TTFT {t.ttft_s * 1000:.0f} ms · "
               f"{t.decode_tok_s:.1f} tok/s[/dim]")

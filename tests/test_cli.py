@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -130,6 +131,13 @@ def test_build_quant_is_quantize_then_build_in_one_step(tiny, capsys):
     code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--target", "tensorrt-rtx",
                             "--gpu-arch", "sm86", "--quant", "fp8")
     assert code == 1 and "sm86" in err and not (root / "int8-engine.ckpt").exists()
+    (root / "int8-engine.ckpt").mkdir()
+    (root / "int8-engine.ckpt" / "notes.txt").write_text("mine")
+    code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--quant", "int8_wo")
+    err = " ".join(err.split())
+    assert code == 1 and "the quantized checkpoint --quant keeps beside --output, " in err, err
+    assert (root / "int8-engine.ckpt" / "notes.txt").read_text() == "mine"
+    shutil.rmtree(root / "int8-engine.ckpt")
     code, stdout, err = camshaft(capsys, "build", "--model", model, "--output", out, "--max-seq-len", "64",
                                  "--quant", "int8_wo", "--calib-size", "2", "--calib-seq-len", "32")
     assert code == 0, err

@@ -60,10 +60,12 @@ def build(
         help="auto (onnxruntime: float32, tensorrt targets: float16) | float32 | float16 | bfloat16 (tensorrt, sm80+)")]
     = "auto",
     max_batch_size: Annotated[int, typer.Option(help="Most sequences in one step")] = 32,
-    max_seq_len: Annotated[int | None, typer.Option(help="Most tokens per sequence, prompt + output")] = None,
+    max_seq_len: Annotated[int | None, typer.Option(help="Most tokens per sequence, prompt + output (default: the "
+                                                         "model's max_position_embeddings, at most 4096)")] = None,
     max_num_tokens: Annotated[int, typer.Option(help="Most tokens in one step (prefill chunk size)")] = 512,
     kv_block_size: Annotated[int, typer.Option(help="Tokens per KV cache block")] = 32,
-    gpu_arch: Annotated[str | None, typer.Option(help="tensorrt targets: GPU architecture, e.g. sm89")] = None,
+    gpu_arch: Annotated[str | None, typer.Option(help="tensorrt targets: GPU architecture, e.g. sm89 (default: "
+                                                      "tensorrt-rtx sm89, tensorrt the local GPU's)")] = None,
     quant: Annotated[str | None, typer.Option(
         help="Quantize first, as `camshaft quantize --quant` does (the quantized checkpoint is kept in OUTPUT.ckpt)")]
     = None,
@@ -95,7 +97,7 @@ def build(
         group_size = "auto" if group_size is None else group_size
         lm_head = "float" if lm_head is None else lm_head
         _check_quantized_build(config, quant, kv_cache_dtype, group_size, lm_head)
-        checkpoint = output.with_name(output.name + ".ckpt")
+        checkpoint = quantized_checkpoint(output)
         _quantize(model, quant, checkpoint, kv_cache_dtype, group_size, calib_data,
                   DEFAULT_CALIB_SIZE if calib_size is None else calib_size,
                   DEFAULT_CALIB_SEQ_LEN if calib_seq_len is None else calib_seq_len, exclude, lm_head)
@@ -104,6 +106,11 @@ def build(
     err.print(f"built {manifest.model.architecture} engine for {manifest.target} ({manifest.dtype}) in "
               f"{manifest.target_options.get('build_seconds', '?')} s")
     typer.echo(str(output))
+
+
+def quantized_checkpoint(output: Path) -> Path:
+    """Where `build --quant` keeps the quantized checkpoint it builds from: OUTPUT.ckpt beside the engine."""
+    return output.with_name(output.name + ".ckpt")
 
 
 def _refuse_quant_options(options: dict[str, object]) -> None:
@@ -121,12 +128,14 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     from camshaft.builder.target_checks import check_quantized_target, check_target, check_weight_only_compute
     from camshaft.errors import BuildConfigError
     from camshaft.manifest import MANIFEST_NAME
-    from camshaft.model_config import ModelConfig
+    from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig
     from camshaft.outdir import check_replaceable
     from camshaft.quantize.spec import QuantSpec
 
     spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
     check_replaceable(config.output_dir, MANIFEST_NAME, "an engine", BuildConfigError)
+    check_replaceable(quantized_checkpoint(config.output_dir), HF_QUANT_CONFIG, "a quantized checkpoint",
+                      BuildConfigError, flag="the quantized checkpoint --quant keeps beside --output,")
     gpu_arch = check_target(config)
     for algo in spec.info.layer_algos:
         check_quantized_target(config.target, algo, kv_cache_dtype and kv_cache_dtype.upper(), gpu_arch=gpu_arch,

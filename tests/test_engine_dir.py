@@ -145,6 +145,19 @@ def test_missing_manifest_means_unfinished_build(copy):
         Engine(copy)
 
 
+def test_weights_linked_from_outside_the_engine_say_to_copy_them(copy, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (copy / "model.onnx.data").rename(elsewhere / "model.onnx.data")
+    (copy / "model.onnx.data").symlink_to(elsewhere / "model.onnx.data")
+    with pytest.raises(EngineError, match=r"outside the engine directory.*cp -rL"):
+        Session(copy)
+    (copy / "model.onnx.data").unlink()
+    (copy / "model.onnx.data").symlink_to("../elsewhere/model.onnx.data")
+    with pytest.raises(EngineError, match="outside the engine directory"):
+        Engine(copy)
+
+
 def test_missing_artifact(copy):
     (copy / "model.onnx.data").unlink()
     with pytest.raises(EngineError, match="missing model.onnx.data"):

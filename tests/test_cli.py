@@ -182,3 +182,11 @@ def test_bench_latency_refuses_zero_repeats_from_python_too(engine):
 def test_bench_latency_names_its_own_options_when_too_long(capsys, engine):
     code, _, err = camshaft(capsys, "bench", "latency", "--engine", engine, "--prompt-len", 60, "--new-tokens", 10)
     assert code == 1 and "prompt_len (60) + new_tokens (10)" in err and "--new-tokens" in err
+
+
+def test_counted_progress_is_shown_at_each_quarter_in_a_log(capsys):
+    for i in range(1, 31):
+        cli.progress(f"layer {i}/30")
+    cli.progress("compiling")
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[-1] for line in lines] == ["8/30", "16/30", "24/30", "30/30", "compiling"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import typer
@@ -21,8 +22,21 @@ app.add_typer(eval_app, name="eval")
 err = Console(stderr=True)
 
 
+_COUNTED = re.compile(r".*\b(\d+)/(\d+)$")  # "layer 3/30": a step of a counted loop
+
+
 def progress(message: str) -> None:
-    err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
+    """One line per message; a counted step (`... 3/30`) overwrites the previous one on a terminal and is shown at
+    each quarter in a log."""
+    counted = _COUNTED.match(message)
+    if counted is None:
+        err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
+        return
+    done, total = int(counted.group(1)), int(counted.group(2))
+    if err.is_terminal:
+        err.print(f"[dim]·[/dim] {escape(message)}\x1b[K", end="\n" if done >= total else "\r", soft_wrap=True)
+    elif done >= total or done % max(1, -(-total // 4)) == 0:
+        err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from camshaft.builder.target_checks import (
 )
 from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import graph_limits
-from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec
+from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec, engine_entries
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.version import __version__
 
@@ -126,7 +126,7 @@ def file_sha256(path: Path) -> str:
 
 def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Manifest:
     output = Path(config.output_dir)
-    check_replaceable(output, MANIFEST_NAME, "an engine", BuildConfigError)
+    check_replaceable(output, MANIFEST_NAME, "an engine", BuildConfigError, owned=engine_entries)
     gpu_arch = check_target(config)
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:

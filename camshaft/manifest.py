@@ -20,6 +20,8 @@ from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __
 
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
+BUILD_OUTPUTS = ("model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data", "model.plan", "graph.onnx",
+                 "graph.onnx.data")
 TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
 TRT_MODULES = {"tensorrt-rtx": "tensorrt_rtx", "tensorrt": "tensorrt"}  # TensorRT target → its Python module
 
@@ -196,6 +198,15 @@ class Manifest:
             data["sequence_graph"] = SequenceGraph.from_dict(data["sequence_graph"])
         data["kv_cache"] = KVCacheLayout.from_dict(data["kv_cache"])
         return cls(**data)
+
+
+def engine_entries(engine_dir: Path) -> set[str]:
+    """The names a build writes into an engine directory (what rebuilding it may replace)."""
+    try:
+        files = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        files = {}
+    return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in files)}
 
 
 def read_manifest(engine_dir: str | Path) -> Manifest:

@@ -4,26 +4,42 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from camshaft.errors import CamshaftError
 
 
-def check_replaceable(output: Path, marker: str, kind: str, error: type[Exception], flag: str = "--output") -> None:
+def check_replaceable(output: Path, marker: str, kind: str, error: type[Exception], flag: str = "--output",
+                      owned: Callable[[Path], set[str]] | None = None) -> None:
     """Refuse an output (given as `flag`) that exists and is neither empty nor a `kind` (recognised by its `marker`
-    file)."""
+    file), or a `kind` holding entries other than those `owned` names (they would be deleted with it); a symlink or a
+    mount point, which cannot be swapped for the new directory, is refused too."""
+    output = Path(os.path.abspath(output))  # "." has a parent to build beside
+    if output.is_symlink():
+        raise error(f"{flag} {output} is a symlink (to {os.readlink(output)}); the output replaces it with a "
+                    "directory: pass the directory itself, or a new path")
     if output.exists() and not output.is_dir():
         raise error(f"{flag} {output} exists and is not a directory")
+    if output.is_dir() and os.path.ismount(output):
+        raise error(f"{flag} {output} is a mount point: the output is written beside it and moved into place, which "
+                    "a mount point cannot take; pass a new directory inside it")
     if output.is_dir() and any(output.iterdir()) and not (output / marker).exists():
         raise error(
             f"{flag} {output} is a non-empty directory that is not {kind}; refusing to overwrite it. "
             "Choose an empty or new directory."
         )
+    foreign = sorted(set(os.listdir(output)) - owned(output)) if owned and (output / marker).exists() else []
+    if foreign:
+        raise error(f"{flag} {output} is {kind} that also holds {', '.join(foreign[:5])}"
+                    f"{' ...' if len(foreign) > 5 else ''}, which camshaft did not write and replacing it would "
+                    "delete; move them out, or choose another directory")
 
 
 def staging_dir(output: Path, flag: str = "--output") -> Path:
     """A fresh sibling of `output` to write into; `replace_dir` moves it into place. Siblings left by runs that were
     killed (their process is gone) are removed first."""
+    output = Path(os.path.abspath(output))
     for stale in output.parent.glob(f".{output.name}.*-*") if output.parent.is_dir() else ():
         kind, _, pid = stale.name.rpartition("-")
         if kind.endswith((".partial", ".old")) and pid.isdigit() and not _alive(int(pid)):
@@ -39,14 +55,19 @@ def staging_dir(output: Path, flag: str = "--output") -> Path:
 
 
 def replace_dir(staging: Path, output: Path) -> None:
+    output = Path(os.path.abspath(output))
     old = output.parent / f".{output.name}.old-{os.getpid()}"
     try:
         if output.exists():
             os.replace(output, old)
         os.replace(staging, output)
     except OSError as exc:
+        if old.exists() and not output.exists():
+            os.replace(old, output)  # the previous output stays where it was
+        kept = output.parent / f".{output.name}.failed-{os.getpid()}"
+        os.replace(staging, kept)  # not a .partial that the caller's cleanup or a later run removes
         raise CamshaftError(f"cannot move the finished output into {output} ({exc.strerror or exc}); it is complete "
-                            f"in {staging}") from exc
+                            f"in {kept}") from exc
     shutil.rmtree(old, ignore_errors=True)
 
 

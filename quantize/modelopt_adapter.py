@@ -8,6 +8,7 @@ end, so an interrupted run never leaves a half-written checkpoint under the outp
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -70,6 +71,14 @@ def import_modelopt():
     return mtq, export_hf_checkpoint
 
 
+def _written(checkpoint: Path) -> set[str]:
+    """What `camshaft quantize` wrote into `checkpoint` (all it holds, for one written before the record listed it)."""
+    try:
+        return {CAMSHAFT_QUANT_RECORD, *json.loads((checkpoint / CAMSHAFT_QUANT_RECORD).read_text())["files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set(os.listdir(checkpoint))
+
+
 def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSpec, *,
                         calib_data: str | Path | None = None, calib_size: int = DEFAULT_CALIB_SIZE,
                         calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN,
@@ -95,7 +104,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     check_lm_head_fits(spec, model_config)
     check_sizes(calib_size, calib_seq_len)
     check_excludes_match(spec, module_names(model_dir))
-    check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError)
+    check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError, owned=_written)
     require_tokenizer(model_dir)
     texts, source = load_texts(calib_data)
     mtq, export_hf_checkpoint = import_modelopt()
@@ -165,7 +174,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             "algorithm": cfg.get("algorithm"), "lm_head": spec.lm_head,
             **({"lm_head_float_channels": head_inputs.largest(float_channels)} if head_inputs else {}),
             "calibration": {"source": source, "samples": calib.num_samples, "seq_len": calib.seq_len},
-            "seconds": timings, "tools": _tool_versions(),
+            "seconds": timings, "tools": _tool_versions(), "files": sorted(os.listdir(staging)),
         }
         (staging / CAMSHAFT_QUANT_RECORD).write_text(json.dumps(record, indent=2))
         replace_dir(staging, output)

@@ -79,3 +79,49 @@ def test_a_manifest_that_disagrees_with_its_graph_is_refused(built, tmp_path, ed
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineError, match=message):
         runner(copy)
+
+
+def test_rebuilding_keeps_what_camshaft_did_not_write(built, tmp_path):
+    model, engine = built
+    target = tmp_path / "engine"
+    shutil.copytree(engine, target)
+    (target / "LICENSE").write_text("the user's")
+    with pytest.raises(CamshaftError, match="also holds LICENSE, which camshaft did not write"):
+        build_engine(BuildConfig(model, target, max_seq_len=64, kv_block_size=8))
+    assert (target / "LICENSE").read_text() == "the user's" and (target / "manifest.json").is_file()
+    (target / "LICENSE").unlink()
+    build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))  # its own files: replaced
+    assert Engine(target).limits.max_seq_len == 32
+
+
+def test_an_output_that_is_a_symlink_or_dot_is_handled_before_any_work(built, tmp_path, monkeypatch):
+    model, engine = built
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "current").symlink_to(tmp_path / "v1")
+    with pytest.raises(CamshaftError, match="is a symlink .*pass the directory itself"):
+        build_engine(BuildConfig(model, tmp_path / "current", max_seq_len=64, kv_block_size=8))
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    build_engine(BuildConfig(model, ".", max_seq_len=64, kv_block_size=8))  # built beside it, moved into place
+    assert (tmp_path / "here" / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "here", "v1"]
+
+
+def test_a_failed_final_move_keeps_the_output_it_says_it_kept(built, tmp_path, monkeypatch):
+    import camshaft.outdir
+
+    model, engine = built
+    target = tmp_path / "engine"
+    shutil.copytree(engine, target)
+    real_replace = os.replace
+
+    def refuse_the_second(src, dst):
+        if str(src).endswith(f".partial-{os.getpid()}") and str(dst) == str(target):
+            raise OSError(16, "Device or resource busy")
+        real_replace(src, dst)
+    monkeypatch.setattr(camshaft.outdir.os, "replace", refuse_the_second)
+    with pytest.raises(CamshaftError, match=r"it is complete in .*\.engine\.failed-") as failed:
+        build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))
+    kept = failed.value.args[0].rsplit("complete in ", 1)[1]
+    assert (tmp_path / kept.rsplit("/", 1)[1] / "manifest.json").is_file()
+    assert Engine(target).limits.max_seq_len == 64  # the previous engine is back in place

@@ -296,6 +296,10 @@ def test_excluded_layers_stay_float(tiny, tmp_path):
     manifest = build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=64, kv_block_size=4))
     # layer 0: q k v (fused), o, gate up (fused) = 6; layer 1: q, v, o, gate up = 5; no down_proj
     assert manifest.quantization["quantized_linear_layers"] == 6 + 5
+    (tmp_path / "ckpt" / "README.md").write_text("model card")  # quantizing again would delete it
+    with pytest.raises(QuantizeError, match="also holds README.md, which camshaft did not write"):
+        quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)
+    assert (tmp_path / "ckpt" / "README.md").read_text() == "model card"
 
 
 def test_an_exclude_pattern_that_matches_no_layer_is_refused_before_calibration(tiny, tmp_path, monkeypatch):

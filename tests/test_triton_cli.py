@@ -4,6 +4,7 @@ bundled tritonserver, answers, and exits cleanly on SIGINT."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,14 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     (tmp_path / "other" / "keep.txt").write_text("mine")
     with pytest.raises(CamshaftError, match="refusing to overwrite"):
         deploy_repository(engine, tmp_path / "other")
+    (repo / "notes.md").write_text("the operator's")  # a redeploy would delete it with the repository
+    with pytest.raises(CamshaftError, match="also holds notes.md, which camshaft did not write"):
+        deploy_repository(engine, repo, name="again")
+    (repo / "notes.md").unlink()
+    shutil.copytree(engine, repo / "engines_llama")
+    with pytest.raises(CamshaftError, match="lies inside --repo"):
+        deploy_repository(repo / "engines_llama", repo, name="again")
+    assert (repo / "engines_llama" / "manifest.json").is_file()
 
 
 def test_serve_engine_answers_and_stops_on_sigint(engine):

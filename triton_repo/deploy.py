@@ -8,6 +8,7 @@ the executor over a private channel to the token model (channel.py); none loads 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -41,6 +42,15 @@ def model_config(name: str, *, decoupled: bool, max_batch_size: int, token: bool
             + f"instance_group [\n  {{\n    count: {instances}\n    kind: KIND_CPU\n  }}\n]\n" + _parameters(params))
 
 
+def _entries(repo: Path) -> set[str]:
+    """The names deploy wrote into `repo`: its marker and the three model directories."""
+    try:
+        name = json.loads((repo / MARKER).read_text())["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {MARKER, TOKEN_MODEL}
+    return {MARKER, TOKEN_MODEL, str(name), f"{name}_sync"}
+
+
 def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None) -> Path:
     """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments."""
     engine, repo = Path(engine).resolve(), Path(repo)
@@ -69,7 +79,10 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
                                              "token_model": TOKEN_MODEL, "max_requests": str(admitted),
                                              **common}),
     }
-    check_replaceable(repo, MARKER, "a camshaft Triton repository", CamshaftError, flag="--repo")
+    if Path(os.path.abspath(engine)).is_relative_to(os.path.abspath(repo)):
+        raise CamshaftError(f"--engine {engine} lies inside --repo {repo}, which deploy replaces as a whole; keep the "
+                            "engine outside the repository")
+    check_replaceable(repo, MARKER, "a camshaft Triton repository", CamshaftError, flag="--repo", owned=_entries)
     staging = staging_dir(repo, flag="--repo")
     try:
         for model, config in models.items():

@@ -127,13 +127,14 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     """Everything the build after quantizing would refuse, checked before calibration starts."""
     from camshaft.builder.target_checks import check_quantized_target, check_target, check_weight_only_compute
     from camshaft.errors import BuildConfigError
-    from camshaft.manifest import MANIFEST_NAME
+    from camshaft.manifest import MANIFEST_NAME, engine_entries
     from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig
     from camshaft.outdir import check_replaceable
     from camshaft.quantize.spec import QuantSpec
 
     spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
-    check_replaceable(config.output_dir, MANIFEST_NAME, "an engine", BuildConfigError)
+    check_replaceable(config.output_dir, MANIFEST_NAME, "an engine", BuildConfigError,
+                      owned=engine_entries)
     check_replaceable(quantized_checkpoint(config.output_dir), HF_QUANT_CONFIG, "a quantized checkpoint",
                       BuildConfigError, flag="the quantized checkpoint --quant keeps beside --output,")
     gpu_arch = check_target(config)

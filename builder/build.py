@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from camshaft.builder.target_checks import (
     check_weight_only_compute,
     has_weight_only_layers,
 )
+from camshaft.engine_files import record_files
 from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import graph_limits
 from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec, engine_entries
@@ -30,6 +32,7 @@ from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.version import __version__
 
 GRAPH_NAME = "graph.onnx"
+CHAT_TEMPLATE = "chat_template.jinja"
 GRAPH_DATA = "graph.onnx.data"
 
 Progress = Callable[[str], None]
@@ -168,6 +171,9 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 files += [sequence.artifact, f"{sequence.artifact}.data"] if sequence else []
             import onnxruntime
 
+            files += sorted(f"{TOKENIZER_DIR}/{p.name}" for p in tok_dir.iterdir()  # the chat template: editable
+                            if p.is_file() and p.name != CHAT_TEMPLATE)
+            sizes, fingerprints = record_files(staging, files)
             manifest = Manifest(
                 model=model,
                 limits=limits,
@@ -180,7 +186,9 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 quantization=quantization,
                 tools={"camshaft": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
                        **target_options.pop("tools", {})},
-                files={name: (staging / name).stat().st_size for name in files},
+                files=sizes,
+                fingerprints=fingerprints,
+                build_id=uuid.uuid4().hex,
                 graph_sha256=graph_hash,
                 sequence_graph=sequence,
                 target_options={**target_options, "build_seconds": round(time.perf_counter() - started, 2)},

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from camshaft.checks import check_positive_ints
+from camshaft.engine_files import check_files, check_unchanged
 from camshaft.errors import CamshaftError, EngineError
 from camshaft.model_config import ModelConfig
 from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __version__
@@ -164,6 +165,8 @@ class Manifest:
     tools: dict[str, str] = field(default_factory=dict)
     files: dict[str, int] = field(default_factory=dict)
     graph_sha256: str = ""
+    build_id: str = ""  # format 3: one per build, re-read after loading (engine_files.check_unchanged)
+    fingerprints: dict[str, str] = field(default_factory=dict)  # format 3: each of `files` (engine_files.py)
     target_options: dict[str, Any] = field(default_factory=dict)
     sequence_graph: SequenceGraph | None = None  # absent: the Session runs the batch graph
     format_version: int = ENGINE_FORMAT_VERSION
@@ -176,6 +179,11 @@ class Manifest:
         if self.kv_cache.block_size != self.limits.kv_block_size:
             raise ValueError(f"the KV cache's block size {self.kv_cache.block_size} differs from the limits' "
                              f"{self.limits.kv_block_size}")
+        if self.format_version >= 3 and (not self.build_id or set(self.fingerprints) != set(self.files)):
+            raise ValueError("a format-3 manifest has a build_id and a fingerprint for each of its files")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in self.files.values()) \
+                or not isinstance(self.complete, bool):
+            raise ValueError("files maps names to sizes in bytes, complete is true or false")
         artifacts = [self.artifact] + ([self.sequence_graph.artifact] if self.sequence_graph else [])
         unlisted = [a for a in artifacts if a not in self.files]
         if unlisted:
@@ -244,19 +252,13 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
         manifest = Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError, CamshaftError) as exc:
         raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {exc}); rebuild the engine") from exc
-    for name, size in manifest.files.items():
-        file = engine_dir / name
-        if not file.is_file():
-            raise EngineError(f"{engine_dir} is missing {name}; rebuild the engine with `camshaft build`")
-        if name.endswith(".data") and file.resolve().parent != engine_dir.resolve():
-            raise EngineError(f"{file} links to {file.resolve()}, outside the engine directory, and ONNX Runtime reads "
-                              "weights only from inside it; copy the engine as real files (cp -rL)")
-        if file.stat().st_size != size:
-            raise EngineError(
-                f"{file} has {file.stat().st_size} bytes but the manifest expects {size}: the file is truncated "
-                "or was replaced. Rebuild the engine with `camshaft build`."
-            )
+    check_files(engine_dir, manifest.files, manifest.fingerprints)
     return manifest
+
+
+def check_unchanged_since(engine_dir: Path, manifest: Manifest) -> None:
+    """Call after loading `manifest`'s engine: a rebuild that replaced it meanwhile is an EngineError."""
+    check_unchanged(engine_dir, MANIFEST_NAME, manifest.build_id)
 
 
 def write_atomic(path: Path, text: str) -> None:

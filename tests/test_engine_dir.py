@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import onnx
 import pytest
 
@@ -46,7 +47,10 @@ def test_manifest_records_the_contract(built):
     assert {"camshaft", "onnx", "onnxruntime"} <= set(m.tools)
     assert {t.name for t in m.inputs} >= {"input_ids", "positions", "kv_write_index", "decode_block_tables"}
     assert len(m.graph_sha256) == 64
-    assert set(m.files) == {"model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data"}
+    assert set(m.files) == {"model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data",
+                            *(f"tokenizer/{p.name}" for p in (engine / "tokenizer").iterdir()
+                              if p.name != "chat_template.jinja")}  # a chat template may be edited
+    assert set(m.fingerprints) == set(m.files) and len(m.build_id) == 32 and m.format_version == 3
     seq = m.sequence_graph
     assert seq.artifact == "sequence.onnx" and [t.name for t in seq.inputs] == [
         "input_ids", "seqlens_k", "total_sequence_length"]
@@ -156,6 +160,65 @@ def test_weights_linked_from_outside_the_engine_say_to_copy_them(copy, tmp_path)
     (copy / "model.onnx.data").symlink_to("../elsewhere/model.onnx.data")
     with pytest.raises(EngineError, match="outside the engine directory"):
         Engine(copy)
+
+
+@pytest.fixture(scope="module")
+def other_build(tmp_path_factory):
+    """The same architecture and limits from other weights: every file the same size as `built`'s."""
+    root = tmp_path_factory.mktemp("enginedir-other")
+    model = make_tiny_model("qwen2-bias", root / "hf", seed=1)
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=64, kv_block_size=8))
+    return root / "engine"
+
+
+def test_a_file_from_another_build_is_refused(copy, other_build):
+    name = "model.onnx.data"
+    assert (copy / name).stat().st_size == (other_build / name).stat().st_size
+    shutil.copyfile(other_build / name, copy / name)
+    with pytest.raises(EngineError, match=f"{name} is not the file this engine was built with"):
+        Session(copy)
+
+
+def test_an_edited_tokenizer_file_is_refused(copy):
+    path = copy / "tokenizer" / "tokenizer_config.json"
+    text = path.read_text()
+    path.write_text(text.replace("<|im_end|>", "<|im_END|>", 1))
+    assert path.read_text() != text
+    with pytest.raises(EngineError, match="tokenizer/tokenizer_config.json is not the file this engine was built"):
+        Engine(copy)
+
+
+def test_a_missing_tokenizer_file_is_an_incomplete_engine(copy):
+    (copy / "tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(EngineError, match="is missing tokenizer/tokenizer.json; rebuild"):
+        Session(copy)
+
+
+def test_an_engine_rebuilt_while_it_loads_is_refused(copy, other_build, monkeypatch):
+    """Files are opened one by one: a rebuild swapping the directory meanwhile would mix two builds' files."""
+    import camshaft.runtime.engine as engine_module
+
+    load = engine_module.load_tokenizer
+
+    def swap_then_load(engine_dir):
+        shutil.rmtree(copy)
+        shutil.copytree(other_build, copy)
+        return load(engine_dir)
+    monkeypatch.setattr(engine_module, "load_tokenizer", swap_then_load)
+    with pytest.raises(EngineError, match="was replaced while it loaded"):
+        Engine(copy)
+
+
+def test_fingerprints_sample_large_files(tmp_path):
+    from camshaft.engine_files import fingerprint
+
+    big = tmp_path / "big.data"
+    data = bytearray(np.random.default_rng(0).bytes(12 << 20))
+    big.write_bytes(data)
+    first = fingerprint(big)
+    data[5 << 20] ^= 1  # inside a sample: every MiB from 0
+    big.write_bytes(data)
+    assert fingerprint(big) != first
 
 
 def test_missing_artifact(copy):

@@ -87,12 +87,12 @@ def eval_ppl(
     engine_window = None if engine is None else read_manifest(engine).limits.max_seq_len
     if window is None:
         window = engine_window or REFERENCE_WINDOW
-    elif engine_window is not None and window != engine_window:
-        typer.echo(f"note: transformers scores windows of {window} tokens, the engine of {engine_window}: the two "
-                   "perplexities are not of the same windows", err=True)
     if model is not None:
         check_window(window)
         check_reference_model(model)
+    if engine_window is not None and model is not None and window != engine_window:
+        typer.echo(f"note: transformers scores windows of {window} tokens, the engine of {engine_window}: the two "
+                   "perplexities are not of the same windows", err=True)
     text = read_text(data)
     results = []
     if engine is not None:

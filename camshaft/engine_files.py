@@ -1,0 +1,70 @@
+"""An engine directory's files as the build wrote them: sizes and sampled fingerprints recorded in the manifest and
+checked at load, so a file from another build (same size, other bytes) or a directory replaced while it loads is an
+error, never garbage."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from camshaft.errors import EngineError
+
+SAMPLE_BYTES = 4096
+WHOLE_BELOW = 1 << 22  # smaller files (graphs, tokenizer) are hashed whole
+MAX_SAMPLES = 4096  # a larger one: samples every max(1 MiB, size / 4096) bytes, ~1 % of a 500 MB file
+
+
+def fingerprint(path: Path) -> str:
+    """sha256 of the size and of the whole file, or of evenly spaced samples and the tail of a large one."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size < WHOLE_BELOW:
+            digest.update(f.read())
+            return digest.hexdigest()
+        for offset in range(0, size, max(1 << 20, size // MAX_SAMPLES)):
+            f.seek(offset)
+            digest.update(f.read(SAMPLE_BYTES))
+        f.seek(size - SAMPLE_BYTES)
+        digest.update(f.read())
+    return digest.hexdigest()
+
+
+def record_files(engine_dir: Path, names: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """Sizes and fingerprints of `names` (relative to `engine_dir`) for the manifest."""
+    return ({name: (engine_dir / name).stat().st_size for name in names},
+            {name: fingerprint(engine_dir / name) for name in names})
+
+
+def check_files(engine_dir: Path, sizes: dict[str, int], fingerprints: dict[str, str]) -> None:
+    """Every file the manifest lists is there, inside the directory, with its size and (where recorded) bytes."""
+    for name, size in sizes.items():
+        file = engine_dir / name
+        if not file.is_file():
+            raise EngineError(f"{engine_dir} is missing {name}; rebuild the engine with `camshaft build`")
+        if name.endswith(".data") and file.resolve().parent != engine_dir.resolve():
+            raise EngineError(f"{file} links to {file.resolve()}, outside the engine directory, and ONNX Runtime reads "
+                              "weights only from inside it; copy the engine as real files (cp -rL)")
+        if file.stat().st_size != size:
+            raise EngineError(
+                f"{file} has {file.stat().st_size} bytes but the manifest expects {size}: the file is truncated "
+                "or was replaced. Rebuild the engine with `camshaft build`."
+            )
+        if name in fingerprints and fingerprint(file) != fingerprints[name]:
+            raise EngineError(f"{file} is not the file this engine was built with (its bytes differ from the "
+                              "manifest's fingerprint: copied from another build?); rebuild the engine with "
+                              "`camshaft build`")
+
+
+def check_unchanged(engine_dir: Path, manifest_name: str, build_id: str) -> None:
+    """After loading: the directory still holds the build that was read first (a rebuild replacing it meanwhile
+    may have mixed the two builds' files)."""
+    if not build_id:
+        return
+    try:
+        now = json.loads((engine_dir / manifest_name).read_text()).get("build_id")
+    except (OSError, ValueError, AttributeError):
+        now = None
+    if now != build_id:
+        raise EngineError(f"{engine_dir} was replaced while it loaded (rebuilt meanwhile?); load it again")

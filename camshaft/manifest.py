@@ -235,6 +235,9 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
         )
     try:
         raw = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise EngineError(f"{path} disappeared while it was read (a rebuild replacing the engine?); load it "
+                          "again") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise EngineError(f"{path} is corrupt ({exc}); rebuild the engine with `camshaft build`") from exc
     if not isinstance(raw, dict):

@@ -107,8 +107,12 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
             "(torch==2.13.0)"
         ) from None
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{output.name}{_PARTIAL}", dir=output.parent))
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{output.name}{_PARTIAL}", dir=output.parent))
+    except OSError as exc:
+        raise FetchError(f"cannot write into {output.parent} ({exc.strerror or exc}); pass --output DIR, or set "
+                         "CAMSHAFT_CACHE to a directory you can write to") from exc
     try:
         gguf = _download_gguf(model, work / "download", progress)
         checkpoint = work / "checkpoint"

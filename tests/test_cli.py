@@ -190,3 +190,16 @@ def test_counted_progress_is_shown_at_each_quarter_in_a_log(capsys):
     cli.progress("compiling")
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[-1] for line in lines] == ["8/30", "16/30", "24/30", "30/30", "compiling"]
+
+
+def test_a_full_disk_is_one_line_not_a_traceback(tiny, capsys, monkeypatch):
+    import errno
+    from importlib import import_module
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/engine/model.onnx.data")
+    monkeypatch.setattr(import_module("camshaft.builder.build"), "build_engine", full)
+    root, model = tiny
+    code, _, err = camshaft(capsys, "build", "--model", model, "--output", root / "full")
+    assert code == 1 and "Traceback" not in err
+    assert "No space left on device: /data/engine/model.onnx.data; free some space" in " ".join(err.split())

@@ -28,6 +28,13 @@ def test_default_model_dir_honours_camshaft_cache(monkeypatch, tmp_path):
     assert default_model_dir(SMOLLM2) == Path.home() / ".cache" / "camshaft" / "models" / SMOLLM2
 
 
+def test_a_cache_that_cannot_be_written_says_what_to_set(monkeypatch, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("CAMSHAFT_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(FetchError, match="cannot write into .*set CAMSHAFT_CACHE to a directory you can write to"):
+        fetch_model(SMOLLM2, default_model_dir(SMOLLM2))
+
+
 def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("not a model")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import re
 import sys
 
@@ -44,6 +45,11 @@ def main() -> None:
         app()
     except CamshaftError as exc:
         err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
+        sys.exit(1)
+    except OSError as exc:  # the machine's, not ours: a full disk, a directory we may not write
+        where = f": {exc.filename}" if exc.filename else ""
+        hint = "; free some space there or choose another directory" if exc.errno == errno.ENOSPC else ""
+        err.print(f"[bold red]error:[/bold red] {escape((exc.strerror or str(exc)) + where + hint)}", soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("interrupted")

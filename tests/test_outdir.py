@@ -125,3 +125,22 @@ def test_a_failed_final_move_keeps_the_output_it_says_it_kept(built, tmp_path, m
     kept = failed.value.args[0].rsplit("complete in ", 1)[1]
     assert (tmp_path / kept.rsplit("/", 1)[1] / "manifest.json").is_file()
     assert Engine(target).limits.max_seq_len == 64  # the previous engine is back in place
+
+
+def test_a_build_stopped_with_sigterm_leaves_nothing_behind(tmp_path):
+    """docker stop / a scheduler's eviction send SIGTERM: the build unwinds as on Ctrl-C."""
+    import signal
+    import time
+
+    model = make_tiny_model("llama", tmp_path / "hf", num_hidden_layers=24)
+    camshaft = [sys.executable, "-c", "from camshaft.cli import main; main()"]
+    build = subprocess.Popen([*camshaft, "build", "--model", str(model), "--output", str(tmp_path / "engine")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".engine.partial-*")) and build.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert build.poll() is None, "the build ended before it could be stopped"
+    build.send_signal(signal.SIGTERM)
+    _, err = build.communicate(timeout=60)
+    assert build.returncode == 128 + signal.SIGTERM, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

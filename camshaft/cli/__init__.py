@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import re
+import signal
 import sys
 
 import typer
@@ -40,7 +41,13 @@ def progress(message: str) -> None:
         err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: half-written outputs are removed on the way out
+
+
 def main() -> None:
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # docker stop, a scheduler's eviction, `timeout`
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         app()
     except CamshaftError as exc:

@@ -184,6 +184,16 @@ class Manifest:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in self.files.values()) \
                 or not isinstance(self.complete, bool):
             raise ValueError("files maps names to sizes in bytes, complete is true or false")
+        if self.kv_cache.dtype not in (self.dtype, "int8", "float8"):
+            raise ValueError(f"kv_cache.dtype {self.kv_cache.dtype!r} is neither the engine's {self.dtype} nor int8 "
+                             "or float8")
+        for cache in (self.kv_cache, self.sequence_graph):
+            if cache is not None and not all(len(getattr(cache, n)) == self.model.num_layers
+                                             and all(isinstance(t, str) for t in getattr(cache, n))
+                                             for n in CACHE_NAMES):
+                raise ValueError(f"{type(cache).__name__} does not name one cache tensor a layer")
+        if not all(isinstance(v, str) for v in self.tools.values()):
+            raise ValueError("tools maps tool names to versions")
         artifacts = [self.artifact] + ([self.sequence_graph.artifact] if self.sequence_graph else [])
         unlisted = [a for a in artifacts if a not in self.files]
         if unlisted:

@@ -49,8 +49,9 @@ class SequenceEngine:
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
                                                           session_options(threads, spin_wait=True), huge_pages)
-        check_signature(self.session, self.dir / self.layout.artifact, m, self.layout.key_inputs,
-                        (1, self.layout.num_kv_heads, None, self.layout.head_dim))
+        check_signature(self.session, self.dir / self.layout.artifact, m,
+                        [*self.layout.key_inputs, *self.layout.value_inputs],
+                        (1, self.layout.num_kv_heads, None, self.layout.head_dim), "float32")
         self.binding = self.session.io_binding()
         self.tokenizer = load_tokenizer(self.dir)
         check_unchanged_since(self.dir, m)

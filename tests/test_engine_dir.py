@@ -112,6 +112,15 @@ MANIFEST_EDITS = {
     "unknown target": (("target",), "tpu", "target 'tpu' is none of"),
     "artifact not among the files": (("artifact",), "other.onnx", "other.onnx are not among"),
     "block sizes disagree": (("kv_cache", "block_size"), 4, "block size 4 differs"),
+    "files a list": (("files",), ["model.onnx"], "has a build_id and a fingerprint for each of its files"),
+    "a size a string": (("files", "model.onnx"), "17355", "files maps names to sizes"),
+    "complete a string": (("complete",), "no", "complete is true or false"),
+    "tools a list": (("tools",), ["onnx"], "AttributeError"),
+    "kv dtype unknown": (("kv_cache", "dtype"), "fp4", "kv_cache.dtype 'fp4' is neither"),
+    "kv dtype another float": (("kv_cache", "dtype"), "float16", "kv_cache.dtype 'float16' is neither"),
+    "a layer's cache dropped": (("kv_cache", "key_inputs"), ["past_key_0"], "does not name one cache tensor a layer"),
+    "cache names a string": (("sequence_graph", "value_inputs"), "past_v", "does not name one cache tensor a layer"),
+    "no build id": (("build_id",), "", "has a build_id and a fingerprint"),
 }
 
 
@@ -127,6 +136,14 @@ def test_a_manifest_with_wrong_values_is_corrupt(copy, case):
     with pytest.raises(EngineError, match="corrupt") as info:
         Session(copy)
     assert needle in str(info.value) and "rebuild" in str(info.value)
+
+
+def test_a_manifest_pointing_the_sequence_graph_at_the_batch_graph_is_refused(copy):
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["sequence_graph"]["artifact"] = "model.onnx"
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match="has no float32 cache input .*rebuild the engine"):
+        Session(copy)
 
 
 def test_a_file_is_not_an_engine_dir(tmp_path):

@@ -16,6 +16,8 @@ from camshaft.runtime.backends.huge_pages import load_in_huge_pages
 
 # KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8": np.uint8}
+ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)",
+             "int8": "tensor(int8)", "float8": "tensor(uint8)"}
 
 
 def physical_cores() -> int:
@@ -74,10 +76,15 @@ def _allocate(shape: tuple[int, ...], dtype: type, count: int) -> np.ndarray:
 
 
 def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifest, caches: list[str],
-                    cache_shape: tuple[int | None, ...]) -> None:
-    """The loaded graph agrees with the manifest on what the runtime sizes from it: the logits' width, the shape
-    of the KV cache inputs `caches` (None and symbolic dimensions are not compared) and the build limits the graph
-    was lowered for (graph_meta.py)."""
+                    cache_shape: tuple[int | None, ...], cache_dtype: str) -> None:
+    """The loaded graph agrees with the manifest on what the runtime sizes from it: the logits' width, the KV cache
+    inputs `caches` (all there, of `cache_dtype`, the first of `cache_shape`; None and symbolic dimensions are not
+    compared) and the build limits the graph was lowered for (graph_meta.py)."""
+    types = {t.name: t.type for t in session.get_inputs()}
+    wrong = [name for name in caches if types.get(name) != ORT_TYPES[cache_dtype]]
+    if wrong or len(caches) != sum(name in types for name in caches):
+        raise EngineError(f"{path} has no {cache_dtype} cache input {wrong[0] if wrong else ''} as its manifest "
+                          "says: the manifest was edited or belongs to another build; rebuild the engine")
     shapes = {t.name: t.shape for t in [*session.get_inputs(), *session.get_outputs()]}
     wanted = {"logits": (None, manifest.model.vocab_size), **{name: cache_shape for name in caches[:1]}}
     for name, dims in wanted.items():
@@ -98,7 +105,8 @@ class OnnxRuntimeBackend:
                                                           session_options(threads, spin_wait), huge_pages)
         kv = manifest.kv_cache
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
-        check_signature(self.session, engine_dir / manifest.artifact, manifest, kv.key_inputs, (None, *shape[1:]))
+        check_signature(self.session, engine_dir / manifest.artifact, manifest, [*kv.key_inputs, *kv.value_inputs],
+                        (None, *shape[1:]), kv.dtype)
         self.num_blocks = num_blocks
         self.binding = self.session.io_binding()
         self.caches: list[np.ndarray] = []

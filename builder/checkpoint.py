@@ -137,7 +137,10 @@ class Checkpoint:
         packed = self._raw(f"{prefix}.weight")
         scale = self._raw(f"{prefix}.weight_scale").astype(np.float32)
         if fmt.weight_bits == 4:
-            block = int(self._layer_entry(prefix).get("group_size", self.quantization.get("group_size")))
+            block = self._layer_entry(prefix).get("group_size", self.quantization.get("group_size"))
+            if not isinstance(block, int) or isinstance(block, bool) or block < 1 or in_dim % block:
+                raise CheckpointError(f"hf_quant_config.json's group_size for {prefix} is {block!r}: int4 weights "
+                                      f"need a positive group size that divides their {in_dim} inputs")
             expected = {"weight": ((out_dim // 2, in_dim), np.uint8), "weight_scale": ((out_dim, in_dim // block),)}
             self._check_quantized(prefix, packed, scale, expected)
             # ModelOpt packs output rows 2j (low nibble) and 2j+1 (high nibble) into one byte.

@@ -286,6 +286,16 @@ def test_unsupported_quantized_checkpoint_is_refused_by_the_builder(tiny, tmp_pa
         Checkpoint(tmp_path / "fp8")
 
 
+@pytest.mark.parametrize("group", [0, 48])
+def test_an_int4_group_size_that_cannot_be_right_is_a_clear_error(tiny, tmp_path, group):
+    quantize_checkpoint(tiny, tmp_path / "q", QuantSpec("int4_wo", group_size=32), **CALIB)
+    config = tmp_path / "q" / "hf_quant_config.json"
+    raw = json.loads(config.read_text())
+    config.write_text(json.dumps({**raw, "quantization": {**raw["quantization"], "group_size": group}}))
+    with pytest.raises(CheckpointError, match=f"group_size for .* is {group!r}: int4 weights need a positive"):
+        build_engine(BuildConfig(tmp_path / "q", tmp_path / "engine", max_seq_len=64, kv_block_size=4))
+
+
 def test_excluded_layers_stay_float(tiny, tmp_path):
     spec = QuantSpec("int4_wo", exclude=("*.mlp.down_proj", "model.layers.1.self_attn.k_proj"))
     quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)

@@ -14,6 +14,7 @@ from onnx import helper
 
 from camshaft.builder.checkpoint import MIXED, READABLE_QUANT_ALGOS, Checkpoint
 from camshaft.builder.config import ACCURACY_LEVELS, BuildConfig
+from camshaft.builder.engine_tokenizer import save_tokenizer
 from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
 from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
 from camshaft.builder.graph.ops import GraphWriter, save_model
@@ -156,7 +157,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             tok_dir.mkdir()
             for file in tokenizer_files:
                 shutil.copy2(file, tok_dir / file.name)
-            _save_tokenizer(checkpoint.dir, tok_dir)
+            save_tokenizer(checkpoint.dir, tok_dir, model.vocab_size, progress)
             progress("writing model graph")
             for_ort = config.target == "onnxruntime"
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,
@@ -222,44 +223,3 @@ def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging
     meta["tools"] = {meta["product"]: meta["version"]}
     # The graph the plan was built from stays beside it: its hash is in the manifest.
     return tensorrt.ARTIFACT, [tensorrt.ARTIFACT, GRAPH_NAME, GRAPH_DATA], meta
-
-
-def _head(path: Path, size: int = 40) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(size)
-
-
-def _plain_tokenizer_json(model_dir: Path) -> bool:
-    from transformers import PreTrainedTokenizerFast
-
-    path = model_dir / "tokenizer.json"
-    try:
-        return path.is_file() and PreTrainedTokenizerFast(tokenizer_file=str(path)) is not None
-    except Exception:  # tokenizers raises its own types for a file it cannot read
-        return False
-
-
-def _save_tokenizer(model_dir: Path, tok_dir: Path) -> None:
-    """The engine's tokenizer as transformers loads the checkpoint's (its class may rewrite tokenizer.json's
-    pre-tokenizer, e.g. Llama's legacy / add_prefix_space), saved as a fast tokenizer (tokenizer.json) that the runtime
-    loads without its class."""
-    from transformers import AutoTokenizer
-
-    from camshaft.errors import CheckpointError
-
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
-        path = model_dir / name
-        if path.is_file() and _head(path).startswith(b"version https://git-lfs"):
-            raise CheckpointError(f"{path} is a git-lfs pointer, not the file: fetch it (git lfs pull) and build again")
-    try:
-        AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False).save_pretrained(str(tok_dir))
-    except Exception as exc:  # transformers raises many types for tokenizers it cannot load or convert
-        if _plain_tokenizer_json(model_dir):  # e.g. a custom tokenizer class: its tokenizer.json, as it is
-            return
-        hint = ""
-        if not (model_dir / "tokenizer.json").is_file() and (model_dir / "tokenizer.model").is_file():
-            hint = (" (a SentencePiece tokenizer.model without tokenizer.json: install sentencepiece, "
-                    "pip install sentencepiece, or add the checkpoint's tokenizer.json)")
-        raise CheckpointError(f"the tokenizer in {model_dir} could not be loaded{hint}: {exc}") from exc
-    if not (tok_dir / "tokenizer.json").is_file():
-        raise CheckpointError(f"the tokenizer in {model_dir} has no fast (tokenizer.json) form")

@@ -112,3 +112,20 @@ def test_a_custom_tokenizer_class_builds_from_its_tokenizer_json_without_running
     plain = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"))
     with Session(tmp_path / "engine") as session:
         assert session.encode("hello there") == plain("hello there")["input_ids"]
+
+
+def test_another_models_tokenizer_is_refused_at_build(tmp_path):
+    """A tokenizer with more tokens than the model embeds gave out-of-vocabulary ids at request time."""
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = make_tiny_model("llama", tmp_path / "hf")
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    names = ["<unk>", "<|im_start|>", "<|im_end|>", *sorted(pre_tokenizers.ByteLevel.alphabet())]
+    names += [f"w{i}" for i in range(vocab_size + 50 - len(names))]
+    bigger = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=bigger, eos_token="<|im_end|>").save_pretrained(model)
+    with pytest.raises(CheckpointError, match=f"the tokenizer has {vocab_size + 50} tokens but the model embeds "
+                                              f"{vocab_size}"):
+        build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=32))
+    assert not (tmp_path / "engine").exists()

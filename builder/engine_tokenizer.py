@@ -1,0 +1,66 @@
+"""The engine's tokenizer: saved as transformers loads the checkpoint's, in its fast (tokenizer.json) form, and checked
+against the model's vocabulary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from camshaft.errors import CheckpointError
+
+Progress = Callable[[str], None]
+
+
+def _head(path: Path, size: int = 40) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(size)
+
+
+def _plain_tokenizer_json(model_dir: Path) -> bool:
+    from transformers import PreTrainedTokenizerFast
+
+    path = model_dir / "tokenizer.json"
+    try:
+        return path.is_file() and PreTrainedTokenizerFast(tokenizer_file=str(path)) is not None
+    except Exception:  # tokenizers raises its own types for a file it cannot read
+        return False
+
+
+def save_tokenizer(model_dir: Path, tok_dir: Path, vocab_size: int, progress: Progress) -> None:
+    """The engine's tokenizer as transformers loads the checkpoint's (its class may rewrite tokenizer.json's
+    pre-tokenizer, e.g. Llama's legacy / add_prefix_space), saved as a fast tokenizer (tokenizer.json) that the runtime
+    loads without its class. A vocabulary larger than the model's (another model's tokenizer) is refused."""
+    from transformers import AutoTokenizer
+
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file() and _head(path).startswith(b"version https://git-lfs"):
+            raise CheckpointError(f"{path} is a git-lfs pointer, not the file: fetch it (git lfs pull) and build again")
+    try:
+        AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False).save_pretrained(str(tok_dir))
+    except Exception as exc:  # transformers raises many types for tokenizers it cannot load or convert
+        if _plain_tokenizer_json(model_dir):  # e.g. a custom tokenizer class: its tokenizer.json (copied), as it is
+            check_vocab(tok_dir, vocab_size, progress)
+            return
+        hint = ""
+        if not (model_dir / "tokenizer.json").is_file() and (model_dir / "tokenizer.model").is_file():
+            hint = (" (a SentencePiece tokenizer.model without tokenizer.json: install sentencepiece, "
+                    "pip install sentencepiece, or add the checkpoint's tokenizer.json)")
+        raise CheckpointError(f"the tokenizer in {model_dir} could not be loaded{hint}: {exc}") from exc
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise CheckpointError(f"the tokenizer in {model_dir} has no fast (tokenizer.json) form")
+    check_vocab(tok_dir, vocab_size, progress)
+
+
+def check_vocab(tok_dir: Path, vocab_size: int, progress: Progress) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+    base = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+    if base > vocab_size:
+        raise CheckpointError(f"the tokenizer has {base} tokens but the model embeds {vocab_size}: is it another "
+                              "model's tokenizer? Use the checkpoint's own")
+    beyond = sorted(t for t, i in tokenizer.get_added_vocab().items() if i >= vocab_size)
+    if beyond:
+        progress(f"note: the tokenizer's added tokens {', '.join(beyond[:5])} have ids past the model's vocabulary "
+                 f"({vocab_size}); prompts holding them are refused")

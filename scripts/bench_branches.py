@@ -47,7 +47,7 @@ def measure(name: str, checkpoint: Path, work: Path, rounds: int, threads: int) 
                for kind in ("branched", "unbranched")}
     systems = []
     for kind, engine in engines.items():
-        system = CamshaftSystem(engine, [], 128, threads)
+        system = CamshaftSystem(engine, [], 128, threads, graph="batch")  # the sequence graph has no branches
         system.prompt = benchmark_prompt(system.session.manifest.model.vocab_size, 64)
         system.name = kind
         systems.append(system)
@@ -66,15 +66,17 @@ def measure(name: str, checkpoint: Path, work: Path, rounds: int, threads: int) 
     return row
 
 
-def markdown(rows: list[dict], command: str, rounds: int) -> str:
+def markdown(rows: list[dict], command: str, rounds: int, threads: int) -> str:
     m = machine_info()
     out = [BEGIN, "## Skipping empty attention groups: batch 1, onnxruntime target", "",
            f"Machine: {m['cpu']}, {m['available_cores']} cores; onnxruntime {m['versions']['onnxruntime']}, "
            f"camshaft {m['versions']['camshaft']}.", "", f"Command: `{command}`", "",
            "Each checkpoint built twice: as `camshaft build` writes it (each attention group in an `If`, so a batch-1 "
            "decode step skips the prefill group and a prefill-only step the decode group) and with the branches off "
-           "(an empty group computed on its one-token dummy, as the TensorRT graphs do). `Session` on 2 threads, the "
-           f"same 64 prompt ids, 128 new tokens, greedy, end id ignored; {rounds} interleaved rounds after a warm-up; "
+           "(an empty group computed on its one-token dummy, as the TensorRT graphs do). The batch graph "
+           f"(`Session(graph=\"batch\")`: the sequence graph Session runs by default has no branches) on {threads} "
+           f"threads, the same 64 prompt ids, 128 new tokens, greedy, end id ignored; {rounds} interleaved rounds "
+           "after a warm-up; "
            "medians (min–max); the decode ratio is the median of the per-round ratios.", "",
            "| checkpoint | decode tok/s, branched | decode tok/s, unbranched | decode ratio | TTFT ms first in its "
            "round, branched / unbranched | TTFT ms second, branched / unbranched | same tokens | 1-min load |",
@@ -112,7 +114,7 @@ def main() -> None:
         log(f"{name}: {checkpoint}")
         rows.append(measure(name, checkpoint, args.work_dir, args.rounds, args.threads))
     command = "scripts/bench_branches.py " + " ".join(sys.argv[1:])
-    section = markdown(rows, f".venv/bin/python {command.strip()}", args.rounds)
+    section = markdown(rows, f".venv/bin/python {command.strip()}", args.rounds, args.threads)
     print(section)
     if args.write_md:
         write_markdown(REPO / "BENCHMARKS.md", section, BEGIN, END)

@@ -421,6 +421,8 @@ def markdown(res: dict, plot_ref: str) -> str:
             note = ("reserves prompt + max_tokens in blocks" if p["policy"] == "guaranteed_no_evict"
                     else "prompt blocks now, grows (preempts) later")
             times = p["peak_admitted"] / mem["contiguous"]["peak_admitted"]
+            if p["peak_admitted"] >= p["requests"]:  # every request submitted ran: a floor, not paging's limit
+                note += f"; all {p['requests']} submitted ran at once, so paging may admit more"
             out.append(f"| paged, `{p['policy']}` | **{p['peak_admitted']}** ({times:.1f}×) "
                        f"| {note}; peak KV use {100 * p['peak_kv_usage']:.0f} % |")
         out.append("")

@@ -11,8 +11,9 @@ reported, with camshaft/peer ratios taken within each round, so the noise of a s
 Also measured: the camshaft build (wall time, peak RSS, engine size), the onnxruntime-genai build for comparison,
 and where the time of a camshaft decode step goes (input preparation, the backend call, sampling, detokenizing).
 
-Writes out/bench/latency.json and docs/bench/latency.png, prints a Markdown section, and with --write-md replaces
-the section between the latency markers in BENCHMARKS.md. Needs the `bench` extra: pip install -e '.[bench]'.
+Writes out/bench/latency.json and a plot (docs/bench/latency.png with --write-md), prints a Markdown section, and
+with --write-md replaces the section between the latency markers in BENCHMARKS.md. Needs the `bench` extra:
+pip install -e '.[bench]'.
 
     .venv/bin/python scripts/bench_latency.py --rounds 5 --write-md
 """
@@ -730,7 +731,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rebuild", action="store_true", help="rebuild the camshaft engine and onnxruntime-genai model")
     p.add_argument("--skip-build-measure", action="store_true",
                    help="build only what is missing; reuse build numbers from the previous latency.json")
-    p.add_argument("--plot", type=Path, default=REPO / "docs" / "bench" / "latency.png")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG to write (default: docs/bench/latency.png with --write-md, else beside the JSON)")
     p.add_argument("--md", type=Path, default=REPO / "BENCHMARKS.md")
     p.add_argument("--write-md", action="store_true", help="replace the latency section of --md")
     args = p.parse_args(argv)
@@ -749,6 +751,8 @@ def main(argv: list[str] | None = None) -> None:
     work: Path = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     json_path = work / "latency.json"
+    if args.plot is None:  # the committed plot changes only with the section that shows it
+        args.plot = (REPO / "docs" / "bench" if args.write_md else work) / "latency.png"
     previous = json.loads(json_path.read_text()) if json_path.exists() else None
 
     model_dir = args.model_dir or fetch_model(MODEL, default_model_dir(MODEL), progress=log)

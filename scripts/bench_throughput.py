@@ -12,8 +12,8 @@ the runs), the Python
 overhead of camshaft's batch loop, and how many requests a fixed KV pool admits at once under paging against a
 contiguous max_seq_len reservation per request.
 
-Writes out/bench/throughput.json and docs/bench/throughput.png, prints a Markdown section, and with --write-md
-replaces the section between the throughput markers in BENCHMARKS.md. Needs the `bench` extra.
+Writes out/bench/throughput.json and a plot (docs/bench/throughput.png with --write-md), prints a Markdown section,
+and with --write-md replaces the section between the throughput markers in BENCHMARKS.md. Needs the `bench` extra.
 
     .venv/bin/python scripts/bench_throughput.py --write-md
 """
@@ -452,7 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-tokens", type=int, default=512)
     p.add_argument("--memory-pool-seqs", type=int, default=8,
                    help="KV pool of the memory comparison, in max_seq_len sequences (0: skip it)")
-    p.add_argument("--plot", type=Path, default=REPO / "docs" / "bench" / "throughput.png")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG to write (default: docs/bench/throughput.png with --write-md, else beside the JSON)")
     p.add_argument("--md", type=Path, default=REPO / "BENCHMARKS.md")
     p.add_argument("--write-md", action="store_true", help="replace the throughput section of --md")
     args = p.parse_args(argv)
@@ -572,6 +573,8 @@ def main(argv: list[str] | None = None) -> None:
         "load": [load_before, os.getloadavg()[0]],
     }
     json_path = work / "throughput.json"
+    if args.plot is None:  # the committed plot changes only with the section that shows it
+        args.plot = (REPO / "docs" / "bench" if args.write_md else work) / "throughput.png"
     json_path.write_text(json.dumps(results, indent=2) + "\n")
 
     from types import SimpleNamespace

@@ -80,7 +80,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def _row(r: dict, base: dict | None) -> str:
     ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}×" if base and base['output_tok_s'] > 0 else "—"
-    limit = r["max_concurrency"] or "∞"
+    limit = r["concurrency"] or "∞"
     return (f"| {r['target']} | {limit} | {r['request_rate']} | {r['completed']}/{r['completed'] + r['failed']} | "
             f"{r['output_tok_s']:.1f} | {ratio} | {r['requests_s']:.2f} | "
             + " / ".join(f"{r['ttft_ms'][p]:.0f}" for p in ("p50", "p90", "p99")) + " | "
@@ -90,7 +90,7 @@ def _row(r: dict, base: dict | None) -> str:
 
 
 def _point(r: dict) -> tuple:
-    return r["max_concurrency"], r["request_rate"]
+    return r["concurrency"], r["request_rate"]
 
 
 def _baselines(results: list[dict]) -> dict[tuple, dict]:

@@ -99,11 +99,11 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
     out = tmp_path / "serve.json"
     result = CliRunner().invoke(app, [
         "bench", "serve", "--target", f"first={engine_dir},backend=llm", "--target", f"second={engine_dir},backend=llm",
-        "--dataset", "synthetic:in=30,out=12", "--num-prompts", "12", "--request-rate", "50,inf",
-        "--max-concurrency", "2,4", "--output-json", str(out), "--plot", str(tmp_path / "serve.png")])
+        "--dataset", "synthetic:in=30,out=12", "--num-requests", "12", "--request-rate", "50,inf",
+        "--concurrency", "2,4", "--output-json", str(out), "--plot", str(tmp_path / "serve.png")])
     assert result.exit_code == 0, result.output
     runs = json.loads(out.read_text())["results"]
-    assert [(r["max_concurrency"], r["request_rate"], r["target"]) for r in runs] == [
+    assert [(r["concurrency"], r["request_rate"], r["target"]) for r in runs] == [
         (c, rate, name) for c in (2, 4) for rate in (50.0, "inf") for name in ("first", "second")]
     for r in runs:
         assert (r["completed"], r["failed"], r["output_tokens"]) == (12, 0, 12 * 12)
@@ -115,7 +115,7 @@ def test_a_dataset_longer_than_an_engine_is_refused_before_the_run(engine_dir, c
     from test_cli import camshaft
 
     code, _, err = camshaft(capsys, "bench", "serve", "--target", f"t={engine_dir},backend=llm", "--dataset",
-                            "decode-heavy", "--num-prompts", "2", "--warmup", "0")
+                            "decode-heavy", "--num-requests", "2", "--warmup", "0")
     err = " ".join(err.split())
     assert code == 1 and "does not fit target t's max_seq_len 256" in err, err
     assert "synthetic:in=NORMAL(128,12),out=64" in err and "Traceback" not in err
@@ -135,7 +135,7 @@ def test_bench_serve_reads_triton_token_counts(engine_dir, tmp_path):
         result = CliRunner().invoke(app, [
             "bench", "serve", "--target", f"http=http://{e.http},backend=triton-generate",
             "--target", f"grpc={e.grpc},backend=triton-grpc", "--dataset", "synthetic:in=20,out=6",
-            "--num-prompts", "6", "--request-rate", "inf", "--max-concurrency", "3", "--output-json", str(out),
+            "--num-requests", "6", "--request-rate", "inf", "--concurrency", "3", "--output-json", str(out),
             "--tokenizer", str(engine_dir / "tokenizer")])
     assert result.exit_code == 0, result.output
     for r in json.loads(out.read_text())["results"]:

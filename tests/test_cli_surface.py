@@ -71,7 +71,7 @@ def test_bench_serve_names_a_missing_engine_and_an_unreachable_server(engine, tm
     refused(invoke("bench", "serve", "--target", f"a={tmp_path / 'nope'},backend=llm"), "does not exist")
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     refused(invoke("bench", "serve", "--target", f"a={url},backend=openai", "--tokenizer", engine,
-                   "--dataset", "synthetic:in=8,out=4", "--num-prompts", "2"),
+                   "--dataset", "synthetic:in=8,out=4", "--num-requests", "2"),
             f"target a ({url}, backend openai) did not answer")
 
 

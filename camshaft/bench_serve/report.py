@@ -47,7 +47,7 @@ class ServeResult:
     target: str
     backend: str
     request_rate: float
-    max_concurrency: int | None
+    concurrency: int | None
     completed: int
     failed: int
     wall_s: float
@@ -64,7 +64,7 @@ class ServeResult:
 
     def line(self) -> str:
         rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
-        limit = f"C={self.max_concurrency}" if self.max_concurrency else "C=inf"
+        limit = f"C={self.concurrency}" if self.concurrency else "C=inf"
         ttft, itl = self.ttft_ms, self.itl_ms
         return " ".join([
             f"{self.target:<14} {limit:>5} rate {rate:>5}/s:", f"{self.output_tok_s:7.1f} out tok/s",
@@ -83,7 +83,7 @@ def _ms(values: list[float]) -> dict[str, float]:
     return {k: v * 1000 for k, v in percentiles(values).items()}
 
 
-def summarize(target: Target, rate: float, max_concurrency: int | None, records: list[Record], wall_s: float,
+def summarize(target: Target, rate: float, concurrency: int | None, records: list[Record], wall_s: float,
               goodput: Goodput) -> ServeResult:
     ok = [r for r in records if r.ok]
     ttft = [r.chunk_times[0] - r.sent for r in ok]
@@ -95,7 +95,7 @@ def summarize(target: Target, rate: float, max_concurrency: int | None, records:
                for t, e, n in zip(ttft, e2e, tokens, strict=True))
     failed = [r for r in records if not r.ok]
     return ServeResult(
-        target=target.name, backend=target.backend, request_rate=rate, max_concurrency=max_concurrency,
+        target=target.name, backend=target.backend, request_rate=rate, concurrency=concurrency,
         completed=len(ok), failed=len(failed), wall_s=wall_s, prompt_tokens=sum(r.prompt_tokens for r in ok),
         output_tokens=sum(tokens), output_tok_s=sum(tokens) / wall_s, requests_s=len(ok) / wall_s,
         goodput_req_s=good / wall_s, ttft_ms=_ms(ttft), tpot_ms=_ms(tpot), itl_ms=_ms(itl), e2e_ms=_ms(e2e),
@@ -104,7 +104,7 @@ def summarize(target: Target, rate: float, max_concurrency: int | None, records:
 
 def _point_label(result: ServeResult, by_rate: bool, by_limit: bool) -> str:
     rate = "inf" if math.isinf(result.request_rate) else f"{result.request_rate:g}"
-    parts = ([f"{rate}/s"] if by_rate or not by_limit else []) + ([f"C={result.max_concurrency}"] if by_limit else [])
+    parts = ([f"{rate}/s"] if by_rate or not by_limit else []) + ([f"C={result.concurrency}"] if by_limit else [])
     return " ".join(parts)
 
 
@@ -120,7 +120,7 @@ def plot(results: list[ServeResult], path: str | Path, title: str | None = None)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     targets = list(dict.fromkeys(r.target for r in results))
     rates = {r.request_rate for r in results}
-    limits = {r.max_concurrency for r in results}
+    limits = {r.concurrency for r in results}
     for ax, (label, key) in zip(axes, panels, strict=True):
         for name in targets:
             points = sorted((r for r in results if r.target == name), key=lambda r: r.output_tok_s)

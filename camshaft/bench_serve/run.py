@@ -21,8 +21,8 @@ def salted(requests: list[ServeRequest], salt: str) -> list[ServeRequest]:
 
 
 async def _drive(client, requests: list[ServeRequest], arrivals: list[float],
-                 max_concurrency: int | None) -> tuple[list[Record], float]:
-    limit = asyncio.Semaphore(max_concurrency or len(requests))
+                 concurrency: int | None) -> tuple[list[Record], float]:
+    limit = asyncio.Semaphore(concurrency or len(requests))
     records = [Record(r.prompt_tokens, r.max_tokens) for r in requests]
     start = time.perf_counter()
 

@@ -43,7 +43,7 @@ def load_requests(dataset: str, num_prompts: int, tokenizer, *, seed: int = 0,
     from camshaft.runtime.bench_data import parse_dataset_spec
 
     if num_prompts < 1:
-        raise RequestError(f"--num-prompts must be >= 1, got {num_prompts}")
+        raise RequestError(f"--num-requests must be >= 1, got {num_prompts}")
     spec = parse_dataset_spec(PRESETS.get(dataset, dataset))
     if spec.kind == "jsonl":
         return _jsonl(spec.path, num_prompts, tokenizer)

@@ -53,9 +53,8 @@ def bench_throughput(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     dataset: Annotated[str, typer.Option(help="synthetic:in=NORMAL(200,50),out=NORMAL(128,32) | jsonl:PATH")]
     = "synthetic:in=NORMAL(200,50),out=NORMAL(128,32)",
-    num_requests: Annotated[int, typer.Option("--num-requests", "--num-prompts", min=1, help="Requests to run")] = 64,
+    num_requests: Annotated[int, typer.Option(min=1, help="Requests to run")] = 64,
     concurrency: Annotated[str, typer.Option(
-        "--concurrency", "--max-concurrency", "--sweep",
         help="Most requests in flight; a comma-separated list sweeps, e.g. 1,8,32")] = "32",
     seed: Annotated[int, typer.Option(min=0, help="Seed of the synthetic lengths and prompt ids")] = 0,
     threads: Annotated[int | None, typer.Option(min=1, help="Engine threads (default: the backend's)")] = None,
@@ -105,12 +104,12 @@ def bench_serve(
     = "prefill-heavy",
     tokenizer: Annotated[Path | None, typer.Option(help="Engine or checkpoint directory whose tokenizer sizes the "
                                                         "synthetic prompts (default: an llm target's engine)")] = None,
-    num_prompts: Annotated[int, typer.Option("--num-prompts", "--num-requests", help="Requests per run")] = 64,
+    num_requests: Annotated[int, typer.Option(help="Requests per run")] = 64,
     request_rate: Annotated[str, typer.Option(help="Requests/s of the Poisson arrivals, or inf; a comma-separated "
                                                    "list sweeps, e.g. 1,2,4,inf")] = "inf",
-    max_concurrency: Annotated[str | None, typer.Option(
-        "--max-concurrency", "--concurrency",
-        help="Most requests in flight per target; a comma-separated list sweeps, e.g. 1,8,32")] = None,
+    concurrency: Annotated[str | None, typer.Option(
+        help="Most requests in flight per target (default: no limit); a comma-separated list sweeps, e.g. "
+             "1,8,32")] = None,
     goodput: Annotated[str | None, typer.Option(help="SLOs for goodput, e.g. ttft_ms=1000,tpot_ms=100")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and arrivals")] = 0,
     warmup: Annotated[int, typer.Option(min=0, help="Short warm-up requests per target")] = 2,
@@ -129,11 +128,11 @@ def bench_serve(
 
     require_outputs(plot, output_json)
     try:
-        concurrencies = [int(c) for c in max_concurrency.split(",")] if max_concurrency else [None]
+        concurrencies = [int(c) for c in concurrency.split(",")] if concurrency else [None]
     except ValueError:
         concurrencies = [0]
     if any(c is not None and c < 1 for c in concurrencies):
-        raise CamshaftError(f"--max-concurrency takes positive integers, comma-separated; got {max_concurrency!r}")
+        raise CamshaftError(f"--concurrency takes positive integers, comma-separated; got {concurrency!r}")
     targets = [Target.parse(t) for t in target]
     if len({t.name for t in targets}) != len(targets):
         raise CamshaftError("--target names must differ")
@@ -141,7 +140,7 @@ def bench_serve(
         if t.backend == "llm":
             read_manifest(Path(t.url))  # a missing or broken engine says so before anything loads
     source = tokenizer or next((Path(t.url) for t in targets if t.backend == "llm"), None)
-    requests = load_requests(dataset, num_prompts, load_tokenizer(source) if source else None, seed=seed)
+    requests = load_requests(dataset, num_requests, load_tokenizer(source) if source else None, seed=seed)
     longest = max(requests, key=lambda r: r.prompt_tokens + r.max_tokens)
     for t in targets:
         limit = read_manifest(Path(t.url)).limits.max_seq_len if t.backend == "llm" else None
@@ -155,12 +154,12 @@ def bench_serve(
                         goodput=Goodput.parse(goodput), seed=seed, warmup=warmup, log=typer.echo)
     if output_json:
         output_json.parent.mkdir(parents=True, exist_ok=True)
-        output_json.write_text(json.dumps({"dataset": dataset, "num_prompts": num_prompts, "seed": seed,
-                                           "max_concurrency": concurrencies,
+        output_json.write_text(json.dumps({"dataset": dataset, "num_requests": num_requests, "seed": seed,
+                                           "concurrency": concurrencies,
                                            "results": [r.to_dict() for r in results]}, indent=2) + "\n")
     if plot:
-        plot_results(results, plot, title=f"{dataset}, {num_prompts} prompts, request rate {request_rate}, "
-                                          f"max concurrency {max_concurrency or 'unlimited'}")
+        plot_results(results, plot, title=f"{dataset}, {num_requests} requests, request rate {request_rate}, "
+                                          f"concurrency {concurrency or 'unlimited'}")
     failed = [r for r in results if r.completed == 0]
     if failed:
         raise CamshaftError(f"every request of {len(failed)} run(s) failed ({failed[0].target}: "

@@ -203,10 +203,6 @@ def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> lis
 
 def tokenize_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
     """Token ids of each bad word as it would appear at the start of the text and after a space (as vLLM does)."""
-    result: list[list[int]] = []
-    for word in words:
-        for variant in (word.lstrip(), " " + word.lstrip()):
-            ids = list(tokenizer.encode(variant, add_special_tokens=False))
-            if ids and ids not in result:
-                result.append(ids)
-    return result
+    variants = [v for word in words for v in (word.lstrip(), " " + word.lstrip())]
+    encoded = tokenizer(variants, add_special_tokens=False)["input_ids"] if variants else []
+    return [list(ids) for ids in dict.fromkeys(tuple(ids) for ids in encoded if ids)]

@@ -11,6 +11,7 @@ from camshaft.errors import RequestError
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1024, 32768
 GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (vLLM's rule; 1/T would overflow float32)
 
 
@@ -54,6 +55,9 @@ class SamplingParams:
         _require(len(self.stop) <= MAX_STOP_STRINGS and sum(map(len, self.stop)) <= MAX_STOP_CHARS,
                  f"stop takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all (each is "
                  f"looked for after every token, on the loop every request shares); got {len(self.stop)}")
+        _require(len(self.bad_words) <= MAX_BAD_WORDS and sum(map(len, self.bad_words)) <= MAX_BAD_WORD_CHARS,
+                 f"bad_words takes at most {MAX_BAD_WORDS} words of {MAX_BAD_WORD_CHARS} characters in all (each is "
+                 f"checked at every token, on the loop every request shares); got {len(self.bad_words)}")
         ids = tuple(self.stop_token_ids)
         _require(all(is_int(t) and t >= 0 for t in ids),
                  f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")

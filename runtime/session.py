@@ -17,6 +17,7 @@ from camshaft.errors import CapacityError, RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.kv_cache import parse_memory
+from camshaft.runtime.prompt_text import encode_text
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
@@ -91,11 +92,12 @@ class Session:
                 raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt instead")
             text = self._apply_template(messages)
             # The template already holds the special tokens: encoding must not add a second BOS.
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = encode_text(self.tokenizer, text, self.manifest.limits.max_seq_len, "the chat",
+                              add_special_tokens=False)
         elif isinstance(prompt, str):
             if not prompt:
                 raise RequestError("the prompt is empty; pass some text")
-            ids = self.tokenizer(prompt)["input_ids"]
+            ids = encode_text(self.tokenizer, prompt, self.manifest.limits.max_seq_len)
         else:
             vocab = self.manifest.model.vocab_size
             items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None

@@ -191,6 +191,22 @@ def test_sentencepiece_tokens_keep_their_leading_space():
     assert logprobs["text_offset"] == [0, 6, 7, 8, 10, 16, 16]
 
 
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/v1/completions", '{"model": "engine", "prompt": "a\\ud800b", "max_tokens": 2}', "not valid Unicode"),
+    ("/v1/chat/completions", '{"model": "engine", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "not valid Unicode"),
+    ("/v1/completions", '{"model": "engine", "prompt": [1.0, 2.0], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "engine", "prompt": [true, false], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"model": "engine", "messages": [{"role": "user", "content": [{"type": "text", '
+     '"text": {"a": 1}}]}]}', "text must be a string"),
+])
+def test_malformed_text_and_ids_are_400s(served, path, body, message):
+    response = HTTP.post(served[0] + path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and message in response.text, response.text
+    assert HTTP.post(served[0] + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+                     ).status_code == 200  # the connection and the server carry on
+
+
 def test_null_fields_take_their_defaults(served):
     body = {"model": MODEL, "messages": HI, "max_tokens": 3, "n": None, "top_p": None, "presence_penalty": None,
             "frequency_penalty": None, "stream": None, "logprobs": None, "temperature": None, "seed": None}

@@ -64,6 +64,7 @@ def _reference_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) 
     (dict(repetition_penalty=float("nan")), "repetition_penalty must be a finite number"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"),
     (dict(bad_words=[""]), "bad_words"),
+    (dict(bad_words=[f"w{i}" for i in range(1025)]), "bad_words takes at most 1024 words"),
     (dict(max_tokens=2.5), "max_tokens"),
     (dict(seed="7"), "seed"),
 ])

@@ -233,3 +233,37 @@ def test_a_kv_cache_budget_bounds_either_graph(engine_dir, graph):
         session.generate(list(range(10, 50)), max_tokens=30, ignore_eos=True)
     assert len(session.generate("x", max_tokens=5, ignore_eos=True).token_ids) == 5  # nothing held after a refusal
     session.close()
+
+
+def test_a_huge_prompt_is_refused_after_tokenizing_a_prefix(engine_dir):
+    """A 2 MB prompt cannot fit 96 tokens: refused without tokenizing it all (a 50 MB one took minutes and GBs)."""
+    class Spy:
+        def __init__(self, inner):
+            self.inner, self.lengths = inner, []
+
+        def __call__(self, text, **kwargs):
+            self.lengths.append(len(text))
+            return self.inner(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    with Session(engine_dir) as session:
+        session.tokenizer = spy = Spy(session.tokenizer)
+        prompt = "lorem ipsum " * 200_000
+        with pytest.raises(CapacityError, match=f"the prompt has {len(prompt)} characters, more than 96 tokens"):
+            session.generate(prompt, max_tokens=2)
+        assert spy.lengths and max(spy.lengths) < len(prompt) // 100
+        with pytest.raises(CapacityError, match="the chat has .* characters, more than 96 tokens"):
+            session.chat([{"role": "user", "content": prompt}], max_tokens=2)
+        assert session.generate("lorem ipsum " * 3, max_tokens=2).finish_reason == "length"
+
+
+@pytest.mark.parametrize("where", ["prompt", "chat"])
+def test_text_that_is_not_unicode_is_a_request_error(engine_dir, where):
+    with Session(engine_dir) as session:
+        with pytest.raises(RequestError, match="is not valid Unicode .a lone surrogate at character 1"):
+            if where == "prompt":
+                session.generate("a\ud800b", max_tokens=2)
+            else:
+                session.chat([{"role": "user", "content": "a\ud800b"}], max_tokens=2)

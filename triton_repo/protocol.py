@@ -47,15 +47,44 @@ def one(values: Values, name: str):
         raise RequestError(f"{name} must hold one value (shape [1, 1]), got shape {list(array.shape)}; "
                            "send one request per call")
     value = flat[0]
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value.item()
+    return _text(value, name) if isinstance(value, bytes) else value.item()
 
 
 def strings(values: Values, name: str) -> tuple[str, ...]:
     array = values.get(name)
     if array is None:
         return ()
-    words = [w.decode("utf-8", errors="replace") if isinstance(w, bytes) else str(w) for w in array.reshape(-1)]
+    words = [_text(w, name) if isinstance(w, bytes) else str(w) for w in array.reshape(-1)]
     return tuple(w for w in words if w)
+
+
+def _text(value: bytes, name: str) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"{name} is not UTF-8 (byte {exc.start} of {len(value)}); send UTF-8 text") from None
+
+
+def vocab_words(array: np.ndarray | None, name: str, vocab_size: int) -> list[list[int]]:
+    """The words of a stop/bad words list, their token ids checked against the vocabulary."""
+    words = word_lists(array, name)
+    for i, word in enumerate(words):
+        if any(not 0 <= t < vocab_size for t in word):
+            raise RequestError(f"{name} word {i} holds ids outside this model's vocabulary [0, {vocab_size}): {word}")
+    return words
+
+
+def decoded(words: list[list[int]], name: str, tokenizer, least: int = 1) -> list[str]:
+    """The text of each word of at least `least` tokens."""
+    texts = []
+    for i, word in enumerate(words):
+        if len(word) < least:
+            continue
+        texts.append(tokenizer.decode(word))
+        if not texts[-1] or "\ufffd" in texts[-1]:
+            raise RequestError(f"{name} word {i} ({word}) decodes to no whole text (part of a character?); send "
+                               "whole words")
+    return texts
 
 
 def word_lists(array: np.ndarray | None, name: str) -> list[list[int]]:
@@ -97,9 +126,10 @@ def token_request(values: Values, *, tokenizer, eos_token_ids: Sequence[int], ex
     max_tokens = one(values, "request_output_len")
     if max_tokens is None:
         raise RequestError("request_output_len is required: the number of tokens to generate")
-    for name in ("num_return_sequences",):
-        if (one(values, name) or 1) > 1:
-            raise RequestError(f"{name} > 1 is not supported; send several requests (with different seeds)")
+    returned = one(values, "num_return_sequences")
+    if returned is not None and returned != 1:
+        raise RequestError(f"num_return_sequences must be 1, got {returned}; for several outputs send several "
+                           "requests (with different seeds)")
     for name in ("return_context_logits", "return_generation_logits"):
         if one(values, name):
             raise RequestError(f"{name} is not supported by camshaft's Triton models; leave it false")
@@ -121,6 +151,8 @@ def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max
         if value is not None:
             kwargs[target] = value
     top_p = one(values, "runtime_top_p")
+    if top_p is not None and top_p < 0:
+        raise RequestError(f"runtime_top_p must be in [0, 1] (0 turns it off), got {top_p}")
     if top_p is not None and top_p > 0:  # tensorrtllm_backend: 0 turns top-p off
         kwargs["top_p"] = top_p
     seed = one(values, "seed")
@@ -130,12 +162,12 @@ def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max
     if one(values, "return_log_probs"):
         kwargs["logprobs"] = 0
     stop_ids, stop = [], list(strings(values, "stop_words"))
-    for word in word_lists(values.get("stop_words_list"), "stop_words_list"):
-        if len(word) == 1:
-            stop_ids.append(word[0])
-        else:
-            stop.append(tokenizer.decode(word))
+    words = vocab_words(values.get("stop_words_list"), "stop_words_list", vocab_size)
+    stop_ids += [word[0] for word in words if len(word) == 1]
+    stop += decoded(words, "stop_words_list", tokenizer, least=2)  # one-token words are stop ids
     end_id = one(values, "end_id")
+    if end_id is not None and end_id < -1:
+        raise RequestError(f"end_id must be a token id or -1 (never stop on an end id), got {end_id}")
     if end_id is not None and end_id not in eos_token_ids:  # end_id replaces the engine's eos; -1: never stop
         kwargs["ignore_eos"] = True
         if end_id >= vocab_size:
@@ -144,5 +176,6 @@ def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max
         if end_id >= 0:
             stop_ids.append(end_id)
     bad = list(strings(values, "bad_words"))
-    bad += [tokenizer.decode(word) for word in word_lists(values.get("bad_words_list"), "bad_words_list")]
+    bad += decoded(vocab_words(values.get("bad_words_list"), "bad_words_list", vocab_size),
+                   "bad_words_list", tokenizer)
     return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad))

@@ -24,7 +24,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
+from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import load_tokenizer
+from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
 from camshaft.triton_repo.protocol import one
 from camshaft.triton_repo.tensors import TEXT_TO_TOKEN
@@ -63,6 +65,7 @@ class TextModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.name = args["model_name"]
         self.tokenizer = load_tokenizer(Path(params["engine_dir"]))
+        self.max_seq_len = read_manifest(Path(params["engine_dir"])).limits.max_seq_len
         self.max_requests = int(params.get("max_requests") or 256)  # what the executor admits (batch + queue)
         self.calls: dict[str, _Call] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -196,7 +199,7 @@ class TextModel:
 
     def _token_inputs(self, values, text: str) -> dict[str, np.ndarray]:
         """The token model's inputs for this request, as tensorrtllm_backend names them."""
-        ids = self.tokenizer(text)["input_ids"]
+        ids = encode_text(self.tokenizer, text, self.max_seq_len, "text_input")
         if not ids:
             raise RequestError("text_input encodes to no tokens; pass some text")
         inputs = {"input_ids": np.asarray([ids], np.int32), "input_lengths": np.asarray([[len(ids)]], np.int32),

@@ -80,7 +80,7 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: bool = False
     suffix: str | None = None
@@ -115,7 +115,10 @@ class ChatMessage(BaseModel):
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
                 raise RequestError("only text content parts ({'type': 'text', 'text': ...}) are supported")
-            content = "".join(str(part.get("text", "")) for part in content)
+            texts = [part.get("text", "") for part in content]
+            if not all(isinstance(text, str) for text in texts):
+                raise RequestError("a text content part's text must be a string")
+            content = "".join(texts)
         return {"role": self.role, "content": content or ""}
 
 

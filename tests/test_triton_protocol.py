@@ -1,0 +1,65 @@
+"""tensorrtllm_backend request tensors → SamplingParams, without a server: values a buggy client sends are refused
+naming the tensor, never read as something else."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from camshaft.errors import RequestError
+from camshaft.triton_repo.protocol import one, token_request
+
+from tiny_models import tokenizer_json
+
+VOCAB = 384
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    root = tmp_path_factory.mktemp("protocol")
+    tokenizer_json(root, VOCAB)
+    return PreTrainedTokenizerFast.from_pretrained(str(root))
+
+
+def request(tokenizer, **tensors):
+    values = {"input_ids": np.array([[5, 6, 7]], np.int32), "request_output_len": np.array([[4]], np.int32)}
+    values.update({k: np.asarray(v) for k, v in tensors.items()})
+    return token_request(values, tokenizer=tokenizer, eos_token_ids=(2,), exclude_default=False, vocab_size=VOCAB)
+
+
+def words(*word_ids: list[int]) -> np.ndarray:
+    flat = [t for w in word_ids for t in w]
+    ends = list(np.cumsum([len(w) for w in word_ids]))
+    return np.array([[flat, ends + [-1] * (len(flat) - len(ends))]], np.int32)
+
+
+@pytest.mark.parametrize(("tensors", "message"), [
+    ({"stop_words_list": words([5, 100_000])}, "stop_words_list word 0 holds ids outside this model's vocabulary"),
+    ({"bad_words_list": words([40, 41], [-3, 5])}, "bad_words_list word 1 holds ids outside"),
+    ({}, None),  # filled in below: a word of one byte of a character
+    ({"runtime_top_p": np.array([[-0.5]], np.float32)}, "runtime_top_p must be in [0, 1]"),
+    ({"end_id": np.array([[-5]], np.int32)}, "end_id must be a token id or -1"),
+    ({"num_return_sequences": np.array([[0]], np.int32)}, "num_return_sequences must be 1, got 0"),
+    ({"stop_words": np.array([[b"\xff\xfe"]], np.object_)}, "stop_words is not UTF-8"),
+])
+def test_bad_tensors_are_refused_naming_them(tokenizer, tensors, message):
+    if message is None:  # its text would be U+FFFD, which any partial character in the output matches
+        partial = next(i for i in range(VOCAB) if tokenizer.decode([i]) == "\ufffd")
+        tensors = {"stop_words_list": words([5], [partial, partial])}
+        message = f"stop_words_list word 1 ([{partial}, {partial}]) decodes to no whole text"
+    with pytest.raises(RequestError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        request(tokenizer, **tensors)
+
+
+def test_valid_word_lists_become_stop_ids_and_strings(tokenizer):
+    hello, hi = tokenizer.encode("hello", add_special_tokens=False), tokenizer.encode("hi", add_special_tokens=False)
+    params = request(tokenizer, stop_words_list=words([9], hello), bad_words_list=words(hi),
+                     end_id=np.array([[-1]], np.int32)).params
+    assert params.stop_token_ids == (9,) and params.stop == ("hello",) and params.bad_words == ("hi",)
+    assert params.ignore_eos
+
+
+def test_invalid_utf8_text_is_refused():
+    with pytest.raises(RequestError, match=r"text_input is not UTF-8 \(byte 1 of 3\)"):
+        one({"text_input": np.array([[b"a\xffb"]], np.object_)}, "text_input")

@@ -26,7 +26,7 @@ ADMIT_WINDOW_S = 0.002
 
 class Executor:
     def __init__(self, engine: Engine, config: SchedulerConfig, *, max_queue: int | None = None,
-                 stats_window: int = 100_000, admit_window_s: float = ADMIT_WINDOW_S) -> None:
+                 stats_window: int = 1024, admit_window_s: float = ADMIT_WINDOW_S) -> None:
         """max_queue bounds the requests that wait beyond a full running batch; past it submit raises
         ServerBusyError. None: unbounded. admit_window_s: after a step that finished requests, with none
         waiting, how long the loop waits for new ones before it schedules the next step (0: not at all)."""
@@ -35,8 +35,9 @@ class Executor:
         self.max_queue = max_queue
         self.admit_window_s = admit_window_s
         self.scheduler = Scheduler(config)
-        self.stats: deque[IterationStats] = deque(maxlen=stats_window)
-        self.peak_batch_size = 0
+        self.stats: deque[IterationStats] = deque(maxlen=stats_window)  # the latest steps (a server runs for days)
+        self.steps_done = 0
+        self.peak_batch_size, self.peak_kv_usage = 0, 0.0  # since the caller last set them to 0
         self._sinks: dict[str, Sink] = {}
         self._requests: dict[str, Request] = {}
         self._held: dict[str, list[Request]] = {}  # siblings waiting for the first sequence's prompt blocks
@@ -200,11 +201,14 @@ class Executor:
         running = len(scheduled)
         self.peak_batch_size = max(self.peak_batch_size, running)
         blocks = self.scheduler.blocks
+        step = IterationStats(running, sum(item.num_tokens for item in scheduled),
+                              sum(item.num_tokens for item in scheduled if not item.decode),
+                              len(self.scheduler.waiting), blocks.num_used, blocks.capacity,
+                              time.perf_counter() - started)
+        self.peak_kv_usage = max(self.peak_kv_usage, step.kv_usage)
         with self._stats_lock:
-            self.stats.append(IterationStats(
-                running, sum(item.num_tokens for item in scheduled),
-                sum(item.num_tokens for item in scheduled if not item.decode), len(self.scheduler.waiting),
-                blocks.num_used, blocks.capacity, time.perf_counter() - started))
+            self.stats.append(step)
+            self.steps_done += 1
         return finished
 
     def _release_held(self, request: Request) -> None:

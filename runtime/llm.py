@@ -75,7 +75,7 @@ class LLM:
 
     @property
     def stats(self) -> list[IterationStats]:
-        """Per-iteration stats of the batch loop, oldest first."""
+        """Per-iteration stats of the batch loop's latest 1024 steps, oldest first (executor.steps_done counts all)."""
         return self.executor.snapshot_stats()
 
     @property

@@ -137,10 +137,10 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     if not requests:
         raise RequestError("no requests to run")
     executor = llm.executor
-    stats_before = len(llm.stats)
+    steps_before = executor.steps_done
     preempt_before = executor.scheduler.num_preemptions
     hits_before = llm.kv_cache.reuse_hits
-    executor.peak_batch_size = 0
+    executor.peak_batch_size, executor.peak_kv_usage = 0, 0.0
     records = [RequestRecord(i, len(r.prompt_ids), r.max_tokens) for i, r in enumerate(requests)]
     done: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
     timer = StepTimer(llm)
@@ -182,7 +182,6 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         wall = time.perf_counter() - started
     finally:
         timer.restore()
-    steps = llm.stats[stats_before:]
     flops = count_flops(llm.engine.manifest, requests)
     total_flop = flops["linear"] + flops["lm_head"] + flops["attention"]
     output_tokens = sum(len(r.token_times) for r in records)
@@ -196,8 +195,8 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         itl_ms=_ms(percentiles([x for r in records for x in r.itl_s])),
         e2e_ms=_ms(percentiles([r.e2e_s for r in records])),
         ttft_joining_ms=_ms(percentiles(joining)) | {"count": len(joining)},
-        peak_kv_usage=max((s.kv_usage for s in steps), default=0.0),
-        peak_batch_size=executor.peak_batch_size, num_steps=len(steps),
+        peak_kv_usage=executor.peak_kv_usage,
+        peak_batch_size=executor.peak_batch_size, num_steps=executor.steps_done - steps_before,
         gflop={k: v / 1e9 for k, v in flops.items() if k != "tokens_fed"} | {"tokens_fed": flops["tokens_fed"]},
         gflop_s=total_flop / wall / 1e9, gflop_s_linear=(flops["linear"] + flops["lm_head"]) / wall / 1e9,
         python_overhead=overhead, preemptions=executor.scheduler.num_preemptions - preempt_before,

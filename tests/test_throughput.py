@@ -98,9 +98,24 @@ def test_run_returns_every_request_with_sane_metrics(engine_dir):
         assert result.ttft_ms["p50"] <= result.e2e_ms["p50"]
         assert result.output_tok_s > 0 and result.requests_s > 0 and result.gflop_s > 0
         assert result.python_overhead["all_steps"]["steps"] > 0
+        assert result.num_steps == len(llm.stats)
         assert 0 <= result.python_overhead["all_steps"]["outside_engine_step"] < 1
         assert llm.executor.scheduler.blocks.num_used == 0
         assert llm.engine.step.__name__ == "step"  # the timing wrappers are removed again
+
+
+def test_a_long_lived_llm_still_counts_a_runs_steps(engine_dir):
+    """The stats keep the latest steps only (a server runs for days); a run's step count and peak KV use come from
+    counters, not from that window (with a full window they read 0)."""
+    from collections import deque
+
+    with LLM(engine_dir, threads=1) as llm:
+        requests = load_dataset("synthetic:in=NORMAL(40,20),out=NORMAL(12,6)", 8, max_seq_len=MAX_SEQ_LEN,
+                                vocab_size=llm.engine.manifest.model.vocab_size, seed=2)
+        run_throughput(llm, requests, concurrency=4)
+        llm.executor.stats = deque(llm.executor.stats, maxlen=5)  # as full as after days of serving
+        again = run_throughput(llm, requests, concurrency=4)
+        assert len(llm.stats) == 5 and again.num_steps > 5 and again.peak_kv_usage > 0
 
 
 def test_benchmark_runs_a_sweep(engine_dir):

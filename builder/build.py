@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import time
 import uuid
@@ -25,10 +26,10 @@ from camshaft.builder.target_checks import (
     check_weight_only_compute,
     has_weight_only_layers,
 )
-from camshaft.engine_files import record_files
+from camshaft.engine_files import TOKENIZER_DIR, engine_entries, record_files
 from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import graph_limits
-from camshaft.manifest import MANIFEST_NAME, TOKENIZER_DIR, BuildLimits, Manifest, TensorSpec, engine_entries
+from camshaft.manifest import MANIFEST_NAME, BuildLimits, Manifest, TensorSpec
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.version import __version__
 
@@ -129,7 +130,7 @@ def file_sha256(path: Path) -> str:
 
 
 def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Manifest:
-    output = Path(config.output_dir)
+    output = Path(os.path.abspath(config.output_dir))  # "." is gone from under the shell once replaced
     check_replaceable(output, MANIFEST_NAME, "an engine", BuildConfigError, owned=engine_entries)
     gpu_arch = check_target(config)
     started = time.perf_counter()

@@ -31,8 +31,8 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
         from camshaft.quantize.spec import FORMATS
 
         what = shown_as or f"{quant_algo} checkpoints"
-        why = (f"the KV cache is quantized ({kv_cache_quant_algo.lower()}: its pool holds uint8 codes, which "
-               "TensorRT rejects)" if kv_cache_quant_algo else
+        why = (f"the KV cache is quantized ({kv_cache_quant_algo.lower()}: camshaft lowers quantized caches for "
+               "onnxruntime only; TensorRT rejects the float8 pool's uint8 codes)" if kv_cache_quant_algo else
                "the inputs take per-token scales, computed at run time (static Q/DQ cannot)")
         builds = [name for name, info in FORMATS.items() if set(info.layer_algos) <= set(TRT_QUANT_ALGOS)]
         raise BuildConfigError(

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from camshaft.errors import EngineError
 
+MANIFEST_NAME = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+BUILD_OUTPUTS = ("model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data", "model.plan", "graph.onnx",
+                 "graph.onnx.data")
 SAMPLE_BYTES = 4096
 WHOLE_BELOW = 1 << 22  # smaller files (graphs, tokenizer) are hashed whole
 MAX_SAMPLES = 4096  # a larger one: samples every max(1 MiB, size / 4096) bytes, ~1 % of a 500 MB file
@@ -68,3 +74,23 @@ def check_unchanged(engine_dir: Path, manifest_name: str, build_id: str) -> None
         now = None
     if now != build_id:
         raise EngineError(f"{engine_dir} was replaced while it loaded (rebuilt meanwhile?); load it again")
+
+
+def engine_entries(engine_dir: Path) -> set[str]:
+    """The names a build writes into an engine directory (what rebuilding it may replace)."""
+    try:
+        files = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        files = {}
+    return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in files)}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.fchmod(fd, 0o644)  # mkstemp makes it private; an engine is read by servers running as other users
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -7,22 +7,16 @@ so a directory without one (or with `complete` false) was never finished and nev
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from camshaft.checks import check_positive_ints
-from camshaft.engine_files import check_files, check_unchanged
+from camshaft.engine_files import MANIFEST_NAME, check_files, check_unchanged, write_atomic
 from camshaft.errors import CamshaftError, EngineError
 from camshaft.model_config import ModelConfig
 from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __version__
 
-MANIFEST_NAME = "manifest.json"
-TOKENIZER_DIR = "tokenizer"
-BUILD_OUTPUTS = ("model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data", "model.plan", "graph.onnx",
-                 "graph.onnx.data")
 TARGETS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
 TRT_MODULES = {"tensorrt-rtx": "tensorrt_rtx", "tensorrt": "tensorrt"}  # TensorRT target → its Python module
 
@@ -218,15 +212,6 @@ class Manifest:
         return cls(**data)
 
 
-def engine_entries(engine_dir: Path) -> set[str]:
-    """The names a build writes into an engine directory (what rebuilding it may replace)."""
-    try:
-        files = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
-        files = {}
-    return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in files)}
-
-
 def read_manifest(engine_dir: str | Path) -> Manifest:
     """Read and validate an engine directory's manifest; every failure is an EngineError saying what to do."""
     engine_dir = Path(engine_dir)
@@ -265,21 +250,14 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
         manifest = Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError, CamshaftError) as exc:
         raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {exc}); rebuild the engine") from exc
-    check_files(engine_dir, manifest.files, manifest.fingerprints)
+    try:
+        check_files(engine_dir, manifest.files, manifest.fingerprints)
+    except EngineError:
+        check_unchanged(engine_dir, MANIFEST_NAME, manifest.build_id)  # a rebuild swapping it meanwhile says so
+        raise
     return manifest
 
 
 def check_unchanged_since(engine_dir: Path, manifest: Manifest) -> None:
     """Call after loading `manifest`'s engine: a rebuild that replaced it meanwhile is an EngineError."""
     check_unchanged(engine_dir, MANIFEST_NAME, manifest.build_id)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.fchmod(fd, 0o644)  # mkstemp makes it private; an engine is read by servers running as other users
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,12 +63,16 @@ def replace_dir(staging: Path, output: Path) -> None:
             os.replace(output, old)
         os.replace(staging, output)
     except OSError as exc:
+        previous = ""
         if old.exists() and not output.exists():
-            os.replace(old, output)  # the previous output stays where it was
-        kept = output.parent / f".{output.name}.failed-{os.getpid()}"
+            try:
+                os.replace(old, output)
+            except OSError:
+                previous = f"; the previous output is in {old}"
+        kept = Path(tempfile.mkdtemp(prefix=f".{output.name}.failed-", dir=output.parent))
         os.replace(staging, kept)  # not a .partial that the caller's cleanup or a later run removes
         raise CamshaftError(f"cannot move the finished output into {output} ({exc.strerror or exc}); it is complete "
-                            f"in {kept}") from exc
+                            f"in {kept}{previous}") from exc
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -72,11 +72,14 @@ def import_modelopt():
 
 
 def _written(checkpoint: Path) -> set[str]:
-    """What `camshaft quantize` wrote into `checkpoint` (all it holds, for one written before the record listed it)."""
+    """What `camshaft quantize` wrote into `checkpoint`: none of another tool's checkpoint, all of one camshaft wrote
+    before its record listed the files."""
     try:
-        return {CAMSHAFT_QUANT_RECORD, *json.loads((checkpoint / CAMSHAFT_QUANT_RECORD).read_text())["files"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return set(os.listdir(checkpoint))
+        record = json.loads((checkpoint / CAMSHAFT_QUANT_RECORD).read_text())
+    except (OSError, ValueError):
+        return set()
+    files = record.get("files") if isinstance(record, dict) else None
+    return {CAMSHAFT_QUANT_RECORD, *files} if isinstance(files, list) else set(os.listdir(checkpoint))
 
 
 def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSpec, *,

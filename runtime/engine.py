@@ -6,11 +6,12 @@ from pathlib import Path
 
 import numpy as np
 
+from camshaft.engine_files import TOKENIZER_DIR
 from camshaft.errors import EngineError
-from camshaft.manifest import GROUP_FLAGS, TOKENIZER_DIR, Manifest, check_unchanged_since, read_manifest
+from camshaft.manifest import GROUP_FLAGS, Manifest, check_unchanged_since, read_manifest
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
-from camshaft.runtime.kv_cache import BlockPool, cache_copies, pool_blocks
+from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, pool_blocks
 
 
 def load_tokenizer(engine_dir: Path):
@@ -33,10 +34,12 @@ def end_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
 
 class Engine:
     def __init__(self, engine_dir: str | Path, *, max_sequences: int = 1, kv_cache_memory: int | None = None,
-                 threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
-        """huge_pages: the loaded weights on transparent huge pages (Linux; see runtime/backends/huge_pages.py)."""
+                 threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True,
+                 manifest: Manifest | None = None) -> None:
+        """huge_pages: the loaded weights on transparent huge pages (Linux; see runtime/backends/huge_pages.py).
+        manifest: the engine's, when the caller has read it (what it read is what gets checked after loading)."""
         self.dir = Path(engine_dir)
-        self.manifest: Manifest = read_manifest(self.dir)
+        self.manifest: Manifest = manifest or read_manifest(self.dir)
         m = self.manifest
         inputs = {spec.name for spec in m.inputs}
         unknown = inputs - FEED_NAMES
@@ -45,6 +48,7 @@ class Engine:
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.group_flags = {spec.name for spec in GROUP_FLAGS} <= inputs
         num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))
+        check_fits_host(m, num_blocks)
         self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)
         self.pool = BlockPool(num_blocks)
         self.tokenizer = load_tokenizer(self.dir)

@@ -66,6 +66,28 @@ def parse_memory(spec: str | int | float | None) -> int | None:
     return value
 
 
+def host_memory() -> int:
+    """Bytes this process may use: the machine's memory, or its cgroup's limit (a container's) when lower."""
+    import psutil
+
+    limit = psutil.virtual_memory().total
+    try:
+        cgroup = open("/sys/fs/cgroup/memory.max").read().strip()
+    except OSError:
+        return limit
+    return min(limit, int(cgroup)) if cgroup.isdigit() else limit
+
+
+def check_fits_host(manifest: Manifest, num_blocks: int) -> None:
+    """A host (onnxruntime) pool larger than the memory there is would be killed as it fills: refused now."""
+    size, limit = num_blocks * bytes_per_block(manifest), host_memory()
+    if manifest.target == "onnxruntime" and size > limit:
+        raise CapacityError(f"the KV cache pool ({num_blocks} blocks, {size / 2**30:.1f} GiB) is larger than this "
+                            f"machine's {limit / 2**30:.1f} GiB of memory; give a smaller kv_cache_memory / "
+                            "--kv-cache-memory (e.g. 0.5 of free memory) or build with a smaller --max-seq-len or "
+                            "--max-batch-size")
+
+
 def cache_copies(manifest: Manifest) -> int:
     """Buffers a backend holds of each cache: the TensorRT backend two where the plan writes a new cache rather than
     updating its input in place (backends/tensorrt.py), so a memory budget is counted for both."""

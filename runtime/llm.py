@@ -55,13 +55,14 @@ class LLM:
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
         on transparent huge pages (Linux; see runtime/backends/huge_pages.py); kv_reservation "contiguous" reserves
         max_seq_len tokens of KV blocks per request, as a cache without paging would (for comparisons)."""
-        limits = read_manifest(Path(engine_dir)).limits
+        manifest = read_manifest(Path(engine_dir))
+        limits = manifest.limits
         batch, tokens = astuple(check_llm_options(
             limits, policy=policy, kv_reservation=kv_reservation, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, max_queue=max_queue))
         self.kv_cache_memory = parse_memory(kv_cache_memory)  # bytes; a fraction is resolved once, here
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=self.kv_cache_memory,
-                                      threads=threads, spin_wait=spin_wait, huge_pages=huge_pages)
+                                      threads=threads, spin_wait=spin_wait, huge_pages=huge_pages, manifest=manifest)
         self.config = SchedulerConfig(
             num_blocks=engine.pool.num_blocks, block_size=engine.block_size, max_batch_size=batch,
             max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy, kv_reservation=kv_reservation)

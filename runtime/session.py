@@ -48,7 +48,7 @@ class Session:
                 huge_pages=huge_pages)
         else:
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
-                                                    threads=threads, huge_pages=huge_pages))
+                                                    threads=threads, huge_pages=huge_pages, manifest=manifest))
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -203,3 +204,10 @@ def test_a_full_disk_is_one_line_not_a_traceback(tiny, capsys, monkeypatch):
     code, _, err = camshaft(capsys, "build", "--model", model, "--output", root / "full")
     assert code == 1 and "Traceback" not in err
     assert "No space left on device: /data/engine/model.onnx.data; free some space" in " ".join(err.split())
+
+
+def test_build_quant_keeps_its_checkpoint_beside_an_output_given_as_dot(tmp_path, monkeypatch):
+    from camshaft.cli.build import quantized_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    assert quantized_checkpoint(Path(".")) == tmp_path.parent / f"{tmp_path.name}.ckpt"

@@ -141,6 +141,15 @@ def test_one_token_id_prompt_in_numpy_integers(engine_dir):
         assert len(outputs) == 1 and outputs[0].prompt_token_ids == [5, 6, 7]
 
 
+def test_a_pool_larger_than_the_machine_is_refused_before_loading(engine_dir):
+    """numpy allocates lazily: such a pool loaded, and the process was killed as the cache filled."""
+    from camshaft.errors import CapacityError
+    from camshaft.runtime.kv_cache import host_memory
+
+    with pytest.raises(CapacityError, match=r"larger than this machine's .* GiB of memory"):
+        LLM(engine_dir, kv_cache_memory=host_memory() + 2**30)
+
+
 def test_a_pool_beyond_the_process_memory_is_a_clear_error(engine_dir):
     """Under an address-space limit (ulimit -v, a container's), the pool's allocation fails: a CapacityError naming
     the options to change, not numpy's MemoryError traceback."""
@@ -148,10 +157,11 @@ def test_a_pool_beyond_the_process_memory_is_a_clear_error(engine_dir):
         import resource
         from camshaft.runtime.llm import LLM
         from camshaft.errors import CapacityError
+        from camshaft.runtime.kv_cache import host_memory
         size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (size + 2**30, size + 2**30))
         try:
-            LLM({str(engine_dir)!r}, kv_cache_memory="8GiB")
+            LLM({str(engine_dir)!r}, kv_cache_memory=min(8 * 2**30, host_memory() // 2))
         except CapacityError as exc:
             print("REFUSED", exc)
     """)

@@ -120,11 +120,13 @@ def test_a_failed_final_move_keeps_the_output_it_says_it_kept(built, tmp_path, m
             raise OSError(16, "Device or resource busy")
         real_replace(src, dst)
     monkeypatch.setattr(camshaft.outdir.os, "replace", refuse_the_second)
-    with pytest.raises(CamshaftError, match=r"it is complete in .*\.engine\.failed-") as failed:
-        build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))
-    kept = failed.value.args[0].rsplit("complete in ", 1)[1]
-    assert (tmp_path / kept.rsplit("/", 1)[1] / "manifest.json").is_file()
-    assert Engine(target).limits.max_seq_len == 64  # the previous engine is back in place
+    kept = set()
+    for _ in range(2):  # a second failure in the same process keeps its output too
+        with pytest.raises(CamshaftError, match=r"it is complete in .*\.engine\.failed-") as failed:
+            build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))
+        kept.add(failed.value.args[0].rsplit("complete in ", 1)[1])
+        assert Engine(target).limits.max_seq_len == 64  # the previous engine is back in place
+    assert len(kept) == 2 and all((tmp_path / path.rsplit("/", 1)[1] / "manifest.json").is_file() for path in kept)
 
 
 def test_a_build_stopped_with_sigterm_leaves_nothing_behind(tmp_path):

@@ -310,6 +310,10 @@ def test_excluded_layers_stay_float(tiny, tmp_path):
     with pytest.raises(QuantizeError, match="also holds README.md, which camshaft did not write"):
         quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)
     assert (tmp_path / "ckpt" / "README.md").read_text() == "model card"
+    (tmp_path / "ckpt" / "camshaft_quantize.json").unlink()  # another tool's quantized checkpoint: none of it ours
+    (tmp_path / "ckpt" / "README.md").unlink()
+    with pytest.raises(QuantizeError, match="also holds chat_template.jinja, config.json"):
+        quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)
 
 
 def test_an_exclude_pattern_that_matches_no_layer_is_refused_before_calibration(tiny, tmp_path, monkeypatch):

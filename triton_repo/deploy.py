@@ -8,7 +8,6 @@ the executor over a private channel to the token model (channel.py); none loads 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -79,7 +78,7 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
                                              "token_model": TOKEN_MODEL, "max_requests": str(admitted),
                                              **common}),
     }
-    if Path(os.path.abspath(engine)).is_relative_to(os.path.abspath(repo)):
+    if Path(engine).resolve().is_relative_to(Path(repo).resolve()):
         raise CamshaftError(f"--engine {engine} lies inside --repo {repo}, which deploy replaces as a whole; keep the "
                             "engine outside the repository")
     check_replaceable(repo, MARKER, "a camshaft Triton repository", CamshaftError, flag="--repo", owned=_entries)

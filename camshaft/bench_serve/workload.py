@@ -27,7 +27,7 @@ def load_tokenizer(path: str | Path):
     """The tokenizer of an engine directory or a Hugging Face checkpoint directory (local files only)."""
     from transformers import PreTrainedTokenizerFast
 
-    from camshaft.manifest import TOKENIZER_DIR
+    from camshaft.engine_files import TOKENIZER_DIR
 
     path = Path(path)
     for where in (path / TOKENIZER_DIR, path):

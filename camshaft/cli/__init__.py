@@ -24,12 +24,12 @@ app.add_typer(eval_app, name="eval")
 err = Console(stderr=True)
 
 
-_COUNTED = re.compile(r".*\b(\d+)/(\d+)$")  # "layer 3/30": a step of a counted loop
+_COUNTED = re.compile(r".*\blayer (\d+)/(\d+)$")  # a step of the builders' loop over layers
 
 
 def progress(message: str) -> None:
-    """One line per message; a counted step (`... 3/30`) overwrites the previous one on a terminal and is shown at
-    each quarter in a log."""
+    """One line per message; a layer step (`... layer 3/30`) overwrites the previous one on a terminal and is shown
+    at each quarter in a log."""
     counted = _COUNTED.match(message)
     if counted is None:
         err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
@@ -41,7 +41,12 @@ def progress(message: str) -> None:
         err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
 
 
+_MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EMFILE,
+                   errno.ENFILE, errno.ENOMEM, errno.ENAMETOOLONG}
+
+
 def _terminated(signum: int, _frame: object) -> None:
+    err.print("terminated")
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C: half-written outputs are removed on the way out
 
 
@@ -54,6 +59,8 @@ def main() -> None:
         err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
         sys.exit(1)
     except OSError as exc:  # the machine's, not ours: a full disk, a directory we may not write
+        if exc.errno not in _MACHINE_ERRORS:
+            raise
         where = f": {exc.filename}" if exc.filename else ""
         hint = "; free some space there or choose another directory" if exc.errno == errno.ENOSPC else ""
         err.print(f"[bold red]error:[/bold red] {escape((exc.strerror or str(exc)) + where + hint)}", soft_wrap=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -86,6 +87,7 @@ def build(
     from camshaft.builder.build import build_engine
     from camshaft.builder.config import BuildConfig
 
+    output = Path(os.path.abspath(output))  # "." is gone from under the shell once replaced
     config = BuildConfig(model, output, target=target, dtype=dtype, max_batch_size=max_batch_size,
                          max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
                          gpu_arch=gpu_arch, weight_only_compute=weight_only_compute)
@@ -110,6 +112,7 @@ def build(
 
 def quantized_checkpoint(output: Path) -> Path:
     """Where `build --quant` keeps the quantized checkpoint it builds from: OUTPUT.ckpt beside the engine."""
+    output = Path(os.path.abspath(output))
     return output.with_name(output.name + ".ckpt")
 
 
@@ -126,8 +129,8 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
                            lm_head: str) -> None:
     """Everything the build after quantizing would refuse, checked before calibration starts."""
     from camshaft.builder.target_checks import check_quantized_target, check_target, check_weight_only_compute
+    from camshaft.engine_files import MANIFEST_NAME, engine_entries
     from camshaft.errors import BuildConfigError
-    from camshaft.manifest import MANIFEST_NAME, engine_entries
     from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig
     from camshaft.outdir import check_replaceable
     from camshaft.quantize.spec import QuantSpec
@@ -175,6 +178,7 @@ def quantize(
     lm_head: LmHeadOption = "float",
 ) -> None:
     """Calibrate and quantize a checkpoint with NVIDIA ModelOpt into a quantized (unified HF) checkpoint."""
+    output = Path(os.path.abspath(output))
     _quantize(model, quant, output, kv_cache_dtype, group_size, calib_data, calib_size, calib_seq_len, exclude,
               lm_head)
     typer.echo(str(output))

@@ -76,7 +76,8 @@ class LLM:
 
     @property
     def stats(self) -> list[IterationStats]:
-        """Per-iteration stats of the batch loop's latest 1024 steps, oldest first (executor.steps_done counts all)."""
+        """Per-iteration stats of the batch loop's latest steps (Executor's stats_window), oldest first;
+        executor.steps_done counts them all."""
         return self.executor.snapshot_stats()
 
     @property

@@ -3,31 +3,39 @@ can hold is refused after tokenizing a prefix, not all of it (a 50 MB prompt too
 
 from __future__ import annotations
 
+import weakref
+
 from camshaft.errors import CapacityError, RequestError
 
-SAFETY = 4  # normalizers may fold a few characters into one
+FIRST_PREFIX = 8  # characters a token: a prefix this long of a prompt that fits is most of it
+_longest: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def longest_piece(tokenizer) -> int:
-    """Characters of the longest vocabulary entry: no token covers more of the text."""
-    cached = getattr(tokenizer, "_camshaft_longest_piece", None)
-    if cached is None:
-        cached = max(map(len, tokenizer.get_vocab()), default=1)
-        tokenizer._camshaft_longest_piece = cached
-    return cached
+    """Characters of the longest vocabulary entry: cutting the text splits one token into at most this many."""
+    if tokenizer not in _longest:
+        _longest[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
+    return _longest[tokenizer]
 
 
-def encode_text(tokenizer, text: str, max_tokens: int, what: str = "the prompt",
-                add_special_tokens: bool = True) -> list[int]:
+def check_unicode(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise RequestError(f"{what} is not valid Unicode (a lone surrogate at character {exc.start}); send UTF-8 "
                            "text") from None
-    cap = max_tokens * longest_piece(tokenizer) * SAFETY + 64
-    if len(text) > cap:
-        head = tokenizer(text[:cap], add_special_tokens=add_special_tokens)["input_ids"]
-        if len(head) > max_tokens + 1:  # the cut may split one token in two
+
+
+def encode_text(tokenizer, text: str, max_tokens: int, what: str = "the prompt",
+                add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`; refused, after tokenizing a prefix (growing fourfold: at most ~1.3x the work of one
+    encoding), when that prefix alone holds more tokens than `max_tokens` plus what the cut may add."""
+    check_unicode(text, what)
+    size = max_tokens * FIRST_PREFIX
+    while size < len(text):
+        head = tokenizer(text[:size], add_special_tokens=add_special_tokens)["input_ids"]
+        if len(head) > max_tokens + longest_piece(tokenizer):
             raise CapacityError(f"{what} has {len(text)} characters, more than {max_tokens} tokens: this engine "
                                 f"allows {max_tokens} tokens in all (prompt + output); shorten it")
+        size *= 4
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]

@@ -113,7 +113,7 @@ def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], vocab_size: int, priority: int = 0) -> list[Request]:
     """The params.n requests one prompt makes, each with its own sampler and text stream (ids `request_id`, or
     `request_id-i` when n > 1)."""
-    bad_words = tokenize_bad_words(tokenizer, params.bad_words)
+    bad_words = tokenize_bad_words(tokenizer, params.bad_words) + [list(w) for w in params.bad_word_ids]
     return [Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_ids, params,
                     SequenceSampler(params, prompt_ids, eos_token_ids, bad_words, vocab_size, sequence_index=i),
                     TextStream(tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output,

@@ -180,9 +180,9 @@ class SequenceSampler:
         return SampleResult(token, float(raw[token]) - log_total, alternatives)
 
 
-def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> list[SampleResult | RequestError]:
+def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> list[SampleResult | Exception]:
     """Sample row i of logits [batch, vocab] with samplers[i]; plain greedy rows share one vectorised argmax. A row
-    that cannot be sampled gets its RequestError in its place, so one request's error never stops the others."""
+    that cannot be sampled gets its exception in its place, so one request's error never stops the others."""
     plain = [i for i, s in enumerate(samplers)
              if s.params.greedy and s.params.logprobs is None and not s._transforms_logits]
     results: list[SampleResult | None] = [None] * len(samplers)
@@ -194,10 +194,8 @@ def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> lis
         if results[i] is None:
             try:
                 results[i] = sampler.sample(logits[i])
-            except RequestError as exc:
+            except Exception as exc:  # the request's error (a bug's too: not the loop every request shares)
                 results[i] = exc
-            except Exception as exc:  # a bug here fails this request, not the loop every request shares
-                results[i] = RequestError(f"sampling failed: {exc!r}")
     return results  # type: ignore[return-value]
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from camshaft.checks import is_int
 from camshaft.errors import RequestError
+from camshaft.runtime.prompt_text import check_unicode
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
@@ -39,6 +40,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     bad_words: tuple[str, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # token id sequences, as TensorRT-LLM's bad_words_list
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
@@ -51,13 +53,22 @@ class SamplingParams:
             words = (value,) if isinstance(value, str) else tuple(value)
             _require(all(isinstance(w, str) and w for w in words),
                      f"{name} must be a list of non-empty strings, got {value!r}")
+            for word in words:
+                check_unicode(word, f"{name} {word!r}")
             object.__setattr__(self, name, words)
         _require(len(self.stop) <= MAX_STOP_STRINGS and sum(map(len, self.stop)) <= MAX_STOP_CHARS,
                  f"stop takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all (each is "
-                 f"looked for after every token, on the loop every request shares); got {len(self.stop)}")
+                 f"looked for after every token, on the loop every request shares); got {len(self.stop)} of "
+                 f"{sum(map(len, self.stop))}")
         _require(len(self.bad_words) <= MAX_BAD_WORDS and sum(map(len, self.bad_words)) <= MAX_BAD_WORD_CHARS,
                  f"bad_words takes at most {MAX_BAD_WORDS} words of {MAX_BAD_WORD_CHARS} characters in all (each is "
-                 f"checked at every token, on the loop every request shares); got {len(self.bad_words)}")
+                 f"checked at every token, on the loop every request shares); got {len(self.bad_words)} of "
+                 f"{sum(map(len, self.bad_words))}")
+        words = tuple(tuple(w) for w in self.bad_word_ids)
+        _require(all(w and all(is_int(t) and t >= 0 for t in w) for w in words),
+                 f"bad_word_ids must be non-empty lists of non-negative token ids, got {self.bad_word_ids!r:.200}")
+        _require(len(words) <= MAX_BAD_WORDS, f"bad_word_ids takes at most {MAX_BAD_WORDS} words, got {len(words)}")
+        object.__setattr__(self, "bad_word_ids", tuple(tuple(int(t) for t in w) for w in words))
         ids = tuple(self.stop_token_ids)
         _require(all(is_int(t) and t >= 0 for t in ids),
                  f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")

@@ -17,7 +17,7 @@ from camshaft.errors import CapacityError, RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.kv_cache import parse_memory
-from camshaft.runtime.prompt_text import encode_text
+from camshaft.runtime.prompt_text import check_unicode, encode_text
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
@@ -212,5 +212,8 @@ def check_messages(messages: list[dict[str, str]]) -> None:
                 or not isinstance(message.get("content"), str):
             raise RequestError(f"chat message {i} is {message!r}; each message is a dict with a 'role' and a "
                                "'content' string")
+    for i, message in enumerate(messages):
+        for key in ("role", "content"):
+            check_unicode(message[key], f"chat message {i}'s {key}")
     if not any(m["content"].strip() for m in messages):
         raise RequestError("every chat message's content is empty; pass some text")

@@ -262,8 +262,9 @@ def test_a_huge_prompt_is_refused_after_tokenizing_a_prefix(engine_dir):
 @pytest.mark.parametrize("where", ["prompt", "chat"])
 def test_text_that_is_not_unicode_is_a_request_error(engine_dir, where):
     with Session(engine_dir) as session:
-        with pytest.raises(RequestError, match="is not valid Unicode .a lone surrogate at character 1"):
+        with pytest.raises(RequestError, match="is not valid Unicode .a lone surrogate at character 1\\b"):
             if where == "prompt":
                 session.generate("a\ud800b", max_tokens=2)
-            else:
-                session.chat([{"role": "user", "content": "a\ud800b"}], max_tokens=2)
+            else:  # the position in the message, not in the rendered template
+                session.chat([{"role": "system", "content": "hi"}, {"role": "user", "content": "a\ud800b"}],
+                             max_tokens=2)

@@ -56,7 +56,8 @@ def test_valid_word_lists_become_stop_ids_and_strings(tokenizer):
     hello, hi = tokenizer.encode("hello", add_special_tokens=False), tokenizer.encode("hi", add_special_tokens=False)
     params = request(tokenizer, stop_words_list=words([9], hello), bad_words_list=words(hi),
                      end_id=np.array([[-1]], np.int32)).params
-    assert params.stop_token_ids == (9,) and params.stop == ("hello",) and params.bad_words == ("hi",)
+    assert params.stop_token_ids == (9,) and params.stop == ("hello",)
+    assert params.bad_word_ids == (tuple(hi),) and params.bad_words == ()  # banned as ids, as TensorRT-LLM does
     assert params.ignore_eos
 
 

@@ -176,6 +176,6 @@ def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max
         if end_id >= 0:
             stop_ids.append(end_id)
     bad = list(strings(values, "bad_words"))
-    bad += decoded(vocab_words(values.get("bad_words_list"), "bad_words_list", vocab_size),
-                   "bad_words_list", tokenizer)
-    return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad))
+    bad_ids = vocab_words(values.get("bad_words_list"), "bad_words_list", vocab_size)  # banned as ids, as TRT-LLM
+    return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad),
+                          bad_word_ids=tuple(map(tuple, bad_ids)))

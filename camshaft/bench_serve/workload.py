@@ -36,23 +36,23 @@ def load_tokenizer(path: str | Path):
     raise RequestError(f"{path} holds no tokenizer.json; pass an engine or checkpoint directory as --tokenizer")
 
 
-def load_requests(dataset: str, num_prompts: int, tokenizer, *, seed: int = 0,
+def load_requests(dataset: str, num_requests: int, tokenizer, *, seed: int = 0,
                   max_seq_len: int | None = None) -> list[ServeRequest]:
     """`prefill-heavy`, `decode-heavy`, `synthetic:in=DIST,out=DIST` (random text of about that many tokens) or
     `jsonl:PATH` of {"prompt": text, "max_tokens": n}. Lengths are clipped to max_seq_len when it is known."""
     from camshaft.runtime.bench_data import parse_dataset_spec
 
-    if num_prompts < 1:
-        raise RequestError(f"--num-requests must be >= 1, got {num_prompts}")
+    if num_requests < 1:
+        raise RequestError(f"--num-requests must be >= 1, got {num_requests}")
     spec = parse_dataset_spec(PRESETS.get(dataset, dataset))
     if spec.kind == "jsonl":
-        return _jsonl(spec.path, num_prompts, tokenizer)
+        return _jsonl(spec.path, num_requests, tokenizer)
     if tokenizer is None:
         raise RequestError("a synthetic dataset needs a tokenizer to size its prompts: pass --tokenizer DIR")
     rng = np.random.default_rng(seed)
     limit = max_seq_len or 1 << 30
-    prompt_lens = np.clip(spec.prompt_len.sample(rng, num_prompts), 1, limit - 1)
-    output_lens = np.clip(spec.output_len.sample(rng, num_prompts), 1, limit - prompt_lens)
+    prompt_lens = np.clip(spec.prompt_len.sample(rng, num_requests), 1, limit - 1)
+    output_lens = np.clip(spec.output_len.sample(rng, num_requests), 1, limit - prompt_lens)
     pieces = _text_pieces(tokenizer)
     return [_random_text(tokenizer, rng, pieces, int(p), int(o))
             for p, o in zip(prompt_lens, output_lens, strict=True)]

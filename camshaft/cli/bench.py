@@ -144,12 +144,12 @@ def bench_serve(
     longest = max(requests, key=lambda r: r.prompt_tokens + r.max_tokens)
     for t in targets:
         limit = read_manifest(Path(t.url)).limits.max_seq_len if t.backend == "llm" else None
-        if limit is not None and longest.prompt_tokens + longest.max_tokens > limit:
+        if limit is not None and longest.prompt_tokens + 1 + longest.max_tokens > limit:  # + a BOS the engine adds
             raise CamshaftError(
                 f"--dataset {dataset}: its longest request ({longest.prompt_tokens} prompt + {longest.max_tokens} "
                 f"output tokens) does not fit target {t.name}'s max_seq_len {limit}; size the requests to the engine "
                 f"(e.g. --dataset 'synthetic:in=NORMAL({limit // 2},{limit // 20}),out={limit // 4}') or build it "
-                f"with --max-seq-len {longest.prompt_tokens + longest.max_tokens} or more")
+                f"with --max-seq-len {longest.prompt_tokens + 1 + longest.max_tokens} or more")
     results = run_bench(targets, requests, parse_rates(request_rate), concurrencies=concurrencies,
                         goodput=Goodput.parse(goodput), seed=seed, warmup=warmup, log=typer.echo)
     if output_json:

@@ -1,4 +1,5 @@
-"""Perplexity of a text through an engine (or, for reference, through transformers), in windows of max_seq_len."""
+"""Perplexity of a text through an engine, in windows of its max_seq_len, or, for reference, through transformers in
+the window given (`camshaft eval ppl` gives it the engine's when both run)."""
 
 from __future__ import annotations
 

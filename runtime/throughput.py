@@ -8,8 +8,9 @@ TTFT = submitted -> first token sampled, inter-token latencies (ITL) = gaps betw
 (E2E) = submitted -> last token sampled. Token times are taken on the batch loop thread the moment each token is
 sampled (`Request.add_sample`), since text deltas skip tokens that end mid-character.
 
-Also: output tok/s and requests/s over the whole run, peak KV usage (executor stats), achieved GFLOP/s and the
-Python scheduling overhead of the batch loop (runtime/step_timer.py). Printing and JSON: runtime/throughput_report.py.
+Also: output tok/s and requests/s over the whole run, peak KV usage and step count (executor counters), achieved
+GFLOP/s and the Python scheduling overhead of the batch loop (runtime/step_timer.py). Printing and JSON:
+runtime/throughput_report.py.
 """
 
 from __future__ import annotations

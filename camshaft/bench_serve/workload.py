@@ -39,7 +39,8 @@ def load_tokenizer(path: str | Path):
 def load_requests(dataset: str, num_requests: int, tokenizer, *, seed: int = 0,
                   max_seq_len: int | None = None) -> list[ServeRequest]:
     """`prefill-heavy`, `decode-heavy`, `synthetic:in=DIST,out=DIST` (random text of about that many tokens) or
-    `jsonl:PATH` of {"prompt": text, "max_tokens": n}. Lengths are clipped to max_seq_len when it is known."""
+    `jsonl:PATH` of {"prompt": text, "max_tokens": n}. Lengths are clipped to max_seq_len when it is given
+    (`bench serve` instead refuses a dataset longer than an llm target's engine)."""
     from camshaft.runtime.bench_data import parse_dataset_spec
 
     if num_requests < 1:

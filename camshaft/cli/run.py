@@ -21,7 +21,7 @@ def run(
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much "
                                               "probability (1 = off)")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
+    top_k: Annotated[int, typer.Option(help="0 or -1 = off")] = 0,
     seed: Annotated[int | None, typer.Option(help="Seed of the sampling (default: a fresh one)")] = None,
     stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
 ) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 from pathlib import Path
+
+import numpy as np
 
 from camshaft.checks import is_int
 from camshaft.errors import RequestError
@@ -18,30 +21,18 @@ from camshaft.runtime.engine import Engine
 from camshaft.runtime.executor import Executor
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, priorities
-from camshaft.runtime.outputs import IterationStats, Load, RequestOutput, Sink
+from camshaft.runtime.outputs import IterationStats, Load, PromptOutput, RequestOutput, Sink
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import SchedulerConfig
 from camshaft.runtime.session import Prompt, Session
 
 
-@dataclass(frozen=True)
-class PromptOutput:
-    """The n outputs of one prompt (n = SamplingParams.n)."""
-
-    prompt_token_ids: list[int]
-    outputs: list[GenerationResult]
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-
 class LLM:
+    """Many requests on one engine with in-flight batching: `generate` for offline batches (results in input order),
+    `stream` / `submit` for servers. Safe to call from many threads and from asyncio at once; `close()` (or `with`)
+    ends the batch loop. Bad input raises RequestError before anything runs."""
+
     def __init__(self, engine_dir: str | Path, *, policy: str = "guaranteed_no_evict",
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  kv_cache_memory: int | float | str | None = None, threads: int | None = None,
@@ -145,11 +136,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[PromptOutput]:
+                 use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None) -> list[PromptOutput]:
         """Generate for every prompt with in-flight batching; results come back in input order. `priority`: one
-        for all or one per prompt, lower first (vLLM's meaning); None: all equal, first come, first served."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_int(prompts[0])):
-            prompts = [prompts]
+        for all or one per prompt, lower first (vLLM's meaning); None: all equal, first come, first served.
+        `use_tqdm`: a progress bar on stderr (None: when stderr is a terminal)."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts)
+                                        and is_int(prompts[0])):
+            prompts = [prompts]  # one prompt of token ids
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -166,15 +159,17 @@ class LLM:
                 self.executor.submit(group, [_finals(done)] * len(group), bounded=False)
                 submitted.extend(r.request_id for r in group)
             results: list[list[GenerationResult | None]] = [[None] * len(g) for g in groups]
-            bar = _progress(len(where), use_tqdm)
-            for _ in range(len(where)):
-                output = done.get()
-                if output.error is not None:
-                    raise output.error
-                i, j = where[output.request_id]
-                results[i][j] = output.result
-                bar.update(1)
-            bar.close()
+            bar = _progress(len(where), sys.stderr.isatty() if use_tqdm is None else use_tqdm)
+            try:
+                for _ in range(len(where)):
+                    output = done.get()
+                    if output.error is not None:
+                        raise output.error
+                    i, j = where[output.request_id]
+                    results[i][j] = output.result
+                    bar.update(1)
+            finally:
+                bar.close()
         except BaseException:
             for request_id in submitted:
                 self.executor.abort(request_id)

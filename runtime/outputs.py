@@ -55,3 +55,23 @@ class Load:
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total
+
+
+@dataclass(frozen=True)
+class PromptOutput:
+    """The n outputs of one prompt (n = SamplingParams.n)."""
+
+    prompt_token_ids: list[int]
+    outputs: list[GenerationResult]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -3,14 +3,14 @@
 # size. Prints one markdown row per format (the table in BENCHMARKS.md, rtx-build section).
 # Usage: scripts/bench_rtx_build.sh [WORKDIR] [FORMAT...]   (formats: fp16 bf16 fp8 int8_sq int4_wo int4_awq w4a8_awq)
 # Quantized checkpoints use the smallest calibration that works (2 samples of 32 tokens): a build check, not an
-# accuracy one. Needs the SmolLM2 checkpoint in the camshaft cache (scripts/setup.sh or the test suite fetches it).
+# accuracy one. Fetches SmolLM2 into the camshaft cache first if it is not there (`camshaft models fetch`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${1:-/tmp/bench_rtx_build}
 shift || true
 FORMATS=${*:-fp16 fp8 int8_sq int4_wo int4_awq w4a8_awq}
-MODEL=~/.cache/camshaft/models/smollm2-135m-instruct
 CAMSHAFT=.venv/bin/camshaft
+MODEL="$($CAMSHAFT models fetch smollm2-135m-instruct)"
 LIMITS=(--max-batch-size 8 --max-seq-len 1024)
 mkdir -p "$WORK"
 echo "| format | quantize (s) | build wall (s) | build_engine (s) | peak RSS (GB) | model.plan (MB) | graph data (MB) |"

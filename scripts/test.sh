@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-.venv/bin/ruff check .
-.venv/bin/python -m pytest "$@"
+.venv/bin/ruff check . || { echo "test.sh: ruff failed; the tests were not run" >&2; exit 1; }
+.venv/bin/python -m pytest "$@"  # pytest arguments pass through, e.g. -q, -x, -m 'not slow', tests/test_cli.py

@@ -101,10 +101,31 @@ def _fresh_session(engine, huge: bool, graph: str) -> tuple[int, list[int]]:
 @needs_collapse
 def test_smollm2_weights_on_huge_pages_same_tokens(smollm2_engine):
     weights = (smollm2_engine / "model.onnx.data").stat().st_size
+    free = _free_huge_blocks()
     on, off = _fresh_session(smollm2_engine, True, "sequence"), _fresh_session(smollm2_engine, False, "sequence")
-    assert on[0] >= 0.75 * weights
+    _assert_collapsed(on[0], weights, free)
     assert off[0] == 0
     assert on[1] == off[1]
+    free = _free_huge_blocks()
     batch = _fresh_session(smollm2_engine, True, "batch")  # the batch graph's backend: what LLM and servers load
-    assert batch[0] >= 0.75 * weights
+    _assert_collapsed(batch[0], weights, free)
     assert batch[1] == off[1]
+
+
+def _free_huge_blocks() -> int:
+    """Free 2 MiB blocks the kernel holds (/proc/buddyinfo, orders 9 and up)."""
+    blocks = 0
+    with open("/proc/buddyinfo") as f:
+        for line in f:
+            counts = [int(c) for c in line.split()[4:]]
+            blocks += sum(n << (order - 9) for order, n in enumerate(counts) if order >= 9)
+    return blocks
+
+
+def _assert_collapsed(huge: int, weights: int, free_before: int) -> None:
+    """At least 3/4 of the weights on huge pages, unless the machine's memory was too fragmented to hold them (after
+    gigabytes of fresh installs and page cache it can be: the kernel then leaves them on small pages, as designed)."""
+    if huge < 0.75 * weights and free_before < weights // 2**21:
+        pytest.skip(f"{huge} of {weights} bytes on huge pages with {free_before} free 2 MiB blocks before the load: "
+                    "memory too fragmented to tell")
+    assert huge >= 0.75 * weights

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from camshaft.errors import FetchError
+from camshaft.outdir import alive
 
 MARKER = ".camshaft-fetch.json"
 _PARTIAL = ".partial-"
@@ -109,7 +110,11 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{output.name}{_PARTIAL}", dir=output.parent))
+        for stale in output.parent.glob(f".{output.name}{_PARTIAL}*-*"):  # fetches killed outright (SIGKILL, OOM)
+            pid = stale.name.removeprefix(f".{output.name}{_PARTIAL}").split("-")[0]
+            if pid.isdigit() and not alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{output.name}{_PARTIAL}{os.getpid()}-", dir=output.parent))
     except OSError as exc:
         raise FetchError(f"cannot write into {output.parent} ({exc.strerror or exc}); pass --output DIR, or set "
                          "CAMSHAFT_CACHE to a directory you can write to") from exc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -68,6 +69,16 @@ def test_interrupted_fetch_leaves_nothing(monkeypatch, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         fetch_model(SMOLLM2, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+    # a fetch killed outright (SIGKILL) left its folder: the next fetch removes it, not a live one's
+    import subprocess
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    (tmp_path / f".out.partial-{dead}-abc").mkdir()
+    (tmp_path / f".out.partial-{os.getppid()}-xyz").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        fetch_model(SMOLLM2, tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir()] == [f".out.partial-{os.getppid()}-xyz"]
 
 
 @pytest.mark.slow

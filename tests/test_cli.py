@@ -73,10 +73,12 @@ BAD_RUNS = {
     "empty prompt": (["--prompt", ""], "prompt is empty"),
     "empty chat prompt": (["--prompt", "", "--chat"], "content is empty"),
     "prompt too long": (["--prompt", "x" * 200], "allows 64 tokens"),
-    "max_tokens zero": (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
-    "negative temperature": (["--prompt", "hi", "--temperature", "-1"], "temperature"),
-    "top_p zero": (["--prompt", "hi", "--top-p", "0"], "top_p"),
-    "top_p above one": (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+    "max_tokens zero": (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+    "max_tokens past the engine": (["--prompt", "hi", "--max-tokens", "300"], "pass --max-tokens <= "),
+    "negative temperature": (["--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
+    "top_p zero": (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    "top_p above one": (["--prompt", "hi", "--top-p", "1.5"], "--top-p"),
+    "top_k below -1": (["--prompt", "hi", "--top-k", "-2"], "--top-k must be >= 1"),
     "system without chat": (["--prompt", "hi", "--system", "be brief"], "add --chat"),
 }
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from camshaft.cli import app, err, eval_app
+
+if TYPE_CHECKING:
+    from camshaft.runtime.sampling_params import SamplingParams
 
 
 @app.command()
@@ -28,11 +32,23 @@ def run(
     """Generate text from a prompt."""
     from camshaft.errors import RequestError
     from camshaft.runtime.sampling_params import SamplingParams
-    from camshaft.runtime.session import Session
 
     if system is not None and not chat:
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        _run(engine, prompt, chat, system, params, stream)
+    except RequestError as exc:  # the flags the user typed, not the Python names
+        raise type(exc)(_FLAG_NAMES.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from exc
+
+
+_FLAG_NAMES = re.compile(r"(?<![-\w])(max_tokens|temperature|top_p|top_k|seed)\b")
+
+
+def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool) -> None:
+    from camshaft.runtime.session import Session
+
+    max_tokens = params.max_tokens
     # One prompt, then exit: moving the weights to huge pages (0.2-1.3 s for SmolLM2 fp32) repays itself at 6 % of
     # each decode step after 200-1300 tokens (both scale with the weights' size; BENCHMARKS.md): only long runs ask.
     session = Session(engine, huge_pages=max_tokens >= 512)

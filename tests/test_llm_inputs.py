@@ -141,6 +141,13 @@ def test_one_token_id_prompt_in_numpy_integers(engine_dir):
         assert len(outputs) == 1 and outputs[0].prompt_token_ids == [5, 6, 7]
 
 
+def test_a_budget_of_1_says_it_is_one_byte(engine_dir):
+    from camshaft.errors import CapacityError
+
+    with pytest.raises(CapacityError, match="1 is one byte: for all of the available memory write 1.0"):
+        LLM(engine_dir, kv_cache_memory="1")
+
+
 def test_a_pool_larger_than_the_machine_is_refused_before_loading(engine_dir):
     """numpy allocates lazily: such a pool loaded, and the process was killed as the cache filled."""
     from camshaft.errors import CapacityError

@@ -63,13 +63,13 @@ def check_files(engine_dir: Path, sizes: dict[str, int], fingerprints: dict[str,
                               "`camshaft build`")
 
 
-def check_unchanged(engine_dir: Path, manifest_name: str, build_id: str) -> None:
+def check_unchanged(engine_dir: Path, build_id: str) -> None:
     """After loading: the directory still holds the build that was read first (a rebuild replacing it meanwhile
     may have mixed the two builds' files)."""
     if not build_id:
         return
     try:
-        now = json.loads((engine_dir / manifest_name).read_text()).get("build_id")
+        now = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("build_id")
     except (OSError, ValueError, AttributeError):
         now = None
     if now != build_id:

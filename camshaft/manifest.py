@@ -253,11 +253,7 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
     try:
         check_files(engine_dir, manifest.files, manifest.fingerprints)
     except EngineError:
-        check_unchanged(engine_dir, MANIFEST_NAME, manifest.build_id)  # a rebuild swapping it meanwhile says so
+        check_unchanged(engine_dir, manifest.build_id)  # a rebuild swapping it meanwhile says so
         raise
     return manifest
 
-
-def check_unchanged_since(engine_dir: Path, manifest: Manifest) -> None:
-    """Call after loading `manifest`'s engine: a rebuild that replaced it meanwhile is an EngineError."""
-    check_unchanged(engine_dir, MANIFEST_NAME, manifest.build_id)

@@ -13,17 +13,15 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from camshaft.errors import FetchError
-from camshaft.outdir import alive
+from camshaft.errors import CamshaftError, FetchError
+from camshaft.outdir import staging_dir
 
 MARKER = ".camshaft-fetch.json"
-_PARTIAL = ".partial-"
 
 
 @dataclass(frozen=True)
@@ -110,14 +108,10 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        for stale in output.parent.glob(f".{output.name}{_PARTIAL}*-*"):  # fetches killed outright (SIGKILL, OOM)
-            pid = stale.name.removeprefix(f".{output.name}{_PARTIAL}").split("-")[0]
-            if pid.isdigit() and not alive(int(pid)):
-                shutil.rmtree(stale, ignore_errors=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{output.name}{_PARTIAL}{os.getpid()}-", dir=output.parent))
-    except OSError as exc:
-        raise FetchError(f"cannot write into {output.parent} ({exc.strerror or exc}); pass --output DIR, or set "
-                         "CAMSHAFT_CACHE to a directory you can write to") from exc
+        work = staging_dir(output)  # also removes what fetches killed outright (SIGKILL, OOM) left
+    except (OSError, CamshaftError) as exc:
+        raise FetchError(f"cannot write into {output.parent} ({getattr(exc, 'strerror', None) or exc}); pass "
+                         "--output DIR, or set CAMSHAFT_CACHE to a directory you can write to") from exc
     try:
         gguf = _download_gguf(model, work / "download", progress)
         checkpoint = work / "checkpoint"

@@ -43,7 +43,7 @@ def staging_dir(output: Path, flag: str = "--output") -> Path:
     output = Path(os.path.abspath(output))
     for stale in output.parent.glob(f".{output.name}.*-*") if output.parent.is_dir() else ():
         kind, _, pid = stale.name.rpartition("-")
-        if kind.endswith((".partial", ".old")) and pid.isdigit() and not alive(int(pid)):
+        if kind.endswith((".partial", ".old")) and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     staging = output.parent / f".{output.name}.partial-{os.getpid()}"
     try:
@@ -76,7 +76,7 @@ def replace_dir(staging: Path, output: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def alive(pid: int) -> bool:
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

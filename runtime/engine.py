@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from camshaft.engine_files import TOKENIZER_DIR
+from camshaft.engine_files import TOKENIZER_DIR, check_unchanged
 from camshaft.errors import EngineError
-from camshaft.manifest import GROUP_FLAGS, Manifest, check_unchanged_since, read_manifest
+from camshaft.manifest import GROUP_FLAGS, Manifest, read_manifest
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, pool_blocks
@@ -52,7 +52,7 @@ class Engine:
         self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)
         self.pool = BlockPool(num_blocks)
         self.tokenizer = load_tokenizer(self.dir)
-        check_unchanged_since(self.dir, m)
+        check_unchanged(self.dir, m.build_id)  # a rebuild that replaced it while it loaded
         config = m.model
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None
         self.eos_token_ids = end_ids(config, self.tokenizer)

@@ -94,6 +94,8 @@ class SequenceSampler:
         words = [tuple(int(t) for t in w) for w in bad_word_ids if len(w)]
         self._always_banned = np.array(sorted({w[0] for w in words if len(w) == 1}), dtype=np.int64)
         self._banned_after = [(w[:-1], w[-1]) for w in words if len(w) > 1]
+        # past ~1e38 1/T is 0 in float32, and a banned token's -inf times 0 would be NaN
+        self._inv_temperature = max(np.float32(1.0 / params.temperature), _TINY) if not params.greedy else None
         early_stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._early_stop_ids = np.array(sorted(early_stops), dtype=np.int64)
 
@@ -144,7 +146,7 @@ class SequenceSampler:
     def _sample_filtered(self, x: np.ndarray, top: float, rows: tuple[np.ndarray, ...]) -> int:
         p = self.params
         log_weights = np.subtract(x, np.float32(top), out=rows[1])
-        log_weights *= max(np.float32(1.0 / p.temperature), _TINY)  # a banned token's -inf times 0 would be NaN
+        log_weights *= self._inv_temperature
         weights = np.exp(log_weights, out=rows[2])  # the most likely token has weight 1
         kept = None
         if p.top_k and p.top_k < x.size:

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from camshaft.engine_files import check_unchanged
 from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import sequence_graph_support
-from camshaft.manifest import SEQUENCE_INPUTS, Manifest, check_unchanged_since, read_manifest
+from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
 from camshaft.runtime.backends.onnxruntime import check_compatible, check_signature, load_session, session_options
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
@@ -54,7 +55,7 @@ class SequenceEngine:
                         (1, self.layout.num_kv_heads, None, self.layout.head_dim), "float32")
         self.binding = self.session.io_binding()
         self.tokenizer = load_tokenizer(self.dir)
-        check_unchanged_since(self.dir, m)
+        check_unchanged(self.dir, m.build_id)
         self.eos_token_ids = end_ids(m.model, self.tokenizer)
         self.caches: list[np.ndarray] = []
         # Bound once: a decode step writes its token and lengths into these and rebinds nothing.

@@ -74,11 +74,11 @@ def vocab_words(array: np.ndarray | None, name: str, vocab_size: int) -> list[li
     return words
 
 
-def decoded(words: list[list[int]], name: str, tokenizer, least: int = 1) -> list[str]:
-    """The text of each word of at least `least` tokens."""
+def stop_strings(words: list[list[int]], name: str, tokenizer) -> list[str]:
+    """The text of each word of several tokens (a one-token word is a stop id)."""
     texts = []
     for i, word in enumerate(words):
-        if len(word) < least:
+        if len(word) == 1:
             continue
         texts.append(tokenizer.decode(word))
         if not texts[-1] or "\ufffd" in texts[-1]:
@@ -164,7 +164,7 @@ def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max
     stop_ids, stop = [], list(strings(values, "stop_words"))
     words = vocab_words(values.get("stop_words_list"), "stop_words_list", vocab_size)
     stop_ids += [word[0] for word in words if len(word) == 1]
-    stop += decoded(words, "stop_words_list", tokenizer, least=2)  # one-token words are stop ids
+    stop += stop_strings(words, "stop_words_list", tokenizer)
     end_id = one(values, "end_id")
     if end_id is not None and end_id < -1:
         raise RequestError(f"end_id must be a token id or -1 (never stop on an end id), got {end_id}")

@@ -49,6 +49,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     samples: list[SampleResult] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    stop_words: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)  # stop_word_ids by their last id
     num_computed: int = 0
     priority: int = 0  # lower runs first (vLLM's meaning); ties: first come, first served
     queue_order: int = 0  # set by the scheduler when the request arrives
@@ -80,11 +81,12 @@ class Request:
         if self.params.logprobs is not None:
             self.samples.append(sample)
         params = self.params
-        stop_id = (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)) \
-            and len(self.output_ids) >= params.min_tokens
+        may_stop = len(self.output_ids) >= params.min_tokens
+        stop_id = may_stop and (token in params.stop_token_ids
+                                or (not params.ignore_eos and token in self.eos_token_ids))
         # a stop token's text is left out unless include_stop_str_in_output (vLLM); its id stays in the output
         delta = "" if stop_id and not params.include_stop_str_in_output else self.text.append(token)
-        if self.text.stopped or stop_id:
+        if self.text.stopped or stop_id or (may_stop and self._ends_with_stop_word(token)):
             self.finish_reason = "stop"
         if self.finish_reason is None and len(self.output_ids) >= params.max_tokens:
             self.finish_reason = "length"
@@ -93,6 +95,12 @@ class Request:
             if not self.text.stopped:
                 delta += self.text.finish()
         return delta
+
+    def _ends_with_stop_word(self, token: int) -> bool:
+        """The output ends with one of stop_word_ids (its ids and text stay in the output, as TensorRT-LLM's)."""
+        output = self.output_ids
+        return any(len(word) <= len(output) and tuple(output[-len(word):]) == word
+                   for word in self.stop_words.get(token, ()))
 
     def result(self) -> GenerationResult:
         end = self.finished_at or time.perf_counter()
@@ -118,5 +126,12 @@ def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
                     SequenceSampler(params, prompt_ids, eos_token_ids, bad_words, vocab_size, sequence_index=i),
                     TextStream(tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output,
                                min_tokens=params.min_tokens),
-                    eos_token_ids, priority=priority)
+                    eos_token_ids, priority=priority, stop_words=stop_words_by_last_id(params.stop_word_ids))
             for i in range(params.n)]
+
+
+def stop_words_by_last_id(words: tuple[tuple[int, ...], ...]) -> dict[int, list[tuple[int, ...]]]:
+    by_last: dict[int, list[tuple[int, ...]]] = {}
+    for word in words:
+        by_last.setdefault(word[-1], []).append(word)
+    return by_last

@@ -13,6 +13,7 @@ from camshaft.runtime.prompt_text import check_unicode
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1024, 32768
+MAX_STOP_WORD_IDS = 1024
 GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (vLLM's rule; 1/T would overflow float32)
 
 
@@ -39,6 +40,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    stop_word_ids: tuple[tuple[int, ...], ...] = ()  # token id sequences, as TensorRT-LLM's stop_words_list
     bad_words: tuple[str, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # token id sequences, as TensorRT-LLM's bad_words_list
     ignore_eos: bool = False
@@ -64,11 +66,12 @@ class SamplingParams:
                  f"bad_words takes at most {MAX_BAD_WORDS} words of {MAX_BAD_WORD_CHARS} characters in all (each is "
                  f"checked at every token, on the loop every request shares); got {len(self.bad_words)} of "
                  f"{sum(map(len, self.bad_words))}")
-        words = tuple(tuple(w) for w in self.bad_word_ids)
-        _require(all(w and all(is_int(t) and t >= 0 for t in w) for w in words),
-                 f"bad_word_ids must be non-empty lists of non-negative token ids, got {self.bad_word_ids!r:.200}")
-        _require(len(words) <= MAX_BAD_WORDS, f"bad_word_ids takes at most {MAX_BAD_WORDS} words, got {len(words)}")
-        object.__setattr__(self, "bad_word_ids", tuple(tuple(int(t) for t in w) for w in words))
+        for name, limit in (("bad_word_ids", MAX_BAD_WORDS), ("stop_word_ids", MAX_STOP_WORD_IDS)):
+            words = tuple(tuple(w) if isinstance(w, (list, tuple)) else () for w in getattr(self, name))
+            _require(all(w and all(is_int(t) and t >= 0 for t in w) for w in words),
+                     f"{name} must be non-empty lists of non-negative token ids, got {getattr(self, name)!r:.200}")
+            _require(len(words) <= limit, f"{name} takes at most {limit} words, got {len(words)}")
+            object.__setattr__(self, name, tuple(tuple(int(t) for t in w) for w in words))
         ids = tuple(self.stop_token_ids)
         _require(all(is_int(t) and t >= 0 for t in ids),
                  f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")

@@ -9,6 +9,8 @@ from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime import sequence
+from camshaft.runtime.request import new_requests
+from camshaft.runtime.sampler import SampleResult
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
 
@@ -121,6 +123,40 @@ def test_stop_token_ids_and_eos(session):
     kept = session.generate("q", max_tokens=30, ignore_eos=True, stop_token_ids=[target],
                             include_stop_str_in_output=True)
     assert kept.text == session.tokenizer.decode(free.token_ids[: first + 1])
+
+
+def test_stop_word_ids_end_on_the_whole_sequence_and_keep_it(session):
+    free = session.generate("q", max_tokens=30, ignore_eos=True)
+    ids = free.token_ids
+    k = next(k for k in range(6, 30) if (ids[k - 1], ids[k]) not in zip(ids[: k - 1], ids[1:k], strict=True))
+    word = (ids[k - 1], ids[k])
+    stopped = session.generate("q", max_tokens=30, ignore_eos=True, stop_word_ids=[word, (ids[k],) * 3])
+    assert stopped.token_ids == ids[: k + 1] and stopped.finish_reason == "stop"
+    assert stopped.text == session.tokenizer.decode(ids[: k + 1])  # TensorRT-LLM keeps a stop word in the output
+    later = session.generate("q", max_tokens=30, ignore_eos=True, stop_word_ids=[word], min_tokens=k + 2)
+    assert later.token_ids[: k + 1] == ids[: k + 1] and len(later.token_ids) > k + 1
+
+
+def test_stop_word_ids_match_ids_even_where_text_cannot(session):
+    special = session.tokenizer.convert_tokens_to_ids(session.tokenizer.eos_token)  # no text when decoded
+    params = SamplingParams(max_tokens=10, ignore_eos=True, stop_word_ids=[(special, 40)])
+    request = new_requests("r", [5, 6], params, session.tokenizer, (), session.engine.manifest.model.vocab_size)[0]
+    for token in (40, special, 41, special):
+        request.add_sample(SampleResult(token))
+        assert not request.finished
+    request.add_sample(SampleResult(40))
+    assert request.finish_reason == "stop" and request.output_ids == [40, special, 41, special, 40]
+
+
+@pytest.mark.parametrize(("words", "message"), [
+    ([[3], []], "stop_word_ids must be non-empty lists"),
+    ([3, 4], "stop_word_ids must be non-empty lists"),
+    ([[3, -1]], "non-negative token ids"),
+    ([[3]] * 1025, "stop_word_ids takes at most 1024 words"),
+])
+def test_bad_stop_word_ids_are_refused(words, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(stop_word_ids=words)
 
 
 def test_bad_words_never_appear(session):

@@ -252,10 +252,12 @@ def test_token_model_end_id_and_stop_words_list(stack):
     expected = stack.session.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=(ids[k],), ignore_eos=True))
     assert expected.finish_reason == "stop"
     common = dict(input_ids=prompt, request_output_len=12, exclude_input_in_output=True)
-    for extra in ({"end_id": ids[k]}, {"stop_words_list": [[ids[k]], [1]], "end_id": -1}):
+    for extra in ({"end_id": ids[k]}, {"stop_words_list": [[ids[k]], [1]], "end_id": -1},
+                  {"stop_words_list": [[ids[k - 1], ids[k]], [2, -1]], "end_id": -1}):
         inputs = tensors(grpcclient, **common, **{n: v for n, v in extra.items() if n != "stop_words_list"})
         if "stop_words_list" in extra:
-            words = grpcclient.InferInput("stop_words_list", [1, 2, 1], "INT32")
+            size = len(extra["stop_words_list"][0])
+            words = grpcclient.InferInput("stop_words_list", [1, 2, size], "INT32")
             words.set_data_from_numpy(np.array([extra["stop_words_list"]], dtype=np.int32))
             inputs.append(words)
         outputs, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", inputs)

@@ -22,10 +22,10 @@ def tokenizer(tmp_path_factory):
     return PreTrainedTokenizerFast.from_pretrained(str(root))
 
 
-def request(tokenizer, **tensors):
+def request(**tensors):
     values = {"input_ids": np.array([[5, 6, 7]], np.int32), "request_output_len": np.array([[4]], np.int32)}
     values.update({k: np.asarray(v) for k, v in tensors.items()})
-    return token_request(values, tokenizer=tokenizer, eos_token_ids=(2,), exclude_default=False, vocab_size=VOCAB)
+    return token_request(values, eos_token_ids=(2,), exclude_default=False, vocab_size=VOCAB)
 
 
 def words(*word_ids: list[int]) -> np.ndarray:
@@ -37,26 +37,23 @@ def words(*word_ids: list[int]) -> np.ndarray:
 @pytest.mark.parametrize(("tensors", "message"), [
     ({"stop_words_list": words([5, 100_000])}, "stop_words_list word 0 holds ids outside this model's vocabulary"),
     ({"bad_words_list": words([40, 41], [-3, 5])}, "bad_words_list word 1 holds ids outside"),
-    ({}, None),  # filled in below: a word of one byte of a character
     ({"runtime_top_p": np.array([[-0.5]], np.float32)}, "runtime_top_p must be in [0, 1]"),
     ({"end_id": np.array([[-5]], np.int32)}, "end_id must be a token id or -1"),
     ({"num_return_sequences": np.array([[0]], np.int32)}, "num_return_sequences must be 1, got 0"),
     ({"stop_words": np.array([[b"\xff\xfe"]], np.object_)}, "stop_words is not UTF-8"),
 ])
-def test_bad_tensors_are_refused_naming_them(tokenizer, tensors, message):
-    if message is None:  # its text would be U+FFFD, which any partial character in the output matches
-        partial = next(i for i in range(VOCAB) if tokenizer.decode([i]) == "\ufffd")
-        tensors = {"stop_words_list": words([5], [partial, partial])}
-        message = f"stop_words_list word 1 ([{partial}, {partial}]) decodes to no whole text"
+def test_bad_tensors_are_refused_naming_them(tensors, message):
     with pytest.raises(RequestError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        request(tokenizer, **tensors)
+        request(**tensors)
 
 
-def test_valid_word_lists_become_stop_ids_and_strings(tokenizer):
+def test_valid_word_lists_become_id_sequences(tokenizer):
     hello, hi = tokenizer.encode("hello", add_special_tokens=False), tokenizer.encode("hi", add_special_tokens=False)
-    params = request(tokenizer, stop_words_list=words([9], hello), bad_words_list=words(hi),
+    partial = next(i for i in range(VOCAB) if tokenizer.decode([i]) == "\ufffd")  # part of a character: ids match
+    params = request(stop_words_list=words([9], hello, [2, partial]), bad_words_list=words(hi),
                      end_id=np.array([[-1]], np.int32)).params
-    assert params.stop_token_ids == (9,) and params.stop == ("hello",)
+    assert params.stop_word_ids == ((9,), tuple(hello), (2, partial)) and params.stop == ()
+    assert params.stop_token_ids == ()
     assert params.bad_word_ids == (tuple(hi),) and params.bad_words == ()  # banned as ids, as TensorRT-LLM does
     assert params.ignore_eos
 

@@ -74,19 +74,6 @@ def vocab_words(array: np.ndarray | None, name: str, vocab_size: int) -> list[li
     return words
 
 
-def stop_strings(words: list[list[int]], name: str, tokenizer) -> list[str]:
-    """The text of each word of several tokens (a one-token word is a stop id)."""
-    texts = []
-    for i, word in enumerate(words):
-        if len(word) == 1:
-            continue
-        texts.append(tokenizer.decode(word))
-        if not texts[-1] or "\ufffd" in texts[-1]:
-            raise RequestError(f"{name} word {i} ({word}) decodes to no whole text (part of a character?); send "
-                               "whole words")
-    return texts
-
-
 def word_lists(array: np.ndarray | None, name: str) -> list[list[int]]:
     """TensorRT-LLM's [1, 2, L] stop/bad words format: concatenated ids, then end offsets padded with -1."""
     if array is None:
@@ -108,7 +95,7 @@ def word_lists(array: np.ndarray | None, name: str) -> list[list[int]]:
     return words
 
 
-def token_request(values: Values, *, tokenizer, eos_token_ids: Sequence[int], exclude_default: bool,
+def token_request(values: Values, *, eos_token_ids: Sequence[int], exclude_default: bool,
                   vocab_size: int) -> TokenRequest:
     ids_array = values.get("input_ids")
     if ids_array is None:
@@ -133,7 +120,7 @@ def token_request(values: Values, *, tokenizer, eos_token_ids: Sequence[int], ex
     for name in ("return_context_logits", "return_generation_logits"):
         if one(values, name):
             raise RequestError(f"{name} is not supported by camshaft's Triton models; leave it false")
-    return TokenRequest(prompt, sampling_params(values, tokenizer, eos_token_ids, max_tokens, vocab_size),
+    return TokenRequest(prompt, sampling_params(values, eos_token_ids, max_tokens, vocab_size),
                         bool(one(values, "streaming")),
                         bool(exclude_default if one(values, "exclude_input_in_output") is None
                              else one(values, "exclude_input_in_output")),
@@ -141,7 +128,7 @@ def token_request(values: Values, *, tokenizer, eos_token_ids: Sequence[int], ex
                         bool(one(values, "return_num_output_tokens")))
 
 
-def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max_tokens: int,
+def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: int,
                     vocab_size: int) -> SamplingParams:
     kwargs: dict = {"max_tokens": max_tokens}
     for source, target in (("temperature", "temperature"), ("runtime_top_k", "top_k"), ("min_tokens", "min_tokens"),
@@ -161,10 +148,8 @@ def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max
         kwargs["seed"] = int(seed)
     if one(values, "return_log_probs"):
         kwargs["logprobs"] = 0
-    stop_ids, stop = [], list(strings(values, "stop_words"))
-    words = vocab_words(values.get("stop_words_list"), "stop_words_list", vocab_size)
-    stop_ids += [word[0] for word in words if len(word) == 1]
-    stop += stop_strings(words, "stop_words_list", tokenizer)
+    stop_ids, stop = [], strings(values, "stop_words")
+    stop_words = vocab_words(values.get("stop_words_list"), "stop_words_list", vocab_size)  # matched as ids
     end_id = one(values, "end_id")
     if end_id is not None and end_id < -1:
         raise RequestError(f"end_id must be a token id or -1 (never stop on an end id), got {end_id}")
@@ -178,4 +163,4 @@ def sampling_params(values: Values, tokenizer, eos_token_ids: Sequence[int], max
     bad = list(strings(values, "bad_words"))
     bad_ids = vocab_words(values.get("bad_words_list"), "bad_words_list", vocab_size)  # banned as ids, as TRT-LLM
     return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad),
-                          bad_word_ids=tuple(map(tuple, bad_ids)))
+                          stop_word_ids=tuple(map(tuple, stop_words)), bad_word_ids=tuple(map(tuple, bad_ids)))

@@ -95,7 +95,7 @@ class TokenModel:
             self.outputs.put((sender, pb_utils.InferenceResponse(output_tensors=[])))
             return
         engine = self.llm.engine
-        spec = token_request(values, tokenizer=self.llm.tokenizer, eos_token_ids=engine.eos_token_ids,
+        spec = token_request(values, eos_token_ids=engine.eos_token_ids,
                              vocab_size=engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
         job = _Job(request, sender, spec, client_id)
         # Registered before it can finish, under the lock: the responder removes it only once it is registered,
@@ -211,7 +211,7 @@ class TokenModel:
     def _from_channel(self, send: Send, call_id: str, values: dict) -> list[str]:
         """A text model's request: outputs go back over the channel as plain values (see channel.py)."""
         try:
-            spec = token_request(values, tokenizer=self.llm.tokenizer, eos_token_ids=self.llm.engine.eos_token_ids,
+            spec = token_request(values, eos_token_ids=self.llm.engine.eos_token_ids,
                                  vocab_size=self.llm.engine.manifest.model.vocab_size,
                                  exclude_default=self.exclude_default)
             generated = [0]

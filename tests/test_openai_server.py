@@ -238,6 +238,15 @@ def test_chat_equals_session_chat_with_logprobs(client, session):
     assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
+def test_chat_text_parts_are_joined_by_newlines(client, session):
+    parts = [{"type": "text", "text": "Name a river."}, {"type": "text", "text": "One word."}]
+    expected = session.chat([{"role": "user", "content": "Name a river.\nOne word."}], max_tokens=6, temperature=0)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=6,
+                                         temperature=0)
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert out.choices[0].message.content == expected.text
+
+
 def test_streamed_chat_and_completion_concatenate_to_the_text(client, session):
     messages = [{"role": "user", "content": PROMPTS[2]}]
     expected = session.chat(messages, max_tokens=16, temperature=0)

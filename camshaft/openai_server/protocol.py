@@ -110,7 +110,8 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def template_dict(self) -> dict[str, str]:
-        """{'role', 'content'} with text content parts joined, as chat templates expect."""
+        """{'role', 'content'} with text content parts joined by newlines (as vLLM and TensorRT-LLM join them), as
+        chat templates expect."""
         content = self.content
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
@@ -118,7 +119,7 @@ class ChatMessage(BaseModel):
             texts = [part.get("text", "") for part in content]
             if not all(isinstance(text, str) for text in texts):
                 raise RequestError("a text content part's text must be a string")
-            content = "".join(texts)
+            content = "\n".join(texts)
         return {"role": self.role, "content": content or ""}
 
 

@@ -3,6 +3,7 @@ single-request Session's, streams concatenate to the full text, errors come back
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
+from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
 from camshaft.openai_server.server import build_server
 from camshaft.runtime.session import Session
 
@@ -389,3 +391,42 @@ def test_a_served_name_may_hold_slashes(served):
     with TestClient(create_app(served[1], "org/model")) as http:
         assert http.get("/v1/models/org/model").json()["id"] == "org/model"
         assert http.get("/v1/models/org/other").status_code == 404
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(served):
+    limit = max_body_bytes(4096, 16, None)
+    body = b'{"model": "engine", "prompt": "' + b"a" * limit + b'"}'
+    response = HTTP.post(served[0] + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and f"at most {limit}" in response.json()["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"model": "engine", "prompt": "'
+        for _ in range(limit // 2**16 + 1):
+            yield b"a" * 2**16
+        yield b'"}'
+
+    response = HTTP.post(served[0] + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413 and f"more than {limit} bytes" in response.json()["error"]["message"]
+    assert 'path="/v1/completions",status="413"' in HTTP.get(served[0] + "/metrics").text
+    assert HTTP.post(served[0] + "/v1/completions", json={"model": MODEL, "prompt": "Hi" * 1000, "max_tokens": 2}
+                     ).status_code == 200
+
+
+def test_a_body_that_trickles_in_is_a_408():
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):
+        raise AssertionError("the app must not see the request")
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b"{", "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    refusals = []
+    limit = BodyLimit(app, 1000, lambda path, status: refusals.append((path, status)), timeout_s=0.3)
+    asyncio.run(limit({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send))
+    assert sent[0]["status"] == 408 and b"did not arrive within 0.3 s" in sent[1]["body"]
+    assert refusals == [("/v1/completions", 408)]

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from camshaft.errors import CapacityError
 from camshaft.openai_server import errors
+from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
 from camshaft.openai_server.errors import APIError, from_exception, route_path
 from camshaft.openai_server.generation import Generation
 from camshaft.openai_server.metrics import CONTENT_TYPE, Metrics
@@ -57,6 +58,9 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
     metrics = Metrics(llm)
     errors.install(app, metrics)
     max_seq_len, max_n = llm.config.max_seq_len, llm.config.max_batch_size
+    routes = {"/v1/completions", "/v1/chat/completions"}
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes(max_seq_len, max_n, llm.executor.max_queue),
+                       refused=lambda path, status: metrics.http(path if path in routes else "other", status))
     app.state.llm, app.state.metrics = llm, metrics
 
     def model_card() -> dict:

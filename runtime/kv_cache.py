@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from pathlib import Path
 
 from camshaft.errors import CapacityError, RequestError
 from camshaft.manifest import Manifest
@@ -58,7 +59,7 @@ def parse_memory(spec: str | int | float | None) -> int | None:
     if isinstance(value, float):
         import psutil
 
-        available = psutil.virtual_memory().available
+        available = min(psutil.virtual_memory().available, cgroup_available() or 2**63)
         if value * available < 1:
             raise RequestError(f"a KV cache budget of {value} of the memory available ({available} bytes) is under "
                                f"one byte; raise the budget: {MEMORY_HELP}")
@@ -66,16 +67,39 @@ def parse_memory(spec: str | int | float | None) -> int | None:
     return value
 
 
+CGROUP = Path("/sys/fs/cgroup")  # a container's own cgroup (v2) where it has one
+
+
+def cgroup_limit(root: Path | None = None) -> int | None:
+    try:
+        limit = ((root or CGROUP) / "memory.max").read_text().strip()
+    except OSError:
+        return None
+    return int(limit) if limit.isdigit() else None
+
+
+def cgroup_available(root: Path | None = None) -> int | None:
+    """Bytes the cgroup's limit leaves: the limit less what it holds, its reclaimable file cache not counted; None
+    without a limit."""
+    root = root or CGROUP
+    limit = cgroup_limit(root)
+    if limit is None:
+        return None
+    try:
+        current = int((root / "memory.current").read_text())
+        stat = dict(line.split() for line in (root / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+    except (OSError, ValueError):
+        return None
+    reclaimable = int(stat.get("inactive_file", "0"))
+    return max(0, limit - current + reclaimable)
+
+
 def host_memory() -> int:
     """Bytes this process may use: the machine's memory, or its cgroup's limit (a container's) when lower."""
     import psutil
 
-    limit = psutil.virtual_memory().total
-    try:
-        cgroup = open("/sys/fs/cgroup/memory.max").read().strip()
-    except OSError:
-        return limit
-    return min(limit, int(cgroup)) if cgroup.isdigit() else limit
+    limit = cgroup_limit()
+    return min(psutil.virtual_memory().total, limit or 2**63)
 
 
 def check_fits_host(manifest: Manifest, num_blocks: int) -> None:

@@ -46,6 +46,21 @@ def test_memory_fractions_of_available(spec):
     assert parse_memory(spec) == pytest.approx(float(spec) * available, rel=0.2)
 
 
+def test_a_containers_cgroup_bounds_fractions_and_the_pool(tmp_path, monkeypatch):
+    from camshaft.runtime import kv_cache
+
+    (tmp_path / "memory.max").write_text("1073741824\n")  # a 1 GiB container that holds 600 MiB, 100 of it cache
+    (tmp_path / "memory.current").write_text(f"{600 * 2**20}\n")
+    (tmp_path / "memory.stat").write_text(f"anon {500 * 2**20}\nfile {100 * 2**20}\ninactive_file {100 * 2**20}\n")
+    assert kv_cache.cgroup_available(tmp_path) == 524 * 2**20 and kv_cache.cgroup_limit(tmp_path) == 2**30
+    monkeypatch.setattr(kv_cache, "CGROUP", tmp_path)
+    assert parse_memory(0.5) == 262 * 2**20  # half of what the container has left, not of the machine's
+    assert kv_cache.host_memory() == 2**30
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: the machine's
+    assert kv_cache.cgroup_available(tmp_path) is None
+    assert parse_memory(0.5) == pytest.approx(0.5 * psutil.virtual_memory().available, rel=0.2)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("1.5", "neither a whole number"), (1.5, "neither"), (0.0, "positive number of bytes"), (float("nan"), "neither"),
     (float("inf"), "neither"), (0, "positive number of bytes"), (-5, "positive number of bytes"), ("0", "positive"),

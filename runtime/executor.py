@@ -7,6 +7,7 @@ the next step is scheduled.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -22,6 +23,8 @@ from camshaft.runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
 # A closed-loop client's next request, sent as its last one finishes, joins the next step (measured in the throughput
 # benchmark's joining TTFT); the loop waits at most this long, and only after a step that finished requests.
 ADMIT_WINDOW_S = 0.002
+
+log = logging.getLogger(__name__)
 
 
 class Executor:
@@ -106,6 +109,7 @@ class Executor:
         try:
             self._run()
         except BaseException as exc:  # a bug in the loop: fail every request rather than leave callers hanging
+            log.critical("the batch loop stopped; every request in flight failed", exc_info=True)
             self._fail_all(ServerClosedError(f"the batch loop failed: {exc!r}; create a new LLM (or restart the "
                                              "server)"))
             raise
@@ -173,6 +177,7 @@ class Executor:
         try:
             logits = self.engine.step([item.chunk for item in scheduled])
         except Exception as exc:  # the backend failed: the requests in this step cannot continue
+            log.error("the engine step failed; its %d request(s) end with the error", len(scheduled), exc_info=True)
             for item in scheduled:
                 self._finish(item.request, exc)
             return len(scheduled)
@@ -182,12 +187,15 @@ class Executor:
         finished = 0
         for request, sample in zip(sampled, results, strict=True):
             if isinstance(sample, Exception):  # this request's parameters cannot be sampled: it alone ends
+                log.error("sampling request %s failed; it ends with the error", request.request_id, exc_info=sample)
                 self._finish(request, sample)
                 finished += 1
                 continue
             try:
                 delta = request.add_sample(sample)
             except Exception as exc:
+                log.error("request %s failed after sampling; it ends with the error", request.request_id,
+                          exc_info=True)
                 self._finish(request, exc)
                 finished += 1
                 continue

@@ -76,3 +76,25 @@ def test_a_closed_session_says_so(engine_dir):
         list(stream)  # closed while it ran: ends at its next token
     with pytest.raises(RequestError, match="this Session is closed"):
         session.generate([5, 6, 7], GREEDY)
+
+
+def test_a_failed_engine_step_is_logged_and_ends_only_its_requests(engine_dir, caplog):
+    with LLM(engine_dir) as llm:
+        step = llm.engine.step
+        calls = []
+
+        def fail_once(chunks):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("device lost")
+            return step(chunks)
+
+        llm.engine.step = fail_once
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        with caplog.at_level("ERROR", logger="camshaft"):
+            llm.submit([5, 6, 7], GREEDY, lambda o: o.finished and done.put(o))
+            failed = done.get(timeout=30)
+        assert isinstance(failed.error, RuntimeError) and "device lost" in str(failed.error)
+        record = next(r for r in caplog.records if r.name == "camshaft.runtime.executor")
+        assert "engine step failed; its 1 request(s)" in record.getMessage() and record.exc_info[1] is failed.error
+        assert len(llm.generate([[8, 9, 10]], GREEDY, use_tqdm=False)[0].token_ids) == 6  # the loop carries on

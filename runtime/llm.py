@@ -76,6 +76,12 @@ class LLM:
         """Blocks total/used/free/cached, prefix reuse hits and evictions (a snapshot)."""
         return self.executor.scheduler.blocks.counters()
 
+    @property
+    def alive(self) -> bool:
+        """The batch loop runs and takes requests: False once closed, or after the loop itself failed (a health
+        check's answer; create a new LLM then)."""
+        return self.executor.alive
+
     def load(self) -> Load:
         """Running and waiting requests, KV blocks in use, prefix-cache hits (a snapshot)."""
         return self.executor.load()

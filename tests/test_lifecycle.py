@@ -53,7 +53,7 @@ def test_a_consumer_raising_system_exit_cannot_stop_the_loop(engine_dir):
     with LLM(engine_dir) as llm:
         llm.submit([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), fail)
         outputs = llm.generate([[8, 9, 10]], GREEDY, use_tqdm=False)  # the loop still runs
-        assert len(outputs[0].token_ids) == 6 and llm.executor.alive
+        assert len(outputs[0].token_ids) == 6 and llm.alive
         done: queue.SimpleQueue = queue.SimpleQueue()
         llm.submit([5, 6, 7], GREEDY, lambda o: o.finished and done.put(o))
         assert done.get(timeout=30).error is None
@@ -98,3 +98,5 @@ def test_a_failed_engine_step_is_logged_and_ends_only_its_requests(engine_dir, c
         record = next(r for r in caplog.records if r.name == "camshaft.runtime.executor")
         assert "engine step failed; its 1 request(s)" in record.getMessage() and record.exc_info[1] is failed.error
         assert len(llm.generate([[8, 9, 10]], GREEDY, use_tqdm=False)[0].token_ids) == 6  # the loop carries on
+        assert llm.alive
+    assert not llm.alive

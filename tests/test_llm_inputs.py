@@ -143,7 +143,7 @@ def test_a_request_that_cannot_be_sampled_fails_alone(engine_dir):
         for params, message in zip(bad, ("every token is banned", "repetition_penalty nearer 1"), strict=True):
             with pytest.raises(RequestError, match=message):
                 llm.generate([[5, 6, 7], [8, 9, 10]], [params, good], use_tqdm=False)
-            assert llm.executor.alive
+            assert llm.alive
             alone = llm.generate([[8, 9, 10]], good, use_tqdm=False)[0]
             assert len(alone.token_ids) == 6
         assert llm.executor.scheduler.blocks.num_used == 0

@@ -101,7 +101,7 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        if not llm.executor.alive:
+        if not llm.alive:
             raise APIError(503, "the batch loop has stopped; restart the server", type="server_error")
         return {"status": "ok"}
 

@@ -59,7 +59,9 @@ def parse_memory(spec: str | int | float | None) -> int | None:
     if isinstance(value, float):
         import psutil
 
-        available = min(psutil.virtual_memory().available, cgroup_available() or 2**63)
+        available = psutil.virtual_memory().available
+        left = cgroup_available()
+        available = available if left is None else min(available, left)
         if value * available < 1:
             raise RequestError(f"a KV cache budget of {value} of the memory available ({available} bytes) is under "
                                f"one byte; raise the budget: {MEMORY_HELP}")
@@ -99,7 +101,8 @@ def host_memory() -> int:
     import psutil
 
     limit = cgroup_limit()
-    return min(psutil.virtual_memory().total, limit or 2**63)
+    total = psutil.virtual_memory().total
+    return total if limit is None else min(total, limit)
 
 
 def check_fits_host(manifest: Manifest, num_blocks: int) -> None:

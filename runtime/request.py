@@ -97,10 +97,14 @@ class Request:
         return delta
 
     def _ends_with_stop_word(self, token: int) -> bool:
-        """The output ends with one of stop_word_ids (its ids and text stay in the output, as TensorRT-LLM's)."""
+        """The sequence (prompt and output, as TensorRT-LLM matches) ends with one of stop_word_ids; its ids and
+        text stay in the output."""
+        words = self.stop_words.get(token)
+        if not words:
+            return False
         output = self.output_ids
-        return any(len(word) <= len(output) and tuple(output[-len(word):]) == word
-                   for word in self.stop_words.get(token, ()))
+        return any(tuple(output[-len(word):] if len(word) <= len(output) else
+                         (self.prompt_ids + output)[-len(word):]) == word for word in words)
 
     def result(self) -> GenerationResult:
         end = self.finished_at or time.perf_counter()

@@ -75,7 +75,9 @@ class SequenceSampler:
         self.params = params
         self.vocab_size = vocab_size
         bad_ids = [t for word in bad_word_ids for t in word]
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("bad_words", bad_ids), ("prompt", prompt_ids)):
+        stop_word_ids = [t for word in params.stop_word_ids for t in word]
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("stop_word_ids", stop_word_ids),
+                          ("bad_words", bad_ids), ("prompt", prompt_ids)):
             if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):  # Python ints: no overflow on huge ids
                 raise RequestError(f"{name} contains a token id outside the vocabulary (0..{vocab_size - 1}); "
                                    "check the ids against the model's tokenizer")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from camshaft.checks import is_int
@@ -67,7 +68,8 @@ class SamplingParams:
                  f"checked at every token, on the loop every request shares); got {len(self.bad_words)} of "
                  f"{sum(map(len, self.bad_words))}")
         for name, limit in (("bad_word_ids", MAX_BAD_WORDS), ("stop_word_ids", MAX_STOP_WORD_IDS)):
-            words = tuple(tuple(w) if isinstance(w, (list, tuple)) else () for w in getattr(self, name))
+            words = tuple(() if isinstance(w, (str, bytes)) or not isinstance(w, Iterable) else tuple(w)
+                          for w in getattr(self, name))
             _require(all(w and all(is_int(t) and t >= 0 for t in w) for w in words),
                      f"{name} must be non-empty lists of non-negative token ids, got {getattr(self, name)!r:.200}")
             _require(len(words) <= limit, f"{name} takes at most {limit} words, got {len(words)}")

@@ -56,6 +56,10 @@ def test_a_containers_cgroup_bounds_fractions_and_the_pool(tmp_path, monkeypatch
     monkeypatch.setattr(kv_cache, "CGROUP", tmp_path)
     assert parse_memory(0.5) == 262 * 2**20  # half of what the container has left, not of the machine's
     assert kv_cache.host_memory() == 2**30
+    (tmp_path / "memory.current").write_text(f"{2**30}\n")  # full: nothing left, not the machine's memory
+    (tmp_path / "memory.stat").write_text("inactive_file 0\n")
+    with pytest.raises(RequestError, match="under one byte"):
+        parse_memory(0.5)
     (tmp_path / "memory.max").write_text("max\n")  # no limit: the machine's
     assert kv_cache.cgroup_available(tmp_path) is None
     assert parse_memory(0.5) == pytest.approx(0.5 * psutil.virtual_memory().available, rel=0.2)

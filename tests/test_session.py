@@ -148,6 +148,19 @@ def test_stop_word_ids_match_ids_even_where_text_cannot(session):
     assert request.finish_reason == "stop" and request.output_ids == [40, special, 41, special, 40]
 
 
+def test_a_stop_word_may_begin_in_the_prompt_as_in_tensorrt_llm(session):
+    first = session.generate([83], max_tokens=30, ignore_eos=True).token_ids[0]
+    stopped = session.generate([83], max_tokens=30, ignore_eos=True, stop_word_ids=[(83, first)])
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+
+
+def test_stop_word_ids_take_any_sequences_of_ids_in_the_vocabulary(session):
+    params = SamplingParams(stop_word_ids=[np.array([5, 6]), range(7, 9)], bad_word_ids=np.array([[5, 6]]))
+    assert params.stop_word_ids == ((5, 6), (7, 8)) and params.bad_word_ids == ((5, 6),)
+    with pytest.raises(RequestError, match="stop_word_ids contains a token id outside the vocabulary"):
+        session.generate("q", max_tokens=3, stop_word_ids=[(5, 10**6)])
+
+
 @pytest.mark.parametrize(("words", "message"), [
     ([[3], []], "stop_word_ids must be non-empty lists"),
     ([3, 4], "stop_word_ids must be non-empty lists"),

@@ -37,6 +37,7 @@ def words(*word_ids: list[int]) -> np.ndarray:
 @pytest.mark.parametrize(("tensors", "message"), [
     ({"stop_words_list": words([5, 100_000])}, "stop_words_list word 0 holds ids outside this model's vocabulary"),
     ({"bad_words_list": words([40, 41], [-3, 5])}, "bad_words_list word 1 holds ids outside"),
+    ({"stop_words_list": words(*[[7]] * 1025)}, "stop_words_list holds 1025 words; send at most 1024"),
     ({"runtime_top_p": np.array([[-0.5]], np.float32)}, "runtime_top_p must be in [0, 1]"),
     ({"end_id": np.array([[-5]], np.int32)}, "end_id must be a token id or -1"),
     ({"num_return_sequences": np.array([[0]], np.int32)}, "num_return_sequences must be 1, got 0"),

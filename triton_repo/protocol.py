@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
-from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.sampling_params import MAX_BAD_WORDS, MAX_STOP_WORD_IDS, SamplingParams
+
+MAX_WORD_LISTS = min(MAX_BAD_WORDS, MAX_STOP_WORD_IDS)
 
 Values = dict[str, np.ndarray]
 
@@ -68,6 +70,8 @@ def _text(value: bytes, name: str) -> str:
 def vocab_words(array: np.ndarray | None, name: str, vocab_size: int) -> list[list[int]]:
     """The words of a stop/bad words list, their token ids checked against the vocabulary."""
     words = word_lists(array, name)
+    if len(words) > MAX_WORD_LISTS:
+        raise RequestError(f"{name} holds {len(words)} words; send at most {MAX_WORD_LISTS}")
     for i, word in enumerate(words):
         if any(not 0 <= t < vocab_size for t in word):
             raise RequestError(f"{name} word {i} holds ids outside this model's vocabulary [0, {vocab_size}): {word}")

@@ -115,18 +115,18 @@ class QuantSpec:
             )
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise QuantizeError(
-                f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of: {', '.join(KV_CACHE_DTYPES)}"
+                f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; choose one of: {', '.join(KV_CACHE_DTYPES)}"
             )
         group = self.group_size
         if isinstance(group, str) and group != "auto":
             try:
                 group = int(group)
             except ValueError:
-                raise QuantizeError(f"group size {group!r} is not 'auto' or a number") from None
+                raise QuantizeError(f"--group-size {group!r} is not 'auto' or a number") from None
             object.__setattr__(self, "group_size", group)
         if group != "auto":
             if group not in GROUP_SIZES:
-                raise QuantizeError(f"group size {group} is not supported; choose auto or one of {GROUP_SIZES}")
+                raise QuantizeError(f"--group-size {group} is not supported; choose auto or one of {GROUP_SIZES}")
             if not self.info.blockwise:
                 raise QuantizeError(
                     f"--group-size applies only to blockwise formats "

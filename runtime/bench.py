@@ -28,7 +28,7 @@ def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: 
     limit = session.manifest.limits.max_seq_len
     if prompt_len + new_tokens > limit:
         raise RequestError(f"prompt_len ({prompt_len}) + new_tokens ({new_tokens}) exceed the engine's max_seq_len "
-                           f"({limit}); lower them (--prompt-len, --new-tokens) or rebuild with a larger --max-seq-len")
+                           f"({limit}); lower them or rebuild with a larger --max-seq-len")
     prompt = benchmark_prompt(session.manifest.model.vocab_size, prompt_len)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for _ in range(warmup):

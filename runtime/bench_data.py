@@ -18,9 +18,17 @@ from camshaft.errors import RequestError
 
 _NUMBER = r"[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
 _DIST = re.compile(rf"^\s*(NORMAL|UNIFORM|CONST)\s*\(\s*({_NUMBER})\s*(?:,\s*({_NUMBER})\s*)?\)\s*$", re.IGNORECASE)
-SPEC_HELP = ("use synthetic:in=DIST,out=DIST with DIST one of NORMAL(mean,std), UNIFORM(low,high), CONST(n) or a "
-             "plain integer, e.g. synthetic:in=NORMAL(200,50),out=NORMAL(128,32); or jsonl:PATH (or a path ending in "
-             ".jsonl) with one {\"prompt\": ..., \"max_tokens\": ...} per line")
+PRESETS = {
+    # The public cross-engine serving workloads: long prompts with short or long answers.
+    "prefill-heavy": "synthetic:in=NORMAL(460,20),out=16",
+    "decode-heavy": "synthetic:in=NORMAL(460,20),out=256",
+    # The throughput target's workload (BENCHMARKS.md)
+    "balanced": "synthetic:in=NORMAL(200,50),out=NORMAL(128,32)",
+}
+SPEC_HELP = ("use a preset (" + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()) + "), synthetic:in=DIST,out=DIST "
+             "with DIST one of NORMAL(mean,std), UNIFORM(low,high), CONST(n) or a plain integer, e.g. "
+             "synthetic:in=NORMAL(200,50),out=NORMAL(128,32); or jsonl:PATH (or a path ending in .jsonl) with one "
+             "{\"prompt\": ..., \"max_tokens\": ...} per line")
 
 
 @dataclass(frozen=True)
@@ -107,8 +115,9 @@ def parse_distribution(text: str, what: str) -> Distribution:
 
 
 def parse_dataset_spec(spec: str) -> DatasetSpec:
-    """`synthetic:in=...,out=...`, `jsonl:PATH` or `PATH.jsonl`; raises RequestError naming what is wrong."""
-    spec = spec.strip()
+    """A preset (PRESETS), `synthetic:in=...,out=...`, `jsonl:PATH` or `PATH.jsonl`; raises RequestError naming
+    what is wrong."""
+    spec = PRESETS.get(spec.strip(), spec.strip())
     if spec.startswith("jsonl:") or (spec.endswith(".jsonl") and not spec.startswith("synthetic:")):
         path = Path(spec.removeprefix("jsonl:"))
         if not path.is_file():

@@ -21,7 +21,8 @@ def bytes_per_block(manifest: Manifest) -> int:
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _MEMORY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*([A-Za-z]*)")
-MEMORY_HELP = ("bytes, optionally with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory available now: "
+MEMORY_HELP = ("bytes, optionally with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory available when "
+               "the engine loads: "
                "a number between 0 and 1, or 1.0 for all of it (0.3, 5e-1, 1.0)")
 
 

@@ -36,6 +36,8 @@ def test_targets_and_slos_parse_or_say_what_to_write():
     for bad in ("nourl", "x=http://h,backend=vllm", "x=http://h", "x=http://h,backend=openai,color=red"):
         with pytest.raises(RequestError, match="NAME=URL,backend="):
             Target.parse(bad)
+    with pytest.raises(RequestError, match="an llm target runs the engine directory it is given: drop model="):
+        Target.parse("x=/engines/e,backend=llm,model=foo")
     assert Goodput.parse("ttft_ms=500,tpot_ms=50") == Goodput(ttft_ms=500, tpot_ms=50)
     with pytest.raises(RequestError, match="--goodput"):
         Goodput.parse("ttft=5")

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from camshaft.cli import app
-from camshaft.errors import CamshaftError
+from camshaft.errors import CamshaftError, RequestError
 from camshaft.triton_repo.server import free_port
 
 from tiny_models import tiny_engine
@@ -83,3 +83,40 @@ def test_eval_ppl_bad_data_and_a_window_without_model(engine, tmp_path):
     text = tmp_path / "ok.txt"
     text.write_text("hello world " * 20)
     refused(invoke("eval", "ppl", "--engine", engine, "--data", text, "--window", "64"), "drop --window or add --model")
+
+
+def _commands(group, path=()):
+    for name, command in group.commands.items():
+        yield (*path, name)
+        if hasattr(command, "commands"):
+            yield from _commands(command, (*path, name))
+
+
+def test_every_help_reads_whole_at_80_columns():
+    import typer.main
+
+    for path in _commands(typer.main.get_command(app)):
+        result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+        assert result.exit_code == 0, (path, result.output)
+        assert "…" not in result.output and "list[str]" not in result.output, (path, result.output)
+
+
+def test_both_throughput_benchmarks_take_the_same_dataset_presets():
+    from camshaft.runtime.bench_data import parse_dataset_spec
+
+    for preset in ("balanced", "prefill-heavy", "decode-heavy"):
+        assert parse_dataset_spec(preset).kind == "synthetic"
+    assert parse_dataset_spec("balanced") == parse_dataset_spec("synthetic:in=NORMAL(200,50),out=NORMAL(128,32)")
+    with pytest.raises(RequestError, match="prefill-heavy: synthetic:in=NORMAL"):
+        parse_dataset_spec("prefill")
+
+
+@pytest.mark.parametrize("command", ["serve", "deploy", "bench throughput"])
+def test_llm_options_are_named_as_the_flags_typed(engine, tmp_path, command):
+    extra = ["--repo", tmp_path / "repo"] if command == "deploy" else []
+    result = invoke(*command.split(), "--engine", engine, *extra, "--max-batch-size", "64")
+    refused(result, "--max-batch-size must be a positive integer up to the engine's 4")
+
+
+def test_an_empty_served_name_is_refused(engine):
+    refused(invoke("serve", "--api", "openai", "--engine", engine, "--name", " "), "--name is empty")

@@ -48,7 +48,7 @@ def test_unknown_format_lists_the_formats():
         QuantSpec("int3")
     for name in FORMATS:
         assert name in str(info.value)
-    with pytest.raises(QuantizeError, match="KV cache dtype"):
+    with pytest.raises(QuantizeError, match="unknown --kv-cache-dtype 'int4'"):
         QuantSpec("fp8", kv_cache_dtype="int4")
 
 

@@ -31,6 +31,9 @@ class Target:
         if not sep or not name or not url or unknown or fields.get("backend") not in BACKENDS:
             raise RequestError(f"cannot read --target {spec!r}; use NAME=URL,backend={{{','.join(BACKENDS)}}}"
                                "[,model=NAME], e.g. camshaft=http://127.0.0.1:8000,backend=openai")
+        if fields["backend"] == "llm" and "model" in fields:
+            raise RequestError(f"--target {spec!r}: model= names a server's model; an llm target runs the engine "
+                               "directory it is given: drop model=")
         url = url.rstrip("/")
         if fields["backend"] == "openai":
             url = url.removesuffix("/v1")  # the base URL OpenAI clients take; the paths below add it

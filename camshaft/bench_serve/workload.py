@@ -9,12 +9,6 @@ import numpy as np
 
 from camshaft.errors import RequestError
 
-PRESETS = {
-    # The public cross-engine serving workloads: long prompts with short or long answers.
-    "prefill-heavy": "synthetic:in=NORMAL(460,20),out=16",
-    "decode-heavy": "synthetic:in=NORMAL(460,20),out=256",
-}
-
 
 @dataclass(frozen=True)
 class ServeRequest:
@@ -45,7 +39,7 @@ def load_requests(dataset: str, num_requests: int, tokenizer, *, seed: int = 0,
 
     if num_requests < 1:
         raise RequestError(f"--num-requests must be >= 1, got {num_requests}")
-    spec = parse_dataset_spec(PRESETS.get(dataset, dataset))
+    spec = parse_dataset_spec(dataset)
     if spec.kind == "jsonl":
         return _jsonl(spec.path, num_requests, tokenizer)
     if tokenizer is None:

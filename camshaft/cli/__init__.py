@@ -6,12 +6,14 @@ import errno
 import re
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from camshaft.errors import CamshaftError
+from camshaft.errors import CamshaftError, RequestError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
                   help="Build, quantize, serve and benchmark LLM inference engines.")
@@ -39,6 +41,17 @@ def progress(message: str) -> None:
         err.print(f"[dim]·[/dim] {escape(message)}\x1b[K", end="\n" if done >= total else "\r", soft_wrap=True)
     elif done >= total or done % max(1, -(-total // 4)) == 0:
         err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
+
+
+@contextmanager
+def flag_names(*names: str) -> Iterator[None]:
+    """A RequestError raised inside names the flags the user typed (--max-batch-size), not the Python parameters
+    (max_batch_size) the API it came from names."""
+    pattern = re.compile(r"(?<![-\w])(" + "|".join(map(re.escape, names)) + r")\b")
+    try:
+        yield
+    except RequestError as exc:
+        raise type(exc)(pattern.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from exc
 
 
 _MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EMFILE,

@@ -8,9 +8,14 @@ from typing import Annotated
 
 import typer
 
-from camshaft.cli import bench_app
-from camshaft.cli.serve import BatchOption, MemoryOption, PolicyOption, TokensOption
+from camshaft.cli import bench_app, flag_names
+from camshaft.cli.serve import LLM_FLAGS, BatchOption, MemoryOption, PolicyOption, TokensOption
 from camshaft.errors import CamshaftError
+
+DatasetOption = Annotated[str, typer.Option(
+    metavar="SPEC", help="Requests: a preset (balanced: prompts NORMAL(200,50) tokens, outputs NORMAL(128,32); "
+    "prefill-heavy: NORMAL(460,20), 16; decode-heavy: NORMAL(460,20), 256), synthetic:in=DIST,out=DIST with DIST "
+    "NORMAL(mean,sd), UNIFORM(lo,hi), CONST(n) or n, or jsonl:PATH")]
 
 
 @bench_app.command("latency")
@@ -24,7 +29,9 @@ def bench_latency(
     """Batch-1 latency: TTFT, prefill and decode tokens/s (medians over repeats)."""
     from camshaft.runtime.bench import latency_benchmark
 
-    report = latency_benchmark(engine, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, warmup=warmup)
+    with flag_names("prompt_len", "new_tokens", "repeats", "warmup"):
+        report = latency_benchmark(engine, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
+                                   warmup=warmup)
     for key, value in report.items():
         typer.echo(f"{key:>22}: {value}")
 
@@ -51,8 +58,7 @@ def require_outputs(plot: Path | None, output_json: Path | None) -> None:
 @bench_app.command("throughput")
 def bench_throughput(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
-    dataset: Annotated[str, typer.Option(help="synthetic:in=NORMAL(200,50),out=NORMAL(128,32) | jsonl:PATH")]
-    = "synthetic:in=NORMAL(200,50),out=NORMAL(128,32)",
+    dataset: DatasetOption = "balanced",
     num_requests: Annotated[int, typer.Option(min=1, help="Requests to run")] = 64,
     concurrency: Annotated[str, typer.Option(
         help="Most requests in flight; a comma-separated list sweeps, e.g. 1,8,32")] = "32",
@@ -83,7 +89,8 @@ def bench_throughput(
         raise RequestError(f"--concurrency takes positive integers, comma-separated to sweep; got {concurrency!r}")
     options = {"policy": policy, "kv_cache_memory": kv_cache_memory, "max_batch_size": max_batch_size,
                "max_num_tokens": max_num_tokens}
-    results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads, **options)
+    with flag_names(*LLM_FLAGS):
+        results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads, **options)
     for line in report_lines(results):
         typer.echo(line)
     if output_json:
@@ -98,13 +105,13 @@ def bench_throughput(
 @bench_app.command("serve")
 def bench_serve(
     target: Annotated[list[str], typer.Option(
-        help="NAME=URL,backend={openai,triton-generate,triton-grpc,llm}[,model=NAME] (repeatable); llm takes an "
-             "engine directory as URL and runs in-process")],
-    dataset: Annotated[str, typer.Option(help="prefill-heavy | decode-heavy | synthetic:in=DIST,out=DIST | jsonl:PATH")]
-    = "prefill-heavy",
+        metavar="NAME=URL,backend=B", help="An endpoint to measure (repeatable): NAME=URL,backend=B[,model=M] with "
+        "B one of openai, triton-generate, triton-grpc, llm (URL: an engine directory, run in-process); M: the "
+        "served model name, when it is not the server's only one")],
+    dataset: DatasetOption = "prefill-heavy",
     tokenizer: Annotated[Path | None, typer.Option(help="Engine or checkpoint directory whose tokenizer sizes the "
                                                         "synthetic prompts (default: an llm target's engine)")] = None,
-    num_requests: Annotated[int, typer.Option(help="Requests per run")] = 64,
+    num_requests: Annotated[int, typer.Option(min=1, help="Requests per run")] = 64,
     request_rate: Annotated[str, typer.Option(help="Requests/s of the Poisson arrivals, or inf; a comma-separated "
                                                    "list sweeps, e.g. 1,2,4,inf")] = "inf",
     concurrency: Annotated[str | None, typer.Option(

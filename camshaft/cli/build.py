@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @models_app.command("fetch")
 def models_fetch(
-    name: Annotated[str, typer.Argument(help="Model name, e.g. smollm2-135m-instruct")],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Model name, e.g. smollm2-135m-instruct")],
     output: Annotated[Path | None, typer.Option(help="Checkpoint directory (default: the camshaft cache)")] = None,
 ) -> None:
     """Fetch a known model and convert it to a Hugging Face checkpoint directory."""
@@ -41,7 +41,7 @@ CalibDataOption = Annotated[Path | None, typer.Option(
 CalibSizeOption = Annotated[int, typer.Option(help="Calibration samples")]
 CalibLenOption = Annotated[int, typer.Option(help="Tokens per calibration sample")]
 ExcludeOption = Annotated[list[str] | None, typer.Option(
-    help="Module name pattern to keep unquantized (repeatable)")]
+    metavar="PATTERN", help="Module name pattern to keep unquantized (repeatable)")]
 LM_HEAD_HELP = "lm_head weights: float | int8 | int4 (rounded to nearest at build; a tied embedding reads them too)"
 LmHeadOption = Annotated[str, typer.Option(help=LM_HEAD_HELP)]
 # build: None = not passed (refused without --quant), then the defaults above
@@ -68,8 +68,8 @@ def build(
     gpu_arch: Annotated[str | None, typer.Option(help="tensorrt targets: GPU architecture, e.g. sm89 (default: "
                                                       "tensorrt-rtx sm89, tensorrt the local GPU's)")] = None,
     quant: Annotated[str | None, typer.Option(
-        help="Quantize first, as `camshaft quantize --quant` does (the quantized checkpoint is kept in OUTPUT.ckpt)")]
-    = None,
+        help=f"{' | '.join(FORMATS)}: quantize first, as `camshaft quantize --quant` does (the quantized checkpoint "
+             "is kept in OUTPUT.ckpt)")] = None,
     kv_cache_dtype: KVDtypeOption = None,
     group_size: BuildGroupOption = None,
     calib_data: CalibDataOption = None,
@@ -78,8 +78,9 @@ def build(
     exclude: ExcludeOption = None,
     lm_head: BuildLmHeadOption = None,
     weight_only_compute: Annotated[str, typer.Option(
-        help="onnxruntime target, int8_wo/int4_wo/int4_awq layers: int8 (inputs quantized to int8 per block on the "
-             "fly: faster, a small extra error) | float (exact dequantized weights) | auto (= int8)")] = "auto",
+        help="onnxruntime target, weight-only layers (int8_wo, int4_wo, int4_awq; int8_sq_mixed's down_proj): int8 "
+             "(inputs quantized to int8 per block on the fly: faster, a small extra error) | float (exact "
+             "dequantized weights) | auto (= int8)")] = "auto",
 ) -> None:
     """Build an engine directory from a Hugging Face checkpoint (with --quant: quantize it first)."""
     from dataclasses import replace

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from camshaft.cli import app, err, eval_app
+from camshaft.cli import app, err, eval_app, flag_names
 
 if TYPE_CHECKING:
     from camshaft.runtime.sampling_params import SamplingParams
@@ -35,14 +34,9 @@ def run(
 
     if system is not None and not chat:
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
-    try:
+    with flag_names("max_tokens", "temperature", "top_p", "top_k", "seed"):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         _run(engine, prompt, chat, system, params, stream)
-    except RequestError as exc:  # the flags the user typed, not the Python names
-        raise type(exc)(_FLAG_NAMES.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from exc
-
-
-_FLAG_NAMES = re.compile(r"(?<![-\w])(max_tokens|temperature|top_p|top_k|seed)\b")
 
 
 def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from camshaft.cli import app, progress
+from camshaft.cli import app, flag_names, progress
 from camshaft.errors import CamshaftError
 from camshaft.runtime.llm_options import QUEUE_PER_BATCH
 
@@ -21,6 +21,7 @@ QueueOption = Annotated[int | None, typer.Option(
 BatchOption = Annotated[int | None, typer.Option(
     min=1, help="Most running requests (default and maximum: the engine's)")]
 PolicyOption = Annotated[str, typer.Option(help="guaranteed_no_evict | max_utilization")]
+LLM_FLAGS = ("kv_cache_memory", "max_queue", "max_batch_size", "max_num_tokens")  # Python names of the options above
 TRITON_PORTS = {"--grpc-port": 8001, "--metrics-port": 8002}
 TokensOption = Annotated[int | None, typer.Option(min=1, help="Most tokens a step computes (the prefill chunk budget; "
                                                        "default and maximum: the engine's)")]
@@ -36,11 +37,12 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
     from camshaft.runtime.llm_options import check_llm_options
 
     manifest = read_manifest(Path(engine))
-    limits = check_llm_options(manifest.limits, policy=policy, max_batch_size=max_batch_size,
-                               max_num_tokens=max_num_tokens, max_queue=max_queue)
-    memory = memory_spec(kv_cache_memory)
-    if isinstance(memory, int):  # bytes: checked now; a fraction depends on the machine that loads the engine
-        pool_blocks(manifest, limits.max_batch_size, memory, cache_copies(manifest))
+    with flag_names(*LLM_FLAGS):
+        limits = check_llm_options(manifest.limits, policy=policy, max_batch_size=max_batch_size,
+                                   max_num_tokens=max_num_tokens, max_queue=max_queue)
+        memory = memory_spec(kv_cache_memory)
+        if isinstance(memory, int):  # bytes: checked now; a fraction depends on the machine that loads the engine
+            pool_blocks(manifest, limits.max_batch_size, memory, cache_copies(manifest))
     return {"kv_cache_memory": memory,
             "max_queue": QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue,
             "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy}
@@ -84,7 +86,8 @@ def serve(
     max_queue: QueueOption = None,
     max_batch_size: BatchOption = None,
     max_num_tokens: TokensOption = None,
-    policy: Annotated[str | None, typer.Option(help="guaranteed_no_evict (default) | max_utilization")] = None,
+    policy: Annotated[str | None, typer.Option(help="guaranteed_no_evict | max_utilization  [default: "
+                                                    "guaranteed_no_evict]")] = None,
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
@@ -93,6 +96,8 @@ def serve(
         names = ", ".join(k for k, v in given.items() if v is not None)
         raise CamshaftError(f"--repo serves the options `camshaft deploy` wrote into it, so {names} would be ignored; "
                             "pass them to camshaft deploy (and serve the new repository), or serve --engine with them")
+    if name is not None and not name.strip():
+        raise CamshaftError("--name is empty; give the served model name, or drop --name for the default")
     if api == "openai" and (engine is None or repo is not None):
         raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")
     triton_ports = {"--grpc-port": grpc_port, "--metrics-port": metrics_port}

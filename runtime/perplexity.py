@@ -3,6 +3,7 @@ the window given (`camshaft eval ppl` gives it the engine's when both run)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,23 @@ def check_reference_model(model_dir: str | Path) -> None:
     if not (path / "config.json").is_file():
         raise RequestError(f"--model {path} has no config.json; pass a Hugging Face checkpoint directory")
     require_tokenizer(path, RequestError, f"--model {path}")
+
+
+def reference_window(model_dir: str | Path, window: int | None) -> int:
+    """The transformers reference's window: `window` (None: REFERENCE_WINDOW), refused past the positions the model
+    was trained for (a meaningless perplexity otherwise), where its config.json says how many."""
+    try:
+        positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        positions = None
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 2:
+        return REFERENCE_WINDOW if window is None else window
+    if window is None:
+        return min(REFERENCE_WINDOW, positions)
+    if window > positions:
+        raise RequestError(f"--window {window} exceeds the model's max_position_embeddings ({positions}); pass "
+                           f"--window {positions} or less")
+    return window
 
 
 def windows(ids: list[int], size: int) -> list[list[int]]:

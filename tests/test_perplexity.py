@@ -79,7 +79,8 @@ def quantized_checkpoint(model, out):
     return quantize_checkpoint(model, out, QuantSpec("int8_wo"), calib_size=2, calib_seq_len=32).output
 
 
-@pytest.mark.parametrize("case", ["missing", "engine", "quantized", "no-config", "window 0", "window 1"])
+@pytest.mark.parametrize("case", ["missing", "engine", "quantized", "no-config", "window 0", "window 1",
+                                  "window long"])
 def test_bad_reference_input_is_one_clear_error_before_loading(tiny, tmp_path, capsys, monkeypatch, case):
     model, engine = tiny
     (tmp_path / "t.txt").write_text(TEXT)
@@ -91,6 +92,8 @@ def test_bad_reference_input_is_one_clear_error_before_loading(tiny, tmp_path, c
         "no-config": (["--model", tmp_path], "has no config.json"),
         "window 0": (["--model", model, "--window", "0"], "--window must be at least 2 tokens"),
         "window 1": (["--engine", engine, "--model", model, "--window", "1"], "--window must be at least 2 tokens"),
+        "window long": (["--model", model, "--window", "513"], "--window 513 exceeds the model's "
+                        "max_position_embeddings (512); pass --window 512 or less"),
     }[case]
     if case == "quantized":
         quantized_checkpoint(model, tmp_path / "q")
@@ -118,3 +121,13 @@ def test_cli_prints_both(tiny, tmp_path, capsys):
     assert code == 0
     values = [float(line.split()[2]) for line in out.strip().splitlines()]
     assert len(values) == 2 and abs(values[0] - values[1]) / values[1] < 1e-4
+
+
+def test_the_reference_window_defaults_to_what_the_model_holds(tiny, tmp_path):
+    from camshaft.runtime.perplexity import REFERENCE_WINDOW, reference_window
+
+    model, _ = tiny
+    assert reference_window(model, None) == min(REFERENCE_WINDOW, 512) == 512  # tiny models hold 512 positions
+    assert reference_window(model, 100) == 100
+    (tmp_path / "config.json").write_text("{}")
+    assert reference_window(tmp_path, None) == REFERENCE_WINDOW

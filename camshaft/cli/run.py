@@ -74,19 +74,20 @@ def eval_ppl(
     engine: Annotated[Path | None, typer.Option(help="Engine directory")] = None,
     model: Annotated[Path | None, typer.Option(help="HF checkpoint: transformers fp32 reference")] = None,
     window: Annotated[int | None, typer.Option(help="Window (tokens) for --model (default: the --engine's "
-                                                    "max_seq_len, so both score the same windows; else 1024); "
-                                                    "engines use their max_seq_len")] = None,
+                                                    "max_seq_len, so both score the same windows; else 1024, or "
+                                                    "the model's max_position_embeddings if fewer); engines use "
+                                                    "their max_seq_len")] = None,
 ) -> None:
     """Perplexity of a text through an engine and/or transformers, in non-overlapping windows."""
     from camshaft.errors import RequestError
     from camshaft.manifest import read_manifest
     from camshaft.runtime.perplexity import (
-        REFERENCE_WINDOW,
         check_reference_model,
         check_window,
         engine_perplexity,
         read_text,
         reference_perplexity,
+        reference_window,
     )
 
     if engine is None and model is None:
@@ -95,11 +96,11 @@ def eval_ppl(
         raise RequestError("--window sets the transformers reference's window (--model); an engine scores in "
                            "windows of its max_seq_len: drop --window or add --model")
     engine_window = None if engine is None else read_manifest(engine).limits.max_seq_len
-    if window is None:
-        window = engine_window or REFERENCE_WINDOW
+    window = engine_window if window is None else window
     if model is not None:
-        check_window(window)
         check_reference_model(model)
+        window = reference_window(model, window)
+        check_window(window)
     if engine_window is not None and model is not None and window != engine_window:
         typer.echo(f"note: transformers scores windows of {window} tokens, the engine of {engine_window}: the two "
                    "perplexities are not of the same windows", err=True)

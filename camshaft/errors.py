@@ -29,12 +29,14 @@ class CapacityError(RequestError):
     """A request can never fit the engine's KV cache or limits."""
 
 
-class ServerBusyError(RequestError):
-    """The request queue is full; retry later or raise the queue limit."""
+class ServerBusyError(CamshaftError):
+    """The request queue is full; retry later or raise the queue limit (the request itself may be fine: not a
+    RequestError)."""
 
 
-class ServerClosedError(RequestError):
-    """The batch loop has stopped (closed, or failed); a new LLM or a server restart is needed."""
+class ServerClosedError(CamshaftError):
+    """The batch loop has stopped (closed, or failed); a new LLM or a server restart is needed (not a
+    RequestError)."""
 
 
 class FetchError(CamshaftError):

@@ -121,8 +121,9 @@ def test_n_beyond_what_the_queue_can_hold_is_refused_not_busy(engine_dir):
 def test_a_full_queue_is_still_busy(engine_dir):
     with LLM(engine_dir, max_batch_size=1, max_queue=0) as llm:
         (first,) = llm.submit([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True), lambda output: None)
-        with pytest.raises(ServerBusyError, match="retry later"):
+        with pytest.raises(ServerBusyError, match="retry later") as info:
             llm.submit([8, 9], SamplingParams(max_tokens=2), lambda output: None)
+        assert not isinstance(info.value, RequestError)  # the request is fine: retry it, do not drop it as bad input
         llm.abort(first)
 
 

@@ -77,7 +77,10 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
     hidden, heads = f.get("hidden_size", "int", least=1), f.get("num_attention_heads", "int", least=1)
     layers = f.get("num_hidden_layers", "int", least=1)
-    bias = f.get("attention_bias", "bool", False)
+    # Biases as transformers builds each architecture: Mistral has none and Qwen2 q/k/v only, whatever
+    # attention_bias / mlp_bias say; Llama and Qwen3 follow attention_bias, and only Llama mlp_bias.
+    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3")
+    mlp_bias = f.get("mlp_bias", "bool", False) and arch == "llama"
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
     return dict(
@@ -95,7 +98,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         tie_word_embeddings=f.get("tie_word_embeddings", "bool", False),
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
-        mlp_bias=f.get("mlp_bias", "bool", False),
+        mlp_bias=mlp_bias,
         qk_norm=arch == "qwen3",
         sliding_window=window,
         layer_types=layer_types,

@@ -99,3 +99,19 @@ def test_an_unsupported_class_is_not_rescued_by_model_type(configs):
     assert ModelConfig.from_hf(edited(configs["llama"], architectures=...)).architecture == "llama"
     with pytest.raises(CamshaftError):
         ModelConfig.from_hf(edited(configs["llama"], architectures=..., model_type="bert"))
+
+
+@pytest.mark.parametrize("arch, qkv, o, mlp", [("llama", True, True, True), ("qwen3-qknorm", True, True, False),
+                                               ("qwen2-bias", True, False, False), ("mistral-sliding", False, False,
+                                                                                    False)])
+def test_biases_follow_each_architecture_as_transformers_builds_it(configs, tmp_path, arch, qkv, o, mlp):
+    config = ModelConfig.from_hf(edited(configs[arch], attention_bias=True, mlp_bias=True))
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (qkv, o, mlp)
+    model = make_tiny_model(arch, tmp_path / "m", attention_bias=True, mlp_bias=True)  # transformers: its own biases
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert ("model.layers.0.self_attn.o_proj.bias" in names) == o
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == qkv
+    assert ("model.layers.0.mlp.down_proj.bias" in names) == mlp

@@ -17,7 +17,7 @@ import requests
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
-from camshaft.errors import CamshaftError, RequestError
+from camshaft.errors import CamshaftError, RequestError, ServerClosedError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.triton_repo.deploy import MARKER, deploy_repository
@@ -122,7 +122,7 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
 def test_a_stopped_batch_loop_is_unavailable_and_says_restart(engine):
     llm = LLM(engine, spin_wait=False, max_queue=4)
     llm.close()
-    with pytest.raises(RequestError) as closed:
+    with pytest.raises(ServerClosedError) as closed:
         llm.submit([5, 6], SamplingParams(max_tokens=2), lambda output: None)
     code, message = error_status(closed.value)
     assert code == "UNAVAILABLE" and "restart the server" in message, (type(closed.value), message)

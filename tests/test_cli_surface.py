@@ -120,3 +120,28 @@ def test_llm_options_are_named_as_the_flags_typed(engine, tmp_path, command):
 
 def test_an_empty_served_name_is_refused(engine):
     refused(invoke("serve", "--api", "openai", "--engine", engine, "--name", " "), "--name is empty")
+
+
+def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_path):
+    import json
+    import shutil
+
+    from camshaft.manifest import read_manifest
+
+    result = invoke("inspect", "--engine", engine, "--json")
+    assert result.exit_code == 0, result.output
+    info, manifest = json.loads(result.output), read_manifest(engine)
+    c = manifest.model
+    assert info["model"]["layers"] == c.num_layers and info["limits"]["max_seq_len"] == 128
+    assert info["kv_cache"]["bytes_per_token"] == c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # fp32 K and V
+    assert info["kv_cache"]["default_pool_bytes"] == (4 * 128 + info["limits"]["kv_block_size"]) * \
+        info["kv_cache"]["bytes_per_token"]  # 4 full sequences and the null block
+    assert info["runs_here"] == "yes" and info["graphs"]["sequence"] == "sequence.onnx"
+    assert info["bytes_on_disk"] == sum(f.stat().st_size for f in engine.rglob("*") if f.is_file()
+                                        and f.name not in ("manifest.json", "chat_template.jinja"))
+    text = invoke("inspect", "--engine", engine)
+    assert "runs here   yes" in text.output and f"{c.num_layers} layers" in text.output
+    broken = tmp_path / "broken"
+    shutil.copytree(engine, broken)
+    (broken / "model.onnx.data").write_bytes(b"\0" * (broken / "model.onnx.data").stat().st_size)
+    refused(invoke("inspect", "--engine", broken), "rebuild")

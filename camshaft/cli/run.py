@@ -114,3 +114,18 @@ def eval_ppl(
         typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({r.tokens_scored} tokens, {r.windows} windows)")
 
 
+
+
+@app.command("inspect")
+def inspect_engine(
+    engine: Annotated[Path, typer.Option(help="Engine directory")],
+    json_output: Annotated[bool, typer.Option("--json", help="Print it as JSON")] = False,
+) -> None:
+    """What an engine holds (model, precision, target, limits, KV cache size, files, tools) and whether it runs
+    here; its files are checked as loading checks them."""
+    import json
+
+    from camshaft.runtime.engine_info import engine_info, info_lines
+
+    info = engine_info(engine)
+    typer.echo(json.dumps(info, indent=2) if json_output else "\n".join(info_lines(info)))

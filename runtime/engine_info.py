@@ -1,0 +1,122 @@
+"""`camshaft inspect`: what an engine directory holds and whether it runs here, from its manifest alone (read and
+checked as the runtime reads it: a missing, swapped or half-written file is the same EngineError)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from camshaft.engine_files import TOKENIZER_DIR
+from camshaft.errors import EngineError
+from camshaft.graph_meta import sequence_graph_support
+from camshaft.manifest import Manifest, read_manifest
+from camshaft.runtime.kv_cache import bytes_per_block, pool_blocks
+
+TARGET_DEVICES = {"onnxruntime": "CPU", "tensorrt": "datacenter NVIDIA GPU", "tensorrt-rtx": "NVIDIA RTX GPU"}
+
+
+def runs_here(manifest: Manifest) -> str | None:
+    """None if the engine's runtime is installed at the version that built it (and, for TensorRT, a GPU of its
+    architecture is present); else why not."""
+    try:
+        if manifest.target == "onnxruntime":
+            from camshaft.runtime.backends.onnxruntime import check_compatible
+
+            check_compatible(manifest)
+        else:
+            from camshaft.runtime.backends.tensorrt import TensorRTBackend, probe_gpu
+
+            arch = str(manifest.target_options.get("gpu_arch", ""))
+            _, local = probe_gpu(manifest.target, arch)
+            if arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) != local:
+                return f"built for {arch}, but GPU 0 is sm{local}"
+            built = str(manifest.target_options.get("version", manifest.tools.get(manifest.target, "")))
+            installed = TensorRTBackend._import(manifest.target).__version__
+            if built != installed:
+                return f"built with {manifest.target} {built}, but {installed} is installed"
+    except EngineError as exc:
+        return str(exc)
+    return None
+
+
+def engine_info(engine_dir: str | Path) -> dict[str, Any]:
+    engine_dir = Path(engine_dir)
+    m = read_manifest(engine_dir)
+    c, limits, kv = m.model, m.limits, m.kv_cache
+    per_block = bytes_per_block(m)
+    quant = m.quantization or {}
+    sequence = m.sequence_graph
+    if sequence is None and m.target == "onnxruntime":
+        kv_dtype = kv.dtype if kv.dtype in ("int8", "float8") else None
+        sequence_note = sequence_graph_support(c, m.dtype, kv_dtype) or "built before sequence graphs"
+    else:
+        sequence_note = None if sequence is not None else "the TensorRT targets run the batch graph"
+    return {
+        "engine": str(engine_dir.resolve()),
+        "format_version": m.format_version,
+        "camshaft_version": m.camshaft_version,
+        "build_id": m.build_id or None,
+        "model": {"architecture": c.architecture, "layers": c.num_layers, "hidden_size": c.hidden_size,
+                  "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                  "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
+                  "tied_embeddings": c.tie_word_embeddings, "sliding_window": c.sliding_window},
+        "dtype": m.dtype,
+        "quantization": {k: quant.get(k) for k in ("format", "group_size", "kv_cache_dtype", "lowering")
+                         if quant.get(k) is not None} or None,
+        "lm_head": quant.get("lm_head"),
+        "target": m.target,
+        "device": TARGET_DEVICES.get(m.target, m.target),
+        "gpu_arch": m.target_options.get("gpu_arch"),
+        "graphs": {"batch": m.artifact, "sequence": sequence.artifact if sequence else None},
+        "no_sequence_graph": sequence_note,
+        "limits": {"max_batch_size": limits.max_batch_size, "max_seq_len": limits.max_seq_len,
+                   "max_num_tokens": limits.max_num_tokens, "kv_block_size": limits.kv_block_size},
+        "kv_cache": {"dtype": kv.dtype, "bytes_per_token": per_block // limits.kv_block_size,
+                     "bytes_per_sequence": per_block * limits.max_blocks_per_seq,
+                     "default_pool_bytes": pool_blocks(m, limits.max_batch_size) * per_block},
+        "files": len(m.files),
+        "bytes_on_disk": sum(m.files.values()),
+        "eos_token_ids": list(c.eos_token_ids),
+        "chat_template": (engine_dir / TOKENIZER_DIR / "chat_template.jinja").is_file()
+        or "chat_template" in _tokenizer_config(engine_dir),
+        "tools": dict(m.tools),
+        "runs_here": runs_here(m) or "yes",
+    }
+
+
+def _tokenizer_config(engine_dir: Path) -> str:
+    try:
+        return (engine_dir / TOKENIZER_DIR / "tokenizer_config.json").read_text()
+    except OSError:
+        return ""
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def info_lines(info: dict[str, Any]) -> list[str]:
+    md, lim, kv, q = info["model"], info["limits"], info["kv_cache"], info["quantization"]
+    heads = f"{md['heads']} heads / {md['kv_heads']} KV heads x {md['head_dim']}"
+    window = f", sliding window {md['sliding_window']}" if md["sliding_window"] else ""
+    quant = "none" if q is None else ", ".join(f"{k} {v}" for k, v in q.items())
+    head = (info["lm_head"] or {}).get("dtype")
+    sequence = info["graphs"]["sequence"] or f"none ({info['no_sequence_graph']})"
+    arch = f" {info['gpu_arch']}" if info["gpu_arch"] else ""
+    return [
+        f"engine      {info['engine']} (format {info['format_version']}, camshaft {info['camshaft_version']}"
+        + (f", build {info['build_id'][:12]}" if info["build_id"] else "") + ")",
+        f"model       {md['architecture']}, {md['layers']} layers, hidden {md['hidden_size']}, {heads}, vocab "
+        f"{md['vocab_size']}, {'tied' if md['tied_embeddings'] else 'untied'} embeddings{window}",
+        f"precision   {info['dtype']}; quantization: {quant}" + (f"; lm_head {head}" if head else ""),
+        f"target      {info['target']}{arch} ({info['device']}); graphs: batch {info['graphs']['batch']}, "
+        f"sequence {sequence}",
+        f"limits      max_batch_size {lim['max_batch_size']}, max_seq_len {lim['max_seq_len']}, max_num_tokens "
+        f"{lim['max_num_tokens']}, KV blocks of {lim['kv_block_size']} tokens",
+        f"KV cache    {kv['dtype']}, {kv['bytes_per_token']} bytes a token ({_size(kv['bytes_per_sequence'])} a full "
+        f"sequence); default pool {_size(kv['default_pool_bytes'])} (max_batch_size full sequences)",
+        f"files       {info['files']}, {_size(info['bytes_on_disk'])}, as the build wrote them",
+        f"tokenizer   end ids {info['eos_token_ids']}, chat template {'yes' if info['chat_template'] else 'no'}",
+        "tools       " + ", ".join(f"{k} {v}" for k, v in info["tools"].items()),
+        f"runs here   {info['runs_here']}",
+    ]

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+import camshaft
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
@@ -430,3 +431,25 @@ def test_a_body_that_trickles_in_is_a_408():
     asyncio.run(limit({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send))
     assert sent[0]["status"] == 408 and b"did not arrive within 0.3 s" in sent[1]["body"]
     assert refusals == [("/v1/completions", 408)]
+
+
+def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, session):
+    url, llm = served
+    body = HTTP.post(url + "/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
+    expected = session.generate(PROMPTS[0], max_tokens=1).prompt_token_ids
+    assert body == {"count": len(expected), "max_model_len": 4096, "tokens": expected}
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat = HTTP.post(url + "/tokenize", json={"messages": messages}).json()  # model may be left out, as in vLLM
+    assert chat["tokens"] == session.chat(messages, max_tokens=1).prompt_token_ids
+    assert HTTP.post(url + "/detokenize", json={"model": MODEL, "tokens": expected}).json() == {
+        "prompt": llm.tokenizer.decode(expected)}
+    for path, bad, message in [
+        ("/tokenize", {"model": "other", "prompt": "x"}, "does not exist"),
+        ("/tokenize", {"prompt": "x", "messages": messages}, "one of prompt (text) or messages"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "take their defaults only"),
+        ("/detokenize", {"tokens": [5, 10**6]}, "token id 1000000 is outside"),
+        ("/detokenize", {"tokens": [5, True]}, "tokens"),
+    ]:
+        response = HTTP.post(url + path, json=bad)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+    assert HTTP.get(url + "/version").json() == {"version": camshaft.__version__}

@@ -16,10 +16,17 @@ from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
 from camshaft.openai_server.errors import APIError, from_exception, route_path
 from camshaft.openai_server.generation import Generation
 from camshaft.openai_server.metrics import CONTENT_TYPE, Metrics
-from camshaft.openai_server.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
+from camshaft.openai_server.protocol import (
+    DEFAULT_COMPLETION_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from camshaft.openai_server.responses import ChatShape, CompletionShape, sse, usage
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.version import __version__
 
 T = TypeVar("T")
 _Shape = CompletionShape | ChatShape
@@ -58,7 +65,7 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
     metrics = Metrics(llm)
     errors.install(app, metrics)
     max_seq_len, max_n = llm.config.max_seq_len, llm.config.max_batch_size
-    routes = {"/v1/completions", "/v1/chat/completions"}
+    routes = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes(max_seq_len, max_n, llm.executor.max_queue),
                        refused=lambda path, status: metrics.http(path if path in routes else "other", status))
     app.state.llm, app.state.metrics = llm, metrics
@@ -67,10 +74,13 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "camshaft",
                 "max_model_len": max_seq_len}
 
-    def check(body: CompletionRequest | ChatCompletionRequest) -> None:
-        if body.model != model_name:
-            raise APIError(400, f"the model {body.model!r} does not exist; this server serves {model_name!r} "
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(400, f"the model {model!r} does not exist; this server serves {model_name!r} "
                            "(see /v1/models)", param="model", code="model_not_found")
+
+    def check(body: CompletionRequest | ChatCompletionRequest) -> None:
+        check_model(body.model)
         body.check_supported()
         if body.n > max_n:
             raise APIError(400, f"n must be at most {max_n} (this server's batch size), got {body.n}", param="n")
@@ -119,6 +129,29 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        body.check_supported()
+        if body.prompt is not None:
+            ids = await asyncio.to_thread(llm.encode, prompt=body.prompt)
+        else:
+            ids = await asyncio.to_thread(llm.encode, messages=[m.template_dict() for m in body.messages or []])
+        return {"count": len(ids), "max_model_len": max_seq_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        vocab = llm.engine.manifest.model.vocab_size
+        wrong = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if wrong is not None:
+            raise APIError(400, f"token id {wrong} is outside this model's vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, body.tokens)}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

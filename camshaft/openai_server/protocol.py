@@ -149,3 +149,31 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt or chat messages, tokenized exactly as a completion or chat request would be
+    (its options at their defaults only: other values would tokenize unlike generation)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("send one of prompt (text) or messages (chat)")
+        default = self.prompt is not None  # vLLM's: special tokens for a prompt, none added to a chat template
+        if self.add_special_tokens not in (None, default) or not self.add_generation_prompt:
+            raise RequestError("add_special_tokens and add_generation_prompt take their defaults only: camshaft "
+                               "tokenizes as its completions and chat completions do; leave them out")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[StrictInt]

@@ -29,6 +29,23 @@ def test_default_model_dir_honours_camshaft_cache(monkeypatch, tmp_path):
     assert default_model_dir(SMOLLM2) == Path.home() / ".cache" / "camshaft" / "models" / SMOLLM2
 
 
+def test_models_list_says_where_each_comes_from_and_if_it_is_fetched(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from camshaft.cli import app
+    from camshaft.models import _marker_record
+
+    monkeypatch.setenv("CAMSHAFT_CACHE", str(tmp_path))
+    listed = CliRunner().invoke(app, ["models", "list"]).output
+    model = KNOWN_MODELS[SMOLLM2]
+    assert f"{SMOLLM2}  {model.architecture}, from {model.package}=={model.version}" in listed
+    assert "not fetched" in listed
+    where = default_model_dir(SMOLLM2)
+    where.mkdir(parents=True)
+    (where / MARKER).write_text(json.dumps(_marker_record(model)))
+    assert f"fetched: {where}" in CliRunner().invoke(app, ["models", "list"]).output
+
+
 def test_a_cache_that_cannot_be_written_says_what_to_set(monkeypatch, tmp_path):
     (tmp_path / "afile").write_text("x")
     monkeypatch.setenv("CAMSHAFT_CACHE", str(tmp_path / "afile"))

@@ -31,6 +31,18 @@ def models_fetch(
     typer.echo(str(path))
 
 
+@models_app.command("list")
+def models_list() -> None:
+    """The models `models fetch` knows, where each comes from, and whether it is in the camshaft cache."""
+    from camshaft.models import KNOWN_MODELS, default_model_dir, is_fetched
+
+    for name, model in sorted(KNOWN_MODELS.items()):
+        where = default_model_dir(name)
+        state = f"fetched: {where}" if is_fetched(name, where) else "not fetched"
+        typer.echo(f"{name}  {model.architecture}, from {model.package}=={model.version} "
+                   f"({Path(model.gguf_member).name})  {state}")
+
+
 QuantOption = Annotated[str, typer.Option(help=" | ".join(FORMATS))]
 KVDtypeOption = Annotated[str | None, typer.Option(help="Also quantize the KV cache: fp8 | int8")]
 GROUP_HELP = "INT4 block size: auto | 128 | 64 | 32"

@@ -60,8 +60,8 @@ def architecture(hf: dict[str, Any], source: str) -> str:
     if not isinstance(archs, list):
         raise CheckpointError(f"{source}: architectures must be a list of class names, not {archs!r}")
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-    if arch is None and not archs:  # model_type speaks only for a config that names no class
-        arch = {v: v for v in ARCHITECTURES.values()}.get(hf.get("model_type"))
+    if arch is None and not archs and isinstance(hf.get("model_type"), str):  # speaks only when no class is named
+        arch = {v: v for v in ARCHITECTURES.values()}.get(hf["model_type"])
     if arch is None:
         raise UnsupportedModelError(f"{source}: architecture {archs or hf.get('model_type')} is not supported; "
                                     f"supported: {', '.join(ARCHITECTURES)}")
@@ -116,6 +116,10 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
             raise CheckpointError(f"{source}: {key} must be an object, not {section!r}")
         sections[key] = section
     params, scaling = sections["rope_parameters"], sections["rope_scaling"]
+    for key, section in sections.items():
+        kind = section.get("rope_type", section.get("type", "default"))
+        if not isinstance(kind, str):
+            raise CheckpointError(f"{source}: {key}'s rope_type must be a string such as \"default\", not {kind!r}")
     kinds = {s.get("rope_type", s.get("type", "default")) for s in (params, scaling) if s}
     if len(kinds) > 1:
         raise CheckpointError(f"{source} holds rope_parameters and rope_scaling of different types ({sorted(kinds)}); "

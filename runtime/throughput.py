@@ -112,7 +112,7 @@ class ThroughputResult:
     gflop: dict[str, float]
     gflop_s: float
     gflop_s_linear: float
-    python_overhead: dict[str, float]
+    python_overhead: dict[str, dict[str, float]]  # "all_steps" and "batch_C": StepTimer.overhead() of those steps
     preemptions: int
     prefix_reuse_hits: int  # KV blocks taken from the prefix cache (0 unless prompts repeat)
     config: dict[str, str | int]  # the LLM's: policy, max_batch_size, max_num_tokens, kv_pool_blocks, kv_pool_bytes

@@ -115,3 +115,14 @@ def test_biases_follow_each_architecture_as_transformers_builds_it(configs, tmp_
     assert ("model.layers.0.self_attn.o_proj.bias" in names) == o
     assert ("model.layers.0.self_attn.q_proj.bias" in names) == qkv
     assert ("model.layers.0.mlp.down_proj.bias" in names) == mlp
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rope_parameters={"rope_type": None, "rope_theta": 1e4}, rope_scaling={"rope_type": "linear", "factor": 2}),
+     "rope_parameters's rope_type must be a string"),
+    (dict(rope_scaling={"rope_type": ["default"]}), "rope_scaling's rope_type must be a string"),
+    (dict(architectures=[], model_type=["llama"]), "not supported"),
+])
+def test_odd_json_types_are_a_clear_error_not_a_traceback(configs, changes, message):
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf(edited(configs["llama"], **changes))

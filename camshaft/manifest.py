@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from camshaft.checks import check_positive_ints
-from camshaft.engine_files import MANIFEST_NAME, check_files, check_unchanged, write_atomic
+from camshaft.engine_files import MANIFEST_NAME, check_unchanged, write_atomic
+from camshaft.engine_files import check_files as _check_files
 from camshaft.errors import CamshaftError, EngineError
 from camshaft.model_config import ModelConfig
 from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __version__
@@ -212,8 +213,9 @@ class Manifest:
         return cls(**data)
 
 
-def read_manifest(engine_dir: str | Path) -> Manifest:
-    """Read and validate an engine directory's manifest; every failure is an EngineError saying what to do."""
+def read_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Manifest:
+    """Read and validate an engine directory's manifest; every failure is an EngineError saying what to do.
+    check_files False: the manifest alone, not the files it lists (their sizes and fingerprints)."""
     engine_dir = Path(engine_dir)
     if engine_dir.exists() and not engine_dir.is_dir():
         raise EngineError(f"{engine_dir} is a file; an engine is the directory `camshaft build --output` wrote")
@@ -250,8 +252,10 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
         manifest = Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError, CamshaftError) as exc:
         raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {exc}); rebuild the engine") from exc
+    if not check_files:
+        return manifest
     try:
-        check_files(engine_dir, manifest.files, manifest.fingerprints)
+        _check_files(engine_dir, manifest.files, manifest.fingerprints)
     except EngineError:
         check_unchanged(engine_dir, manifest.build_id)  # a rebuild swapping it meanwhile says so
         raise

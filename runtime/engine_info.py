@@ -10,7 +10,7 @@ from camshaft.engine_files import TOKENIZER_DIR
 from camshaft.errors import EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.manifest import Manifest, read_manifest
-from camshaft.runtime.kv_cache import bytes_per_block, pool_blocks
+from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, pool_blocks
 
 TARGET_DEVICES = {"onnxruntime": "CPU", "tensorrt": "datacenter NVIDIA GPU", "tensorrt-rtx": "NVIDIA RTX GPU"}
 
@@ -40,8 +40,15 @@ def runs_here(manifest: Manifest) -> str | None:
 
 
 def engine_info(engine_dir: str | Path) -> dict[str, Any]:
+    """The summary; an engine whose files are not as the build wrote them is still described, from its manifest,
+    with runs_here False and the reason (a manifest that cannot be read raises its EngineError)."""
     engine_dir = Path(engine_dir)
-    m = read_manifest(engine_dir)
+    try:
+        m = read_manifest(engine_dir)
+        reason = runs_here(m)
+    except EngineError as exc:
+        m = read_manifest(engine_dir, check_files=False)
+        reason = str(exc)
     c, limits, kv = m.model, m.limits, m.kv_cache
     per_block = bytes_per_block(m)
     quant = m.quantization or {}
@@ -73,14 +80,15 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                    "max_num_tokens": limits.max_num_tokens, "kv_block_size": limits.kv_block_size},
         "kv_cache": {"dtype": kv.dtype, "bytes_per_token": per_block // limits.kv_block_size,
                      "bytes_per_sequence": per_block * limits.max_blocks_per_seq,
-                     "default_pool_bytes": pool_blocks(m, limits.max_batch_size) * per_block},
+                     "default_pool_bytes": pool_blocks(m, limits.max_batch_size) * per_block * cache_copies(m)},
         "files": len(m.files),
         "bytes_on_disk": sum(m.files.values()),
         "eos_token_ids": list(c.eos_token_ids),
         "chat_template": (engine_dir / TOKENIZER_DIR / "chat_template.jinja").is_file()
         or "chat_template" in _tokenizer_config(engine_dir),
         "tools": dict(m.tools),
-        "runs_here": runs_here(m) or "yes",
+        "runs_here": reason is None,
+        "runs_here_reason": reason,
     }
 
 
@@ -118,5 +126,5 @@ def info_lines(info: dict[str, Any]) -> list[str]:
         f"files       {info['files']}, {_size(info['bytes_on_disk'])}, as the build wrote them",
         f"tokenizer   end ids {info['eos_token_ids']}, chat template {'yes' if info['chat_template'] else 'no'}",
         "tools       " + ", ".join(f"{k} {v}" for k, v in info["tools"].items()),
-        f"runs here   {info['runs_here']}",
+        f"runs here   {'yes' if info['runs_here'] else 'no: ' + info['runs_here_reason']}",
     ]

@@ -135,7 +135,7 @@ def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | floa
             given = f" ({spec} of the memory available)" if isinstance(spec, float) else ""
             one = "; 1 is one byte: for all of the available memory write 1.0" if memory_bytes == 1 else ""
             raise CapacityError(
-                f"a KV cache budget of {memory_bytes} bytes{given} holds no block ({each} bytes each, and one more "
+                f"kv_cache_memory {memory_bytes} bytes{given} holds no KV block ({each} bytes each, and one more "
                 f"is kept empty){one}; raise the budget: {MEMORY_HELP}"
             )
         return int(blocks)

@@ -95,9 +95,11 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
-        """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template)."""
-        return self._encoder.encode(prompt, messages)
+    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None, *,
+               for_generation: bool = True) -> list[int]:
+        """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template).
+        for_generation False (counting tokens): text however long, and an empty prompt, are tokenized, not refused."""
+        return self._encoder.encode(prompt, messages, for_generation=for_generation)
 
     def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
         """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must

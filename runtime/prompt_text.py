@@ -26,12 +26,12 @@ def check_unicode(text: str, what: str) -> None:
                            "text") from None
 
 
-def encode_text(tokenizer, text: str, max_tokens: int, what: str = "the prompt",
+def encode_text(tokenizer, text: str, max_tokens: int | None, what: str = "the prompt",
                 add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`; refused, after tokenizing a prefix (growing fourfold: at most ~1.3x the work of one
-    encoding), when that prefix alone holds more tokens than `max_tokens` plus what the cut may add."""
+    encoding), when that prefix alone holds more tokens than `max_tokens` plus what the cut may add (None: never)."""
     check_unicode(text, what)
-    size = max_tokens * FIRST_PREFIX
+    size = len(text) if max_tokens is None else max_tokens * FIRST_PREFIX
     while size < len(text):
         head = tokenizer(text[:size], add_special_tokens=add_special_tokens)["input_ids"]
         if len(head) > max_tokens + longest_piece(tokenizer):

@@ -71,7 +71,8 @@ class SamplingParams:
             words = tuple(() if isinstance(w, (str, bytes)) or not isinstance(w, Iterable) else tuple(w)
                           for w in getattr(self, name))
             _require(all(w and all(is_int(t) and t >= 0 for t in w) for w in words),
-                     f"{name} must be non-empty lists of non-negative token ids, got {getattr(self, name)!r:.200}")
+                     f"{name} must be non-empty lists of non-negative token ids (a list of id lists, e.g. "
+                     f"[[5, 6]]), got {getattr(self, name)!r:.200}")
             _require(len(words) <= limit, f"{name} takes at most {limit} words, got {len(words)}")
             object.__setattr__(self, name, tuple(tuple(int(t) for t in w) for w in words))
         ids = tuple(self.stop_token_ids)

@@ -83,21 +83,24 @@ class Session:
         """Bytes of the loaded engine on transparent huge pages (0: off, or not possible here)."""
         return self.engine.huge_page_bytes
 
-    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None, *,
+               for_generation: bool = True) -> list[int]:
+        """The prompt's ids as generation feeds them to the engine. for_generation False (counting tokens): text
+        however long, and an empty prompt, are tokenized rather than refused."""
         if (prompt is None) == (messages is None):
             raise RequestError("pass exactly one of a prompt or chat messages")
+        limit = self.manifest.limits.max_seq_len if for_generation else None
         if messages is not None:
             check_messages(messages)
             if self.tokenizer.chat_template is None:
                 raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt instead")
             text = self._apply_template(messages)
             # The template already holds the special tokens: encoding must not add a second BOS.
-            ids = encode_text(self.tokenizer, text, self.manifest.limits.max_seq_len, "the chat",
-                              add_special_tokens=False)
+            ids = encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)
         elif isinstance(prompt, str):
-            if not prompt:
+            if not prompt and for_generation:
                 raise RequestError("the prompt is empty; pass some text")
-            ids = encode_text(self.tokenizer, prompt, self.manifest.limits.max_seq_len)
+            ids = encode_text(self.tokenizer, prompt, limit)
         else:
             vocab = self.manifest.model.vocab_size
             items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
@@ -106,7 +109,7 @@ class Session:
             ids = [int(t) for t in items]
             if any(t < 0 or t >= vocab for t in ids):
                 raise RequestError(f"prompt token ids must lie in [0, {vocab})")
-        if not ids:
+        if not ids and for_generation:
             raise RequestError("the prompt encodes to no tokens; pass some text")
         return ids
 

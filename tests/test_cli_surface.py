@@ -52,7 +52,7 @@ def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path):
     not_a_dir.write_text("x")
     refused(invoke("deploy", "--engine", engine, "--repo", not_a_dir), f"--repo {not_a_dir} exists")
     refused(invoke("deploy", "--engine", engine, "--repo", tmp_path / "repo", "--kv-cache-memory", "10"),
-            "holds no block")
+            "--kv-cache-memory 10 bytes holds no KV block")
     assert not (tmp_path / "repo").exists()
     result = invoke("deploy", "--engine", engine, "--repo", tmp_path / "repo", "--kv-cache-memory", "0.5")
     assert result.exit_code == 0, result.output  # a fraction is resolved where the engine loads
@@ -136,7 +136,8 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     assert info["kv_cache"]["bytes_per_token"] == c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # fp32 K and V
     assert info["kv_cache"]["default_pool_bytes"] == (4 * 128 + info["limits"]["kv_block_size"]) * \
         info["kv_cache"]["bytes_per_token"]  # 4 full sequences and the null block
-    assert info["runs_here"] == "yes" and info["graphs"]["sequence"] == "sequence.onnx"
+    assert info["runs_here"] is True and info["runs_here_reason"] is None
+    assert info["graphs"]["sequence"] == "sequence.onnx"
     assert info["bytes_on_disk"] == sum(f.stat().st_size for f in engine.rglob("*") if f.is_file()
                                         and f.name not in ("manifest.json", "chat_template.jinja"))
     text = invoke("inspect", "--engine", engine)
@@ -144,4 +145,7 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     broken = tmp_path / "broken"
     shutil.copytree(engine, broken)
     (broken / "model.onnx.data").write_bytes(b"\0" * (broken / "model.onnx.data").stat().st_size)
-    refused(invoke("inspect", "--engine", broken), "rebuild")
+    described = invoke("inspect", "--engine", broken)  # still described, from its manifest, and exit status 1
+    assert described.exit_code == 1 and f"{c.num_layers} layers" in described.output
+    assert "runs here   no: " in described.output and "rebuild" in described.output
+    refused(invoke("inspect", "--engine", tmp_path), "has no manifest.json")  # none at all: the usual error

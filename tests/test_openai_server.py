@@ -447,9 +447,16 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
         ("/tokenize", {"model": "other", "prompt": "x"}, "does not exist"),
         ("/tokenize", {"prompt": "x", "messages": messages}, "one of prompt (text) or messages"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "take their defaults only"),
+        ("/tokenize", {"prompt": "x", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs is not supported"),
         ("/detokenize", {"tokens": [5, 10**6]}, "token id 1000000 is outside"),
         ("/detokenize", {"tokens": [5, True]}, "tokens"),
     ]:
         response = HTTP.post(url + path, json=bad)
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
     assert HTTP.get(url + "/version").json() == {"version": camshaft.__version__}
+    long = HTTP.post(url + "/tokenize", json={"prompt": "hello " * 3000, "return_token_strs": True}).json()
+    assert long["count"] > long["max_model_len"] == 4096  # counted, not refused: what a client trims by
+    assert long["token_strs"] == llm.tokenizer.convert_ids_to_tokens(long["tokens"])
+    empty = HTTP.post(url + "/tokenize", json={"prompt": ""}).json()
+    assert empty["count"] == len(llm.tokenizer("")["input_ids"])
+    assert 'path="/tokenize",status="200"' in HTTP.get(url + "/metrics").text

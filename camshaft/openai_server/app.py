@@ -131,23 +131,26 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         check_model(body.model)
         body.check_supported()
-        if body.prompt is not None:
-            ids = await asyncio.to_thread(llm.encode, prompt=body.prompt)
-        else:
-            ids = await asyncio.to_thread(llm.encode, messages=[m.template_dict() for m in body.messages or []])
-        return {"count": len(ids), "max_model_len": max_seq_len, "tokens": ids}
+        prompt = {"prompt": body.prompt} if body.prompt is not None else \
+            {"messages": [m.template_dict() for m in body.messages or []]}
+        ids = await asyncio.to_thread(llm.encode, **prompt, for_generation=False)  # counted however long
+        metrics.http(route_path(request), 200)
+        return {"count": len(ids), "max_model_len": max_seq_len, "tokens": ids,
+                **({"token_strs": llm.tokenizer.convert_ids_to_tokens(ids)} if body.return_token_strs else {})}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
         check_model(body.model)
         vocab = llm.engine.manifest.model.vocab_size
         wrong = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if wrong is not None:
             raise APIError(400, f"token id {wrong} is outside this model's vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, body.tokens)}
+        text = await asyncio.to_thread(llm.tokenizer.decode, body.tokens)
+        metrics.http(route_path(request), 200)
+        return {"prompt": text}
 
     @app.get("/version")
     async def version() -> dict:

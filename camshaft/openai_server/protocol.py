@@ -162,10 +162,14 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send one of prompt (text) or messages (chat)")
+        if self.chat_template_kwargs:
+            raise RequestError("chat_template_kwargs is not supported (chat requests take none either); leave it out")
         default = self.prompt is not None  # vLLM's: special tokens for a prompt, none added to a chat template
         if self.add_special_tokens not in (None, default) or not self.add_generation_prompt:
             raise RequestError("add_special_tokens and add_generation_prompt take their defaults only: camshaft "

@@ -365,6 +365,25 @@ def test_openai_client_raises_bad_request(client):
         client.chat.completions.create(model="nope", messages=HI)
 
 
+def test_a_busy_refusal_is_an_answer_not_a_server_error(engine_dir):
+    from fastapi.testclient import TestClient
+
+    from camshaft.openai_server.app import create_app
+    from camshaft.runtime.llm import LLM
+    from camshaft.runtime.sampling_params import SamplingParams
+
+    with LLM(engine_dir, max_batch_size=1, max_queue=0) as llm:
+        gate, step = threading.Event(), llm.engine.step
+        llm.engine.step = lambda chunks: (gate.wait(), step(chunks))[1]
+        llm.submit([5, 6, 7], SamplingParams(max_tokens=2), lambda output: None)  # the batch of one is full
+        try:  # TestClient re-raises what reaches Starlette's server-error middleware (and the server logs it)
+            with TestClient(create_app(llm, MODEL)) as http:
+                busy = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        finally:
+            gate.set()
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+
+
 def test_a_full_queue_answers_503_and_the_server_recovers(engine_dir):
     with running_server(engine_dir, max_batch_size=1, max_queue=0) as (url, llm):
         gate, step = threading.Event(), llm.engine.step
@@ -446,7 +465,12 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
     for path, bad, message in [
         ("/tokenize", {"model": "other", "prompt": "x"}, "does not exist"),
         ("/tokenize", {"prompt": "x", "messages": messages}, "one of prompt (text) or messages"),
-        ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "take their defaults only"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "takes its default only"),
+        ("/tokenize", {"messages": messages, "tools": [{"type": "function"}]}, "tools (function calling)"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": messages, "chat_template_kwargs": {"a": 1}},
+         "chat_template_kwargs is not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": messages, "continue_final_message": True},
+         "take their defaults only"),
         ("/tokenize", {"prompt": "x", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs is not supported"),
         ("/detokenize", {"tokens": [5, 10**6]}, "token id 1000000 is outside"),
         ("/detokenize", {"tokens": [5, True]}, "tokens"),

@@ -77,6 +77,8 @@ def install(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(APIError)
     @app.exception_handler(RequestError)
+    @app.exception_handler(ServerBusyError)
+    @app.exception_handler(ServerClosedError)
     async def refused(request: Request, exc: Exception) -> JSONResponse:
         return respond(request, from_exception(exc))
 

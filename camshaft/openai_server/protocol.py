@@ -123,18 +123,35 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class _TemplateOptions(BaseModel):
+    """The chat template options of OpenAI and vLLM bodies: camshaft renders every chat one way (no tools, the
+    generation prompt added), so other values are refused rather than ignored."""
+
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check_template_options(self) -> None:
+        if self.tools:
+            raise RequestError("tools (function calling) are not supported; leave them out")
+        if self.chat_template_kwargs:
+            raise RequestError("chat_template_kwargs is not supported; leave it out")
+        if not self.add_generation_prompt or self.continue_final_message:
+            raise RequestError("add_generation_prompt and continue_final_message take their defaults only (true, "
+                               "false): camshaft renders every chat with the generation prompt; leave them out")
+
+
+class ChatCompletionRequest(_GenerationRequest, _TemplateOptions):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise RequestError("tools (function calling) are not supported; leave them out")
+        self.check_template_options()
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise RequestError("response_format other than {'type': 'text'} is not supported")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
@@ -151,7 +168,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_TemplateOptions):
     """vLLM's /tokenize body: a prompt or chat messages, tokenized exactly as a completion or chat request would be
     (its options at their defaults only: other values would tokenize unlike generation)."""
 
@@ -161,19 +178,16 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send one of prompt (text) or messages (chat)")
-        if self.chat_template_kwargs:
-            raise RequestError("chat_template_kwargs is not supported (chat requests take none either); leave it out")
+        self.check_template_options()
         default = self.prompt is not None  # vLLM's: special tokens for a prompt, none added to a chat template
-        if self.add_special_tokens not in (None, default) or not self.add_generation_prompt:
-            raise RequestError("add_special_tokens and add_generation_prompt take their defaults only: camshaft "
-                               "tokenizes as its completions and chat completions do; leave them out")
+        if self.add_special_tokens not in (None, default):
+            raise RequestError("add_special_tokens takes its default only: camshaft tokenizes as its completions "
+                               "and chat completions do; leave it out")
 
 
 class DetokenizeRequest(BaseModel):

@@ -3,6 +3,7 @@ checked as the runtime reads it: a missing, swapped or half-written file is the 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,9 @@ def runs_here(manifest: Manifest) -> str | None:
 
             check_compatible(manifest)
         else:
-            from camshaft.runtime.backends.tensorrt import TensorRTBackend, probe_gpu
+            from camshaft.runtime.backends.tensorrt import check_compatible as check_tensorrt
 
-            arch = str(manifest.target_options.get("gpu_arch", ""))
-            _, local = probe_gpu(manifest.target, arch)
-            if arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) != local:
-                return f"built for {arch}, but GPU 0 is sm{local}"
-            built = str(manifest.target_options.get("version", manifest.tools.get(manifest.target, "")))
-            installed = TensorRTBackend._import(manifest.target).__version__
-            if built != installed:
-                return f"built with {manifest.target} {built}, but {installed} is installed"
+            check_tensorrt(manifest)
     except EngineError as exc:
         return str(exc)
     return None
@@ -45,10 +39,10 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
     engine_dir = Path(engine_dir)
     try:
         m = read_manifest(engine_dir)
-        reason = runs_here(m)
+        reason, files_ok = runs_here(m), True
     except EngineError as exc:
         m = read_manifest(engine_dir, check_files=False)
-        reason = str(exc)
+        reason, files_ok = str(exc), False
     c, limits, kv = m.model, m.limits, m.kv_cache
     per_block = bytes_per_block(m)
     quant = m.quantization or {}
@@ -82,21 +76,23 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                      "bytes_per_sequence": per_block * limits.max_blocks_per_seq,
                      "default_pool_bytes": pool_blocks(m, limits.max_batch_size) * per_block * cache_copies(m)},
         "files": len(m.files),
-        "bytes_on_disk": sum(m.files.values()),
+        "bytes_listed": sum(m.files.values()),
+        "files_as_built": files_ok,
         "eos_token_ids": list(c.eos_token_ids),
         "chat_template": (engine_dir / TOKENIZER_DIR / "chat_template.jinja").is_file()
-        or "chat_template" in _tokenizer_config(engine_dir),
+        or _tokenizer_config(engine_dir).get("chat_template") is not None,
         "tools": dict(m.tools),
         "runs_here": reason is None,
         "runs_here_reason": reason,
     }
 
 
-def _tokenizer_config(engine_dir: Path) -> str:
+def _tokenizer_config(engine_dir: Path) -> dict[str, Any]:
     try:
-        return (engine_dir / TOKENIZER_DIR / "tokenizer_config.json").read_text()
-    except OSError:
-        return ""
+        config = json.loads((engine_dir / TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _size(n: int) -> str:
@@ -123,7 +119,8 @@ def info_lines(info: dict[str, Any]) -> list[str]:
         f"{lim['max_num_tokens']}, KV blocks of {lim['kv_block_size']} tokens",
         f"KV cache    {kv['dtype']}, {kv['bytes_per_token']} bytes a token ({_size(kv['bytes_per_sequence'])} a full "
         f"sequence); default pool {_size(kv['default_pool_bytes'])} (max_batch_size full sequences)",
-        f"files       {info['files']}, {_size(info['bytes_on_disk'])}, as the build wrote them",
+        f"files       {info['files']}, {_size(info['bytes_listed'])}"
+        + (", as the build wrote them" if info["files_as_built"] else ", NOT as the build wrote them (below)"),
         f"tokenizer   end ids {info['eos_token_ids']}, chat template {'yes' if info['chat_template'] else 'no'}",
         "tools       " + ", ".join(f"{k} {v}" for k, v in info["tools"].items()),
         f"runs here   {'yes' if info['runs_here'] else 'no: ' + info['runs_here_reason']}",

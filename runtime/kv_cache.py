@@ -111,9 +111,8 @@ def check_fits_host(manifest: Manifest, num_blocks: int) -> None:
     size, limit = num_blocks * bytes_per_block(manifest), host_memory()
     if manifest.target == "onnxruntime" and size > limit:
         raise CapacityError(f"the KV cache pool ({num_blocks} blocks, {size / 2**30:.1f} GiB) is larger than this "
-                            f"machine's {limit / 2**30:.1f} GiB of memory; give a smaller kv_cache_memory / "
-                            "--kv-cache-memory (e.g. 0.5 of free memory) or build with a smaller --max-seq-len or "
-                            "--max-batch-size")
+                            f"machine's {limit / 2**30:.1f} GiB of memory; give a smaller kv_cache_memory (e.g. 0.5 "
+                            "of free memory) or build with a smaller --max-seq-len or --max-batch-size")
 
 
 def cache_copies(manifest: Manifest) -> int:

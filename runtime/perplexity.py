@@ -65,9 +65,10 @@ def check_reference_model(model_dir: str | Path) -> None:
     require_tokenizer(path, RequestError, f"--model {path}")
 
 
-def reference_window(model_dir: str | Path, window: int | None) -> int:
+def reference_window(model_dir: str | Path, window: int | None, given: str = "--window") -> int:
     """The transformers reference's window: `window` (None: REFERENCE_WINDOW), refused past the positions the model
-    was trained for (a meaningless perplexity otherwise), where its config.json says how many."""
+    was trained for (a meaningless perplexity otherwise), where its config.json says how many. `given`: where the
+    window came from, for the message."""
     try:
         positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, ValueError, AttributeError):
@@ -77,7 +78,7 @@ def reference_window(model_dir: str | Path, window: int | None) -> int:
     if window is None:
         return min(REFERENCE_WINDOW, positions)
     if window > positions:
-        raise RequestError(f"--window {window} exceeds the model's max_position_embeddings ({positions}); pass "
+        raise RequestError(f"{given} {window} exceeds --model's max_position_embeddings ({positions}); pass "
                            f"--window {positions} or less")
     return window
 

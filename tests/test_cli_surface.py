@@ -138,8 +138,9 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
         info["kv_cache"]["bytes_per_token"]  # 4 full sequences and the null block
     assert info["runs_here"] is True and info["runs_here_reason"] is None
     assert info["graphs"]["sequence"] == "sequence.onnx"
-    assert info["bytes_on_disk"] == sum(f.stat().st_size for f in engine.rglob("*") if f.is_file()
-                                        and f.name not in ("manifest.json", "chat_template.jinja"))
+    assert info["files_as_built"] and info["bytes_listed"] == sum(
+        f.stat().st_size for f in engine.rglob("*") if f.is_file() and f.name not in ("manifest.json",
+                                                                                      "chat_template.jinja"))
     text = invoke("inspect", "--engine", engine)
     assert "runs here   yes" in text.output and f"{c.num_layers} layers" in text.output
     broken = tmp_path / "broken"
@@ -148,4 +149,5 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     described = invoke("inspect", "--engine", broken)  # still described, from its manifest, and exit status 1
     assert described.exit_code == 1 and f"{c.num_layers} layers" in described.output
     assert "runs here   no: " in described.output and "rebuild" in described.output
+    assert "NOT as the build wrote them" in described.output
     refused(invoke("inspect", "--engine", tmp_path), "has no manifest.json")  # none at all: the usual error

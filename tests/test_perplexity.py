@@ -92,7 +92,7 @@ def test_bad_reference_input_is_one_clear_error_before_loading(tiny, tmp_path, c
         "no-config": (["--model", tmp_path], "has no config.json"),
         "window 0": (["--model", model, "--window", "0"], "--window must be at least 2 tokens"),
         "window 1": (["--engine", engine, "--model", model, "--window", "1"], "--window must be at least 2 tokens"),
-        "window long": (["--model", model, "--window", "513"], "--window 513 exceeds the model's "
+        "window long": (["--model", model, "--window", "513"], "--window 513 exceeds --model's "
                         "max_position_embeddings (512); pass --window 512 or less"),
     }[case]
     if case == "quantized":

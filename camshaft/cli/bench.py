@@ -11,11 +11,13 @@ import typer
 from camshaft.cli import bench_app, flag_names
 from camshaft.cli.serve import LLM_FLAGS, BatchOption, MemoryOption, PolicyOption, TokensOption
 from camshaft.errors import CamshaftError
+from camshaft.runtime.bench_data import PRESETS, parse_dataset_spec
 
+_PRESETS = "; ".join(f"{name}: prompts {spec.prompt_len} tokens, outputs {spec.output_len}"
+                     for name, spec in ((n, parse_dataset_spec(n)) for n in PRESETS))
 DatasetOption = Annotated[str, typer.Option(
-    metavar="SPEC", help="Requests: a preset (balanced: prompts NORMAL(200,50) tokens, outputs NORMAL(128,32); "
-    "prefill-heavy: NORMAL(460,20), 16; decode-heavy: NORMAL(460,20), 256), synthetic:in=DIST,out=DIST with DIST "
-    "NORMAL(mean,sd), UNIFORM(lo,hi), CONST(n) or n, or jsonl:PATH")]
+    metavar="SPEC", help=f"Requests: a preset ({_PRESETS}), synthetic:in=DIST,out=DIST with DIST NORMAL(mean,sd), "
+    "UNIFORM(lo,hi), CONST(n) or n, or jsonl:PATH")]
 
 
 @bench_app.command("latency")
@@ -95,8 +97,9 @@ def bench_throughput(
         typer.echo(line)
     if output_json:
         output_json.parent.mkdir(parents=True, exist_ok=True)
-        output_json.write_text(json.dumps({"engine": str(engine), "dataset": dataset, "num_requests": num_requests,
-                                           "seed": seed, "options": options,
+        output_json.write_text(json.dumps({"engine": str(engine), "dataset": dataset,
+                                           "dataset_spec": str(parse_dataset_spec(dataset)),
+                                           "num_requests": num_requests, "seed": seed, "options": options,
                                            "results": [r.to_dict(True) for r in results]}, indent=2) + "\n")
     if plot:
         plot_sweep(results, plot)
@@ -161,7 +164,8 @@ def bench_serve(
                         goodput=Goodput.parse(goodput), seed=seed, warmup=warmup, log=typer.echo)
     if output_json:
         output_json.parent.mkdir(parents=True, exist_ok=True)
-        output_json.write_text(json.dumps({"dataset": dataset, "num_requests": num_requests, "seed": seed,
+        output_json.write_text(json.dumps({"dataset": dataset, "dataset_spec": str(parse_dataset_spec(dataset)),
+                                           "num_requests": num_requests, "seed": seed,
                                            "concurrency": concurrencies,
                                            "results": [r.to_dict() for r in results]}, indent=2) + "\n")
     if plot:

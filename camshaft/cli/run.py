@@ -96,10 +96,11 @@ def eval_ppl(
         raise RequestError("--window sets the transformers reference's window (--model); an engine scores in "
                            "windows of its max_seq_len: drop --window or add --model")
     engine_window = None if engine is None else read_manifest(engine).limits.max_seq_len
+    given = "--window" if window is not None else "the engine's max_seq_len"
     window = engine_window if window is None else window
     if model is not None:
         check_reference_model(model)
-        window = reference_window(model, window)
+        window = reference_window(model, window, given)
         check_window(window)
     if engine_window is not None and model is not None and window != engine_window:
         typer.echo(f"note: transformers scores windows of {window} tokens, the engine of {engine_window}: the two "

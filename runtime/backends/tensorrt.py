@@ -88,6 +88,29 @@ def _numpy_dtype(trt, dtype) -> np.dtype:
     return np.dtype(trt.nptype(dtype))
 
 
+def check_compatible(manifest: Manifest) -> tuple[Any, int, Any]:
+    """(cuda runtime, GPU 0's compute capability, the TensorRT module) when this machine can run the engine: a GPU
+    of the architecture it was built for and the TensorRT release that built it; else an EngineError saying what to
+    do."""
+    product, options = manifest.target, manifest.target_options
+    arch = str(options.get("gpu_arch", "(unknown architecture)"))
+    cudart, local = probe_gpu(product, arch)  # the GPU, through cuda-python only
+    if arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) != local:
+        raise EngineError(
+            f"this engine was built for {arch} but GPU 0 is sm{local}; rebuild it with --gpu-arch sm{local} "
+            f"({product} does not target every architecture: `camshaft build` refuses those it does not, and "
+            "--target tensorrt builds for datacenter GPUs)"
+        )
+    trt = TensorRTBackend._import(product)
+    built = str(options.get("version", manifest.tools.get(product, "")))
+    if built != trt.__version__:  # a plan runs only on the release that built it
+        raise EngineError(
+            f"this engine was built with {product} {built}, but {trt.__version__} is installed; rebuild the engine "
+            f"or install {product}=={built}"
+        )
+    return cudart, local, trt
+
+
 class TensorRTBackend:
     """Never run on a GPU (see the module docstring)."""
 
@@ -95,26 +118,9 @@ class TensorRTBackend:
                  spin_wait: bool = True, huge_pages: bool = True) -> None:
         del threads, spin_wait, huge_pages  # CPU options of the onnxruntime backend; nothing to set here
         self.huge_page_bytes = 0
-        product = manifest.target
-        options = manifest.target_options
-        arch = str(options.get("gpu_arch", "(unknown architecture)"))
-        # 1. The GPU, through cuda-python only.
-        cudart, local = probe_gpu(product, arch)
+        product, options = manifest.target, manifest.target_options
+        cudart, local, trt = check_compatible(manifest)
         self.cudart = cudart
-        if arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) != local:
-            raise EngineError(
-                f"this engine was built for {arch} but GPU 0 is sm{local}; rebuild it with --gpu-arch sm{local} "
-                f"({product} does not target every architecture: `camshaft build` refuses those it does not, and "
-                "--target tensorrt builds for datacenter GPUs)"
-            )
-        # 2. The product, at the version the plan was built with.
-        trt = self._import(product)
-        built = str(options.get("version", manifest.tools.get(product, "")))
-        if built != trt.__version__:  # a plan runs only on the release that built it
-            raise EngineError(
-                f"this engine was built with {product} {built}, but {trt.__version__} is installed; rebuild the engine "
-                f"or install {product}=={built}"
-            )
         profile_blocks = options.get("profile", {}).get("num_blocks")
         if profile_blocks is not None and num_blocks > int(profile_blocks[2]):
             raise EngineError(

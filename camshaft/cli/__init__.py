@@ -84,4 +84,4 @@ def main() -> None:
 
 
 # The command modules register themselves on the apps above.
-from camshaft.cli import bench, build, run, serve  # noqa: E402, F401
+from camshaft.cli import bench, build, inspect, run, serve  # noqa: E402, F401

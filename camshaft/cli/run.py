@@ -113,22 +113,3 @@ def eval_ppl(
         results.append(("transformers", reference_perplexity(model, text, window)))
     for name, r in results:
         typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({r.tokens_scored} tokens, {r.windows} windows)")
-
-
-
-
-@app.command("inspect")
-def inspect_engine(
-    engine: Annotated[Path, typer.Option(help="Engine directory")],
-    json_output: Annotated[bool, typer.Option("--json", help="Print it as JSON")] = False,
-) -> None:
-    """What an engine holds (model, precision, target, limits, KV cache size, files, tools) and whether it runs
-    here; its files are checked as loading checks them. Exit status 1 when it does not run here."""
-    import json
-
-    from camshaft.runtime.engine_info import engine_info, info_lines
-
-    info = engine_info(engine)
-    typer.echo(json.dumps(info, indent=2) if json_output else "\n".join(info_lines(info)))
-    if not info["runs_here"]:
-        raise typer.Exit(1)

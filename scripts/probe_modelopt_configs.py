@@ -38,6 +38,19 @@ def configs() -> dict[str, dict]:
         return {"quant_cfg": [{"quantizer_name": "*", "enable": False}, {"quantizer_name": KV, "cfg": cfg}],
                 "algorithm": "max"}
 
+    def only(cfg: dict, disabled: str) -> dict:
+        """`cfg` with the quantizers matching `disabled` left float."""
+        out = copy.deepcopy(cfg)
+        out["quant_cfg"] = [*out["quant_cfg"], {"quantizer_name": disabled, "enable": False}]
+        return out
+
+    def per_channel_weights(cfg: dict) -> dict:
+        """`cfg` with a scale per output channel for every weight (FP8_PER_CHANNEL_PER_TOKEN_CFG's weights)."""
+        out = copy.deepcopy(cfg)
+        out["quant_cfg"] = [{**e, "cfg": {**e["cfg"], "axis": 0}} if e.get("quantizer_name") == "*weight_quantizer"
+                            else e for e in out["quant_cfg"]]
+        return out
+
     int8_pt = copy.deepcopy(mtq.INT8_DEFAULT_CFG)  # per-channel weights; inputs per token, dynamic (no SmoothQuant)
     for entry in int8_pt["quant_cfg"]:
         if entry.get("quantizer_name") == "*input_quantizer":
@@ -49,6 +62,10 @@ def configs() -> dict[str, dict]:
         "kv_int8_affine": kv_only({"num_bits": 8, "axis": None, **AFFINE}),
         "fp8": copy.deepcopy(mtq.FP8_DEFAULT_CFG),
         "fp8_pc_pt": copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG),
+        "fp8_weights_only": only(mtq.FP8_DEFAULT_CFG, "*input_quantizer"),  # where fp8's loss comes from
+        "fp8_inputs_only": only(mtq.FP8_DEFAULT_CFG, "*weight_quantizer"),
+        "fp8_pc_static": per_channel_weights(mtq.FP8_DEFAULT_CFG),  # static per-tensor inputs (Q/DQ-expressible)
+        "fp8_pc_weights_only": only(per_channel_weights(mtq.FP8_DEFAULT_CFG), "*input_quantizer"),
         "fp8_mse": {**copy.deepcopy(mtq.FP8_DEFAULT_CFG), "algorithm": {"method": "mse"}},  # scales by MSE search
         "fp8_pc_pt_mse": {**copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG), "algorithm": {"method": "mse"}},
         "int8_pt": int8_pt,

@@ -95,44 +95,64 @@ def split_column(calib_data: str | Path) -> tuple[Path, str | None]:
     return path, None
 
 
-def read_text_corpus(path: Path, column: str | None = None) -> list[str]:
-    """Texts of a text/JSONL file or of a directory of those, sorted by name (README files, dataset cards, skipped);
-    `column`: the JSONL field (default text)."""
+def read_text_corpus(path: Path, column: str | None = None, max_chars: int | None = None) -> list[str]:
+    """Texts of a text/JSONL file or of a directory of those, sorted by name (README files, dataset cards, hidden
+    files skipped); `column`: the JSONL field (default text). Reading stops after `max_chars` characters (the
+    calibration uses the corpus from its start), so a huge file costs no more than what is used."""
     files = [path] if not path.is_dir() else text_files(path)
     if not files:
         raise QuantizeError(f"calibration directory {path} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} or "
-                            f"{'/'.join(DATA_SUFFIXES)} files and is no saved dataset (README files are skipped)")
-    if column is not None and any(f.suffix not in JSONL_SUFFIXES for f in files):
+                            f"{'/'.join(DATA_SUFFIXES)} files and is no saved dataset (README and hidden files are "
+                            "skipped)")
+    if column is not None and any(f.suffix.lower() not in JSONL_SUFFIXES for f in files):
         raise QuantizeError(f"{path} holds plain text, which has no column {column}; drop :{column}")
-    texts = [t for file in files for t in _read_file(file, column or "text") if t.strip()]
+    texts: list[str] = []
+    left = max_chars
+    for file in files:
+        for text in _read_file(file, column or "text", left):
+            if text.strip():
+                texts.append(text)
+                left = None if left is None else left - len(text)
+        if left is not None and left <= 0:
+            break
     if not texts:
         raise QuantizeError(f"calibration data {path} is empty (no text found)")
     return texts
 
 
-def _read_file(file: Path, field: str) -> list[str]:
+def _read_file(file: Path, field: str, max_chars: int | None) -> Iterator[str]:
+    """A text file whole (at most max_chars), or a JSONL file's texts until max_chars; UTF-8, a BOM allowed."""
+    with open(file, "rb") as head:
+        if head.read(2) == b"\x1f\x8b":
+            raise QuantizeError(f"calibration file {file} is gzip-compressed; decompress it first (gunzip)")
     try:
-        raw = file.read_text(encoding="utf-8")
+        with open(file, encoding="utf-8-sig") as f:  # lines end at \n, \r\n or \r only (not U+2028 in a string)
+            if file.suffix.lower() not in JSONL_SUFFIXES:
+                yield f.read(-1 if max_chars is None else max_chars)
+                return
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    text = _jsonl_text(line, file, number, field)
+                    yield text
+                    max_chars = None if max_chars is None else max_chars - len(text)
+                    if max_chars is not None and max_chars <= 0:
+                        return
     except (OSError, UnicodeDecodeError) as exc:
         raise QuantizeError(f"calibration file {file} could not be read as UTF-8 text: {exc}") from exc
-    if file.suffix not in JSONL_SUFFIXES:
-        return [raw]
-    texts = []
-    for number, line in enumerate(raw.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise QuantizeError(f"{file}:{number} is not valid JSON ({exc}); expected one JSON object a line") from exc
-        if isinstance(item, str):
-            texts.append(item)
-        elif isinstance(item, dict) and isinstance(item.get(field), str):
-            texts.append(item[field])
-        else:
-            raise QuantizeError(f'{file}:{number}: expected a string or an object with a "{field}" string field '
-                                f"(another field: --calib-data {file}:FIELD)")
-    return texts
+
+
+def _jsonl_text(line: str, file: Path, number: int, field: str) -> str:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise QuantizeError(f"{file}:{number} is not valid JSON ({exc}); expected one JSON object a line") from exc
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict) and isinstance(item.get(field), str):
+        return item[field]
+    holds = f"an object with the keys {sorted(item)[:10]}" if isinstance(item, dict) else type(item).__name__
+    raise QuantizeError(f'{file}:{number}: expected a string or an object with a "{field}" string field, found '
+                        f"{holds} (another field: --calib-data {file}:FIELD)")
 
 
 @dataclass(frozen=True)
@@ -151,24 +171,34 @@ class CalibrationSet:
         return int(self.input_ids.shape[1])
 
 
-def check_sizes(num_samples: int, seq_len: int) -> None:
+MAX_CHARS_PER_TOKEN = 64  # a text corpus is read up to this many characters a calibration token: far more than used
+
+
+def check_sizes(num_samples: int, seq_len: int, max_positions: int | None = None) -> None:
     if num_samples < 1:
         raise QuantizeError(f"--calib-size must be at least 1, got {num_samples}")
     if seq_len < 8:
         raise QuantizeError(f"--calib-seq-len must be at least 8, got {seq_len}")
+    if max_positions is not None and seq_len > max_positions:
+        raise QuantizeError(f"--calib-seq-len {seq_len} exceeds the model's max_position_embeddings "
+                            f"({max_positions}): it would calibrate at positions the model never saw; pass "
+                            f"--calib-seq-len {max_positions} or less")
 
 
-def load_texts(calib_data: str | Path | None) -> tuple[Iterable[str], str]:
+def load_texts(calib_data: str | Path | None, max_chars: int | None = None) -> tuple[Iterable[str], str]:
     """(non-empty texts, where they are from) of --calib-data (None: the default corpus); a dataset's are read
-    lazily, in order. PATH:COLUMN names the JSONL field or dataset column."""
+    lazily, in order, a text corpus's up to `max_chars` characters. PATH:COLUMN names the JSONL field or dataset
+    column."""
     if calib_data is None:
         return default_corpus(), "python standard library docstrings"
     path, column = split_column(calib_data)
     if not path.exists():
-        raise QuantizeError(f"calibration data {path} does not exist")
+        head, sep, tail = str(calib_data).rpartition(":")
+        split = f" (nor {head} with the column {tail})" if sep and head and tail and "/" not in tail else ""
+        raise QuantizeError(f"calibration data {path} does not exist{split}")
     opened = open_dataset(path)
     if opened is None:
-        return read_text_corpus(path, column), str(path) + (f", field {column}" if column else "")
+        return read_text_corpus(path, column, max_chars), str(path) + (f", field {column}" if column else "")
     data, source = opened
     column = text_column(data, path, column)
     texts = column_texts(data, path, column)

@@ -12,15 +12,16 @@ from camshaft.quantize.spec import QuantizeError
 
 DATA_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}  # → datasets' packaged loader
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
-JSONL_SUFFIXES = (".jsonl", ".json")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # compared in lower case, as every suffix here
 DATASET_METADATA = {"dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json"}  # not text
 
 
 def text_files(path: Path) -> list[Path]:
-    """The calibration text files under a directory, by name: text and JSONL, not README files (dataset cards) or a
-    dataset's own metadata."""
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES
-                  and p.stem.lower() != "readme" and p.name not in DATASET_METADATA)
+    """The calibration text files under a directory, by name: text and JSONL, not README files (dataset cards), a
+    dataset's own metadata or hidden files and directories (.ipynb_checkpoints, editor copies)."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES
+                  and p.stem.lower() != "readme" and p.name not in DATASET_METADATA
+                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
 SAVED_DATASET_FILES = (("dataset_dict.json",), ("state.json", "dataset_info.json"))  # save_to_disk's
 
 
@@ -30,10 +31,11 @@ def open_dataset(path: Path) -> tuple[Any, str] | None:
     if path.is_dir() and any(all((path / name).is_file() for name in names) for names in SAVED_DATASET_FILES):
         return _load_from_disk(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
     else:
-        files = [path] if path.suffix in DATA_SUFFIXES else []
-    kinds = sorted({DATA_SUFFIXES[f.suffix] for f in files})
+        files = [path] if path.suffix.lower() in DATA_SUFFIXES else []
+    kinds = sorted({DATA_SUFFIXES[f.suffix.lower()] for f in files})
     texts = text_files(path) if path.is_dir() and files else []
     if texts:
         raise QuantizeError(f"{path} holds {kinds[0]} files and text files ({texts[0].name}, ...); one of them would "

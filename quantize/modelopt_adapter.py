@@ -29,6 +29,7 @@ from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.quantize.calibration import (
     DEFAULT_CALIB_SEQ_LEN,
     DEFAULT_CALIB_SIZE,
+    MAX_CHARS_PER_TOKEN,
     CalibrationSet,
     check_sizes,
     load_texts,
@@ -105,11 +106,11 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     model_config = ModelConfig.from_hf_dir(model_dir)
     group_size = resolve_group_size(spec, model_config)
     check_lm_head_fits(spec, model_config)
-    check_sizes(calib_size, calib_seq_len)
+    check_sizes(calib_size, calib_seq_len, model_config.max_position_embeddings)
     check_excludes_match(spec, module_names(model_dir))
     check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError, owned=_written)
     require_tokenizer(model_dir)
-    texts, source = load_texts(calib_data)
+    texts, source = load_texts(calib_data, max_chars=calib_size * calib_seq_len * MAX_CHARS_PER_TOKEN)
     mtq, export_hf_checkpoint = import_modelopt()
     cfg = modelopt_config(spec, group_size)
 

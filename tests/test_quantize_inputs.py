@@ -111,12 +111,41 @@ def test_user_corpus_formats(tmp_path):
     texts, source = load_texts(tmp_path)
     assert list(texts) == ["plain text", "one", "two"] and source == str(tmp_path)
     (tmp_path / "c.jsonl").write_text('{"body": "three"}\n')
-    with pytest.raises(QuantizeError, match=r'c.jsonl:1: expected .* "text" string field .*c.jsonl:FIELD'):
+    with pytest.raises(QuantizeError, match=r'c.jsonl:1: expected .* "text" string field, found .*c.jsonl:FIELD'):
         load_texts(tmp_path)
     texts, source = load_texts(f"{tmp_path / 'c.jsonl'}:body")
     assert list(texts) == ["three"] and source == f"{tmp_path / 'c.jsonl'}, field body"
     with pytest.raises(QuantizeError, match="holds plain text, which has no column body"):
         load_texts(f"{tmp_path}:body")
+
+
+def test_text_files_as_exported_read_and_a_huge_one_only_as_far_as_used(tmp_path):
+    import gzip
+
+    rows = ['{"text": "one"}', '{"text": "two \u2028 lines"}']  # ensure_ascii=False dumps hold raw U+2028
+    (tmp_path / "a.JSONL").write_bytes(b"\xef\xbb\xbf" + "\r\n".join(rows).encode())  # a BOM, CRLF, upper case
+    (tmp_path / "b.ndjson").write_text('{"text": "three"}\n')
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / ".ipynb_checkpoints" / "a-checkpoint.jsonl").write_text('{"text": "stale"}\n')
+    (tmp_path / ".notes.txt").write_text("hidden")
+    assert list(load_texts(tmp_path)[0]) == ["one", "two \u2028 lines", "three"]
+    huge = tmp_path / "huge" / "corpus.txt"
+    huge.parent.mkdir()
+    huge.write_text("word " * 2_000_000)  # 10 MB
+    assert [len(t) for t in load_texts(huge.parent, max_chars=5000)[0]] == [5000]
+    (tmp_path / "z.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n'))
+    with pytest.raises(QuantizeError, match="gzip-compressed; decompress it first"):
+        load_texts(tmp_path / "z.jsonl.gz")
+    (tmp_path / "keys.jsonl").write_text('{"messages": [], "id": 1}\n')
+    with pytest.raises(QuantizeError, match=r"found an object with the keys \['id', 'messages'\]"):
+        load_texts(tmp_path / "keys.jsonl")
+    with pytest.raises(QuantizeError, match=r"does not exist \(nor .*nope.jsonl with the column text\)"):
+        load_texts(f"{tmp_path / 'nope.jsonl'}:text")
+
+
+def test_a_calibration_window_beyond_the_models_positions_is_refused_first(tiny, tmp_path):
+    with pytest.raises(QuantizeError, match="--calib-seq-len 1024 exceeds the model's max_position_embeddings .512."):
+        quantize_checkpoint(tiny, tmp_path / "o", QuantSpec("int8_wo"), calib_size=1, calib_seq_len=1024)
 
 
 @pytest.fixture
@@ -181,7 +210,7 @@ def test_dataset_snapshot_directory_reads_its_data_files_not_its_card(datasets, 
     assert list(load_texts(f"{tmp_path / 'gaps.csv'}:text")[0]) == ["hello there", "more text"]
     (tmp_path / "card-only").mkdir()
     (tmp_path / "card-only" / "README.md").write_text("# just a card")
-    with pytest.raises(QuantizeError, match="holds no .* files and is no saved dataset .README files are skipped"):
+    with pytest.raises(QuantizeError, match="holds no .* files and is no saved dataset .README and hidden files are skipped"):
         load_texts(tmp_path / "card-only")
 
 

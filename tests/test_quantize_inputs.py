@@ -210,7 +210,8 @@ def test_dataset_snapshot_directory_reads_its_data_files_not_its_card(datasets, 
     assert list(load_texts(f"{tmp_path / 'gaps.csv'}:text")[0]) == ["hello there", "more text"]
     (tmp_path / "card-only").mkdir()
     (tmp_path / "card-only" / "README.md").write_text("# just a card")
-    with pytest.raises(QuantizeError, match="holds no .* files and is no saved dataset .README and hidden files are skipped"):
+    with pytest.raises(QuantizeError, match="holds no .* files and is no saved dataset .README and hidden files "
+                                            "are skipped"):
         load_texts(tmp_path / "card-only")
 
 

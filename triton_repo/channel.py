@@ -41,17 +41,19 @@ def channel_path(token_model: str, server_pid: int | None = None) -> Path:
 class ChannelServer:
     """Token-model side. submit(send, call_id, values) returns the executor's request ids (it raises to refuse);
     abort(request_id) stops one; refused() counts a request the text model refused itself (("refused", call id)).
-    A connection that closes aborts its unfinished requests."""
+    A connection that closes aborts its unfinished requests; ("drain", "") (the launcher, at shutdown) calls
+    drain()."""
 
     def __init__(self, path: Path, submit: Callable[[Send, str, dict], list[str]],
-                 abort: Callable[[str], None], refused: Callable[[], None] = lambda: None) -> None:
+                 abort: Callable[[str], None], refused: Callable[[], None] = lambda: None,
+                 drain: Callable[[], None] = lambda: None) -> None:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         info = path.parent.stat()
         if info.st_uid != os.getuid() or info.st_mode & 0o077:
             raise ServerClosedError(f"{path.parent} must belong to this user with mode 0700 (it holds the socket "
                                     "to the executor); remove it and restart the server")
         path.unlink(missing_ok=True)
-        self.path, self.submit, self.abort, self.refused = path, submit, abort, refused
+        self.path, self.submit, self.abort, self.refused, self.drain = path, submit, abort, refused, drain
         self.listener = Listener(str(path), family="AF_UNIX")
         self.connections: list[Connection] = []
         threading.Thread(target=self._accept, name="camshaft-channel", daemon=True).start()
@@ -94,6 +96,8 @@ class ChannelServer:
                             owned[call_id] = ids
                 elif kind == "refused":
                     self.refused()
+                elif kind == "drain":  # the launcher, at shutdown: end every request in flight now
+                    self.drain()
                 elif kind == "abort":
                     with lock:
                         ids = owned.get(call_id, [])

@@ -26,6 +26,7 @@ from camshaft.errors import CamshaftError
 from camshaft.triton_repo.channel import channel_path, remove_socket
 from camshaft.triton_repo.deploy import TOKEN_MODEL
 from camshaft.triton_repo.launch import Endpoints, free_port, make_backends_dir, server_env, tritonserver_root
+from camshaft.triton_repo.shutdown import wait_until_stopped
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
 
@@ -216,14 +217,17 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
         server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
                               metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600, log_file=log_file)
         log(f"starting tritonserver on {repo} (log: {server.log_file})")
-        stopping = []
+        stopping: list[float] = []  # when each stop signal came
 
         def forward(signum, _frame) -> None:
-            stopping.append(signum)
-            log(f"got {signal.Signals(signum).name}: draining (up to {server.exit_timeout_s} s) and stopping")
-            server.signal(signal.SIGTERM)
+            stopping.append(time.monotonic())
+            if len(stopping) == 1:
+                log(f"got {signal.Signals(signum).name}: draining (up to {server.exit_timeout_s} s) and stopping; "
+                    "a second one kills it")
+                server.signal(signal.SIGTERM)
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        code = 0
         try:
             try:
                 server.start()
@@ -236,12 +240,15 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             models = sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
             name = _text_model_name(Path(repo))
             log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/{name}/generate")
-            code = server.wait()
+            code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log)
             if code and not stopping:
                 raise CamshaftError(f"tritonserver exited with code {code}; its log ends:\n{server.log_tail()}")
         finally:
             server.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        if code:  # killed, or it failed while stopping: its log is what says why
+            log(f"stopped (tritonserver exit code {code}; its log is kept: {log_file})")
+            return
         log_file.unlink(missing_ok=True)
         log("stopped")

@@ -72,7 +72,8 @@ class TokenModel:
         self.responder = threading.Thread(target=self._respond, name="camshaft-responder", daemon=True)
         self.responder.start()
         self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort,
-                                     lambda: self.metrics.count("camshaft_requests_refused_total"))
+                                     lambda: self.metrics.count("camshaft_requests_refused_total"),
+                                     drain=self.llm.close)  # each request in flight gets a final error response
 
     def execute(self, requests: list) -> None:
         for request in requests:

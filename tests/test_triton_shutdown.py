@@ -1,0 +1,58 @@
+"""How `camshaft serve` ends a tritonserver that will not stop by itself: requests still running near the exit
+timeout are ended through the token model's channel, and a server that overstays (or a second signal) is killed —
+on real processes, no Triton needed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from camshaft.triton_repo import shutdown
+from camshaft.triton_repo.channel import ChannelServer
+
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+
+
+def stubborn_process() -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "up\n"  # its SIGTERM handler is in place
+    return process
+
+
+def test_a_server_that_ignores_sigterm_is_killed_after_the_exit_timeout(monkeypatch):
+    monkeypatch.setattr(shutdown, "KILL_AFTER_S", 0.5)
+    drained, logged = [], []
+    monkeypatch.setattr(shutdown, "drain", lambda pid: drained.append(pid) or False)
+    process = stubborn_process()
+    signals = [time.monotonic()]
+    process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    code = shutdown.wait_until_stopped(process, signals, exit_timeout_s=1.0, log=logged.append)
+    assert code == -signal.SIGKILL and 1.0 <= time.monotonic() - started < 10
+    assert drained == [process.pid] and "did not exit" in logged[-1]
+
+
+def test_a_second_signal_kills_at_once():
+    process = stubborn_process()
+    logged: list[str] = []
+    signals = [time.monotonic()]
+    threading.Timer(0.3, lambda: signals.append(time.monotonic())).start()
+    started = time.monotonic()
+    assert shutdown.wait_until_stopped(process, signals, exit_timeout_s=30.0, log=logged.append) == -signal.SIGKILL
+    assert time.monotonic() - started < 5 and "second signal" in logged[-1]
+
+
+def test_the_drain_message_reaches_the_token_model(tmp_path, monkeypatch):
+    drained = threading.Event()
+    path = tmp_path / "sockets" / "tensorrt_llm.sock"
+    server = ChannelServer(path, lambda send, call_id, values: [], lambda request_id: None, drain=drained.set)
+    monkeypatch.setattr(shutdown, "channel_path", lambda model, pid: path)
+    try:
+        assert shutdown.drain(12345)
+        assert drained.wait(10)
+    finally:
+        server.close()
+    assert not shutdown.drain(12345)  # nothing listens any more

@@ -1,0 +1,50 @@
+"""How `camshaft serve` ends a tritonserver: SIGTERM lets requests drain for the exit timeout; shortly before it
+ends, the token model is told to end the requests still running (each gets a final response), so every model can
+unload in time; a server still running well after it, or a second signal, is killed."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Client
+
+from camshaft.triton_repo.channel import channel_path
+from camshaft.triton_repo.deploy import TOKEN_MODEL
+
+DRAIN_BEFORE_S = 3.0  # before Triton's exit timeout: requests still running are ended
+KILL_AFTER_S = 15.0  # after it: a tritonserver still running is killed
+
+
+def drain(server_pid: int) -> bool:
+    """Ask the token model of the tritonserver `server_pid` to end every request in flight; False if none listens."""
+    try:
+        with contextlib.closing(Client(str(channel_path(TOKEN_MODEL, server_pid)), family="AF_UNIX")) as connection:
+            connection.send(("drain", ""))
+        return True
+    except OSError:
+        return False
+
+
+def wait_until_stopped(process: subprocess.Popen, signals: list[float], exit_timeout_s: float,
+                       log: Callable[[str], None]) -> int:
+    """The server's exit code. `signals`: when each stop signal arrived (appended by the signal handler, which
+    forwards the first as SIGTERM); a second one, or the server overstaying the exit timeout by KILL_AFTER_S, kills
+    it."""
+    drained = False
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return process.wait(timeout=0.2)
+        if not signals:
+            continue
+        waited = time.monotonic() - signals[0]
+        if len(signals) > 1 or waited > exit_timeout_s + KILL_AFTER_S:
+            log("a second signal: killing tritonserver" if len(signals) > 1 else
+                f"tritonserver did not exit {waited:.0f} s after the signal: killing it")
+            process.kill()
+            return process.wait()
+        if not drained and waited > exit_timeout_s - DRAIN_BEFORE_S:
+            drained = True
+            if drain(process.pid):
+                log("ending the requests still running, so the models unload before the exit timeout")

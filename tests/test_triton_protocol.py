@@ -62,3 +62,8 @@ def test_valid_word_lists_become_id_sequences(tokenizer):
 def test_invalid_utf8_text_is_refused():
     with pytest.raises(RequestError, match=r"text_input is not UTF-8 \(byte 1 of 3\)"):
         one({"text_input": np.array([[b"a\xffb"]], np.object_)}, "text_input")
+
+
+def test_min_length_is_the_older_name_of_min_tokens():
+    assert request(min_length=np.array([[3]], np.int32)).params.min_tokens == 3
+    assert request(min_length=np.array([[3]], np.int32), min_tokens=np.array([[2]], np.int32)).params.min_tokens == 2

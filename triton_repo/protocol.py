@@ -146,6 +146,8 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
         raise RequestError(f"runtime_top_p must be in [0, 1] (0 turns it off), got {top_p}")
     if top_p is not None and top_p > 0:  # tensorrtllm_backend: 0 turns top-p off
         kwargs["top_p"] = top_p
+    if "min_tokens" not in kwargs and one(values, "min_length") is not None:  # older tensorrtllm_backend clients
+        kwargs["min_tokens"] = one(values, "min_length")
     seed = one(values, "seed")
     seed = one(values, "random_seed") if seed is None else seed
     if seed is not None:

@@ -27,7 +27,8 @@ SAMPLING = (
     ("end_id", "end_id", "INT32"), ("pad_id", "pad_id", "INT32"), ("top_k", "runtime_top_k", "INT32"),
     ("top_p", "runtime_top_p", "FP32"), ("temperature", "temperature", "FP32"),
     ("length_penalty", "len_penalty", "FP32"), ("repetition_penalty", "repetition_penalty", "FP32"),
-    ("min_tokens", "min_tokens", "INT32"), ("presence_penalty", "presence_penalty", "FP32"),
+    ("min_tokens", "min_tokens", "INT32"), ("min_length", "min_length", "INT32"),  # min_length: the older name
+    ("presence_penalty", "presence_penalty", "FP32"),
     ("frequency_penalty", "frequency_penalty", "FP32"), ("seed", "seed", "UINT64"),
     ("random_seed", "random_seed", "UINT64"),  # the name before TensorRT-LLM 0.12
     ("beam_width", "beam_width", "INT32"), ("num_return_sequences", "num_return_sequences", "INT32"),

@@ -101,7 +101,8 @@ def run_load(stack: Stack, prompts: list[str], lengths: tuple[int, ...]) -> None
                 if model == "ensemble":
                     assert_same_text("".join(texts(outputs)), reference, stack.session.tokenizer)
                 else:
-                    assert_same_ids([t for o in outputs for t in o["output_ids"].reshape(-1).tolist()], reference)
+                    ids = [t for o in outputs for t in o["output_ids"].reshape(-1).tolist()]
+                    assert_same_ids(ids, reference, stack.session.engine.eos_token_ids)
                 completed += 1
     assert completed >= CLIENTS * ROUNDS * 3 // 4
     # Triton's metrics are pushed every 0.2 s: an idle snapshot taken in a lull of the last round can still be the

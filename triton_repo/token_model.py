@@ -182,17 +182,24 @@ class TokenModel:
         if job.cancelled:
             return
         spec = job.spec
-        job.tokens.extend(output.token_ids)
-        job.logprobs.extend(s.logprob for s in output.logprobs)
+        # TensorRT-LLM leaves the end id that stops a sequence out of output_ids (stop words stay)
+        keep = len(output.token_ids) - int(self._ended_on_end_id(spec, output))
+        new = list(output.token_ids[:keep])
+        job.tokens.extend(new)
+        job.logprobs.extend(s.logprob for s in output.logprobs[:keep])
         if spec.streaming:
-            new = list(output.token_ids)
             job.sender.send(self._response(job, new, job.logprobs[len(job.logprobs) - len(new):], output.delta,
                                            output), flags=FINAL if output.finished else 0)
         elif output.finished:
             result = output.result
-            ids = result.token_ids if spec.exclude_input else [*spec.prompt_ids, *result.token_ids]
-            logprobs = [s.logprob for s in result.logprobs or []]
-            job.sender.send(self._response(job, ids, logprobs, result.text, output), flags=FINAL)
+            ids = job.tokens if spec.exclude_input else [*spec.prompt_ids, *job.tokens]
+            job.sender.send(self._response(job, ids, job.logprobs, result.text, output), flags=FINAL)
+
+    def _ended_on_end_id(self, spec: TokenRequest, output: RequestOutput) -> bool:
+        if not (output.finished and output.token_ids and output.result and output.result.finish_reason == "stop"):
+            return False
+        params, last = spec.params, output.token_ids[-1]
+        return last in params.stop_token_ids or (not params.ignore_eos and last in self.llm.engine.eos_token_ids)
 
     def _response(self, job: _Job, ids: list[int], logprobs: list[float], text: str, output: RequestOutput):
         spec = job.spec

@@ -1,5 +1,5 @@
-"""`camshaft inspect`: what an engine directory holds and whether it runs here, from its manifest alone (read and
-checked as the runtime reads it: a missing, swapped or half-written file is the same EngineError)."""
+"""`camshaft inspect`: what an engine directory holds and whether it runs here, from its manifest alone (its files
+checked as the runtime checks them: a missing, swapped or half-written file makes runs_here False, with the reason)."""
 
 from __future__ import annotations
 

@@ -274,6 +274,16 @@ def test_token_model_end_id_and_stop_words_list(stack):
         assert outputs[0]["finish_reason"].reshape(-1)[0] == b"stop"
 
 
+def test_text_model_counts_tokens_as_the_token_model_does(stack):
+    prompt = PROMPTS[0]
+    ids = stack.reference(prompt, 12).token_ids
+    k = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k])
+    body = {"text_input": prompt, "max_tokens": 12, "end_id": ids[k], "return_num_output_tokens": True,
+            "return_log_probs": True, "exclude_input_in_output": True}
+    out = requests.post(f"{stack.http}/ensemble/generate", json=body, timeout=60).json()
+    assert out["num_output_tokens"] == k and len(out["output_log_probs"]) == k  # the end id not counted
+
+
 @pytest.mark.parametrize("body, message", [
     ({"max_tokens": 8}, "missing required input"),
     ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),

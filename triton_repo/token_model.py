@@ -226,13 +226,14 @@ class TokenModel:
 
             def sink(output: RequestOutput) -> None:
                 self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
-                generated[0] += len(output.token_ids)
+                keep = len(output.token_ids) - int(self._ended_on_end_id(spec, output))  # as _deliver counts
+                generated[0] += keep
                 self._count_finished(output)
                 if output.error is not None:
                     send(("error", call_id, *error_status(output.error)))
                     return
                 payload = {"text": output.delta, "finish_reason": None,
-                           "logprobs": [s.logprob for s in output.logprobs] if spec.log_probs else []}
+                           "logprobs": [s.logprob for s in output.logprobs[:keep]] if spec.log_probs else []}
                 if output.finished:
                     payload["finish_reason"] = output.result.finish_reason
                     if spec.num_input_tokens:

@@ -35,8 +35,8 @@ class ServerBusyError(CamshaftError):
 
 
 class ServerClosedError(CamshaftError):
-    """The batch loop has stopped (closed, or failed); a new LLM or a server restart is needed (not a
-    RequestError)."""
+    """The batch loop has stopped (closed, or failed), or the Session is closed; a new LLM or Session, or a server
+    restart, is needed (not a RequestError)."""
 
 
 class FetchError(CamshaftError):

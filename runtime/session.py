@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from camshaft.checks import is_int
-from camshaft.errors import CapacityError, RequestError
+from camshaft.errors import CapacityError, RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.kv_cache import parse_memory
@@ -56,7 +56,7 @@ class Session:
         self._closed = False
 
     def close(self) -> None:
-        """Release the engine now; a request running in another thread ends at its next token with a RequestError
+        """Release the engine now; a request running in another thread ends at its next token with a ServerClosedError
         and releases it then."""
         self._closed = True
         self._release_engine_if_idle()
@@ -204,7 +204,7 @@ class Session:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RequestError("this Session is closed; create a new Session to generate")
+            raise ServerClosedError("this Session is closed; create a new Session to generate")
 
 
 def check_messages(messages: list[dict[str, str]]) -> None:

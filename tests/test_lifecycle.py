@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 
-from camshaft.errors import RequestError
+from camshaft.errors import RequestError, ServerClosedError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
@@ -72,10 +72,11 @@ def test_a_closed_session_says_so(engine_dir):
     closer = threading.Thread(target=session.close)
     closer.start()
     closer.join()
-    with pytest.raises(RequestError, match="this Session is closed"):
+    with pytest.raises(ServerClosedError, match="this Session is closed"):
         list(stream)  # closed while it ran: ends at its next token
-    with pytest.raises(RequestError, match="this Session is closed"):
+    with pytest.raises(ServerClosedError, match="this Session is closed") as closed:
         session.generate([5, 6, 7], GREEDY)
+    assert not isinstance(closed.value, RequestError)  # as a closed LLM: not bad input to skip
 
 
 def test_a_failed_engine_step_is_logged_and_ends_only_its_requests(engine_dir, caplog):

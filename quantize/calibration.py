@@ -12,6 +12,7 @@ import importlib
 import inspect
 import itertools
 import json
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -107,21 +108,20 @@ def read_text_corpus(path: Path, column: str | None = None, max_chars: int | Non
     if column is not None and any(f.suffix.lower() not in JSONL_SUFFIXES for f in files):
         raise QuantizeError(f"{path} holds plain text, which has no column {column}; drop :{column}")
     texts: list[str] = []
-    left = max_chars
-    for file in files:
-        for text in _read_file(file, column or "text", left):
-            if text.strip():
-                texts.append(text)
-                left = None if left is None else left - len(text)
-        if left is not None and left <= 0:
+    left = math.inf if max_chars is None else max_chars
+    for text in (t for file in files for t in _read_file(file, column or "text", max_chars)):
+        if left <= 0:  # the files are read lazily: nothing past this point is read
             break
+        if text.strip():
+            texts.append(text)
+            left -= len(text)
     if not texts:
         raise QuantizeError(f"calibration data {path} is empty (no text found)")
     return texts
 
 
 def _read_file(file: Path, field: str, max_chars: int | None) -> Iterator[str]:
-    """A text file whole (at most max_chars), or a JSONL file's texts until max_chars; UTF-8, a BOM allowed."""
+    """A text file whole (at most max_chars), or a JSONL file's texts as they are read; UTF-8, a BOM allowed."""
     with open(file, "rb") as head:
         if head.read(2) == b"\x1f\x8b":
             raise QuantizeError(f"calibration file {file} is gzip-compressed; decompress it first (gunzip)")
@@ -132,11 +132,7 @@ def _read_file(file: Path, field: str, max_chars: int | None) -> Iterator[str]:
                 return
             for number, line in enumerate(f, 1):
                 if line.strip():
-                    text = _jsonl_text(line, file, number, field)
-                    yield text
-                    max_chars = None if max_chars is None else max_chars - len(text)
-                    if max_chars is not None and max_chars <= 0:
-                        return
+                    yield _jsonl_text(line, file, number, field)
     except (OSError, UnicodeDecodeError) as exc:
         raise QuantizeError(f"calibration file {file} could not be read as UTF-8 text: {exc}") from exc
 

@@ -19,8 +19,13 @@ DATASET_METADATA = {"dataset_infos.json", "dataset_info.json", "dataset_dict.jso
 def text_files(path: Path) -> list[Path]:
     """The calibration text files under a directory, by name: text and JSONL, not README files (dataset cards), a
     dataset's own metadata or hidden files and directories (.ipynb_checkpoints, editor copies)."""
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES
-                  and p.stem.lower() != "readme" and p.name not in DATASET_METADATA
+    return [p for p in _visible_files(path, TEXT_SUFFIXES + JSONL_SUFFIXES)
+            if p.stem.lower() != "readme" and p.name not in DATASET_METADATA]
+
+
+def _visible_files(path: Path, suffixes) -> list[Path]:
+    """Files under `path` with one of `suffixes` (any case), by name; hidden files and directories left out."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in suffixes
                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
 SAVED_DATASET_FILES = (("dataset_dict.json",), ("state.json", "dataset_info.json"))  # save_to_disk's
 
@@ -31,8 +36,7 @@ def open_dataset(path: Path) -> tuple[Any, str] | None:
     if path.is_dir() and any(all((path / name).is_file() for name in names) for names in SAVED_DATASET_FILES):
         return _load_from_disk(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = _visible_files(path, DATA_SUFFIXES)
     else:
         files = [path] if path.suffix.lower() in DATA_SUFFIXES else []
     kinds = sorted({DATA_SUFFIXES[f.suffix.lower()] for f in files})

@@ -36,6 +36,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     timings: Timings
     logprobs: list[SampleResult] | None = None
+    stop_token_id: int | None = None  # the end id or stop_token_ids entry that ended it (token_ids[-1]), else None
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Request:
     priority: int = 0  # lower runs first (vLLM's meaning); ties: first come, first served
     queue_order: int = 0  # set by the scheduler when the request arrives
     finish_reason: str | None = None
+    stop_token_id: int | None = None
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None  # first taken into the running batch (a preempted request keeps it)
     first_token_at: float | None = None
@@ -88,6 +90,7 @@ class Request:
         delta = "" if stop_id and not params.include_stop_str_in_output else self.text.append(token)
         if self.text.stopped or stop_id or (may_stop and self._ends_with_stop_word(token)):
             self.finish_reason = "stop"
+            self.stop_token_id = token if stop_id else None
         if self.finish_reason is None and len(self.output_ids) >= params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:
@@ -118,6 +121,7 @@ class Request:
             prompt_token_ids=list(self.prompt_ids),
             timings=timings,
             logprobs=list(self.samples) if self.params.logprobs is not None else None,
+            stop_token_id=self.stop_token_id,
         )
 
 

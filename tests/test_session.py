@@ -117,6 +117,7 @@ def test_stop_token_ids_and_eos(session):
     first = free.token_ids.index(target)
     stopped = session.generate("q", max_tokens=30, ignore_eos=True, stop_token_ids=[target])
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    assert stopped.stop_token_id == target and free.stop_token_id is None
     before = session.tokenizer.decode(free.token_ids[:first])
     assert stopped.text == before != session.tokenizer.decode(free.token_ids[: first + 1])  # its text left out
     assert "".join(session.stream("q", max_tokens=30, ignore_eos=True, stop_token_ids=[target])) == before
@@ -131,7 +132,7 @@ def test_stop_word_ids_end_on_the_whole_sequence_and_keep_it(session):
     k = next(k for k in range(6, 30) if (ids[k - 1], ids[k]) not in zip(ids[: k - 1], ids[1:k], strict=True))
     word = (ids[k - 1], ids[k])
     stopped = session.generate("q", max_tokens=30, ignore_eos=True, stop_word_ids=[word, (ids[k],) * 3])
-    assert stopped.token_ids == ids[: k + 1] and stopped.finish_reason == "stop"
+    assert stopped.token_ids == ids[: k + 1] and stopped.finish_reason == "stop" and stopped.stop_token_id is None
     assert stopped.text == session.tokenizer.decode(ids[: k + 1])  # TensorRT-LLM keeps a stop word in the output
     later = session.generate("q", max_tokens=30, ignore_eos=True, stop_word_ids=[word], min_tokens=k + 2)
     assert later.token_ids[: k + 1] == ids[: k + 1] and len(later.token_ids) > k + 1

@@ -183,7 +183,7 @@ class TokenModel:
             return
         spec = job.spec
         # TensorRT-LLM leaves the end id that stops a sequence out of output_ids (stop words stay)
-        keep = len(output.token_ids) - int(self._ended_on_end_id(spec, output))
+        keep = len(output.token_ids) - int(_ended_on_end_id(output))
         new = list(output.token_ids[:keep])
         job.tokens.extend(new)
         job.logprobs.extend(s.logprob for s in output.logprobs[:keep])
@@ -195,11 +195,6 @@ class TokenModel:
             ids = job.tokens if spec.exclude_input else [*spec.prompt_ids, *job.tokens]
             job.sender.send(self._response(job, ids, job.logprobs, result.text, output), flags=FINAL)
 
-    def _ended_on_end_id(self, spec: TokenRequest, output: RequestOutput) -> bool:
-        if not (output.finished and output.token_ids and output.result and output.result.finish_reason == "stop"):
-            return False
-        params, last = spec.params, output.token_ids[-1]
-        return last in params.stop_token_ids or (not params.ignore_eos and last in self.llm.engine.eos_token_ids)
 
     def _response(self, job: _Job, ids: list[int], logprobs: list[float], text: str, output: RequestOutput):
         spec = job.spec
@@ -226,7 +221,7 @@ class TokenModel:
 
             def sink(output: RequestOutput) -> None:
                 self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
-                keep = len(output.token_ids) - int(self._ended_on_end_id(spec, output))  # as _deliver counts
+                keep = len(output.token_ids) - int(_ended_on_end_id(output))  # as _deliver counts
                 generated[0] += keep
                 self._count_finished(output)
                 if output.error is not None:
@@ -264,3 +259,9 @@ class TokenModel:
         self.outputs.put(None)
         self.responder.join()
         self.metrics.close()
+
+
+def _ended_on_end_id(output: RequestOutput) -> bool:
+    """The last token is the end id that stopped the sequence (a stop word's ids are not one)."""
+    return bool(output.finished and output.token_ids and output.result is not None
+                and output.result.stop_token_id is not None)

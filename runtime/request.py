@@ -105,9 +105,8 @@ class Request:
         words = self.stop_words.get(token)
         if not words:
             return False
-        output = self.output_ids
-        return any(tuple(output[-len(word):] if len(word) <= len(output) else
-                         (self.prompt_ids + output)[-len(word):]) == word for word in words)
+        ids = self.output_ids if max(map(len, words)) <= len(self.output_ids) else self.all_ids
+        return any(tuple(ids[-len(word):]) == word for word in words)
 
     def result(self) -> GenerationResult:
         end = self.finished_at or time.perf_counter()
@@ -130,11 +129,12 @@ def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
     """The params.n requests one prompt makes, each with its own sampler and text stream (ids `request_id`, or
     `request_id-i` when n > 1)."""
     bad_words = tokenize_bad_words(tokenizer, params.bad_words) + [list(w) for w in params.bad_word_ids]
+    stop_words = stop_words_by_last_id(params.stop_word_ids)  # read only: the n requests share it
     return [Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_ids, params,
                     SequenceSampler(params, prompt_ids, eos_token_ids, bad_words, vocab_size, sequence_index=i),
                     TextStream(tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output,
                                min_tokens=params.min_tokens),
-                    eos_token_ids, priority=priority, stop_words=stop_words_by_last_id(params.stop_word_ids))
+                    eos_token_ids, priority=priority, stop_words=stop_words)
             for i in range(params.n)]
 
 

@@ -215,7 +215,6 @@ def check_messages(messages: list[dict[str, str]]) -> None:
                 or not isinstance(message.get("content"), str):
             raise RequestError(f"chat message {i} is {message!r}; each message is a dict with a 'role' and a "
                                "'content' string")
-    for i, message in enumerate(messages):
         for key in ("role", "content"):
             check_unicode(message[key], f"chat message {i}'s {key}")
     if not any(m["content"].strip() for m in messages):

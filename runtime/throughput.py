@@ -230,7 +230,7 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
     if not is_int_at_least(num_requests, 1):
         raise RequestError(f"num_requests must be an integer >= 1, got {num_requests!r}")
     memory = parse_memory(kv_cache_memory)
-    engine_limits = read_manifest(Path(engine_dir)).limits
+    engine_limits = read_manifest(Path(engine_dir), check_files=False).limits  # LLM() below checks the files
     batch = check_llm_options(engine_limits, policy=policy, max_batch_size=max_batch_size,
                               max_num_tokens=max_num_tokens).max_batch_size
     if max(levels) > batch:  # before any level runs

@@ -146,14 +146,13 @@ def bench_serve(
     targets = [Target.parse(t) for t in target]
     if len({t.name for t in targets}) != len(targets):
         raise CamshaftError("--target names must differ")
-    for t in targets:
-        if t.backend == "llm":
-            read_manifest(Path(t.url))  # a missing or broken engine says so before anything loads
+    limits = {t.name: read_manifest(Path(t.url)).limits.max_seq_len  # a broken engine says so before anything loads
+              for t in targets if t.backend == "llm"}
     source = tokenizer or next((Path(t.url) for t in targets if t.backend == "llm"), None)
     requests = load_requests(dataset, num_requests, load_tokenizer(source) if source else None, seed=seed)
     longest = max(requests, key=lambda r: r.prompt_tokens + r.max_tokens)
     for t in targets:
-        limit = read_manifest(Path(t.url)).limits.max_seq_len if t.backend == "llm" else None
+        limit = limits.get(t.name)
         if limit is not None and longest.prompt_tokens + 1 + longest.max_tokens > limit:  # + a BOS the engine adds
             raise CamshaftError(
                 f"--dataset {dataset}: its longest request ({longest.prompt_tokens} prompt + {longest.max_tokens} "

@@ -95,7 +95,7 @@ def eval_ppl(
     if model is None and window is not None:
         raise RequestError("--window sets the transformers reference's window (--model); an engine scores in "
                            "windows of its max_seq_len: drop --window or add --model")
-    engine_window = None if engine is None else read_manifest(engine).limits.max_seq_len
+    engine_window = None if engine is None else read_manifest(engine, check_files=False).limits.max_seq_len
     given = "--window" if window is not None else "the engine's max_seq_len"
     window = engine_window if window is None else window
     if model is not None:

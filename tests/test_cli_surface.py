@@ -101,6 +101,18 @@ def test_every_help_reads_whole_at_80_columns():
         assert "…" not in result.output and "list[str]" not in result.output, (path, result.output)
 
 
+def test_every_command_opens_its_help_with_a_one_line_summary():
+    """The command lists show a help's first paragraph with its line breaks, so a summary must fit one line."""
+    import typer.main
+
+    for path in _commands(typer.main.get_command(app)):
+        command = typer.main.get_command(app)
+        for name in path:
+            command = command.commands[name]
+        summary = (command.help or "").strip().split("\n\n")[0]
+        assert summary and "\n" not in summary, (path, summary)
+
+
 def test_both_throughput_benchmarks_take_the_same_dataset_presets():
     from camshaft.runtime.bench_data import parse_dataset_spec
 

@@ -74,6 +74,7 @@ def bench_throughput(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: output tok/s and p50 TTFT vs concurrency")] = None,
 ) -> None:
     """Closed-loop throughput: N greedy requests, at most C in flight; tok/s, TTFT/ITL/E2E percentiles, GFLOP/s.
+
     Requests longer than the engine's max_seq_len are clipped to fit, and the report says how many."""
     import json
 

@@ -15,8 +15,9 @@ def inspect_engine(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     json_output: Annotated[bool, typer.Option("--json", help="Print it as JSON")] = False,
 ) -> None:
-    """What an engine holds (model, precision, target, limits, KV cache size, files, tools) and whether it runs
-    here; its files are checked as loading checks them. Exit status 1 when it does not run here."""
+    """Describe an engine (model, precision, target, limits, KV cache, files, tools) and whether it runs here.
+
+    Its files are checked as loading checks them. Exit status 1 when it does not run here."""
     import json
 
     from camshaft.runtime.engine_info import engine_info, info_lines

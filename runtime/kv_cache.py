@@ -105,14 +105,16 @@ def host_memory() -> int:
     total = psutil.virtual_memory().total
     return total if limit is None else min(total, limit)
 
+SMALLER_POOL = ("give a smaller budget (kv_cache_memory / --kv-cache-memory, e.g. 0.5 of free memory) or build the "
+                "engine with a smaller --max-seq-len or --max-batch-size")
+
 
 def check_fits_host(manifest: Manifest, num_blocks: int) -> None:
     """A host (onnxruntime) pool larger than the memory there is would be killed as it fills: refused now."""
     size, limit = num_blocks * bytes_per_block(manifest), host_memory()
     if manifest.target == "onnxruntime" and size > limit:
         raise CapacityError(f"the KV cache pool ({num_blocks} blocks, {size / 2**30:.1f} GiB) is larger than this "
-                            f"machine's {limit / 2**30:.1f} GiB of memory; give a smaller kv_cache_memory (e.g. 0.5 "
-                            "of free memory) or build with a smaller --max-seq-len or --max-batch-size")
+                            f"machine's {limit / 2**30:.1f} GiB of memory; {SMALLER_POOL}")
 
 
 def cache_copies(manifest: Manifest) -> int:

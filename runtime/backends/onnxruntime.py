@@ -13,6 +13,7 @@ from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_graph_limits
 from camshaft.manifest import Manifest
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
+from camshaft.runtime.kv_cache import SMALLER_POOL
 
 # KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8": np.uint8}
@@ -70,9 +71,7 @@ def _allocate(shape: tuple[int, ...], dtype: type, count: int) -> np.ndarray:
     except MemoryError:
         size = count * math.prod(shape) * np.dtype(dtype).itemsize
         raise CapacityError(f"the KV cache pool ({shape[0]} blocks, {size / 2**30:.2f} GiB in all) does not fit this "
-                            "process's memory; give a smaller budget (kv_cache_memory / --kv-cache-memory, e.g. 0.5 "
-                            "of free memory) or build the engine with a smaller --max-seq-len or --max-batch-size"
-                            ) from None
+                            f"process's memory; {SMALLER_POOL}") from None
 
 
 def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifest, caches: list[str],

@@ -2,8 +2,9 @@
 
 The default corpus ships with every Python: the docstrings of a fixed list of standard-library modules and their
 public members, gathered at run time in a fixed order (the same text on every run of the same Python version).
-A user corpus is a text file, a JSONL file (one {"text": ...} object or string a line), or a directory of those; or,
-read through the `datasets` library, a parquet/arrow/csv file or directory of them, or a `save_to_disk` directory.
+A user corpus is a text file, a JSONL file (one {"text": ...} object, string or {"messages": [...]} conversation a
+line), or a directory of those; or, read through the `datasets` library, a parquet/arrow/csv file or directory of them,
+or a `save_to_disk` directory. Conversations are rendered with the model's chat template.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from camshaft.quantize.calibration_chat import CHAT_FIELD, Sample, checked_messages, render, sample_chars
 from camshaft.quantize.calibration_datasets import (
     DATA_SUFFIXES,
     JSONL_SUFFIXES,
@@ -96,7 +98,7 @@ def split_column(calib_data: str | Path) -> tuple[Path, str | None]:
     return path, None
 
 
-def read_text_corpus(path: Path, column: str | None = None, max_chars: int | None = None) -> list[str]:
+def read_text_corpus(path: Path, column: str | None = None, max_chars: int | None = None) -> list[Sample]:
     """Texts of a text/JSONL file or of a directory of those, sorted by name (README files, dataset cards, hidden
     files skipped); `column`: the JSONL field (default text). Reading stops after `max_chars` characters (the
     calibration uses the corpus from its start), so a huge file costs no more than what is used."""
@@ -107,20 +109,20 @@ def read_text_corpus(path: Path, column: str | None = None, max_chars: int | Non
                             "skipped)")
     if column is not None and any(f.suffix.lower() not in JSONL_SUFFIXES for f in files):
         raise QuantizeError(f"{path} holds plain text, which has no column {column}; drop :{column}")
-    texts: list[str] = []
+    texts: list[Sample] = []
     left = math.inf if max_chars is None else max_chars
-    for text in (t for file in files for t in _read_file(file, column or "text", max_chars)):
+    for text in (t for file in files for t in _read_file(file, column, max_chars)):
         if left <= 0:  # the files are read lazily: nothing past this point is read
             break
-        if text.strip():
+        if chars := sample_chars(text):
             texts.append(text)
-            left -= len(text)
+            left -= chars
     if not texts:
         raise QuantizeError(f"calibration data {path} is empty (no text found)")
     return texts
 
 
-def _read_file(file: Path, field: str, max_chars: int | None) -> Iterator[str]:
+def _read_file(file: Path, field: str | None, max_chars: int | None) -> Iterator[Sample]:
     """A text file whole (at most max_chars), or a JSONL file's texts as they are read; UTF-8, a BOM allowed."""
     with open(file, "rb") as head:
         if head.read(2) == b"\x1f\x8b":
@@ -137,18 +139,27 @@ def _read_file(file: Path, field: str, max_chars: int | None) -> Iterator[str]:
         raise QuantizeError(f"calibration file {file} could not be read as UTF-8 text: {exc}") from exc
 
 
-def _jsonl_text(line: str, file: Path, number: int, field: str) -> str:
+def _jsonl_text(line: str, file: Path, number: int, field: str | None) -> Sample:
+    """A line's text: a string, the `field` (default text) of an object, or its chat messages (default: the
+    messages field of an object without a text field)."""
     try:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
         raise QuantizeError(f"{file}:{number} is not valid JSON ({exc}); expected one JSON object a line") from exc
     if isinstance(item, str):
         return item
-    if isinstance(item, dict) and isinstance(item.get(field), str):
-        return item[field]
+    if isinstance(item, dict):
+        value = item.get(field or "text")
+        if field is None and value is None:
+            value = item.get(CHAT_FIELD)
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            return checked_messages(value, f"{file}:{number}")
     holds = f"an object with the keys {sorted(item)[:10]}" if isinstance(item, dict) else type(item).__name__
-    raise QuantizeError(f'{file}:{number}: expected a string or an object with a "{field}" string field, found '
-                        f"{holds} (another field: --calib-data {file}:FIELD)")
+    wanted = f'a "{field}" field (a string or chat messages)' if field else 'a "text" string or "messages" list field'
+    raise QuantizeError(f"{file}:{number}: expected a string or an object with {wanted}, found {holds} (another "
+                        f"field: --calib-data {file}:FIELD)")
 
 
 @dataclass(frozen=True)
@@ -181,7 +192,7 @@ def check_sizes(num_samples: int, seq_len: int, max_positions: int | None = None
                             f"--calib-seq-len {max_positions} or less")
 
 
-def load_texts(calib_data: str | Path | None, max_chars: int | None = None) -> tuple[Iterable[str], str]:
+def load_texts(calib_data: str | Path | None, max_chars: int | None = None) -> tuple[Iterable[Sample], str]:
     """(non-empty texts, where they are from) of --calib-data (None: the default corpus); a dataset's are read
     lazily, in order, a text corpus's up to `max_chars` characters. PATH:COLUMN names the JSONL field or dataset
     column."""
@@ -204,16 +215,18 @@ def load_texts(calib_data: str | Path | None, max_chars: int | None = None) -> t
     return itertools.chain([first], texts), f"{source}, column {column}"
 
 
-def tokenize(texts: Iterable[str], source: str, tokenizer, num_samples: int, seq_len: int,
+def tokenize(texts: Iterable[Sample], source: str, tokenizer, num_samples: int, seq_len: int,
              progress: Callable[[str], None] = lambda _: None) -> CalibrationSet:
-    """Tokenize texts (each followed by the EOS token) until num_samples x seq_len tokens are gathered."""
+    """Tokenize texts (each followed by the EOS token) and conversations (rendered by the chat template, which ends
+    their turns itself) until num_samples x seq_len tokens are gathered."""
     check_sizes(num_samples, seq_len)
     needed = num_samples * seq_len
     eos = tokenizer.eos_token_id
     ids: list[int] = []
-    for i, text in enumerate(texts):
+    for i, sample in enumerate(texts):
+        text = sample if isinstance(sample, str) else render(tokenizer, sample, source)
         ids.extend(tokenizer.encode(text, add_special_tokens=False))
-        if eos is not None:
+        if eos is not None and isinstance(sample, str):
             ids.append(int(eos))
         if i % 200 == 0:
             progress(f"tokenizing calibration text: {min(len(ids), needed)}/{needed} tokens")

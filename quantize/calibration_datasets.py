@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from camshaft.quantize.calibration_chat import CHAT_FIELD, Sample, checked_messages, is_chat_feature, sample_chars
 from camshaft.quantize.spec import QuantizeError
 
 DATA_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}  # → datasets' packaged loader
@@ -73,18 +74,22 @@ def _load_from_disk(path: Path) -> tuple[Any, str]:
 
 
 def text_column(data: Any, path: Path, column: str | None) -> str:
-    """`column` if given, else the `text` column, else the only string column."""
+    """`column` if given, else the `text` column, else a `messages` column of chat messages, else the only string
+    column."""
+    chats: list[str] = []
     if data.features is not None:
         types = {n: getattr(f, "dtype", None) for n, f in data.features.items()}
+        chats = [n for n, f in data.features.items() if is_chat_feature(f)]
     else:  # a csv stream, typed by its first rows (an empty cell reads as NaN)
         rows = _first_rows(data, path)
         names = list(rows[0]) if rows else []
         types = {n: "string" if any(isinstance(r.get(n), str) for r in rows) else None for n in names}
     strings = [n for n, t in types.items() if t in ("string", "large_string")]
     listed = ", ".join(types) or "none"
-    if column is not None and column not in strings:
-        raise QuantizeError(f"{path} has no string column {column} (its columns: {listed})")
-    chosen = column or ("text" if "text" in strings else strings[0] if len(strings) == 1 else None)
+    if column is not None and column not in strings + chats:
+        raise QuantizeError(f"{path} has no string or chat messages column {column} (its columns: {listed})")
+    chosen = column or ("text" if "text" in strings else CHAT_FIELD if CHAT_FIELD in chats
+                        else strings[0] if len(strings) == 1 else None)
     if chosen is None:
         raise QuantizeError(f"{path} has no string column (its columns: {listed})" if not strings else
                             f"{path} has several string columns, none named text (its columns: {listed}); choose "
@@ -99,10 +104,17 @@ def _first_rows(data: Any, path: Path, count: int = 100) -> list[dict[str, Any]]
         raise QuantizeError(f"calibration data {path} could not be read: {exc}") from exc
 
 
-def column_texts(data: Any, path: Path, column: str) -> Iterator[str]:
+def column_texts(data: Any, path: Path, column: str) -> Iterator[Sample]:
+    where = f"{path}, column {column}"
     try:
         for batch in data.select_columns([column]).iter(batch_size=256):
-            yield from (t for t in batch[column] if isinstance(t, str) and t.strip())
+            for value in batch[column]:
+                if isinstance(value, str) and value.strip():
+                    yield value
+                elif isinstance(value, list) and sample_chars(checked_messages(value, where)):
+                    yield value
+    except QuantizeError:
+        raise
     except Exception as exc:  # a damaged file further in
         raise QuantizeError(f"calibration data {path} could not be read: {exc}") from exc
 

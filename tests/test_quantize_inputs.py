@@ -111,7 +111,8 @@ def test_user_corpus_formats(tmp_path):
     texts, source = load_texts(tmp_path)
     assert list(texts) == ["plain text", "one", "two"] and source == str(tmp_path)
     (tmp_path / "c.jsonl").write_text('{"body": "three"}\n')
-    with pytest.raises(QuantizeError, match=r'c.jsonl:1: expected .* "text" string field, found .*c.jsonl:FIELD'):
+    with pytest.raises(QuantizeError, match=r'c.jsonl:1: expected .* "text" string or "messages" list field, found '
+                                            r".*c.jsonl:FIELD"):
         load_texts(tmp_path)
     texts, source = load_texts(f"{tmp_path / 'c.jsonl'}:body")
     assert list(texts) == ["three"] and source == f"{tmp_path / 'c.jsonl'}, field body"
@@ -136,8 +137,8 @@ def test_text_files_as_exported_read_and_a_huge_one_only_as_far_as_used(tmp_path
     (tmp_path / "z.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n'))
     with pytest.raises(QuantizeError, match="gzip-compressed; decompress it first"):
         load_texts(tmp_path / "z.jsonl.gz")
-    (tmp_path / "keys.jsonl").write_text('{"messages": [], "id": 1}\n')
-    with pytest.raises(QuantizeError, match=r"found an object with the keys \['id', 'messages'\]"):
+    (tmp_path / "keys.jsonl").write_text('{"conversation": [], "id": 1}\n')
+    with pytest.raises(QuantizeError, match=r"found an object with the keys \['conversation', 'id'\]"):
         load_texts(tmp_path / "keys.jsonl")
     with pytest.raises(QuantizeError, match=r"does not exist \(nor .*nope.jsonl with the column text\)"):
         load_texts(f"{tmp_path / 'nope.jsonl'}:text")
@@ -162,7 +163,7 @@ def test_save_to_disk_directory(datasets, tmp_path):
     assert list(texts) == ["first row", "third row"]  # in order, blank rows dropped
     assert source == f"{tmp_path / 'saved'}, column text"
     assert list(load_texts(f"{tmp_path / 'saved'}:lang")[0]) == ["en", "en", "fr"]
-    with pytest.raises(QuantizeError, match="has no string column id .its columns: id, text, lang"):
+    with pytest.raises(QuantizeError, match="has no string or chat messages column id .its columns: id, text, lang"):
         load_texts(f"{tmp_path / 'saved'}:id")
     splits = datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": ["held out"]}),
                                    "train": datasets.Dataset.from_dict({"text": ["trained on"]})})
@@ -226,6 +227,55 @@ def test_quantize_calibrates_on_a_saved_dataset(datasets, tiny, tmp_path):
     expected = calibration.tokenize(corpus, "", tokenizer, CALIB["calib_size"], CALIB["calib_seq_len"])
     got = calibration.tokenize(*load_texts(tmp_path / "saved"), tokenizer, CALIB["calib_size"], CALIB["calib_seq_len"])
     assert (got.input_ids == expected.input_ids).all()  # the same samples as the texts themselves
+
+
+CHAT = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Loire."}]
+
+
+def test_chat_messages_are_rendered_with_the_chat_template(tiny, tmp_path):
+    rows = [{"messages": CHAT, "id": 1}, {"text": "plain prose"}, {"messages": [{"role": "user", "content": " "}]}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts, source = load_texts(tmp_path / "chat.jsonl")
+    assert list(texts) == [CHAT, "plain prose"]  # a conversation with no text is skipped as a blank line is
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny))
+    rendered = tokenizer.encode(tokenizer.apply_chat_template(CHAT, tokenize=False), add_special_tokens=False)
+    assert rendered[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    prose = tokenizer.encode("plain prose", add_special_tokens=False) + [tokenizer.eos_token_id]
+    expected = (rendered + prose) * 4  # the template ends each turn itself: no EOS after a conversation
+    got = calibration.tokenize(texts * 4, source, tokenizer, 1, len(expected))
+    assert got.input_ids[0].tolist() == expected
+    (tmp_path / "turns.jsonl").write_text(json.dumps({"turns": CHAT}) + "\n")
+    assert list(load_texts(f"{tmp_path / 'turns.jsonl'}:turns")[0]) == [CHAT]
+    with pytest.raises(QuantizeError, match=r'chat.jsonl:2: expected .* "messages" field .a string or chat messages'):
+        list(load_texts(f"{tmp_path / 'chat.jsonl'}:messages")[0])
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "text": "hi"}]}) + "\n")
+    with pytest.raises(QuantizeError, match=r'bad.jsonl:1: chat messages must be objects with "role" and "content" '
+                                            r"strings, found an object with the keys \['role', 'text'\]"):
+        load_texts(tmp_path / "bad.jsonl")
+    tokenizer.chat_template = None
+    with pytest.raises(QuantizeError, match="holds chat messages, but the model's tokenizer has no chat template"):
+        calibration.tokenize([CHAT], source, tokenizer, 1, 8)
+
+
+def test_a_dataset_of_conversations_is_read_from_its_messages_column(datasets, tmp_path):
+    rows = {"prompt": ["Name a river.", "x"], "messages": [CHAT, [{"role": "user", "content": "x"}]]}
+    datasets.Dataset.from_dict(rows).to_parquet(tmp_path / "chat.parquet")
+    texts, source = load_texts(tmp_path / "chat.parquet")
+    assert list(texts) == [CHAT, [{"role": "user", "content": "x"}]] and source.endswith("column messages")
+    assert list(load_texts(f"{tmp_path / 'chat.parquet'}:prompt")[0]) == ["Name a river.", "x"]
+    datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "x", "name": "a"}]]}).save_to_disk(
+        tmp_path / "saved")
+    assert list(load_texts(tmp_path / "saved")[0]) == [[{"role": "user", "content": "x", "name": "a"}]]
+
+
+def test_quantize_calibrates_on_conversations(tiny, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text[::-1]}]}
+            for text in default_corpus()[:100]]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = quantize_checkpoint(tiny, tmp_path / "q", QuantSpec("int8_wo"), calib_data=tmp_path / "chat.jsonl",
+                                 **CALIB)
+    assert result.calib_source == str(tmp_path / "chat.jsonl")
+    assert (tmp_path / "q" / "hf_quant_config.json").is_file()
 
 
 def test_default_corpus_is_deterministic_stdlib_docstrings():

@@ -48,8 +48,9 @@ KVDtypeOption = Annotated[str | None, typer.Option(help="Also quantize the KV ca
 GROUP_HELP = "INT4 block size: auto | 128 | 64 | 32"
 GroupOption = Annotated[str, typer.Option(help=GROUP_HELP)]
 CalibDataOption = Annotated[Path | None, typer.Option(
-    help="Text/JSONL file, directory of them, parquet/arrow/csv file or a local HF datasets directory; "
-         "PATH:COLUMN picks the text column (default: built-in corpus)")]
+    help="Text/JSONL file, directory of them, parquet/arrow/csv file or a local HF datasets directory; chat "
+         "`messages` rows are rendered with the chat template; PATH:COLUMN picks the column (default: built-in "
+         "corpus)")]
 CalibSizeOption = Annotated[int, typer.Option(help="Calibration samples")]
 CalibLenOption = Annotated[int, typer.Option(help="Tokens per calibration sample")]
 ExcludeOption = Annotated[list[str] | None, typer.Option(

@@ -21,8 +21,9 @@ class EngineError(CamshaftError):
     """An engine directory is missing, half-written, corrupt or incompatible."""
 
 
-class RequestError(CamshaftError):
-    """A generation request is invalid (prompt, sampling parameters, limits)."""
+class RequestError(CamshaftError, ValueError):
+    """A generation request is invalid (prompt, sampling parameters, limits); a ValueError, as vLLM and TensorRT-LLM
+    raise for bad parameters."""
 
 
 class CapacityError(RequestError):

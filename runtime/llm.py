@@ -6,8 +6,9 @@ import asyncio
 import itertools
 import queue
 import sys
+import time
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import astuple
 from pathlib import Path
 
@@ -101,11 +102,11 @@ class LLM:
         for_generation False (counting tokens): text however long, and an empty prompt, are tokenized, not refused."""
         return self._encoder.encode(prompt, messages, for_generation=for_generation)
 
-    def submit(self, prompt: Prompt, params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
         """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
         only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (for
         abort). Raises RequestError, CapacityError or ServerBusyError at once."""
-        group = self._requests(prompt, params, priority)
+        group = self._requests(prompt, _params_list(sampling_params, 1)[0], priority)
         self.executor.submit(group, [sink] * len(group))
         return [r.request_id for r in group]
 
@@ -113,11 +114,11 @@ class LLM:
         """Stop a request and free its KV blocks before the next step; its sink gets a final output."""
         self.executor.abort(request_id)
 
-    async def stream_outputs(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0
+    async def stream_outputs(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0
                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) pairs for the prompt's n outputs as the batch loop produces them, each ending with a
         finished output; errors are raised; closing or cancelling the consumer aborts what is unfinished."""
-        params = params or SamplingParams()
+        params = _params_list(sampling_params, 1)[0]
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         ids = self.submit(prompt, params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output),
@@ -139,24 +140,19 @@ class LLM:
     def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
         priority = check_priority(priority)
         ids = self._encoder.encode(prompt)
+        params = params.for_prompt(len(ids), self.engine.manifest.limits.max_seq_len)
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
                             self.engine.manifest.model.vocab_size, priority)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None) -> list[PromptOutput]:
-        """Generate for every prompt with in-flight batching; results come back in input order. `priority`: one
-        for all or one per prompt, lower first (vLLM's meaning); None: all equal, first come, first served.
-        `use_tqdm`: a progress bar on stderr (None: when stderr is a terminal)."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts)
-                                        and is_int(prompts[0])):
-            prompts = [prompts]  # one prompt of token ids
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        params = list(params)
-        if len(params) != len(prompts):
-            raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
+        """Generate for every prompt with in-flight batching; results come back in input order. A prompt is text,
+        token ids or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}. `sampling_params`: one for all or one per
+        prompt. `priority`: one for all or one per prompt, lower first (vLLM's meaning); None: all equal, first
+        come, first served. `use_tqdm`: a progress bar on stderr (None: when stderr is a terminal)."""
+        prompts = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
         each = priorities(priority, len(prompts))
         groups = [self._requests(p, sp, pr) for p, sp, pr in zip(prompts, params, each, strict=True)]
         done: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
@@ -184,10 +180,26 @@ class LLM:
             raise
         return [PromptOutput(g[0].prompt_ids, list(r)) for g, r in zip(groups, results, strict=True)]
 
-    def stream_sync(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> Iterator[str]:
-        """Text deltas of one request as the batch loop produces them; closing the iterator aborts the request."""
-        request = self._single(prompt, params, priority)
+    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None) -> list[PromptOutput]:
+        """generate() for one conversation (a list of {"role", "content"} messages) or a list of them, each through
+        the tokenizer's chat template with the assistant's turn opened."""
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        prompts = [self.encode(messages=list(c)) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+
+    def stream_sync(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> Iterator[str]:
+        """Text deltas of one request as the batch loop produces them; closing the iterator aborts the request.
+        Bad input raises here; the request is queued when iteration starts (ServerBusyError then)."""
+        request = self._single(prompt, sampling_params, priority)
+        self.executor.scheduler.check(request)
+        return self._deltas(request)
+
+    def _deltas(self, request: Request) -> Iterator[str]:
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        request.arrival = time.perf_counter()
         self.executor.submit([request], [outputs.put])
         finished = False
         try:
@@ -200,10 +212,10 @@ class LLM:
             if not finished:
                 self.executor.abort(request.request_id)
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+    async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                      priority: int = 0) -> AsyncIterator[str]:
         """`async for delta in llm.stream(prompt)`; cancelling the consumer aborts the request."""
-        params = params or SamplingParams()
+        params = _params_list(sampling_params, 1)[0]
         if params.n != 1:
             raise RequestError("streaming text gives one output; use n=1 (or stream_outputs for several)")
         async for _, output in self.stream_outputs(prompt, params, priority):
@@ -211,10 +223,36 @@ class LLM:
                 yield output.delta
 
     def _single(self, prompt: Prompt, params: SamplingParams | None, priority: int) -> Request:
-        params = params or SamplingParams()
+        params = _params_list(params, 1)[0]
         if params.n != 1:
             raise RequestError("streaming gives one output; use n=1 (or generate() for several outputs)")
         return self._requests(prompt, params, priority)[0]
+
+
+def _prompt_list(prompts: object) -> list:
+    """generate()'s prompts as a list: one prompt (text, ids or a prompt dict) or a sequence of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts)
+                                            and is_int(prompts[0])):
+        return [prompts]  # one prompt
+    if prompts is None or isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+        raise RequestError(f"prompts must be a prompt (text, token ids or a prompt dict) or a list of them, got "
+                           f"{prompts!r:.80}")
+    return list(prompts)
+
+
+def _params_list(params: object, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt from None (the defaults), one for all, or one each."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+        raise RequestError(f"sampling_params must be a SamplingParams or one per prompt, got {params!r:.80}")
+    params = list(params)
+    if len(params) != count:
+        raise RequestError(f"got {len(params)} SamplingParams for {count} prompts; pass one or one each")
+    wrong = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
+    if wrong is not None:
+        raise RequestError(f"sampling_params[{wrong}] is {params[wrong]!r:.80}, not a SamplingParams")
+    return params
 
 
 class _Encoder(Session):

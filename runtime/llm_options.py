@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import RequestError
 from camshaft.manifest import BuildLimits
@@ -57,6 +59,8 @@ def priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
     """One priority per prompt: None → all 0, one integer → all that, a sequence → one each."""
     if priority is None or is_int(priority):
         return [check_priority(priority or 0)] * count
+    if isinstance(priority, np.ndarray):
+        priority = priority.tolist()
     if isinstance(priority, str) or not isinstance(priority, Sequence):
         raise RequestError(f"priority must be an integer or one integer per prompt, got {priority!r}")
     if len(priority) != count:

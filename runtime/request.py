@@ -37,6 +37,13 @@ class GenerationResult:
     timings: Timings
     logprobs: list[SampleResult] | None = None
     stop_token_id: int | None = None  # the end id or stop_token_ids entry that ended it (token_ids[-1]), else None
+    stop_reason: str | int | tuple[int, ...] | None = None  # vLLM's: the stop string, stop_token_ids entry or
+    # stop_word_ids sequence that ended it; None for an end id, the length limit or an abort
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the chosen tokens' log-probs (vLLM's), when logprobs were asked for."""
+        return None if self.logprobs is None else float(sum(s.logprob or 0.0 for s in self.logprobs))
 
 
 @dataclass
@@ -56,6 +63,7 @@ class Request:
     queue_order: int = 0  # set by the scheduler when the request arrives
     finish_reason: str | None = None
     stop_token_id: int | None = None
+    stop_reason: str | int | tuple[int, ...] | None = None
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None  # first taken into the running batch (a preempted request keeps it)
     first_token_at: float | None = None
@@ -88,9 +96,14 @@ class Request:
                                 or (not params.ignore_eos and token in self.eos_token_ids))
         # a stop token's text is left out unless include_stop_str_in_output (vLLM); its id stays in the output
         delta = "" if stop_id and not params.include_stop_str_in_output else self.text.append(token)
-        if self.text.stopped or stop_id or (may_stop and self._ends_with_stop_word(token)):
+        word = self._stop_word(token) if may_stop else None
+        if self.text.stopped or stop_id or word:
             self.finish_reason = "stop"
             self.stop_token_id = token if stop_id else None
+            if self.text.matched_stop is not None:
+                self.stop_reason = self.text.matched_stop
+            else:
+                self.stop_reason = token if stop_id and token in params.stop_token_ids else word
         if self.finish_reason is None and len(self.output_ids) >= params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:
@@ -99,14 +112,14 @@ class Request:
                 delta += self.text.finish()
         return delta
 
-    def _ends_with_stop_word(self, token: int) -> bool:
-        """The sequence (prompt and output, as TensorRT-LLM matches) ends with one of stop_word_ids; its ids and
+    def _stop_word(self, token: int) -> tuple[int, ...] | None:
+        """The stop_word_ids entry the sequence (prompt and output, as TensorRT-LLM matches) ends with; its ids and
         text stay in the output."""
         words = self.stop_words.get(token)
         if not words:
-            return False
+            return None
         ids = self.output_ids if max(map(len, words)) <= len(self.output_ids) else self.all_ids
-        return any(tuple(ids[-len(word):]) == word for word in words)
+        return next((word for word in words if tuple(ids[-len(word):]) == word), None)
 
     def result(self) -> GenerationResult:
         end = self.finished_at or time.perf_counter()
@@ -121,6 +134,7 @@ class Request:
             timings=timings,
             logprobs=list(self.samples) if self.params.logprobs is not None else None,
             stop_token_id=self.stop_token_id,
+            stop_reason=self.stop_reason,
         )
 
 

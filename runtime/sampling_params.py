@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from camshaft.checks import is_int
-from camshaft.errors import RequestError
+from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime.prompt_text import check_unicode
 
 MAX_LOGPROBS = 20
@@ -27,9 +27,20 @@ def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _listed(value: object, name: str, example: str) -> tuple:
+    """A list parameter as a tuple: None is empty (vLLM's default), a lone string one entry."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    _require(isinstance(value, Iterable) and not isinstance(value, (bytes, dict)),
+             f"{name} must be a list (e.g. {example}), got {value!r:.200}")
+    return tuple(value)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 128
+    max_tokens: int | None = 128  # None: as many as the engine's max_seq_len leaves after the prompt
     min_tokens: int = 0
     temperature: float = 0.0
     top_k: int = 0
@@ -53,7 +64,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
             value = getattr(self, name)
-            words = (value,) if isinstance(value, str) else tuple(value)
+            words = _listed(value, name, '["\\n\\n"]')
             _require(all(isinstance(w, str) and w for w in words),
                      f"{name} must be a list of non-empty strings, got {value!r}")
             for word in words:
@@ -69,18 +80,21 @@ class SamplingParams:
                  f"{sum(map(len, self.bad_words))}")
         for name, limit in (("bad_word_ids", MAX_BAD_WORDS), ("stop_word_ids", MAX_STOP_WORD_IDS)):
             words = tuple(() if isinstance(w, (str, bytes)) or not isinstance(w, Iterable) else tuple(w)
-                          for w in getattr(self, name))
+                          for w in _listed(getattr(self, name), name, "[[5, 6]]"))
             _require(all(w and all(is_int(t) and t >= 0 for t in w) for w in words),
                      f"{name} must be non-empty lists of non-negative token ids (a list of id lists, e.g. "
                      f"[[5, 6]]), got {getattr(self, name)!r:.200}")
             _require(len(words) <= limit, f"{name} takes at most {limit} words, got {len(words)}")
             object.__setattr__(self, name, tuple(tuple(int(t) for t in w) for w in words))
-        ids = tuple(self.stop_token_ids)
+        ids = _listed(self.stop_token_ids, "stop_token_ids", "[2]")
         _require(all(is_int(t) and t >= 0 for t in ids),
                  f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
 
-        for name in ("max_tokens", "min_tokens", "top_k", "n", "beam_width"):
+        _require(self.max_tokens is None or is_int(self.max_tokens),
+                 f"max_tokens must be an integer or None (the rest of the engine's max_seq_len), got "
+                 f"{self.max_tokens!r}")
+        for name in ("min_tokens", "top_k", "n", "beam_width"):
             _require(is_int(getattr(self, name)), f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             _require(_is_number(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)!r}")
@@ -89,8 +103,9 @@ class SamplingParams:
                  "beam search is not supported; use beam_width=1 (several outputs of one prompt: sample with n > 1 "
                  "in the Python or OpenAI API)")
         _require(self.beam_width == 1, f"beam_width must be 1, got {self.beam_width}")
-        _require(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
-        _require(0 <= self.min_tokens <= self.max_tokens,
+        _require(self.max_tokens is None or self.max_tokens >= 1,
+                 f"max_tokens must be at least 1, got {self.max_tokens}")
+        _require(0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens),
                  f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _require(self.temperature >= 0, f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         _require(self.top_k >= -1, f"top_k must be >= 1, or 0 or -1 to disable it, got {self.top_k}")
@@ -106,6 +121,24 @@ class SamplingParams:
         _require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         _require(self.n >= 1, f"n must be at least 1, got {self.n}")
+
+    def for_prompt(self, prompt_tokens: int, max_seq_len: int) -> SamplingParams:
+        """These params for a prompt of `prompt_tokens` on an engine of `max_seq_len`: max_tokens None becomes what
+        the engine leaves; a prompt and max_tokens that cannot fit are refused (CapacityError)."""
+        room = max_seq_len - prompt_tokens
+        if room < 1:
+            raise CapacityError(f"the prompt has {prompt_tokens} tokens; this engine allows {max_seq_len} tokens in "
+                                "all (prompt + output). Shorten the prompt or rebuild with a larger --max-seq-len.")
+        if self.max_tokens is None:
+            if self.min_tokens > room:
+                raise CapacityError(f"min_tokens {self.min_tokens} does not fit after the prompt ({prompt_tokens} "
+                                    f"tokens) within the engine's max_seq_len ({max_seq_len}); lower min_tokens")
+            return replace(self, max_tokens=room)
+        if self.max_tokens > room:
+            raise CapacityError(f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) exceeds the "
+                                f"engine's max_seq_len ({max_seq_len}); pass max_tokens <= {room}, or None for "
+                                "all that is left")
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from camshaft.checks import is_int
-from camshaft.errors import CapacityError, RequestError, ServerClosedError
+from camshaft.errors import RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.kv_cache import parse_memory
@@ -22,7 +22,8 @@ from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
 
@@ -87,6 +88,11 @@ class Session:
                for_generation: bool = True) -> list[int]:
         """The prompt's ids as generation feeds them to the engine. for_generation False (counting tokens): text
         however long, and an empty prompt, are tokenized rather than refused."""
+        if isinstance(prompt, dict):
+            if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
+                raise RequestError(f'a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got the '
+                                   f"keys {sorted(map(str, prompt))}")
+            prompt = next(iter(prompt.values()))
         if (prompt is None) == (messages is None):
             raise RequestError("pass exactly one of a prompt or chat messages")
         limit = self.manifest.limits.max_seq_len if for_generation else None
@@ -122,6 +128,8 @@ class Session:
             raise RequestError(f"this model's chat template refused the messages: {exc}") from exc
 
     def _params(self, params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
+        if params is not None and not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling_params must be a SamplingParams, got {params!r:.80}")
         unknown = set(overrides) - _PARAM_NAMES
         if unknown:
             raise RequestError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(_PARAM_NAMES)}")
@@ -132,38 +140,30 @@ class Session:
         return params
 
     def _request(self, ids: list[int], params: SamplingParams) -> Request:
-        limit = self.manifest.limits.max_seq_len
-        if len(ids) + params.max_tokens > limit:
-            if len(ids) >= limit:
-                raise CapacityError(
-                    f"the prompt has {len(ids)} tokens; this engine allows {limit} tokens in all "
-                    f"(prompt + output). Shorten the prompt or rebuild with a larger --max-seq-len."
-                )
-            raise CapacityError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's max_seq_len "
-                f"({limit}); pass max_tokens <= {limit - len(ids)}"
-            )
+        params = params.for_prompt(len(ids), self.manifest.limits.max_seq_len)
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
                             self.manifest.model.vocab_size)[0]
 
-    def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+    def stream(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
                messages: list[dict[str, str]] | None = None,
                **overrides: Any) -> Generator[str, None, GenerationResult]:
         """Text deltas as they become safe; they concatenate to the generated text, and the generator returns the
-        GenerationResult (StopIteration.value). Bad input raises here, before the first delta."""
-        request = self._request(self.encode(prompt, messages), self._params(params, overrides))
+        GenerationResult (StopIteration.value). Bad input raises here, before the first delta; timings count from
+        the first delta asked for."""
+        request = self._request(self.encode(prompt, messages), self._params(sampling_params, overrides))
         return self._run(request)
 
-    def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+    def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
                  messages: list[dict[str, str]] | None = None, **overrides: Any) -> GenerationResult:
-        request = self._request(self.encode(prompt, messages), self._params(params, overrides))
+        """One request: `sampling_params` and/or SamplingParams fields as keywords (max_tokens=..., which win)."""
+        request = self._request(self.encode(prompt, messages), self._params(sampling_params, overrides))
         for _ in self._run(request):
             pass
         return request.result()
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None,
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
              **overrides: Any) -> GenerationResult:
-        return self.generate(params=params, messages=messages, **overrides)
+        return self.generate(sampling_params=sampling_params, messages=messages, **overrides)
 
     def _run(self, request: Request) -> Generator[str, None, GenerationResult]:
         if not self._running.acquire(blocking=False):
@@ -172,6 +172,7 @@ class Session:
         engine = self.engine
         try:
             self._check_open()
+            request.arrival = time.perf_counter()
             engine.start(len(request.prompt_ids) + request.params.max_tokens)
         except BaseException:
             self._running.release()

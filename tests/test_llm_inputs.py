@@ -195,3 +195,86 @@ def test_a_pool_beyond_the_process_memory_is_a_clear_error(engine_dir):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "REFUSED" in run.stdout, run.stdout + run.stderr[-2000:]
     assert "does not fit this process's memory" in run.stdout and "--kv-cache-memory" in run.stdout
+
+
+# --- the vLLM / TensorRT-LLM API as their users write it ---
+
+
+def test_prompt_dicts_and_the_sampling_params_keyword(engine_dir):
+    params = SamplingParams(max_tokens=4)
+    with LLM(engine_dir) as llm:
+        ids = llm.encode("river")
+        expected = llm.generate(ids, params)[0].outputs[0].token_ids
+        for prompt in ({"prompt_token_ids": ids}, {"prompt": "river"}):
+            out = llm.generate(prompt, sampling_params=params)  # one dict is one prompt, not its keys
+            assert out[0].prompt_token_ids == ids and out[0].outputs[0].token_ids == expected
+        assert [o.outputs[0].token_ids for o in llm.generate([{"prompt": "river"}, ids], params)] == [expected] * 2
+        with pytest.raises(RequestError, match=r'one key, "prompt" .text. or "prompt_token_ids", got the keys '
+                                               r"\['multi_modal_data', 'prompt'\]"):
+            llm.generate({"prompt": "river", "multi_modal_data": {}})
+        assert "".join(llm.stream_sync({"prompt": "river"}, sampling_params=params)) == \
+            llm.tokenizer.decode(expected)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda llm: llm.generate(None), "prompts must be a prompt"),
+    (lambda llm: llm.generate(7), "prompts must be a prompt"),
+    (lambda llm: llm.generate(["a"], [None]), r"sampling_params\[0\] is None, not a SamplingParams"),
+    (lambda llm: llm.generate(["a"], {"max_tokens": 2}), "sampling_params must be a SamplingParams or one per"),
+    (lambda llm: llm.stream_sync("a", SamplingParams(n=2)), "use n=1"),
+    (lambda llm: llm.stream_sync("w " * 200), "tokens"),  # refused at the call, not at the first next()
+])
+def test_bad_calls_raise_request_errors_at_the_call(engine_dir, call, message):
+    with LLM(engine_dir) as llm:
+        with pytest.raises(RequestError, match=message) as info:
+            call(llm)
+        assert isinstance(info.value, ValueError)  # what vLLM / TensorRT-LLM code catches
+
+
+def test_list_parameters_take_none_and_refuse_a_bare_number():
+    params = SamplingParams(stop=None, stop_token_ids=None, bad_words=None, stop_word_ids=None, bad_word_ids=None)
+    assert params.stop == params.stop_token_ids == params.bad_words == params.stop_word_ids == ()
+    for name, example in (("stop_token_ids", r"\[2\]"), ("stop", r"\[.*\]"), ("stop_word_ids", r"\[\[5, 6\]\]")):
+        with pytest.raises(RequestError, match=f"{name} must be a list .e.g. {example}., got 2"):
+            SamplingParams(**{name: 2})
+
+
+def test_max_tokens_none_fills_the_context_and_a_default_that_does_not_fit_says_so(engine_dir):
+    with LLM(engine_dir) as llm:
+        prompt = list(range(5, 105))  # 100 of the engine's 128 tokens
+        out = llm.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0]
+        assert len(out.token_ids) == 28 and out.finish_reason == "length"
+        with pytest.raises(RequestError, match=r"max_tokens \(128\) exceeds the engine's max_seq_len \(128\); pass "
+                                               r"max_tokens <= 28, or None for all that is left"):
+            llm.generate(prompt)
+        with pytest.raises(RequestError, match=r"max_tokens \(128\) exceeds"):
+            llm.submit(prompt, None, lambda _: None)  # None: the defaults, as everywhere
+        with pytest.raises(RequestError, match="min_tokens 40 does not fit after the prompt"):
+            llm.generate(prompt, SamplingParams(max_tokens=None, min_tokens=40))
+        with pytest.raises(RequestError, match="the prompt has 128 tokens; this engine allows 128"):
+            llm.generate(list(range(5, 133)), SamplingParams(max_tokens=None))
+
+
+def test_chat_priorities_in_numpy_and_what_stopped_a_request(engine_dir):
+    messages = [{"role": "user", "content": "Name a river."}]
+    with LLM(engine_dir) as llm:
+        params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+        chat = llm.chat(messages, params)[0]
+        assert chat.prompt_token_ids == llm.encode(messages=messages)
+        assert chat.outputs[0].token_ids == llm.generate(chat.prompt_token_ids, params)[0].outputs[0].token_ids
+        assert len(llm.chat([messages, messages], params, priority=np.array([1, 0]))) == 2
+        with pytest.raises(RequestError, match="messages"):
+            llm.chat([])
+        result = chat.outputs[0]
+        assert result.stop_reason is None and result.finish_reason == "length"
+        assert result.cumulative_logprob == pytest.approx(sum(s.logprob for s in result.logprobs))
+        assert result.cumulative_logprob < 0
+        assert llm.generate("a", SamplingParams(max_tokens=4))[0].outputs[0].cumulative_logprob is None
+        first, second = result.token_ids[:2]
+        by_id = llm.generate(chat.prompt_token_ids, SamplingParams(max_tokens=6, stop_token_ids=[second]))
+        assert by_id[0].outputs[0].stop_reason == second and by_id[0].outputs[0].token_ids == [first, second]
+        by_word = llm.generate(chat.prompt_token_ids, SamplingParams(max_tokens=6, stop_word_ids=[[first, second]]))
+        assert by_word[0].outputs[0].stop_reason == (first, second)
+        text = llm.tokenizer.decode(result.token_ids[:3])
+        by_text = llm.generate(chat.prompt_token_ids, SamplingParams(max_tokens=6, stop=[text[-1]]))
+        assert by_text[0].outputs[0].stop_reason == text[-1]

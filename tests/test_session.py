@@ -43,6 +43,25 @@ def test_stream_concatenates_to_generate(session):
     assert 0 <= result.timings.queued_s < result.timings.ttft_s  # a Session has no queue: only its set-up
 
 
+def test_timings_count_from_the_first_delta_asked_for_and_vllm_forms(session):
+    import time
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    stream = session.stream({"prompt": "hello world"}, sampling_params=params)  # created now, read later
+    time.sleep(0.3)
+    deltas = []
+    try:
+        while True:
+            deltas.append(next(stream))
+    except StopIteration as stop:
+        result = stop.value
+    assert result.timings.ttft_s < 0.3 and "".join(deltas) == result.text
+    assert session.generate({"prompt_token_ids": result.prompt_token_ids}, max_tokens=4,
+                            ignore_eos=True).token_ids == result.token_ids
+    with pytest.raises(RequestError, match="sampling_params must be a SamplingParams"):
+        session.generate("hello", {"max_tokens": 4})
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(session):
     runs = [session.generate("abc", max_tokens=30, temperature=1.0, seed=s).token_ids for s in (1, 1, 2)]
     assert runs[0] == runs[1]

@@ -51,7 +51,7 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     kwargs = {"messages": messages} if chat else {"prompt": prompt}
     if stream:
-        deltas = session.stream(params=params, **kwargs)
+        deltas = session.stream(sampling_params=params, **kwargs)
         while True:
             try:
                 sys.stdout.write(next(deltas))
@@ -61,7 +61,7 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
                 break
         sys.stdout.write("\n")
     else:
-        result = session.generate(params=params, **kwargs)
+        result = session.generate(sampling_params=params, **kwargs)
         typer.echo(result.text)
     t = result.timings
     err.print(f"[dim]{t.output_tokens} tokens · finish {result.finish_reason} · TTFT {t.ttft_s * 1000:.0f} ms · "

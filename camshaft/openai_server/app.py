@@ -176,9 +176,7 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         arrival = time.perf_counter()
         check(body)
         ids = await prompt_ids(messages=[m.template_dict() for m in body.messages])
-        max_tokens = body.requested_max_tokens()
-        params = body.sampling_params(max_seq_len - len(ids) if max_tokens is None else max_tokens,
-                                      body.logprobs_count())
+        params = body.sampling_params(body.requested_max_tokens(), body.logprobs_count())  # None: all that is left
         shape = ChatShape(model_name, llm.tokenizer)
         return await respond(request, body.stream, body.include_usage, [ids], params, shape, arrival, body.priority)
 

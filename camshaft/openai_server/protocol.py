@@ -68,7 +68,7 @@ class _GenerationRequest(BaseModel):
         if self.logit_bias:
             raise RequestError("logit_bias is not supported; leave it out (bad_words are not exposed either)")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=self.min_tokens,

@@ -127,8 +127,9 @@ class SamplingParams:
         the engine leaves; a prompt and max_tokens that cannot fit are refused (CapacityError)."""
         room = max_seq_len - prompt_tokens
         if room < 1:
-            raise CapacityError(f"the prompt has {prompt_tokens} tokens; this engine allows {max_seq_len} tokens in "
-                                "all (prompt + output). Shorten the prompt or rebuild with a larger --max-seq-len.")
+            raise CapacityError(f"the prompt has {prompt_tokens} tokens; this engine's max_seq_len allows "
+                                f"{max_seq_len} tokens in all (prompt + output). Shorten the prompt or rebuild with "
+                                "a larger --max-seq-len.")
         if self.max_tokens is None:
             if self.min_tokens > room:
                 raise CapacityError(f"min_tokens {self.min_tokens} does not fit after the prompt ({prompt_tokens} "

@@ -251,7 +251,7 @@ def test_max_tokens_none_fills_the_context_and_a_default_that_does_not_fit_says_
             llm.submit(prompt, None, lambda _: None)  # None: the defaults, as everywhere
         with pytest.raises(RequestError, match="min_tokens 40 does not fit after the prompt"):
             llm.generate(prompt, SamplingParams(max_tokens=None, min_tokens=40))
-        with pytest.raises(RequestError, match="the prompt has 128 tokens; this engine allows 128"):
+        with pytest.raises(RequestError, match="the prompt has 128 tokens; this engine.s max_seq_len allows 128"):
             llm.generate(list(range(5, 133)), SamplingParams(max_tokens=None))
 
 

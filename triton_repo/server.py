@@ -132,9 +132,11 @@ class TritonServer:
             self.process.kill()
             code = self.process.wait()
         # stubs left behind: Triton gave up unloading ("Exiting immediately"), or died before stop() was called
-        self._shm |= _shm_of(_group(self.process.pid))
+        left = _group(self.process.pid)
+        self._shm |= _shm_of(left)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        psutil.wait_procs(left, timeout=10)  # SIGKILL is delivered, not yet acted on, when killpg returns
         self.leaked_shm = sorted(name for name in self._shm if Path("/dev/shm", name).exists())
         for name in self.leaked_shm:  # only regions our server's processes mapped; a clean exit leaves none
             Path("/dev/shm", name).unlink(missing_ok=True)

@@ -47,6 +47,13 @@ def test_serve_refuses_ports_it_would_ignore_or_share(engine):
             "Triton needs three different ports")
 
 
+def test_an_api_key_is_for_the_openai_api_and_not_blank(engine):
+    refused(invoke("serve", "--engine", engine, "--api-key", "k"), "--api-key (or $CAMSHAFT_API_KEY) guards the OpenAI")
+    from_env = CliRunner().invoke(app, ["serve", "--engine", str(engine)], env={"CAMSHAFT_API_KEY": "k"})
+    refused(from_env, "Triton has no API keys")  # a key in the environment is not silently dropped
+    refused(invoke("serve", "--engine", engine, "--api", "openai", "--api-key", " k"), "--api-key is empty or starts")
+
+
 def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

@@ -39,9 +39,10 @@ def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def running_server(engine: Path, **llm_options) -> Iterator[tuple[str, object]]:
+def running_server(engine: Path, api_key: str | None = None, **llm_options) -> Iterator[tuple[str, object]]:
     """(base URL, its LLM) of a uvicorn server on a free loopback port, in a thread."""
-    server, llm = build_server(engine, host="127.0.0.1", port=0, llm_options=llm_options, log_level="warning")
+    server, llm = build_server(engine, host="127.0.0.1", port=0, llm_options=llm_options, log_level="warning",
+                               api_key=api_key)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -484,3 +485,25 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
     empty = HTTP.post(url + "/tokenize", json={"prompt": ""}).json()
     assert empty["count"] == len(llm.tokenizer("")["input_ids"])
     assert 'path="/tokenize",status="200"' in HTTP.get(url + "/metrics").text
+
+
+def test_an_api_key_guards_every_route_but_the_operators(engine_dir):
+    with running_server(engine_dir, api_key="s3cret", max_batch_size=2) as (url, _):
+        for path in ("/health", "/metrics", "/version"):
+            assert httpx.get(url + path).status_code == 200, path
+        missing = httpx.get(f"{url}/v1/models")
+        assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        assert "needs an API key" in missing.json()["error"]["message"]
+        wrong = httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer s3cre"})
+        assert wrong.status_code == 401 and "not this server's" in wrong.json()["error"]["message"]
+        assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"},
+                          headers={"authorization": "bearer  s3cret"}).status_code == 200  # the scheme in any case
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope").completions.create(model=MODEL, prompt="hi",
+                                                                                   max_tokens=2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret")
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'camshaft_http_requests_total{path="/v1/models",status="401"} 1.0' in metrics
+        assert 'camshaft_http_requests_total{path="/v1/completions",status="401"} 1.0' in metrics

@@ -88,6 +88,10 @@ def serve(
     max_num_tokens: TokensOption = None,
     policy: Annotated[str | None, typer.Option(help="guaranteed_no_evict | max_utilization  [default: "
                                                     "guaranteed_no_evict]")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        envvar="CAMSHAFT_API_KEY", show_envvar=False,
+        help="OpenAI API: clients must send it as a bearer token (also from $CAMSHAFT_API_KEY, kept out of the "
+             "process list); /health, /metrics and /version stay open")] = None,
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
@@ -100,6 +104,11 @@ def serve(
         raise CamshaftError("--name is empty; give the served model name, or drop --name for the default")
     if api == "openai" and (engine is None or repo is not None):
         raise CamshaftError("--api openai serves an engine directory: pass --engine (not --repo)")
+    if api_key is not None and api != "openai":
+        raise CamshaftError("--api-key (or $CAMSHAFT_API_KEY) guards the OpenAI API; Triton has no API keys: put it "
+                            "behind a gateway that checks them, or unset it")
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise CamshaftError("--api-key is empty or starts or ends with spaces; give the key clients send")
     triton_ports = {"--grpc-port": grpc_port, "--metrics-port": metrics_port}
     if api == "openai" and any(v is not None for v in triton_ports.values()):
         names = ", ".join(k for k, v in triton_ports.items() if v is not None)
@@ -115,7 +124,8 @@ def serve(
     if api == "openai":
         from camshaft.openai_server.server import serve as serve_openai
 
-        serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name)
+        serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
+                     api_key=api_key)
     elif api == "triton":
         from camshaft.triton_repo.server import serve as serve_triton
 

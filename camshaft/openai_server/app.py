@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from camshaft.errors import CapacityError
 from camshaft.openai_server import errors
+from camshaft.openai_server.api_key import ApiKey
 from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
 from camshaft.openai_server.errors import APIError, from_exception, route_path
 from camshaft.openai_server.generation import Generation
@@ -60,14 +61,20 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
     return task.result() if task.done() and not task.cancelled() else None
 
 
-def create_app(llm: LLM, model_name: str) -> FastAPI:
+def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+    """api_key: every route but /health, /metrics and /version asks for it as a bearer token (None: none)."""
     app = FastAPI(title="camshaft OpenAI-compatible API")
     metrics = Metrics(llm)
     errors.install(app, metrics)
     max_seq_len, max_n = llm.config.max_seq_len, llm.config.max_batch_size
-    routes = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    routes = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models"}
+    def refused(path: str, status: int) -> None:
+        metrics.http(path if path in routes else "other", status)
+
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes(max_seq_len, max_n, llm.executor.max_queue),
-                       refused=lambda path, status: metrics.http(path if path in routes else "other", status))
+                       refused=refused)
+    if api_key is not None:
+        app.add_middleware(ApiKey, key=api_key, refused=refused)  # added last: runs first, before a body is read
     app.state.llm, app.state.metrics = llm, metrics
 
     def model_card() -> dict:

@@ -73,9 +73,15 @@ class BodyLimit:
 
     async def _refuse(self, scope: Scope, send: Send, status: int, message: str) -> None:
         self.refused(scope.get("path", ""), status)
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                     "code": None}}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, status, message, headers=[(b"connection", b"close")])
+
+
+async def send_error(send: Send, status: int, message: str, code: str | None = None,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """An OpenAI-style error response, sent before the app sees the request."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})

@@ -17,11 +17,11 @@ GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish before they are 
 
 
 def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_level: str = "info",
-                 model_name: str | None = None) -> tuple[uvicorn.Server, LLM]:
+                 model_name: str | None = None, api_key: str | None = None) -> tuple[uvicorn.Server, LLM]:
     """The uvicorn server and the LLM it serves (the caller closes the LLM after the server stops)."""
     llm = LLM(engine, spin_wait=False, **llm_options)
     try:
-        app = create_app(llm, model_name or Path(engine).resolve().name)
+        app = create_app(llm, model_name or Path(engine).resolve().name, api_key)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
         return uvicorn.Server(config), llm
@@ -31,12 +31,13 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
 
 
 def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None],
-          model_name: str | None = None) -> None:
+          model_name: str | None = None, api_key: str | None = None) -> None:
     """Serve until Ctrl-C or SIGTERM (a second one cuts open streams), then return. uvicorn runs in a thread and
     this one handles the signals, so the LLM is closed and the exit status is 0. model_name: the model id clients
     send (default: the engine directory's name)."""
     model_name = model_name or Path(engine).resolve().name
-    server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name)
+    server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name,
+                               api_key=api_key)
     thread = threading.Thread(target=server.run, name="camshaft-openai-http")
 
     def stop(signum: int, frame: object) -> None:
@@ -52,7 +53,8 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
             if server.started and not announced:
                 announced = True
                 log(f"OpenAI API for model {model_name!r} at http://{host}:{port}/v1 "
-                    "(health: /health, metrics: /metrics); Ctrl-C stops it")
+                    f"(health: /health, metrics: /metrics{'; an API key required' if api_key else ''}); Ctrl-C "
+                    "stops it")
     finally:
         server.should_exit = True
         thread.join()

@@ -296,6 +296,13 @@ def test_stop_string_ends_the_text(client, session):
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop)
     assert out.choices[0].text == expected.text and out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens == len(expected.token_ids)
+    assert out.choices[0].model_extra["stop_reason"] == stop  # vLLM's field: what stopped it
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=3,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].model_extra["stop_reason"] is None
+    last = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
+                                          stream=True))[-1]
+    assert last.choices[0].finish_reason == "stop" and last.choices[0].model_extra["stop_reason"] == stop
 
 
 def test_metrics_move_with_requests(served, client):

@@ -20,6 +20,12 @@ def _logprob(value: float | None) -> float:
     return _FLOOR if value is None or not math.isfinite(value) else max(value, _FLOOR)
 
 
+def stop_reason(result: GenerationResult | None) -> str | int | list[int] | None:
+    """vLLM's field: the stop string, stop token id or stop word (ids) that ended the choice; else null."""
+    reason = result.stop_reason if result is not None else None
+    return list(reason) if isinstance(reason, tuple) else reason
+
+
 def finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
@@ -92,6 +98,7 @@ class CompletionShape(_Shape):
 
     def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
         return {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
+                "stop_reason": stop_reason(result),
                 "logprobs": self.logprobs(index, result.logprobs or []) if with_logprobs else None}
 
     def opening(self, num_choices: int) -> list[dict]:
@@ -102,7 +109,8 @@ class CompletionShape(_Shape):
             return None
         return {"index": index, "text": output.delta,
                 "logprobs": self.logprobs(index, output.logprobs) if with_logprobs else None,
-                "finish_reason": finish_reason(output.result.finish_reason) if output.result else None}
+                "finish_reason": finish_reason(output.result.finish_reason) if output.result else None,
+                "stop_reason": stop_reason(output.result)}
 
 
 class ChatShape(_Shape):
@@ -121,7 +129,7 @@ class ChatShape(_Shape):
     def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": result.text},
                 "logprobs": self.logprobs(result.logprobs or []) if with_logprobs else None,
-                "finish_reason": finish_reason(result.finish_reason)}
+                "finish_reason": finish_reason(result.finish_reason), "stop_reason": stop_reason(result)}
 
     def opening(self, num_choices: int) -> list[dict]:
         """The assistant role first, as OpenAI streams it."""
@@ -133,4 +141,5 @@ class ChatShape(_Shape):
             return None
         return {"index": index, "delta": {"content": output.delta} if output.delta else {},
                 "logprobs": self.logprobs(output.logprobs) if with_logprobs else None,
-                "finish_reason": finish_reason(output.result.finish_reason) if output.result else None}
+                "finish_reason": finish_reason(output.result.finish_reason) if output.result else None,
+                "stop_reason": stop_reason(output.result)}

@@ -22,13 +22,17 @@ def is_chat_feature(feature: Any) -> bool:
 
 
 def checked_messages(value: list, where: str) -> Messages:
-    for message in value:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
+    for number, message in enumerate(value):
+        if not isinstance(message, dict) or not {"role", "content"} <= set(message):
             found = f"an object with the keys {sorted(message)[:10]}" if isinstance(message, dict) else \
                 type(message).__name__
             raise QuantizeError(f'{where}: chat messages must be objects with "role" and "content" strings, found '
                                 f"{found}")
+        wrong = next((k for k in ("role", "content") if not isinstance(message[k], str)), None)
+        if wrong is not None:
+            raise QuantizeError(f"{where}: message {number}'s {wrong} is {message[wrong]!r:.60}, not a string (tool "
+                                "calls and content parts are not rendered); give conversations of text turns, or "
+                                "a text column with PATH:COLUMN")
     return value
 
 

@@ -120,7 +120,7 @@ def info_lines(info: dict[str, Any]) -> list[str]:
         f"KV cache    {kv['dtype']}, {kv['bytes_per_token']} bytes a token ({_size(kv['bytes_per_sequence'])} a full "
         f"sequence); default pool {_size(kv['default_pool_bytes'])} (max_batch_size full sequences)",
         f"files       {info['files']}, {_size(info['bytes_listed'])}"
-        + (", sizes and fingerprints as the build wrote them" if info["files_as_built"]
+        + (", as the build recorded them (sizes; fingerprints from format 3)" if info["files_as_built"]
            else ", NOT as the build wrote them (below)"),
         f"tokenizer   end ids {info['eos_token_ids']}, chat template {'yes' if info['chat_template'] else 'no'}",
         "tools       " + ", ".join(f"{k} {v}" for k, v in info["tools"].items()),

@@ -61,6 +61,9 @@ class LLM:
         self.tokenizer = engine.tokenizer
         self._encoder = _Encoder(engine)
         self.executor = Executor(engine, self.config, max_queue=max_queue)
+        # what one request may hold of the pool (a contiguous reservation takes max_seq_len whatever it asks for)
+        self._kv_tokens = (self.executor.scheduler.blocks.capacity * engine.block_size
+                           if kv_reservation == "paged" else None)
         self._ids = itertools.count()
         # closed when dropped without close(), and at interpreter exit: the loop thread would otherwise keep the
         # engine alive, or still be inside onnxruntime as the process ends
@@ -140,7 +143,7 @@ class LLM:
     def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
         priority = check_priority(priority)
         ids = self._encoder.encode(prompt)
-        params = params.for_prompt(len(ids), self.engine.manifest.limits.max_seq_len)
+        params = params.for_prompt(len(ids), self.config.max_seq_len, self._kv_tokens)
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
                             self.engine.manifest.model.vocab_size, priority)
 
@@ -185,6 +188,9 @@ class LLM:
              use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None) -> list[PromptOutput]:
         """generate() for one conversation (a list of {"role", "content"} messages) or a list of them, each through
         the tokenizer's chat template with the assistant's turn opened."""
+        if not isinstance(messages, (list, tuple)):
+            raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got "
+                               f"{messages!r:.80}")
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         prompts = [self.encode(messages=list(c)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)

@@ -122,23 +122,30 @@ class SamplingParams:
                  f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         _require(self.n >= 1, f"n must be at least 1, got {self.n}")
 
-    def for_prompt(self, prompt_tokens: int, max_seq_len: int) -> SamplingParams:
-        """These params for a prompt of `prompt_tokens` on an engine of `max_seq_len`: max_tokens None becomes what
-        the engine leaves; a prompt and max_tokens that cannot fit are refused (CapacityError)."""
+    def for_prompt(self, prompt_tokens: int, max_seq_len: int, kv_tokens: int | None = None) -> SamplingParams:
+        """These params for a prompt of `prompt_tokens` on an engine of `max_seq_len` whose KV cache holds
+        `kv_tokens` of one request (None: max_seq_len): max_tokens None becomes what both leave; a prompt and
+        max_tokens that cannot fit max_seq_len are refused (CapacityError)."""
         room = max_seq_len - prompt_tokens
         if room < 1:
             raise CapacityError(f"the prompt has {prompt_tokens} tokens; this engine's max_seq_len allows "
                                 f"{max_seq_len} tokens in all (prompt + output). Shorten the prompt or rebuild with "
                                 "a larger --max-seq-len.")
         if self.max_tokens is None:
+            if kv_tokens is not None and kv_tokens - prompt_tokens < room:
+                room = kv_tokens - prompt_tokens
+                if room < 1:
+                    raise CapacityError(f"the prompt has {prompt_tokens} tokens; the KV cache holds {kv_tokens} of "
+                                        "one request: shorten the prompt or raise kv_cache_memory")
             if self.min_tokens > room:
                 raise CapacityError(f"min_tokens {self.min_tokens} does not fit after the prompt ({prompt_tokens} "
-                                    f"tokens) within the engine's max_seq_len ({max_seq_len}); lower min_tokens")
+                                    f"tokens) in the {prompt_tokens + room} tokens a request may hold; lower "
+                                    "min_tokens")
             return replace(self, max_tokens=room)
         if self.max_tokens > room:
             raise CapacityError(f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) exceeds the "
-                                f"engine's max_seq_len ({max_seq_len}); pass max_tokens <= {room}, or None for "
-                                "all that is left")
+                                f"engine's max_seq_len ({max_seq_len}); pass max_tokens <= {room} or shorten the "
+                                "prompt")
         return self
 
     @property

@@ -82,6 +82,11 @@ class SequenceEngine:
         return self.manifest.limits
 
     @property
+    def token_budget(self) -> int:
+        """Most tokens (prompt + output) one sequence may hold: max_seq_len, or what kv_cache_memory holds."""
+        return self.max_tokens
+
+    @property
     def capacity(self) -> int:
         """Tokens the bound cache holds."""
         return self.caches[0].shape[2] if self.caches else 0
@@ -160,6 +165,11 @@ class BatchGraphSequence:
     @property
     def huge_page_bytes(self) -> int:
         return self.engine.backend.huge_page_bytes
+
+    @property
+    def token_budget(self) -> int:
+        """Most tokens (prompt + output) one sequence may hold: the pool's blocks."""
+        return self.engine.pool.capacity * self.engine.block_size
 
     def start(self, total: int) -> None:
         pool, block = self.engine.pool, self.engine.block_size

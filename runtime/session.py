@@ -92,7 +92,10 @@ class Session:
             if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
                 raise RequestError(f'a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got the '
                                    f"keys {sorted(map(str, prompt))}")
-            prompt = next(iter(prompt.values()))
+            key, prompt = next(iter(prompt.items()))
+            if isinstance(prompt, str) != (key == "prompt"):
+                raise RequestError(f'"prompt" takes text and "prompt_token_ids" a list of token ids; got {key} = '
+                                   f"{prompt!r:.80}")
         if (prompt is None) == (messages is None):
             raise RequestError("pass exactly one of a prompt or chat messages")
         limit = self.manifest.limits.max_seq_len if for_generation else None
@@ -132,7 +135,9 @@ class Session:
             raise RequestError(f"sampling_params must be a SamplingParams, got {params!r:.80}")
         unknown = set(overrides) - _PARAM_NAMES
         if unknown:
-            raise RequestError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(_PARAM_NAMES)}")
+            hint = " (the SamplingParams keyword is sampling_params)" if "params" in unknown else ""
+            raise RequestError(f"unknown sampling parameter(s) {sorted(unknown)}{hint}; known: "
+                               f"{sorted(_PARAM_NAMES)}")
         params = replace(params or SamplingParams(), **overrides)
         if params.n > 1:
             raise RequestError(f"a Session gives one output per request (n={params.n}); for several outputs of one "
@@ -140,7 +145,7 @@ class Session:
         return params
 
     def _request(self, ids: list[int], params: SamplingParams) -> Request:
-        params = params.for_prompt(len(ids), self.manifest.limits.max_seq_len)
+        params = params.for_prompt(len(ids), self.manifest.limits.max_seq_len, self.engine.token_budget)
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
                             self.manifest.model.vocab_size)[0]
 

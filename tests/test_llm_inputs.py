@@ -245,7 +245,7 @@ def test_max_tokens_none_fills_the_context_and_a_default_that_does_not_fit_says_
         out = llm.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0]
         assert len(out.token_ids) == 28 and out.finish_reason == "length"
         with pytest.raises(RequestError, match=r"max_tokens \(128\) exceeds the engine's max_seq_len \(128\); pass "
-                                               r"max_tokens <= 28, or None for all that is left"):
+                                               r"max_tokens <= 28 or shorten the prompt"):
             llm.generate(prompt)
         with pytest.raises(RequestError, match=r"max_tokens \(128\) exceeds"):
             llm.submit(prompt, None, lambda _: None)  # None: the defaults, as everywhere
@@ -253,6 +253,15 @@ def test_max_tokens_none_fills_the_context_and_a_default_that_does_not_fit_says_
             llm.generate(prompt, SamplingParams(max_tokens=None, min_tokens=40))
         with pytest.raises(RequestError, match="the prompt has 128 tokens; this engine.s max_seq_len allows 128"):
             llm.generate(list(range(5, 133)), SamplingParams(max_tokens=None))
+        for bad in ({"prompt_token_ids": "river"}, {"prompt": [5, 6]}):
+            with pytest.raises(RequestError, match='"prompt" takes text and "prompt_token_ids" a list'):
+                llm.generate(bad)
+        with pytest.raises(RequestError, match="messages must be a list"):
+            llm.chat(m for m in [{"role": "user", "content": "hi"}])
+    block = read_manifest(engine_dir).limits.kv_block_size
+    with LLM(engine_dir, kv_cache_memory=4 * bytes_per_block(read_manifest(engine_dir))) as small:  # 3 usable blocks
+        out = small.generate(list(range(5, 25)), SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0]
+        assert len(out.token_ids) == 3 * block - 20  # None: what the pool holds for one request, not max_seq_len
 
 
 def test_chat_priorities_in_numpy_and_what_stopped_a_request(engine_dir):

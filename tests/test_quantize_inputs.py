@@ -252,6 +252,9 @@ def test_chat_messages_are_rendered_with_the_chat_template(tiny, tmp_path):
     with pytest.raises(QuantizeError, match=r'bad.jsonl:1: chat messages must be objects with "role" and "content" '
                                             r"strings, found an object with the keys \['role', 'text'\]"):
         load_texts(tmp_path / "bad.jsonl")
+    (tmp_path / "tools.jsonl").write_text(json.dumps({"messages": [{"role": "assistant", "content": None}]}) + "\n")
+    with pytest.raises(QuantizeError, match=r"tools.jsonl:1: message 0's content is None, not a string"):
+        load_texts(tmp_path / "tools.jsonl")
     tokenizer.chat_template = None
     with pytest.raises(QuantizeError, match="holds chat messages, but the model's tokenizer has no chat template"):
         calibration.tokenize([CHAT], source, tokenizer, 1, 8)

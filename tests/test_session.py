@@ -60,6 +60,9 @@ def test_timings_count_from_the_first_delta_asked_for_and_vllm_forms(session):
                             ignore_eos=True).token_ids == result.token_ids
     with pytest.raises(RequestError, match="sampling_params must be a SamplingParams"):
         session.generate("hello", {"max_tokens": 4})
+    with pytest.raises(RequestError, match=r"unknown sampling parameter.*\(the SamplingParams keyword is "
+                                           r"sampling_params\)"):
+        session.generate("hello", params=params)
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(session):
@@ -301,6 +304,9 @@ def test_a_kv_cache_budget_bounds_either_graph(engine_dir, graph):
     with pytest.raises(CapacityError):
         session.generate(list(range(10, 50)), max_tokens=30, ignore_eos=True)
     assert len(session.generate("x", max_tokens=5, ignore_eos=True).token_ids) == 5  # nothing held after a refusal
+    filled = session.generate(list(range(10, 30)), max_tokens=None, ignore_eos=True)
+    budget_tokens = 48 if graph == "batch" else 56  # the sequence graph has no null block to set aside
+    assert len(filled.token_ids) == budget_tokens - 20  # None: what the budget holds, not max_seq_len (96)
     session.close()
 
 

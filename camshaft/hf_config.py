@@ -16,7 +16,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others: hidden / heads)
@@ -133,13 +133,28 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
     if rope_type == "llama3" and not low < high:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
     theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", 10000.0, least=0)
-    factor = p.get("factor", "number", 1.0, least=0)
-    if theta <= 0 or factor <= 0:
-        raise CheckpointError(f"{source}: rope_theta and the rope factor must be > 0, got {theta} and {factor}")
     original = p.get("original_max_position_embeddings", "int", None, least=1) \
         or f.get("max_position_embeddings", "int", 8192, least=1)
-    return dict(theta=float(theta), type=rope_type, factor=float(factor), low_freq_factor=float(low),
-                high_freq_factor=float(high), original_max_position_embeddings=original)
+    factor = p.get("factor", "number", *(() if rope_type == "yarn" else (1.0,)), least=0)  # yarn: required
+    if theta <= 0 or factor <= 0:
+        raise CheckpointError(f"{source}: rope_theta and the rope factor must be > 0, got {theta} and {factor}")
+    fields = dict(theta=float(theta), type=rope_type, factor=float(factor), low_freq_factor=float(low),
+                  high_freq_factor=float(high), original_max_position_embeddings=original)
+    return fields | (yarn_fields(p, float(factor)) if rope_type == "yarn" else {})
+
+
+def yarn_fields(p: Fields, factor: float) -> dict[str, Any]:
+    """YaRN's ramp bounds and the factor on cos/sin, as transformers reads them (a 0 beta is the default)."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor", "number", None, least=0)
+    m, m_all = p.get("mscale", "number", None), p.get("mscale_all_dim", "number", None)
+    if attention is None:
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return dict(beta_fast=float(p.get("beta_fast", "number", 0.0) or 32.0),
+                beta_slow=float(p.get("beta_slow", "number", 0.0) or 1.0),
+                attention_factor=float(attention), truncate=p.get("truncate", "bool", True))
 
 
 def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tuple[str, ...]]:

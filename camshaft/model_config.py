@@ -40,13 +40,18 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0  # yarn: cos/sin scaled by it (transformers' attention_scaling)
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
             raise UnsupportedModelError(
                 f"rope scaling type {self.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
             )
-        if not (self.theta > 0 and self.factor > 0 and is_int_at_least(self.original_max_position_embeddings, 1)):
+        if not (self.theta > 0 and self.factor > 0 and self.attention_factor > 0
+                and is_int_at_least(self.original_max_position_embeddings, 1)):
             raise CheckpointError(f"rope theta, factor and original_max_position_embeddings must be positive: {self}")
 
 

@@ -75,6 +75,31 @@ def test_good_variants_read_as_transformers_does(configs):
     assert scaled.rope.theta == 5e5  # the old style: rope_theta beside rope_scaling
 
 
+@pytest.mark.parametrize("scaling", [
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},  # Qwen2.5's long-context recipe
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256, "mscale": 0.707,
+     "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "attention_factor": 1.5,
+     "truncate": False},
+])
+def test_yarn_frequencies_and_scale_are_transformers(configs, scaling):
+    import numpy as np
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from camshaft.builder.graph.rope import inverse_frequencies
+
+    hf = edited(configs["qwen2-bias"], rope_parameters=..., rope_theta=1e4, rope_scaling=scaling)
+    ours = ModelConfig.from_hf(hf)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen2Config(**hf))
+    assert np.array_equal(inverse_frequencies(ours.rope, ours.head_dim), inv_freq.numpy())
+    assert ours.rope.attention_factor == pytest.approx(scale, rel=1e-12)
+    with pytest.raises(UnsupportedModelError, match="rope scaling 'dynamic' is not supported .supported: default, "
+                                                    "linear, llama3, yarn"):
+        ModelConfig.from_hf(edited(hf, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    with pytest.raises(CheckpointError, match="lacks required field 'factor'"):  # as transformers refuses it
+        ModelConfig.from_hf(edited(hf, rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 64}))
+
+
 @pytest.mark.parametrize("changes", [{}, {"sliding_window": 64}, {"max_window_layers": 1}, {"sliding_window": None}])
 def test_qwen_windows_default_as_transformers_does(configs, changes):
     """use_sliding_window with keys left out: transformers' defaults (window 4096 from layer 28 on) apply."""

@@ -24,11 +24,35 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+    if rope.type == "yarn":
+        return _yarn(rope, head_dim)
     return inv_freq
 
 
+def _yarn(rope: RopeConfig, dim: int) -> np.ndarray:
+    """Frequencies extrapolated above the ramp and interpolated (divided by the factor) below it (YaRN)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolate = (1 - ramp).astype(np.float32)
+    pos_freqs = (np.float32(rope.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(
+        np.float32)
+    interpolated = (1.0 / (np.float32(rope.factor) * pos_freqs)).astype(np.float32)
+    extrapolated = (1.0 / pos_freqs).astype(np.float32)
+    return (interpolated * (1 - extrapolate) + extrapolated * extrapolate).astype(np.float32)
+
+
 def cos_sin_tables(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """[max_positions, head_dim / 2] cosine and sine tables."""
+    """[max_positions, head_dim / 2] cosine and sine tables (times yarn's attention factor, as transformers)."""
     positions = np.arange(max_positions, dtype=np.float32)[:, None]
     freqs = (positions * inverse_frequencies(rope, head_dim)[None, :]).astype(np.float32)
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+    scale = np.float32(rope.attention_factor)
+    return (np.cos(freqs) * scale).astype(np.float32), (np.sin(freqs) * scale).astype(np.float32)

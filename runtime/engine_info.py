@@ -60,7 +60,8 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "model": {"architecture": c.architecture, "layers": c.num_layers, "hidden_size": c.hidden_size,
                   "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
                   "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
-                  "tied_embeddings": c.tie_word_embeddings, "sliding_window": c.sliding_window},
+                  "tied_embeddings": c.tie_word_embeddings, "sliding_window": c.sliding_window,
+                  "rope": {"type": c.rope.type, "theta": c.rope.theta, "factor": c.rope.factor}},
         "dtype": m.dtype,
         "quantization": {k: quant.get(k) for k in ("format", "group_size", "kv_cache_dtype", "lowering")
                          if quant.get(k) is not None} or None,
@@ -78,6 +79,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "files": len(m.files),
         "bytes_listed": sum(m.files.values()),
         "files_as_built": files_ok,
+        "fingerprinted": bool(m.fingerprints),
         "eos_token_ids": list(c.eos_token_ids),
         "chat_template": (engine_dir / TOKENIZER_DIR / "chat_template.jinja").is_file()
         or _tokenizer_config(engine_dir).get("chat_template") is not None,
@@ -103,6 +105,8 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     md, lim, kv, q = info["model"], info["limits"], info["kv_cache"], info["quantization"]
     heads = f"{md['heads']} heads / {md['kv_heads']} KV heads x {md['head_dim']}"
     window = f", sliding window {md['sliding_window']}" if md["sliding_window"] else ""
+    rope = md["rope"]
+    window += f", rope {rope['type']} x{rope['factor']:g}" if rope["type"] != "default" else ""
     quant = "none" if q is None else ", ".join(f"{k} {v}" for k, v in q.items())
     head = (info["lm_head"] or {}).get("dtype")
     sequence = info["graphs"]["sequence"] or f"none ({info['no_sequence_graph']})"
@@ -120,8 +124,9 @@ def info_lines(info: dict[str, Any]) -> list[str]:
         f"KV cache    {kv['dtype']}, {kv['bytes_per_token']} bytes a token ({_size(kv['bytes_per_sequence'])} a full "
         f"sequence); default pool {_size(kv['default_pool_bytes'])} (max_batch_size full sequences)",
         f"files       {info['files']}, {_size(info['bytes_listed'])}"
-        + (", as the build recorded them (sizes; fingerprints from format 3)" if info["files_as_built"]
-           else ", NOT as the build wrote them (below)"),
+        + ((", sizes and fingerprints as the build recorded them" if info["fingerprinted"] else
+            f", sizes as the build recorded them (format {info['format_version']} records no fingerprints)")
+           if info["files_as_built"] else ", NOT as the build wrote them (below)"),
         f"tokenizer   end ids {info['eos_token_ids']}, chat template {'yes' if info['chat_template'] else 'no'}",
         "tools       " + ", ".join(f"{k} {v}" for k, v in info["tools"].items()),
         f"runs here   {'yes' if info['runs_here'] else 'no: ' + info['runs_here_reason']}",

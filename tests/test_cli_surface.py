@@ -162,6 +162,8 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
                                                                                       "chat_template.jinja"))
     text = invoke("inspect", "--engine", engine)
     assert "runs here   yes" in text.output and f"{c.num_layers} layers" in text.output
+    assert info["fingerprinted"] and "sizes and fingerprints as the build recorded them" in text.output
+    assert info["model"]["rope"]["type"] == "default" and ", rope " not in text.output
     broken = tmp_path / "broken"
     shutil.copytree(engine, broken)
     (broken / "model.onnx.data").write_bytes(b"\0" * (broken / "model.onnx.data").stat().st_size)

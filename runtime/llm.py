@@ -8,20 +8,17 @@ import queue
 import sys
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import astuple
 from pathlib import Path
 
-import numpy as np
-
-from camshaft.checks import is_int
 from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.executor import Executor
 from camshaft.runtime.kv_cache import parse_memory
-from camshaft.runtime.llm_options import check_llm_options, check_priority, priorities
+from camshaft.runtime.llm_options import check_llm_options, check_priority, params_list, priorities, prompt_list
 from camshaft.runtime.outputs import IterationStats, Load, PromptOutput, RequestOutput, Sink
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
@@ -109,7 +106,7 @@ class LLM:
         """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
         only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (for
         abort). Raises RequestError, CapacityError or ServerBusyError at once."""
-        group = self._requests(prompt, _params_list(sampling_params, 1)[0], priority)
+        group = self._requests(prompt, params_list(sampling_params, 1)[0], priority)
         self.executor.submit(group, [sink] * len(group))
         return [r.request_id for r in group]
 
@@ -121,7 +118,7 @@ class LLM:
                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) pairs for the prompt's n outputs as the batch loop produces them, each ending with a
         finished output; errors are raised; closing or cancelling the consumer aborts what is unfinished."""
-        params = _params_list(sampling_params, 1)[0]
+        params = params_list(sampling_params, 1)[0]
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         ids = self.submit(prompt, params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output),
@@ -154,8 +151,8 @@ class LLM:
         token ids or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}. `sampling_params`: one for all or one per
         prompt. `priority`: one for all or one per prompt, lower first (vLLM's meaning); None: all equal, first
         come, first served. `use_tqdm`: a progress bar on stderr (None: when stderr is a terminal)."""
-        prompts = _prompt_list(prompts)
-        params = _params_list(sampling_params, len(prompts))
+        prompts = prompt_list(prompts)
+        params = params_list(sampling_params, len(prompts))
         each = priorities(priority, len(prompts))
         groups = [self._requests(p, sp, pr) for p, sp, pr in zip(prompts, params, each, strict=True)]
         done: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
@@ -221,7 +218,7 @@ class LLM:
     async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                      priority: int = 0) -> AsyncIterator[str]:
         """`async for delta in llm.stream(prompt)`; cancelling the consumer aborts the request."""
-        params = _params_list(sampling_params, 1)[0]
+        params = params_list(sampling_params, 1)[0]
         if params.n != 1:
             raise RequestError("streaming text gives one output; use n=1 (or stream_outputs for several)")
         async for _, output in self.stream_outputs(prompt, params, priority):
@@ -229,36 +226,10 @@ class LLM:
                 yield output.delta
 
     def _single(self, prompt: Prompt, params: SamplingParams | None, priority: int) -> Request:
-        params = _params_list(params, 1)[0]
+        params = params_list(params, 1)[0]
         if params.n != 1:
             raise RequestError("streaming gives one output; use n=1 (or generate() for several outputs)")
         return self._requests(prompt, params, priority)[0]
-
-
-def _prompt_list(prompts: object) -> list:
-    """generate()'s prompts as a list: one prompt (text, ids or a prompt dict) or a sequence of them."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts)
-                                            and is_int(prompts[0])):
-        return [prompts]  # one prompt
-    if prompts is None or isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
-        raise RequestError(f"prompts must be a prompt (text, token ids or a prompt dict) or a list of them, got "
-                           f"{prompts!r:.80}")
-    return list(prompts)
-
-
-def _params_list(params: object, count: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt from None (the defaults), one for all, or one each."""
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
-    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
-        raise RequestError(f"sampling_params must be a SamplingParams or one per prompt, got {params!r:.80}")
-    params = list(params)
-    if len(params) != count:
-        raise RequestError(f"got {len(params)} SamplingParams for {count} prompts; pass one or one each")
-    wrong = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
-    if wrong is not None:
-        raise RequestError(f"sampling_params[{wrong}] is {params[wrong]!r:.80}, not a SamplingParams")
-    return params
 
 
 class _Encoder(Session):

@@ -1,8 +1,9 @@
-"""The options of an LLM (and of the servers built on it), checked against the engine before it loads."""
+"""The options of an LLM (and of the servers built on it), checked against the engine before it loads, and the
+arguments of its calls (prompts, sampling params, priorities) in every form they accept."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +11,7 @@ import numpy as np
 from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import RequestError
 from camshaft.manifest import BuildLimits
+from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import POLICIES, RESERVATIONS
 
 QUEUE_PER_BATCH = 4  # servers' default max_queue: this many x the batch size may wait beyond a full batch
@@ -66,3 +68,29 @@ def priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
     if len(priority) != count:
         raise RequestError(f"got {len(priority)} priorities for {count} prompts; pass one each (or one for all)")
     return [check_priority(p) for p in priority]
+
+
+def prompt_list(prompts: object) -> list:
+    """generate()'s prompts as a list: one prompt (text, ids or a prompt dict) or a sequence of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts)
+                                            and is_int(prompts[0])):
+        return [prompts]  # one prompt
+    if prompts is None or isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+        raise RequestError(f"prompts must be a prompt (text, token ids or a prompt dict) or a list of them, got "
+                           f"{prompts!r:.80}")
+    return list(prompts)
+
+
+def params_list(params: object, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt from None (the defaults), one for all, or one each."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+        raise RequestError(f"sampling_params must be a SamplingParams or one per prompt, got {params!r:.80}")
+    params = list(params)
+    if len(params) != count:
+        raise RequestError(f"got {len(params)} SamplingParams for {count} prompts; pass one or one each")
+    wrong = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
+    if wrong is not None:
+        raise RequestError(f"sampling_params[{wrong}] is {params[wrong]!r:.80}, not a SamplingParams")
+    return params

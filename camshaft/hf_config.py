@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # transformers' config defaults
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others: hidden / heads)
@@ -93,7 +94,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         num_kv_heads=f.get("num_key_value_heads", "int", heads, least=1),
         head_dim=f.get("head_dim", "int", QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // heads, least=1),
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-6, least=0),
-        max_position_embeddings=f.get("max_position_embeddings", "int", 2048, least=1),
+        max_position_embeddings=f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=1),
         rope=rope_fields(hf, f, source),
         tie_word_embeddings=f.get("tie_word_embeddings", "bool", False),
         qkv_bias=True if arch == "qwen2" else bias,
@@ -120,11 +121,16 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
         kind = section.get("rope_type", section.get("type", "default"))
         if not isinstance(kind, str):
             raise CheckpointError(f"{source}: {key}'s rope_type must be a string such as \"default\", not {kind!r}")
-    kinds = {s.get("rope_type", s.get("type", "default")) for s in (params, scaling) if s}
-    if len(kinds) > 1:
-        raise CheckpointError(f"{source} holds rope_parameters and rope_scaling of different types ({sorted(kinds)}); "
-                              "keep the one the model was trained with")
-    p = Fields({**scaling, **params}, f"{source} (rope)")
+    def normal(section: dict) -> dict:
+        return {("rope_type" if k == "type" else k): v for k, v in section.items()}
+
+    if params and scaling and normal(params) != normal(scaling):  # transformers would read rope_scaling alone
+        kinds = {s.get("rope_type", s.get("type", "default")) for s in (params, scaling)}
+        differ = f"of different types ({sorted(kinds)})" if len(kinds) > 1 else "that differ"
+        raise CheckpointError(f"{source} holds rope_parameters and rope_scaling {differ}; transformers reads only "
+                              "rope_scaling (and its rope_theta from there or the top level): keep the one the model "
+                              "was trained with")
+    p = Fields(normal(scaling or params), f"{source} (rope)")
     rope_type = p.data.get("rope_type", p.data.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(f"{source}: rope scaling {rope_type!r} is not supported (supported: "
@@ -133,11 +139,15 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
     if rope_type == "llama3" and not low < high:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
     theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", 10000.0, least=0)
-    original = p.get("original_max_position_embeddings", "int", None, least=1) \
-        or f.get("max_position_embeddings", "int", 8192, least=1)
+    # as transformers: a top-level original_max_position_embeddings (Phi-3 style) wins, then the rope section's
+    original = (f if hf.get("original_max_position_embeddings") is not None and rope_type in ("llama3", "yarn")
+                else p).get("original_max_position_embeddings", "int", None, least=1) \
+        or f.get("max_position_embeddings", "int", MAX_POSITIONS[architecture(hf, source)], least=1)
     factor = p.get("factor", "number", *(() if rope_type == "yarn" else (1.0,)), least=0)  # yarn: required
     if theta <= 0 or factor <= 0:
         raise CheckpointError(f"{source}: rope_theta and the rope factor must be > 0, got {theta} and {factor}")
+    if rope_type == "yarn" and theta <= 1:
+        raise CheckpointError(f"{source}: yarn rope needs rope_theta > 1 (its ramp divides by log(theta)), got {theta}")
     fields = dict(theta=float(theta), type=rope_type, factor=float(factor), low_freq_factor=float(low),
                   high_freq_factor=float(high), original_max_position_embeddings=original)
     return fields | (yarn_fields(p, float(factor)) if rope_type == "yarn" else {})
@@ -152,8 +162,11 @@ def yarn_fields(p: Fields, factor: float) -> dict[str, Any]:
     m, m_all = p.get("mscale", "number", None), p.get("mscale_all_dim", "number", None)
     if attention is None:
         attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    return dict(beta_fast=float(p.get("beta_fast", "number", 0.0) or 32.0),
-                beta_slow=float(p.get("beta_slow", "number", 0.0) or 1.0),
+    if not 1e-6 < attention < 1e6:
+        raise CheckpointError(f"{p.source}: yarn's attention factor (attention_factor, or what mscale and "
+                              f"mscale_all_dim make of the factor) must be between 1e-6 and 1e6, got {attention}")
+    return dict(beta_fast=float(p.get("beta_fast", "number", 0.0, least=0) or 32.0),
+                beta_slow=float(p.get("beta_slow", "number", 0.0, least=0) or 1.0),
                 attention_factor=float(attention), truncate=p.get("truncate", "bool", True))
 
 

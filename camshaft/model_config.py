@@ -52,7 +52,8 @@ class RopeConfig:
             )
         if not (self.theta > 0 and self.factor > 0 and self.attention_factor > 0
                 and is_int_at_least(self.original_max_position_embeddings, 1)):
-            raise CheckpointError(f"rope theta, factor and original_max_position_embeddings must be positive: {self}")
+            raise CheckpointError(f"rope theta, factor, attention_factor and original_max_position_embeddings must be "
+                                  f"positive: {self}")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,14 @@ def edited(config: dict, **changes) -> dict:
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling={"rope_type": "linear",
                                                                                      "factor": 2.0}),
      "different types"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+          rope_scaling={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}),
+     "rope_parameters and rope_scaling that differ; transformers reads only rope_scaling"),
+    (dict(rope_parameters=..., rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}),
+     "beta_fast must be a finite number >= 0"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1}), "yarn rope needs rope_theta > 1"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "attention_factor": 0}),
+     "yarn's attention factor .* must be between 1e-6 and 1e6, got 0"),
     (dict(architectures="LlamaForCausalLM"), "architectures must be a list"),
 ])
 def test_bad_values_are_one_clear_error(configs, changes, message):
@@ -75,20 +83,23 @@ def test_good_variants_read_as_transformers_does(configs):
     assert scaled.rope.theta == 5e5  # the old style: rope_theta beside rope_scaling
 
 
-@pytest.mark.parametrize("scaling", [
-    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},  # Qwen2.5's long-context recipe
-    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256, "mscale": 0.707,
-     "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "attention_factor": 1.5,
-     "truncate": False},
+@pytest.mark.parametrize("scaling, top", [
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, {}),  # Qwen2.5's long-context recipe
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+     {"original_max_position_embeddings": 32}),  # at the top level too: transformers takes that one
+    ({"type": "yarn", "factor": 4.0}, {"max_position_embeddings": ...}),  # both from Qwen2Config's default (32768)
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256, "mscale": 0.707,
+      "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2}, {}),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "attention_factor": 1.5,
+      "truncate": False}, {}),
 ])
-def test_yarn_frequencies_and_scale_are_transformers(configs, scaling):
+def test_yarn_frequencies_and_scale_are_transformers(configs, scaling, top):
     import numpy as np
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from camshaft.builder.graph.rope import inverse_frequencies
+    from camshaft.builder.graph.rope import cos_sin_tables, inverse_frequencies
 
-    hf = edited(configs["qwen2-bias"], rope_parameters=..., rope_theta=1e4, rope_scaling=scaling)
+    hf = edited(configs["qwen2-bias"], rope_parameters=..., rope_theta=1e4, rope_scaling=scaling, **top)
     ours = ModelConfig.from_hf(hf)
     inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen2Config(**hf))
     assert np.array_equal(inverse_frequencies(ours.rope, ours.head_dim), inv_freq.numpy())
@@ -96,6 +107,11 @@ def test_yarn_frequencies_and_scale_are_transformers(configs, scaling):
     with pytest.raises(UnsupportedModelError, match="rope scaling 'dynamic' is not supported .supported: default, "
                                                     "linear, llama3, yarn"):
         ModelConfig.from_hf(edited(hf, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    if top.get("max_position_embeddings", 0) is ...:
+        assert ours.max_position_embeddings == 32768 == ours.rope.original_max_position_embeddings
+    tiny_factor = ModelConfig.from_hf(edited(hf, rope_scaling={**scaling, "factor": 1e-50}))
+    with pytest.raises(CheckpointError, match="unusable rotary tables"):  # NaN, as transformers would compute
+        cos_sin_tables(tiny_factor.rope, ours.head_dim, 8)
     with pytest.raises(CheckpointError, match="lacks required field 'factor'"):  # as transformers refuses it
         ModelConfig.from_hf(edited(hf, rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 64}))
 

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from camshaft.errors import CheckpointError
 from camshaft.model_config import RopeConfig
 
 
@@ -53,6 +54,11 @@ def _yarn(rope: RopeConfig, dim: int) -> np.ndarray:
 def cos_sin_tables(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """[max_positions, head_dim / 2] cosine and sine tables (times yarn's attention factor, as transformers)."""
     positions = np.arange(max_positions, dtype=np.float32)[:, None]
-    freqs = (positions * inverse_frequencies(rope, head_dim)[None, :]).astype(np.float32)
-    scale = np.float32(rope.attention_factor)
-    return (np.cos(freqs) * scale).astype(np.float32), (np.sin(freqs) * scale).astype(np.float32)
+    with np.errstate(all="ignore"):  # extreme settings are refused below, not warned about
+        freqs = (positions * inverse_frequencies(rope, head_dim)[None, :]).astype(np.float32)
+        scale = np.float32(rope.attention_factor)
+        cos, sin = (np.cos(freqs) * scale).astype(np.float32), (np.sin(freqs) * scale).astype(np.float32)
+    if not (np.isfinite(cos).all() and np.isfinite(sin).all() and np.abs(cos).max() > 0):
+        raise CheckpointError(f"the rope settings in config.json give unusable rotary tables (infinite, NaN or all "
+                              f"zero): {rope}; check rope_theta and the rope scaling fields")
+    return cos, sin

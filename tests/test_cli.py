@@ -69,6 +69,18 @@ def test_run_streams_the_same_text_as_generate(engine, capsys):
     assert "12 tokens · finish length" in stats and "12 tokens · finish length" in streamed_stats
 
 
+def test_run_reads_the_prompt_from_stdin(engine, capsys, monkeypatch):
+    import io
+
+    code, expected, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc\ndef", "--max-tokens", "6")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"abc\ndef\n")))
+    code, piped, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "-", "--max-tokens", "6")
+    assert code == 0 and piped == expected  # the newline echo adds is not part of the prompt
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9")))
+    code, _, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "-")
+    assert code == 1 and "reads UTF-8 text from stdin; byte 3 is not UTF-8" in err
+
+
 BAD_RUNS = {
     "empty prompt": (["--prompt", ""], "prompt is empty"),
     "empty chat prompt": (["--prompt", "", "--chat"], "content is empty"),

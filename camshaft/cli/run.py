@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 @app.command()
 def run(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
-    prompt: Annotated[str, typer.Option(help="Prompt text")],
+    prompt: Annotated[str, typer.Option(help="Prompt text; - reads it from stdin (UTF-8, one final newline "
+                                             "dropped)")],
     chat: Annotated[bool, typer.Option(help="Wrap the prompt as a user message in the chat template")] = False,
     system: Annotated[str | None, typer.Option(help="System message (with --chat)")] = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate")] = 128,
@@ -34,9 +35,21 @@ def run(
 
     if system is not None and not chat:
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
+    if prompt == "-":
+        prompt = _stdin_text()
     with flag_names("max_tokens", "temperature", "top_p", "top_k", "seed"):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         _run(engine, prompt, chat, system, params, stream)
+
+
+def _stdin_text() -> str:
+    from camshaft.errors import RequestError
+
+    try:
+        text = sys.stdin.buffer.read().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"--prompt - reads UTF-8 text from stdin; byte {exc.start} is not UTF-8") from None
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool) -> None:

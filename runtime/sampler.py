@@ -76,8 +76,10 @@ class SequenceSampler:
         self.vocab_size = vocab_size
         bad_ids = [t for word in bad_word_ids for t in word]
         stop_word_ids = [t for word in params.stop_word_ids for t in word]
+        self._bias_ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
+        self._bias = np.array([b for _, b in params.logit_bias], dtype=np.float32)
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("stop_word_ids", stop_word_ids),
-                          ("bad_words", bad_ids), ("prompt", prompt_ids)):
+                          ("bad_words", bad_ids), ("logit_bias", self._bias_ids), ("prompt", prompt_ids)):
             if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):  # Python ints: no overflow on huge ids
                 raise RequestError(f"{name} contains a token id outside the vocabulary (0..{vocab_size - 1}); "
                                    "check the ids against the model's tokenizer")
@@ -104,16 +106,19 @@ class SequenceSampler:
     @property
     def _transforms_logits(self) -> bool:
         return bool(self._seen is not None or self._output_counts is not None or self._always_banned.size
+                    or self._bias.size
                     or self._banned_after or (len(self.generated_ids) < self.params.min_tokens
                                               and self._early_stop_ids.size))
 
     def processed_logits(self, logits_row: np.ndarray) -> np.ndarray:
-        """Logits after penalties and bans, before temperature; a new array (the input is not modified)."""
+        """Logits after logit_bias, penalties and bans, before temperature; a new array (the input is not
+        modified)."""
         return self._process(logits_row, np.empty(logits_row.shape[-1], dtype=np.float32))
 
     def _process(self, logits_row: np.ndarray, x: np.ndarray) -> np.ndarray:
         x[...] = logits_row
         p = self.params
+        x[self._bias_ids] += self._bias  # on the model's logits, as OpenAI adds it
         if self._seen is not None:
             ids = self._seen.ids
             vals = x[ids]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from camshaft.checks import is_int
@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1024, 32768
 MAX_STOP_WORD_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (vLLM's rule; 1/T would overflow float32)
 
 
@@ -36,6 +37,22 @@ def _listed(value: object, name: str, example: str) -> tuple:
     _require(isinstance(value, Iterable) and not isinstance(value, (bytes, dict)),
              f"{name} must be a list (e.g. {example}), got {value!r:.200}")
     return tuple(value)  # type: ignore[arg-type]
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a mapping or pairs (None: none)."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    _require(isinstance(items, Iterable) and not isinstance(items, (str, bytes)),
+             f"logit_bias must map token ids to biases (e.g. {{50256: -100}}), got {value!r:.200}")
+    pairs = [tuple(item) if isinstance(item, Iterable) and not isinstance(item, (str, bytes)) else (item,)
+             for item in items]  # type: ignore[union-attr]
+    _require(all(len(p) == 2 and is_int(p[0]) and p[0] >= 0 and _is_number(p[1]) and -100 <= p[1] <= 100
+                 for p in pairs),
+             f"logit_bias maps non-negative token ids to biases in [-100, 100] (OpenAI's range), got {value!r:.200}")
+    _require(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    return tuple(sorted({int(t): float(b) for t, b in pairs}.items()))  # a token given twice: the last bias
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,7 @@ class SamplingParams:
     n: int = 1
     beam_width: int = 1
     include_stop_str_in_output: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: {token id: bias in [-100, 100]} added to the logits
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
@@ -91,6 +109,7 @@ class SamplingParams:
                  f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
 
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _require(self.max_tokens is None or is_int(self.max_tokens),
                  f"max_tokens must be an integer or None (the rest of the engine's max_seq_len), got "
                  f"{self.max_tokens!r}")

@@ -305,6 +305,18 @@ def test_stop_string_ends_the_text(client, session):
     assert last.choices[0].finish_reason == "stop" and last.choices[0].model_extra["stop_reason"] == stop
 
 
+def test_logit_bias_steers_tokens_and_bad_keys_are_400s(client, served):
+    forced = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={"17": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == served[1].tokenizer.decode([17] * 4)
+    for bias, message in (({"x": 1}, "logit_bias keys are token ids"), ({"5": 200}, "biases in [-100, 100]"),
+                          ({"999999": 1}, "logit_bias contains a token id outside the vocabulary")):
+        response = httpx.post(f"{served[0]}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                                 "logit_bias": bias})
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+        assert response.json()["error"]["param"] == "logit_bias"
+
+
 def test_metrics_move_with_requests(served, client):
     url = served[0]
     before = {n: metric(url, n) for n in ("camshaft_generation_tokens_total",

@@ -227,6 +227,26 @@ def test_penalties_give_the_defined_logits():
     assert s.sample(row).token_id == 3
 
 
+def test_logit_bias_is_added_to_the_model_logits_before_penalties():
+    row = np.array([2.0, -1.0, 0.5, 3.0], dtype=np.float32)
+    s = _sampler(vocab=4, prompt=[1], logit_bias={1: 4.0, 3: -100}, repetition_penalty=2.0, logprobs=0)
+    np.testing.assert_allclose(s.processed_logits(row), [2.0, (-1.0 + 4.0) / 2, 0.5, 3.0 - 100], rtol=1e-6)
+    sample = s.sample(row)
+    assert sample.token_id == 0 and sample.logprob == pytest.approx(_log_softmax(row)[0], abs=1e-5)  # raw logits
+    assert [r.token_id for r in sample_batch([_sampler(vocab=4, logit_bias={2: 100})] * 2, np.stack([row] * 2))] \
+        == [2, 2]  # the batch's shared argmax leaves biased rows to their sampler
+    rng = np.random.default_rng(5)
+    sampled = _sampler(vocab=50, logit_bias={7: -100, 9: 100}, temperature=1.0, seed=1)
+    tokens = [sampled.sample(rng.standard_normal(50).astype(np.float32)).token_id for _ in range(200)]
+    assert set(tokens) == {9}
+    assert SamplingParams(logit_bias=[(5, 1.0), (5, -2.0)]).logit_bias == ((5, -2.0),)  # the last of a repeat
+    with pytest.raises(RequestError, match="logit_bias contains a token id outside the vocabulary"):
+        _sampler(vocab=4, logit_bias={4: 1.0})
+    for bad in ({5: 101}, {-1: 1}, {"5": 1}, 5, {5: float("nan")}):
+        with pytest.raises(RequestError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
 def test_bad_words_never_appear():
     rng = np.random.default_rng(11)
     s = _sampler(vocab=50, bad_words=[[5], [7, 8]], temperature=1.0, seed=3)

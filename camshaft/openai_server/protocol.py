@@ -65,8 +65,6 @@ class _GenerationRequest(BaseModel):
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options applies to streamed responses; set stream: true or leave it out")
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported; leave it out (bad_words are not exposed either)")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -76,7 +74,17 @@ class _GenerationRequest(BaseModel):
             top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output)
+            logprobs=logprobs, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.token_biases())
+
+    def token_biases(self) -> dict[int, float]:
+        """logit_bias's JSON keys (token ids written as strings) as ints."""
+        biases = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise RequestError(f"logit_bias keys are token ids (e.g. \"50256\"), got {key!r:.40}")
+            biases[int(key)] = bias
+        return biases
 
 
 class CompletionRequest(_GenerationRequest):

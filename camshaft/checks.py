@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
+from typing import TypeGuard
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
+    """An integer, Python's or numpy's, that is not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 

@@ -124,7 +124,11 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
     def normal(section: dict) -> dict:
         return {("rope_type" if k == "type" else k): v for k, v in section.items()}
 
-    if params and scaling and normal(params) != normal(scaling):  # transformers would read rope_scaling alone
+    def compared(section: dict) -> dict:  # a theta equal to the one transformers would use is no difference
+        theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
+        return {k: v for k, v in normal(section).items() if not (k == "rope_theta" and v == theta)}
+
+    if params and scaling and compared(params) != compared(scaling):  # transformers would read rope_scaling alone
         kinds = {s.get("rope_type", s.get("type", "default")) for s in (params, scaling)}
         differ = f"of different types ({sorted(kinds)})" if len(kinds) > 1 else "that differ"
         raise CheckpointError(f"{source} holds rope_parameters and rope_scaling {differ}; transformers reads only "
@@ -140,10 +144,15 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
     theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", 10000.0, least=0)
     # as transformers: a top-level original_max_position_embeddings (Phi-3 style) wins, then the rope section's
+    positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[architecture(hf, source)], least=1)
     original = (f if hf.get("original_max_position_embeddings") is not None and rope_type in ("llama3", "yarn")
-                else p).get("original_max_position_embeddings", "int", None, least=1) \
-        or f.get("max_position_embeddings", "int", MAX_POSITIONS[architecture(hf, source)], least=1)
-    factor = p.get("factor", "number", *(() if rope_type == "yarn" else (1.0,)), least=0)  # yarn: required
+                else p).get("original_max_position_embeddings", "int", None, least=1) or positions
+    if rope_type != "yarn":
+        factor = p.get("factor", "number", 1.0, least=0)
+    elif "factor" in p.data:  # null: the ratio of the context lengths, as transformers reads it
+        factor = p.get("factor", "number", positions / original, least=0)
+    else:
+        factor = p.get("factor", "number", least=0)  # required, as transformers requires it
     if theta <= 0 or factor <= 0:
         raise CheckpointError(f"{source}: rope_theta and the rope factor must be > 0, got {theta} and {factor}")
     if rope_type == "yarn" and theta <= 1:
@@ -162,12 +171,14 @@ def yarn_fields(p: Fields, factor: float) -> dict[str, Any]:
     m, m_all = p.get("mscale", "number", None), p.get("mscale_all_dim", "number", None)
     if attention is None:
         attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    raw = p.data.get("truncate")  # transformers tests its truth: 0 and 1 count too
+    truncate = True if raw is None else bool(raw) if raw in (0, 1) else p.get("truncate", "bool")
     if not 1e-6 < attention < 1e6:
         raise CheckpointError(f"{p.source}: yarn's attention factor (attention_factor, or what mscale and "
                               f"mscale_all_dim make of the factor) must be between 1e-6 and 1e6, got {attention}")
     return dict(beta_fast=float(p.get("beta_fast", "number", 0.0, least=0) or 32.0),
                 beta_slow=float(p.get("beta_slow", "number", 0.0, least=0) or 1.0),
-                attention_factor=float(attention), truncate=p.get("truncate", "bool", True))
+                attention_factor=float(attention), truncate=truncate)
 
 
 def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tuple[str, ...]]:

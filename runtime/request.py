@@ -103,7 +103,8 @@ class Request:
             if self.text.matched_stop is not None:
                 self.stop_reason = self.text.matched_stop
             else:
-                self.stop_reason = token if stop_id and token in params.stop_token_ids else word
+                ended_by_eos = not params.ignore_eos and token in self.eos_token_ids  # vLLM checks the end id first
+                self.stop_reason = token if stop_id and not ended_by_eos else word
         if self.finish_reason is None and len(self.output_ids) >= params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:

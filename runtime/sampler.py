@@ -1,6 +1,6 @@
 """Per-request logits processing and sampling on numpy rows.
 
-Order: repetition penalty -> presence/frequency penalties -> bad words -> min_tokens -> greedy argmax, or
+Order: logit_bias -> repetition penalty -> presence/frequency penalties -> bad words -> min_tokens -> greedy argmax, or
 temperature -> top_k -> top_p -> min_p -> draw (transformers' order; vLLM applies min_p before top_k/top_p, which
 differs only when min_p and top_p are combined). Logprobs are log_softmax of the RAW model logits (vLLM's default).
 Repetition penalty covers prompt + output tokens, presence/frequency only output tokens; min_tokens bans
@@ -76,13 +76,14 @@ class SequenceSampler:
         self.vocab_size = vocab_size
         bad_ids = [t for word in bad_word_ids for t in word]
         stop_word_ids = [t for word in params.stop_word_ids for t in word]
-        self._bias_ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
-        self._bias = np.array([b for _, b in params.logit_bias], dtype=np.float32)
+        bias_ids = [t for t, _ in params.logit_bias]
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("stop_word_ids", stop_word_ids),
-                          ("bad_words", bad_ids), ("logit_bias", self._bias_ids), ("prompt", prompt_ids)):
+                          ("bad_words", bad_ids), ("logit_bias", bias_ids), ("prompt", prompt_ids)):
             if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):  # Python ints: no overflow on huge ids
                 raise RequestError(f"{name} contains a token id outside the vocabulary (0..{vocab_size - 1}); "
                                    "check the ids against the model's tokenizer")
+        self._bias_ids = np.array(bias_ids, dtype=np.int64)  # checked above: huge ids would overflow here
+        self._bias = np.array([b for _, b in params.logit_bias], dtype=np.float32)
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         # every integer seed its own stream: a negative one as its magnitude under another spawn key
         seed, key = (None, (sequence_index,)) if params.seed is None else \

@@ -76,9 +76,12 @@ def test_run_reads_the_prompt_from_stdin(engine, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"abc\ndef\n")))
     code, piped, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "-", "--max-tokens", "6")
     assert code == 0 and piped == expected  # the newline echo adds is not part of the prompt
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9")))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfabc\r\ndef\r\n")))
+    code, piped, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "-", "--max-tokens", "6")
+    assert code == 0 and piped != expected  # a BOM is dropped, a CR inside the text kept
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfcaf\xe9")))
     code, _, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "-")
-    assert code == 1 and "reads UTF-8 text from stdin; byte 3 is not UTF-8" in err
+    assert code == 1 and "reads UTF-8 text from stdin; byte 6 is not UTF-8" in err  # counted from the first byte
 
 
 BAD_RUNS = {

@@ -91,7 +91,11 @@ def test_good_variants_read_as_transformers_does(configs):
     ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256, "mscale": 0.707,
       "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2}, {}),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "attention_factor": 1.5,
-      "truncate": False}, {}),
+      "truncate": 0}, {}),  # transformers tests truncate's truth
+    ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 128}, {}),  # null: 512 / 128
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+     {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                          "rope_theta": 1e4}}),  # both sections, agreeing (an old config.json merged with a new)
 ])
 def test_yarn_frequencies_and_scale_are_transformers(configs, scaling, top):
     import numpy as np
@@ -99,21 +103,22 @@ def test_yarn_frequencies_and_scale_are_transformers(configs, scaling, top):
 
     from camshaft.builder.graph.rope import cos_sin_tables, inverse_frequencies
 
-    hf = edited(configs["qwen2-bias"], rope_parameters=..., rope_theta=1e4, rope_scaling=scaling, **top)
+    hf = edited(configs["qwen2-bias"], **{"rope_parameters": ..., "rope_theta": 1e4, "rope_scaling": scaling, **top})
     ours = ModelConfig.from_hf(hf)
     inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen2Config(**hf))
     assert np.array_equal(inverse_frequencies(ours.rope, ours.head_dim), inv_freq.numpy())
     assert ours.rope.attention_factor == pytest.approx(scale, rel=1e-12)
     with pytest.raises(UnsupportedModelError, match="rope scaling 'dynamic' is not supported .supported: default, "
                                                     "linear, llama3, yarn"):
-        ModelConfig.from_hf(edited(hf, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+        ModelConfig.from_hf(edited(hf, rope_parameters=..., rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     if top.get("max_position_embeddings", 0) is ...:
         assert ours.max_position_embeddings == 32768 == ours.rope.original_max_position_embeddings
-    tiny_factor = ModelConfig.from_hf(edited(hf, rope_scaling={**scaling, "factor": 1e-50}))
+    tiny_factor = ModelConfig.from_hf(edited(hf, rope_parameters=..., rope_scaling={**scaling, "factor": 1e-50}))
     with pytest.raises(CheckpointError, match="unusable rotary tables"):  # NaN, as transformers would compute
         cos_sin_tables(tiny_factor.rope, ours.head_dim, 8)
     with pytest.raises(CheckpointError, match="lacks required field 'factor'"):  # as transformers refuses it
-        ModelConfig.from_hf(edited(hf, rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 64}))
+        ModelConfig.from_hf(edited(hf, rope_parameters=..., rope_scaling={"rope_type": "yarn",
+                                                                          "original_max_position_embeddings": 64}))
 
 
 @pytest.mark.parametrize("changes", [{}, {"sliding_window": 64}, {"max_window_layers": 1}, {"sliding_window": None}])

@@ -309,7 +309,10 @@ def test_logit_bias_steers_tokens_and_bad_keys_are_400s(client, served):
     forced = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
                                        logit_bias={"17": 100}, extra_body={"ignore_eos": True})
     assert forced.choices[0].text == served[1].tokenizer.decode([17] * 4)
-    for bias, message in (({"x": 1}, "logit_bias keys are token ids"), ({"5": 200}, "biases in [-100, 100]"),
+    for bias, message in (({"x": 1}, "logit_bias keys are token ids"), ({"\u00b2": 1}, "logit_bias keys are token"),
+                          ({"\u0661\u0662": 1}, "logit_bias keys are token ids"),
+                          ({"9223372036854775808": 1}, "logit_bias keys are token ids"),
+                          ({"5": 200}, "biases in [-100, 100]"),
                           ({"999999": 1}, "logit_bias contains a token id outside the vocabulary")):
         response = httpx.post(f"{served[0]}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                                  "logit_bias": bias})
@@ -508,8 +511,8 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
 
 def test_an_api_key_guards_every_route_but_the_operators(engine_dir):
     with running_server(engine_dir, api_key="s3cret", max_batch_size=2) as (url, _):
-        for path in ("/health", "/metrics", "/version"):
-            assert httpx.get(url + path).status_code == 200, path
+        for path in ("/health", "/metrics", "/version", "/health/"):
+            assert httpx.get(url + path, follow_redirects=True).status_code == 200, path
         missing = httpx.get(f"{url}/v1/models")
         assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
         assert missing.json()["error"]["code"] == "invalid_api_key"

@@ -240,8 +240,9 @@ def test_logit_bias_is_added_to_the_model_logits_before_penalties():
     tokens = [sampled.sample(rng.standard_normal(50).astype(np.float32)).token_id for _ in range(200)]
     assert set(tokens) == {9}
     assert SamplingParams(logit_bias=[(5, 1.0), (5, -2.0)]).logit_bias == ((5, -2.0),)  # the last of a repeat
-    with pytest.raises(RequestError, match="logit_bias contains a token id outside the vocabulary"):
-        _sampler(vocab=4, logit_bias={4: 1.0})
+    for huge in (4, 2**63):  # the second past int64: refused, not overflowed
+        with pytest.raises(RequestError, match="logit_bias contains a token id outside the vocabulary"):
+            _sampler(vocab=4, logit_bias={huge: 1.0})
     for bad in ({5: 101}, {-1: 1}, {"5": 1}, 5, {5: float("nan")}):
         with pytest.raises(RequestError, match="logit_bias"):
             SamplingParams(logit_bias=bad)

@@ -148,6 +148,17 @@ def test_stop_token_ids_and_eos(session):
     assert kept.text == session.tokenizer.decode(free.token_ids[: first + 1])
 
 
+def test_stop_reason_is_none_for_the_end_id_even_when_listed(session):
+    vocab = session.engine.manifest.model.vocab_size
+    for ignore_eos, expected in ((False, None), (True, 7)):  # vLLM tests the end id first
+        params = SamplingParams(max_tokens=5, stop_token_ids=[7], ignore_eos=ignore_eos)
+        request = new_requests("r", [5, 6], params, session.tokenizer, (7,), vocab)[0]
+        request.add_sample(SampleResult(9))
+        request.add_sample(SampleResult(7))
+        result = request.result()
+        assert result.finish_reason == "stop" and result.stop_token_id == 7 and result.stop_reason == expected
+
+
 def test_stop_word_ids_end_on_the_whole_sequence_and_keep_it(session):
     free = session.generate("q", max_tokens=30, ignore_eos=True)
     ids = free.token_ids

@@ -46,10 +46,10 @@ def _stdin_text() -> str:
     from camshaft.errors import RequestError
 
     try:
-        text = sys.stdin.buffer.read().decode("utf-8-sig")
+        text = sys.stdin.buffer.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RequestError(f"--prompt - reads UTF-8 text from stdin; byte {exc.start} is not UTF-8") from None
-    return text.removesuffix("\n").removesuffix("\r")
+    return text.removeprefix("\ufeff").removesuffix("\n").removesuffix("\r")
 
 
 def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool) -> None:

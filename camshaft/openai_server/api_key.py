@@ -17,7 +17,7 @@ class ApiKey:
         self.expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path", "") in OPEN_PATHS:
+        if scope["type"] != "http" or scope.get("path", "").rstrip("/") in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if given[:7].lower() == b"bearer ":

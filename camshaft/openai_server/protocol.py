@@ -81,7 +81,7 @@ class _GenerationRequest(BaseModel):
         """logit_bias's JSON keys (token ids written as strings) as ints."""
         biases = {}
         for key, bias in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
+            if not (key.strip().isascii() and key.strip().isdigit() and len(key.strip()) <= 18):
                 raise RequestError(f"logit_bias keys are token ids (e.g. \"50256\"), got {key!r:.40}")
             biases[int(key)] = bias
         return biases

@@ -148,6 +148,7 @@ def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
     return [Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_ids, params,
                     SequenceSampler(params, prompt_ids, eos_token_ids, bad_words, vocab_size, sequence_index=i),
                     TextStream(tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output,
+                               skip_special_tokens=params.skip_special_tokens,
                                min_tokens=params.min_tokens),
                     eos_token_ids, priority=priority, stop_words=stop_words)
             for i in range(params.n)]

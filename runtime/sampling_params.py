@@ -78,6 +78,7 @@ class SamplingParams:
     beam_width: int = 1
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: {token id: bias in [-100, 100]} added to the logits
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text (their ids stay in token_ids)
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
@@ -110,6 +111,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
 
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            flag = getattr(self, name)
+            _require(isinstance(flag, bool) or getattr(getattr(flag, "dtype", None), "kind", "") == "b",
+                     f"{name} must be True or False, got {flag!r}")  # numpy's bool too
+            object.__setattr__(self, name, bool(flag))
         _require(self.max_tokens is None or is_int(self.max_tokens),
                  f"max_tokens must be an integer or None (the rest of the engine's max_seq_len), got "
                  f"{self.max_tokens!r}")

@@ -309,6 +309,11 @@ def test_logit_bias_steers_tokens_and_bad_keys_are_400s(client, served):
     forced = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
                                        logit_bias={"17": 100}, extra_body={"ignore_eos": True})
     assert forced.choices[0].text == served[1].tokenizer.decode([17] * 4)
+    start = str(served[1].tokenizer.convert_tokens_to_ids("<|im_start|>"))
+    special = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, logit_bias={start: 100},
+                                        logprobs=0, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert special.choices[0].text == "<|im_start|>" * 2
+    assert special.choices[0].logprobs.text_offset == [0, len("<|im_start|>")]
     for bias, message in (({"x": 1}, "logit_bias keys are token ids"), ({"\u00b2": 1}, "logit_bias keys are token"),
                           ({"\u0661\u0662": 1}, "logit_bias keys are token ids"),
                           ({"9223372036854775808": 1}, "logit_bias keys are token ids"),

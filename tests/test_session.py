@@ -148,6 +148,17 @@ def test_stop_token_ids_and_eos(session):
     assert kept.text == session.tokenizer.decode(free.token_ids[: first + 1])
 
 
+def test_special_tokens_are_left_out_of_the_text_unless_asked(session):
+    start = session.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    params = dict(max_tokens=3, ignore_eos=True, logit_bias={start: 100})
+    hidden, shown = (session.generate("q", skip_special_tokens=skip, **params) for skip in (True, False))
+    assert hidden.token_ids == shown.token_ids == [start] * 3
+    assert hidden.text == "" and shown.text == "<|im_start|>" * 3
+    assert "".join(session.stream("q", skip_special_tokens=False, **params)) == shown.text
+    with pytest.raises(RequestError, match="skip_special_tokens must be True or False"):
+        SamplingParams(skip_special_tokens="no")
+
+
 def test_stop_reason_is_none_for_the_end_id_even_when_listed(session):
     vocab = session.engine.manifest.model.vocab_size
     for ignore_eos, expected in ((False, None), (True, 7)):  # vLLM tests the end id first

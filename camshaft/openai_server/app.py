@@ -175,7 +175,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         prompts = [await prompt_ids(prompt=p) for p in body.prompts()]
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs)
-        shape = CompletionShape(model_name, llm.tokenizer, prompts, params.n)
+        shape = CompletionShape(model_name, llm.tokenizer, prompts, params.n, params.skip_special_tokens)
         return await respond(request, body.stream, body.include_usage, prompts, params, shape, arrival, body.priority)
 
     @app.post("/v1/chat/completions")

@@ -2,7 +2,8 @@
 
 Unknown fields are accepted and ignored (clients send `user`, `metadata`, ...); fields that would change the output
 in ways camshaft cannot honour are refused. vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output) are accepted too, and its request `priority`
+min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens) are accepted too, and its
+request `priority`
 (lower is scheduled first).
 """
 
@@ -56,6 +57,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     priority: StrictInt = 0
 
     @property
@@ -75,7 +77,7 @@ class _GenerationRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             logprobs=logprobs, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self.token_biases())
+            logit_bias=self.token_biases(), skip_special_tokens=self.skip_special_tokens)
 
     def token_biases(self) -> dict[int, float]:
         """logit_bias's JSON keys (token ids written as strings) as ints."""

@@ -66,16 +66,19 @@ class CompletionShape(_Shape):
     object = chunk_object = "text_completion"
     prefix = "cmpl"
 
-    def __init__(self, model: str, tokenizer, prompts: list[list[int]], n: int) -> None:
+    def __init__(self, model: str, tokenizer, prompts: list[list[int]], n: int,
+                 skip_special_tokens: bool = True) -> None:
         super().__init__(model, tokenizer)
         # text_offset: characters of the choice's text before each token (a token that ends inside a character
         # adds none), counted by a detokenizer of its own that runs on across a streamed choice's chunks
         self._tokenizer, self._prompts, self._n = tokenizer, prompts, n
+        self._skip_special = skip_special_tokens
         self._texts: dict[int, TextStream] = {}
 
     def logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         if index not in self._texts:
-            self._texts[index] = TextStream(self._tokenizer, self._prompts[index // self._n])
+            self._texts[index] = TextStream(self._tokenizer, self._prompts[index // self._n],
+                                            skip_special_tokens=self._skip_special)
         text = self._texts[index]
         offsets, tokens = [], [self.token(s.token_id) for s in samples]
         for s, shown in zip(samples, tokens, strict=True):

@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ATTENTION_FACTORS = (1e-6, 1e6)  # the range of yarn's factor on cos/sin that float32 tables hold
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # transformers' config defaults
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
@@ -84,6 +85,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     mlp_bias = f.get("mlp_bias", "bool", False) and arch == "llama"
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
+    positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=1)
     return dict(
         architecture=arch,
         vocab_size=vocab,
@@ -94,8 +96,8 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         num_kv_heads=f.get("num_key_value_heads", "int", heads, least=1),
         head_dim=f.get("head_dim", "int", QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // heads, least=1),
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-6, least=0),
-        max_position_embeddings=f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=1),
-        rope=rope_fields(hf, f, source),
+        max_position_embeddings=positions,
+        rope=rope_fields(hf, f, source, positions),
         tie_word_embeddings=f.get("tie_word_embeddings", "bool", False),
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
@@ -108,34 +110,32 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     )
 
 
-def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
-    # transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling.
+def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> dict[str, Any]:
+    """RopeConfig's fields as transformers reads them: `rope_scaling` (old checkpoints, beside a top-level rope_theta)
+    or `rope_parameters` (transformers 5); `positions`: the model's max_position_embeddings."""
     sections = {}
     for key in ("rope_parameters", "rope_scaling"):
         section = hf.get(key) or {}
         if not isinstance(section, dict):
             raise CheckpointError(f"{source}: {key} must be an object, not {section!r}")
-        sections[key] = section
-    params, scaling = sections["rope_parameters"], sections["rope_scaling"]
-    for key, section in sections.items():
-        kind = section.get("rope_type", section.get("type", "default"))
+        kind = section.get("rope_type", section.get("type", "default"))  # rope_type wins, as in transformers
         if not isinstance(kind, str):
             raise CheckpointError(f"{source}: {key}'s rope_type must be a string such as \"default\", not {kind!r}")
-    def normal(section: dict) -> dict:
-        return {("rope_type" if k == "type" else k): v for k, v in section.items()}
+        sections[key] = {k: v for k, v in section.items() if k != "type"} | {"rope_type": kind} if section else {}
+    params, scaling = sections["rope_parameters"], sections["rope_scaling"]
 
     def compared(section: dict) -> dict:  # a theta equal to the one transformers would use is no difference
         theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
-        return {k: v for k, v in normal(section).items() if not (k == "rope_theta" and v == theta)}
+        return {k: v for k, v in section.items() if not (k == "rope_theta" and v == theta)}
 
     if params and scaling and compared(params) != compared(scaling):  # transformers would read rope_scaling alone
-        kinds = {s.get("rope_type", s.get("type", "default")) for s in (params, scaling)}
+        kinds = {params["rope_type"], scaling["rope_type"]}
         differ = f"of different types ({sorted(kinds)})" if len(kinds) > 1 else "that differ"
         raise CheckpointError(f"{source} holds rope_parameters and rope_scaling {differ}; transformers reads only "
                               "rope_scaling (and its rope_theta from there or the top level): keep the one the model "
                               "was trained with")
-    p = Fields(normal(scaling or params), f"{source} (rope)")
-    rope_type = p.data.get("rope_type", p.data.get("type", "default"))
+    p = Fields(scaling or params, f"{source} (rope)")
+    rope_type = p.data.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(f"{source}: rope scaling {rope_type!r} is not supported (supported: "
                                     f"{', '.join(ROPE_TYPES)})")
@@ -144,7 +144,6 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str) -> dict[str, Any]:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
     theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", 10000.0, least=0)
     # as transformers: a top-level original_max_position_embeddings (Phi-3 style) wins, then the rope section's
-    positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[architecture(hf, source)], least=1)
     original = (f if hf.get("original_max_position_embeddings") is not None and rope_type in ("llama3", "yarn")
                 else p).get("original_max_position_embeddings", "int", None, least=1) or positions
     if rope_type != "yarn":
@@ -169,11 +168,14 @@ def yarn_fields(p: Fields, factor: float) -> dict[str, Any]:
 
     attention = p.get("attention_factor", "number", None, least=0)
     m, m_all = p.get("mscale", "number", None), p.get("mscale_all_dim", "number", None)
-    if attention is None:
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    if attention is None and m and m_all:
+        below = mscale(factor, m_all)
+        attention = mscale(factor, m) / below if below else math.inf
+    elif attention is None:
+        attention = mscale(factor)
     raw = p.data.get("truncate")  # transformers tests its truth: 0 and 1 count too
     truncate = True if raw is None else bool(raw) if raw in (0, 1) else p.get("truncate", "bool")
-    if not 1e-6 < attention < 1e6:
+    if not ATTENTION_FACTORS[0] < attention < ATTENTION_FACTORS[1]:
         raise CheckpointError(f"{p.source}: yarn's attention factor (attention_factor, or what mscale and "
                               f"mscale_all_dim make of the factor) must be between 1e-6 and 1e6, got {attention}")
     return dict(beta_fast=float(p.get("beta_fast", "number", 0.0, least=0) or 32.0),

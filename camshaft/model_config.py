@@ -13,7 +13,7 @@ from typing import Any
 
 from camshaft.checks import check_positive_ints, is_int_at_least
 from camshaft.errors import CheckpointError, UnsupportedModelError
-from camshaft.hf_config import ROPE_TYPES, model_fields
+from camshaft.hf_config import ATTENTION_FACTORS, ROPE_TYPES, model_fields
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -50,7 +50,8 @@ class RopeConfig:
             raise UnsupportedModelError(
                 f"rope scaling type {self.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
             )
-        if not (self.theta > 0 and self.factor > 0 and self.attention_factor > 0
+        low, high = ATTENTION_FACTORS
+        if not (self.theta > 0 and self.factor > 0 and low < self.attention_factor < high
                 and is_int_at_least(self.original_max_position_embeddings, 1)):
             raise CheckpointError(f"rope theta, factor, attention_factor and original_max_position_embeddings must be "
                                   f"positive: {self}")

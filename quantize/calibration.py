@@ -99,9 +99,10 @@ def split_column(calib_data: str | Path) -> tuple[Path, str | None]:
 
 
 def read_text_corpus(path: Path, column: str | None = None, max_chars: int | None = None) -> list[Sample]:
-    """Texts of a text/JSONL file or of a directory of those, sorted by name (README files, dataset cards, hidden
-    files skipped); `column`: the JSONL field (default text). Reading stops after `max_chars` characters (the
-    calibration uses the corpus from its start), so a huge file costs no more than what is used."""
+    """Texts (and conversations) of a text/JSONL file or of a directory of those, sorted by name (README files,
+    dataset cards, hidden files skipped); `column`: the JSONL field (default: text, else messages). Reading stops
+    after `max_chars` characters (the calibration uses the corpus from its start), so a huge file costs no more than
+    what is used."""
     files = [path] if not path.is_dir() else text_files(path)
     if not files:
         raise QuantizeError(f"calibration directory {path} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} or "

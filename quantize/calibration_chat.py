@@ -14,10 +14,8 @@ CHAT_FIELD = "messages"
 
 
 def is_chat_feature(feature: Any) -> bool:
-    """A `datasets` feature holding a list of {"role", "content"} structs (datasets' List, or a plain list)."""
+    """A `datasets` feature holding a list of {"role", "content"} structs (its List)."""
     inner = getattr(feature, "feature", None)
-    if inner is None and isinstance(feature, list) and len(feature) == 1:
-        inner = feature[0]
     return isinstance(inner, dict) and {"role", "content"} <= set(inner)
 
 

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import astuple
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
@@ -163,7 +165,8 @@ class LLM:
                 self.executor.submit(group, [_finals(done)] * len(group), bounded=False)
                 submitted.extend(r.request_id for r in group)
             results: list[list[GenerationResult | None]] = [[None] * len(g) for g in groups]
-            bar = _progress(len(where), sys.stderr.isatty() if use_tqdm is None else use_tqdm)
+            enabled = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+            bar = tqdm(total=len(where), desc="generate", unit="req", disable=not enabled)
             try:
                 for _ in range(len(where)):
                     output = done.get()
@@ -247,22 +250,6 @@ def _check(output: RequestOutput) -> bool:
 
 def _finals(done: queue.SimpleQueue):
     return lambda output: done.put(output) if output.finished else None
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="generate", unit="req")
 
 
 def _shutdown(executor: Executor, engine: Engine) -> None:

@@ -92,19 +92,17 @@ class Request:
             self.samples.append(sample)
         params = self.params
         may_stop = len(self.output_ids) >= params.min_tokens
-        stop_id = may_stop and (token in params.stop_token_ids
-                                or (not params.ignore_eos and token in self.eos_token_ids))
+        end_id = not params.ignore_eos and token in self.eos_token_ids
+        stop_id = may_stop and (end_id or token in params.stop_token_ids)
         # a stop token's text is left out unless include_stop_str_in_output (vLLM); its id stays in the output
         delta = "" if stop_id and not params.include_stop_str_in_output else self.text.append(token)
         word = self._stop_word(token) if may_stop else None
         if self.text.stopped or stop_id or word:
             self.finish_reason = "stop"
             self.stop_token_id = token if stop_id else None
-            if self.text.matched_stop is not None:
-                self.stop_reason = self.text.matched_stop
-            else:
-                ended_by_eos = not params.ignore_eos and token in self.eos_token_ids  # vLLM checks the end id first
-                self.stop_reason = token if stop_id and not ended_by_eos else word
+            # vLLM's: the stop string, else a stop token id (the end id is tested first: None), else the stop word
+            self.stop_reason = (self.text.matched_stop if self.text.matched_stop is not None
+                                else token if stop_id and not end_id else word)
         if self.finish_reason is None and len(self.output_ids) >= params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:

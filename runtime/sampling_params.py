@@ -7,6 +7,8 @@ import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from camshaft.checks import is_int
 from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime.prompt_text import check_unicode
@@ -57,7 +59,7 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int | None = 128  # None: as many as the engine's max_seq_len leaves after the prompt
+    max_tokens: int | None = 128  # None: as many as max_seq_len (or the KV budget) leaves after the prompt
     min_tokens: int = 0
     temperature: float = 0.0
     top_k: int = 0
@@ -113,11 +115,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             flag = getattr(self, name)
-            _require(isinstance(flag, bool) or getattr(getattr(flag, "dtype", None), "kind", "") == "b",
-                     f"{name} must be True or False, got {flag!r}")  # numpy's bool too
+            _require(isinstance(flag, bool | np.bool_), f"{name} must be True or False, got {flag!r}")
             object.__setattr__(self, name, bool(flag))
         _require(self.max_tokens is None or is_int(self.max_tokens),
-                 f"max_tokens must be an integer or None (the rest of the engine's max_seq_len), got "
+                 f"max_tokens must be an integer or None (all the engine leaves after the prompt), got "
                  f"{self.max_tokens!r}")
         for name in ("min_tokens", "top_k", "n", "beam_width"):
             _require(is_int(getattr(self, name)), f"{name} must be an integer, got {getattr(self, name)!r}")

@@ -69,22 +69,17 @@ class SequenceEngine:
         self.logits = np.empty((1, m.model.vocab_size), dtype=np.float32)
         self.binding.bind_output("logits", "cpu", 0, np.float32, self.logits.shape, self.logits.ctypes.data)
         self._length = 0
-        self.max_tokens = self.limits.max_seq_len
+        self.token_budget = self.limits.max_seq_len  # tokens (prompt + output) one sequence may hold
         self.token_bytes = self.layout.bytes_per_token(np.dtype(np.float32).itemsize)
         if kv_cache_memory is not None:
-            self.max_tokens = min(self.max_tokens, kv_cache_memory // self.token_bytes)
-            if self.max_tokens < 1:
+            self.token_budget = min(self.token_budget, kv_cache_memory // self.token_bytes)
+            if self.token_budget < 1:
                 raise CapacityError(f"a KV cache budget of {kv_cache_memory} bytes holds no token "
                                     f"({self.token_bytes} bytes each); raise the budget")
 
     @property
     def limits(self):
         return self.manifest.limits
-
-    @property
-    def token_budget(self) -> int:
-        """Most tokens (prompt + output) one sequence may hold: max_seq_len, or what kv_cache_memory holds."""
-        return self.max_tokens
 
     @property
     def capacity(self) -> int:
@@ -97,10 +92,10 @@ class SequenceEngine:
 
     def start(self, total: int) -> None:
         """Make room for a sequence of `total` tokens (prompt + max_tokens)."""
-        if total > self.max_tokens:
-            raise over_budget(total, self.max_tokens, f"{self.token_bytes} bytes a token")
+        if total > self.token_budget:
+            raise over_budget(total, self.token_budget, f"{self.token_bytes} bytes a token")
         if total > self.capacity:
-            self._bind_caches(min(-(-total // GROW) * GROW, self.max_tokens))
+            self._bind_caches(min(-(-total // GROW) * GROW, self.token_budget))
         self._length = 0
 
     def _bind_caches(self, length: int) -> None:

@@ -316,13 +316,18 @@ def test_logit_bias_steers_tokens_and_bad_keys_are_400s(client, served):
     assert special.choices[0].logprobs.text_offset == [0, len("<|im_start|>")]
     for bias, message in (({"x": 1}, "logit_bias keys are token ids"), ({"\u00b2": 1}, "logit_bias keys are token"),
                           ({"\u0661\u0662": 1}, "logit_bias keys are token ids"),
-                          ({"9223372036854775808": 1}, "logit_bias keys are token ids"),
+                          ({"9223372036854775808": 1}, "logit_bias contains a token id outside the vocabulary"),
+                          ({"5": True}, "logit_bias"), ({"5": "1"}, "logit_bias"),
                           ({"5": 200}, "biases in [-100, 100]"),
                           ({"999999": 1}, "logit_bias contains a token id outside the vocabulary")):
         response = httpx.post(f"{served[0]}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                                  "logit_bias": bias})
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
         assert response.json()["error"]["param"] == "logit_bias"
+    for flag in ("skip_special_tokens", "ignore_eos", "include_stop_str_in_output"):  # true or false, as in Python
+        response = httpx.post(f"{served[0]}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                                 flag: "off"})
+        assert response.status_code == 400 and flag in response.text, response.text
 
 
 def test_metrics_move_with_requests(served, client):

@@ -1,5 +1,6 @@
-"""`--api-key`: every route but the operator's (/health, /metrics, /version) asks for `Authorization: Bearer KEY`, as
-OpenAI's API and vLLM's server do; a missing or wrong key is a 401 in OpenAI's error shape."""
+"""`--api-key`: every route but the operator's (/health, /metrics, /version) asks for `Authorization: Bearer KEY`
+(vLLM's `--api-key` guards its /v1 routes; this guards /tokenize, /detokenize and the API docs too); a missing or
+wrong key is a 401 in OpenAI's error shape."""
 
 from __future__ import annotations
 

@@ -79,8 +79,9 @@ class BodyLimit:
 async def send_error(send: Send, status: int, message: str, code: str | None = None,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """An OpenAI-style error response, sent before the app sees the request."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    from camshaft.openai_server.errors import APIError
+
+    body = json.dumps(APIError(status, message, code=code).body()).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(headers or [])]})

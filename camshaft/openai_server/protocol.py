@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, model_validator
 
 from camshaft.errors import RequestError
 from camshaft.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -48,16 +48,16 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     # vLLM's extensions
     top_k: StrictInt = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: StrictInt = 0
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     priority: StrictInt = 0
 
     @property
@@ -69,13 +69,12 @@ class _GenerationRequest(BaseModel):
             raise RequestError("stream_options applies to streamed responses; set stream: true or leave it out")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-            stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.token_biases(), skip_special_tokens=self.skip_special_tokens)
 
@@ -83,7 +82,7 @@ class _GenerationRequest(BaseModel):
         """logit_bias's JSON keys (token ids written as strings) as ints."""
         biases = {}
         for key, bias in (self.logit_bias or {}).items():
-            if not (key.strip().isascii() and key.strip().isdigit() and len(key.strip()) <= 18):
+            if not (key.strip().isascii() and key.strip().isdigit() and len(key.strip()) <= 1000):  # int()'s cap
                 raise RequestError(f"logit_bias keys are token ids (e.g. \"50256\"), got {key!r:.40}")
             biases[int(key)] = bias
         return biases

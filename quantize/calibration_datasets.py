@@ -90,6 +90,9 @@ def text_column(data: Any, path: Path, column: str | None) -> str:
         raise QuantizeError(f"{path} has no string or chat messages column {column} (its columns: {listed})")
     chosen = column or ("text" if "text" in strings else CHAT_FIELD if CHAT_FIELD in chats
                         else strings[0] if len(strings) == 1 else None)
+    if chosen is None and not strings and chats:
+        raise QuantizeError(f"{path} has no text column, and its conversations are not named messages (its "
+                            f"columns: {listed}); choose them with --calib-data {path}:{chats[0]}")
     if chosen is None:
         raise QuantizeError(f"{path} has no string column (its columns: {listed})" if not strings else
                             f"{path} has several string columns, none named text (its columns: {listed}); choose "

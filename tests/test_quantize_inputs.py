@@ -266,6 +266,10 @@ def test_a_dataset_of_conversations_is_read_from_its_messages_column(datasets, t
     texts, source = load_texts(tmp_path / "chat.parquet")
     assert list(texts) == [CHAT, [{"role": "user", "content": "x"}]] and source.endswith("column messages")
     assert list(load_texts(f"{tmp_path / 'chat.parquet'}:prompt")[0]) == ["Name a river.", "x"]
+    datasets.Dataset.from_dict({"turns": [CHAT], "id": [1]}).to_parquet(tmp_path / "turns.parquet")
+    with pytest.raises(QuantizeError, match=r"conversations are not named messages .*turns.parquet:turns"):
+        load_texts(tmp_path / "turns.parquet")
+    assert list(load_texts(f"{tmp_path / 'turns.parquet'}:turns")[0]) == [CHAT]
     datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "x", "name": "a"}]]}).save_to_disk(
         tmp_path / "saved")
     assert list(load_texts(tmp_path / "saved")[0]) == [[{"role": "user", "content": "x", "name": "a"}]]

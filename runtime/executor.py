@@ -182,8 +182,16 @@ class Executor:
                 self._finish(item.request, exc)
             return len(scheduled)
         self.scheduler.computed(scheduled)
-        sampled = [item.request for item in scheduled if item.chunk.num_logits]
-        results = sample_batch([r.sampler for r in sampled], logits)
+        sampled, rows, at = [], [], 0
+        for item in scheduled:  # each chunk's rows in order: prompt rows (prompt_logprobs), then its sampled row
+            count = item.chunk.num_logits
+            if count > int(item.sample):
+                item.request.add_prompt_rows(logits[at: at + count - int(item.sample)], item.chunk.start_pos)
+            if item.sample:
+                sampled.append(item.request)
+                rows.append(at + count - 1)
+            at += count
+        results = sample_batch([r.sampler for r in sampled], logits if len(rows) == at else logits[rows])
         finished = 0
         for request, sample in zip(sampled, results, strict=True):
             if isinstance(sample, Exception):  # this request's parameters cannot be sampled: it alone ends

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from camshaft.runtime.detokenizer import TextStream
-from camshaft.runtime.sampler import SampleResult, SequenceSampler, tokenize_bad_words
+from camshaft.runtime.sampler import SampleResult, SequenceSampler, logprob_of, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
 
 
@@ -39,6 +39,8 @@ class GenerationResult:
     stop_token_id: int | None = None  # the end id or stop_token_ids entry that ended it (token_ids[-1]), else None
     stop_reason: str | int | tuple[int, ...] | None = None  # vLLM's: the stop string, stop_token_ids entry or
     # stop_word_ids sequence that ended it; None for an end id, the length limit or an abort
+    prompt_logprobs: list[SampleResult | None] | None = None  # vLLM's: None for the first prompt token, then each
+    # prompt token's log-prob given the tokens before it (with prompt_logprobs alternatives), when asked for
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -56,6 +58,7 @@ class Request:
     eos_token_ids: tuple[int, ...]
     output_ids: list[int] = field(default_factory=list)
     samples: list[SampleResult] = field(default_factory=list)
+    prompt_samples: list[SampleResult] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs)
     blocks: list[int] = field(default_factory=list)
     stop_words: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)  # stop_word_ids by their last id
     num_computed: int = 0
@@ -80,6 +83,19 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Prompt log-probs were asked for and some are not recorded yet: every computed row's logits are wanted."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_samples) < len(self.prompt_ids) - 1
+
+    def add_prompt_rows(self, rows, start: int) -> None:
+        """Record the prompt tokens that the logits rows of positions start, start+1, ... predict (once each: a
+        recomputed prompt is not recorded again)."""
+        for offset, row in enumerate(rows):
+            target = start + offset + 1
+            if target == len(self.prompt_samples) + 1 and target < len(self.prompt_ids):
+                self.prompt_samples.append(logprob_of(row, self.prompt_ids[target], self.params.prompt_logprobs or 0))
 
     def add_sample(self, sample: SampleResult) -> str:
         """Record a sampled token; returns the text delta that became safe to emit, and sets finish_reason."""
@@ -134,6 +150,7 @@ class Request:
             logprobs=list(self.samples) if self.params.logprobs is not None else None,
             stop_token_id=self.stop_token_id,
             stop_reason=self.stop_reason,
+            prompt_logprobs=None if self.params.prompt_logprobs is None else [None, *self.prompt_samples],
         )
 
 

@@ -178,16 +178,19 @@ class SequenceSampler:
         if self._output_counts is not None:
             self._output_counts.add(token)
         want = self.params.logprobs
-        if want is None:
-            return SampleResult(token)
-        raw = np.asarray(raw_row, dtype=np.float32)
-        top = float(raw.max())
-        shifted = np.subtract(raw, np.float32(top), out=_scratch.get(raw.size)[1])
-        log_total = top + float(np.log(np.exp(shifted, out=shifted).sum(dtype=np.float64)))
-        alternatives = None
-        if want > 0:
-            alternatives = tuple((int(i), float(raw[i]) - log_total) for i in top_k_indices(raw, want))
-        return SampleResult(token, float(raw[token]) - log_total, alternatives)
+        return SampleResult(token) if want is None else logprob_of(raw_row, token, want)
+
+
+def logprob_of(raw_row: np.ndarray, token: int, alternatives: int) -> SampleResult:
+    """`token`'s log-prob under the log_softmax of a raw logits row, with the `alternatives` most likely tokens'."""
+    raw = np.asarray(raw_row, dtype=np.float32)
+    top = float(raw.max())
+    shifted = np.subtract(raw, np.float32(top), out=_scratch.get(raw.size)[1])
+    log_total = top + float(np.log(np.exp(shifted, out=shifted).sum(dtype=np.float64)))
+    best = None
+    if alternatives > 0:
+        best = tuple((int(i), float(raw[i]) - log_total) for i in top_k_indices(raw, alternatives))
+    return SampleResult(token, float(raw[token]) - log_total, best)
 
 
 def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> list[SampleResult | Exception]:

@@ -81,6 +81,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: {token id: bias in [-100, 100]} added to the logits
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text (their ids stay in token_ids)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-prob (and this many alternatives); LLM only
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
@@ -144,8 +145,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         _require(self.seed is None or is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
-        _require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                     f"{name} must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}")
         _require(self.n >= 1, f"n must be at least 1, got {self.n}")
 
     def for_prompt(self, prompt_tokens: int, max_seq_len: int, kv_tokens: int | None = None) -> SamplingParams:

@@ -53,6 +53,7 @@ class Scheduled:
     request: Request
     chunk: Chunk
     decode: bool = False  # the one token after the last output token; anything else is prompt (or recompute) work
+    sample: bool = True  # the chunk ends the sequence: its last logits row is sampled
 
     @property
     def num_tokens(self) -> int:
@@ -143,12 +144,13 @@ class Scheduler:
             tokens = [request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]]
         else:
             tokens = request.all_ids[start: start + take]
-        return Scheduled(request, Chunk(tokens, start, request.blocks, int(done)),
-                         decode=done and take == 1 and bool(request.output_ids))
+        rows = take if request.wants_prompt_rows else int(done)  # prompt log-probs want every row
+        return Scheduled(request, Chunk(tokens, start, request.blocks, rows),
+                         decode=done and take == 1 and bool(request.output_ids), sample=done)
 
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids
-        reused = self.blocks.cached_prefix(tokens)
+        reused = [] if request.wants_prompt_rows else self.blocks.cached_prefix(tokens)  # reused rows give no logits
         if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
             wanted = self._total_blocks(request)
         else:

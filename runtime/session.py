@@ -142,6 +142,9 @@ class Session:
         if params.n > 1:
             raise RequestError(f"a Session gives one output per request (n={params.n}); for several outputs of one "
                                "prompt use camshaft.LLM(engine_dir).generate(prompt, SamplingParams(n=...))")
+        if params.prompt_logprobs is not None:
+            raise RequestError("a Session computes only the last prompt row's logits; for prompt_logprobs use "
+                               "camshaft.LLM(engine_dir).generate(prompt, SamplingParams(prompt_logprobs=...))")
         return params
 
     def _request(self, ids: list[int], params: SamplingParams) -> Request:

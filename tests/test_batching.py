@@ -271,3 +271,39 @@ def test_paging_admits_more_than_a_contiguous_reservation(engine_dir, reservatio
         assert all(len(o.outputs[0].token_ids) == 20 for o in outputs)
         assert llm.executor.peak_batch_size == (2 if reservation == "contiguous" else 8)
         assert llm.executor.scheduler.blocks.num_used == 0
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_through_chunks_reuse_and_preemption(engine_dir, tmp_path):
+    import numpy as np
+    import torch
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(engine_dir.parent / "hf").eval()
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (150, 40, 150)]
+    prompts[2][:64] = prompts[0][:64]  # a cached prefix: its rows must be computed, not reused
+
+    def expected(prompt: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+        return np.array([logp[i - 1, prompt[i]] for i in range(1, len(prompt))])
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True, prompt_logprobs=3)
+    plain = SamplingParams(max_tokens=40, ignore_eos=True)
+    for options in ({}, {"policy": "max_utilization", "kv_cache_memory": pool_budget(engine_dir, 16)}):
+        with LLM(engine_dir, **options) as llm:
+            llm.generate(prompts[0], plain)  # caches the first prompt's blocks
+            outs = llm.generate(prompts, params)
+            greedy = llm.generate(prompts, plain)
+            preempted = llm.executor.scheduler.num_preemptions
+            assert llm.kv_cache.used == 0
+        for prompt, out, same in zip(prompts, outs, greedy, strict=True):
+            got = out.outputs[0].prompt_logprobs
+            assert got[0] is None and len(got) == len(prompt)  # 64-token steps: every prompt spans chunks
+            np.testing.assert_allclose([s.logprob for s in got[1:]], expected(prompt), atol=2e-5)
+            assert all(len(s.top_logprobs) == 3 and s.token_id == t for s, t in zip(got[1:], prompt[1:], strict=True))
+            assert out.outputs[0].token_ids == same.outputs[0].token_ids  # sampling unchanged
+            assert same.outputs[0].prompt_logprobs is None
+    assert preempted > 0  # the second pool forced recomputation, which must not record a prompt twice
+    with pytest.raises(Exception, match="for prompt_logprobs use camshaft.LLM"):
+        Session(engine_dir).generate(prompts[1], params)

@@ -98,7 +98,8 @@ class CompletionRequest(_GenerationRequest):
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
-            raise RequestError("echo is not supported (no prompt log-probs); leave it out or set it to false")
+            raise RequestError("echo is not supported by this server (the Python API's SamplingParams.prompt_logprobs "
+                               "gives the prompt's log-probs); leave it out or set it to false")
         if self.suffix:
             raise RequestError("suffix (insertion) is not supported; leave it out")
         if self.best_of is not None and self.best_of != self.n:

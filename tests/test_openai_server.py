@@ -330,6 +330,37 @@ def test_logit_bias_steers_tokens_and_bad_keys_are_400s(client, served):
         assert response.status_code == 400 and flag in response.text, response.text
 
 
+def test_echo_returns_the_prompt_and_its_log_probs_as_transformers_computes_them(client, served, engine_dir):
+    import numpy as np
+    import torch
+    import transformers
+
+    prompt = PROMPTS[0]
+    ids = served[1].encode(prompt)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(engine_dir.parent / "hf").eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(reference(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]  # lm-eval's loglikelihood request: the prompt alone, scored
+    assert choice.text == prompt and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], [logp[i - 1, ids[i]] for i in range(1, len(ids))],
+                               atol=2e-5)
+    assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+    both = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=0, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=0, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert both.choices[0].text == prompt + plain.choices[0].text and both.usage.completion_tokens == 4
+    assert both.choices[0].logprobs.token_logprobs[len(ids):] == plain.choices[0].logprobs.token_logprobs
+    assert both.choices[0].logprobs.tokens[len(ids):] == plain.choices[0].logprobs.tokens
+    for body, message in (({"echo": True, "stream": True}, "echo is supported without streaming only"),
+                          ({"max_tokens": 0}, "0 only with echo")):
+        response = httpx.post(f"{served[0]}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                                 **body})
+        assert response.status_code == 400 and message in response.text, response.text
+
+
 def test_metrics_move_with_requests(served, client):
     url = served[0]
     before = {n: metric(url, n) for n in ("camshaft_generation_tokens_total",

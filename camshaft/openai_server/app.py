@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -114,7 +115,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         if results is None:
             return Response(status_code=499)  # nobody is listening
         choices = [shape.choice(i, r, with_logprobs) for i, r in enumerate(results)]
-        return JSONResponse(shape.response(choices, generation.prompt_tokens, sum(len(r.token_ids) for r in results)))
+        completion_tokens = sum(len(shape.output_ids(r)) for r in results)
+        return JSONResponse(shape.response(choices, generation.prompt_tokens, completion_tokens))
 
     @app.get("/health")
     async def health() -> dict:
@@ -174,8 +176,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
                            param="prompt")
         prompts = [await prompt_ids(prompt=p) for p in body.prompts()]
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-        params = body.sampling_params(max_tokens, body.logprobs)
-        shape = CompletionShape(model_name, llm.tokenizer, prompts, params.n, params.skip_special_tokens)
+        params = body.sampling_params(max_tokens or 1, body.logprobs)  # echo with max_tokens 0: one token, dropped
+        if body.echo and body.logprobs is not None:
+            params = replace(params, prompt_logprobs=body.logprobs)
+        shape = CompletionShape(model_name, llm.tokenizer, prompts, params.n, params.skip_special_tokens,
+                                echo="prompt" if max_tokens == 0 else "prompt+output" if body.echo else None)
         return await respond(request, body.stream, body.include_usage, prompts, params, shape, arrival, body.priority)
 
     @app.post("/v1/chat/completions")

@@ -91,15 +91,16 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise RequestError("echo is not supported by this server (the Python API's SamplingParams.prompt_logprobs "
-                               "gives the prompt's log-probs); leave it out or set it to false")
+        if self.echo and self.stream:
+            raise RequestError("echo is supported without streaming only; set stream to false (or leave echo out)")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt and its log-probs)")
         if self.suffix:
             raise RequestError("suffix (insertion) is not supported; leave it out")
         if self.best_of is not None and self.best_of != self.n:

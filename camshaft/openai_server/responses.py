@@ -53,6 +53,10 @@ class _Shape:
     def token(self, token_id: int) -> str:
         return self.tokens.get(token_id)[0]
 
+    def output_ids(self, result: GenerationResult) -> list[int]:
+        """The output tokens a choice shows (and usage counts)."""
+        return result.token_ids
+
     def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
@@ -67,18 +71,23 @@ class CompletionShape(_Shape):
     prefix = "cmpl"
 
     def __init__(self, model: str, tokenizer, prompts: list[list[int]], n: int,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, echo: str | None = None) -> None:
+        """echo: None, "prompt+output" (the prompt's text, then the output's) or "prompt" (max_tokens 0)."""
         super().__init__(model, tokenizer)
         # text_offset: characters of the choice's text before each token (a token that ends inside a character
         # adds none), counted by a detokenizer of its own that runs on across a streamed choice's chunks
         self._tokenizer, self._prompts, self._n = tokenizer, prompts, n
-        self._skip_special = skip_special_tokens
+        self._skip_special, self.echo = skip_special_tokens, echo
         self._texts: dict[int, TextStream] = {}
+
+    def output_ids(self, result: GenerationResult) -> list[int]:
+        """The output a choice shows: none when echo asked for the prompt alone."""
+        return [] if self.echo == "prompt" else result.token_ids
 
     def logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         if index not in self._texts:
-            self._texts[index] = TextStream(self._tokenizer, self._prompts[index // self._n],
-                                            skip_special_tokens=self._skip_special)
+            context = [] if self.echo else self._prompts[index // self._n]  # echo: offsets from the prompt's start
+            self._texts[index] = TextStream(self._tokenizer, context, skip_special_tokens=self._skip_special)
         text = self._texts[index]
         offsets, tokens = [], [self.token(s.token_id) for s in samples]
         for s, shown in zip(samples, tokens, strict=True):
@@ -89,9 +98,10 @@ class CompletionShape(_Shape):
                 offsets.append(len(text.text) - len(shown))
             else:  # it ends a character begun before it (or bytes that make none, U+FFFD): that character
                 offsets.append(len(text.text) - len(delta))
-        return {"tokens": tokens,
-                "token_logprobs": [_logprob(s.logprob) for s in samples],
-                "top_logprobs": [self._top(s) for s in samples], "text_offset": offsets}
+        return {"tokens": tokens,  # an echoed prompt's first token has no log-prob: null, as OpenAI
+                "token_logprobs": [None if s.logprob is None else _logprob(s.logprob) for s in samples],
+                "top_logprobs": [None if s.logprob is None else self._top(s) for s in samples],
+                "text_offset": offsets}
 
     def _top(self, sample: SampleResult) -> dict[str, float | None]:
         """The alternatives, best first, and the chosen token among them (OpenAI's legacy shape)."""
@@ -100,9 +110,23 @@ class CompletionShape(_Shape):
         return top
 
     def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
-        return {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
-                "stop_reason": stop_reason(result),
-                "logprobs": self.logprobs(index, result.logprobs or []) if with_logprobs else None}
+        if self.echo is None:
+            return {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
+                    "stop_reason": stop_reason(result),
+                    "logprobs": self.logprobs(index, result.logprobs or []) if with_logprobs else None}
+        prompt = result.prompt_token_ids
+        output = self.output_ids(result)
+        samples = [SampleResult(prompt[0])] + list((result.prompt_logprobs or [])[1:]) if with_logprobs else []
+        if with_logprobs and output:
+            samples += result.logprobs or []
+        text = TextStream(self._tokenizer, [], skip_special_tokens=self._skip_special)
+        for token in prompt + output:
+            text.append(token)
+        text.finish()
+        return {"index": index, "text": text.text,
+                "finish_reason": "length" if self.echo == "prompt" else finish_reason(result.finish_reason),
+                "stop_reason": None if self.echo == "prompt" else stop_reason(result),
+                "logprobs": self.logprobs(index, samples) if with_logprobs else None}
 
     def opening(self, num_choices: int) -> list[dict]:
         return []

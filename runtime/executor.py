@@ -182,17 +182,22 @@ class Executor:
                 self._finish(item.request, exc)
             return len(scheduled)
         self.scheduler.computed(scheduled)
-        sampled, rows, at = [], [], 0
+        sampled, rows, at, finished = [], [], 0, 0
         for item in scheduled:  # each chunk's rows in order: prompt rows (prompt_logprobs), then its sampled row
-            count = item.chunk.num_logits
-            if count > int(item.sample):
-                item.request.add_prompt_rows(logits[at: at + count - int(item.sample)], item.chunk.start_pos)
-            if item.sample:
-                sampled.append(item.request)
-                rows.append(at + count - 1)
+            count, request = item.chunk.num_logits, item.request
             at += count
+            try:
+                if count > int(item.sample):
+                    request.add_prompt_rows(logits[at - count: at - int(item.sample)], item.chunk.start_pos)
+            except Exception as exc:  # this request's error, not the loop's
+                log.error("request %s failed recording prompt log-probs", request.request_id, exc_info=True)
+                self._finish(request, exc)
+                finished += 1
+                continue
+            if item.sample:
+                sampled.append(request)
+                rows.append(at - 1)
         results = sample_batch([r.sampler for r in sampled], logits if len(rows) == at else logits[rows])
-        finished = 0
         for request, sample in zip(sampled, results, strict=True):
             if isinstance(sample, Exception):  # this request's parameters cannot be sampled: it alone ends
                 log.error("sampling request %s failed; it ends with the error", request.request_id, exc_info=sample)

@@ -307,3 +307,17 @@ def test_prompt_logprobs_are_transformers_log_softmax_through_chunks_reuse_and_p
     assert preempted > 0  # the second pool forced recomputation, which must not record a prompt twice
     with pytest.raises(Exception, match="for prompt_logprobs use camshaft.LLM"):
         Session(engine_dir).generate(prompts[1], params)
+
+
+def test_a_failure_recording_prompt_logprobs_ends_that_request_only(engine_dir, monkeypatch):
+    from camshaft.runtime.request import Request
+
+    def broken(self, rows, start):
+        raise ValueError("recording failed")
+
+    monkeypatch.setattr(Request, "add_prompt_rows", broken)
+    with LLM(engine_dir) as llm:
+        with pytest.raises(ValueError, match="recording failed"):
+            llm.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, prompt_logprobs=0))
+        assert llm.alive and llm.generate([5, 6, 7, 8], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+        assert llm.kv_cache.used == 0

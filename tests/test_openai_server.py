@@ -330,7 +330,8 @@ def test_logit_bias_steers_tokens_and_bad_keys_are_400s(client, served):
         assert response.status_code == 400 and flag in response.text, response.text
 
 
-def test_echo_returns_the_prompt_and_its_log_probs_as_transformers_computes_them(client, served, engine_dir):
+def test_echo_returns_the_prompt_and_its_log_probs_as_transformers_computes_them(client, served, engine_dir,
+                                                                                 session):
     import numpy as np
     import torch
     import transformers
@@ -354,6 +355,12 @@ def test_echo_returns_the_prompt_and_its_log_probs_as_transformers_computes_them
     assert both.choices[0].text == prompt + plain.choices[0].text and both.usage.completion_tokens == 4
     assert both.choices[0].logprobs.token_logprobs[len(ids):] == plain.choices[0].logprobs.token_logprobs
     assert both.choices[0].logprobs.tokens[len(ids):] == plain.choices[0].logprobs.tokens
+    stopped, stop = _stop_case(session)
+    cut = client.completions.create(model=MODEL, prompt=stopped, max_tokens=24, temperature=0, stop=stop)
+    echoed = client.completions.create(model=MODEL, prompt=stopped, max_tokens=24, temperature=0, stop=stop,
+                                       echo=True, logprobs=0)
+    assert echoed.choices[0].text == stopped + cut.choices[0].text  # the prompt as sent, the output as without echo
+    assert echoed.choices[0].logprobs.text_offset[len(served[1].encode(stopped))] == len(stopped)
     for body, message in (({"echo": True, "stream": True}, "echo is supported without streaming only"),
                           ({"max_tokens": 0}, "0 only with echo")):
         response = httpx.post(f"{served[0]}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,

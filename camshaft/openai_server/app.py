@@ -179,8 +179,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         params = body.sampling_params(max_tokens or 1, body.logprobs)  # echo with max_tokens 0: one token, dropped
         if body.echo and body.logprobs is not None:
             params = replace(params, prompt_logprobs=body.logprobs)
+        texts = [p if isinstance(p, str) else llm.tokenizer.decode(p, skip_special_tokens=params.skip_special_tokens)
+                 for p in body.prompts()] if body.echo else None  # echo: the prompts as sent
         shape = CompletionShape(model_name, llm.tokenizer, prompts, params.n, params.skip_special_tokens,
-                                echo="prompt" if max_tokens == 0 else "prompt+output" if body.echo else None)
+                                echo="prompt" if max_tokens == 0 else "prompt+output" if body.echo else None,
+                                prompt_texts=texts)
         return await respond(request, body.stream, body.include_usage, prompts, params, shape, arrival, body.priority)
 
     @app.post("/v1/chat/completions")

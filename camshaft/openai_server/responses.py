@@ -71,13 +71,15 @@ class CompletionShape(_Shape):
     prefix = "cmpl"
 
     def __init__(self, model: str, tokenizer, prompts: list[list[int]], n: int,
-                 skip_special_tokens: bool = True, echo: str | None = None) -> None:
-        """echo: None, "prompt+output" (the prompt's text, then the output's) or "prompt" (max_tokens 0)."""
+                 skip_special_tokens: bool = True, echo: str | None = None,
+                 prompt_texts: list[str] | None = None) -> None:
+        """echo: None, "prompt+output" (the prompt as sent, then the output's text) or "prompt" (max_tokens 0);
+        prompt_texts: the prompts as sent (echo)."""
         super().__init__(model, tokenizer)
         # text_offset: characters of the choice's text before each token (a token that ends inside a character
         # adds none), counted by a detokenizer of its own that runs on across a streamed choice's chunks
         self._tokenizer, self._prompts, self._n = tokenizer, prompts, n
-        self._skip_special, self.echo = skip_special_tokens, echo
+        self._skip_special, self.echo, self._prompt_texts = skip_special_tokens, echo, prompt_texts or []
         self._texts: dict[int, TextStream] = {}
 
     def output_ids(self, result: GenerationResult) -> list[int]:
@@ -86,9 +88,13 @@ class CompletionShape(_Shape):
 
     def logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         if index not in self._texts:
-            context = [] if self.echo else self._prompts[index // self._n]  # echo: offsets from the prompt's start
-            self._texts[index] = TextStream(self._tokenizer, context, skip_special_tokens=self._skip_special)
-        text = self._texts[index]
+            self._texts[index] = self._stream(self._prompts[index // self._n])
+        return self._entries(self._texts[index], samples)
+
+    def _stream(self, context: list[int]) -> TextStream:
+        return TextStream(self._tokenizer, context, skip_special_tokens=self._skip_special)
+
+    def _entries(self, text: TextStream, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         offsets, tokens = [], [self.token(s.token_id) for s in samples]
         for s, shown in zip(samples, tokens, strict=True):
             before, delta = len(text.text), text.append(s.token_id)
@@ -114,19 +120,19 @@ class CompletionShape(_Shape):
             return {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
                     "stop_reason": stop_reason(result),
                     "logprobs": self.logprobs(index, result.logprobs or []) if with_logprobs else None}
-        prompt = result.prompt_token_ids
-        output = self.output_ids(result)
-        samples = [SampleResult(prompt[0])] + list((result.prompt_logprobs or [])[1:]) if with_logprobs else []
-        if with_logprobs and output:
-            samples += result.logprobs or []
-        text = TextStream(self._tokenizer, [], skip_special_tokens=self._skip_special)
-        for token in prompt + output:
-            text.append(token)
-        text.finish()
-        return {"index": index, "text": text.text,
+        prompt_text = self._prompt_texts[index // self._n]
+        logprobs = None
+        if with_logprobs:  # the prompt's entries counted from its start, the output's after the prompt text
+            prompt = [SampleResult(result.prompt_token_ids[0]), *(result.prompt_logprobs or [])[1:]]
+            logprobs = self._entries(self._stream([]), prompt)
+            if self.echo != "prompt":
+                output = self.logprobs(index, result.logprobs or [])
+                output["text_offset"] = [len(prompt_text) + at for at in output["text_offset"]]
+                logprobs = {key: logprobs[key] + output[key] for key in logprobs}
+        return {"index": index, "text": prompt_text + ("" if self.echo == "prompt" else result.text),
                 "finish_reason": "length" if self.echo == "prompt" else finish_reason(result.finish_reason),
                 "stop_reason": None if self.echo == "prompt" else stop_reason(result),
-                "logprobs": self.logprobs(index, samples) if with_logprobs else None}
+                "logprobs": logprobs}
 
     def opening(self, num_choices: int) -> list[dict]:
         return []

@@ -80,6 +80,11 @@ class Engine:
         return self.manifest.limits
 
     @property
+    def token_budget(self) -> int:
+        """Most tokens (prompt + output) one sequence may hold: every usable block of the pool."""
+        return self.pool.capacity * self.block_size
+
+    @property
     def block_size(self) -> int:
         return self.manifest.limits.kv_block_size
 

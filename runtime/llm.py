@@ -61,8 +61,7 @@ class LLM:
         self._encoder = _Encoder(engine)
         self.executor = Executor(engine, self.config, max_queue=max_queue)
         # what one request may hold of the pool (a contiguous reservation takes max_seq_len whatever it asks for)
-        self._kv_tokens = (self.executor.scheduler.blocks.capacity * engine.block_size
-                           if kv_reservation == "paged" else None)
+        self._kv_tokens = engine.token_budget if kv_reservation == "paged" else None
         self._ids = itertools.count()
         # closed when dropped without close(), and at interpreter exit: the loop thread would otherwise keep the
         # engine alive, or still be inside onnxruntime as the process ends

@@ -163,8 +163,7 @@ class BatchGraphSequence:
 
     @property
     def token_budget(self) -> int:
-        """Most tokens (prompt + output) one sequence may hold: the pool's blocks."""
-        return self.engine.pool.capacity * self.engine.block_size
+        return self.engine.token_budget
 
     def start(self, total: int) -> None:
         pool, block = self.engine.pool, self.engine.block_size

@@ -17,6 +17,7 @@ from camshaft.errors import RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.kv_cache import parse_memory
+from camshaft.runtime.llm_options import params_list
 from camshaft.runtime.prompt_text import check_unicode, encode_text
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
@@ -131,14 +132,12 @@ class Session:
             raise RequestError(f"this model's chat template refused the messages: {exc}") from exc
 
     def _params(self, params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
-        if params is not None and not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling_params must be a SamplingParams, got {params!r:.80}")
         unknown = set(overrides) - _PARAM_NAMES
         if unknown:
             hint = " (the SamplingParams keyword is sampling_params)" if "params" in unknown else ""
             raise RequestError(f"unknown sampling parameter(s) {sorted(unknown)}{hint}; known: "
                                f"{sorted(_PARAM_NAMES)}")
-        params = replace(params or SamplingParams(), **overrides)
+        params = replace(params_list(params, 1)[0], **overrides)
         if params.n > 1:
             raise RequestError(f"a Session gives one output per request (n={params.n}); for several outputs of one "
                                "prompt use camshaft.LLM(engine_dir).generate(prompt, SamplingParams(n=...))")

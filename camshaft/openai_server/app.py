@@ -69,6 +69,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
     errors.install(app, metrics)
     max_seq_len, max_n = llm.config.max_seq_len, llm.config.max_batch_size
     routes = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models"}
+
     def refused(path: str, status: int) -> None:
         metrics.http(path if path in routes else "other", status)
 

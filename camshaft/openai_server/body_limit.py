@@ -8,6 +8,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from camshaft.openai_server.errors import APIError
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -79,8 +81,6 @@ class BodyLimit:
 async def send_error(send: Send, status: int, message: str, code: str | None = None,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """An OpenAI-style error response, sent before the app sees the request."""
-    from camshaft.openai_server.errors import APIError
-
     body = json.dumps(APIError(status, message, code=code).body()).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

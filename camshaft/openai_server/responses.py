@@ -116,23 +116,21 @@ class CompletionShape(_Shape):
         return top
 
     def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
-        if self.echo is None:
-            return {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
-                    "stop_reason": stop_reason(result),
-                    "logprobs": self.logprobs(index, result.logprobs or []) if with_logprobs else None}
-        prompt_text = self._prompt_texts[index // self._n]
-        logprobs = None
-        if with_logprobs:  # the prompt's entries counted from its start, the output's after the prompt text
-            prompt = [SampleResult(result.prompt_token_ids[0]), *(result.prompt_logprobs or [])[1:]]
-            logprobs = self._entries(self._stream([]), prompt)
-            if self.echo != "prompt":
+        alone = self.echo == "prompt"  # echo with max_tokens 0: the output (one token) is not shown
+        prompt_text = self._prompt_texts[index // self._n] if self.echo else ""
+        text, logprobs = ("" if alone else result.text), None
+        if with_logprobs:  # an echoed prompt's entries counted from its start, the output's after the prompt text
+            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            if self.echo:
+                prompt = [SampleResult(result.prompt_token_ids[0]), *(result.prompt_logprobs or [])[1:]]
+                logprobs = self._entries(self._stream([]), prompt)
+            if not alone:
                 output = self.logprobs(index, result.logprobs or [])
                 output["text_offset"] = [len(prompt_text) + at for at in output["text_offset"]]
                 logprobs = {key: logprobs[key] + output[key] for key in logprobs}
-        return {"index": index, "text": prompt_text + ("" if self.echo == "prompt" else result.text),
-                "finish_reason": "length" if self.echo == "prompt" else finish_reason(result.finish_reason),
-                "stop_reason": None if self.echo == "prompt" else stop_reason(result),
-                "logprobs": logprobs}
+        return {"index": index, "text": prompt_text + text,
+                "finish_reason": "length" if alone else finish_reason(result.finish_reason),
+                "stop_reason": None if alone else stop_reason(result), "logprobs": logprobs}
 
     def opening(self, num_choices: int) -> list[dict]:
         return []

@@ -156,14 +156,14 @@ class Executor:
             self._wake.wait_for(lambda: self._closed or self._inbox or self._aborts, timeout=self.admit_window_s)
 
     def _abort(self, request_id: str) -> None:
-        request = self._requests.get(request_id)
+        """A request's id, or a prompt's id: all its n requests."""
+        def named(request: Request) -> bool:
+            return request_id in (request.request_id, request.prompt_id)
+
+        held = [sibling for siblings in self._held.values() for sibling in siblings if named(sibling)]
         for siblings in self._held.values():
-            for sibling in siblings:
-                if sibling.request_id == request_id:
-                    siblings.remove(sibling)
-                    request = sibling
-                    break
-        if request is not None:
+            siblings[:] = [sibling for sibling in siblings if not named(sibling)]
+        for request in [r for r in self._requests.values() if named(r)] + held:
             request.finish_reason = request.finish_reason or "abort"
             self._finish(request)
 

@@ -8,7 +8,7 @@ import queue
 import sys
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import astuple
 from pathlib import Path
 
@@ -105,15 +105,18 @@ class LLM:
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
         """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
-        only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (for
-        abort). Raises RequestError, CapacityError or ServerBusyError at once."""
+        only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (the
+        prompt's id when n is 1, else the prompt's id with "-0" ... "-{n-1}"; abort takes them or the prompt's
+        id). Raises RequestError, CapacityError or ServerBusyError at once."""
         group = self._requests(prompt, params_list(sampling_params, 1)[0], priority)
         self.executor.submit(group, [sink] * len(group))
         return [r.request_id for r in group]
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks before the next step; its sink gets a final output."""
-        self.executor.abort(request_id)
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request (or all n of a prompt, by the prompt's id; or each of several ids) and free its KV blocks
+        before the next step; its sink gets a final output. Unknown or finished ids are ignored."""
+        for one in [request_id] if isinstance(request_id, str) else request_id:
+            self.executor.abort(one)
 
     async def stream_outputs(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0
                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -180,7 +183,7 @@ class LLM:
             for request_id in submitted:
                 self.executor.abort(request_id)
             raise
-        return [PromptOutput(g[0].prompt_ids, list(r)) for g, r in zip(groups, results, strict=True)]
+        return [PromptOutput(g[0].prompt_ids, list(r), g[0].prompt_id) for g, r in zip(groups, results, strict=True)]
 
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -63,6 +63,7 @@ class PromptOutput:
 
     prompt_token_ids: list[int]
     outputs: list[GenerationResult]
+    request_id: str = ""  # the prompt's id (LLM.abort takes it)
 
     @property
     def text(self) -> str:

@@ -71,6 +71,7 @@ class Request:
     admitted_at: float | None = None  # first taken into the running batch (a preempted request keeps it)
     first_token_at: float | None = None
     finished_at: float | None = None
+    prompt_id: str = ""  # the prompt's id, shared by its n requests ("" : the request's own)
 
     @property
     def all_ids(self) -> list[int]:
@@ -165,7 +166,7 @@ def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
                     TextStream(tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output,
                                skip_special_tokens=params.skip_special_tokens,
                                min_tokens=params.min_tokens),
-                    eos_token_ids, priority=priority, stop_words=stop_words)
+                    eos_token_ids, priority=priority, stop_words=stop_words, prompt_id=request_id)
             for i in range(params.n)]
 
 

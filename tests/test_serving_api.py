@@ -4,6 +4,7 @@ that refuses with ServerBusyError, and a load snapshot that returns to empty."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 
 import pytest
@@ -78,6 +79,27 @@ def test_a_full_queue_refuses_with_server_busy_and_recovers(engine_dir):
         assert sorted(o.result.finish_reason for o in done) == ["abort", "length", "length"]
         assert llm.load().kv_blocks_used == 0 and llm.load().waiting == 0
         llm.submit([3, 4, 5], params, lambda o: None)  # room again
+
+
+def test_abort_by_the_prompt_id_stops_all_its_outputs(engine_dir):
+    release = threading.Event()
+    with LLM(engine_dir, max_batch_size=2) as llm:
+        step = llm.engine.step
+        llm.engine.step = lambda chunks: (release.wait(), step(chunks))[1]
+        finals: queue.SimpleQueue = queue.SimpleQueue()
+        sink = lambda o: o.finished and finals.put(o)  # noqa: E731
+        params = SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True)
+        ids = llm.submit([3, 4, 5], params, sink)  # one running, two held until a place frees
+        other = llm.submit([6, 7], SamplingParams(max_tokens=3, ignore_eos=True), sink)
+        assert len({i.rsplit("-", 1)[0] for i in ids}) == 1 and ids[0].rsplit("-", 1)[0] not in other
+        llm.abort(ids[0].rsplit("-", 1)[0])
+        release.set()
+        ended = {o.request_id: o.result.finish_reason for o in (finals.get(timeout=60) for _ in range(4))}
+        assert ended == {**dict.fromkeys(ids, "abort"), other[0]: "length"}
+        assert llm.load().kv_blocks_used == 0
+        prompt_output = llm.generate([3, 4], SamplingParams(n=2, temperature=1.0, max_tokens=2), use_tqdm=False)[0]
+        assert prompt_output.request_id and len(prompt_output.outputs) == 2
+        llm.abort([prompt_output.request_id, "no-such-id"])  # finished or unknown ids are ignored
 
 
 def test_closing_finishes_every_request_queued_held_or_running(engine_dir):

@@ -217,7 +217,8 @@ class Executor:
                 self._finish(request, delta=delta, new=new)
                 finished += 1
             else:
-                self._deliver(self._sinks[request.request_id], RequestOutput(request.request_id, delta, *new))
+                self._deliver(self._sinks[request.request_id], RequestOutput(
+                    request.request_id, delta, *new, prompt_logprobs=_first_prompt_logprobs(request, new)))
                 self._release_held(request)
         running = len(scheduled)
         self.peak_batch_size = max(self.peak_batch_size, running)
@@ -243,7 +244,8 @@ class Executor:
         self._release_held(request)
         with self._wake:
             sink = self._sinks.pop(request.request_id)
-        self._deliver(sink, RequestOutput(request.request_id, delta, *new, None if error else request.result(), error))
+        self._deliver(sink, RequestOutput(request.request_id, delta, *new, None if error else request.result(), error,
+                                          _first_prompt_logprobs(request, new)))
 
     def _deliver(self, sink: Sink, output: RequestOutput) -> None:
         try:
@@ -251,3 +253,8 @@ class Executor:
         except BaseException:  # the consumer is gone or failed (even SystemExit): abort it, keep the loop
             if not output.finished:
                 self._aborts.append(output.request_id)
+
+
+def _first_prompt_logprobs(request: Request, new: tuple[tuple[int, ...], tuple[SampleResult, ...]]
+                           ) -> list[SampleResult | None] | None:
+    return request.prompt_logprobs if new[0] and len(request.output_ids) == len(new[0]) else None

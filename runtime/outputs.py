@@ -17,6 +17,7 @@ class RequestOutput:
     logprobs: tuple[SampleResult, ...] = ()  # their log-probs, when the request asked for them
     result: GenerationResult | None = None  # set on the request's last output
     error: Exception | None = None
+    prompt_logprobs: list[SampleResult | None] | None = None  # on the first token's output, when asked for
 
     @property
     def finished(self) -> bool:

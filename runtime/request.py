@@ -137,6 +137,10 @@ class Request:
         ids = self.output_ids if max(map(len, words)) <= len(self.output_ids) else self.all_ids
         return next((word for word in words if tuple(ids[-len(word):]) == word), None)
 
+    @property
+    def prompt_logprobs(self) -> list[SampleResult | None] | None:
+        return None if self.params.prompt_logprobs is None else [None, *self.prompt_samples]
+
     def result(self) -> GenerationResult:
         end = self.finished_at or time.perf_counter()
         first = self.first_token_at or end
@@ -151,7 +155,7 @@ class Request:
             logprobs=list(self.samples) if self.params.logprobs is not None else None,
             stop_token_id=self.stop_token_id,
             stop_reason=self.stop_reason,
-            prompt_logprobs=None if self.params.prompt_logprobs is None else [None, *self.prompt_samples],
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

@@ -361,11 +361,44 @@ def test_echo_returns_the_prompt_and_its_log_probs_as_transformers_computes_them
                                        echo=True, logprobs=0)
     assert echoed.choices[0].text == stopped + cut.choices[0].text  # the prompt as sent, the output as without echo
     assert echoed.choices[0].logprobs.text_offset[len(served[1].encode(stopped))] == len(stopped)
-    for body, message in (({"echo": True, "stream": True}, "echo is supported without streaming only"),
-                          ({"max_tokens": 0}, "0 only with echo")):
-        response = httpx.post(f"{served[0]}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
-                                                                 **body})
-        assert response.status_code == 400 and message in response.text, response.text
+    response = httpx.post(f"{served[0]}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    assert response.status_code == 400 and "0 only with echo" in response.text, response.text
+
+
+def _streamed(client, **request) -> tuple[dict[int, dict], dict]:
+    """Each choice's streamed chunks joined (text, log-prob lists, finish reason) and the usage."""
+    choices: dict[int, dict] = {}
+    usage = None
+    for chunk in client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True},
+                                           **request):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            joined = choices.setdefault(c.index, {"text": "", "tokens": [], "token_logprobs": [], "text_offset": []})
+            joined["text"] += c.text
+            joined["finish_reason"] = c.finish_reason or joined.get("finish_reason")
+            for key in ("tokens", "token_logprobs", "text_offset"):
+                joined[key] += getattr(c.logprobs, key) if c.logprobs else []
+    return choices, usage
+
+
+def test_streamed_echo_equals_echo_without_streaming(client, session):
+    stopped, stop = _stop_case(session)
+    for request in ({"prompt": PROMPTS[0], "max_tokens": 0, "echo": True, "logprobs": 2},
+                    {"prompt": [PROMPTS[1], stopped], "max_tokens": 12, "echo": True, "logprobs": 1, "n": 2,
+                     "stop": stop, "temperature": 0},
+                    {"prompt": PROMPTS[2], "max_tokens": 5, "echo": True, "temperature": 0}):
+        whole = client.completions.create(model=MODEL, **request)
+        streamed, usage = _streamed(client, **request)
+        assert usage.completion_tokens == whole.usage.completion_tokens
+        assert usage.prompt_tokens == whole.usage.prompt_tokens
+        assert sorted(streamed) == [c.index for c in whole.choices]
+        for choice in whole.choices:
+            joined = streamed[choice.index]
+            assert joined["text"] == choice.text and joined["finish_reason"] == choice.finish_reason
+            if choice.logprobs is not None:
+                assert joined["tokens"] == choice.logprobs.tokens
+                assert joined["text_offset"] == choice.logprobs.text_offset
+                assert joined["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
 
 
 def test_metrics_move_with_requests(served, client):

@@ -207,7 +207,7 @@ async def _events(generation: Generation, shape: _Shape, with_logprobs: bool,
         if opening:
             yield sse(shape.chunk(opening))
         async for index, output in generation:
-            completion_tokens += len(output.token_ids)
+            completion_tokens += shape.streamed_tokens(output)
             choice = shape.chunk_choice(index, output, with_logprobs)
             if choice is not None:
                 yield sse(shape.chunk([choice]))

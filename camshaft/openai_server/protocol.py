@@ -97,8 +97,6 @@ class CompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.stream:
-            raise RequestError("echo is supported without streaming only; set stream to false (or leave echo out)")
         if self.max_tokens == 0 and not self.echo:
             raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt and its log-probs)")
         if self.suffix:

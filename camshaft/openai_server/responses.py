@@ -57,6 +57,10 @@ class _Shape:
         """The output tokens a choice shows (and usage counts)."""
         return result.token_ids
 
+    def streamed_tokens(self, output: RequestOutput) -> int:
+        """The output tokens a stream chunk shows (usage counts them)."""
+        return len(output.token_ids)
+
     def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
@@ -81,6 +85,7 @@ class CompletionShape(_Shape):
         self._tokenizer, self._prompts, self._n = tokenizer, prompts, n
         self._skip_special, self.echo, self._prompt_texts = skip_special_tokens, echo, prompt_texts or []
         self._texts: dict[int, TextStream] = {}
+        self._opened: set[int] = set()  # streamed choices whose echoed prompt has been sent
 
     def output_ids(self, result: GenerationResult) -> list[int]:
         """The output a choice shows: none when echo asked for the prompt alone."""
@@ -117,31 +122,59 @@ class CompletionShape(_Shape):
 
     def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
         alone = self.echo == "prompt"  # echo with max_tokens 0: the output (one token) is not shown
-        prompt_text = self._prompt_texts[index // self._n] if self.echo else ""
-        text, logprobs = ("" if alone else result.text), None
-        if with_logprobs:  # an echoed prompt's entries counted from its start, the output's after the prompt text
-            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            if self.echo:
-                prompt = [SampleResult(result.prompt_token_ids[0]), *(result.prompt_logprobs or [])[1:]]
-                logprobs = self._entries(self._stream([]), prompt)
-            if not alone:
-                output = self.logprobs(index, result.logprobs or [])
-                output["text_offset"] = [len(prompt_text) + at for at in output["text_offset"]]
-                logprobs = {key: logprobs[key] + output[key] for key in logprobs}
-        return {"index": index, "text": prompt_text + text,
+        prompt_text, logprobs = self._echoed(index, result.prompt_token_ids, result.prompt_logprobs, with_logprobs)
+        if not alone:
+            logprobs = _joined(logprobs, self._output_logprobs(index, result.logprobs or [], with_logprobs))
+        return {"index": index, "text": prompt_text + ("" if alone else result.text),
                 "finish_reason": "length" if alone else finish_reason(result.finish_reason),
                 "stop_reason": None if alone else stop_reason(result), "logprobs": logprobs}
+
+    def _echoed(self, index: int, prompt_ids: list[int], prompt_logprobs: list[SampleResult | None] | None,
+                with_logprobs: bool) -> tuple[str, dict | None]:
+        """The prompt as sent and, with logprobs, its entries (counted from its start), when echo asks for them."""
+        if not self.echo:
+            return "", None
+        prompt = [SampleResult(prompt_ids[0]), *(prompt_logprobs or [])[1:]]
+        return self._prompt_texts[index // self._n], self._entries(self._stream([]), prompt) if with_logprobs else None
+
+    def _output_logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...],
+                         with_logprobs: bool) -> dict | None:
+        """The output's entries, their offsets after an echoed prompt's text."""
+        if not with_logprobs:
+            return None
+        entries = self.logprobs(index, samples)
+        shift = len(self._prompt_texts[index // self._n]) if self.echo else 0
+        entries["text_offset"] = [shift + at for at in entries["text_offset"]]
+        return entries
 
     def opening(self, num_choices: int) -> list[dict]:
         return []
 
+    def streamed_tokens(self, output: RequestOutput) -> int:
+        return 0 if self.echo == "prompt" else len(output.token_ids)
+
     def chunk_choice(self, index: int, output: RequestOutput, with_logprobs: bool) -> dict | None:
-        if not (output.delta or output.finished or (with_logprobs and output.logprobs)):
+        alone, opening = self.echo == "prompt", bool(self.echo) and index not in self._opened
+        if alone and not output.finished:
             return None
-        return {"index": index, "text": output.delta,
-                "logprobs": self.logprobs(index, output.logprobs) if with_logprobs else None,
-                "finish_reason": finish_reason(output.result.finish_reason) if output.result else None,
-                "stop_reason": stop_reason(output.result)}
+        if not (opening or output.delta or output.finished or (with_logprobs and output.logprobs)):
+            return None
+        text, logprobs = "", None
+        if opening:  # echo: the prompt (and its entries) before the choice's first text
+            self._opened.add(index)
+            prompt_logprobs = output.prompt_logprobs or (output.result.prompt_logprobs if output.result else None)
+            text, logprobs = self._echoed(index, self._prompts[index // self._n], prompt_logprobs, with_logprobs)
+        if not alone:
+            text += output.delta
+            logprobs = _joined(logprobs, self._output_logprobs(index, output.logprobs, with_logprobs))
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": ("length" if alone else finish_reason(output.result.finish_reason))
+                if output.result else None,
+                "stop_reason": None if alone else stop_reason(output.result)}
+
+
+def _joined(first: dict | None, second: dict | None) -> dict | None:
+    return second if first is None else first if second is None else {key: first[key] + second[key] for key in first}
 
 
 class ChatShape(_Shape):

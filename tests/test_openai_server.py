@@ -381,8 +381,13 @@ def _streamed(client, **request) -> tuple[dict[int, dict], dict]:
     return choices, usage
 
 
-def test_streamed_echo_equals_echo_without_streaming(client, session):
+def test_streamed_echo_equals_echo_without_streaming(client, session, served):
     stopped, stop = _stop_case(session)
+    before = metric(served[0], "camshaft_generation_tokens_total")
+    scored = {"prompt": PROMPTS[0], "max_tokens": 0, "echo": True}
+    client.completions.create(model=MODEL, **scored)
+    _streamed(client, **scored)
+    assert metric(served[0], "camshaft_generation_tokens_total") == before  # the prompt alone: nothing generated
     for request in ({"prompt": PROMPTS[0], "max_tokens": 0, "echo": True, "logprobs": 2},
                     {"prompt": [PROMPTS[1], stopped], "max_tokens": 12, "echo": True, "logprobs": 1, "n": 2,
                      "stop": stop, "temperature": 0},

@@ -103,7 +103,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
 
     async def respond(request: Request, stream: bool, include_usage: bool, prompts: list[list[int]],
                       params: SamplingParams, shape: _Shape, arrival: float, priority: int = 0) -> Response:
-        generation = Generation(llm, prompts, params, metrics, arrival, priority)
+        generation = Generation(llm, prompts, params, metrics, arrival, priority, shape.shows_output)
         with_logprobs = params.logprobs is not None
         if stream:
             metrics.http(route_path(request), 200)
@@ -116,7 +116,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         if results is None:
             return Response(status_code=499)  # nobody is listening
         choices = [shape.choice(i, r, with_logprobs) for i, r in enumerate(results)]
-        completion_tokens = sum(len(shape.output_ids(r)) for r in results)
+        completion_tokens = sum(len(r.token_ids) for r in results) if shape.shows_output else 0
         return JSONResponse(shape.response(choices, generation.prompt_tokens, completion_tokens))
 
     @app.get("/health")
@@ -207,7 +207,7 @@ async def _events(generation: Generation, shape: _Shape, with_logprobs: bool,
         if opening:
             yield sse(shape.chunk(opening))
         async for index, output in generation:
-            completion_tokens += shape.streamed_tokens(output)
+            completion_tokens += len(output.token_ids) if shape.shows_output else 0
             choice = shape.chunk_choice(index, output, with_logprobs)
             if choice is not None:
                 yield sse(shape.chunk([choice]))

@@ -18,8 +18,9 @@ class Generation:
     """Prompt p's output j is choice p * n + j, as OpenAI numbers choices."""
 
     def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
-                 arrival: float, priority: int = 0) -> None:
-        self.llm, self.metrics, self.arrival = llm, metrics, arrival
+                 arrival: float, priority: int = 0, shows_output: bool = True) -> None:
+        """shows_output False: the output is not shown (echo scoring the prompt alone), nor counted."""
+        self.llm, self.metrics, self.arrival, self._counted = llm, metrics, arrival, shows_output
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.num_choices = len(prompts) * params.n
         loop = asyncio.get_running_loop()
@@ -70,7 +71,7 @@ class Generation:
 
     def _observe(self, index: int, output: RequestOutput) -> None:
         now = time.perf_counter()
-        if output.token_ids:
+        if output.token_ids and self._counted:
             self.metrics.generation_tokens.inc(len(output.token_ids))  # as they come: an aborted request's count too
             last = self._last.get(index)
             if last is None:

@@ -45,6 +45,7 @@ class _Shape:
     object: str
     chunk_object: str
     prefix: str
+    shows_output = True  # the choices show the output tokens (usage and metrics count them)
 
     def __init__(self, model: str, tokenizer) -> None:
         self.model, self.id, self.created = model, f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
@@ -53,13 +54,6 @@ class _Shape:
     def token(self, token_id: int) -> str:
         return self.tokens.get(token_id)[0]
 
-    def output_ids(self, result: GenerationResult) -> list[int]:
-        """The output tokens a choice shows (and usage counts)."""
-        return result.token_ids
-
-    def streamed_tokens(self, output: RequestOutput) -> int:
-        """The output tokens a stream chunk shows (usage counts them)."""
-        return len(output.token_ids)
 
     def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
@@ -86,10 +80,7 @@ class CompletionShape(_Shape):
         self._skip_special, self.echo, self._prompt_texts = skip_special_tokens, echo, prompt_texts or []
         self._texts: dict[int, TextStream] = {}
         self._opened: set[int] = set()  # streamed choices whose echoed prompt has been sent
-
-    def output_ids(self, result: GenerationResult) -> list[int]:
-        """The output a choice shows: none when echo asked for the prompt alone."""
-        return [] if self.echo == "prompt" else result.token_ids
+        self.shows_output = echo != "prompt"  # echo with max_tokens 0: the output (one token) is not shown
 
     def logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         if index not in self._texts:
@@ -121,7 +112,7 @@ class CompletionShape(_Shape):
         return top
 
     def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
-        alone = self.echo == "prompt"  # echo with max_tokens 0: the output (one token) is not shown
+        alone = not self.shows_output
         prompt_text, logprobs = self._echoed(index, result.prompt_token_ids, result.prompt_logprobs, with_logprobs)
         if not alone:
             logprobs = _joined(logprobs, self._output_logprobs(index, result.logprobs or [], with_logprobs))
@@ -150,11 +141,8 @@ class CompletionShape(_Shape):
     def opening(self, num_choices: int) -> list[dict]:
         return []
 
-    def streamed_tokens(self, output: RequestOutput) -> int:
-        return 0 if self.echo == "prompt" else len(output.token_ids)
-
     def chunk_choice(self, index: int, output: RequestOutput, with_logprobs: bool) -> dict | None:
-        alone, opening = self.echo == "prompt", bool(self.echo) and index not in self._opened
+        alone, opening = not self.shows_output, bool(self.echo) and index not in self._opened
         if alone and not output.finished:
             return None
         if not (opening or output.delta or output.finished or (with_logprobs and output.logprobs)):

@@ -284,8 +284,52 @@ def test_text_model_counts_tokens_as_the_token_model_does(stack):
     assert out["num_output_tokens"] == k and len(out["output_log_probs"]) == k  # the end id not counted
 
 
+def test_sampling_inputs_decide_as_tensorrt_llm(stack):
+    prompt, tokenizer = PROMPTS[4], stack.session.tokenizer
+    body = {"text_input": prompt, "max_tokens": 12, "exclude_input_in_output": True, "end_id": -1}
+
+    def text(**extra) -> str:
+        response = requests.post(f"{stack.http}/ensemble/generate", json=body | extra, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["text_output"]
+
+    greedy = stack.session.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2))
+    assert_same_text(text(temperature=1.5), greedy, tokenizer)  # top_k and top_p 0: greedy, whatever the temperature
+    sampled = stack.session.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0,
+                                                            top_k=50, seed=0))
+    assert sampled.text != greedy.text
+    assert text(top_k=50) == text(top_k=50) == sampled.text  # temperature 1 and seed 0 unless sent
+
+
+def test_embedding_bias_steers_both_models(stack):
+    prompt, tokenizer = PROMPTS[0], stack.session.tokenizer
+    first = stack.reference(prompt, 8).token_ids[0]
+    word = tokenizer.decode([first])
+    banned = tokenizer.encode(word, add_special_tokens=False)
+    expected = stack.session.generate(prompt, SamplingParams(max_tokens=8, logprobs=2,
+                                                             logit_bias={t: -100 for t in banned}))
+    assert expected.token_ids[0] != first
+    body = {"text_input": prompt, "max_tokens": 8, "exclude_input_in_output": True,
+            "embedding_bias_words": [word], "embedding_bias_weights": [-100.0]}
+    response = requests.post(f"{stack.http}/ensemble/generate", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert_same_text(response.json()["text_output"], expected, tokenizer)
+    ids = tokenizer.encode(prompt)
+    bias = np.zeros((1, stack.session.engine.manifest.model.vocab_size), np.float32)
+    bias[0, banned] = -100.0
+    inputs = tensors(grpcclient, input_ids=ids, request_output_len=8, exclude_input_in_output=True)
+    tensor = grpcclient.InferInput("embedding_bias", list(bias.shape), "FP32")
+    tensor.set_data_from_numpy(bias)
+    outputs, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", [*inputs, tensor])
+    assert error is None, error.message()
+    assert_same_ids(outputs[0]["output_ids"].reshape(-1).tolist(), expected, stack.session.engine.eos_token_ids)
+
+
 @pytest.mark.parametrize("body, message", [
     ({"max_tokens": 8}, "missing required input"),
+    ({"text_input": "hi", "max_tokens": 4, "temprature": 1.5}, "unknown input 'temprature'"),
+    ({"text_input": "hi", "max_tokens": 4, "embedding_bias_words": ["a", "b"], "embedding_bias_weights": [1.0]},
+     "holds 2 words and embedding_bias_weights 1 weights"),
     ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),
     ({"text_input": "hi", "max_tokens": -3}, "max_tokens must be at least 1"),
     ({"text_input": "hi", "max_tokens": 100_000}, "exceeds the engine's max_seq_len"),

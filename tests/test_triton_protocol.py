@@ -8,7 +8,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from camshaft.errors import RequestError
-from camshaft.triton_repo.protocol import one, token_request
+from camshaft.triton_repo.protocol import check_parameters, one, text_embedding_bias, token_request
 
 from tiny_models import tokenizer_json
 
@@ -67,3 +67,59 @@ def test_invalid_utf8_text_is_refused():
 def test_min_length_is_the_older_name_of_min_tokens():
     assert request(min_length=np.array([[3]], np.int32)).params.min_tokens == 3
     assert request(min_length=np.array([[3]], np.int32), min_tokens=np.array([[2]], np.int32)).params.min_tokens == 2
+
+
+@pytest.mark.parametrize(("tensors", "temperature", "top_k", "top_p"), [
+    ({}, 0.0, 0, 1.0),  # TensorRT-LLM: top_k and top_p both 0 is greedy
+    ({"temperature": np.array([[0.7]], np.float32)}, 0.0, 0, 1.0),  # ... whatever the temperature
+    ({"runtime_top_k": np.array([[0]], np.int32), "runtime_top_p": np.array([[0.0]], np.float32)}, 0.0, 0, 1.0),
+    ({"runtime_top_k": np.array([[50]], np.int32)}, 1.0, 50, 1.0),  # top-k sampling at temperature 1
+    ({"runtime_top_p": np.array([[0.5]], np.float32)}, 1.0, 0, 0.5),
+    ({"runtime_top_k": np.array([[8]], np.int32), "temperature": np.array([[0.5]], np.float32)}, 0.5, 8, 1.0),
+])
+def test_greedy_or_sampled_as_tensorrt_llm_decides(tensors, temperature, top_k, top_p):
+    params = request(**tensors).params
+    assert (params.temperature, params.top_k, params.top_p) == pytest.approx((temperature, top_k, top_p))
+    assert params.seed == 0  # TensorRT-LLM's default seed: identical requests answer alike
+    assert request(**tensors, seed=np.array([[7]], np.uint64)).params.seed == 7
+
+
+def test_embedding_bias_becomes_logit_bias():
+    bias = np.zeros((1, VOCAB), np.float32)
+    bias[0, [3, 40]] = [-100.0, 2.5]
+    assert request(embedding_bias=bias).params.logit_bias == ((3, -100.0), (40, 2.5))
+    assert request(embedding_bias=np.zeros((1, 0), np.float32)).params.logit_bias == ()  # empty: none
+    for array, message in ((np.zeros((1, 7), np.float32), rf"shape \[1, {VOCAB}\], got \[1, 7\]"),
+                           (np.where(np.arange(VOCAB) == 5, -1e9, 0).astype(np.float32)[None], r"\[-100, 100\]"),
+                           (np.where(np.arange(VOCAB) == 5, np.nan, 0).astype(np.float32)[None], "finite")):
+        with pytest.raises(RequestError, match=message):
+            request(embedding_bias=array)
+    values = {"input_ids": np.array([[5]], np.int32), "request_output_len": np.array([[4]], np.int32),
+              "embedding_bias": np.full((1, 2000), 0.5, np.float32)}
+    with pytest.raises(RequestError, match="2000 non-zero entries; send at most 1024"):
+        token_request(values, eos_token_ids=(2,), exclude_default=False, vocab_size=2000)
+
+
+def test_text_embedding_bias_adds_each_words_weight_to_its_tokens(tokenizer):
+    words = np.array([[b"hello", b"hi", b"hello"]], np.object_)
+    bias = text_embedding_bias(tokenizer, {"embedding_bias_words": words,
+                                           "embedding_bias_weights": np.array([[1.5, -3.0, 0.5]], np.float32)}, VOCAB)
+    expected = np.zeros(VOCAB, np.float32)
+    for word, weight in (("hello", 1.5), ("hi", -3.0), ("hello", 0.5)):
+        expected[tokenizer.encode(word, add_special_tokens=False)] += weight
+    np.testing.assert_array_equal(bias.reshape(-1), expected)
+    assert text_embedding_bias(tokenizer, {}, VOCAB) is None
+    for weights in ([[-60.0, 1.0, -60.0]], [[np.inf, 1.0, 1.0]]):
+        with pytest.raises(RequestError, match=r"embedding_bias_weights give token \d+ a bias of .*\[-100, 100\]"):
+            text_embedding_bias(tokenizer, {"embedding_bias_words": words,
+                                            "embedding_bias_weights": np.array(weights, np.float32)}, VOCAB)
+    with pytest.raises(RequestError, match="holds 3 words and embedding_bias_weights 2 weights"):
+        text_embedding_bias(tokenizer, {"embedding_bias_words": words,
+                                        "embedding_bias_weights": np.array([[1.0, 2.0]], np.float32)}, VOCAB)
+
+
+def test_request_parameters_other_than_the_id_are_refused():
+    check_parameters("{}", ["text_input"])
+    check_parameters('{"id": "abc"}', ["text_input"])
+    with pytest.raises(RequestError, match="unknown input 'temprature'.*inputs: text_input, max_tokens"):
+        check_parameters('{"temprature": 1.5, "id": "a"}', ["text_input", "max_tokens"])

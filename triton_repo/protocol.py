@@ -5,13 +5,14 @@ Values are numpy arrays as Triton hands them over, batch dimension first; one re
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
-from camshaft.runtime.sampling_params import MAX_BAD_WORDS, MAX_STOP_WORD_IDS, SamplingParams
+from camshaft.runtime.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_WORD_IDS, SamplingParams
 
 MAX_WORD_LISTS = min(MAX_BAD_WORDS, MAX_STOP_WORD_IDS)
 
@@ -37,6 +38,40 @@ def error_status(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, ServerBusyError):
         return "UNAVAILABLE", message
     return ("INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"), message
+
+
+TRITON_PARAMETERS = {"id"}  # /generate's request id, which Triton also hands over as a parameter
+
+
+def check_parameters(parameters: str, inputs: Sequence[str]) -> None:
+    """Triton hands a /generate body's keys that are not inputs over as request parameters: refuse them (a typo or
+    an input this model lacks would otherwise be ignored)."""
+    unknown = sorted(set(json.loads(parameters or "{}")) - TRITON_PARAMETERS)
+    if unknown:
+        raise RequestError(f"unknown input {unknown[0]!r} (sent as a request parameter; camshaft reads none); "
+                           f"this model's inputs: {', '.join(inputs)}")
+
+
+def text_embedding_bias(tokenizer, values: Values, vocab_size: int) -> np.ndarray | None:
+    """tensorrtllm_backend's embedding_bias_words / embedding_bias_weights as the token model's embedding_bias
+    [1, vocab]: each word's weight added to each of its token ids (no special tokens)."""
+    array, weights = values.get("embedding_bias_words"), values.get("embedding_bias_weights")
+    words = [] if array is None else [_text(w, "embedding_bias_words") if isinstance(w, bytes) else str(w)
+                                      for w in array.reshape(-1)]
+    weights = np.zeros(0) if weights is None else np.asarray(weights, np.float64).reshape(-1)
+    if len(words) != weights.size:
+        raise RequestError(f"embedding_bias_words holds {len(words)} words and embedding_bias_weights "
+                           f"{weights.size} weights; send one weight per word")
+    if not words:
+        return None
+    bias = np.zeros((1, vocab_size), np.float64)
+    for word, weight in zip(words, weights, strict=True):
+        bias[0, [t for t in tokenizer.encode(word, add_special_tokens=False) if t < vocab_size]] += weight
+    wrong = np.flatnonzero(~(np.abs(bias[0]) <= 100))
+    if wrong.size:
+        raise RequestError(f"embedding_bias_weights give token {wrong[0]} a bias of {bias[0, wrong[0]]}; keep each "
+                           "token's sum finite and in [-100, 100] (-100 bans it)")
+    return bias.astype(np.float32)
 
 
 def one(values: Values, name: str):
@@ -76,6 +111,24 @@ def vocab_words(array: np.ndarray | None, name: str, vocab_size: int) -> list[li
         if any(not 0 <= t < vocab_size for t in word):
             raise RequestError(f"{name} word {i} holds ids outside this model's vocabulary [0, {vocab_size}): {word}")
     return words
+
+
+def embedding_bias(array: np.ndarray | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """TensorRT-LLM's embedding_bias (a bias per vocabulary entry, added to the logits) as SamplingParams.logit_bias
+    pairs: its non-zero entries, within logit_bias' limits. Empty: none."""
+    if array is None or array.size == 0:
+        return ()
+    bias = np.asarray(array, np.float64).reshape(-1)
+    if bias.size != vocab_size:
+        raise RequestError(f"embedding_bias must hold one value per vocabulary entry, shape [1, {vocab_size}], got "
+                           f"{list(array.shape)}")
+    ids = np.flatnonzero(bias)
+    if not np.isfinite(bias[ids]).all() or (np.abs(bias[ids]) > 100).any():
+        raise RequestError("embedding_bias values must be finite and in [-100, 100] (-100 bans a token), got "
+                           f"{bias[ids][~np.isfinite(bias[ids]) | (np.abs(bias[ids]) > 100)][:4].tolist()}")
+    if ids.size > MAX_LOGIT_BIAS:
+        raise RequestError(f"embedding_bias holds {ids.size} non-zero entries; send at most {MAX_LOGIT_BIAS}")
+    return tuple((int(i), float(bias[i])) for i in ids)
 
 
 def word_lists(array: np.ndarray | None, name: str) -> list[list[int]]:
@@ -135,7 +188,7 @@ def token_request(values: Values, *, eos_token_ids: Sequence[int], exclude_defau
 def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: int,
                     vocab_size: int) -> SamplingParams:
     kwargs: dict = {"max_tokens": max_tokens}
-    for source, target in (("temperature", "temperature"), ("runtime_top_k", "top_k"), ("min_tokens", "min_tokens"),
+    for source, target in (("runtime_top_k", "top_k"), ("min_tokens", "min_tokens"),
                            ("repetition_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
                            ("frequency_penalty", "frequency_penalty"), ("beam_width", "beam_width")):
         value = one(values, source)
@@ -146,12 +199,17 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
         raise RequestError(f"runtime_top_p must be in [0, 1] (0 turns it off), got {top_p}")
     if top_p is not None and top_p > 0:  # tensorrtllm_backend: 0 turns top-p off
         kwargs["top_p"] = top_p
-    if "min_tokens" not in kwargs and one(values, "min_length") is not None:  # older tensorrtllm_backend clients
-        kwargs["min_tokens"] = one(values, "min_length")
+    # TensorRT-LLM's rule: top_k and top_p both 0 (their defaults) is greedy, whatever the temperature; either one
+    # above 0 samples, at temperature 1 unless sent, with seed 0 unless sent (identical requests answer alike)
+    sampled = kwargs.get("top_k", 0) > 0 or "top_p" in kwargs
+    temperature = one(values, "temperature")
+    kwargs["temperature"] = (1.0 if temperature is None else temperature) if sampled else 0.0
     seed = one(values, "seed")
     seed = one(values, "random_seed") if seed is None else seed
-    if seed is not None:
-        kwargs["seed"] = int(seed)
+    kwargs["seed"] = int(seed) if seed is not None else 0
+    kwargs["logit_bias"] = embedding_bias(values.get("embedding_bias"), vocab_size)
+    if "min_tokens" not in kwargs and one(values, "min_length") is not None:  # older tensorrtllm_backend clients
+        kwargs["min_tokens"] = one(values, "min_length")
     if one(values, "return_log_probs"):
         kwargs["logprobs"] = 0
     stop_ids, stop = [], strings(values, "stop_words")

@@ -49,6 +49,7 @@ TOKEN_INPUTS = (
     *(_s(token, dtype) for _, token, dtype in SAMPLING),
     _s("streaming", "BOOL"), _s("stop", "BOOL"),
     _s("stop_words", "STRING", (-1,)), _s("bad_words", "STRING", (-1,)),  # EXT: strings, as the text model gets them
+    _s("embedding_bias", "FP32", (-1,)),
 )
 TOKEN_OUTPUTS = (
     _s("output_ids", "INT32", (-1, -1)), _s("sequence_length", "INT32", (-1,)),
@@ -62,6 +63,7 @@ TEXT_INPUTS = (
     _s("text_input", "STRING", optional=False),
     _s("max_tokens", "INT32", optional=False),
     _s("bad_words", "STRING", (-1,)), _s("stop_words", "STRING", (-1,)),
+    _s("embedding_bias_words", "STRING", (-1,)), _s("embedding_bias_weights", "FP32", (-1,)),
     *(_s(text, dtype) for text, _, dtype in SAMPLING),
     _s("stream", "BOOL"),
 )

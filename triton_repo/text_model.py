@@ -28,12 +28,13 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import load_tokenizer
 from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
-from camshaft.triton_repo.protocol import one
-from camshaft.triton_repo.tensors import TEXT_TO_TOKEN
+from camshaft.triton_repo.protocol import check_parameters, one, text_embedding_bias
+from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN
 from camshaft.triton_repo.token_model import CANCEL_CHECK_S, FINAL, error_response, tensor
 
 PASSED_AS_IS = {"stop_words", "bad_words"}
-HANDLED_HERE = {"text_input", "stream", "exclude_input_in_output"}
+HANDLED_HERE = {"text_input", "stream", "exclude_input_in_output", "embedding_bias_words",
+                "embedding_bias_weights"}
 
 
 @dataclass
@@ -65,7 +66,8 @@ class TextModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.name = args["model_name"]
         self.tokenizer = load_tokenizer(Path(params["engine_dir"]))
-        self.max_seq_len = read_manifest(Path(params["engine_dir"])).limits.max_seq_len
+        manifest = read_manifest(Path(params["engine_dir"]))
+        self.max_seq_len, self.vocab_size = manifest.limits.max_seq_len, manifest.model.vocab_size
         self.max_requests = int(params.get("max_requests") or 256)  # what the executor admits (batch + queue)
         self.calls: dict[str, _Call] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -107,6 +109,7 @@ class TextModel:
             if call.reply is None and len(self.calls) >= self.max_requests:
                 raise ServerBusyError(f"server busy: {self.name} holds {self.max_requests} requests in flight, as "
                                       "many as the executor admits; retry later or deploy with a larger --max-queue")
+            check_parameters(call.request.parameters(), [t.name for t in TEXT_INPUTS])
             values = {t.name(): t.as_numpy() for t in call.request.inputs()}
             call.text, call.stream = self._text(values), bool(one(values, "stream"))
             call.exclude, call.want_logprobs = (bool(one(values, "exclude_input_in_output")),
@@ -208,6 +211,9 @@ class TextModel:
             target = None if name in HANDLED_HERE else name if name in PASSED_AS_IS else TEXT_TO_TOKEN.get(name)
             if target is not None:
                 inputs[target] = np.asarray(array).reshape(1, -1)
+        bias = text_embedding_bias(self.tokenizer, values, self.vocab_size)
+        if bias is not None:
+            inputs["embedding_bias"] = bias
         return inputs
 
     @staticmethod

@@ -22,7 +22,8 @@ from camshaft.runtime.llm import LLM
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.metrics import Metrics
-from camshaft.triton_repo.protocol import TokenRequest, error_status, one, token_request
+from camshaft.triton_repo.protocol import TokenRequest, check_parameters, error_status, one, token_request
+from camshaft.triton_repo.tensors import TOKEN_INPUTS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.2  # how often a running request asks Triton whether it was cancelled (an IPC round trip)
@@ -86,6 +87,7 @@ class TokenModel:
         return None
 
     def _start(self, request, sender) -> None:
+        check_parameters(request.parameters(), [t.name for t in TOKEN_INPUTS])
         values = {t.name(): t.as_numpy() for t in request.inputs()}
         client_id = request.request_id()
         if one(values, "stop"):  # tensorrtllm_backend's way to stop a request: same request id, stop=true

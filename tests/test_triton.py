@@ -212,6 +212,23 @@ def test_tritonclient_http_infer_uses_the_sync_model(stack):
         client.infer("ensemble", tensors(httpclient, text_input=prompt, max_tokens=max_tokens))
 
 
+def test_a_short_sync_request_is_answered_while_long_ones_run(stack):
+    """ensemble_sync answers each request when it ends, not when every request Triton batched with it has ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def infer(max_tokens: int) -> str:
+        client = httpclient.InferenceServerClient(stack.server.endpoints.http, network_timeout=300)
+        inputs = tensors(httpclient, text_input=PROMPTS[0], max_tokens=max_tokens, end_id=-1)
+        return client.infer("ensemble_sync", inputs).as_numpy("text_output").reshape(-1)[0].decode()
+
+    with ThreadPoolExecutor(4) as pool:
+        long = [pool.submit(infer, 480) for _ in range(3)]  # more than the sync model's instances
+        stack.wait_metrics(lambda m: m["camshaft_requests_running"] >= 3, "three long requests running")
+        assert pool.submit(infer, 1).result(timeout=120)
+        assert not any(f.done() for f in long)
+        assert all(f.result(timeout=300) for f in long)
+
+
 def test_grpc_unary_and_streaming(stack):
     url, tokenizer = stack.server.endpoints.grpc, stack.session.tokenizer
     prompt, max_tokens = PROMPTS[3], 16

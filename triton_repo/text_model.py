@@ -16,7 +16,6 @@ import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +41,8 @@ class _Call:
     """One client request: what it asked for and what the executor has sent back so far."""
 
     request: object
-    reply: Future | None  # the sync model's execute() waits on it; None: decoupled, responses go to the sender
+    decoupled: bool  # else exactly one response (the sync model), sent as the decoupled ones are: execute() waits
+    # for none, so a short request never waits for the long ones Triton batched with it
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     sender: object = None
     text: str = ""
@@ -55,10 +55,7 @@ class _Call:
     cancelled: bool = False
 
     def emit(self, response, final: bool) -> None:
-        if self.reply is None:
-            self.sender.send(response, flags=FINAL if final else 0)
-        elif final and not self.reply.done():
-            self.reply.set_result(response)
+        self.sender.send(response, flags=FINAL if final else 0)
 
 
 class TextModel:
@@ -75,15 +72,10 @@ class TextModel:
         self.owner = threading.Thread(target=self._own, name="camshaft-text-owner", daemon=True)
         self.owner.start()
 
-    def execute(self, requests: list):
-        if self.decoupled:
-            for request in requests:
-                self.inbox.put(("request", _Call(request, None)))
-            return None
-        calls = [_Call(request, Future()) for request in requests]
-        for call in calls:
-            self.inbox.put(("request", call))
-        return [call.reply.result() for call in calls]
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            self.inbox.put(("request", _Call(request, self.decoupled)))
+        return None
 
     def finalize(self) -> None:
         self.inbox.put(None)
@@ -103,10 +95,9 @@ class TextModel:
                 pb_utils.Logger.log_error(f"camshaft: {self.name} failed: {exc!r}")
 
     def _start(self, call: _Call) -> None:
-        if call.reply is None:
-            call.sender = call.request.get_response_sender()
+        call.sender = call.request.get_response_sender()
         try:
-            if call.reply is None and len(self.calls) >= self.max_requests:
+            if len(self.calls) >= self.max_requests:
                 raise ServerBusyError(f"server busy: {self.name} holds {self.max_requests} requests in flight, as "
                                       "many as the executor admits; retry later or deploy with a larger --max-queue")
             check_parameters(call.request.parameters(), [t.name for t in TEXT_INPUTS])
@@ -114,7 +105,7 @@ class TextModel:
             call.text, call.stream = self._text(values), bool(one(values, "stream"))
             call.exclude, call.want_logprobs = (bool(one(values, "exclude_input_in_output")),
                                                 bool(one(values, "return_log_probs")))
-            if call.stream and call.reply is not None:
+            if call.stream and not call.decoupled:
                 raise RequestError(f"{self.name} is not decoupled and cannot stream; send stream=true to the "
                                    f"decoupled model {self.name.removesuffix('_sync')}")
             self.channel.send(("submit", call.id, self._token_inputs(values, call.text)))
@@ -127,9 +118,9 @@ class TextModel:
         self.calls[call.id] = call
 
     def _final(self, call: _Call, response) -> None:
-        """The call's last response; a cancelled streaming call gets only its final flag (Triton completes it)."""
+        """The call's last response; a cancelled decoupled call gets only its final flag (Triton completes it)."""
         self.calls.pop(call.id, None)
-        if call.cancelled and call.reply is None:
+        if call.cancelled and call.decoupled:
             response = None
         try:
             call.emit(response, True)

@@ -105,6 +105,10 @@ class Executor:
         with self._stats_lock:
             return list(self.stats)
 
+    def last_stats(self) -> IterationStats | None:
+        with self._stats_lock:
+            return self.stats[-1] if self.stats else None
+
     def _loop(self) -> None:
         try:
             self._run()
@@ -226,7 +230,7 @@ class Executor:
         step = IterationStats(running, sum(item.num_tokens for item in scheduled),
                               sum(item.num_tokens for item in scheduled if not item.decode),
                               len(self.scheduler.waiting), blocks.num_used, blocks.capacity,
-                              time.perf_counter() - started)
+                              time.perf_counter() - started, sum(1 for item in scheduled if not item.decode))
         self.peak_kv_usage = max(self.peak_kv_usage, step.kv_usage)
         with self._stats_lock:
             self.stats.append(step)

@@ -33,6 +33,7 @@ class IterationStats:
     kv_blocks_used: int
     kv_blocks_total: int
     step_s: float
+    num_prefill_requests: int = 0  # requests with prompt tokens in the step
 
     @property
     def kv_usage(self) -> float:

@@ -5,6 +5,7 @@ test_triton_load_smollm2.py); state is read from its Prometheus metrics."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +65,17 @@ def stack(tmp_path_factory):
 def idle(values: dict[str, float]) -> bool:
     return (values["camshaft_requests_running"] == 0 and values["camshaft_requests_waiting"] == 0
             and values["camshaft_kv_cache_blocks_used"] == 0)
+
+
+def trtllm_metrics(stack: Stack) -> tuple[dict[str, float], dict[str, float]]:
+    """nv_trt_llm_request_metrics by request_type, nv_trt_llm_kv_cache_block_metrics by kv_cache_block_type."""
+    text = requests.get(stack.server.endpoints.metrics_url, timeout=10).text
+    found: dict[str, dict[str, float]] = {"request_type": {}, "kv_cache_block_type": {}}
+    for label, family in (("request_type", "nv_trt_llm_request_metrics"),
+                          ("kv_cache_block_type", "nv_trt_llm_kv_cache_block_metrics")):
+        for match in re.finditer(rf'^{family}{{[^}}]*{label}="(\w+)"[^}}]*}} (\S+)$', text, re.MULTILINE):
+            found[label][match[1]] = float(match[2])
+    return found["request_type"], found["kv_cache_block_type"]
 
 
 def client(stack: Stack, index: int, round_: int, prompts: list[str], lengths: tuple[int, ...]):
@@ -162,8 +174,21 @@ def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
     streams = [Stream(stack.server.endpoints.grpc).send("ensemble", tensors(grpcclient, **long_text()))
                for _ in range(BATCH + QUEUE)]
     try:
-        stack.wait_metrics(lambda m: m["camshaft_requests_running"] + m["camshaft_requests_waiting"] == BATCH + QUEUE,
-                           f"{BATCH} running and {QUEUE} waiting requests")
+        full = stack.wait_metrics(
+            lambda m: m["camshaft_requests_running"] + m["camshaft_requests_waiting"] == BATCH + QUEUE,
+            f"{BATCH} running and {QUEUE} waiting requests")
+        for _ in range(100):  # one scrape that caught no update half-way (the running requests grow their blocks)
+            full, (requests_, blocks) = stack.metrics(), trtllm_metrics(stack)
+            consistent = (requests_["waiting"] == full["camshaft_requests_waiting"]
+                          and blocks["used"] == full["camshaft_kv_cache_blocks_used"])
+            if consistent:
+                break
+        assert consistent, (full, requests_, blocks)
+        assert requests_["max"] == BATCH and requests_["waiting"] > 0  # as an endpoint picker reads it
+        assert requests_["scheduled"] == requests_["active"] == full["camshaft_requests_running"] > 0
+        assert blocks["max"] == full["camshaft_kv_cache_blocks_total"] == blocks["used"] + blocks["free"]
+        assert blocks["fraction"] == pytest.approx(blocks["used"] / blocks["max"]) and blocks["used"] > 0
+        assert blocks["tokens_per"] == stack.session.engine.manifest.limits.kv_block_size
         busy = requests.post(f"{stack.http}/ensemble/generate", json=long_text(False) | {"max_tokens": 4},
                              timeout=60)
         # the model says UNAVAILABLE; Triton 2.51 answers 400 over HTTP (and INTERNAL over gRPC) all the same

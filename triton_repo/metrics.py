@@ -26,6 +26,15 @@ COUNTERS = {
     "camshaft_requests_aborted_total": "Requests aborted (cancelled, client gone, or a stop request)",
 }
 
+# TensorRT-LLM's triton backend families, under its names and labels: what endpoint pickers (the Gateway API
+# inference extension, llm-d) scrape from a "triton-tensorrt-llm" server
+TRTLLM = {
+    "nv_trt_llm_request_metrics": ("TRT LLM request metrics", "request_type",
+                                   ("active", "max", "scheduled", "context", "waiting")),
+    "nv_trt_llm_kv_cache_block_metrics": ("TRT LLM KV cache block metrics", "kv_cache_block_type",
+                                          ("max", "free", "used", "tokens_per", "fraction")),
+}
+
 
 class Metrics:
     def __init__(self, llm, model: str, period_s: float = 0.2, stoppable: Callable[[], int] = lambda: 0) -> None:
@@ -36,7 +45,12 @@ class Metrics:
         self.families |= {name: pb_utils.MetricFamily(name=name, description=text,
                                                       kind=pb_utils.MetricFamily.COUNTER)
                           for name, text in COUNTERS.items()}
-        self.metrics = {name: family.Metric(labels=labels) for name, family in self.families.items()}
+        self.metrics: dict = {name: family.Metric(labels=labels) for name, family in self.families.items()}
+        for family_name, (text, label, kinds) in TRTLLM.items():
+            family = self.families[family_name] = pb_utils.MetricFamily(name=family_name, description=text,
+                                                                         kind=pb_utils.MetricFamily.GAUGE)
+            self.metrics |= {(family_name, kind): family.Metric(labels={**labels, label: kind, "version": "1"})
+                             for kind in kinds}
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._sent = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
@@ -61,6 +75,18 @@ class Metrics:
                   "camshaft_requests_waiting": load.waiting,
                   "camshaft_peak_batch_size": self.llm.executor.peak_batch_size,
                   "camshaft_stoppable_requests": self.stoppable()}
+        step = self.llm.executor.last_stats()
+        values |= {("nv_trt_llm_request_metrics", "active"): load.running,  # admitted: in the running batch
+                   ("nv_trt_llm_request_metrics", "max"): self.llm.config.max_batch_size,
+                   ("nv_trt_llm_request_metrics", "scheduled"): load.running,
+                   ("nv_trt_llm_request_metrics", "context"): step.num_prefill_requests if step and load.running
+                   else 0,
+                   ("nv_trt_llm_request_metrics", "waiting"): load.waiting,
+                   ("nv_trt_llm_kv_cache_block_metrics", "max"): load.kv_blocks_total,
+                   ("nv_trt_llm_kv_cache_block_metrics", "free"): load.kv_blocks_total - load.kv_blocks_used,
+                   ("nv_trt_llm_kv_cache_block_metrics", "used"): load.kv_blocks_used,
+                   ("nv_trt_llm_kv_cache_block_metrics", "tokens_per"): self.llm.config.block_size,
+                   ("nv_trt_llm_kv_cache_block_metrics", "fraction"): load.kv_usage}
         for name, value in values.items():
             self.metrics[name].set(value)
 

@@ -22,7 +22,8 @@ from camshaft.version import __version__
 # Imported on first use, so that `import camshaft` (and the CLI's --help) stays fast.
 _LAZY = {
     "LLM": "camshaft.runtime.llm", "Session": "camshaft.runtime.session",
-    "SamplingParams": "camshaft.runtime.sampling_params", "GenerationResult": "camshaft.runtime.request",
+    "SamplingParams": "camshaft.runtime.sampling_params", "GuidedDecodingParams": "camshaft.runtime.guided",
+    "GenerationResult": "camshaft.runtime.request",
     "Timings": "camshaft.runtime.request", "PromptOutput": "camshaft.runtime.outputs",
     "RequestOutput": "camshaft.runtime.outputs", "SampleResult": "camshaft.runtime.sampler",
     "build_engine": "camshaft.builder.build", "BuildConfig": "camshaft.builder.config",
@@ -30,7 +31,8 @@ _LAZY = {
     "QuantizeError": "camshaft.quantize.spec",
 }
 __all__ = [
-    "__version__", "LLM", "Session", "SamplingParams", "GenerationResult", "Timings", "PromptOutput", "RequestOutput",
+    "__version__", "LLM", "Session", "SamplingParams", "GuidedDecodingParams", "GenerationResult", "Timings",
+    "PromptOutput", "RequestOutput",
     "SampleResult", "build_engine", "BuildConfig", "quantize_checkpoint", "QuantSpec", "QuantizeError",
     "BuildConfigError", "CamshaftError", "CapacityError", "CheckpointError", "EngineError", "FetchError",
     "RequestError", "ServerBusyError", "ServerClosedError", "UnsupportedModelError",
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from camshaft.builder.config import BuildConfig
     from camshaft.quantize.modelopt_adapter import quantize_checkpoint
     from camshaft.quantize.spec import QuantizeError, QuantSpec
+    from camshaft.runtime.guided import GuidedDecodingParams
     from camshaft.runtime.llm import LLM
     from camshaft.runtime.outputs import PromptOutput, RequestOutput
     from camshaft.runtime.request import GenerationResult, Timings

@@ -19,6 +19,7 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.executor import Executor
+from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, params_list, priorities, prompt_list
 from camshaft.runtime.outputs import IterationStats, Load, PromptOutput, RequestOutput, Sink
@@ -59,6 +60,7 @@ class LLM:
             max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy, kv_reservation=kv_reservation)
         self.tokenizer = engine.tokenizer
         self._encoder = _Encoder(engine)
+        self._guides = Guides(self.tokenizer, manifest.model.vocab_size, engine.eos_token_ids)
         self.executor = Executor(engine, self.config, max_queue=max_queue)
         # what one request may hold of the pool (a contiguous reservation takes max_seq_len whatever it asks for)
         self._kv_tokens = engine.token_budget if kv_reservation == "paged" else None
@@ -146,7 +148,7 @@ class LLM:
         ids = self._encoder.encode(prompt)
         params = params.for_prompt(len(ids), self.config.max_seq_len, self._kv_tokens)
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
-                            self.engine.manifest.model.vocab_size, priority)
+                            self.engine.manifest.model.vocab_size, priority, self._guides)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

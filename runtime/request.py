@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from camshaft.errors import RequestError
 from camshaft.runtime.detokenizer import TextStream
+from camshaft.runtime.guided import Guide, Guides
 from camshaft.runtime.sampler import SampleResult, SequenceSampler, logprob_of, tokenize_bad_words
 from camshaft.runtime.sampling_params import SamplingParams
 
@@ -120,6 +122,9 @@ class Request:
             # vLLM's: the stop string, else a stop token id (the end id is tested first: None), else the stop word
             self.stop_reason = (self.text.matched_stop if self.text.matched_stop is not None
                                 else token if stop_id and not end_id else word)
+        guide = self.sampler.guide
+        if self.finish_reason is None and guide is not None and guide.complete:  # only an end id could follow
+            self.finish_reason = "stop"
         if self.finish_reason is None and len(self.output_ids) >= params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:
@@ -160,18 +165,28 @@ class Request:
 
 
 def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: object,
-                 eos_token_ids: tuple[int, ...], vocab_size: int, priority: int = 0) -> list[Request]:
+                 eos_token_ids: tuple[int, ...], vocab_size: int, priority: int = 0,
+                 guides: Guides | None = None) -> list[Request]:
     """The params.n requests one prompt makes, each with its own sampler and text stream (ids `request_id`, or
     `request_id-i` when n > 1)."""
     bad_words = tokenize_bad_words(tokenizer, params.bad_words) + [list(w) for w in params.bad_word_ids]
     stop_words = stop_words_by_last_id(params.stop_word_ids)  # read only: the n requests share it
     return [Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_ids, params,
-                    SequenceSampler(params, prompt_ids, eos_token_ids, bad_words, vocab_size, sequence_index=i),
+                    SequenceSampler(params, prompt_ids, eos_token_ids, bad_words, vocab_size, sequence_index=i,
+                                    guide=_guide(params, guides)),
                     TextStream(tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output,
                                skip_special_tokens=params.skip_special_tokens,
                                min_tokens=params.min_tokens),
                     eos_token_ids, priority=priority, stop_words=stop_words, prompt_id=request_id)
             for i in range(params.n)]
+
+
+def _guide(params: SamplingParams, guides: Guides | None) -> Guide | None:
+    if params.guided_decoding is None:
+        return None
+    if guides is None:
+        raise RequestError("guided decoding needs the engine's tokenizer; submit through LLM or Session")
+    return guides(params.guided_decoding)
 
 
 def stop_words_by_last_id(words: tuple[tuple[int, ...], ...]) -> dict[int, list[tuple[int, ...]]]:

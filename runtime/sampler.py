@@ -1,10 +1,11 @@
 """Per-request logits processing and sampling on numpy rows.
 
-Order: logit_bias -> repetition penalty -> presence/frequency penalties -> bad words -> min_tokens -> greedy argmax, or
-temperature -> top_k -> top_p -> min_p -> draw (transformers' order; vLLM applies min_p before top_k/top_p, which
-differs only when min_p and top_p are combined). Logprobs are log_softmax of the RAW model logits (vLLM's default).
-Repetition penalty covers prompt + output tokens, presence/frequency only output tokens; min_tokens bans
-stop_token_ids and, unless ignore_eos, the eos ids. `SequenceSampler.sample` records the token it returns.
+Order: logit_bias -> repetition penalty -> presence/frequency penalties -> bad words -> min_tokens -> guided decoding ->
+greedy argmax, or temperature -> top_k -> top_p -> min_p -> draw (transformers' order; vLLM applies min_p before
+top_k/top_p, which differs only when min_p and top_p are combined). Logprobs are log_softmax of the RAW model logits
+(vLLM's default). Repetition penalty covers prompt + output tokens, presence/frequency only output tokens;
+min_tokens bans stop_token_ids and, unless ignore_eos, the eos ids; guided decoding bans what its grammar cannot
+continue with. `SequenceSampler.sample` records the token it returns.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from camshaft.errors import RequestError
+from camshaft.runtime.guided import Guide
 from camshaft.runtime.row_select import draw, nucleus, top_k_indices
 from camshaft.runtime.sampling_params import SamplingParams
 
@@ -71,8 +73,9 @@ class SequenceSampler:
     with a seed, equal indices draw equal tokens."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: tuple[int, ...],
-                 bad_word_ids: Sequence[Sequence[int]], vocab_size: int, sequence_index: int = 0) -> None:
-        self.params = params
+                 bad_word_ids: Sequence[Sequence[int]], vocab_size: int, sequence_index: int = 0,
+                 guide: Guide | None = None) -> None:
+        self.params, self.guide = params, guide
         self.vocab_size = vocab_size
         bad_ids = [t for word in bad_word_ids for t in word]
         stop_word_ids = [t for word in params.stop_word_ids for t in word]
@@ -107,7 +110,7 @@ class SequenceSampler:
     @property
     def _transforms_logits(self) -> bool:
         return bool(self._seen is not None or self._output_counts is not None or self._always_banned.size
-                    or self._bias.size
+                    or self._bias.size or self.guide is not None
                     or self._banned_after or (len(self.generated_ids) < self.params.min_tokens
                                               and self._early_stop_ids.size))
 
@@ -135,6 +138,8 @@ class SequenceSampler:
                 x[last] = -np.inf
         if len(tail) < p.min_tokens:
             x[self._early_stop_ids] = -np.inf
+        if self.guide is not None:
+            x[self.guide.banned(x.size)] = -np.inf
         return x
 
     def sample(self, logits_row: np.ndarray) -> SampleResult:
@@ -144,8 +149,8 @@ class SequenceSampler:
         best = int(np.argmax(x))  # a NaN anywhere is the argmax
         top = float(x[best])
         if top == -np.inf or np.isnan(top):
-            raise RequestError("every token is banned or the logits are not finite; "
-                               "relax bad_words / min_tokens / stop_token_ids or check the model output")
+            raise RequestError("every token is banned or the logits are not finite; relax bad_words / min_tokens / "
+                               "stop_token_ids / guided_decoding or check the model output")
         if top == np.inf:
             raise RequestError("the penalties pushed a logit to infinity; use a repetition_penalty nearer 1")
         token = best if self.params.greedy else self._sample_filtered(x, top, rows)
@@ -172,6 +177,8 @@ class SequenceSampler:
         return int(kept[draw(weights[kept], self._rng.random())])
 
     def _record(self, token: int, raw_row: np.ndarray) -> SampleResult:
+        if self.guide is not None:
+            self.guide.advance(token)
         self.generated_ids.append(token)
         if self._seen is not None:
             self._seen.add(token)

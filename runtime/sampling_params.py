@@ -11,6 +11,7 @@ import numpy as np
 
 from camshaft.checks import is_int
 from camshaft.errors import CapacityError, RequestError
+from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.prompt_text import check_unicode
 
 MAX_LOGPROBS = 20
@@ -82,6 +83,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: {token id: bias in [-100, 100]} added to the logits
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text (their ids stay in token_ids)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-prob (and this many alternatives); LLM only
+    guided_decoding: GuidedDecodingParams | None = None  # the output held to a JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
@@ -150,6 +152,9 @@ class SamplingParams:
             _require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
                      f"{name} must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}")
         _require(self.n >= 1, f"n must be at least 1, got {self.n}")
+        _require(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
+                 f"guided_decoding must be a GuidedDecodingParams (e.g. GuidedDecodingParams(json=schema)) or None, "
+                 f"got {self.guided_decoding!r:.100}")
 
     def for_prompt(self, prompt_tokens: int, max_seq_len: int, kv_tokens: int | None = None) -> SamplingParams:
         """These params for a prompt of `prompt_tokens` on an engine of `max_seq_len` whose KV cache holds

@@ -16,6 +16,7 @@ from camshaft.checks import is_int
 from camshaft.errors import RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import params_list
 from camshaft.runtime.prompt_text import check_unicode, encode_text
@@ -53,6 +54,7 @@ class Session:
                                                     threads=threads, huge_pages=huge_pages, manifest=manifest))
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
         self.tokenizer = self.engine.tokenizer
+        self._guides = Guides(self.tokenizer, manifest.model.vocab_size, self.engine.eos_token_ids)
         self._ids = itertools.count()
         self._running = threading.Lock()
         self._closed = False
@@ -149,7 +151,7 @@ class Session:
     def _request(self, ids: list[int], params: SamplingParams) -> Request:
         params = params.for_prompt(len(ids), self.manifest.limits.max_seq_len, self.engine.token_budget)
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
-                            self.manifest.model.vocab_size)[0]
+                            self.manifest.model.vocab_size, guides=self._guides)[0]
 
     def stream(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
                messages: list[dict[str, str]] | None = None,

@@ -615,3 +615,40 @@ def test_an_api_key_guards_every_route_but_the_operators(engine_dir):
         metrics = httpx.get(f"{url}/metrics").text
         assert 'camshaft_http_requests_total{path="/v1/models",status="401"} 1.0' in metrics
         assert 'camshaft_http_requests_total{path="/v1/completions",status="401"} 1.0' in metrics
+
+
+def test_structured_output_follows_its_schema_regex_or_choice(client, served):
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    value = json.loads(chat.choices[0].message.content)
+    assert list(value) == ["ok", "n"] and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+    assert chat.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=60, response_format={"type": "json_object"}, seed=1)
+    content = anything.choices[0].message.content  # a random model's free keys may run to max_tokens
+    assert content.startswith("{") and (anything.choices[0].finish_reason == "length"
+                                        or isinstance(json.loads(content), dict))
+    regex = r"[a-z]{3} [0-9]{2}\."
+    for extra in ({"guided_regex": regex}, {"structured_outputs": {"regex": regex}}):
+        done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, n=2, temperature=1.0,
+                                         seed=4, extra_body=extra)
+        assert all(re.fullmatch(regex, c.text) for c in done.choices), [c.text for c in done.choices]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=10, stream=True, extra_body={"guided_choice": ["yes", "no"]}))
+    assert streamed in ("yes", "no")
+    for body, message in (({"guided_regex": "a(b"}, "unclosed group"),
+                          ({"guided_regex": "a", "response_format": {"type": "json_object"}},
+                           "send one structured-output constraint; got response_format, guided_regex"),
+                          ({"response_format": {"type": "yaml"}}, "response_format type 'yaml' is not supported"),
+                          ({"response_format": {"type": "json_schema"}}, "response_format json_schema needs"),
+                          ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs takes one of")):
+        response = httpx.post(f"{served[0]}/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text

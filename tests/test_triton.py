@@ -342,8 +342,28 @@ def test_embedding_bias_steers_both_models(stack):
     assert_same_ids(outputs[0]["output_ids"].reshape(-1).tolist(), expected, stack.session.engine.eos_token_ids)
 
 
+def test_guided_decoding_on_both_models(stack):
+    import re
+
+    regex = r"[a-z]{3}-[0-9]{2}"
+    body = {"text_input": PROMPTS[1], "max_tokens": 20, "exclude_input_in_output": True,
+            "guided_decoding_guide_type": "regex", "guided_decoding_guide": regex}
+    response = requests.post(f"{stack.http}/ensemble/generate", json=body, timeout=60)
+    assert response.status_code == 200 and re.fullmatch(regex, response.json()["text_output"]), response.text
+    schema = '{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, ' \
+             '"required": ["n"], "additionalProperties": false}'
+    inputs = tensors(grpcclient, input_ids=[5, 9, 17], request_output_len=20, exclude_input_in_output=True,
+                     guided_decoding_guide_type="json_schema", guided_decoding_guide=schema)
+    outputs, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", inputs)
+    assert error is None, error.message()
+    text = stack.session.tokenizer.decode(outputs[0]["output_ids"].reshape(-1).tolist())
+    assert re.fullmatch(r'\{"n": [0-9]\}', text) and outputs[0]["finish_reason"].reshape(-1)[0] == b"stop", text
+
+
 @pytest.mark.parametrize("body, message", [
     ({"max_tokens": 8}, "missing required input"),
+    ({"text_input": "hi", "max_tokens": 4, "guided_decoding_guide_type": "regex", "guided_decoding_guide": "a(b"},
+     "unclosed group"),
     ({"text_input": "hi", "max_tokens": 4, "temprature": 1.5}, "unknown input 'temprature'"),
     ({"text_input": "hi", "max_tokens": 4, "embedding_bias_words": ["a", "b"], "embedding_bias_weights": [1.0]},
      "holds 2 words and embedding_bias_weights 1 weights"),

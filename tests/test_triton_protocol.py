@@ -123,3 +123,25 @@ def test_request_parameters_other_than_the_id_are_refused():
     check_parameters('{"id": "abc"}', ["text_input"])
     with pytest.raises(RequestError, match="unknown input 'temprature'.*inputs: text_input, max_tokens"):
         check_parameters('{"temprature": 1.5, "id": "a"}', ["text_input", "max_tokens"])
+
+
+def test_guided_decoding_inputs_as_tensorrt_llm_names_them():
+    def guided(kind=None, guide=None):
+        tensors = {}
+        if kind is not None:
+            tensors["guided_decoding_guide_type"] = np.array([[kind.encode()]], np.object_)
+        if guide is not None:
+            tensors["guided_decoding_guide"] = np.array([[guide.encode()]], np.object_)
+        return request(**tensors).params.guided_decoding
+
+    assert guided() is None
+    assert guided("json").json_object
+    assert guided("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}').json is not None
+    assert guided("regex", "[0-9]+").regex == "[0-9]+"
+    assert guided("ebnf_grammar", 'root ::= "a" | "b"').grammar == 'root ::= "a" | "b"'
+    for kind, guide, message in (("structural_tag", "{}", "'structural_tag' is not supported"),
+                                 ("regex", None, "regex needs guided_decoding_guide"),
+                                 (None, "[0-9]", "guided_decoding_guide needs guided_decoding_guide_type"),
+                                 ("json_schema", "{oops", "not JSON")):
+        with pytest.raises(RequestError, match=message):
+            guided(kind, guide)

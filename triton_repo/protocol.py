@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
+from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_WORD_IDS, SamplingParams
 
 MAX_WORD_LISTS = min(MAX_BAD_WORDS, MAX_STOP_WORD_IDS)
@@ -131,6 +132,26 @@ def embedding_bias(array: np.ndarray | None, vocab_size: int) -> tuple[tuple[int
     return tuple((int(i), float(bias[i])) for i in ids)
 
 
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
+
+
+def guided(kind: str | None, guide: str | None) -> GuidedDecodingParams | None:
+    """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide as GuidedDecodingParams."""
+    if kind is None:
+        if guide is not None:
+            raise RequestError("guided_decoding_guide needs guided_decoding_guide_type (json_schema, regex, "
+                               "ebnf_grammar or json)")
+        return None
+    if kind not in GUIDE_TYPES:
+        raise RequestError(f"guided_decoding_guide_type {kind!r} is not supported; use one of {', '.join(GUIDE_TYPES)}")
+    if kind == "json":  # any JSON object: no guide
+        return GuidedDecodingParams(json_object=True)
+    if not guide:
+        raise RequestError(f"guided_decoding_guide_type {kind} needs guided_decoding_guide (the schema, regex or "
+                           "grammar text)")
+    return GuidedDecodingParams(**{GUIDE_TYPES[kind]: guide})
+
+
 def word_lists(array: np.ndarray | None, name: str) -> list[list[int]]:
     """TensorRT-LLM's [1, 2, L] stop/bad words format: concatenated ids, then end offsets padded with -1."""
     if array is None:
@@ -208,6 +229,7 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
     seed = one(values, "random_seed") if seed is None else seed
     kwargs["seed"] = int(seed) if seed is not None else 0
     kwargs["logit_bias"] = embedding_bias(values.get("embedding_bias"), vocab_size)
+    kwargs["guided_decoding"] = guided(one(values, "guided_decoding_guide_type"), one(values, "guided_decoding_guide"))
     if "min_tokens" not in kwargs and one(values, "min_length") is not None:  # older tensorrtllm_backend clients
         kwargs["min_tokens"] = one(values, "min_length")
     if one(values, "return_log_probs"):

@@ -37,6 +37,8 @@ SAMPLING = (
     ("return_num_output_tokens", "return_num_output_tokens", "BOOL"),
     ("return_context_logits", "return_context_logits", "BOOL"),
     ("return_generation_logits", "return_generation_logits", "BOOL"),
+    ("guided_decoding_guide_type", "guided_decoding_guide_type", "STRING"),
+    ("guided_decoding_guide", "guided_decoding_guide", "STRING"),
 )
 TEXT_TO_TOKEN = {text: token for text, token, _ in SAMPLING} | {"max_tokens": "request_output_len",
                                                                    "stream": "streaming"}

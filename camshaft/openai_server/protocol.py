@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, model_validator
 
 from camshaft.errors import RequestError
+from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass temperature=0 for greedy output
@@ -59,6 +60,13 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     priority: StrictInt = 0
+    # structured output: OpenAI's response_format, vLLM's guided_* fields and their newer structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -76,7 +84,36 @@ class _GenerationRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self.token_biases(), skip_special_tokens=self.skip_special_tokens)
+            logit_bias=self.token_biases(), skip_special_tokens=self.skip_special_tokens,
+            guided_decoding=self.guided_decoding())
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """What the output must match, from whichever one of the structured-output fields was sent."""
+        given = {}
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            given["response_format"] = GuidedDecodingParams(json_object=True)
+        elif kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise RequestError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+            given["response_format"] = GuidedDecodingParams(json=schema)
+        elif kind != "text":
+            raise RequestError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema")
+        vllm = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                  ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        if vllm:
+            given["guided_" + "/".join(vllm)] = GuidedDecodingParams(**vllm)
+        if self.structured_outputs:
+            known = {"json", "json_object", "regex", "choice", "grammar"}
+            unknown = set(self.structured_outputs) - known
+            if unknown:
+                raise RequestError(f"structured_outputs takes one of {', '.join(sorted(known))}; got "
+                                   f"{', '.join(sorted(unknown))}")
+            given["structured_outputs"] = GuidedDecodingParams(**self.structured_outputs)
+        if len(given) > 1:
+            raise RequestError(f"send one structured-output constraint; got {', '.join(given)}")
+        return next(iter(given.values()), None)
 
     def token_biases(self) -> dict[int, float]:
         """logit_bias's JSON keys (token ids written as strings) as ints."""
@@ -156,13 +193,10 @@ class ChatCompletionRequest(_GenerationRequest, _TemplateOptions):
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         self.check_template_options()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise RequestError("response_format other than {'type': 'text'} is not supported")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
         if self.top_logprobs is not None and not self.logprobs:

@@ -1,0 +1,130 @@
+"""Guided decoding on a tiny engine: every output matches its JSON schema, regex, choice or grammar, and each token is
+the argmax of transformers' logits over the tokens the grammar allows (greedy); bad grammars are refused up front."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from camshaft.errors import RequestError
+from camshaft.runtime.guided import GuidedDecodingParams
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+
+from tiny_models import tiny_engine
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "color": {"enum": ["red", "green"]}},
+          "required": ["ok", "n", "color"], "additionalProperties": False}
+REGEX = r"[a-z]{2,6} [0-9]{1,3}\."
+GRAMMAR = 'start: "(" num ("+" num)? ("+" num)? ")"\nnum: /[0-9]/'
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return tiny_engine(tmp_path_factory.mktemp("guided"), max_seq_len=128, max_num_tokens=64, max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def llm(engine_dir):
+    with LLM(engine_dir) as llm:
+        yield llm
+
+
+def matches(guided: GuidedDecodingParams, text: str) -> bool:
+    if guided.json is not None:
+        value = json.loads(text)
+        return (list(value) == ["ok", "n", "color"] and isinstance(value["ok"], bool)
+                and isinstance(value["n"], int) and 0 <= value["n"] <= 99 and value["color"] in ("red", "green"))
+    if guided.json_object:
+        return isinstance(json.loads(text), dict)
+    if guided.regex is not None:
+        return re.fullmatch(guided.regex, text) is not None
+    if guided.choice is not None:
+        return text in guided.choice
+    return re.fullmatch(r"\([0-9](\+[0-9])*\)", text) is not None
+
+
+CASES = [GuidedDecodingParams(json=SCHEMA), GuidedDecodingParams(json=json.dumps(SCHEMA)),
+         GuidedDecodingParams(json_object=True), GuidedDecodingParams(regex=REGEX),
+         GuidedDecodingParams(choice=["alpha", "beta", "gamma"]), GuidedDecodingParams(grammar=GRAMMAR)]
+
+
+@pytest.mark.parametrize("guided", CASES, ids=["schema", "schema-text", "json-object", "regex", "choice", "grammar"])
+def test_greedy_guided_tokens_are_the_allowed_argmax_of_transformers(llm, engine_dir, guided):
+    prompt = [5, 9, 17, 33, 41]
+    result = llm.generate(prompt, SamplingParams(max_tokens=100, guided_decoding=guided), use_tqdm=False)[0].outputs[0]
+    assert result.finish_reason == "stop" and matches(guided, result.text), (result.text, result.finish_reason)
+    tokenizer = llm.tokenizer
+    vocab = llm.engine.manifest.model.vocab_size
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab,
+                                                                eos_token=list(llm.engine.eos_token_ids)),
+                                   guided.llguidance_grammar())
+    bits = llguidance.numpy.allocate_token_bitmask(1, vocab)
+    model = transformers.AutoModelForCausalLM.from_pretrained(engine_dir.parent / "hf").eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + result.token_ids])).logits[0, len(prompt) - 1:].double().numpy()
+    for step, token in enumerate(result.token_ids):
+        llguidance.numpy.fill_next_token_bitmask(matcher, bits, 0)
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+        row = np.where(allowed, logits[step], -np.inf)
+        assert token == int(np.argmax(row)) or row.max() - row[token] < 1e-4, (step, token, int(np.argmax(row)))
+        assert matcher.consume_token(token)
+    assert matcher.is_stopped()  # the output ended where the grammar did
+
+
+def test_sampled_outputs_each_match(llm):
+    guided = [GuidedDecodingParams(json=SCHEMA), GuidedDecodingParams(regex=REGEX)]
+    outputs = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(n=3, temperature=1.0, seed=s, max_tokens=100,
+                                                                guided_decoding=g) for s, g in enumerate(guided)],
+                           use_tqdm=False)
+    for g, prompt_output in zip(guided, outputs, strict=True):
+        texts = [o.text for o in prompt_output.outputs]
+        assert all(matches(g, t) for t in texts), texts
+        assert len(set(texts)) > 1  # sampled, each sequence with its own grammar state
+
+
+def test_session_and_streaming_follow_the_grammar(engine_dir, llm):
+    guided = GuidedDecodingParams(regex=REGEX)
+    with Session(engine_dir) as session:
+        result = session.generate([5, 9, 17], SamplingParams(max_tokens=60, guided_decoding=guided))
+        assert matches(guided, result.text) and result.finish_reason == "stop"
+    streamed = "".join(llm.stream_sync([5, 9, 17], SamplingParams(max_tokens=60, guided_decoding=guided)))
+    assert streamed == result.text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "exactly one of json, json_object, regex, choice, grammar; got none"),
+    ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
+    ({"json": "{not json"}, "the guided json schema is not JSON"),
+    ({"json": "[1, 2]"}, "must be a JSON object"),
+    ({"choice": "yes"}, "choice must be a list of non-empty strings"),
+    ({"choice": ["yes", ""]}, "choice must be a list of non-empty strings"),
+    ({"regex": ""}, "regex must be a non-empty string"),
+    ({"json_object": "yes"}, "json_object must be True or False"),
+])
+def test_bad_guided_params_are_refused(kwargs, message):
+    with pytest.raises(RequestError, match=re.escape(message)):
+        GuidedDecodingParams(**kwargs)
+
+
+def test_bad_grammars_are_refused_before_anything_runs(llm):
+    for guided, message in ((GuidedDecodingParams(regex="a(b"), "unclosed group"),
+                            (GuidedDecodingParams(grammar="start: nothing_defined"), "guided decoding"),
+                            (GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "strin"}}}),
+                             "guided decoding")):
+        with pytest.raises(RequestError, match=message):
+            llm.submit([5, 6], SamplingParams(max_tokens=4, guided_decoding=guided), lambda output: None)
+    with pytest.raises(RequestError, match="guided_decoding must be a GuidedDecodingParams"):
+        SamplingParams(guided_decoding={"json": SCHEMA})
+    assert llm.load().running == 0 and llm.load().waiting == 0

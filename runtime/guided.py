@@ -8,6 +8,7 @@ output must match, as vLLM's and TensorRT-LLM's classes of that name; `Guide` is
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,12 +21,14 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON laid out as Python's json.dumps writes it, no other whitespace: free whitespace lets small models run on in
 # blanks until max_tokens (a schema's own top-level "x-guidance" settings replace this)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
 
 
 @dataclass(frozen=True)
 class GuidedDecodingParams:
     """Exactly one of: json (a JSON schema, as a dict or its text), json_object=True (any JSON object), regex,
-    choice (a list of strings), grammar (Lark, or llama.cpp's GBNF)."""
+    choice (a list of strings), grammar (Lark, or llama.cpp's GBNF). An object schema that does not say
+    additionalProperties allows none (as vLLM's default backend and TensorRT-LLM do)."""
 
     json: str | Mapping | None = None
     json_object: bool = False
@@ -34,31 +37,26 @@ class GuidedDecodingParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if self.choice is not None and not isinstance(self.choice, str | bytes | Mapping):
+            try:
+                object.__setattr__(self, "choice", tuple(self.choice))
+            except TypeError:
+                pass  # not iterable: refused below
+        given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
             raise RequestError(f"guided decoding takes exactly one of {', '.join(KINDS)}; got "
                                f"{', '.join(given) or 'none'}")
         if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as exc:
-                    raise RequestError(f"the guided json schema is not JSON ({exc}); send a JSON schema") from None
-            if not isinstance(schema, Mapping):
-                raise RequestError(f"the guided json schema must be a JSON object, got {self.json!r:.100}")
-            object.__setattr__(self, "json", json.dumps(schema))  # property order is output order
+            object.__setattr__(self, "json", _schema_text(self.json))
         if self.json_object is not False and self.json_object is not True:
-            raise RequestError(f"json_object must be True or False, got {self.json_object!r}")
+            raise RequestError(f"json_object must be True or False, got {self.json_object!r:.100}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise RequestError(f"guided {name} must be a non-empty string, got {value!r:.100}")
-        if self.choice is not None:
-            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) \
-                    or not self.choice:
-                raise RequestError(f"guided choice must be a list of non-empty strings, got {self.choice!r:.100}")
-            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.choice is not None and not (isinstance(self.choice, tuple) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise RequestError(f"guided choice must be a list of non-empty strings, got {self.choice!r:.100}")
 
     def llguidance_grammar(self) -> str:
         import llguidance
@@ -69,55 +67,101 @@ class GuidedDecodingParams:
             return llguidance.grammar_from("json_schema", json.dumps(schema))
         if self.regex is not None:
             return llguidance.grammar_from("regex", self.regex)
-        if self.choice is not None:
-            return llguidance.grammar_from("choice", json.dumps(list(self.choice)))
+        if self.choice is not None:  # one regex of the escaped strings (llguidance's choice rule caps its size)
+            return llguidance.grammar_from("regex", "|".join(re.escape(c) for c in self.choice))
         return llguidance.grammar_from("grammar", self.grammar)
 
 
+def _schema_text(schema: object) -> str:
+    try:
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        if not isinstance(schema, Mapping):
+            raise RequestError(f"the guided json schema must be a JSON object, got {schema!r:.100}")
+        return json.dumps(_closed(schema))  # property order is output order
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise RequestError(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
+
+
+def _closed(schema: object) -> object:
+    """additionalProperties false wherever an object schema lists properties and says nothing of others."""
+    if isinstance(schema, Mapping):
+        closed = {key: _closed(value) for key, value in schema.items()}
+        if "properties" in closed and not OPEN_KEYS & closed.keys():
+            closed["additionalProperties"] = False
+        return closed
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    return schema
+
+
 class Guides:
-    """Makes each sequence's Guide; the tokenizer as llguidance reads it is built on first use (~0.4 s for a 49k
+    """Makes each sequence's Guide; the tokenizer as llguidance reads it is built on first use (~0.5 s for a 49k
     vocabulary), once per engine."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self._source = (tokenizer, vocab_size, list(eos_token_ids) or None)
-        self._tokenizer = None
+        self._tokenizer: object = None
         self._lock = threading.Lock()
 
     def __call__(self, params: GuidedDecodingParams) -> Guide:
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
+                try:
+                    import llguidance.hf
 
-                tokenizer, vocab_size, eos = self._source
-                self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+                    tokenizer, vocab_size, eos = self._source
+                    self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+                except Exception as exc:  # remembered: every later request would pay for the same failure
+                    self._tokenizer = RequestError(f"guided decoding cannot read this engine's tokenizer ({exc})")
+            if isinstance(self._tokenizer, RequestError):
+                raise self._tokenizer
         return Guide(params, self._tokenizer)
+
+
+def _first_line(error: str) -> str:
+    """The head of llguidance's message, without the parser state and grammar it can append."""
+    head = error.split("<state>")[0].strip()
+    if head.startswith("NoExtension"):
+        return "the grammar allows no text that this model's tokens can write"
+    lines = [line.strip() for line in head.splitlines() if line.strip()][:6]
+    return " ".join(lines)[:600] or "not allowed"
 
 
 class Guide:
     """One sequence's grammar state: which tokens may come next, and whether the grammar is complete."""
 
-    def __init__(self, params: GuidedDecodingParams, ll_tokenizer) -> None:
+    def __init__(self, params: GuidedDecodingParams | None, ll_tokenizer, matcher=None) -> None:
         import llguidance
         import llguidance.numpy as ll_numpy
 
         self._fill = ll_numpy.fill_next_token_bitmask
-        self.matcher = llguidance.LLMatcher(ll_tokenizer, params.llguidance_grammar(), log_level=0)
-        if self.matcher.is_error():
-            raise RequestError(f"guided decoding: {self.matcher.get_error().strip()}")
+        self.matcher = matcher or llguidance.LLMatcher(ll_tokenizer, params.llguidance_grammar(), log_level=0)
+        self._tokenizer = ll_tokenizer
         self._bits = ll_numpy.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+        self.banned(0)  # a grammar that cannot even begin is refused now, not at its first step
+
+    def copy(self) -> Guide:
+        """The same grammar in its own state, without compiling it again (a prompt's other sequences)."""
+        return Guide(None, self._tokenizer, self.matcher.deep_copy())
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise RequestError(f"guided decoding: {_first_line(self.matcher.get_error())}")
 
     def banned(self, vocab_size: int) -> np.ndarray:
         """A boolean mask of the tokens the grammar does not allow next."""
         self._fill(self.matcher, self._bits, 0)
+        self._check()  # a grammar that cannot go on (its limits, or nothing matches) is an error, not an end
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:vocab_size]
         return allowed == 0
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise RequestError(f"guided decoding: token {token} does not continue the grammar "
-                               f"({self.matcher.get_error().strip() or 'not allowed'})")
+                               f"({_first_line(self.matcher.get_error())})")
 
     @property
     def complete(self) -> bool:
         """Nothing but an end id can follow: the output matches the grammar and can stop here."""
-        return self.matcher.is_stopped()
+        return self.matcher.is_stopped() and not self.matcher.is_error()

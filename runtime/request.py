@@ -125,6 +125,7 @@ class Request:
         guide = self.sampler.guide
         if self.finish_reason is None and guide is not None and guide.complete:  # only an end id could follow
             self.finish_reason = "stop"
+            self.stop_token_id = token if token in self.eos_token_ids else None  # an end id the grammar ended on
         if self.finish_reason is None and len(self.output_ids) >= params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:
@@ -171,9 +172,10 @@ def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
     `request_id-i` when n > 1)."""
     bad_words = tokenize_bad_words(tokenizer, params.bad_words) + [list(w) for w in params.bad_word_ids]
     stop_words = stop_words_by_last_id(params.stop_word_ids)  # read only: the n requests share it
+    guide = _guide(params, guides)  # compiled once; each sequence gets its own state
     return [Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_ids, params,
                     SequenceSampler(params, prompt_ids, eos_token_ids, bad_words, vocab_size, sequence_index=i,
-                                    guide=_guide(params, guides)),
+                                    guide=guide if guide is None or i == 0 else guide.copy()),
                     TextStream(tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output,
                                skip_special_tokens=params.skip_special_tokens,
                                min_tokens=params.min_tokens),

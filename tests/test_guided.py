@@ -112,14 +112,37 @@ def test_session_and_streaming_follow_the_grammar(engine_dir, llm):
     ({"choice": ["yes", ""]}, "choice must be a list of non-empty strings"),
     ({"regex": ""}, "regex must be a non-empty string"),
     ({"json_object": "yes"}, "json_object must be True or False"),
+    ({"json": "[" * 100_000}, "the guided json schema is not JSON"),
+    ({"json": {"enum": {1, 2}}}, "the guided json schema is not JSON"),
+    ({"json": 0}, "the guided json schema must be a JSON object, got 0"),
+    ({"choice": {"a": 1}}, "choice must be a list of non-empty strings"),
 ])
 def test_bad_guided_params_are_refused(kwargs, message):
     with pytest.raises(RequestError, match=re.escape(message)):
         GuidedDecodingParams(**kwargs)
 
 
+def test_large_choices_unlisted_keys_and_an_end_id_the_grammar_ends_on(llm):
+    words = [f"w{i}" for i in range(5000)]
+    out = llm.generate([5, 6], SamplingParams(max_tokens=10, guided_decoding=GuidedDecodingParams(
+        choice=(w for w in words))), use_tqdm=False)[0].outputs[0]
+    assert out.text in words and out.finish_reason == "stop"
+    open_schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    out = llm.generate([5, 6], SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(json=open_schema)),
+                       use_tqdm=False)[0].outputs[0]
+    assert list(json.loads(out.text)) == ["a"]  # no additionalProperties: none allowed (vLLM's, TensorRT-LLM's)
+    kept = GuidedDecodingParams(json={**open_schema, "additionalProperties": True})
+    assert json.loads(kept.json)["additionalProperties"] is True
+    eos = llm.engine.eos_token_ids[0]
+    out = llm.generate([5, 6], SamplingParams(max_tokens=10, ignore_eos=True, logit_bias={eos: 100},
+                                              guided_decoding=GuidedDecodingParams(choice=["ab", "abcd"])),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == eos and out.stop_token_id == eos and out.finish_reason == "stop"
+
+
 def test_bad_grammars_are_refused_before_anything_runs(llm):
     for guided, message in ((GuidedDecodingParams(regex="a(b"), "unclosed group"),
+                            (GuidedDecodingParams(regex="[^\x00-\U0010FFFF]"), "guided decoding"),
                             (GuidedDecodingParams(grammar="start: nothing_defined"), "guided decoding"),
                             (GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "strin"}}}),
                              "guided decoding")):

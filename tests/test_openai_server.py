@@ -648,6 +648,9 @@ def test_structured_output_follows_its_schema_regex_or_choice(client, served):
                            "send one structured-output constraint; got response_format, guided_regex"),
                           ({"response_format": {"type": "yaml"}}, "response_format type 'yaml' is not supported"),
                           ({"response_format": {"type": "json_schema"}}, "response_format json_schema needs"),
+                          ({"response_format": {"type": "json_schema", "json_schema": "abc"}},
+                           "response_format json_schema needs"),
+                          ({"guided_json": "[" * 100_000}, "the guided json schema is not JSON"),
                           ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs takes one of")):
         response = httpx.post(f"{served[0]}/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})

@@ -144,8 +144,8 @@ def guided(kind: str | None, guide: str | None) -> GuidedDecodingParams | None:
         return None
     if kind not in GUIDE_TYPES:
         raise RequestError(f"guided_decoding_guide_type {kind!r} is not supported; use one of {', '.join(GUIDE_TYPES)}")
-    if kind == "json":  # any JSON object: no guide
-        return GuidedDecodingParams(json_object=True)
+    if kind == "json":  # any JSON object or array (xgrammar's JSON grammar, which TensorRT-LLM uses): no guide
+        return GuidedDecodingParams(json={"type": ["object", "array"]})
     if not guide:
         raise RequestError(f"guided_decoding_guide_type {kind} needs guided_decoding_guide (the schema, regex or "
                            "grammar text)")

@@ -103,7 +103,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
 
     async def respond(request: Request, stream: bool, include_usage: bool, prompts: list[list[int]],
                       params: SamplingParams, shape: _Shape, arrival: float, priority: int = 0) -> Response:
-        generation = Generation(llm, prompts, params, metrics, arrival, priority, shape.shows_output)
+        if params.guided_decoding is None:
+            generation = Generation(llm, prompts, params, metrics, arrival, priority, shape.shows_output)
+        else:  # compiling a grammar takes a while: not on the loop every stream shares
+            generation = await asyncio.to_thread(Generation, llm, prompts, params, metrics, arrival, priority,
+                                                 shape.shows_output, asyncio.get_running_loop())
         with_logprobs = params.logprobs is not None
         if stream:
             metrics.http(route_path(request), 200)

@@ -18,12 +18,14 @@ class Generation:
     """Prompt p's output j is choice p * n + j, as OpenAI numbers choices."""
 
     def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
-                 arrival: float, priority: int = 0, shows_output: bool = True) -> None:
-        """shows_output False: the output is not shown (echo scoring the prompt alone), nor counted."""
+                 arrival: float, priority: int = 0, shows_output: bool = True,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """shows_output False: the output is not shown (echo scoring the prompt alone), nor counted. loop: the
+        event loop that reads the outputs (given when this is made on another thread)."""
         self.llm, self.metrics, self.arrival, self._counted = llm, metrics, arrival, shows_output
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.num_choices = len(prompts) * params.n
-        loop = asyncio.get_running_loop()
+        loop = loop or asyncio.get_running_loop()
         self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._index: dict[str, int] = {}
         self._unfinished: set[str] = set()

@@ -90,16 +90,19 @@ class _GenerationRequest(BaseModel):
     def guided_decoding(self) -> GuidedDecodingParams | None:
         """What the output must match, from whichever one of the structured-output fields was sent."""
         given = {}
-        kind = (self.response_format or {}).get("type", "text")
+        response_format = self.response_format or {}
+        kind = response_format.get("type", "text")
+        spec = response_format.get("json_schema") or {}
         if kind == "json_object":
             given["response_format"] = GuidedDecodingParams(json_object=True)
         elif kind == "json_schema":
-            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
             if schema is None:
                 raise RequestError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
             given["response_format"] = GuidedDecodingParams(json=schema)
         elif kind != "text":
-            raise RequestError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema")
+            raise RequestError(f"response_format type {kind!r:.40} is not supported; use text, json_object or "
+                               "json_schema")
         vllm = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
                                   ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
         if vllm:

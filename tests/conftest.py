@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from camshaft.models import default_model_dir, fetch_model
+
+# Tests read the CLI's plain text and talk to servers on loopback: a CI's colour or proxy settings must not change
+# either (set before anything imports typer or rich).
+for _name in ("FORCE_COLOR", "PY_COLORS", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "GITHUB_ACTIONS", "TERMINAL_WIDTH"):
+    os.environ.pop(_name, None)
+for _name in ("NO_PROXY", "no_proxy"):
+    os.environ[_name] = ",".join(filter(None, [os.environ.get(_name), "127.0.0.1", "localhost"]))
 
 SMOLLM2 = "smollm2-135m-instruct"
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from camshaft.runtime.backends.huge_pages import anonymous_regions, available, load_in_huge_pages
+from camshaft.runtime.backends.huge_pages import THP_MODE, anonymous_regions, available, load_in_huge_pages
 
 MiB = 1 << 20
 PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)  # malloc-like memory (not shared)
@@ -23,6 +23,9 @@ def _collapse_supported() -> bool:
 
 
 needs_collapse = pytest.mark.skipif(not _collapse_supported(), reason="needs Linux >= 6.1 with THP not 'never'")
+# in THP mode "always" the kernel may put memory nobody advised on huge pages by itself
+needs_madvise_mode = pytest.mark.skipif(available() and "[always]" in THP_MODE.read_text(),
+                                        reason="THP mode 'always' gives small allocations huge pages unasked")
 
 
 def _isolated(size: int, dtype: type = np.uint8) -> np.ndarray:
@@ -61,12 +64,13 @@ def test_regions_hold_filled_memory():
 def test_load_collapses_what_it_filled_and_keeps_contents():
     free = _free_huge_blocks()
     data, huge = load_in_huge_pages(lambda: _unadvised(64 * MiB))
-    assert 0 < huge == _pages(data)[1]  # unadvised memory gets no huge page unless collapsed
     np.testing.assert_array_equal(data, np.arange(16 * MiB, dtype=np.float32))
-    _assert_collapsed(huge, 64 * MiB, free)
+    _assert_collapsed(huge, 64 * MiB, free)  # skips where memory was too fragmented to tell
+    assert huge == _pages(data)[1]
 
 
 @needs_collapse
+@needs_madvise_mode
 def test_disabled_leaves_small_pages():
     data, huge = load_in_huge_pages(lambda: _unadvised(64 * MiB), enabled=False)
     assert huge == 0
@@ -74,6 +78,7 @@ def test_disabled_leaves_small_pages():
 
 
 @needs_collapse
+@needs_madvise_mode
 def test_empty_regions_are_left_alone():
     """A region mostly not in memory (a thread stack, a reserved arena) would be filled by collapsing it."""
     array = _isolated(64 * MiB)

@@ -42,7 +42,8 @@ def test_stream_outputs_carry_every_token_and_its_logprobs(engine_dir):
         outputs = asyncio.run(_collect(llm, prompt, params))[0]
         assert llm.load().running == 0 and llm.load().kv_blocks_used == 0
     assert [t for o in outputs for t in o.token_ids] == expected.token_ids
-    assert [s.logprob for o in outputs for s in o.logprobs] == pytest.approx([s.logprob for s in expected.logprobs])
+    assert [s.logprob for o in outputs for s in o.logprobs] == pytest.approx([s.logprob for s in expected.logprobs],
+                                                                             abs=1e-5)  # two graphs
     assert "".join(o.delta for o in outputs) == expected.text
     assert outputs[-1].finished and outputs[-1].result.token_ids == expected.token_ids
     assert all(not o.finished for o in outputs[:-1])

@@ -193,8 +193,10 @@ def test_a_stop_lets_text_model_requests_in_flight_finish(tmp_path):
         stream = Stream(server.endpoints.grpc).send("ensemble", tensors(
             grpcclient, text_input="hello", max_tokens=4000, min_tokens=4000, stream=True,
             return_num_output_tokens=True))
-        while stream.responses.empty():
+        deadline = time.monotonic() + 120
+        while stream.responses.empty() and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert not stream.responses.empty(), "no response within 120 s"
         server.signal(signal.SIGTERM)
         outputs, error, _ = stream.collect()
     assert error is None

@@ -13,7 +13,7 @@ from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_graph_limits
 from camshaft.manifest import Manifest
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
-from camshaft.runtime.kv_cache import SMALLER_POOL
+from camshaft.runtime.kv_cache import CGROUP, SMALLER_POOL
 
 # KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8": np.uint8}
@@ -21,14 +21,34 @@ ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16
              "int8": "tensor(int8)", "float8": "tensor(uint8)"}
 
 
-def physical_cores() -> int:
+def physical_cores(cgroup: Path = CGROUP) -> int:
+    """The cores this process may keep busy: its CPU affinity, the machine's physical cores and a container's CPU
+    quota (a `--cpus=2` container on a 16-core host gets 2 threads, not 16 fighting over 2 cores' time)."""
     available = len(os.sched_getaffinity(0))
+    quota = cpu_quota_cores(cgroup)
+    if quota is not None:
+        available = min(available, quota)
     try:
         import psutil
 
         return max(1, min(available, psutil.cpu_count(logical=False) or available))
     except ImportError:
-        return available
+        return max(1, available)
+
+
+def cpu_quota_cores(cgroup: Path = CGROUP) -> int | None:
+    """A cgroup's CPU quota in whole cores, rounded up (v2 cpu.max, else v1 cpu.cfs_quota_us); None without one."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if not (quota.isdigit() and period.isdigit()) or int(period) == 0:
+        return None  # "max" (v2) or -1 (v1): no quota
+    return max(1, -(-int(quota) // int(period)))
 
 
 def check_compatible(manifest: Manifest) -> None:

@@ -342,6 +342,33 @@ def test_embedding_bias_steers_both_models(stack):
     assert_same_ids(outputs[0]["output_ids"].reshape(-1).tolist(), expected, stack.session.engine.eos_token_ids)
 
 
+def test_num_return_sequences_as_llm_n(stack):
+    """Each sequence_index's output equals LLM.generate's output of that index (seed 0, TensorRT-LLM's default)."""
+    from camshaft.runtime.llm import LLM
+
+    prompt = [5, 9, 17, 33]
+    params = SamplingParams(n=3, temperature=1.0, top_k=50, seed=0, max_tokens=8, ignore_eos=True)
+    with LLM(stack.session.engine.dir) as llm:
+        expected = [o.token_ids for o in llm.generate(prompt, params, use_tqdm=False)[0].outputs]
+    assert len({tuple(e) for e in expected}) > 1
+    common = dict(input_ids=prompt, request_output_len=8, runtime_top_k=50, num_return_sequences=3, end_id=-1,
+                  exclude_input_in_output=True)
+    for streaming in (False, True):
+        outputs, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", tensors(
+            grpcclient, **common, streaming=streaming))
+        assert error is None, error.message()
+        by_index: dict[int, list[int]] = {}
+        for o in outputs:
+            by_index.setdefault(int(o["sequence_index"].reshape(-1)[0]), []).extend(o["output_ids"].reshape(-1))
+        assert [by_index[i] for i in range(3)] == expected
+    body = {"text_input": "hello", "max_tokens": 8, "top_k": 50, "num_return_sequences": 2, "stream": True}
+    response = requests.post(f"{stack.http}/ensemble/generate_stream", json=body, timeout=60)
+    events = [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert response.status_code == 200 and {e["sequence_index"] for e in events} == {0, 1}, response.text
+    refused = requests.post(f"{stack.http}/ensemble_sync/generate", json={**body, "stream": False}, timeout=60)
+    assert refused.status_code == 400 and "send num_return_sequences to the decoupled model" in refused.text
+
+
 def test_guided_decoding_on_both_models(stack):
     import re
 

@@ -36,7 +36,8 @@ def channel(engine_dir, tmp_path):
         def submit(send, call_id, values):
             def sink(output):
                 reason = output.result.finish_reason if output.finished else None
-                send(("out", call_id, {"ids": list(output.token_ids), "finish_reason": reason}))
+                send(("out", call_id, {"ids": list(output.token_ids), "finish_reason": reason,
+                                       "last": output.finished}))
 
             return llm.submit(values["prompt"], SamplingParams(max_tokens=values["max_tokens"], ignore_eos=True),
                               sink)

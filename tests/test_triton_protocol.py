@@ -42,7 +42,7 @@ def words(*word_ids: list[int]) -> np.ndarray:
     ({"stop_words_list": words(*[[7]] * 1025)}, "stop_words_list holds 1025 words; send at most 1024"),
     ({"runtime_top_p": np.array([[-0.5]], np.float32)}, "runtime_top_p must be in [0, 1]"),
     ({"end_id": np.array([[-5]], np.int32)}, "end_id must be a token id or -1"),
-    ({"num_return_sequences": np.array([[0]], np.int32)}, "num_return_sequences must be 1, got 0"),
+    ({"num_return_sequences": np.array([[0]], np.int32)}, "num_return_sequences must be at least 1, got 0"),
     ({"stop_words": np.array([[b"\xff\xfe"]], np.object_)}, "stop_words is not UTF-8"),
 ])
 def test_bad_tensors_are_refused_naming_them(tensors, message):

@@ -5,7 +5,7 @@ decoupled BLS streams from the text model, a stub crashed (heap corruption) or l
 (its IPC thread builds the tensors of decoupled BLS responses; BLS responses are the only difference from token-model
 clients, which ran 40 storms clean). So the token model listens on `channel_path()`, in a directory only this user
 can enter, and each text model instance keeps one connection: it sends ("submit", call id, token inputs) and
-("abort", call id) and receives ("out", call id, payload) until the payload has a finish reason, or ("error", call id,
+("abort", call id) and receives ("out", call id, payload) until a payload says it is the last, or ("error", call id,
 code, message). The engine is still loaded once, and every request shares its one running batch.
 """
 
@@ -73,7 +73,7 @@ class ChannelServer:
         lock = threading.Lock()
 
         def send(message: tuple) -> None:
-            finished = message[0] == "error" or message[2].get("finish_reason") is not None
+            finished = message[0] == "error" or message[2].get("last", False)  # the call's last sequence ended
             if finished:
                 with lock:
                     owned.pop(message[1], None)

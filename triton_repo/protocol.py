@@ -191,10 +191,6 @@ def token_request(values: Values, *, eos_token_ids: Sequence[int], exclude_defau
     max_tokens = one(values, "request_output_len")
     if max_tokens is None:
         raise RequestError("request_output_len is required: the number of tokens to generate")
-    returned = one(values, "num_return_sequences")
-    if returned is not None and returned != 1:
-        raise RequestError(f"num_return_sequences must be 1, got {returned}; for several outputs send several "
-                           "requests (with different seeds)")
     for name in ("return_context_logits", "return_generation_logits"):
         if one(values, name):
             raise RequestError(f"{name} is not supported by camshaft's Triton models; leave it false")
@@ -211,10 +207,13 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
     kwargs: dict = {"max_tokens": max_tokens}
     for source, target in (("runtime_top_k", "top_k"), ("min_tokens", "min_tokens"),
                            ("repetition_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
-                           ("frequency_penalty", "frequency_penalty"), ("beam_width", "beam_width")):
+                           ("frequency_penalty", "frequency_penalty"), ("beam_width", "beam_width"),
+                           ("num_return_sequences", "n")):
         value = one(values, source)
         if value is not None:
             kwargs[target] = value
+    if kwargs.get("n", 1) < 1:
+        raise RequestError(f"num_return_sequences must be at least 1, got {kwargs['n']}")
     top_p = one(values, "runtime_top_p")
     if top_p is not None and top_p < 0:
         raise RequestError(f"runtime_top_p must be in [0, 1] (0 turns it off), got {top_p}")

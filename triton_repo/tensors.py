@@ -59,6 +59,7 @@ TOKEN_OUTPUTS = (
     _s("num_input_tokens", "INT32"), _s("num_output_tokens", "INT32"),
     _s("text_output", "STRING", (-1,)),  # EXT: the text delta of the new tokens (stop strings applied)
     _s("finish_reason", "STRING", (-1,)),  # EXT: on the last response only: length, stop, abort
+    _s("sequence_index", "INT32"),  # which of num_return_sequences a response is for
 )
 
 TEXT_INPUTS = (
@@ -70,7 +71,7 @@ TEXT_INPUTS = (
     _s("stream", "BOOL"),
 )
 TEXT_OUTPUTS = (
-    _s("text_output", "STRING", (-1,)),
+    _s("text_output", "STRING", (-1,)), _s("sequence_index", "INT32"),
     _s("cum_log_probs", "FP32", (-1,)), _s("output_log_probs", "FP32", (-1, -1)),
     _s("num_input_tokens", "INT32"), _s("num_output_tokens", "INT32"),
 )

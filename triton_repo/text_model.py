@@ -49,8 +49,8 @@ class _Call:
     stream: bool = False
     exclude: bool = False
     want_logprobs: bool = False
-    pieces: list[str] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    pieces: dict[int, list[str]] = field(default_factory=dict)  # by sequence index (num_return_sequences)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
     checked: float = field(default_factory=time.monotonic)
     cancelled: bool = False
 
@@ -105,6 +105,10 @@ class TextModel:
             call.text, call.stream = self._text(values), bool(one(values, "stream"))
             call.exclude, call.want_logprobs = (bool(one(values, "exclude_input_in_output")),
                                                 bool(one(values, "return_log_probs")))
+            returned = one(values, "num_return_sequences")
+            if returned is not None and returned > 1 and not call.decoupled:
+                raise RequestError(f"{self.name} answers once and cannot return {returned} sequences; send "
+                                   f"num_return_sequences to the decoupled model {self.name.removesuffix('_sync')}")
             if call.stream and not call.decoupled:
                 raise RequestError(f"{self.name} is not decoupled and cannot stream; send stream=true to the "
                                    f"decoupled model {self.name.removesuffix('_sync')}")
@@ -140,7 +144,7 @@ class TextModel:
         out = message[2]
         reason = out["finish_reason"]
         if call.cancelled:
-            if reason is not None:  # the executor let it go: now Triton may release it
+            if out["last"]:  # the executor let all its sequences go: now Triton may release it
                 self._final(call, error_response(RuntimeError("the request was cancelled")))
             return
         if reason is None and time.monotonic() - call.checked >= CANCEL_CHECK_S:
@@ -151,19 +155,22 @@ class TextModel:
         self._deliver(call, out, reason)
 
     def _deliver(self, call: _Call, out: dict, reason: str | None) -> None:
-        delta = out["text"]
+        delta, index = out["text"], out["sequence_index"]
         extra = [tensor(n, [[out[n]]], np.int32) for n in ("num_input_tokens", "num_output_tokens") if n in out]
-        call.logprobs.extend(out["logprobs"])
-        call.pieces.append(delta)
+        extra.append(tensor("sequence_index", [[index]], np.int32))
+        logprobs = call.logprobs.setdefault(index, [])
+        logprobs.extend(out["logprobs"])
+        call.pieces.setdefault(index, []).append(delta)
+        final = out["last"]  # the call's last sequence ended
         response = None
         if call.stream and (delta or reason is not None or call.want_logprobs):
-            response = self._response(delta, out["logprobs"], call.logprobs, call.want_logprobs, extra)
+            response = self._response(delta, out["logprobs"], logprobs, call.want_logprobs, extra)
         elif not call.stream and reason is not None:
-            full = "".join(call.pieces) if call.exclude else call.text + "".join(call.pieces)
-            response = self._response(full, call.logprobs, call.logprobs, call.want_logprobs, extra)
+            text = "".join(call.pieces[index])
+            response = self._response(text if call.exclude else call.text + text, logprobs, logprobs,
+                                      call.want_logprobs, extra)
         if response is None:
             return
-        final = reason is not None
         if final:
             self.calls.pop(call.id, None)
         try:

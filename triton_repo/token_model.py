@@ -50,16 +50,41 @@ def tensor(name: str, value, dtype) -> pb_utils.Tensor:
 
 
 @dataclass
+class _Sequence:
+    """One of a request's num_return_sequences outputs (TensorRT-LLM's sequence_index)."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
 class _Job:
     request: object
     sender: object
     spec: TokenRequest
     client_id: str = ""
     request_ids: list[str] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    sequences: dict[str, _Sequence] = field(default_factory=dict)
+    finished: int = 0  # sequences ended; the response that ends the last one carries the final flag
     checked: float = field(default_factory=time.monotonic)
     cancelled: bool = False
+    failed: bool = False  # an error response (final) has gone: later outputs are dropped
+
+    def sequence(self, request_id: str) -> _Sequence:
+        """LLM.submit names a prompt's n > 1 requests "<id>-0" ... "<id>-{n-1}"."""
+        if request_id not in self.sequences:
+            index = int(request_id.rsplit("-", 1)[1]) if self.spec.params.n > 1 else 0
+            self.sequences[request_id] = _Sequence(index)
+        return self.sequences[request_id]
+
+    def prompt_id(self, request_id: str) -> str:
+        """What LLM.abort takes to stop all the job's sequences."""
+        return request_id.rsplit("-", 1)[0] if self.spec.params.n > 1 else request_id
+
+    @property
+    def done(self) -> bool:
+        return self.failed or self.finished == self.spec.params.n
 
 
 class TokenModel:
@@ -137,14 +162,14 @@ class TokenModel:
             grouped: dict[int, tuple[_Job, list[RequestOutput]]] = {}
             for first, second in filter(None, items):
                 if isinstance(first, _Job):
-                    grouped.setdefault(id(first), (first, []))[1].append(second)
+                    grouped.setdefault((id(first), second.request_id), (first, []))[1].append(second)
                 else:  # a response execute() produced: an error, or the final flag of a stop request
                     try:
                         first.send(second, flags=FINAL)
                     except Exception as exc:
                         pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r})")
             for job, outputs in grouped.values():
-                self._send(job, merge(outputs))
+                self._send(job, merge(outputs))  # per request: a job's n sequences are kept apart
             self.metrics.tick()
 
     def _send(self, job: _Job, output: RequestOutput) -> None:
@@ -154,11 +179,13 @@ class TokenModel:
             pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r}); aborting the request")
             if not output.finished:
                 job.cancelled = True
-                self.llm.abort(output.request_id)
+                self.llm.abort(job.prompt_id(output.request_id))
         self._count_finished(output)
         if output.finished:
-            with self.lock:
-                self._forget(job)
+            job.finished += 1
+            if job.done:
+                with self.lock:
+                    self._forget(job)
 
     def _count_finished(self, output: RequestOutput) -> None:
         if output.finished:
@@ -168,49 +195,54 @@ class TokenModel:
 
     def _deliver(self, job: _Job, output: RequestOutput) -> None:
         self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
+        last = output.finished and job.finished + 1 == job.spec.params.n  # this output ends the job
+        if job.failed:
+            return
         if job.cancelled:  # Triton 2.51 unloads a model only once its cancelled requests got their final flag
-            if output.finished:
+            if last:
                 job.sender.send(flags=FINAL)
             return
-        if output.error is not None:
+        if output.error is not None:  # the whole request ends with it; its other sequences are stopped
+            job.failed = True
+            self.llm.abort(job.prompt_id(output.request_id))
             job.sender.send(error_response(output.error), flags=FINAL)
             return
         now = time.monotonic()
-        if not (output.finished or job.cancelled) and now - job.checked >= CANCEL_CHECK_S:
+        if not output.finished and now - job.checked >= CANCEL_CHECK_S:
             job.checked = now
             if job.request.is_cancelled():
                 job.cancelled = True
-                self.llm.abort(output.request_id)
-        if job.cancelled:
-            return
-        spec = job.spec
+                self.llm.abort(job.prompt_id(output.request_id))
+                return
+        spec, sequence = job.spec, job.sequence(output.request_id)
         # TensorRT-LLM leaves the end id that stops a sequence out of output_ids (stop words stay)
         keep = len(output.token_ids) - int(_ended_on_end_id(output))
         new = list(output.token_ids[:keep])
-        job.tokens.extend(new)
-        job.logprobs.extend(s.logprob for s in output.logprobs[:keep])
+        sequence.tokens.extend(new)
+        sequence.logprobs.extend(s.logprob for s in output.logprobs[:keep])
         if spec.streaming:
-            job.sender.send(self._response(job, new, job.logprobs[len(job.logprobs) - len(new):], output.delta,
-                                           output), flags=FINAL if output.finished else 0)
+            job.sender.send(self._response(job, sequence, new, sequence.logprobs[len(sequence.logprobs) - len(new):],
+                                           output.delta, output), flags=FINAL if last else 0)
         elif output.finished:
-            result = output.result
-            ids = job.tokens if spec.exclude_input else [*spec.prompt_ids, *job.tokens]
-            job.sender.send(self._response(job, ids, job.logprobs, result.text, output), flags=FINAL)
+            ids = sequence.tokens if spec.exclude_input else [*spec.prompt_ids, *sequence.tokens]
+            job.sender.send(self._response(job, sequence, ids, sequence.logprobs, output.result.text, output),
+                            flags=FINAL if last else 0)
 
-
-    def _response(self, job: _Job, ids: list[int], logprobs: list[float], text: str, output: RequestOutput):
+    def _response(self, job: _Job, sequence: _Sequence, ids: list[int], logprobs: list[float], text: str,
+                  output: RequestOutput):
         spec = job.spec
         tensors = [tensor("output_ids", [[ids]], np.int32), tensor("sequence_length", [[len(ids)]], np.int32),
-                   tensor("text_output", [[text.encode()]], np.object_)]
+                   tensor("text_output", [[text.encode()]], np.object_),
+                   tensor("sequence_index", [[sequence.index]], np.int32)]
         if spec.log_probs:
-            tensors += [tensor("cum_log_probs", [[sum(job.logprobs)]], np.float32),
+            tensors += [tensor("cum_log_probs", [[sum(sequence.logprobs)]], np.float32),
                         tensor("output_log_probs", [[logprobs]], np.float32)]
         if output.finished:
             tensors.append(tensor("finish_reason", [[output.result.finish_reason.encode()]], np.object_))
             if spec.num_input_tokens:
                 tensors.append(tensor("num_input_tokens", [[len(spec.prompt_ids)]], np.int32))
             if spec.num_output_tokens:
-                tensors.append(tensor("num_output_tokens", [[len(job.tokens)]], np.int32))
+                tensors.append(tensor("num_output_tokens", [[len(sequence.tokens)]], np.int32))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _from_channel(self, send: Send, call_id: str, values: dict) -> list[str]:
@@ -219,24 +251,29 @@ class TokenModel:
             spec = token_request(values, eos_token_ids=self.llm.engine.eos_token_ids,
                                  vocab_size=self.llm.engine.manifest.model.vocab_size,
                                  exclude_default=self.exclude_default)
-            generated = [0]
+            generated: dict[str, int] = {}
+            n, ended = spec.params.n, [0]
 
             def sink(output: RequestOutput) -> None:
                 self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
                 keep = len(output.token_ids) - int(_ended_on_end_id(output))  # as _deliver counts
-                generated[0] += keep
+                generated[output.request_id] = generated.get(output.request_id, 0) + keep
                 self._count_finished(output)
-                if output.error is not None:
+                if output.error is not None:  # the call ends with it; its other sequences are stopped
+                    if n > 1:
+                        self.llm.abort(output.request_id.rsplit("-", 1)[0])
                     send(("error", call_id, *error_status(output.error)))
                     return
-                payload = {"text": output.delta, "finish_reason": None,
+                ended[0] += output.finished
+                payload = {"text": output.delta, "finish_reason": None, "last": ended[0] == n,
+                           "sequence_index": int(output.request_id.rsplit("-", 1)[1]) if n > 1 else 0,
                            "logprobs": [s.logprob for s in output.logprobs[:keep]] if spec.log_probs else []}
                 if output.finished:
                     payload["finish_reason"] = output.result.finish_reason
                     if spec.num_input_tokens:
                         payload["num_input_tokens"] = len(spec.prompt_ids)
                     if spec.num_output_tokens:
-                        payload["num_output_tokens"] = generated[0]
+                        payload["num_output_tokens"] = generated[output.request_id]
                 send(("out", call_id, payload))
 
             ids = self.llm.submit(spec.prompt_ids, spec.params, sink)

@@ -70,6 +70,7 @@ class _Job:
     checked: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     failed: bool = False  # an error response (final) has gone: later outputs are dropped
+    stop_requested: bool = False  # a stop request came for its client id
 
     def sequence(self, request_id: str) -> _Sequence:
         """LLM.submit names a prompt's n > 1 requests "<id>-0" ... "<id>-{n-1}"."""
@@ -118,26 +119,30 @@ class TokenModel:
         if one(values, "stop"):  # tensorrtllm_backend's way to stop a request: same request id, stop=true
             with self.lock:
                 job = self.by_client_id.get(client_id)
-            for request_id in job.request_ids if job else ():
-                self.llm.abort(request_id)
+                if job is not None:
+                    job.stop_requested = True  # seen after its submit returns, if it has not yet
+                ids = list(job.request_ids) if job else []
+            self.llm.abort(ids)
             self.outputs.put((sender, pb_utils.InferenceResponse(output_tensors=[])))
             return
         engine = self.llm.engine
         spec = token_request(values, eos_token_ids=engine.eos_token_ids,
                              vocab_size=engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
         job = _Job(request, sender, spec, client_id)
-        # Registered before it can finish, under the lock: the responder removes it only once it is registered,
-        # and a stop request sees its request ids.
-        with self.lock:
+        with self.lock:  # registered before it can finish: the responder forgets it only once it is registered
             if client_id:
                 self.by_client_id[client_id] = job
-            try:
-                job.request_ids = self.llm.submit(spec.prompt_ids, spec.params,
-                                                  lambda out: self.outputs.put((job, out)))
-            except BaseException:
+        try:  # not under the lock: submit may compile a guided grammar, and the responder needs the lock
+            ids = self.llm.submit(spec.prompt_ids, spec.params, lambda out: self.outputs.put((job, out)))
+        except BaseException:
+            with self.lock:
                 self._forget(job)
-                raise
-            self.metrics.count("camshaft_requests_total")
+            raise
+        with self.lock:
+            job.request_ids, stop = ids, job.stop_requested
+        if stop:
+            self.llm.abort(ids)
+        self.metrics.count("camshaft_requests_total")
 
     def _forget(self, job: _Job) -> None:
         """Call with the lock held."""

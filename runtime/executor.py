@@ -57,12 +57,11 @@ class Executor:
         its full blocks are cached and reuse them. Raises at once: CapacityError for a request that can never fit,
         RequestError for more outputs than max_batch_size + max_queue, ServerBusyError while the queue is full.
         `bounded` False: past max_queue (offline work that waits its turn)."""
+        if bounded:
+            self.check_outputs(len(group))
         for request in group:
             self.scheduler.check(request)
         batch, limit = self.scheduler.config.max_batch_size, self.max_queue if bounded else None
-        if limit is not None and len(group) > batch + limit:
-            raise RequestError(f"n={len(group)} outputs can never be queued: at most {batch + limit} requests fit in "
-                               f"flight (max_batch_size {batch} + max_queue {limit}); lower n or raise max_queue")
         with self._wake:
             if self._closed:
                 raise ServerClosedError("the batch loop has stopped; create a new LLM (or restart the server)")
@@ -74,6 +73,13 @@ class Executor:
                 self._sinks[request.request_id] = sink
             self._inbox.append(group)
             self._wake.notify()
+
+    def check_outputs(self, n: int) -> None:
+        """Refuse n outputs of one prompt that could never be in flight at once (RequestError)."""
+        batch, limit = self.scheduler.config.max_batch_size, self.max_queue
+        if limit is not None and n > batch + limit:
+            raise RequestError(f"n={n} outputs can never be queued: at most {batch + limit} requests fit in "
+                               f"flight (max_batch_size {batch} + max_queue {limit}); lower n or raise max_queue")
 
     def abort(self, request_id: str) -> None:
         with self._wake:

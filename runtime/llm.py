@@ -110,7 +110,9 @@ class LLM:
         only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (the
         prompt's id when n is 1, else the prompt's id with "-0" ... "-{n-1}"; abort takes them or the prompt's
         id). Raises RequestError, CapacityError or ServerBusyError at once."""
-        group = self._requests(prompt, params_list(sampling_params, 1)[0], priority)
+        params = params_list(sampling_params, 1)[0]
+        self.executor.check_outputs(params.n)  # before building n requests
+        group = self._requests(prompt, params, priority)
         self.executor.submit(group, [sink] * len(group))
         return [r.request_id for r in group]
 

@@ -353,6 +353,9 @@ def test_num_return_sequences_as_llm_n(stack):
     assert len({tuple(e) for e in expected}) > 1
     common = dict(input_ids=prompt, request_output_len=8, runtime_top_k=50, num_return_sequences=3, end_id=-1,
                   exclude_input_in_output=True)
+    before = stack.wait_metrics(lambda m: m["camshaft_requests_running"] == m["camshaft_requests_waiting"] == 0
+                                and m["camshaft_requests_total"] == m["camshaft_requests_finished_total"],
+                                "every earlier request counted as finished")
     for streaming in (False, True):
         outputs, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", tensors(
             grpcclient, **common, streaming=streaming))
@@ -367,6 +370,13 @@ def test_num_return_sequences_as_llm_n(stack):
     assert response.status_code == 200 and {e["sequence_index"] for e in events} == {0, 1}, response.text
     refused = requests.post(f"{stack.http}/ensemble_sync/generate", json={**body, "stream": False}, timeout=60)
     assert refused.status_code == 400 and "send num_return_sequences to the decoupled model" in refused.text
+    _, error, _ = Stream(stack.server.endpoints.grpc).run("tensorrt_llm", tensors(
+        grpcclient, **{**common, "num_return_sequences": 150_000}))  # refused before 150,000 requests are built
+    assert error is not None and "num_return_sequences 150000 can never be in flight" in error.message()
+    # counted once a request, not once a sequence
+    stack.wait_metrics(lambda m: m["camshaft_requests_total"] - before["camshaft_requests_total"] == 3
+                       and m["camshaft_requests_finished_total"] - before["camshaft_requests_finished_total"] == 3,
+                       "three requests accepted and three finished")
 
 
 def test_guided_decoding_on_both_models(stack):

@@ -108,7 +108,8 @@ class TextModel:
             returned = one(values, "num_return_sequences")
             if returned is not None and returned > 1 and not call.decoupled:
                 raise RequestError(f"{self.name} answers once and cannot return {returned} sequences; send "
-                                   f"num_return_sequences to the decoupled model {self.name.removesuffix('_sync')}")
+                                   f"num_return_sequences to the decoupled model {self.name.removesuffix('_sync')} "
+                                   "(/generate_stream or a gRPC stream: /generate takes one response)")
             if call.stream and not call.decoupled:
                 raise RequestError(f"{self.name} is not decoupled and cannot stream; send stream=true to the "
                                    f"decoupled model {self.name.removesuffix('_sync')}")

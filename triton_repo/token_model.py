@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from camshaft.errors import RequestError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
@@ -71,6 +72,7 @@ class _Job:
     cancelled: bool = False
     failed: bool = False  # an error response (final) has gone: later outputs are dropped
     stop_requested: bool = False  # a stop request came for its client id
+    counted: bool = False  # its end counted in the metrics
 
     def sequence(self, request_id: str) -> _Sequence:
         """LLM.submit names a prompt's n > 1 requests "<id>-0" ... "<id>-{n-1}"."""
@@ -128,6 +130,7 @@ class TokenModel:
         engine = self.llm.engine
         spec = token_request(values, eos_token_ids=engine.eos_token_ids,
                              vocab_size=engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
+        self._check_sequences(spec)
         job = _Job(request, sender, spec, client_id)
         with self.lock:  # registered before it can finish: the responder forgets it only once it is registered
             if client_id:
@@ -143,6 +146,14 @@ class TokenModel:
         if stop:
             self.llm.abort(ids)
         self.metrics.count("camshaft_requests_total")
+
+    def _check_sequences(self, spec: TokenRequest) -> None:
+        """num_return_sequences that could never be in flight at once: refused before anything is built."""
+        n, batch, queue_ = spec.params.n, self.llm.config.max_batch_size, self.llm.executor.max_queue
+        if queue_ is not None and n > batch + queue_:
+            raise RequestError(f"num_return_sequences {n} can never be in flight: this server holds {batch + queue_} "
+                               f"sequences (batch {batch} + queue {queue_}); lower it, or deploy with a larger "
+                               "--max-queue")
 
     def _forget(self, job: _Job) -> None:
         """Call with the lock held."""
@@ -185,18 +196,17 @@ class TokenModel:
             if not output.finished:
                 job.cancelled = True
                 self.llm.abort(job.prompt_id(output.request_id))
-        self._count_finished(output)
-        if output.finished:
-            job.finished += 1
-            if job.done:
-                with self.lock:
-                    self._forget(job)
+        job.finished += output.finished
+        if job.done and not job.counted:  # once a request, however many sequences it has
+            job.counted = True
+            self._count_finished(aborted=not job.failed and (job.cancelled or _aborted(output)))
+            with self.lock:
+                self._forget(job)
 
-    def _count_finished(self, output: RequestOutput) -> None:
-        if output.finished:
-            self.metrics.count("camshaft_requests_finished_total")
-            if output.result is not None and output.result.finish_reason == "abort":
-                self.metrics.count("camshaft_requests_aborted_total")
+    def _count_finished(self, aborted: bool) -> None:
+        self.metrics.count("camshaft_requests_finished_total")
+        if aborted:
+            self.metrics.count("camshaft_requests_aborted_total")
 
     def _deliver(self, job: _Job, output: RequestOutput) -> None:
         self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
@@ -256,20 +266,26 @@ class TokenModel:
             spec = token_request(values, eos_token_ids=self.llm.engine.eos_token_ids,
                                  vocab_size=self.llm.engine.manifest.model.vocab_size,
                                  exclude_default=self.exclude_default)
+            self._check_sequences(spec)
             generated: dict[str, int] = {}
-            n, ended = spec.params.n, [0]
+            n, ended, failed = spec.params.n, [0], [False]
 
             def sink(output: RequestOutput) -> None:
                 self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
+                if failed[0]:  # the call has ended with an error: its other sequences' outputs are dropped
+                    return
                 keep = len(output.token_ids) - int(_ended_on_end_id(output))  # as _deliver counts
                 generated[output.request_id] = generated.get(output.request_id, 0) + keep
-                self._count_finished(output)
                 if output.error is not None:  # the call ends with it; its other sequences are stopped
+                    failed[0] = True
+                    self._count_finished(aborted=False)
                     if n > 1:
                         self.llm.abort(output.request_id.rsplit("-", 1)[0])
                     send(("error", call_id, *error_status(output.error)))
                     return
                 ended[0] += output.finished
+                if output.finished and ended[0] == n:
+                    self._count_finished(aborted=_aborted(output))
                 payload = {"text": output.delta, "finish_reason": None, "last": ended[0] == n,
                            "sequence_index": int(output.request_id.rsplit("-", 1)[1]) if n > 1 else 0,
                            "logprobs": [s.logprob for s in output.logprobs[:keep]] if spec.log_probs else []}
@@ -309,3 +325,7 @@ def _ended_on_end_id(output: RequestOutput) -> bool:
     """The last token is the end id that stopped the sequence (a stop word's ids are not one)."""
     return bool(output.finished and output.token_ids and output.result is not None
                 and output.result.stop_token_id is not None)
+
+
+def _aborted(output: RequestOutput) -> bool:
+    return output.result is not None and output.result.finish_reason == "abort"

@@ -29,7 +29,7 @@ from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
 from camshaft.triton_repo.protocol import check_parameters, one, text_embedding_bias
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN
-from camshaft.triton_repo.token_model import CANCEL_CHECK_S, FINAL, error_response, tensor
+from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, FINAL, error_response, tensor
 
 PASSED_AS_IS = {"stop_words", "bad_words"}
 HANDLED_HERE = {"text_input", "stream", "exclude_input_in_output", "embedding_bias_words",

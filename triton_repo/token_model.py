@@ -13,9 +13,7 @@ import json
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from camshaft.errors import RequestError
@@ -25,76 +23,25 @@ from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import TokenRequest, check_parameters, error_status, one, token_request
 from camshaft.triton_repo.tensors import TOKEN_INPUTS
+from camshaft.triton_repo.token_jobs import (
+    CANCEL_CHECK_S,
+    FINAL,
+    Job,
+    aborted,
+    ended_on_end_id,
+    error_response,
+    merge,
+    response,
+)
 
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-CANCEL_CHECK_S = 0.2  # how often a running request asks Triton whether it was cancelled (an IPC round trip)
 DRAIN_S = 60.0  # at unload, the longest the text models' requests in flight may take to finish
-
-
-def merge(outputs: list[RequestOutput]) -> RequestOutput:
-    """One output carrying several consecutive outputs of a request."""
-    if len(outputs) == 1:
-        return outputs[0]
-    last = outputs[-1]
-    return RequestOutput(last.request_id, "".join(o.delta for o in outputs),
-                         tuple(t for o in outputs for t in o.token_ids), tuple(s for o in outputs for s in o.logprobs),
-                         last.result, last.error)
-
-
-def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
-    code, message = error_status(exc)
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
-
-
-def tensor(name: str, value, dtype) -> pb_utils.Tensor:
-    return pb_utils.Tensor(name, np.asarray(value, dtype=dtype))
-
-
-@dataclass
-class _Sequence:
-    """One of a request's num_return_sequences outputs (TensorRT-LLM's sequence_index)."""
-
-    index: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
-class _Job:
-    request: object
-    sender: object
-    spec: TokenRequest
-    client_id: str = ""
-    request_ids: list[str] = field(default_factory=list)
-    sequences: dict[str, _Sequence] = field(default_factory=dict)
-    finished: int = 0  # sequences ended; the response that ends the last one carries the final flag
-    checked: float = field(default_factory=time.monotonic)
-    cancelled: bool = False
-    failed: bool = False  # an error response (final) has gone: later outputs are dropped
-    stop_requested: bool = False  # a stop request came for its client id
-    counted: bool = False  # its end counted in the metrics
-
-    def sequence(self, request_id: str) -> _Sequence:
-        """LLM.submit names a prompt's n > 1 requests "<id>-0" ... "<id>-{n-1}"."""
-        if request_id not in self.sequences:
-            index = int(request_id.rsplit("-", 1)[1]) if self.spec.params.n > 1 else 0
-            self.sequences[request_id] = _Sequence(index)
-        return self.sequences[request_id]
-
-    def prompt_id(self, request_id: str) -> str:
-        """What LLM.abort takes to stop all the job's sequences."""
-        return request_id.rsplit("-", 1)[0] if self.spec.params.n > 1 else request_id
-
-    @property
-    def done(self) -> bool:
-        return self.failed or self.finished == self.spec.params.n
 
 
 class TokenModel:
     def __init__(self, args: dict, params: dict[str, str]) -> None:
         self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
         self.exclude_default = params.get("exclude_input_in_output", "false") == "true"
-        self.by_client_id: dict[str, _Job] = {}
+        self.by_client_id: dict[str, Job] = {}
         self.metrics = Metrics(self.llm, args["model_name"], stoppable=lambda: len(self.by_client_id))
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
@@ -131,7 +78,7 @@ class TokenModel:
         spec = token_request(values, eos_token_ids=engine.eos_token_ids,
                              vocab_size=engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
         self._check_sequences(spec)
-        job = _Job(request, sender, spec, client_id)
+        job = Job(request, sender, spec, client_id)
         with self.lock:  # registered before it can finish: the responder forgets it only once it is registered
             if client_id:
                 self.by_client_id[client_id] = job
@@ -155,7 +102,7 @@ class TokenModel:
                                f"sequences (batch {batch} + queue {queue_}); lower it, or deploy with a larger "
                                "--max-queue")
 
-    def _forget(self, job: _Job) -> None:
+    def _forget(self, job: Job) -> None:
         """Call with the lock held."""
         if job.client_id and self.by_client_id.get(job.client_id) is job:
             del self.by_client_id[job.client_id]
@@ -175,9 +122,9 @@ class TokenModel:
                 except queue.Empty:
                     break
             running = None not in items
-            grouped: dict[int, tuple[_Job, list[RequestOutput]]] = {}
+            grouped: dict[int, tuple[Job, list[RequestOutput]]] = {}
             for first, second in filter(None, items):
-                if isinstance(first, _Job):
+                if isinstance(first, Job):
                     grouped.setdefault((id(first), second.request_id), (first, []))[1].append(second)
                 else:  # a response execute() produced: an error, or the final flag of a stop request
                     try:
@@ -188,7 +135,7 @@ class TokenModel:
                 self._send(job, merge(outputs))  # per request: a job's n sequences are kept apart
             self.metrics.tick()
 
-    def _send(self, job: _Job, output: RequestOutput) -> None:
+    def _send(self, job: Job, output: RequestOutput) -> None:
         try:
             self._deliver(job, output)
         except Exception as exc:  # a client gone mid-send: stop its request, keep serving the others
@@ -199,7 +146,7 @@ class TokenModel:
         job.finished += output.finished
         if job.done and not job.counted:  # once a request, however many sequences it has
             job.counted = True
-            self._count_finished(aborted=not job.failed and (job.cancelled or _aborted(output)))
+            self._count_finished(aborted=not job.failed and (job.cancelled or aborted(output)))
             with self.lock:
                 self._forget(job)
 
@@ -208,7 +155,7 @@ class TokenModel:
         if aborted:
             self.metrics.count("camshaft_requests_aborted_total")
 
-    def _deliver(self, job: _Job, output: RequestOutput) -> None:
+    def _deliver(self, job: Job, output: RequestOutput) -> None:
         self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
         last = output.finished and job.finished + 1 == job.spec.params.n  # this output ends the job
         if job.failed:
@@ -231,34 +178,17 @@ class TokenModel:
                 return
         spec, sequence = job.spec, job.sequence(output.request_id)
         # TensorRT-LLM leaves the end id that stops a sequence out of output_ids (stop words stay)
-        keep = len(output.token_ids) - int(_ended_on_end_id(output))
+        keep = len(output.token_ids) - int(ended_on_end_id(output))
         new = list(output.token_ids[:keep])
         sequence.tokens.extend(new)
         sequence.logprobs.extend(s.logprob for s in output.logprobs[:keep])
         if spec.streaming:
-            job.sender.send(self._response(job, sequence, new, sequence.logprobs[len(sequence.logprobs) - len(new):],
+            job.sender.send(response(job, sequence, new, sequence.logprobs[len(sequence.logprobs) - len(new):],
                                            output.delta, output), flags=FINAL if last else 0)
         elif output.finished:
             ids = sequence.tokens if spec.exclude_input else [*spec.prompt_ids, *sequence.tokens]
-            job.sender.send(self._response(job, sequence, ids, sequence.logprobs, output.result.text, output),
+            job.sender.send(response(job, sequence, ids, sequence.logprobs, output.result.text, output),
                             flags=FINAL if last else 0)
-
-    def _response(self, job: _Job, sequence: _Sequence, ids: list[int], logprobs: list[float], text: str,
-                  output: RequestOutput):
-        spec = job.spec
-        tensors = [tensor("output_ids", [[ids]], np.int32), tensor("sequence_length", [[len(ids)]], np.int32),
-                   tensor("text_output", [[text.encode()]], np.object_),
-                   tensor("sequence_index", [[sequence.index]], np.int32)]
-        if spec.log_probs:
-            tensors += [tensor("cum_log_probs", [[sum(sequence.logprobs)]], np.float32),
-                        tensor("output_log_probs", [[logprobs]], np.float32)]
-        if output.finished:
-            tensors.append(tensor("finish_reason", [[output.result.finish_reason.encode()]], np.object_))
-            if spec.num_input_tokens:
-                tensors.append(tensor("num_input_tokens", [[len(spec.prompt_ids)]], np.int32))
-            if spec.num_output_tokens:
-                tensors.append(tensor("num_output_tokens", [[len(sequence.tokens)]], np.int32))
-        return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _from_channel(self, send: Send, call_id: str, values: dict) -> list[str]:
         """A text model's request: outputs go back over the channel as plain values (see channel.py)."""
@@ -274,7 +204,7 @@ class TokenModel:
                 self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
                 if failed[0]:  # the call has ended with an error: its other sequences' outputs are dropped
                     return
-                keep = len(output.token_ids) - int(_ended_on_end_id(output))  # as _deliver counts
+                keep = len(output.token_ids) - int(ended_on_end_id(output))  # as _deliver counts
                 generated[output.request_id] = generated.get(output.request_id, 0) + keep
                 if output.error is not None:  # the call ends with it; its other sequences are stopped
                     failed[0] = True
@@ -285,7 +215,7 @@ class TokenModel:
                     return
                 ended[0] += output.finished
                 if output.finished and ended[0] == n:
-                    self._count_finished(aborted=_aborted(output))
+                    self._count_finished(aborted=aborted(output))
                 payload = {"text": output.delta, "finish_reason": None, "last": ended[0] == n,
                            "sequence_index": int(output.request_id.rsplit("-", 1)[1]) if n > 1 else 0,
                            "logprobs": [s.logprob for s in output.logprobs[:keep]] if spec.log_probs else []}
@@ -319,13 +249,3 @@ class TokenModel:
         self.outputs.put(None)
         self.responder.join()
         self.metrics.close()
-
-
-def _ended_on_end_id(output: RequestOutput) -> bool:
-    """The last token is the end id that stopped the sequence (a stop word's ids are not one)."""
-    return bool(output.finished and output.token_ids and output.result is not None
-                and output.result.stop_token_id is not None)
-
-
-def _aborted(output: RequestOutput) -> bool:
-    return output.result is not None and output.result.finish_reason == "abort"

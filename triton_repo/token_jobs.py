@@ -1,0 +1,104 @@
+"""The token model's request records and responses: a Triton request (`Job`) and its num_return_sequences
+sequences, and the tensors tensorrtllm_backend clients read."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from camshaft.runtime.outputs import RequestOutput
+from camshaft.triton_repo.protocol import TokenRequest, error_status
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_CHECK_S = 0.2  # how often a running request asks Triton whether it was cancelled (an IPC round trip)
+
+
+def merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output carrying several consecutive outputs of a request."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return RequestOutput(last.request_id, "".join(o.delta for o in outputs),
+                         tuple(t for o in outputs for t in o.token_ids), tuple(s for o in outputs for s in o.logprobs),
+                         last.result, last.error)
+
+
+def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
+    code, message = error_status(exc)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
+
+
+def tensor(name: str, value, dtype) -> pb_utils.Tensor:
+    return pb_utils.Tensor(name, np.asarray(value, dtype=dtype))
+
+
+@dataclass
+class Sequence:
+    """One of a request's num_return_sequences outputs (TensorRT-LLM's sequence_index)."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Job:
+    request: object
+    sender: object
+    spec: TokenRequest
+    client_id: str = ""
+    request_ids: list[str] = field(default_factory=list)
+    sequences: dict[str, Sequence] = field(default_factory=dict)
+    finished: int = 0  # sequences ended; the response that ends the last one carries the final flag
+    checked: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    failed: bool = False  # an error response (final) has gone: later outputs are dropped
+    stop_requested: bool = False  # a stop request came for its client id
+    counted: bool = False  # its end counted in the metrics
+
+    def sequence(self, request_id: str) -> Sequence:
+        """LLM.submit names a prompt's n > 1 requests "<id>-0" ... "<id>-{n-1}"."""
+        if request_id not in self.sequences:
+            index = int(request_id.rsplit("-", 1)[1]) if self.spec.params.n > 1 else 0
+            self.sequences[request_id] = Sequence(index)
+        return self.sequences[request_id]
+
+    def prompt_id(self, request_id: str) -> str:
+        """What LLM.abort takes to stop all the job's sequences."""
+        return request_id.rsplit("-", 1)[0] if self.spec.params.n > 1 else request_id
+
+    @property
+    def done(self) -> bool:
+        return self.failed or self.finished == self.spec.params.n
+
+
+def response(job: Job, sequence: Sequence, ids: list[int], logprobs: list[float], text: str,
+             output: RequestOutput) -> pb_utils.InferenceResponse:
+    """A token-model response for one sequence: its new (streaming) or all ids, as tensorrtllm_backend names them."""
+    spec = job.spec
+    tensors = [tensor("output_ids", [[ids]], np.int32), tensor("sequence_length", [[len(ids)]], np.int32),
+               tensor("text_output", [[text.encode()]], np.object_),
+               tensor("sequence_index", [[sequence.index]], np.int32)]
+    if spec.log_probs:
+        tensors += [tensor("cum_log_probs", [[sum(sequence.logprobs)]], np.float32),
+                    tensor("output_log_probs", [[logprobs]], np.float32)]
+    if output.finished:
+        tensors.append(tensor("finish_reason", [[output.result.finish_reason.encode()]], np.object_))
+        if spec.num_input_tokens:
+            tensors.append(tensor("num_input_tokens", [[len(spec.prompt_ids)]], np.int32))
+        if spec.num_output_tokens:
+            tensors.append(tensor("num_output_tokens", [[len(sequence.tokens)]], np.int32))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def ended_on_end_id(output: RequestOutput) -> bool:
+    """The last token is the end id that stopped the sequence (a stop word's ids are not one)."""
+    return bool(output.finished and output.token_ids and output.result is not None
+                and output.result.stop_token_id is not None)
+
+
+def aborted(output: RequestOutput) -> bool:
+    return output.result is not None and output.result.finish_reason == "abort"

@@ -66,7 +66,7 @@ class Executor:
             if self._closed:
                 raise ServerClosedError("the batch loop has stopped; create a new LLM (or restart the server)")
             if limit is not None and len(self._sinks) + len(group) > batch + limit:
-                raise ServerBusyError(f"server busy: {len(self._sinks)} requests in flight and the queue holds at "
+                raise ServerBusyError(f"server busy: {len(self._sinks)} sequences in flight and the queue holds at "
                                       f"most {limit} beyond a running batch of {batch}; retry later or raise the "
                                       "queue limit")
             for request, sink in zip(group, sinks, strict=True):

@@ -158,8 +158,10 @@ class Guide:
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise RequestError(f"guided decoding: token {token} does not continue the grammar "
-                               f"({_first_line(self.matcher.get_error())})")
+            error = _first_line(self.matcher.get_error())
+            if self.matcher.is_error():  # the parser hit one of its limits, not a wrong token
+                raise RequestError(f"guided decoding stopped: {error}")
+            raise RequestError(f"guided decoding: token {token} does not continue the grammar ({error})")
 
     @property
     def complete(self) -> bool:

@@ -115,6 +115,15 @@ def test_text_embedding_bias_adds_each_words_weight_to_its_tokens(tokenizer):
         with pytest.raises(RequestError, match=r"embedding_bias_weights give token \d+ a bias of .*\[-100, 100\]"):
             text_embedding_bias(tokenizer, {"embedding_bias_words": words,
                                             "embedding_bias_weights": np.array(weights, np.float32)}, VOCAB)
+    class OneIdEach:  # a vocabulary larger than logit_bias takes
+        @staticmethod
+        def encode(word, add_special_tokens):
+            return [int(word)]
+
+    many = {"embedding_bias_words": np.array([[str(i).encode() for i in range(1025)]], np.object_),
+            "embedding_bias_weights": np.ones((1, 1025), np.float32)}
+    with pytest.raises(RequestError, match="embedding_bias_words cover 1025 tokens; send words of at most 1024"):
+        text_embedding_bias(OneIdEach, many, 2000)
     with pytest.raises(RequestError, match="holds 3 words and embedding_bias_weights 2 weights"):
         text_embedding_bias(tokenizer, {"embedding_bias_words": words,
                                         "embedding_bias_weights": np.array([[1.0, 2.0]], np.float32)}, VOCAB)

@@ -73,7 +73,7 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
         name: model_config(name, decoupled=True, max_batch_size=batch, token=False, params={
             "camshaft_model": "camshaft.triton_repo.text_model:TextModel", "token_model": TOKEN_MODEL,
             "max_requests": str(admitted), **common}),
-        f"{name}_sync": model_config(f"{name}_sync", decoupled=False, max_batch_size=batch, token=False, instances=2,
+        f"{name}_sync": model_config(f"{name}_sync", decoupled=False, max_batch_size=batch, token=False,
                                      params={"camshaft_model": "camshaft.triton_repo.text_model:TextModel",
                                              "token_model": TOKEN_MODEL, "max_requests": str(admitted),
                                              **common}),

@@ -68,6 +68,9 @@ def text_embedding_bias(tokenizer, values: Values, vocab_size: int) -> np.ndarra
     bias = np.zeros((1, vocab_size), np.float64)
     for word, weight in zip(words, weights, strict=True):
         bias[0, [t for t in tokenizer.encode(word, add_special_tokens=False) if t < vocab_size]] += weight
+    if np.count_nonzero(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"embedding_bias_words cover {np.count_nonzero(bias)} tokens; send words of at most "
+                           f"{MAX_LOGIT_BIAS} tokens in all")
     wrong = np.flatnonzero(~(np.abs(bias[0]) <= 100))
     if wrong.size:
         raise RequestError(f"embedding_bias_weights give token {wrong[0]} a bias of {bias[0, wrong[0]]}; keep each "

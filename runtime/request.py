@@ -173,7 +173,7 @@ def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
     bad_words = tokenize_bad_words(tokenizer, params.bad_words) + [list(w) for w in params.bad_word_ids]
     stop_words = stop_words_by_last_id(params.stop_word_ids)  # read only: the n requests share it
     guide = _guide(params, guides)  # compiled once; each sequence gets its own state
-    return [Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_ids, params,
+    return [Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_ids, params,  # see sequence_of
                     SequenceSampler(params, prompt_ids, eos_token_ids, bad_words, vocab_size, sequence_index=i,
                                     guide=guide if guide is None or i == 0 else guide.copy()),
                     TextStream(tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output,
@@ -181,6 +181,14 @@ def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
                                min_tokens=params.min_tokens),
                     eos_token_ids, priority=priority, stop_words=stop_words, prompt_id=request_id)
             for i in range(params.n)]
+
+
+def sequence_of(request_id: str, n: int) -> tuple[str, int]:
+    """(the prompt's id, the sequence index) of one of a prompt's n requests, as new_requests names them."""
+    if n == 1:
+        return request_id, 0
+    prompt, index = request_id.rsplit("-", 1)
+    return prompt, int(index)
 
 
 def _guide(params: SamplingParams, guides: Guides | None) -> Guide | None:

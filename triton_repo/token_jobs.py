@@ -10,6 +10,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from camshaft.runtime.outputs import RequestOutput
+from camshaft.runtime.request import sequence_of
 from camshaft.triton_repo.protocol import TokenRequest, error_status
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -62,13 +63,12 @@ class Job:
     def sequence(self, request_id: str) -> Sequence:
         """LLM.submit names a prompt's n > 1 requests "<id>-0" ... "<id>-{n-1}"."""
         if request_id not in self.sequences:
-            index = int(request_id.rsplit("-", 1)[1]) if self.spec.params.n > 1 else 0
-            self.sequences[request_id] = Sequence(index)
+            self.sequences[request_id] = Sequence(sequence_of(request_id, self.spec.params.n)[1])
         return self.sequences[request_id]
 
     def prompt_id(self, request_id: str) -> str:
         """What LLM.abort takes to stop all the job's sequences."""
-        return request_id.rsplit("-", 1)[0] if self.spec.params.n > 1 else request_id
+        return sequence_of(request_id, self.spec.params.n)[0]
 
     @property
     def done(self) -> bool:

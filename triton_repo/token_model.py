@@ -19,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 from camshaft.errors import RequestError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.outputs import RequestOutput
+from camshaft.runtime.request import sequence_of
 from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import TokenRequest, check_parameters, error_status, one, token_request
@@ -206,18 +207,18 @@ class TokenModel:
                     return
                 keep = len(output.token_ids) - int(ended_on_end_id(output))  # as _deliver counts
                 generated[output.request_id] = generated.get(output.request_id, 0) + keep
+                prompt_id, index = sequence_of(output.request_id, n)
                 if output.error is not None:  # the call ends with it; its other sequences are stopped
                     failed[0] = True
                     self._count_finished(aborted=False)
-                    if n > 1:
-                        self.llm.abort(output.request_id.rsplit("-", 1)[0])
+                    self.llm.abort(prompt_id)
                     send(("error", call_id, *error_status(output.error)))
                     return
                 ended[0] += output.finished
                 if output.finished and ended[0] == n:
                     self._count_finished(aborted=aborted(output))
                 payload = {"text": output.delta, "finish_reason": None, "last": ended[0] == n,
-                           "sequence_index": int(output.request_id.rsplit("-", 1)[1]) if n > 1 else 0,
+                           "sequence_index": index,
                            "logprobs": [s.logprob for s in output.logprobs[:keep]] if spec.log_probs else []}
                 if output.finished:
                     payload["finish_reason"] = output.result.finish_reason

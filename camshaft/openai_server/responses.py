@@ -54,7 +54,6 @@ class _Shape:
     def token(self, token_id: int) -> str:
         return self.tokens.get(token_id)[0]
 
-
     def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}

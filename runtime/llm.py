@@ -11,6 +11,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import astuple
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -99,11 +100,12 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None, *,
-               for_generation: bool = True) -> list[int]:
-        """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template).
-        for_generation False (counting tokens): text however long, and an empty prompt, are tokenized, not refused."""
-        return self._encoder.encode(prompt, messages, for_generation=for_generation)
+    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
+               tools: list[dict[str, Any]] | None = None, for_generation: bool = True) -> list[int]:
+        """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template), with the
+        functions the model may call (`tools`). for_generation False (counting tokens): text however long, and an
+        empty prompt, are tokenized, not refused."""
+        return self._encoder.encode(prompt, messages, tools=tools, for_generation=for_generation)
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
         """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
@@ -189,16 +191,17 @@ class LLM:
             raise
         return [PromptOutput(g[0].prompt_ids, list(r), g[0].prompt_id) for g, r in zip(groups, results, strict=True)]
 
-    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None) -> list[PromptOutput]:
+             use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[PromptOutput]:
         """generate() for one conversation (a list of {"role", "content"} messages) or a list of them, each through
-        the tokenizer's chat template with the assistant's turn opened."""
+        the tokenizer's chat template with the assistant's turn opened; `tools`: the functions the model may call."""
         if not isinstance(messages, (list, tuple)):
             raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got "
                                f"{messages!r:.80}")
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
-        prompts = [self.encode(messages=list(c)) for c in conversations]
+        prompts = [self.encode(messages=list(c), tools=tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def stream_sync(self, prompt: Prompt, sampling_params: SamplingParams | None = None,

@@ -15,11 +15,12 @@ import numpy as np
 from camshaft.checks import is_int
 from camshaft.errors import RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
+from camshaft.runtime.chat_template import render_chat
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import params_list
-from camshaft.runtime.prompt_text import check_unicode, encode_text
+from camshaft.runtime.prompt_text import encode_text
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
@@ -87,10 +88,11 @@ class Session:
         """Bytes of the loaded engine on transparent huge pages (0: off, or not possible here)."""
         return self.engine.huge_page_bytes
 
-    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None, *,
-               for_generation: bool = True) -> list[int]:
-        """The prompt's ids as generation feeds them to the engine. for_generation False (counting tokens): text
-        however long, and an empty prompt, are tokenized rather than refused."""
+    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
+               tools: list[dict[str, Any]] | None = None, for_generation: bool = True) -> list[int]:
+        """The prompt's ids as generation feeds them to the engine: text, token ids, or chat messages through the
+        chat template, with the functions the model may call (`tools`, OpenAI's form: chat_template.py). For
+        counting tokens (for_generation False), text however long and an empty prompt are tokenized, not refused."""
         if isinstance(prompt, dict):
             if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
                 raise RequestError(f'a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got the '
@@ -102,11 +104,10 @@ class Session:
         if (prompt is None) == (messages is None):
             raise RequestError("pass exactly one of a prompt or chat messages")
         limit = self.manifest.limits.max_seq_len if for_generation else None
+        if tools is not None and messages is None:
+            raise RequestError("tools go with chat messages; pass messages=[...]")
         if messages is not None:
-            check_messages(messages)
-            if self.tokenizer.chat_template is None:
-                raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt instead")
-            text = self._apply_template(messages)
+            text = render_chat(self.tokenizer, messages, tools)
             # The template already holds the special tokens: encoding must not add a second BOS.
             ids = encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)
         elif isinstance(prompt, str):
@@ -124,14 +125,6 @@ class Session:
         if not ids and for_generation:
             raise RequestError("the prompt encodes to no tokens; pass some text")
         return ids
-
-    def _apply_template(self, messages: list[dict[str, str]]) -> str:
-        from jinja2 import TemplateError
-
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except TemplateError as exc:  # e.g. a template that wants alternating user/assistant turns, no system role
-            raise RequestError(f"this model's chat template refused the messages: {exc}") from exc
 
     def _params(self, params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
         unknown = set(overrides) - _PARAM_NAMES
@@ -170,9 +163,13 @@ class Session:
             pass
         return request.result()
 
-    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
-             **overrides: Any) -> GenerationResult:
-        return self.generate(sampling_params=sampling_params, messages=messages, **overrides)
+    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
+             tools: list[dict[str, Any]] | None = None, **overrides: Any) -> GenerationResult:
+        """generate() for a conversation; `tools`: the functions the model may call (rendered into the prompt)."""
+        request = self._request(self.encode(messages=messages, tools=tools), self._params(sampling_params, overrides))
+        for _ in self._run(request):
+            pass
+        return request.result()
 
     def _run(self, request: Request) -> Generator[str, None, GenerationResult]:
         if not self._running.acquire(blocking=False):
@@ -215,17 +212,3 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise ServerClosedError("this Session is closed; create a new Session to generate")
-
-
-def check_messages(messages: list[dict[str, str]]) -> None:
-    if not messages:
-        raise RequestError("chat messages are empty; pass at least one {'role': ..., 'content': ...}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise RequestError(f"chat message {i} is {message!r}; each message is a dict with a 'role' and a "
-                               "'content' string")
-        for key in ("role", "content"):
-            check_unicode(message[key], f"chat message {i}'s {key}")
-    if not any(m["content"].strip() for m in messages):
-        raise RequestError("every chat message's content is empty; pass some text")

@@ -54,6 +54,13 @@ def test_an_api_key_is_for_the_openai_api_and_not_blank(engine):
     refused(invoke("serve", "--engine", engine, "--api", "openai", "--api-key", " k"), "--api-key is empty or starts")
 
 
+def test_a_tool_call_parser_is_for_the_openai_api_and_known(engine):
+    refused(invoke("serve", "--engine", engine, "--tool-call-parser", "hermes"),
+            "--tool-call-parser reads tool calls for the OpenAI API")
+    refused(invoke("serve", "--engine", engine, "--api", "openai", "--tool-call-parser", "llama3_json"),
+            "unknown --tool-call-parser 'llama3_json'; use hermes")
+
+
 def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

@@ -39,10 +39,11 @@ def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def running_server(engine: Path, api_key: str | None = None, **llm_options) -> Iterator[tuple[str, object]]:
+def running_server(engine: Path, api_key: str | None = None, tool_call_parser: str | None = None,
+                   **llm_options) -> Iterator[tuple[str, object]]:
     """(base URL, its LLM) of a uvicorn server on a free loopback port, in a thread."""
     server, llm = build_server(engine, host="127.0.0.1", port=0, llm_options=llm_options, log_level="warning",
-                               api_key=api_key)
+                               api_key=api_key, tool_call_parser=tool_call_parser)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -575,7 +576,7 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
         ("/tokenize", {"model": "other", "prompt": "x"}, "does not exist"),
         ("/tokenize", {"prompt": "x", "messages": messages}, "one of prompt (text) or messages"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "takes its default only"),
-        ("/tokenize", {"messages": messages, "tools": [{"type": "function"}]}, "tools (function calling)"),
+        ("/tokenize", {"messages": messages, "tools": [{"type": "function"}]}, "each tool is {'type': 'function'"),
         ("/v1/chat/completions", {"model": MODEL, "messages": messages, "chat_template_kwargs": {"a": 1}},
          "chat_template_kwargs is not supported"),
         ("/v1/chat/completions", {"model": MODEL, "messages": messages, "continue_final_message": True},

@@ -9,6 +9,7 @@ import typer
 
 from camshaft.cli import app, flag_names, progress
 from camshaft.errors import CamshaftError
+from camshaft.openai_server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from camshaft.runtime.llm_options import QUEUE_PER_BATCH
 
 MemoryOption = Annotated[str | None, typer.Option(
@@ -92,6 +93,9 @@ def serve(
         envvar="CAMSHAFT_API_KEY", show_envvar=False,
         help="OpenAI API: clients must send it as a bearer token (also from $CAMSHAFT_API_KEY, kept out of the "
              "process list); /health, /metrics and /version stay open")] = None,
+    tool_call_parser: Annotated[str | None, typer.Option(
+        help="OpenAI API: read tool calls the model writes as <tool_call> blocks (hermes: Qwen2.5/3, Hermes, and "
+             "camshaft's own tool prompt), enabling tool_choice auto")] = None,
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
@@ -107,6 +111,10 @@ def serve(
     if api_key is not None and api != "openai":
         raise CamshaftError("--api-key (or $CAMSHAFT_API_KEY) guards the OpenAI API; Triton has no API keys: put it "
                             "behind a gateway that checks them, or unset it")
+    if tool_call_parser is not None and api != "openai":
+        raise CamshaftError("--tool-call-parser reads tool calls for the OpenAI API (--api openai); drop it")
+    if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise CamshaftError(f"unknown --tool-call-parser {tool_call_parser!r}; use {' or '.join(TOOL_CALL_PARSERS)}")
     if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
         raise CamshaftError("--api-key is empty or starts or ends with spaces; give the key clients send")
     triton_ports = {"--grpc-port": grpc_port, "--metrics-port": metrics_port}
@@ -125,7 +133,7 @@ def serve(
         from camshaft.openai_server.server import serve as serve_openai
 
         serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
-                     api_key=api_key)
+                     api_key=api_key, tool_call_parser=tool_call_parser)
     elif api == "triton":
         from camshaft.triton_repo.server import serve as serve_triton
 

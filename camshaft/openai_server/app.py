@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from camshaft.errors import CapacityError
+from camshaft.errors import CamshaftError, CapacityError
 from camshaft.openai_server import errors
 from camshaft.openai_server.api_key import ApiKey
 from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
@@ -26,6 +26,8 @@ from camshaft.openai_server.protocol import (
     TokenizeRequest,
 )
 from camshaft.openai_server.responses import ChatShape, CompletionShape, sse, usage
+from camshaft.openai_server.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from camshaft.openai_server.tools import tool_choice
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.version import __version__
@@ -62,8 +64,12 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
     return task.result() if task.done() and not task.cancelled() else None
 
 
-def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
-    """api_key: every route but /health, /metrics and /version asks for it as a bearer token (None: none)."""
+def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """api_key: every route but /health, /metrics and /version asks for it as a bearer token (None: none).
+    tool_call_parser: how tool calls are read from text the model chose to write ("hermes"; None: tool_choice
+    "auto" is refused)."""
+    if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise CamshaftError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
     app = FastAPI(title="camshaft OpenAI-compatible API")
     metrics = Metrics(llm)
     errors.install(app, metrics)
@@ -149,7 +155,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         check_model(body.model)
         body.check_supported()
         prompt = {"prompt": body.prompt} if body.prompt is not None else \
-            {"messages": [m.template_dict() for m in body.messages or []]}
+            {"messages": [m.template_dict() for m in body.messages or []], "tools": body.tools or None}
         ids = await asyncio.to_thread(llm.encode, **prompt, for_generation=False)  # counted however long
         metrics.http(route_path(request), 200)
         return {"count": len(ids), "max_model_len": max_seq_len, "tokens": ids,
@@ -195,9 +201,17 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         check(body)
-        ids = await prompt_ids(messages=[m.template_dict() for m in body.messages])
+        tools = tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser)
         params = body.sampling_params(body.requested_max_tokens(), body.logprobs_count())  # None: all that is left
-        shape = ChatShape(model_name, llm.tokenizer)
+        guided = tools.guided() if tools is not None else None
+        if guided is not None:
+            if params.guided_decoding is not None:
+                raise APIError(400, f"tool_choice {body.tool_choice!r:.60} holds the output to its tools' schemas; "
+                               "leave out response_format and the guided_* fields", param="tool_choice")
+            params = replace(params, guided_decoding=guided)
+        ids = await prompt_ids(messages=[m.template_dict() for m in body.messages],
+                               tools=tools.prompt_tools if tools is not None else None)
+        shape = ChatShape(model_name, llm.tokenizer, tools)
         return await respond(request, body.stream, body.include_usage, [ids], params, shape, arrival, body.priority)
 
     return app

@@ -9,6 +9,7 @@ request `priority`
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, model_validator
@@ -157,10 +158,20 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
-    def template_dict(self) -> dict[str, str]:
-        """{'role', 'content'} with text content parts joined by newlines (as vLLM and TensorRT-LLM join them), as
-        chat templates expect."""
+    def template_dict(self) -> dict[str, Any]:
+        """{'role', 'content'} with text content parts joined by newlines (as vLLM and TensorRT-LLM join them), and
+        the tool fields, as chat templates expect them (a call's arguments as an object, not JSON text)."""
+        message: dict[str, Any] = {"role": self.role, "content": self._text()}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(i, call) for i, call in enumerate(self.tool_calls)]
+        message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
+        return message
+
+    def _text(self) -> str:
         content = self.content
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
@@ -169,12 +180,27 @@ class ChatMessage(BaseModel):
             if not all(isinstance(text, str) for text in texts):
                 raise RequestError("a text content part's text must be a string")
             content = "\n".join(texts)
-        return {"role": self.role, "content": content or ""}
+        return content or ""
+
+
+def _template_call(index: int, call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict) \
+            or not isinstance(function.get("name"), str):
+        raise RequestError(f"tool call {index} is {call!r:.120}; each is {{'id': ..., 'type': 'function', "
+                           "'function': {'name': ..., 'arguments': JSON text}}")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            raise RequestError(f"tool call {index}'s arguments are not JSON: {arguments!r:.80}") from None
+    return {**call, "type": "function", "function": {**function, "arguments": arguments}}
 
 
 class _TemplateOptions(BaseModel):
-    """The chat template options of OpenAI and vLLM bodies: camshaft renders every chat one way (no tools, the
-    generation prompt added), so other values are refused rather than ignored."""
+    """The chat template options of OpenAI and vLLM bodies: camshaft renders every chat one way (the generation
+    prompt added), so other values are refused rather than ignored."""
 
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -182,8 +208,6 @@ class _TemplateOptions(BaseModel):
     continue_final_message: bool = False
 
     def check_template_options(self) -> None:
-        if self.tools:
-            raise RequestError("tools (function calling) are not supported; leave them out")
         if self.chat_template_kwargs:
             raise RequestError("chat_template_kwargs is not supported; leave it out")
         if not self.add_generation_prompt or self.continue_final_message:
@@ -196,6 +220,8 @@ class ChatCompletionRequest(_GenerationRequest, _TemplateOptions):
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
 
     def check_supported(self) -> None:
         super().check_supported()

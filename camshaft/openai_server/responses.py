@@ -6,8 +6,10 @@ import json
 import math
 import time
 import uuid
+from typing import Any
 
 from camshaft.openai_server.tokens import TokenText
+from camshaft.openai_server.tools import ToolChoice
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.request import GenerationResult
@@ -168,6 +170,12 @@ class ChatShape(_Shape):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl"
 
+    def __init__(self, model: str, tokenizer, tools: ToolChoice | None = None) -> None:
+        """tools: the request's function calling (its output read into tool calls), or None."""
+        super().__init__(model, tokenizer)
+        self._tools = tools if tools is not None and tools.kind != "none" else None
+        self._readers: dict[int, Any] = {}
+
     def logprobs(self, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         def entry(token_id: int, logprob: float | None) -> dict:
             text, raw = self.tokens.get(token_id)
@@ -178,9 +186,17 @@ class ChatShape(_Shape):
                             for s in samples]}
 
     def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": result.text},
+        message, reason = {"role": "assistant", "content": result.text}, finish_reason(result.finish_reason)
+        if self._tools is not None:
+            reader = self._tools.reader()
+            (content, calls), (rest, more) = reader.feed(result.text), reader.finish()
+            message = {"role": "assistant", "content": content + rest or None}
+            if calls + more:
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls + more]
+            reason = self._tools.finish_reason(reader, reason)
+        return {"index": index, "message": message,
                 "logprobs": self.logprobs(result.logprobs or []) if with_logprobs else None,
-                "finish_reason": finish_reason(result.finish_reason), "stop_reason": stop_reason(result)}
+                "finish_reason": reason, "stop_reason": stop_reason(result)}
 
     def opening(self, num_choices: int) -> list[dict]:
         """The assistant role first, as OpenAI streams it."""
@@ -188,9 +204,17 @@ class ChatShape(_Shape):
                 for i in range(num_choices)]
 
     def chunk_choice(self, index: int, output: RequestOutput, with_logprobs: bool) -> dict | None:
-        if not (output.delta or output.finished or (with_logprobs and output.logprobs)):
+        content, calls = output.delta, []
+        reason = finish_reason(output.result.finish_reason) if output.result else None
+        if self._tools is not None:
+            reader = self._readers.get(index) or self._readers.setdefault(index, self._tools.reader())
+            content, calls = reader.feed(output.delta)
+            if output.finished:
+                rest, more = reader.finish()
+                content, calls = content + rest, calls + more
+            reason = reason and self._tools.finish_reason(reader, reason)
+        if not (content or calls or output.finished or (with_logprobs and output.logprobs)):
             return None
-        return {"index": index, "delta": {"content": output.delta} if output.delta else {},
-                "logprobs": self.logprobs(output.logprobs) if with_logprobs else None,
-                "finish_reason": finish_reason(output.result.finish_reason) if output.result else None,
-                "stop_reason": stop_reason(output.result)}
+        delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+        return {"index": index, "delta": delta, "logprobs": self.logprobs(output.logprobs) if with_logprobs else None,
+                "finish_reason": reason, "stop_reason": stop_reason(output.result)}

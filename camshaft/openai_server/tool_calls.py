@@ -1,0 +1,171 @@
+"""Generated text to OpenAI tool calls, one choice at a time, as it streams.
+
+Each reader takes text deltas (`feed`) and the end (`finish`) and returns what the client sees: content text and
+tool-call deltas. A whole response is one `feed` of the text and a `finish`, so a stream's pieces always add up to
+the non-streamed message.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+PARSERS = ("hermes",)  # `--tool-call-parser` values: how text the model chose to write is read into calls
+Piece = tuple[str, list[dict[str, Any]]]  # (content delta, tool-call deltas)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_decoder = json.JSONDecoder()
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def whole_call(index: int, name: str, arguments: Any) -> dict[str, Any]:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
+
+
+class _Reader:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def feed(self, delta: str) -> Piece:
+        raise NotImplementedError
+
+    def finish(self) -> Piece:
+        raise NotImplementedError
+
+
+class NamedReader(_Reader):
+    """tool_choice naming one function: the whole output is its arguments (a grammar holds it to the schema)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def feed(self, delta: str) -> Piece:
+        if not delta:
+            return "", []
+        if self.calls:
+            return "", [{"index": 0, "function": {"arguments": delta}}]
+        self.calls = 1
+        return "", [whole_call(0, self.name, delta)]
+
+    def finish(self) -> Piece:
+        return ("", []) if self.calls else ("", [whole_call(0, self.name, "")])
+
+
+class ArrayReader(_Reader):
+    """tool_choice "required": a JSON array of {"name", "parameters"} objects (a grammar holds it to the tools);
+    each call goes out once its object is complete."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text, self._at, self._opened = "", 0, False
+
+    def feed(self, delta: str) -> Piece:
+        self._text += delta
+        calls = []
+        while (at := self._next_item()) is not None:
+            try:
+                item, self._at = _decoder.raw_decode(self._text, at)
+            except ValueError:  # not complete yet
+                break
+            self._opened = True
+            if isinstance(item, dict) and isinstance(item.get("name"), str):
+                calls.append(whole_call(self.calls, item["name"], item.get("parameters", {})))
+                self.calls += 1
+        return "", calls
+
+    def finish(self) -> Piece:
+        rest = self._text[self._at:].strip()
+        return ("" if rest == "]" or (rest == "" and self._opened) else rest), []
+
+    def _next_item(self) -> int | None:
+        """Where the next item starts (past "[" or ","), once it has begun."""
+        text, at = self._text, _past_space(self._text, self._at)
+        if not text.startswith("," if self._opened else "[", at):
+            return None
+        at = _past_space(text, at + 1)
+        return at if at < len(text) else None
+
+
+def _past_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+class HermesReader(_Reader):
+    """tool_choice "auto" with the hermes parser (Qwen2.5/Qwen3, Hermes, and camshaft's own tool preamble): calls
+    are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; text around them is content. Text that may
+    begin a block is held back; content is stripped; a block that is not a call of a known function goes out as the
+    text it was."""
+
+    def __init__(self, names: set[str], parallel: bool = True) -> None:
+        super().__init__()
+        self._names, self._parallel = names, parallel
+        self._held, self._space, self._in_call, self._sent_content = "", "", False, False
+
+    def feed(self, delta: str) -> Piece:
+        self._held += delta
+        content, calls = "", []
+        while True:
+            if self._in_call:
+                end = self._held.find(CLOSE)
+                if end < 0:
+                    return content, calls
+                text, call = self._block(self._held[:end], closed=True)
+                content, calls = content + text, calls + call
+                self._held, self._in_call = self._held[end + len(CLOSE):], False
+                continue
+            start = self._held.find(OPEN)
+            if start >= 0:
+                content += self._content(self._held[:start])
+                self._held, self._in_call = self._held[start + len(OPEN):], True
+                continue
+            keep = _partial_suffix(self._held, OPEN)
+            ready, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+            return content + self._content(ready), calls
+
+    def finish(self) -> Piece:
+        if self._in_call:  # an unclosed block (the end id or a stop string came first)
+            piece = self._block(self._held, closed=False)
+        else:
+            piece = self._content(self._held), []
+        self._held = ""
+        return piece
+
+    def _block(self, body: str, closed: bool) -> Piece:
+        try:
+            call = json.loads(body)
+        except ValueError:
+            call = None
+        arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+        if not (isinstance(call, dict) and call.get("name") in self._names and isinstance(arguments, dict)):
+            return self._content(OPEN + body + (CLOSE if closed else "")), []
+        if self.calls and not self._parallel:
+            return "", []
+        self.calls += 1
+        return "", [whole_call(self.calls - 1, call["name"], arguments)]
+
+    def _content(self, text: str) -> str:
+        """Content as it comes, less its leading whitespace and any whitespace at its end so far (held back until
+        more content follows it: a response's content is stripped)."""
+        self._space += text
+        body = self._space.rstrip()
+        if not body:
+            return ""
+        self._space = self._space[len(body):]
+        out = body if self._sent_content else body.lstrip()
+        self._sent_content = True
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that begins `marker`."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0

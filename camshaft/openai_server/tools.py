@@ -1,0 +1,93 @@
+"""OpenAI function calling: `tools`, `tool_choice` and `parallel_tool_calls` of a chat request.
+
+- "none": the tools are left out of the prompt and the output is content.
+- a named function ({"type": "function", "function": {"name": ...}}): the output is that function's arguments,
+  held to its JSON Schema by a grammar; finish_reason "stop", as OpenAI's.
+- "required": one or more calls (one with parallel_tool_calls false), held by a grammar to a JSON array of
+  {"name", "parameters"} objects; finish_reason "tool_calls".
+- "auto" (the default with tools): the model decides; its `<tool_call>` blocks become calls. It needs the server
+  started with `--tool-call-parser hermes`, as vLLM's needs one.
+Named and required work with any model: the grammar decides the shape, the chat template only what the model knows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from camshaft.errors import RequestError
+from camshaft.openai_server.tool_calls import ArrayReader, HermesReader, NamedReader
+from camshaft.runtime.chat_template import check_tools
+from camshaft.runtime.guided import GuidedDecodingParams
+
+_Reader = NamedReader | ArrayReader | HermesReader
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    kind: str  # "none" | "auto" | "required" | "function"
+    tools: tuple[dict[str, Any], ...]
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders (none for "none")."""
+        return None if self.kind == "none" else list(self.tools)
+
+    def guided(self) -> GuidedDecodingParams | None:
+        if self.kind == "function":
+            return GuidedDecodingParams(json=self._parameters(self.name))
+        if self.kind == "required":
+            calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                       "parameters": self._parameters(f["name"])},
+                      "required": ["name", "parameters"]} for f in self._functions()]
+            schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+            return GuidedDecodingParams(json=schema if self.parallel else {**schema, "maxItems": 1})
+        return None
+
+    def reader(self) -> _Reader | None:
+        if self.kind == "function":
+            return NamedReader(self.name)
+        if self.kind == "required":
+            return ArrayReader()
+        if self.kind == "auto":
+            return HermesReader({f["name"] for f in self._functions()}, self.parallel)
+        return None
+
+    def finish_reason(self, reader: _Reader, reason: str) -> str:
+        """OpenAI's: "tool_calls" where the model chose to call (a named function's call ends with "stop")."""
+        return "tool_calls" if reader.calls and reason == "stop" and self.kind != "function" else reason
+
+    def _functions(self) -> list[dict[str, Any]]:
+        return [tool["function"] for tool in self.tools]
+
+    def _parameters(self, name: str | None) -> dict[str, Any]:
+        function = next(f for f in self._functions() if f["name"] == name)
+        return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool,
+                parser: str | None) -> ToolChoice | None:
+    """The request's function calling, checked; None where it has none."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise RequestError("tool_choice needs tools: send the functions in tools, or leave tool_choice out")
+        return None
+    check_tools(tools)
+    names = [tool["function"]["name"] for tool in tools]
+    choice = "auto" if choice is None else choice
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in names:
+            raise RequestError(f"tool_choice {choice!r:.120} names no function in tools ({', '.join(names)}); "
+                               'send {"type": "function", "function": {"name": ...}}, "auto", "required" or "none"')
+        return ToolChoice("function", tuple(tools), name, parallel)
+    if choice not in ("none", "auto", "required"):
+        raise RequestError(f"tool_choice {choice!r:.80} is not one of none, auto, required or "
+                           '{"type": "function", "function": {"name": ...}}')
+    if choice == "auto" and parser is None:
+        raise RequestError('tool_choice "auto" (the default with tools) needs the server started with '
+                           '--tool-call-parser hermes; or send tool_choice "required" or a function\'s name')
+    return ToolChoice(choice, tuple(tools), None, parallel)

@@ -1,0 +1,238 @@
+"""OpenAI function calling on a real server, driven by the official client: a named or required tool choice gives
+calls that follow the tools' schemas and equal the Python API's guided output of the same prompt; "auto" reads the
+model's own <tool_call> blocks; streams add up to the whole response; the tools reach the prompt through the chat
+template (or camshaft's tool preamble where the template has none)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from test_openai_server import MODEL, running_server, tiny_engine
+
+from camshaft.errors import RequestError
+from camshaft.openai_server.tool_calls import HermesReader
+from camshaft.runtime.chat_template import TOOLS_PREAMBLE
+from camshaft.runtime.guided import GuidedDecodingParams
+from camshaft.runtime.session import Session
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return tiny_engine(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def served(engine_dir):
+    with running_server(engine_dir, tool_call_parser="hermes") as (url, llm):
+        yield url, llm
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def session(engine_dir):
+    with Session(engine_dir) as session:
+        yield session
+
+
+def valid(name: str, arguments: str) -> bool:
+    value = json.loads(arguments)
+    if name == "get_weather":
+        return set(value) == {"city", "days"} and re.fullmatch("[a-z]{1,8}", value["city"]) is not None \
+            and 1 <= value["days"] <= 7
+    return value == {"zone": "utc"} or value == {"zone": "cet"}
+
+
+def streamed(client, **body) -> tuple[dict[int, dict], str, str | None]:
+    """Tool calls by index (id, name, joined arguments), the joined content and the finish reason of a stream."""
+    calls: dict[int, dict] = {}
+    content, reason = "", None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **body):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        reason = choice.finish_reason or reason
+        for call in choice.delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
+            assert call.id in (None, entry["id"]) and call.function.name in (None, entry["name"])
+            entry["arguments"] += call.function.arguments or ""
+    return calls, content, reason
+
+
+def test_a_named_function_gives_its_arguments_as_the_python_api_does(client, session, served):
+    body = dict(messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=80)
+    response = client.chat.completions.create(model=MODEL, **body)
+    choice = response.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert valid("get_weather", call.function.arguments) and choice.message.content is None
+    assert choice.finish_reason == "stop"
+    expected = session.chat(MESSAGES, tools=TOOLS, temperature=0, max_tokens=80,
+                            guided_decoding=GuidedDecodingParams(json=WEATHER))
+    assert call.function.arguments == expected.text
+    assert response.usage.prompt_tokens == len(served[1].encode(messages=MESSAGES, tools=TOOLS))
+    calls, content, reason = streamed(client, **body)
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == expected.text
+    assert content == "" and reason == "stop" and list(calls) == [0]
+
+
+def test_required_calls_follow_the_tools_schemas_streamed_or_not(client):
+    for parallel in (False, True):
+        body = dict(messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+                    temperature=1.0, seed=3, max_tokens=200, n=3)
+        response = client.chat.completions.create(model=MODEL, **body)
+        for choice in response.choices:
+            calls = choice.message.tool_calls
+            assert choice.finish_reason == "tool_calls" and calls and (parallel or len(calls) == 1)
+            assert all(valid(c.function.name, c.function.arguments) for c in calls)
+            assert len({c.id for c in calls}) == len(calls)
+        one = dict(body, n=1)
+        whole = client.chat.completions.create(model=MODEL, **one).choices[0]
+        calls, content, reason = streamed(client, **one)
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert content == "" and reason == "tool_calls"
+
+
+def test_auto_reads_the_models_tool_call_blocks(client, session):
+    arguments = r'\{"city": "[a-z]{2,5}", "days": [1-7]\}'
+    regex = r'Sure\.<tool_call>\{"name": "get_weather", "arguments": ' + arguments + r'\}</tool_call>'
+    body = dict(messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=120, extra_body={"guided_regex": regex})
+    choice = client.chat.completions.create(model=MODEL, **body).choices[0]
+    raw = session.chat(MESSAGES, tools=TOOLS, temperature=0, max_tokens=120,
+                       guided_decoding=GuidedDecodingParams(regex=regex)).text
+    (call,) = choice.message.tool_calls
+    assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+    block = json.loads(raw[raw.index("<tool_call>") + len("<tool_call>"):raw.index("</tool_call>")])
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == block["arguments"]
+    calls, content, reason = streamed(client, **body)
+    assert content == "Sure." and reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0,
+                                           max_tokens=12).choices[0]
+    expected = session.chat(MESSAGES, tools=TOOLS, temperature=0, max_tokens=12)
+    assert plain.message.tool_calls is None and plain.message.content == (expected.text.strip() or None)
+
+
+def test_none_leaves_the_tools_out_and_auto_needs_a_parser(client, served, engine_dir, session):
+    none = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                          temperature=0, max_tokens=8)
+    assert none.usage.prompt_tokens == len(session.encode(messages=MESSAGES))
+    assert none.choices[0].message.content == session.chat(MESSAGES, temperature=0, max_tokens=8).text
+    with running_server(engine_dir, max_batch_size=2) as (url, _):
+        response = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
+                                                                  "tools": TOOLS, "max_tokens": 4})
+        assert response.status_code == 400 and "needs the server started with --tool-call-parser hermes" in \
+            response.json()["error"]["message"]
+        required = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+            "parallel_tool_calls": False,
+            "temperature": 0}).json()
+        assert required["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_conversation_with_calls_and_results_renders_through_the_template(client, served, tmp_path, engine_dir):
+    history = [*MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "paris", "days": 1}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    response = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="required",
+                                              temperature=0, max_tokens=200)
+    llm = served[1]
+    templated = [*history[:1], {**history[1], "content": "", "tool_calls": [
+        {**history[1]["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "paris", "days": 1}}}
+    ]}, history[2]]
+    ids = llm.encode(messages=templated, tools=TOOLS)
+    assert response.usage.prompt_tokens == len(ids)
+    text = llm.tokenizer.decode(ids)
+    assert TOOLS_PREAMBLE.split("{")[0] in text and '"name": "get_time"' in text  # SmolLM2-like: no tools in template
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "paris", "days": 1}}</tool_call>' in text
+    assert "<|im_start|>tool\nsunny" in text
+
+
+def test_a_template_that_reads_tools_renders_them_itself(engine_dir, tmp_path):
+    import shutil
+
+    import transformers
+
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir, copy)
+    template = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+                "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+                "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    next(copy.rglob("chat_template.jinja")).write_text(template)
+    history = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_time", "arguments": {"zone": "utc"}}}]}]
+    reference = transformers.AutoTokenizer.from_pretrained(next(copy.rglob("chat_template.jinja")).parent)
+    with Session(copy) as session:
+        ids = session.encode(messages=history, tools=TOOLS)
+        with pytest.raises(RequestError, match="None only beside 'tool_calls'"):
+            session.encode(messages=[*MESSAGES, {"role": "assistant", "content": None}])
+        with pytest.raises(RequestError, match="tools go with chat messages"):
+            session.encode("hi", tools=TOOLS)
+    assert ids == reference.apply_chat_template(history, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+    assert "Tools: get_weather get_time" in reference.decode(ids) and "You may call" not in reference.decode(ids)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "names no function in tools (get_weather, get_time)"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice 'sometimes' is not one of"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "must be 1-64 letters"),
+    ({"tools": TOOLS * 2}, "two tools are named 'get_weather'"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "leave out response_format"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "get_time", "arguments": "{zone"}}]}]},
+     "tool call 0's arguments are not JSON"),
+])
+def test_bad_tool_requests_are_refused_saying_why(served, body, message):
+    response = httpx.post(f"{served[0]}/v1/chat/completions",
+                          json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **body})
+    assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
+def test_the_hermes_reader_gives_the_same_message_however_the_text_is_split():
+    text = ('  Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "rome", "days": 2}}\n'
+            '</tool_call>\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}')  # unclosed: the end id came first
+    whole = _read(HermesReader({"get_weather", "get_time"}), [text])
+    assert whole[0] == 'Checking.\n\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole[1]] == \
+        [("get_weather", {"city": "rome", "days": 2}), ("get_time", {"zone": "utc"})]
+    for size in (1, 2, 3, 5, 11):
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        content, calls = _read(HermesReader({"get_weather", "get_time"}), pieces)
+        assert content == whole[0] and [c["function"] for c in calls] == [c["function"] for c in whole[1]]
+    first_only = _read(HermesReader({"get_weather", "get_time"}, parallel=False), [text])[1]
+    assert [c["function"]["name"] for c in first_only] == ["get_weather"]
+    assert _read(HermesReader({"f"}), ["a <tool_", "call x"]) == ("a <tool_call x", [])
+
+
+def _read(reader: HermesReader, pieces: list[str]) -> tuple[str, list[dict]]:
+    content, calls = "", []
+    for piece in pieces:
+        text, more = reader.feed(piece)
+        content, calls = content + text, calls + more
+    text, more = reader.finish()
+    return content + text, calls + more

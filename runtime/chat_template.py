@@ -30,8 +30,9 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str,
     if tools is not None:
         check_tools(tools)
     tools = tools or None
-    if not reads_tools(tokenizer.get_chat_template(tools=tools)):
-        messages, tools = as_text(messages, tools), None
+    template = tokenizer.get_chat_template(tools=tools)
+    if not reads_tools(template):
+        messages, tools = as_text(messages, tools, calls_as_text="tool_calls" not in template), None
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except (TemplateError, TypeError) as exc:  # e.g. a template that wants alternating turns, no system role
@@ -46,11 +47,15 @@ def reads_tools(template: str) -> bool:
     return "tools" in meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(template))
 
 
-def as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """For a template that knows no tools: the functions described in the system message (one is added first where
-    none is), and earlier calls written into their assistant messages as the `<tool_call>` blocks it asks for."""
-    messages = [{**m, "content": (m["content"] or "") + "".join(map(call_text, m["tool_calls"]))}
-                if m.get("tool_calls") else m for m in messages]
+def as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            calls_as_text: bool = True) -> list[dict[str, Any]]:
+    """For a template that reads no tools: the functions described in the system message (one is added first where
+    none is), and, unless it renders `tool_calls` itself, earlier calls written into their assistant messages as the
+    `<tool_call>` blocks the description asks for."""
+    if calls_as_text:
+        messages = [{k: v for k, v in m.items() if k != "tool_calls"}
+                    | {"content": (m.get("content") or "") + "".join(map(call_text, m["tool_calls"]))}
+                    if m.get("tool_calls") else m for m in messages]
     if not tools:
         return messages
     functions = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
@@ -103,7 +108,7 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
             raise RequestError(f"chat message {i} is {message!r:.200}; each message is a dict with a 'role' and a "
                                "'content' string (None only beside 'tool_calls')")
         for key in ("role", "content"):
-            if message[key] is not None:
+            if message.get(key) is not None:
                 check_unicode(message[key], f"chat message {i}'s {key}")
-    if not any((m["content"] or "").strip() or m.get("tool_calls") for m in messages):
+    if not any((m.get("content") or "").strip() or m.get("tool_calls") for m in messages):
         raise RequestError("every chat message's content is empty; pass some text")

@@ -80,7 +80,7 @@ def test_a_named_function_gives_its_arguments_as_the_python_api_does(client, ses
     response = client.chat.completions.create(model=MODEL, **body)
     choice = response.choices[0]
     (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.type == "function" and call.function.name == "get_weather" and re.fullmatch("[A-Za-z0-9]{9}", call.id)
     assert valid("get_weather", call.function.arguments) and choice.message.content is None
     assert choice.finish_reason == "stop"
     expected = session.chat(MESSAGES, tools=TOOLS, temperature=0, max_tokens=80,
@@ -108,6 +108,9 @@ def test_required_calls_follow_the_tools_schemas_streamed_or_not(client):
         assert [(c["name"], c["arguments"]) for c in calls.values()] == \
             [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
         assert content == "" and reason == "tool_calls"
+    cut = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                         temperature=0, max_tokens=12).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None and cut.message.tool_calls is None
 
 
 def test_auto_reads_the_models_tool_call_blocks(client, session):
@@ -128,6 +131,9 @@ def test_auto_reads_the_models_tool_call_blocks(client, session):
                                            max_tokens=12).choices[0]
     expected = session.chat(MESSAGES, tools=TOOLS, temperature=0, max_tokens=12)
     assert plain.message.tool_calls is None and plain.message.content == (expected.text.strip() or None)
+    special = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=3, logit_bias={"1": 100})  # <|im_start|>
+    assert client.chat.completions.create(**special).choices[0].message.content == "<|im_start|>" * 3  # tags kept
+    assert client.chat.completions.create(**special, tool_choice="none").choices[0].message.content == ""
 
 
 def test_none_leaves_the_tools_out_and_auto_needs_a_parser(client, served, engine_dir, session):
@@ -165,6 +171,8 @@ def test_a_conversation_with_calls_and_results_renders_through_the_template(clie
     assert TOOLS_PREAMBLE.split("{")[0] in text and '"name": "get_time"' in text  # SmolLM2-like: no tools in template
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "paris", "days": 1}}</tool_call>' in text
     assert "<|im_start|>tool\nsunny" in text
+    refused = httpx.post(f"{served[0]}/tokenize", json={"prompt": "hi", "tools": TOOLS})
+    assert refused.status_code == 400 and "tools go with messages" in refused.json()["error"]["message"]
 
 
 def test_a_template_that_reads_tools_renders_them_itself(engine_dir, tmp_path):
@@ -188,6 +196,14 @@ def test_a_template_that_reads_tools_renders_them_itself(engine_dir, tmp_path):
             session.encode(messages=[*MESSAGES, {"role": "assistant", "content": None}])
         with pytest.raises(RequestError, match="tools go with chat messages"):
             session.encode("hi", tools=TOOLS)
+        no_content = session.encode(messages=[*MESSAGES, {"role": "assistant", "tool_calls": history[1]["tool_calls"]}])
+        assert "<tool_call>" in reference.decode(no_content)
+    calls_template = template.split("{% endif %}", 1)[1]
+    next(copy.rglob("chat_template.jinja")).write_text(calls_template)  # renders tool_calls, reads no tools
+    with Session(copy) as session:
+        text = reference.decode(session.encode(messages=history, tools=TOOLS))
+    assert text.count("get_time") == 2 and "You may call" in text  # the function described once, the call once
+    assert '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>' in text
     assert ids == reference.apply_chat_template(history, tools=TOOLS, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)
     assert "Tools: get_weather get_time" in reference.decode(ids) and "You may call" not in reference.decode(ids)

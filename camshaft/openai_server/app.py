@@ -209,6 +209,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
                 raise APIError(400, f"tool_choice {body.tool_choice!r:.60} holds the output to its tools' schemas; "
                                "leave out response_format and the guided_* fields", param="tool_choice")
             params = replace(params, guided_decoding=guided)
+        if tools is not None and tools.kind == "auto" and "skip_special_tokens" not in body.model_fields_set:
+            params = replace(params, skip_special_tokens=False)  # some models' <tool_call> tags are special tokens
         ids = await prompt_ids(messages=[m.template_dict() for m in body.messages],
                                tools=tools.prompt_tools if tools is not None else None)
         shape = ChatShape(model_name, llm.tokenizer, tools)

@@ -255,6 +255,8 @@ class TokenizeRequest(_TemplateOptions):
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send one of prompt (text) or messages (chat)")
+        if self.prompt is not None and self.tools:
+            raise RequestError("tools go with messages (a chat); a prompt is tokenized as it is: leave tools out")
         self.check_template_options()
         default = self.prompt is not None  # vLLM's: special tokens for a prompt, none added to a chat template
         if self.add_special_tokens not in (None, default):

@@ -8,7 +8,8 @@ the non-streamed message.
 from __future__ import annotations
 
 import json
-import uuid
+import secrets
+import string
 from typing import Any
 
 PARSERS = ("hermes",)  # `--tool-call-parser` values: how text the model chose to write is read into calls
@@ -18,7 +19,8 @@ _decoder = json.JSONDecoder()
 
 
 def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    """9 letters and digits: what Mistral's chat templates require of the ids a client sends back."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def whole_call(index: int, name: str, arguments: Any) -> dict[str, Any]:
@@ -79,8 +81,8 @@ class ArrayReader(_Reader):
         return "", calls
 
     def finish(self) -> Piece:
-        rest = self._text[self._at:].strip()
-        return ("" if rest == "]" or (rest == "" and self._opened) else rest), []
+        """An item the length limit cut is dropped: the array is the grammar's form, not content."""
+        return "", []
 
     def _next_item(self) -> int | None:
         """Where the next item starts (past "[" or ","), once it has begun."""

@@ -23,6 +23,7 @@ from camshaft.version import __version__
 _LAZY = {
     "LLM": "camshaft.runtime.llm", "Session": "camshaft.runtime.session",
     "SamplingParams": "camshaft.runtime.sampling_params", "GuidedDecodingParams": "camshaft.runtime.guided",
+    "PromptLookup": "camshaft.runtime.prompt_lookup",
     "GenerationResult": "camshaft.runtime.request",
     "Timings": "camshaft.runtime.request", "PromptOutput": "camshaft.runtime.outputs",
     "RequestOutput": "camshaft.runtime.outputs", "SampleResult": "camshaft.runtime.sampler",
@@ -31,7 +32,8 @@ _LAZY = {
     "QuantizeError": "camshaft.quantize.spec",
 }
 __all__ = [
-    "__version__", "LLM", "Session", "SamplingParams", "GuidedDecodingParams", "GenerationResult", "Timings",
+    "__version__", "LLM", "Session", "SamplingParams", "GuidedDecodingParams", "PromptLookup", "GenerationResult",
+    "Timings",
     "PromptOutput", "RequestOutput",
     "SampleResult", "build_engine", "BuildConfig", "quantize_checkpoint", "QuantSpec", "QuantizeError",
     "BuildConfigError", "CamshaftError", "CapacityError", "CheckpointError", "EngineError", "FetchError",

@@ -72,11 +72,13 @@ SLIDING_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("decode_mask_sliding", "bool", ("Bd", 1, 1, "Ld")),
     TensorSpec("prefill_mask_sliding", "bool", ("Bp", 1, "Qp", "Lp")),
 )
-# The sequence graph's inputs besides its cache: the step's tokens, then tokens in the cache after the step (- 1).
+# The sequence graph's inputs besides its cache: the step's tokens, tokens in the cache after the step (- 1, then
+# all), and how many of the last tokens get logits (engines built before it had one row: no prompt lookup).
 SEQUENCE_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("input_ids", "int64", (1, "S")),
     TensorSpec("seqlens_k", "int32", (1,)),
     TensorSpec("total_sequence_length", "int32", ()),
+    TensorSpec("num_logits", "int64", (1,)),
 )
 
 

@@ -21,6 +21,7 @@ from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
 
 GROW = 256
+MAX_ROWS = 17  # logits rows one feed may ask for: a token and up to 16 drafts
 
 
 def over_budget(total: int, holds: int, how: str) -> CapacityError:
@@ -66,8 +67,14 @@ class SequenceEngine:
         self._token_bound = False
         self.binding.bind_ortvalue_input("seqlens_k", self._values[1])
         self.binding.bind_ortvalue_input("total_sequence_length", self._values[2])
-        self.logits = np.empty((1, m.model.vocab_size), dtype=np.float32)
-        self.binding.bind_output("logits", "cpu", 0, np.float32, self.logits.shape, self.logits.ctypes.data)
+        # logits rows: 1, or a token and its drafts (prompt lookup) on engines whose graph takes num_logits
+        self.max_rows = MAX_ROWS if any(spec.name == "num_logits" for spec in self.layout.inputs) else 1
+        self._rows_wanted = np.ones(1, dtype=np.int64)
+        if self.max_rows > 1:
+            self._values.append(ort.OrtValue.ortvalue_from_numpy(self._rows_wanted))
+            self.binding.bind_ortvalue_input("num_logits", self._values[-1])
+        self._all_logits = np.empty((self.max_rows, m.model.vocab_size), dtype=np.float32)
+        self._bind_logits(1)
         self._length = 0
         self.token_budget = self.limits.max_seq_len  # tokens (prompt + output) one sequence may hold
         self.token_bytes = self.layout.bytes_per_token(np.dtype(np.float32).itemsize)
@@ -115,13 +122,33 @@ class SequenceEngine:
         last token's logits.)"""
         if start != self._length:
             raise EngineError(f"the sequence holds {self._length} tokens; cannot continue it at {start}")
+        rows = self.feed_rows(tokens, start, 1)[0]
+        return rows.copy() if copy else rows
+
+    def feed_rows(self, tokens: list[int], start: int, rows: int) -> np.ndarray:
+        """Logits [rows, vocab] of the last `rows` tokens fed (a view of the bound buffer, valid until the next
+        feed). `start` may be before the end of what was fed: the cache from there on is written again (drafted
+        tokens that were not accepted)."""
+        if start > self._length:
+            raise EngineError(f"the sequence holds {self._length} tokens; cannot continue it at {start}")
         if start + len(tokens) > self.capacity:
             raise EngineError(f"{start + len(tokens)} tokens exceed the {self.capacity} this sequence was started for; "
                               "call start() with its whole length first")
+        if not 1 <= rows <= min(len(tokens), self.max_rows):
+            raise EngineError(f"{rows} rows of logits asked for {len(tokens)} tokens; this engine's sequence graph "
+                              f"gives 1 to {self.max_rows}" + ("" if self.max_rows > 1 else
+                                                              " (rebuild it with this camshaft for more)"))
+        if rows != self.logits.shape[0]:
+            self._bind_logits(rows)
         self.prepare(tokens, start)
         self.session.run_with_iobinding(self.binding)
         self._length = start + len(tokens)
-        return self.logits[0].copy() if copy else self.logits[0]
+        return self.logits
+
+    def _bind_logits(self, rows: int) -> None:
+        self.logits = self._all_logits[:rows]
+        self._rows_wanted[0] = rows
+        self.binding.bind_output("logits", "cpu", 0, np.float32, self.logits.shape, self.logits.ctypes.data)
 
     def prepare(self, tokens: list[int], start: int) -> None:
         """Bind a step's inputs (a decode step writes into the bound buffers)."""
@@ -172,10 +199,16 @@ class BatchGraphSequence:
             raise over_budget(total, pool.capacity * block, f"{pool.capacity} blocks of {block} tokens")
         self.blocks = pool.allocate(need)
 
+    max_rows = MAX_ROWS
+
     def feed(self, tokens: list[int], start: int, copy: bool = True, last: bool = True) -> np.ndarray | None:
         """As SequenceEngine.feed; a chunk that is not the prompt's `last` asks the graph for no logits (None)."""
         logits = self.engine.step([Chunk(tokens, start, self.blocks, num_logits=int(last))])
         return logits[0] if last else None
+
+    def feed_rows(self, tokens: list[int], start: int, rows: int) -> np.ndarray:
+        """As SequenceEngine.feed_rows (the paged cache's positions from `start` on are written again)."""
+        return self.engine.step([Chunk(tokens, start, self.blocks, num_logits=rows)])
 
     def finish(self) -> None:
         self.engine.pool.free(self.blocks)

@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 
 from camshaft.checks import is_int
-from camshaft.errors import RequestError, ServerClosedError
+from camshaft.errors import EngineError, RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.chat_template import render_chat
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import params_list
+from camshaft.runtime.prompt_lookup import PromptLookup
 from camshaft.runtime.prompt_text import encode_text
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
@@ -38,12 +39,17 @@ class Session:
     camshaft: the fastest for one request), else its batch graph; "sequence" or "batch" insists on one.
     `kv_cache_memory` bounds the KV cache of either graph (bytes, "512MiB", or a fraction of available memory:
     kv_cache.parse_memory). `huge_pages`: the weights on transparent huge
-    pages (Linux; see runtime/backends/huge_pages.py)."""
+    pages (Linux; see runtime/backends/huge_pages.py). `prompt_lookup`: decode with drafts copied from the prompt
+    and output (runtime/prompt_lookup.py): the same output, faster where text repeats."""
 
     def __init__(self, engine_dir: str | Path, *, threads: int | None = None,
-                 kv_cache_memory: int | float | str | None = None, graph: str = "auto", huge_pages: bool = True):
+                 kv_cache_memory: int | float | str | None = None, graph: str = "auto", huge_pages: bool = True,
+                 prompt_lookup: PromptLookup | None = None):
         if graph not in GRAPHS:
             raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
+        if prompt_lookup is not None and not isinstance(prompt_lookup, PromptLookup):
+            raise RequestError(f"prompt_lookup takes a camshaft.PromptLookup(num_tokens=...), got "
+                               f"{prompt_lookup!r:.60}")
         kv_cache_memory = parse_memory(kv_cache_memory)
         manifest = read_manifest(engine_dir)
         if graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None):
@@ -54,6 +60,12 @@ class Session:
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
                                                     threads=threads, huge_pages=huge_pages, manifest=manifest))
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
+        if prompt_lookup is not None and self.engine.max_rows <= prompt_lookup.num_tokens:
+            self.engine.close()
+            raise EngineError(f"{engine_dir}: its sequence graph gives logits for one token a step, so it cannot check "
+                              "drafts; rebuild the engine with this camshaft for prompt lookup, or run it without")
+        self.prompt_lookup = prompt_lookup
+        self.drafted_tokens = self.accepted_tokens = 0  # prompt lookup's drafts, over this Session's requests
         self.tokenizer = self.engine.tokenizer
         self._guides = Guides(self.tokenizer, manifest.model.vocab_size, self.engine.eos_token_ids)
         self._ids = itertools.count()
@@ -194,6 +206,8 @@ class Session:
                 self._check_open()
                 logits = engine.feed(piece, start, copy=False, last=start + len(piece) == len(prompt))
                 request.num_computed += len(piece)
+            if self.prompt_lookup is not None:
+                return (yield from self._decode_with_drafts(request, logits))
             while True:
                 delta = request.add_sample(request.sampler.sample(logits))
                 if delta:
@@ -208,6 +222,29 @@ class Session:
             self._running.release()
             if self._closed:  # closed while this request ran
                 self._release_engine_if_idle()
+
+    def _decode_with_drafts(self, request: Request, logits: np.ndarray) -> Generator[str, None, GenerationResult]:
+        """Decode feeding each new token with prompt lookup's drafts; a position's sample that differs from its
+        draft ends the step (the cache past it is written again by the next one)."""
+        rows, drafts, fed_at = logits[None], [], request.num_computed - 1
+        while True:
+            for i, row in enumerate(rows):
+                delta = request.add_sample(request.sampler.sample(row))
+                if delta:
+                    yield delta
+                taken = i < len(drafts) and request.output_ids[-1] == drafts[i]
+                self.accepted_tokens += taken
+                if request.finished:
+                    return request.result()
+                if i < len(drafts) and not taken:
+                    break
+            request.num_computed = fed_at + i + 1
+            self._check_open()
+            limit = request.params.max_tokens - len(request.output_ids) - 1
+            drafts = self.prompt_lookup.propose(request.prompt_ids + request.output_ids, limit)
+            self.drafted_tokens += len(drafts)
+            fed_at, tokens = request.num_computed, [request.output_ids[-1], *drafts]
+            rows = self.engine.feed_rows(tokens, fed_at, len(tokens))
 
     def _check_open(self) -> None:
         if self._closed:

@@ -53,7 +53,7 @@ def test_manifest_records_the_contract(built):
     assert set(m.fingerprints) == set(m.files) and len(m.build_id) == 32 and m.format_version == 3
     seq = m.sequence_graph
     assert seq.artifact == "sequence.onnx" and [t.name for t in seq.inputs] == [
-        "input_ids", "seqlens_k", "total_sequence_length"]
+        "input_ids", "seqlens_k", "total_sequence_length", "num_logits"]
     assert len(seq.key_inputs) == len(seq.value_outputs) == m.model.num_layers
     assert seq.bytes_per_token(4) == 2 * m.model.num_layers * m.model.num_kv_heads * m.model.head_dim * 4
 

@@ -8,9 +8,10 @@ Runtime's GroupQueryAttention appends in place, and lowers a layer to about a do
   q/k/v as one product feeding GroupQueryAttention packed, rotary inside it (outside it where the head size is
   not a multiple of 16, which its rotary requires); gate/up as one product;
   the same linear layers as the batch graph (float or quantized: linear.py) on [1, S, hidden].
-It returns the last token's logits only. Inputs: `input_ids` [1, S]; `seqlens_k` [1] = tokens in the cache after
-this step - 1; `total_sequence_length` (scalar) = tokens after this step. S > 1 with a non-empty cache is a later
-prefill chunk, which GroupQueryAttention accepts for batch 1.
+It returns the logits of the last `num_logits` tokens only (1 but when drafted tokens are checked: prompt lookup).
+Inputs: `input_ids` [1, S]; `seqlens_k` [1] = tokens in the cache after this step - 1; `total_sequence_length`
+(scalar) = tokens after this step; `num_logits` [1]. S > 1 with a non-empty cache is a later prefill chunk (or a
+token and its drafts), which GroupQueryAttention accepts for batch 1.
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ class SequenceLowering(LayerOps):
             down = self.linears.linear(act, f"{p}.mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
             following = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < c.num_layers else "model.norm.weight"
             x, residual = self.skip_norm(down, residual, following)
-        last = g.op("Gather", [x, g.const(np.array(-1, np.int64), "last")], axis=1)  # [1, hidden]
-        logits = self.head.lower(last)
+        rows = g.op("Slice", [x, g.op("Neg", ["num_logits"]), g.ints([np.iinfo(np.int64).max]), g.ints([1])])
+        logits = self.head.lower(g.op("Squeeze", [rows, g.ints([0])]))  # the last num_logits tokens': [N, vocab]
         g.op_to("Identity", [logits], "logits")
-        g.output("logits", TensorProto.FLOAT, [1, c.vocab_size])
+        g.output("logits", TensorProto.FLOAT, ["N", c.vocab_size])
         for name in kv.key_outputs + kv.value_outputs:
             g.output(name, TensorProto.FLOAT, cache_shape)
 

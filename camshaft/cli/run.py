@@ -11,6 +11,7 @@ import typer
 from camshaft.cli import app, err, eval_app, flag_names
 
 if TYPE_CHECKING:
+    from camshaft.runtime.prompt_lookup import PromptLookup
     from camshaft.runtime.sampling_params import SamplingParams
 
 
@@ -28,6 +29,9 @@ def run(
     top_k: Annotated[int, typer.Option(help="0 or -1 = off")] = 0,
     seed: Annotated[int | None, typer.Option(help="Seed of the sampling (default: a fresh one)")] = None,
     stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
+    prompt_lookup: Annotated[int, typer.Option(
+        min=0, max=16, help="Draft up to this many tokens a step from text the prompt and output already hold "
+                            "(prompt lookup decoding: the same output, faster where text repeats); 0 = off")] = 0,
 ) -> None:
     """Generate text from a prompt."""
     from camshaft.errors import RequestError
@@ -37,9 +41,14 @@ def run(
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
     if prompt == "-":
         prompt = _stdin_text()
-    with flag_names("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    lookup = None
+    if prompt_lookup:
+        from camshaft.runtime.prompt_lookup import PromptLookup
+
+        lookup = PromptLookup(num_tokens=prompt_lookup)
+    with flag_names("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_lookup"):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        _run(engine, prompt, chat, system, params, stream)
+        _run(engine, prompt, chat, system, params, stream, lookup)
 
 
 def _stdin_text() -> str:
@@ -52,13 +61,14 @@ def _stdin_text() -> str:
     return text.removeprefix("\ufeff").removesuffix("\n").removesuffix("\r")
 
 
-def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool) -> None:
+def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool,
+         prompt_lookup: PromptLookup | None) -> None:
     from camshaft.runtime.session import Session
 
     max_tokens = params.max_tokens
     # One prompt, then exit: moving the weights to huge pages (0.2-1.3 s for SmolLM2 fp32) repays itself at 6 % of
     # each decode step after 200-1300 tokens (both scale with the weights' size; BENCHMARKS.md): only long runs ask.
-    session = Session(engine, huge_pages=max_tokens >= 512)
+    session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup)
     messages = None
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -77,8 +87,9 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
         result = session.generate(sampling_params=params, **kwargs)
         typer.echo(result.text)
     t = result.timings
+    drafts = f" · drafts {session.accepted_tokens}/{session.drafted_tokens} taken" if prompt_lookup else ""
     err.print(f"[dim]{t.output_tokens} tokens · finish {result.finish_reason} · TTFT {t.ttft_s * 1000:.0f} ms · "
-              f"{t.decode_tok_s:.1f} tok/s[/dim]")
+              f"{t.decode_tok_s:.1f} tok/s{drafts}[/dim]")
 
 
 @eval_app.command("ppl")

@@ -1,0 +1,102 @@
+"""Prompt lookup decoding: drafts come from the latest earlier occurrence of the sequence's last tokens, the engine
+checks several in one step (the tokens passed to it are asserted), and the output equals decoding without drafts —
+greedy, seeded sampling, penalties, stop strings, grammars, log-probs — on both graphs."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from camshaft.cli import app
+from camshaft.errors import EngineError, RequestError
+from camshaft.runtime.guided import GuidedDecodingParams
+from camshaft.runtime.prompt_lookup import PromptLookup
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+
+from tiny_models import tiny_engine
+
+PROMPTS = ["The cat sat on the mat. The cat sat on the", "abc abc abc abc abc", "one two three one two three one"]
+PARAMS = [dict(temperature=0), dict(temperature=0.9, seed=7), dict(temperature=0.7, top_k=20, top_p=0.9, seed=1),
+          dict(temperature=0, repetition_penalty=1.3, presence_penalty=0.5), dict(temperature=0, stop=["ca", "e t"]),
+          dict(temperature=0, logprobs=3), dict(temperature=0, min_tokens=40, max_tokens=41),
+          dict(temperature=0, guided_decoding=GuidedDecodingParams(regex="(ab ){3,12}c"))]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return tiny_engine(tmp_path_factory.mktemp("lookup"), max_seq_len=256, max_num_tokens=64)
+
+
+def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_tail():
+    lookup = PromptLookup(num_tokens=3, max_ngram=2, min_ngram=1)
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 4, 5, 6, 1, 2], 10) == [4, 5, 6]  # "1 2" last seen before 4 5 6
+    assert lookup.propose([7, 8, 5, 9, 8, 6, 6, 8], 10) == [6, 6, 8]  # "6 8" unseen: "8", latest with 3 after it
+    assert lookup.propose([7, 8, 5, 9, 8, 6, 6, 8], 1) == [6]
+    assert lookup.propose([1, 2, 3, 4], 10) == [] and lookup.propose([5], 4) == []
+    assert PromptLookup(num_tokens=2, min_ngram=2).propose([3, 1, 4, 1], 5) == []  # only a one-token match
+    assert lookup.propose([1, 2, 1, 2], 10) == [1, 2]  # the match runs to the end: what there is
+    for bad in (dict(num_tokens=0), dict(num_tokens=17), dict(min_ngram=3, max_ngram=2), dict(num_tokens=2.0)):
+        with pytest.raises(RequestError, match="PromptLookup"):
+            PromptLookup(**bad)
+
+
+@pytest.mark.parametrize("graph", ["sequence", "batch"])
+def test_the_output_is_the_same_with_drafts_and_the_engine_checks_several_a_step(engine_dir, graph):
+    plain, drafting = Session(engine_dir, graph=graph), Session(engine_dir, graph=graph, prompt_lookup=PromptLookup())
+    feeds: list[int] = []
+    feed_rows = drafting.engine.feed_rows
+    drafting.engine.feed_rows = lambda tokens, start, rows: feeds.append(rows) or feed_rows(tokens, start, rows)
+    with plain, drafting:
+        for prompt in PROMPTS:
+            for options in PARAMS:
+                params = SamplingParams(**{"max_tokens": 80, **options})
+                expected, got = plain.generate(prompt, params), drafting.generate(prompt, params)
+                assert got.token_ids == expected.token_ids, (prompt, options)
+                assert got.text == expected.text and got.finish_reason == expected.finish_reason
+                assert got.stop_reason == expected.stop_reason
+                if options.get("logprobs"):
+                    for a, b in zip(got.logprobs, expected.logprobs, strict=True):
+                        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+            streamed = drafting.stream(prompt, max_tokens=60)
+            deltas = []
+            while True:
+                try:
+                    deltas.append(next(streamed))
+                except StopIteration as done:
+                    assert "".join(deltas) == done.value.text == plain.generate(prompt, max_tokens=60).text
+                    break
+    assert max(feeds) > 1 and drafting.accepted_tokens > 0 and drafting.drafted_tokens >= drafting.accepted_tokens
+    assert sum(rows - 1 for rows in feeds) == drafting.drafted_tokens  # every draft was checked by the engine
+
+
+def test_a_repeating_output_takes_fewer_engine_steps(engine_dir):
+    with Session(engine_dir, prompt_lookup=PromptLookup(num_tokens=8)) as session:
+        steps = []
+        feed_rows = session.engine.feed_rows
+        session.engine.feed_rows = lambda tokens, start, rows: rows == len(tokens) and steps.append(tokens) \
+            or feed_rows(tokens, start, rows)
+        result = session.generate("abc abc abc abc abc abc", max_tokens=120, temperature=0, ignore_eos=True)
+    # after the prompt's token, each step gives its token and the drafts taken
+    assert len(result.token_ids) - 1 == len(steps) + session.accepted_tokens
+    assert session.accepted_tokens > len(steps) and max(map(len, steps)) == 9
+
+
+def test_an_engine_that_cannot_check_drafts_is_refused_and_so_are_bad_settings(engine_dir, tmp_path):
+    with pytest.raises(RequestError, match="prompt_lookup takes a camshaft.PromptLookup"):
+        Session(engine_dir, prompt_lookup=4)
+    with Session(engine_dir) as session:
+        assert session.engine.max_rows > 1
+    engine = Session(engine_dir).engine
+    engine.max_rows = 1  # as an engine built before prompt lookup reads
+    with pytest.raises(EngineError, match="gives 1 to 1"):
+        engine.start(16)
+        engine.feed_rows([5, 6], 0, 2)
+    result = CliRunner().invoke(app, ["run", "--engine", str(engine_dir), "--prompt", "abc abc abc", "--max-tokens",
+                                      "20", "--prompt-lookup", "4"])
+    assert result.exit_code == 0 and "drafts " in result.output and "taken" in result.output, result.output
+    with Session(engine_dir) as plain:
+        assert result.output.splitlines()[0] == plain.generate("abc abc abc", max_tokens=20).text.splitlines()[0]
+    refused = CliRunner().invoke(app, ["run", "--engine", str(engine_dir), "--prompt", "x", "--prompt-lookup", "17"])
+    assert refused.exit_code == 2 and "--prompt-lookup" in refused.output

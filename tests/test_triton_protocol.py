@@ -91,7 +91,10 @@ def test_embedding_bias_becomes_logit_bias():
     bias[0, [3, 40]] = [-100.0, 2.5]
     assert request(embedding_bias=bias).params.logit_bias == ((3, -100.0), (40, 2.5))
     assert request(embedding_bias=np.zeros((1, 0), np.float32)).params.logit_bias == ()  # empty: none
-    for array, message in ((np.zeros((1, 7), np.float32), rf"shape \[1, {VOCAB}\], got \[1, 7\]"),
+    short = np.zeros((1, 7), np.float32)
+    short[0, 6] = 1.5  # a tokenizer's vocabulary, shorter than the engine's: the rest 0
+    assert request(embedding_bias=short).params.logit_bias == ((6, 1.5),)
+    for array, message in ((np.zeros((1, VOCAB + 1), np.float32), rf"shape \[1, {VOCAB}\], got \[1, {VOCAB + 1}\]"),
                            (np.where(np.arange(VOCAB) == 5, -1e9, 0).astype(np.float32)[None], r"\[-100, 100\]"),
                            (np.where(np.arange(VOCAB) == 5, np.nan, 0).astype(np.float32)[None], "finite")):
         with pytest.raises(RequestError, match=message):

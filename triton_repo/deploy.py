@@ -67,7 +67,8 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     admitted = batch + options["max_queue"]
     common = {"engine_dir": str(engine), "camshaft_path": str(Path(camshaft.__file__).resolve().parents[1])}
     models = {
-        TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=True, max_batch_size=batch, token=True, params={
+        # the requests it holds at once: a tensorrtllm_backend ensemble of up to that batch size loads over it
+        TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=True, max_batch_size=admitted, token=True, params={
             "camshaft_model": "camshaft.triton_repo.token_model:TokenModel",
             "llm_options": json.dumps(options), "exclude_input_in_output": "false", **common}),
         name: model_config(name, decoupled=True, max_batch_size=batch, token=False, params={

@@ -119,13 +119,15 @@ def vocab_words(array: np.ndarray | None, name: str, vocab_size: int) -> list[li
 
 def embedding_bias(array: np.ndarray | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """TensorRT-LLM's embedding_bias (a bias per vocabulary entry, added to the logits) as SamplingParams.logit_bias
-    pairs: its non-zero entries, within logit_bias' limits. Empty: none."""
+    pairs: its non-zero entries, within logit_bias' limits. Empty: none; shorter than the engine's vocabulary (the
+    stock preprocessing model's, of the tokenizer's): the rest 0."""
     if array is None or array.size == 0:
         return ()
     bias = np.asarray(array, np.float64).reshape(-1)
-    if bias.size != vocab_size:
+    if bias.size > vocab_size:
         raise RequestError(f"embedding_bias must hold one value per vocabulary entry, shape [1, {vocab_size}], got "
                            f"{list(array.shape)}")
+    bias = np.pad(bias, (0, vocab_size - bias.size))  # a tokenizer's vocabulary, short of the engine's padded one
     ids = np.flatnonzero(bias)
     if not np.isfinite(bias[ids]).all() or (np.abs(bias[ids]) > 100).any():
         raise RequestError("embedding_bias values must be finite and in [-100, 100] (-100 bans a token), got "
@@ -194,15 +196,33 @@ def token_request(values: Values, *, eos_token_ids: Sequence[int], exclude_defau
     max_tokens = one(values, "request_output_len")
     if max_tokens is None:
         raise RequestError("request_output_len is required: the number of tokens to generate")
-    for name in ("return_context_logits", "return_generation_logits"):
+    for name in ("return_context_logits", "return_generation_logits", "return_perf_metrics"):
         if one(values, name):
             raise RequestError(f"{name} is not supported by camshaft's Triton models; leave it false")
+    check_unsupported(values)
     return TokenRequest(prompt, sampling_params(values, eos_token_ids, max_tokens, vocab_size),
                         bool(one(values, "streaming")),
                         bool(exclude_default if one(values, "exclude_input_in_output") is None
                              else one(values, "exclude_input_in_output")),
                         bool(one(values, "return_log_probs")), bool(one(values, "return_num_input_tokens")),
                         bool(one(values, "return_num_output_tokens")))
+
+
+def check_unsupported(values: Values) -> None:
+    """What tensorrtllm_backend's stock ensemble sends the token model: its defaults pass (the preprocessing model
+    sends a one-id decoder input and an empty prompt table always); anything asking for encoder-decoder models,
+    prompt tuning or LoRA, which camshaft lacks, is refused."""
+    decoder_ids, decoder_length = values.get("decoder_input_ids"), one(values, "decoder_input_lengths")
+    if (decoder_ids is not None and decoder_ids.size > 1) or (decoder_length or 0) > 1:
+        raise RequestError("decoder_input_ids are for encoder-decoder models, which camshaft does not serve; leave "
+                           "decoder_text_input out")
+    for name, what in (("prompt_embedding_table", "prompt tuning (p-tuning)"), ("prompt_table_extra_ids",
+                       "prompt tuning (p-tuning)"), ("lora_task_id", "LoRA"), ("lora_weights", "LoRA"),
+                       ("lora_config", "LoRA")):
+        if values.get(name) is not None and values[name].size:
+            raise RequestError(f"{name}: {what} is not supported by camshaft; leave it out")
+    if (one(values, "prompt_vocab_size") or 0) > 0:
+        raise RequestError("prompt_vocab_size: prompt tuning (p-tuning) is not supported by camshaft; leave it out")
 
 
 def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: int,

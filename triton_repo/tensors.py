@@ -53,6 +53,23 @@ TOKEN_INPUTS = (
     _s("stop_words", "STRING", (-1,)), _s("bad_words", "STRING", (-1,)),  # EXT: strings, as the text model gets them
     _s("embedding_bias", "FP32", (-1,)),
 )
+# Declared so that tensorrtllm_backend's stock `ensemble` (which maps them) loads over this token model: the inputs
+# are refused when they ask for what camshaft lacks (protocol.check_unsupported), the outputs never sent.
+STOCK_INPUTS = (
+    _s("decoder_input_ids", "INT32", (-1,)), _s("decoder_input_lengths", "INT32"),
+    _s("return_perf_metrics", "BOOL"),
+    _s("prompt_embedding_table", "FP16", (-1, -1)), _s("prompt_vocab_size", "INT32"),
+    _s("prompt_table_extra_ids", "UINT64", (-1,)),
+    _s("lora_task_id", "UINT64"), _s("lora_weights", "FP16", (-1, -1)), _s("lora_config", "INT32", (-1, 3)),
+)
+STOCK_OUTPUTS = (
+    _s("context_logits", "FP32", (-1, -1)), _s("generation_logits", "FP32", (-1, -1, -1)),
+    _s("batch_index", "INT32"),
+    *(_s(f"kv_cache_{n}_blocks", "INT32") for n in ("alloc_new", "reused", "alloc_total")),
+    *(_s(f"{n}_time_ns", "INT64") for n in ("arrival", "first_scheduled", "first_token", "last_token")),
+    _s("acceptance_rate", "FP32"), _s("total_accepted_draft_tokens", "INT32"), _s("total_draft_tokens", "INT32"),
+)
+TOKEN_INPUTS += STOCK_INPUTS
 TOKEN_OUTPUTS = (
     _s("output_ids", "INT32", (-1, -1)), _s("sequence_length", "INT32", (-1,)),
     _s("cum_log_probs", "FP32", (-1,)), _s("output_log_probs", "FP32", (-1, -1)),
@@ -60,6 +77,7 @@ TOKEN_OUTPUTS = (
     _s("text_output", "STRING", (-1,)),  # EXT: the text delta of the new tokens (stop strings applied)
     _s("finish_reason", "STRING", (-1,)),  # EXT: on the last response only: length, stop, abort
     _s("sequence_index", "INT32"),  # which of num_return_sequences a response is for
+    *STOCK_OUTPUTS,
 )
 
 TEXT_INPUTS = (

@@ -1,0 +1,123 @@
+"""A tensorrtllm_backend-style `platform: "ensemble"` over camshaft's tensorrt_llm model, on the real tritonserver:
+it loads (every tensor the stock ensemble maps to tensorrt_llm is declared, with the stock types, and the token
+model's batch size holds the ensemble's), what the stock preprocessing always sends passes, and what camshaft lacks
+(LoRA, prompt tuning, encoder-decoder inputs, perf metrics) is refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from test_triton import Stream, assert_same_ids
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+from camshaft.triton_repo.deploy import deploy_repository
+from camshaft.triton_repo.server import TritonServer
+
+from tiny_models import make_tiny_model
+
+# The tensors the stock ensemble's tensorrt_llm step maps, with the stock model's types and dims.
+STOCK_INPUTS = [
+    ("input_ids", "INT32", [-1]), ("input_lengths", "INT32", [1]), ("request_output_len", "INT32", [-1]),
+    ("decoder_input_ids", "INT32", [-1]), ("decoder_input_lengths", "INT32", [1]), ("end_id", "INT32", [1]),
+    ("pad_id", "INT32", [1]), ("streaming", "BOOL", [1]), ("return_perf_metrics", "BOOL", [1]),
+    ("prompt_embedding_table", "FP16", [-1, -1]), ("prompt_vocab_size", "INT32", [1]),
+    ("prompt_table_extra_ids", "UINT64", [-1]), ("lora_task_id", "UINT64", [1]), ("lora_weights", "FP16", [-1, -1]),
+    ("lora_config", "INT32", [-1, 3]), ("embedding_bias", "FP32", [-1]), ("runtime_top_k", "INT32", [1]),
+    ("runtime_top_p", "FP32", [1]), ("temperature", "FP32", [1]), ("len_penalty", "FP32", [1]),
+    ("repetition_penalty", "FP32", [1]), ("min_tokens", "INT32", [1]), ("presence_penalty", "FP32", [1]),
+    ("frequency_penalty", "FP32", [1]), ("seed", "UINT64", [1]), ("return_log_probs", "BOOL", [1]),
+    ("return_context_logits", "BOOL", [1]), ("return_generation_logits", "BOOL", [1]), ("beam_width", "INT32", [1]),
+    ("stop_words_list", "INT32", [2, -1]), ("bad_words_list", "INT32", [2, -1]),
+    ("num_return_sequences", "INT32", [1]), ("exclude_input_in_output", "BOOL", [1]),
+    ("guided_decoding_guide_type", "STRING", [1]), ("guided_decoding_guide", "STRING", [1]),
+    ("return_num_input_tokens", "BOOL", [1]), ("return_num_output_tokens", "BOOL", [1]),
+]
+STOCK_OUTPUTS = [
+    ("output_ids", "INT32", [-1, -1]), ("sequence_length", "INT32", [-1]), ("context_logits", "FP32", [-1, -1]),
+    ("generation_logits", "FP32", [-1, -1, -1]), ("batch_index", "INT32", [1]), ("sequence_index", "INT32", [1]),
+    ("cum_log_probs", "FP32", [-1]), ("output_log_probs", "FP32", [-1, -1]),
+    ("kv_cache_alloc_new_blocks", "INT32", [1]), ("kv_cache_reused_blocks", "INT32", [1]),
+    ("kv_cache_alloc_total_blocks", "INT32", [1]), ("arrival_time_ns", "INT64", [1]),
+    ("first_scheduled_time_ns", "INT64", [1]), ("first_token_time_ns", "INT64", [1]),
+    ("last_token_time_ns", "INT64", [1]), ("acceptance_rate", "FP32", [1]),
+    ("total_accepted_draft_tokens", "INT32", [1]), ("total_draft_tokens", "INT32", [1]),
+    ("num_input_tokens", "INT32", [1]), ("num_output_tokens", "INT32", [1]),
+]
+ENSEMBLE_BATCH = 16  # above the engine's batch of 4: the token model declares batch + queue
+
+
+def ensemble_config() -> str:
+    def block(kind: str, specs, optional: bool) -> str:
+        items = [f'{{ name: "{n}" data_type: TYPE_{t} dims: [ {", ".join(map(str, d))} ]'
+                 f'{" optional: true" if optional else ""} }}' for n, t, d in specs]
+        return f"{kind} [\n  " + ",\n  ".join(items) + "\n]\n"
+
+    maps = "".join(f'    input_map {{ key: "{n}" value: "{n}" }}\n' for n, _, _ in STOCK_INPUTS)
+    maps += "".join(f'    output_map {{ key: "{n}" value: "{n}" }}\n' for n, _, _ in STOCK_OUTPUTS)
+    return (f'name: "stock_ensemble"\nplatform: "ensemble"\nmax_batch_size: {ENSEMBLE_BATCH}\n'
+            + block("input", STOCK_INPUTS, True) + block("output", STOCK_OUTPUTS, False)
+            + 'ensemble_scheduling {\n  step [\n  {\n    model_name: "tensorrt_llm"\n    model_version: -1\n'
+            + maps + "  }\n  ]\n}\n")
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stock")
+    build_engine(BuildConfig(make_tiny_model("llama", root / "hf"), root / "engine", max_seq_len=256,
+                             max_num_tokens=64, max_batch_size=4))
+    repo = deploy_repository(root / "engine", root / "repo")
+    (repo / "stock_ensemble" / "1").mkdir(parents=True)
+    (repo / "stock_ensemble" / "config.pbtxt").write_text(ensemble_config())
+    with TritonServer(repo, log_file=root / "tritonserver.log") as server, Session(root / "engine") as session:
+        yield server, session
+
+
+def inputs(**values):
+    types = {"INT32": np.int32, "UINT64": np.uint64, "FP16": np.float16, "FP32": np.float32, "BOOL": np.bool_}
+    specs = {n: t for n, t, _ in STOCK_INPUTS}
+    out = []
+    for name, value in values.items():
+        array = np.asarray(value, dtype=types[specs[name]])[None]
+        tensor = grpcclient.InferInput(name, list(array.shape), specs[name])
+        tensor.set_data_from_numpy(array)
+        out.append(tensor)
+    return out
+
+
+def test_the_stock_ensemble_loads_and_runs_what_its_preprocessing_sends(stock):
+    server, session = stock
+    prompt = [5, 9, 17, 33, 2, 41]
+    # what the stock preprocessing sends with every request: a one-id decoder input, its length, and a bias of the
+    # tokenizer's vocabulary (here shorter than the engine's), empty without bias words
+    common = dict(input_ids=prompt, input_lengths=[len(prompt)], request_output_len=[8], decoder_input_ids=[0],
+                  decoder_input_lengths=[1], end_id=[2], pad_id=[2], prompt_vocab_size=[0])
+    outputs, error, _ = Stream(server.endpoints.grpc).run("stock_ensemble", inputs(**common))
+    assert error is None, error
+    ids = outputs[0]["output_ids"].reshape(-1).tolist()
+    reference = session.generate(prompt, SamplingParams(max_tokens=8, logprobs=2))
+    assert ids[:len(prompt)] == prompt
+    assert_same_ids(ids[len(prompt):], reference, session.engine.eos_token_ids)
+    bias = np.zeros(300, np.float32)
+    bias[77] = 100.0
+    outputs, error, _ = Stream(server.endpoints.grpc).run("stock_ensemble", inputs(**common, embedding_bias=bias))
+    assert error is None and outputs[0]["output_ids"].reshape(-1).tolist()[len(prompt):] == [77] * 8
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(lora_task_id=[3]), "lora_task_id: LoRA is not supported"),
+    (dict(lora_config=np.zeros((1, 3))), "lora_config: LoRA is not supported"),
+    (dict(prompt_embedding_table=np.ones((2, 64))), "prompt tuning (p-tuning) is not supported"),
+    (dict(prompt_vocab_size=[2]), "prompt_vocab_size: prompt tuning"),
+    (dict(decoder_input_ids=[0, 5, 6], decoder_input_lengths=[3]), "encoder-decoder models"),
+    (dict(return_perf_metrics=[True]), "return_perf_metrics is not supported"),
+    (dict(embedding_bias=np.zeros(385)), "embedding_bias must hold one value per vocabulary entry"),
+])
+def test_what_camshaft_lacks_is_refused_by_name(stock, extra, message):
+    server, _ = stock
+    outputs, error, _ = Stream(server.endpoints.grpc).run(
+        "stock_ensemble", inputs(input_ids=[5, 9], input_lengths=[2], request_output_len=[4], **extra))
+    assert error is not None and message in str(error), error

@@ -353,8 +353,9 @@ class Isolated:
             raise reply
         self.name = reply
 
-    def run(self) -> dict:
-        self.conn.send("run")
+    def run(self, *args: object) -> dict:
+        """The system's run(*args), in its process."""
+        self.conn.send(args)
         reply = self.conn.recv()
         if isinstance(reply, BaseException):
             raise reply
@@ -395,9 +396,9 @@ def _serve_system(conn, make: Callable[..., object], args: tuple, kwargs: dict) 
     except BaseException as exc:  # reported to the parent, which raises it
         conn.send(exc)
         return
-    while conn.recv() == "run":
+    while (args := conn.recv()) is not None:
         try:
-            conn.send(system.run())
+            conn.send(system.run(*args))
         except BaseException as exc:
             conn.send(exc)
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_latency import (  # noqa: E402
     PAUSE_S,
     REPO,
+    Isolated,
     command_line,
     log,
     machine_info,
@@ -136,47 +137,6 @@ class OrtGenai:
         return {"ttft_s": first - start, "total_s": end - start, "token_ids": ids}
 
 
-class Worker:
-    """A system in a process of its own (spawned), running one task per call (as bench_latency.Isolated)."""
-
-    def __init__(self, kind, *args) -> None:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, kind, args), daemon=True)
-        self.process.start()
-        self.name = self._reply()
-
-    def run(self, task: str) -> dict:
-        self.conn.send(task)
-        return self._reply()
-
-    def _reply(self):
-        reply = self.conn.recv()
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
-
-    def close(self) -> None:
-        self.conn.send(None)
-        self.process.join(timeout=30)
-
-
-def _serve(conn, kind, args) -> None:
-    try:
-        system = kind(*args)
-        conn.send(system.name)
-    except BaseException as exc:
-        conn.send(exc)
-        return
-    while (task := conn.recv()) is not None:
-        try:
-            conn.send(system.run(task))
-        except BaseException as exc:
-            conn.send(exc)
-
-
 def decode_tok_s(run: dict) -> float:
     n, decode = len(run["token_ids"]), run["total_s"] - run["ttft_s"]
     return (n - 1) / decode if n > 1 and decode > 0 else 0.0
@@ -207,9 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     with Session(engine) as session:
         prompts = {name: session.encode(messages=[{"role": "user", "content": text}])
                    for name, text in tasks().items()}
-    systems = [Worker(Camshaft, engine, prompts, args.max_tokens, args.threads, d) for d in [0, *drafts]]
-    systems += [Worker(Transformers, model_dir, prompts, args.max_tokens, args.threads, d) for d in (0, drafts[0])]
-    systems.append(Worker(OrtGenai, ortgenai, prompts, args.max_tokens))
+    systems = [Isolated(Camshaft, engine, prompts, args.max_tokens, args.threads, d) for d in [0, *drafts]]
+    systems += [Isolated(Transformers, model_dir, prompts, args.max_tokens, args.threads, d) for d in (0, drafts[0])]
+    systems.append(Isolated(OrtGenai, ortgenai, prompts, args.max_tokens))
     runs: dict[str, dict[str, list[dict]]] = {task: {s.name: [] for s in systems} for task in prompts}
     for task in prompts:
         for s in systems:

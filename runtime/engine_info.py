@@ -70,6 +70,8 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "device": TARGET_DEVICES.get(m.target, m.target),
         "gpu_arch": m.target_options.get("gpu_arch"),
         "graphs": {"batch": m.artifact, "sequence": sequence.artifact if sequence else None},
+        # a Session drafts (PromptLookup) on the batch graph, and on sequence graphs that return several rows
+        "prompt_lookup": sequence is None or any(spec.name == "num_logits" for spec in sequence.inputs),
         "no_sequence_graph": sequence_note,
         "limits": {"max_batch_size": limits.max_batch_size, "max_seq_len": limits.max_seq_len,
                    "max_num_tokens": limits.max_num_tokens, "kv_block_size": limits.kv_block_size},
@@ -110,6 +112,8 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     quant = "none" if q is None else ", ".join(f"{k} {v}" for k, v in q.items())
     head = (info["lm_head"] or {}).get("dtype")
     sequence = info["graphs"]["sequence"] or f"none ({info['no_sequence_graph']})"
+    if info["graphs"]["sequence"] and not info["prompt_lookup"]:
+        sequence += " (one logits row: rebuild for prompt lookup)"
     arch = f" {info['gpu_arch']}" if info["gpu_arch"] else ""
     return [
         f"engine      {info['engine']} (format {info['format_version']}, camshaft {info['camshaft_version']}"

@@ -163,7 +163,7 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     assert info["kv_cache"]["default_pool_bytes"] == (4 * 128 + info["limits"]["kv_block_size"]) * \
         info["kv_cache"]["bytes_per_token"]  # 4 full sequences and the null block
     assert info["runs_here"] is True and info["runs_here_reason"] is None
-    assert info["graphs"]["sequence"] == "sequence.onnx"
+    assert info["graphs"]["sequence"] == "sequence.onnx" and info["prompt_lookup"] is True
     assert info["files_as_built"] and info["bytes_listed"] == sum(
         f.stat().st_size for f in engine.rglob("*") if f.is_file() and f.name not in ("manifest.json",
                                                                                       "chat_template.jinja"))
@@ -179,3 +179,9 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     assert "runs here   no: " in described.output and "rebuild" in described.output
     assert "NOT as the build wrote them" in described.output
     refused(invoke("inspect", "--engine", tmp_path), "has no manifest.json")  # none at all: the usual error
+    older = tmp_path / "older"  # a sequence graph of one logits row, as engines built before prompt lookup
+    shutil.copytree(engine, older)
+    raw = json.loads((older / "manifest.json").read_text())
+    raw["sequence_graph"]["inputs"] = [t for t in raw["sequence_graph"]["inputs"] if t["name"] != "num_logits"]
+    (older / "manifest.json").write_text(json.dumps(raw))
+    assert "(one logits row: rebuild for prompt lookup)" in invoke("inspect", "--engine", older).output

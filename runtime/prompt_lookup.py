@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from camshaft.checks import is_int
 from camshaft.errors import RequestError
@@ -41,18 +40,20 @@ class PromptLookup:
             raise RequestError(f"PromptLookup needs 1 <= min_ngram <= max_ngram <= 16, got min_ngram "
                                f"{self.min_ngram}, max_ngram {self.max_ngram}")
 
-    def propose(self, context: list[int], limit: int) -> list[int]:
+    def propose(self, context: list[int] | np.ndarray, limit: int) -> list[int]:
         """Up to min(num_tokens, limit) tokens that followed the latest earlier occurrence of the context's last
         n tokens (n from max_ngram down to min_ngram); none where there is no such occurrence."""
         size = min(self.num_tokens, limit)
         if size < 1:
             return []
         ids = np.asarray(context, dtype=np.int64)
+        ends = np.flatnonzero(ids[:-1] == ids[-1])  # where the last token appeared before, with a token after it
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            windows = sliding_window_view(ids[:-1], n)  # those with a token after them, the tail itself excluded
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            hits = ends[ends >= n - 1]
+            for back in range(1, n):
+                hits = hits[ids[hits - back] == ids[-1 - back]]
             if hits.size:
-                whole = hits[hits + n + size <= len(ids)]  # the latest with a full draft after it, else the latest
-                after = int(whole[-1] if whole.size else hits[-1]) + n
+                whole = hits[hits + 1 + size <= len(ids)]  # the latest with a full draft after it, else the latest
+                after = int(whole[-1] if whole.size else hits[-1]) + 1
                 return ids[after: after + size].tolist()
         return []

@@ -63,7 +63,8 @@ class Session:
         if prompt_lookup is not None and self.engine.max_rows <= prompt_lookup.num_tokens:
             self.engine.close()
             raise EngineError(f"{engine_dir}: its sequence graph gives logits for one token a step, so it cannot check "
-                              "drafts; rebuild the engine with this camshaft for prompt lookup, or run it without")
+                              "drafts; rebuild the engine with this camshaft for prompt lookup, run it on its batch "
+                              "graph (graph=\"batch\"), or without prompt_lookup")
         self.prompt_lookup = prompt_lookup
         self.drafted_tokens = self.accepted_tokens = 0  # prompt lookup's drafts, over this Session's requests
         self.tokenizer = self.engine.tokenizer
@@ -227,21 +228,25 @@ class Session:
         """Decode feeding each new token with prompt lookup's drafts; a position's sample that differs from its
         draft ends the step (the cache past it is written again by the next one)."""
         rows, drafts, fed_at = logits[None], [], request.num_computed - 1
+        context = np.empty(len(request.prompt_ids) + request.params.max_tokens, dtype=np.int64)
+        context[:len(request.prompt_ids)] = request.prompt_ids
+        largest = min(self.prompt_lookup.num_tokens, self.engine.limits.max_num_tokens - 1)  # a step's token budget
         while True:
             for i, row in enumerate(rows):
                 delta = request.add_sample(request.sampler.sample(row))
+                context[request.num_tokens - 1] = request.output_ids[-1]
                 if delta:
                     yield delta
                 taken = i < len(drafts) and request.output_ids[-1] == drafts[i]
                 self.accepted_tokens += taken
                 if request.finished:
                     return request.result()
+                self._check_open()  # closed while this request ran: it ends at its next token, drafts or not
                 if i < len(drafts) and not taken:
                     break
             request.num_computed = fed_at + i + 1
-            self._check_open()
-            limit = request.params.max_tokens - len(request.output_ids) - 1
-            drafts = self.prompt_lookup.propose(request.prompt_ids + request.output_ids, limit)
+            limit = min(largest, request.params.max_tokens - len(request.output_ids) - 1)
+            drafts = self.prompt_lookup.propose(context[:request.num_tokens], limit)
             self.drafted_tokens += len(drafts)
             fed_at, tokens = request.num_computed, [request.output_ids[-1], *drafts]
             rows = self.engine.feed_rows(tokens, fed_at, len(tokens))

@@ -203,19 +203,19 @@ def summarize(runs: dict, prompts: dict, names: list[str], args, command: str) -
         for name in names:
             rounds = by_system[name]
             speeds = [decode_tok_s(run) for run in rounds]
+            ratios = {key: [s / decode_tok_s(other) for s, other in zip(speeds, by_system[peer], strict=True)]
+                      for key, peer in (("vs_camshaft", BASE), ("vs_ortgenai", ORT))}
             row[name] = {
-                "decode_tok_s": statistics.median(speeds),
-                "vs_camshaft": statistics.median(s / decode_tok_s(b) for s, b in zip(speeds, by_system[BASE],
-                                                                                    strict=True)),
-                "vs_ortgenai": statistics.median(s / decode_tok_s(o) for s, o in zip(speeds, by_system[ORT],
-                                                                                    strict=True)),
+                "decode_tok_s": statistics.median(speeds), "rounds_tok_s": speeds,
+                **{key: statistics.median(values) for key, values in ratios.items()},
+                **{f"{key}_range": [min(values), max(values)] for key, values in ratios.items()},
                 "tokens": len(rounds[0]["token_ids"]),
                 "same_tokens": rounds[0]["token_ids"] == base_ids,
                 "accepted": rounds[0].get("accepted"), "drafted": rounds[0].get("drafted"),
             }
         table[task] = {"prompt_tokens": len(prompts[task]), "systems": row}
     return {"command": command, "machine": machine_info(), "rounds": args.rounds, "max_tokens": args.max_tokens,
-            "threads": args.threads, "tasks": table}
+            "threads": args.threads, "tasks": table, "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -256,16 +256,19 @@ def markdown(results: dict, plot_path: Path) -> str:
            f"Command: `{results['command']}`", "",
            f"Each task is one chat request (greedy, fp32, to the end id or {results['max_tokens']} tokens, "
            f"{results['threads']} threads), every system in a process of its own, {results['rounds']} interleaved "
-           "rounds after a warm-up; decode tok/s medians; ratios are medians of the per-round ratios. Drafts: taken / "
-           "proposed in the first round. \"same tokens\": equal to camshaft's without drafts.", "",
+           "rounds after a warm-up; decode tok/s medians (min–max over rounds); ratios are medians of the per-round "
+           "ratios (their min–max). Drafts: taken / proposed in the first round. \"same tokens\": equal to "
+           f"camshaft's without drafts. Run ended {results['utc']} UTC.", "",
            "| task | system | decode tok/s | ÷ camshaft without drafts | ÷ onnxruntime-genai | drafts taken | "
            "tokens | same tokens |", "|---|---|---|---|---|---|---|---|"]
     for task, entry in results["tasks"].items():
         for name, row in entry["systems"].items():
             drafts = f"{row['accepted']}/{row['drafted']}" if row.get("drafted") else "—"
-            out.append(f"| {task} ({entry['prompt_tokens']} prompt tokens) | {name} | {row['decode_tok_s']:.1f} | "
-                       f"{row['vs_camshaft']:.2f}× | {row['vs_ortgenai']:.2f}× | {drafts} | {row['tokens']} | "
-                       f"{'yes' if row['same_tokens'] else 'no'} |")
+            speed = f"{row['decode_tok_s']:.1f} ({min(row['rounds_tok_s']):.1f}–{max(row['rounds_tok_s']):.1f})"
+            vs = [f"{row[k]:.2f}× ({row[k + '_range'][0]:.2f}–{row[k + '_range'][1]:.2f})"
+                  for k in ("vs_camshaft", "vs_ortgenai")]
+            out.append(f"| {task} ({entry['prompt_tokens']} prompt tokens) | {name} | {speed} | {vs[0]} | {vs[1]} | "
+                       f"{drafts} | {row['tokens']} | {'yes' if row['same_tokens'] else 'no'} |")
     shown = plot_path.resolve()
     shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown
     out += ["", f"![prompt lookup]({shown})", "", MD_END]

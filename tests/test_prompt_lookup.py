@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from camshaft.cli import app
-from camshaft.errors import EngineError, RequestError
+from camshaft.errors import EngineError, RequestError, ServerClosedError
 from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.prompt_lookup import PromptLookup
 from camshaft.runtime.sampling_params import SamplingParams
@@ -84,15 +84,27 @@ def test_a_repeating_output_takes_fewer_engine_steps(engine_dir):
 
 
 def test_an_engine_that_cannot_check_drafts_is_refused_and_so_are_bad_settings(engine_dir, tmp_path):
+    import json
+    import shutil
+
     with pytest.raises(RequestError, match="prompt_lookup takes a camshaft.PromptLookup"):
         Session(engine_dir, prompt_lookup=4)
     with Session(engine_dir) as session:
         assert session.engine.max_rows > 1
-    engine = Session(engine_dir).engine
-    engine.max_rows = 1  # as an engine built before prompt lookup reads
-    with pytest.raises(EngineError, match="gives 1 to 1"):
-        engine.start(16)
-        engine.feed_rows([5, 6], 0, 2)
+        session.engine.max_rows = 1  # as an engine built before prompt lookup reads
+        session.engine.start(16)
+        with pytest.raises(EngineError, match="gives 1 to 1"):
+            session.engine.feed_rows([5, 6], 0, 2)
+    older = tmp_path / "older"  # its manifest as engines built before prompt lookup wrote it
+    shutil.copytree(engine_dir, older)
+    raw = json.loads((older / "manifest.json").read_text())
+    raw["sequence_graph"]["inputs"] = [t for t in raw["sequence_graph"]["inputs"] if t["name"] != "num_logits"]
+    (older / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match='one token a step, so it cannot check drafts; .*graph="batch"'):
+        Session(older, prompt_lookup=PromptLookup())
+    with Session(older, graph="batch", prompt_lookup=PromptLookup()) as batch, Session(engine_dir) as plain:
+        assert batch.generate("abc abc abc", max_tokens=30).token_ids == \
+            plain.generate("abc abc abc", max_tokens=30).token_ids
     result = CliRunner().invoke(app, ["run", "--engine", str(engine_dir), "--prompt", "abc abc abc", "--max-tokens",
                                       "20", "--prompt-lookup", "4"])
     assert result.exit_code == 0 and "drafts " in result.output and "taken" in result.output, result.output
@@ -100,3 +112,23 @@ def test_an_engine_that_cannot_check_drafts_is_refused_and_so_are_bad_settings(e
         assert result.output.splitlines()[0] == plain.generate("abc abc abc", max_tokens=20).text.splitlines()[0]
     refused = CliRunner().invoke(app, ["run", "--engine", str(engine_dir), "--prompt", "x", "--prompt-lookup", "17"])
     assert refused.exit_code == 2 and "--prompt-lookup" in refused.output
+
+
+def test_a_step_keeps_to_the_engines_token_budget_and_close_ends_a_stream(tmp_path):
+    small = tiny_engine(tmp_path, max_seq_len=256, max_num_tokens=4, max_batch_size=1)
+    with Session(small, prompt_lookup=PromptLookup(num_tokens=8)) as session, Session(small) as plain:
+        sizes = []
+        feed_rows = session.engine.feed_rows
+        session.engine.feed_rows = lambda tokens, start, rows: sizes.append(len(tokens)) or \
+            feed_rows(tokens, start, rows)
+        assert session.generate("abc abc abc abc", max_tokens=80).token_ids == \
+            plain.generate("abc abc abc abc", max_tokens=80).token_ids
+        assert session.accepted_tokens > 0 and max(sizes[1:]) == 4  # a token and 3 drafts: the step's budget
+    for read in range(2, 14):  # closed mid-step, among drafts taken: the stream ends at its next token
+        session = Session(small, prompt_lookup=PromptLookup(num_tokens=3))
+        stream = session.stream("abc abc abc abc abc abc", max_tokens=100, ignore_eos=True)
+        for _ in range(read):
+            next(stream)
+        session.close()
+        with pytest.raises(ServerClosedError):
+            next(stream)

@@ -57,8 +57,8 @@ def test_an_api_key_is_for_the_openai_api_and_not_blank(engine):
 def test_a_tool_call_parser_is_for_the_openai_api_and_known(engine):
     refused(invoke("serve", "--engine", engine, "--tool-call-parser", "hermes"),
             "--tool-call-parser reads tool calls for the OpenAI API")
-    refused(invoke("serve", "--engine", engine, "--api", "openai", "--tool-call-parser", "llama3_json"),
-            "unknown --tool-call-parser 'llama3_json'; use hermes")
+    refused(invoke("serve", "--engine", engine, "--api", "openai", "--tool-call-parser", "pythonic"),
+            "unknown --tool-call-parser 'pythonic'; use hermes, llama3_json, mistral")
 
 
 def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from test_openai_server import MODEL, running_server, tiny_engine
 
 from camshaft.errors import RequestError
+from camshaft.openai_server.tool_call_json import Llama3JsonReader, MistralReader
 from camshaft.openai_server.tool_calls import HermesReader
 from camshaft.runtime.chat_template import TOOLS_PREAMBLE
 from camshaft.runtime.guided import GuidedDecodingParams
@@ -144,8 +145,8 @@ def test_none_leaves_the_tools_out_and_auto_needs_a_parser(client, served, engin
     with running_server(engine_dir, max_batch_size=2) as (url, _):
         response = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
                                                                   "tools": TOOLS, "max_tokens": 4})
-        assert response.status_code == 400 and "needs the server started with --tool-call-parser hermes" in \
-            response.json()["error"]["message"]
+        assert response.status_code == 400 and "needs the server started with --tool-call-parser (hermes | " \
+            "llama3_json | mistral)" in response.json()["error"]["message"]
         required = httpx.post(f"{url}/v1/chat/completions", json={
             "model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
             "parallel_tool_calls": False,
@@ -245,7 +246,44 @@ def test_the_hermes_reader_gives_the_same_message_however_the_text_is_split():
     assert _read(HermesReader({"f"}), ["a <tool_", "call x"]) == ("a <tool_call x", [])
 
 
-def _read(reader: HermesReader, pieces: list[str]) -> tuple[str, list[dict]]:
+def test_the_json_readers_read_llama_and_mistral_calls_however_the_text_is_split():
+    names = {"get_weather", "get_time"}
+    cases = [
+        (Llama3JsonReader, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "rome", "days": 2}}; '
+                           '{"name": "get_time", "parameters": {"zone": "utc"}}', "", ["get_weather", "get_time"]),
+        (Llama3JsonReader, ' {"name": "get_time", "parameters": {"zone": "cet"}}', "", ["get_time"]),
+        (Llama3JsonReader, "It is sunny. {\"name\": \"get_time\"}", "It is sunny. {\"name\": \"get_time\"}", []),
+        (Llama3JsonReader, '{"name": "unknown", "parameters": {}}', '{"name": "unknown", "parameters": {}}', []),
+        (Llama3JsonReader, '<|python_ta', "<|python_ta", []),
+        (MistralReader, 'Let me look. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "oslo", "days": 1}},'
+                        ' {"name": "get_time", "arguments": {"zone": "utc"}}]', "Let me look. ",
+         ["get_weather", "get_time"]),
+        (MistralReader, "No calls [TOOL", "No calls [TOOL", []),
+    ]
+    for reader, text, content, called in cases:
+        for size in (len(text), 1, 2, 5):
+            got, calls = _read(reader(names), [text[i:i + size] for i in range(0, len(text), size)])
+            assert got == content and [c["function"]["name"] for c in calls] == called, (text, size)
+            assert [c["index"] for c in calls] == list(range(len(called)))
+    assert len(_read(Llama3JsonReader(names, parallel=False), [cases[0][1]])[1]) == 1
+
+
+def test_auto_with_the_llama3_json_parser(engine_dir, session):
+    regex = r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{2,5}", "days": [1-7]\}\}'
+    with running_server(engine_dir, tool_call_parser="llama3_json", max_batch_size=2) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        body = dict(messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=120, extra_body={"guided_regex": regex})
+        choice = client.chat.completions.create(model=MODEL, **body).choices[0]
+        calls, content, reason = streamed(client, **body)
+    raw = session.chat(MESSAGES, tools=TOOLS, temperature=0, max_tokens=120,
+                       guided_decoding=GuidedDecodingParams(regex=regex)).text
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == reason == "tool_calls" and choice.message.content is None and content == ""
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == json.loads(raw)["parameters"]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
+
+
+def _read(reader, pieces: list[str]) -> tuple[str, list[dict]]:
     content, calls = "", []
     for piece in pieces:
         text, more = reader.feed(piece)

@@ -94,8 +94,9 @@ def serve(
         help="OpenAI API: clients must send it as a bearer token (also from $CAMSHAFT_API_KEY, kept out of the "
              "process list); /health, /metrics and /version stay open")] = None,
     tool_call_parser: Annotated[str | None, typer.Option(
-        help="OpenAI API: read tool calls the model writes as <tool_call> blocks (hermes: Qwen2.5/3, Hermes, and "
-             "camshaft's own tool prompt), enabling tool_choice auto")] = None,
+        help="OpenAI API: how tool calls the model writes are read, enabling tool_choice auto: hermes (<tool_call> "
+             "blocks: Qwen2.5/3, Hermes, camshaft's own tool prompt), llama3_json (Llama 3.1-3.3), mistral "
+             "([TOOL_CALLS])")] = None,
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
@@ -114,7 +115,7 @@ def serve(
     if tool_call_parser is not None and api != "openai":
         raise CamshaftError("--tool-call-parser reads tool calls for the OpenAI API (--api openai); drop it")
     if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-        raise CamshaftError(f"unknown --tool-call-parser {tool_call_parser!r}; use {' or '.join(TOOL_CALL_PARSERS)}")
+        raise CamshaftError(f"unknown --tool-call-parser {tool_call_parser!r}; use {', '.join(TOOL_CALL_PARSERS)}")
     if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
         raise CamshaftError("--api-key is empty or starts or ends with spaces; give the key clients send")
     triton_ports = {"--grpc-port": grpc_port, "--metrics-port": metrics_port}

@@ -12,7 +12,7 @@ import secrets
 import string
 from typing import Any
 
-PARSERS = ("hermes",)  # `--tool-call-parser` values: how text the model chose to write is read into calls
+PARSERS = ("hermes", "llama3_json", "mistral")  # `--tool-call-parser`: how text the model chose to write is read
 Piece = tuple[str, list[dict[str, Any]]]  # (content delta, tool-call deltas)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _decoder = json.JSONDecoder()

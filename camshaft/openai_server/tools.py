@@ -5,8 +5,9 @@
   held to its JSON Schema by a grammar; finish_reason "stop", as OpenAI's.
 - "required": one or more calls (one with parallel_tool_calls false), held by a grammar to a JSON array of
   {"name", "parameters"} objects; finish_reason "tool_calls".
-- "auto" (the default with tools): the model decides; its `<tool_call>` blocks become calls. It needs the server
-  started with `--tool-call-parser hermes`, as vLLM's needs one.
+- "auto" (the default with tools): the model decides; the calls it writes become calls, read by the server's
+  `--tool-call-parser` (hermes: `<tool_call>` blocks; llama3_json; mistral: tool_call_json.py), which it needs, as
+  vLLM's does.
 Named and required work with any model: the grammar decides the shape, the chat template only what the model knows.
 """
 
@@ -16,11 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from camshaft.errors import RequestError
+from camshaft.openai_server.tool_call_json import Llama3JsonReader, MistralReader
 from camshaft.openai_server.tool_calls import ArrayReader, HermesReader, NamedReader
 from camshaft.runtime.chat_template import check_tools
 from camshaft.runtime.guided import GuidedDecodingParams
 
-_Reader = NamedReader | ArrayReader | HermesReader
+_Reader = NamedReader | ArrayReader | HermesReader | Llama3JsonReader | MistralReader
+AUTO_READERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "mistral": MistralReader}
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class ToolChoice:
     tools: tuple[dict[str, Any], ...]
     name: str | None = None
     parallel: bool = True
+    parser: str = "hermes"  # how "auto" reads the calls the model writes
 
     @property
     def prompt_tools(self) -> list[dict[str, Any]] | None:
@@ -52,7 +56,7 @@ class ToolChoice:
         if self.kind == "required":
             return ArrayReader()
         if self.kind == "auto":
-            return HermesReader({f["name"] for f in self._functions()}, self.parallel)
+            return AUTO_READERS[self.parser]({f["name"] for f in self._functions()}, self.parallel)
         return None
 
     def finish_reason(self, reader: _Reader, reason: str) -> str:
@@ -89,5 +93,6 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool,
                            '{"type": "function", "function": {"name": ...}}')
     if choice == "auto" and parser is None:
         raise RequestError('tool_choice "auto" (the default with tools) needs the server started with '
-                           '--tool-call-parser hermes; or send tool_choice "required" or a function\'s name')
-    return ToolChoice(choice, tuple(tools), None, parallel)
+                           f"--tool-call-parser ({' | '.join(AUTO_READERS)}); or send tool_choice \"required\" or a "
+                           "function's name")
+    return ToolChoice(choice, tuple(tools), None, parallel, parser or "hermes")

@@ -70,7 +70,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "device": TARGET_DEVICES.get(m.target, m.target),
         "gpu_arch": m.target_options.get("gpu_arch"),
         "graphs": {"batch": m.artifact, "sequence": sequence.artifact if sequence else None},
-        # a Session drafts (PromptLookup) on the batch graph, and on sequence graphs that return several rows
+        # a Session drafts (PromptLookup) on its default graph: the batch graph, or a sequence graph of several rows
         "prompt_lookup": sequence is None or any(spec.name == "num_logits" for spec in sequence.inputs),
         "no_sequence_graph": sequence_note,
         "limits": {"max_batch_size": limits.max_batch_size, "max_seq_len": limits.max_seq_len,
@@ -113,7 +113,7 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     head = (info["lm_head"] or {}).get("dtype")
     sequence = info["graphs"]["sequence"] or f"none ({info['no_sequence_graph']})"
     if info["graphs"]["sequence"] and not info["prompt_lookup"]:
-        sequence += " (one logits row: rebuild for prompt lookup)"
+        sequence += " (one logits row: prompt lookup on the batch graph only; rebuild for it on this one)"
     arch = f" {info['gpu_arch']}" if info["gpu_arch"] else ""
     return [
         f"engine      {info['engine']} (format {info['format_version']}, camshaft {info['camshaft_version']}"

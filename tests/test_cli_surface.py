@@ -184,4 +184,4 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     raw = json.loads((older / "manifest.json").read_text())
     raw["sequence_graph"]["inputs"] = [t for t in raw["sequence_graph"]["inputs"] if t["name"] != "num_logits"]
     (older / "manifest.json").write_text(json.dumps(raw))
-    assert "(one logits row: rebuild for prompt lookup)" in invoke("inspect", "--engine", older).output
+    assert "(one logits row: prompt lookup on the batch graph only" in invoke("inspect", "--engine", older).output

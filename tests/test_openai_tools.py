@@ -254,6 +254,11 @@ def test_the_json_readers_read_llama_and_mistral_calls_however_the_text_is_split
         (Llama3JsonReader, ' {"name": "get_time", "parameters": {"zone": "cet"}}', "", ["get_time"]),
         (Llama3JsonReader, "It is sunny. {\"name\": \"get_time\"}", "It is sunny. {\"name\": \"get_time\"}", []),
         (Llama3JsonReader, '{"name": "unknown", "parameters": {}}', '{"name": "unknown", "parameters": {}}', []),
+        (Llama3JsonReader, '<|python_tag|>print(1)', "<|python_tag|>print(1)", []),  # as written
+        (MistralReader, 'Hi. [TOOL_CALLS][{"name": "nope", "arguments": {}}]', 'Hi. [TOOL_CALLS][{"name": "nope", '
+                        '"arguments": {}}]', []),
+        (MistralReader, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}, {"name": "nope", '
+                        '"arguments": {}}]', '{"name": "nope", "arguments": {}}]', ["get_time"]),
         (Llama3JsonReader, '<|python_ta', "<|python_ta", []),
         (MistralReader, 'Let me look. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "oslo", "days": 1}},'
                         ' {"name": "get_time", "arguments": {"zone": "utc"}}]', "Let me look. ",

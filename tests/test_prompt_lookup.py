@@ -102,6 +102,8 @@ def test_an_engine_that_cannot_check_drafts_is_refused_and_so_are_bad_settings(e
     (older / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(EngineError, match='one token a step, so it cannot check drafts; .*graph="batch"'):
         Session(older, prompt_lookup=PromptLookup())
+    old_cli = CliRunner().invoke(app, ["run", "--engine", str(older), "--prompt", "x", "--prompt-lookup", "4"])
+    assert "rebuild it with this camshaft for --prompt-lookup" in str(old_cli.exception)
     with Session(older, graph="batch", prompt_lookup=PromptLookup()) as batch, Session(engine_dir) as plain:
         assert batch.generate("abc abc abc", max_tokens=30).token_ids == \
             plain.generate("abc abc abc", max_tokens=30).token_ids

@@ -68,7 +68,15 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
     max_tokens = params.max_tokens
     # One prompt, then exit: moving the weights to huge pages (0.2-1.3 s for SmolLM2 fp32) repays itself at 6 % of
     # each decode step after 200-1300 tokens (both scale with the weights' size; BENCHMARKS.md): only long runs ask.
-    session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup)
+    from camshaft.errors import EngineError
+
+    try:
+        session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup)
+    except EngineError as exc:
+        if prompt_lookup is None or "cannot check drafts" not in str(exc):
+            raise
+        raise EngineError(f"{engine}: built before prompt lookup (its sequence graph gives logits for one token a "
+                          "step); rebuild it with this camshaft for --prompt-lookup, or drop --prompt-lookup") from None
     messages = None
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

@@ -5,7 +5,8 @@
 - mistral (Mistral v0.3, Mistral Nemo): content, then `[TOOL_CALLS]` and a JSON array of
   `{"name": ..., "arguments": {...}}` objects.
 
-Each call goes out once its object is complete; what does not read as calls of the listed functions is content.
+Each call goes out once its object is complete. An answer with no call of the listed functions is content as written;
+after calls, the text from the first object that is not one is.
 """
 
 from __future__ import annotations
@@ -50,8 +51,13 @@ class _JsonCalls:
                 self._reader.calls += 1
         return calls
 
-    def rest(self) -> str:
-        return self._text[self._at:].strip(_SEPARATORS)
+    def rest(self, marker: str) -> str:
+        """Content at the end: nothing once all read as calls; the answer as written (`marker` first) where none did;
+        else the text from the first object that is not a call."""
+        tail = self._text[self._at:]
+        if not tail.strip(_SEPARATORS):
+            return ""
+        return (marker + self._text).strip() if not self._reader.calls else tail.lstrip(_SEPARATORS).rstrip()
 
 
 class Llama3JsonReader(_Reader):
@@ -59,6 +65,7 @@ class Llama3JsonReader(_Reader):
         super().__init__()
         self._calls = _JsonCalls(self, names, parallel)
         self._head, self._mode = "", ""  # mode: "" until the answer's first characters decide, "calls", "content"
+        self._tag = ""
 
     def feed(self, delta: str) -> Piece:
         if self._mode == "content":
@@ -70,14 +77,14 @@ class Llama3JsonReader(_Reader):
         if not start or (PYTHON_TAG.startswith(start) and start != PYTHON_TAG):
             return "", []
         if start.startswith(("{", PYTHON_TAG)):
-            self._mode = "calls"
+            self._mode, self._tag = "calls", PYTHON_TAG if start.startswith(PYTHON_TAG) else ""
             return "", self._calls.feed(start.removeprefix(PYTHON_TAG))
         self._mode = "content"
         return start, []
 
     def finish(self) -> Piece:
         if self._mode == "calls":
-            return self._calls.rest(), []
+            return self._calls.rest(self._tag), []
         return ("", []) if self._mode else (self._head.strip(), [])
 
 
@@ -102,7 +109,7 @@ class MistralReader(_Reader):
 
     def finish(self) -> Piece:
         if self._in_calls:
-            return self._calls.rest(), []
+            return self._calls.rest(TOOL_CALLS), []
         held, self._held = self._held, ""
         return self._content(held), []
 

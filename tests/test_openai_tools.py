@@ -264,6 +264,14 @@ def test_the_json_readers_read_llama_and_mistral_calls_however_the_text_is_split
                         ' {"name": "get_time", "arguments": {"zone": "utc"}}]', "Let me look. ",
          ["get_weather", "get_time"]),
         (MistralReader, "No calls [TOOL", "No calls [TOOL", []),
+        (MistralReader, '[TOOL_CALLS]get_weather[ARGS]{"city": "oslo", "days": 1}[TOOL_CALLS]get_time{"zone": "utc"}',
+         "", ["get_weather", "get_time"]),  # the newer tokenizers' form
+        (Llama3JsonReader, '{"name": "get_time", "parameters": {"zone": "utc"}}\n[1] see the docs', "[1] see the docs",
+         ["get_time"]),
+        (Llama3JsonReader, '{"name": "get_time", "arguments": "{\\"zone\\": \\"utc\\"}"}', "", ["get_time"]),
+        (Llama3JsonReader, '{"name": ["get_time"], "parameters": {}}', '{"name": ["get_time"], "parameters": {}}', []),
+        (MistralReader, '[TOOL_CALLS][{"name": {"x": 1}, "arguments": {}}]', '[TOOL_CALLS][{"name": {"x": 1}, '
+                        '"arguments": {}}]', []),
     ]
     for reader, text, content, called in cases:
         for size in (len(text), 1, 2, 5):
@@ -271,6 +279,11 @@ def test_the_json_readers_read_llama_and_mistral_calls_however_the_text_is_split
             assert got == content and [c["function"]["name"] for c in calls] == called, (text, size)
             assert [c["index"] for c in calls] == list(range(len(called)))
     assert len(_read(Llama3JsonReader(names, parallel=False), [cases[0][1]])[1]) == 1
+    deep = '{"name": "get_time", "parameters": {"zone": ' + "[" * 5000  # a model looping on brackets
+    for reader in (Llama3JsonReader(names), HermesReader(names)):
+        text = deep if isinstance(reader, Llama3JsonReader) else "<tool_call>" + deep + "]" * 5000 + "}}</tool_call>"
+        content, calls = _read(reader, [text[i:i + 700] for i in range(0, len(text), 700)])
+        assert calls == [] and content.startswith(text[:20].strip())  # content, not an exception
 
 
 def test_auto_with_the_llama3_json_parser(engine_dir, session):

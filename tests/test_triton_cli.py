@@ -48,8 +48,8 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     assert all("${" not in text for text in configs.values())
     assert all((repo / name / "1" / "model.py").is_file() for name in configs)
     assert "decoupled: true" in configs["llm"] and "decoupled: false" in configs["llm_sync"]
-    # the token model holds batch + queue requests (a stock ensemble's batch up to that loads); the text models batch
-    assert f'"{engine.resolve()}"' in configs["tensorrt_llm"] and "max_batch_size: 9" in configs["tensorrt_llm"]
+    # the token model takes one prompt a request under any ensemble's batch bound; the text models batch
+    assert f'"{engine.resolve()}"' in configs["tensorrt_llm"] and "max_batch_size: 1024" in configs["tensorrt_llm"]
     assert "max_batch_size: 4" in configs["llm"] and "max_batch_size: 4" in configs["llm_sync"]
     options = json.loads((repo / MARKER).read_text())["llm_options"]
     assert options == {"kv_cache_memory": 8 * 2**20, "max_queue": 5, "max_num_tokens": 32,

@@ -47,7 +47,7 @@ STOCK_OUTPUTS = [
     ("total_accepted_draft_tokens", "INT32", [1]), ("total_draft_tokens", "INT32", [1]),
     ("num_input_tokens", "INT32", [1]), ("num_output_tokens", "INT32", [1]),
 ]
-ENSEMBLE_BATCH = 16  # above the engine's batch of 4: the token model declares batch + queue
+ENSEMBLE_BATCH = 64  # TensorRT-LLM's examples' triton_max_batch_size, far above the engine's batch of 4
 
 
 def ensemble_config() -> str:
@@ -81,7 +81,9 @@ def inputs(**values):
     specs = {n: t for n, t, _ in STOCK_INPUTS}
     out = []
     for name, value in values.items():
-        array = np.asarray(value, dtype=types[specs[name]])[None]
+        array = np.asarray(value, dtype=types[specs[name]])
+        array = array if name in ("input_ids", "input_lengths", "request_output_len") and array.ndim == 2 else \
+            array[None]
         tensor = grpcclient.InferInput(name, list(array.shape), specs[name])
         tensor.set_data_from_numpy(array)
         out.append(tensor)
@@ -115,9 +117,11 @@ def test_the_stock_ensemble_loads_and_runs_what_its_preprocessing_sends(stock):
     (dict(decoder_input_ids=[0, 5, 6], decoder_input_lengths=[3]), "encoder-decoder models"),
     (dict(return_perf_metrics=[True]), "return_perf_metrics is not supported"),
     (dict(embedding_bias=np.zeros(385)), "embedding_bias must hold one value per vocabulary entry"),
+    (dict(input_ids=[[5, 9], [6, 7]], input_lengths=[[2], [2]], request_output_len=[[4], [4]]),
+     "input_ids holds 2 prompts; send one request per prompt"),
 ])
 def test_what_camshaft_lacks_is_refused_by_name(stock, extra, message):
     server, _ = stock
-    outputs, error, _ = Stream(server.endpoints.grpc).run(
-        "stock_ensemble", inputs(input_ids=[5, 9], input_lengths=[2], request_output_len=[4], **extra))
+    base = dict(input_ids=[5, 9], input_lengths=[2], request_output_len=[4])
+    outputs, error, _ = Stream(server.endpoints.grpc).run("stock_ensemble", inputs(**{**base, **extra}))
     assert error is not None and message in str(error), error

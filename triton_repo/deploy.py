@@ -23,6 +23,7 @@ from camshaft.version import __version__
 MARKER = "camshaft_repository.json"
 TOKEN_MODEL = "tensorrt_llm"
 SHIM = Path(__file__).with_name("model_shim.py")
+TOKEN_MODEL_BATCH = 1024  # Triton's bound on a request's batch dimension; the token model refuses more than 1
 LLM_OPTIONS = ("kv_cache_memory", "max_queue", "max_batch_size", "policy", "max_num_tokens", "threads")
 
 
@@ -67,8 +68,8 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     admitted = batch + options["max_queue"]
     common = {"engine_dir": str(engine), "camshaft_path": str(Path(camshaft.__file__).resolve().parents[1])}
     models = {
-        # the requests it holds at once: a tensorrtllm_backend ensemble of up to that batch size loads over it
-        TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=True, max_batch_size=admitted, token=True, params={
+        # one prompt a request whatever Triton's batch bound: a large one lets any tensorrtllm_backend ensemble load
+        TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=True, max_batch_size=TOKEN_MODEL_BATCH, token=True, params={
             "camshaft_model": "camshaft.triton_repo.token_model:TokenModel",
             "llm_options": json.dumps(options), "exclude_input_in_output": "false", **common}),
         name: model_config(name, decoupled=True, max_batch_size=batch, token=False, params={

@@ -28,6 +28,25 @@ def whole_call(index: int, name: str, arguments: Any) -> dict[str, Any]:
     return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
+def call_parts(item: Any, names: set[str]) -> tuple[str, dict] | None:
+    """(name, arguments) of a decoded {"name", "arguments" | "parameters"} object calling a listed function (the
+    arguments an object, or JSON text of one); None where it is not such a call."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or item["name"] not in names:
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):
+        arguments = loads(arguments)
+    return (item["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def loads(text: str) -> Any:
+    """json.loads, None where the text is not JSON (or nests too deep to read)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 class _Reader:
     def __init__(self) -> None:
         self.calls = 0
@@ -140,17 +159,13 @@ class HermesReader(_Reader):
         return piece
 
     def _block(self, body: str, closed: bool) -> Piece:
-        try:
-            call = json.loads(body)
-        except ValueError:
-            call = None
-        arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
-        if not (isinstance(call, dict) and call.get("name") in self._names and isinstance(arguments, dict)):
+        parts = call_parts(loads(body), self._names)
+        if parts is None:
             return self._content(OPEN + body + (CLOSE if closed else "")), []
         if self.calls and not self._parallel:
             return "", []
         self.calls += 1
-        return "", [whole_call(self.calls - 1, call["name"], arguments)]
+        return "", [whole_call(self.calls - 1, *parts)]
 
     def _content(self, text: str) -> str:
         """Content as it comes, less its leading whitespace and any whitespace at its end so far (held back until

@@ -41,6 +41,7 @@ class Executor:
         self.stats: deque[IterationStats] = deque(maxlen=stats_window)  # the latest steps (a server runs for days)
         self.steps_done = 0
         self.peak_batch_size, self.peak_kv_usage = 0, 0.0  # since the caller last set them to 0
+        self.drafted_tokens = self.accepted_tokens = 0  # prompt lookup's drafts (config.prompt_lookup)
         self._sinks: dict[str, Sink] = {}
         self._requests: dict[str, Request] = {}
         self._held: dict[str, list[Request]] = {}  # siblings waiting for the first sequence's prompt blocks
@@ -204,7 +205,9 @@ class Executor:
                 self._finish(request, exc)
                 finished += 1
                 continue
-            if item.sample:
+            if item.drafts:
+                finished += self._sample_drafted(item, logits[at - count: at])
+            elif item.sample:
                 sampled.append(request)
                 rows.append(at - 1)
         results = sample_batch([r.sampler for r in sampled], logits if len(rows) == at else logits[rows])
@@ -214,22 +217,7 @@ class Executor:
                 self._finish(request, sample)
                 finished += 1
                 continue
-            try:
-                delta = request.add_sample(sample)
-            except Exception as exc:
-                log.error("request %s failed after sampling; it ends with the error", request.request_id,
-                          exc_info=True)
-                self._finish(request, exc)
-                finished += 1
-                continue
-            new = ((sample.token_id,), (sample,) if request.params.logprobs is not None else ())
-            if request.finished:
-                self._finish(request, delta=delta, new=new)
-                finished += 1
-            else:
-                self._deliver(self._sinks[request.request_id], RequestOutput(
-                    request.request_id, delta, *new, prompt_logprobs=_first_prompt_logprobs(request, new)))
-                self._release_held(request)
+            finished += self._record(request, [sample])
         running = len(scheduled)
         self.peak_batch_size = max(self.peak_batch_size, running)
         blocks = self.scheduler.blocks
@@ -242,6 +230,48 @@ class Executor:
             self.stats.append(step)
             self.steps_done += 1
         return finished
+
+    def _sample_drafted(self, item: Scheduled, rows) -> int:
+        """Sample a drafting decode's rows in turn, as a Session does (each sample recorded before the next row is
+        sampled): drafts are taken while they equal what was sampled; the cache then holds its token and the drafts
+        taken. Returns 1 if the request finished."""
+        request, delta, taken = item.request, "", []
+        try:
+            for i, row in enumerate(rows):
+                taken.append(request.sampler.sample(row))
+                delta += request.add_sample(taken[-1])
+                if request.finished or i >= len(item.drafts) or taken[-1].token_id != item.drafts[i]:
+                    break
+        except Exception as exc:
+            log.error("request %s failed sampling its drafts; it ends with the error", request.request_id,
+                      exc_info=True)
+            self._finish(request, exc)
+            return 1
+        self.drafted_tokens += len(item.drafts)
+        self.accepted_tokens += sum(s.token_id == d for s, d in zip(taken, item.drafts, strict=False))
+        if not request.finished:
+            self.scheduler.advance(request, len(taken))
+        return self._deliver_samples(request, delta, taken)
+
+    def _record(self, request: Request, samples: list[SampleResult]) -> int:
+        """Add a step's sample to the request and deliver it; 1 if the request finished."""
+        try:
+            delta = request.add_sample(samples[0])
+        except Exception as exc:
+            log.error("request %s failed after sampling; it ends with the error", request.request_id, exc_info=True)
+            self._finish(request, exc)
+            return 1
+        return self._deliver_samples(request, delta, samples)
+
+    def _deliver_samples(self, request: Request, delta: str, samples: list[SampleResult]) -> int:
+        new = (tuple(s.token_id for s in samples), tuple(samples) if request.params.logprobs is not None else ())
+        if request.finished:
+            self._finish(request, delta=delta, new=new)
+            return 1
+        self._deliver(self._sinks[request.request_id], RequestOutput(
+            request.request_id, delta, *new, prompt_logprobs=_first_prompt_logprobs(request, new)))
+        self._release_held(request)
+        return 0
 
     def _release_held(self, request: Request) -> None:
         for sibling in self._held.pop(request.request_id, []):  # in the queue where their first sequence arrived

@@ -15,6 +15,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from camshaft.checks import is_int
 from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
@@ -24,6 +25,7 @@ from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, params_list, priorities, prompt_list
 from camshaft.runtime.outputs import IterationStats, Load, PromptOutput, RequestOutput, Sink
+from camshaft.runtime.prompt_lookup import PromptLookup
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import SchedulerConfig
@@ -39,7 +41,7 @@ class LLM:
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  kv_cache_memory: int | float | str | None = None, threads: int | None = None,
                  max_queue: int | None = None, spin_wait: bool = True, huge_pages: bool = True,
-                 kv_reservation: str = "paged") -> None:
+                 kv_reservation: str = "paged", prompt_lookup: PromptLookup | int | None = None) -> None:
         """max_batch_size, max_num_tokens: at most the engine's (the default). kv_cache_memory: the KV pool's budget
         (kv_cache.parse_memory): bytes, also with a unit ("512MiB", "2GB"), or a fraction of the available memory (a
         number between 0 and 1, 1.0 for all of it); None: room for max_batch_size full-length sequences. max_queue:
@@ -47,18 +49,24 @@ class LLM:
         queues all its prompts whatever it is);
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
         on transparent huge pages (Linux; see runtime/backends/huge_pages.py); kv_reservation "contiguous" reserves
-        max_seq_len tokens of KV blocks per request, as a cache without paging would (for comparisons)."""
+        max_seq_len tokens of KV blocks per request, as a cache without paging would (for comparisons). prompt_lookup
+        (a PromptLookup, or its num_tokens): decodes also feed drafts from their own text, checked in the same step
+        (runtime/prompt_lookup.py): the same outputs, faster where text repeats and the batch is small."""
         manifest = read_manifest(Path(engine_dir))
         limits = manifest.limits
         batch, tokens = astuple(check_llm_options(
             limits, policy=policy, kv_reservation=kv_reservation, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, max_queue=max_queue))
+        lookup = PromptLookup(num_tokens=prompt_lookup) if is_int(prompt_lookup) else prompt_lookup
+        if lookup is not None and not isinstance(lookup, PromptLookup):
+            raise RequestError(f"prompt_lookup takes a camshaft.PromptLookup or its num_tokens, got {lookup!r:.60}")
         self.kv_cache_memory = parse_memory(kv_cache_memory)  # bytes; a fraction is resolved once, here
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=self.kv_cache_memory,
                                       threads=threads, spin_wait=spin_wait, huge_pages=huge_pages, manifest=manifest)
         self.config = SchedulerConfig(
             num_blocks=engine.pool.num_blocks, block_size=engine.block_size, max_batch_size=batch,
-            max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy, kv_reservation=kv_reservation)
+            max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy, kv_reservation=kv_reservation,
+            prompt_lookup=lookup)
         self.tokenizer = engine.tokenizer
         self._encoder = _Encoder(engine)
         self._guides = Guides(self.tokenizer, manifest.model.vocab_size, engine.eos_token_ids)

@@ -21,6 +21,7 @@ from camshaft.checks import check_positive_ints
 from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.block_manager import BlockManager
+from camshaft.runtime.prompt_lookup import PromptLookup
 from camshaft.runtime.request import Request
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
@@ -36,6 +37,7 @@ class SchedulerConfig:
     max_seq_len: int
     policy: str = "guaranteed_no_evict"
     kv_reservation: str = "paged"
+    prompt_lookup: PromptLookup | None = None  # decodes also feed drafts (runtime/prompt_lookup.py)
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("num_blocks", "block_size", "max_batch_size", "max_num_tokens", "max_seq_len"),
@@ -44,6 +46,9 @@ class SchedulerConfig:
             raise RequestError(f"unknown capacity policy {self.policy!r}; use one of {POLICIES}")
         if self.kv_reservation not in RESERVATIONS:
             raise RequestError(f"unknown KV reservation {self.kv_reservation!r}; use one of {RESERVATIONS}")
+        if self.prompt_lookup is not None and not isinstance(self.prompt_lookup, PromptLookup):
+            raise RequestError(f"prompt_lookup takes a camshaft.PromptLookup(num_tokens=...), got "
+                               f"{self.prompt_lookup!r:.60}")
         if self.num_blocks < 2:
             raise CapacityError(f"a KV pool needs at least 2 blocks (one is the null block), got {self.num_blocks}")
 
@@ -54,6 +59,7 @@ class Scheduled:
     chunk: Chunk
     decode: bool = False  # the one token after the last output token; anything else is prompt (or recompute) work
     sample: bool = True  # the chunk ends the sequence: its last logits row is sampled
+    drafts: tuple[int, ...] = ()  # fed after the decode token; every row sampled in turn (prompt lookup)
 
     @property
     def num_tokens(self) -> int:
@@ -107,10 +113,12 @@ class Scheduler:
         scheduled: list[Scheduled] = []
         preemptions_before = self.num_preemptions
         decodes = sorted((r for r in self.running if r.num_tokens - r.num_computed == 1), key=queue_key)
-        for request in decodes:  # in priority order, so that a preemption never takes a request scheduled already
-            if budget and request in self.running and self._grow(request):
-                scheduled.append(self._chunk(request, 1))
-                budget -= 1
+        for left, request in enumerate(decodes, 1 - len(decodes)):  # -left: decodes after this one
+            # in priority order, so that a preemption never takes a request scheduled already
+            drafts = self._drafts(request, budget + left - 1) if budget else []
+            if budget and request in self.running and self._grow(request, 1 + len(drafts)):
+                scheduled.append(self._chunk(request, 1) if not drafts else self._drafted(request, drafts))
+                budget -= 1 + len(drafts)
         admit = self.num_preemptions == preemptions_before  # after a preemption, admitting would only thrash
         prefills = sorted((r for r in self.running if r.num_tokens - r.num_computed > 1), key=queue_key)
         for request in prefills:  # a waiting request of higher priority takes the budget before a running prompt
@@ -148,6 +156,19 @@ class Scheduler:
         return Scheduled(request, Chunk(tokens, start, request.blocks, rows),
                          decode=done and take == 1 and bool(request.output_ids), sample=done)
 
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """Prompt lookup's drafts for a decode, within `room` more tokens of the step's budget."""
+        lookup = self.config.prompt_lookup
+        if lookup is None or request.params.prompt_logprobs is not None:
+            return []
+        limit = min(room, request.params.max_tokens - len(request.output_ids) - 1)
+        return lookup.propose(request.all_ids, limit) if limit > 0 else []
+
+    def _drafted(self, request: Request, drafts: list[int]) -> Scheduled:
+        tokens = [request.output_ids[-1], *drafts]
+        return Scheduled(request, Chunk(tokens, request.num_computed, request.blocks, len(tokens)), decode=True,
+                         drafts=tuple(drafts))
+
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids
         reused = [] if request.wants_prompt_rows else self.blocks.cached_prefix(tokens)  # reused rows give no logits
@@ -161,18 +182,17 @@ class Scheduler:
         request.num_computed = len(reused) * self.config.block_size
         return True
 
-    def _grow(self, request: Request) -> bool:
-        """Make room for the request's next token, preempting the lowest-priority, newest running requests if the
-        pool is full. False if the request itself had to be preempted. Decodes grow in queue order, so every
+    def _grow(self, request: Request, tokens: int = 1) -> bool:
+        """Make room for the request's next `tokens` tokens, preempting the lowest-priority, newest running requests
+        if the pool is full. False if the request itself had to be preempted. Decodes grow in queue order, so every
         request already in this step ranks before `request` and is never the victim."""
-        if self.blocks.blocks_for(request.num_computed + 1) <= len(request.blocks):
-            return True
-        while self.blocks.num_free == 0:
-            victim = max(self.running, key=queue_key)
-            self.preempt(victim)
-            if victim is request:
-                return False
-        request.blocks.extend(self.blocks.allocate(1))
+        while self.blocks.blocks_for(request.num_computed + tokens) > len(request.blocks):
+            while self.blocks.num_free == 0:
+                victim = max(self.running, key=queue_key)
+                self.preempt(victim)
+                if victim is request:
+                    return False
+            request.blocks.extend(self.blocks.allocate(1))
         return True
 
     def preempt(self, request: Request) -> None:
@@ -186,13 +206,19 @@ class Scheduler:
         self.num_preemptions += 1
 
     def computed(self, scheduled: list[Scheduled]) -> None:
-        """The engine step ran: advance each request's computed tokens and hash the blocks that became full."""
+        """The engine step ran: advance each request's computed tokens and hash the blocks that became full (a
+        drafting decode advances once its rows are sampled: `advance`)."""
         for item in scheduled:
-            request = item.request
-            before = request.num_computed
-            request.num_computed += item.num_tokens
-            if before // self.config.block_size != request.num_computed // self.config.block_size:
-                self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed)
+            if not item.drafts:
+                self.advance(item.request, item.num_tokens)
+
+    def advance(self, request: Request, tokens: int) -> None:
+        """`tokens` more of the request's tokens are in the cache (a drafting decode: its token and the drafts taken;
+        the rest are written again by a later step)."""
+        before = request.num_computed
+        request.num_computed += tokens
+        if before // self.config.block_size != request.num_computed // self.config.block_size:
+            self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed)
 
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request's blocks at once (a waiting request just leaves the queue)."""

@@ -134,3 +134,53 @@ def test_a_step_keeps_to_the_engines_token_budget_and_close_ends_a_stream(tmp_pa
         session.close()
         with pytest.raises(ServerClosedError):
             next(stream)
+
+
+@pytest.mark.parametrize("policy, memory", [("guaranteed_no_evict", None), ("max_utilization", 160 * 1024)])
+def test_in_flight_batching_drafts_too_with_the_same_outputs(engine_dir, policy, memory):
+    """Decodes feed their drafts in the batch's step (several tokens: the prefill group), sampled in turn; outputs
+    equal plain batching's, under preemption too (a tiny pool), with every block back at the end and prefix reuse
+    of blocks a drafting request filled."""
+    from camshaft.runtime.llm import LLM
+
+    params = [SamplingParams(**{"max_tokens": 60, **options}) for options in PARAMS[:6]] * 3
+    params += [SamplingParams(max_tokens=50, temperature=0.8, seed=5, n=3)]
+    prompts = ([*PROMPTS, "x y z", PROMPTS[0] + " and the dog sat on the mat. The cat", PROMPTS[0]] * 4)[:len(params)]
+    options = dict(policy=policy, kv_cache_memory=memory)
+    with LLM(engine_dir, **options) as plain:
+        expected = plain.generate(prompts, params, use_tqdm=False)
+    with LLM(engine_dir, prompt_lookup=PromptLookup(num_tokens=4), **options) as drafting:
+        chunks = []
+        step = drafting.engine.step
+        drafting.engine.step = lambda batch: chunks.extend(batch) or step(batch)
+        got = drafting.generate(prompts, params, use_tqdm=False)
+        executor = drafting.executor
+        assert executor.scheduler.blocks.num_used == 0 and not executor.scheduler.running
+        if memory is not None:
+            assert executor.scheduler.num_preemptions > 0
+    for a, b in zip(got, expected, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
+    drafted = [c for c in chunks if c.num_logits == len(c.token_ids) > 1]  # a token and its drafts, every row
+    assert drafted and executor.accepted_tokens > 0
+    assert sum(len(c.token_ids) - 1 for c in drafted) == executor.drafted_tokens
+
+
+def test_the_openai_server_and_triton_deploy_take_prompt_lookup(engine_dir, tmp_path):
+    import json
+
+    import httpx
+    from test_openai_server import running_server
+
+    from camshaft.triton_repo.deploy import MARKER
+
+    body = {"model": "engine", "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0}
+    with running_server(engine_dir) as (url, _):
+        expected = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+    with running_server(engine_dir, prompt_lookup=4) as (url, llm):
+        assert httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"] == expected
+        assert llm.executor.accepted_tokens > 0
+    result = CliRunner().invoke(app, ["deploy", "--engine", str(engine_dir), "--repo", str(tmp_path / "repo"),
+                                      "--prompt-lookup", "3"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "repo" / MARKER).read_text())["llm_options"]["prompt_lookup"] == 3

@@ -24,7 +24,7 @@ MARKER = "camshaft_repository.json"
 TOKEN_MODEL = "tensorrt_llm"
 SHIM = Path(__file__).with_name("model_shim.py")
 TOKEN_MODEL_BATCH = 1024  # Triton's bound on a request's batch dimension; the token model refuses more than 1
-LLM_OPTIONS = ("kv_cache_memory", "max_queue", "max_batch_size", "policy", "max_num_tokens", "threads")
+LLM_OPTIONS = ("kv_cache_memory", "max_queue", "max_batch_size", "policy", "max_num_tokens", "threads", "prompt_lookup")
 
 
 def _parameters(values: dict[str, str]) -> str:

@@ -26,10 +26,13 @@ LLM_FLAGS = ("kv_cache_memory", "max_queue", "max_batch_size", "max_num_tokens")
 TRITON_PORTS = {"--grpc-port": 8001, "--metrics-port": 8002}
 TokensOption = Annotated[int | None, typer.Option(min=1, help="Most tokens a step computes (the prefill chunk budget; "
                                                        "default and maximum: the engine's)")]
+LookupOption = Annotated[int, typer.Option(
+    min=0, max=16, help="Decodes also feed up to this many tokens drafted from their own prompt and output (prompt "
+                        "lookup: the same outputs, faster where text repeats and the batch is small); 0 = off")]
 
 
 def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | None, max_batch_size: int | None,
-                 policy: str, max_num_tokens: int | None = None) -> dict:
+                 policy: str, max_num_tokens: int | None = None, prompt_lookup: int = 0) -> dict:
     """The keyword arguments of camshaft.runtime.llm.LLM that servers take, checked now against the engine;
     max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available where
     the engine loads."""
@@ -46,7 +49,8 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
             pool_blocks(manifest, limits.max_batch_size, memory, cache_copies(manifest))
     return {"kv_cache_memory": memory,
             "max_queue": QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue,
-            "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy}
+            "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy,
+            "prompt_lookup": prompt_lookup or None}
 
 
 @app.command()
@@ -59,12 +63,13 @@ def deploy(
     max_batch_size: BatchOption = None,
     max_num_tokens: TokensOption = None,
     policy: PolicyOption = "guaranteed_no_evict",
+    prompt_lookup: LookupOption = 0,
 ) -> None:
     """Write a Triton model repository that serves an engine with in-flight batching."""
     from camshaft.triton_repo.deploy import deploy_repository
 
-    deploy_repository(engine, repo, name=name, llm_options=_llm_options(engine, kv_cache_memory, max_queue,
-                                                                         max_batch_size, policy, max_num_tokens))
+    deploy_repository(engine, repo, name=name, llm_options=_llm_options(
+        engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens, prompt_lookup))
     typer.echo(str(repo))
 
 
@@ -89,6 +94,7 @@ def serve(
     max_num_tokens: TokensOption = None,
     policy: Annotated[str | None, typer.Option(help="guaranteed_no_evict | max_utilization  [default: "
                                                     "guaranteed_no_evict]")] = None,
+    prompt_lookup: LookupOption = 0,
     api_key: Annotated[str | None, typer.Option(
         envvar="CAMSHAFT_API_KEY", show_envvar=False,
         help="OpenAI API: clients must send it as a bearer token (also from $CAMSHAFT_API_KEY, kept out of the "
@@ -100,7 +106,7 @@ def serve(
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
-             "--max-num-tokens": max_num_tokens, "--policy": policy}
+             "--max-num-tokens": max_num_tokens, "--policy": policy, "--prompt-lookup": prompt_lookup or None}
     if repo is not None and any(v is not None for v in given.values()):
         names = ", ".join(k for k, v in given.items() if v is not None)
         raise CamshaftError(f"--repo serves the options `camshaft deploy` wrote into it, so {names} would be ignored; "
@@ -129,7 +135,7 @@ def serve(
     if (engine is None) == (repo is None):
         raise CamshaftError("pass exactly one of --engine (deployed to a temporary repository) or --repo")
     options = {} if engine is None else _llm_options(engine, kv_cache_memory, max_queue, max_batch_size,
-                                                     policy or "guaranteed_no_evict", max_num_tokens)
+                                                     policy or "guaranteed_no_evict", max_num_tokens, prompt_lookup)
     if api == "openai":
         from camshaft.openai_server.server import serve as serve_openai
 

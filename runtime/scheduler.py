@@ -113,10 +113,12 @@ class Scheduler:
         scheduled: list[Scheduled] = []
         preemptions_before = self.num_preemptions
         decodes = sorted((r for r in self.running if r.num_tokens - r.num_computed == 1), key=queue_key)
+        # drafts only in a step of decodes alone: beside a prompt chunk they would be padded to its length
+        drafting = self.config.prompt_lookup is not None and not self.waiting and len(decodes) == len(self.running)
         for left, request in enumerate(decodes, 1 - len(decodes)):  # -left: decodes after this one
-            # in priority order, so that a preemption never takes a request scheduled already
-            drafts = self._drafts(request, budget + left - 1) if budget else []
-            if budget and request in self.running and self._grow(request, 1 + len(drafts)):
+            # in priority order; a preemption never takes a request scheduled already (siblings tie in order)
+            if budget and request in self.running and self._grow(request, 1, scheduled):
+                drafts = self._drafts(request, budget + left - 1) if drafting else []
                 scheduled.append(self._chunk(request, 1) if not drafts else self._drafted(request, drafts))
                 budget -= 1 + len(drafts)
         admit = self.num_preemptions == preemptions_before  # after a preemption, admitting would only thrash
@@ -157,12 +159,17 @@ class Scheduler:
                          decode=done and take == 1 and bool(request.output_ids), sample=done)
 
     def _drafts(self, request: Request, room: int) -> list[int]:
-        """Prompt lookup's drafts for a decode, within `room` more tokens of the step's budget."""
-        lookup = self.config.prompt_lookup
-        if lookup is None or request.params.prompt_logprobs is not None:
+        """Prompt lookup's drafts for a decode, within `room` more tokens of the step's budget and the blocks it
+        holds or that are free (drafts never preempt); their blocks are taken."""
+        if request.params.prompt_logprobs is not None:
             return []
-        limit = min(room, request.params.max_tokens - len(request.output_ids) - 1)
-        return lookup.propose(request.all_ids, limit) if limit > 0 else []
+        fit = (len(request.blocks) + self.blocks.num_free) * self.config.block_size - request.num_computed - 1
+        limit = min(room, fit, request.params.max_tokens - len(request.output_ids) - 1)
+        drafts = self.config.prompt_lookup.propose(request.all_ids, limit) if limit > 0 else []
+        more = self.blocks.blocks_for(request.num_computed + 1 + len(drafts)) - len(request.blocks)
+        if more > 0:
+            request.blocks.extend(self.blocks.allocate(more))
+        return drafts
 
     def _drafted(self, request: Request, drafts: list[int]) -> Scheduled:
         tokens = [request.output_ids[-1], *drafts]
@@ -182,13 +189,13 @@ class Scheduler:
         request.num_computed = len(reused) * self.config.block_size
         return True
 
-    def _grow(self, request: Request, tokens: int = 1) -> bool:
+    def _grow(self, request: Request, tokens: int, scheduled: list[Scheduled]) -> bool:
         """Make room for the request's next `tokens` tokens, preempting the lowest-priority, newest running requests
-        if the pool is full. False if the request itself had to be preempted. Decodes grow in queue order, so every
-        request already in this step ranks before `request` and is never the victim."""
+        not in this step yet (`scheduled`) if the pool is full. False if the request itself had to be preempted."""
         while self.blocks.blocks_for(request.num_computed + tokens) > len(request.blocks):
             while self.blocks.num_free == 0:
-                victim = max(self.running, key=queue_key)
+                taken = {id(item.request) for item in scheduled}
+                victim = max((r for r in self.running if id(r) not in taken), key=queue_key)
                 self.preempt(victim)
                 if victim is request:
                     return False

@@ -127,6 +127,24 @@ def test_n_outputs_share_the_prompt_blocks(engine_dir):
         assert [o.token_ids for o in again.outputs] == [o.token_ids for o in output.outputs]
 
 
+def test_preemption_never_takes_a_sibling_already_in_the_step(engine_dir):
+    """n siblings tie in queue order; when a decode must grow into a full pool, the victim is never one whose chunk
+    this step already holds (its blocks would go to the grower while it still runs on them: wrong KV, wrong
+    logits). With preemptions forced, every output and log-prob equals the run with room for all."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(20, 60))] for _ in range(16)]
+    params = SamplingParams(max_tokens=40, n=3, logprobs=1, ignore_eos=True)
+    with LLM(engine_dir) as roomy:
+        expected = roomy.generate(prompts, params, use_tqdm=False)
+    with LLM(engine_dir, policy="max_utilization", kv_cache_memory=12 * BLOCK * 512) as tight:
+        got = tight.generate(prompts, params, use_tqdm=False)
+        assert tight.executor.scheduler.num_preemptions > 0
+    for a, b in zip(got, expected, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            assert max(abs(p.logprob - q.logprob) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+
+
 def test_cancelling_a_stream_frees_its_blocks_within_one_step(engine_dir):
     params = SamplingParams(max_tokens=150, ignore_eos=True)
     prompts = [list(range(10 + i, 60 + i)) for i in range(4)]

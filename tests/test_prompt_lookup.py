@@ -150,9 +150,9 @@ def test_in_flight_batching_drafts_too_with_the_same_outputs(engine_dir, policy,
     with LLM(engine_dir, **options) as plain:
         expected = plain.generate(prompts, params, use_tqdm=False)
     with LLM(engine_dir, prompt_lookup=PromptLookup(num_tokens=4), **options) as drafting:
-        chunks = []
+        steps = []
         step = drafting.engine.step
-        drafting.engine.step = lambda batch: chunks.extend(batch) or step(batch)
+        drafting.engine.step = lambda batch: steps.append(list(batch)) or step(batch)
         got = drafting.generate(prompts, params, use_tqdm=False)
         executor = drafting.executor
         assert executor.scheduler.blocks.num_used == 0 and not executor.scheduler.running
@@ -161,9 +161,13 @@ def test_in_flight_batching_drafts_too_with_the_same_outputs(engine_dir, policy,
     for a, b in zip(got, expected, strict=True):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
         assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
+    chunks = [c for batch in steps for c in batch]
     drafted = [c for c in chunks if c.num_logits == len(c.token_ids) > 1]  # a token and its drafts, every row
     assert drafted and executor.accepted_tokens > 0
     assert sum(len(c.token_ids) - 1 for c in drafted) == executor.drafted_tokens
+    for batch in steps:  # drafts only in steps of decodes alone (beside a prompt chunk they would be padded to it)
+        if any(c.num_logits == len(c.token_ids) > 1 for c in batch):
+            assert all(len(c.token_ids) == 1 or c.num_logits == len(c.token_ids) for c in batch)
 
 
 def test_the_openai_server_and_triton_deploy_take_prompt_lookup(engine_dir, tmp_path):

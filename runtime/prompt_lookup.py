@@ -24,13 +24,17 @@ MAX_DRAFT = 16  # the sequence graph gives logits for a token and at most this m
 @dataclass(frozen=True)
 class PromptLookup:
     """num_tokens: drafts a step at most; the last max_ngram .. min_ngram tokens are looked for, longest first, at
-    their latest earlier place."""
+    their latest earlier place. max_running: in-flight batching drafts only while at most this many requests run (a
+    larger batch's step is bound by compute: rejected drafts cost what taken ones save; BENCHMARKS.md)."""
 
     num_tokens: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
+    max_running: int = 4
 
     def __post_init__(self) -> None:
+        if not (is_int(self.max_running) and self.max_running >= 1):
+            raise RequestError(f"PromptLookup.max_running must be an integer >= 1, got {self.max_running!r:.40}")
         for name in ("num_tokens", "max_ngram", "min_ngram"):
             if not is_int(getattr(self, name)):
                 raise RequestError(f"PromptLookup.{name} must be an integer, got {getattr(self, name)!r:.40}")

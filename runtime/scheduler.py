@@ -114,7 +114,8 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         decodes = sorted((r for r in self.running if r.num_tokens - r.num_computed == 1), key=queue_key)
         # drafts only in a step of decodes alone: beside a prompt chunk they would be padded to its length
-        drafting = self.config.prompt_lookup is not None and not self.waiting and len(decodes) == len(self.running)
+        lookup = self.config.prompt_lookup
+        drafting = lookup is not None and not self.waiting and len(decodes) == len(self.running) <= lookup.max_running
         for left, request in enumerate(decodes, 1 - len(decodes)):  # -left: decodes after this one
             # in priority order; a preemption never takes a request scheduled already (siblings tie in order)
             if budget and request in self.running and self._grow(request, 1, scheduled):

@@ -26,11 +26,13 @@ MD_BEGIN, MD_END = "<!-- prompt-lookup-batch:begin -->", "<!-- prompt-lookup-bat
 
 
 class Batch:
-    def __init__(self, engine: Path, threads: int, draft: int, max_tokens: int) -> None:
+    def __init__(self, engine: Path, threads: int, draft: int, max_tokens: int, max_running: int | None) -> None:
         from camshaft.runtime.llm import LLM
+        from camshaft.runtime.prompt_lookup import PromptLookup
 
         self.name = f"LLM + prompt lookup {draft}" if draft else "LLM"
-        self.llm = LLM(engine, threads=threads, prompt_lookup=draft or None)
+        running = {} if max_running is None else {"max_running": max_running}
+        self.llm = LLM(engine, threads=threads, prompt_lookup=PromptLookup(draft, **running) if draft else None)
         self.max_tokens = max_tokens
 
     def run(self, size: int) -> dict:
@@ -57,10 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--draft", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--max-running", type=int, help="PromptLookup.max_running (default: its default)")
     p.add_argument("--write-md", action="store_true")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.batch.split(",")]
-    systems = [Isolated(Batch, args.engine, args.threads, d, args.max_tokens) for d in (0, args.draft)]
+    systems = [Isolated(Batch, args.engine, args.threads, d, args.max_tokens, args.max_running)
+               for d in (0, args.draft)]
     rows = []
     for size in sizes:
         for s in systems:
@@ -84,15 +88,16 @@ def main(argv: list[str] | None = None) -> None:
     for s in systems:
         s.close()
     m = machine_info()
+    running = "" if args.max_running is None else f", max_running={args.max_running}"
     out = [MD_BEGIN, "## Prompt lookup in in-flight batching: SmolLM2-135M-Instruct, CPU", "",
            f"Machine: {m['cpu']}, {m['logical_cores']} logical cores. "
            f"Run ended {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC.", "",
            f"Command: `{command_line(argv)}`", "",
            f"`LLM` on one engine, the chat tasks of the section above repeated to fill each batch, all submitted at "
            f"once (greedy, fp32, to the end id or {args.max_tokens} tokens, {args.threads} threads), with and without "
-           f"`prompt_lookup={args.draft}`, each in a process of its own, {args.rounds} interleaved rounds after a "
-           "warm-up. Output tok/s = output tokens / wall time (medians); the ratio is the median of per-round ratios "
-           "(min–max). Drafts: taken / proposed in the first round.", "",
+           f"`PromptLookup({args.draft}{running})`, each in a process of its own, {args.rounds} interleaved rounds "
+           "after a warm-up. Output tok/s = output tokens / wall time (medians); the ratio is the median of "
+           "per-round ratios (min–max). Drafts: taken / proposed in the first round.", "",
            "| requests at once | output tok/s, no drafts | with drafts | ratio | drafts taken | same tokens |",
            "|---|---|---|---|---|---|"]
     for row in rows:

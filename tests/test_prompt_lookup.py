@@ -149,7 +149,7 @@ def test_in_flight_batching_drafts_too_with_the_same_outputs(engine_dir, policy,
     options = dict(policy=policy, kv_cache_memory=memory)
     with LLM(engine_dir, **options) as plain:
         expected = plain.generate(prompts, params, use_tqdm=False)
-    with LLM(engine_dir, prompt_lookup=PromptLookup(num_tokens=4), **options) as drafting:
+    with LLM(engine_dir, prompt_lookup=PromptLookup(num_tokens=4, max_running=8), **options) as drafting:
         steps = []
         step = drafting.engine.step
         drafting.engine.step = lambda batch: steps.append(list(batch)) or step(batch)
@@ -168,6 +168,21 @@ def test_in_flight_batching_drafts_too_with_the_same_outputs(engine_dir, policy,
     for batch in steps:  # drafts only in steps of decodes alone (beside a prompt chunk they would be padded to it)
         if any(c.num_logits == len(c.token_ids) > 1 for c in batch):
             assert all(len(c.token_ids) == 1 or c.num_logits == len(c.token_ids) for c in batch)
+
+
+def test_in_flight_batching_drafts_only_while_few_requests_run(engine_dir):
+    from camshaft.runtime.llm import LLM
+
+    with LLM(engine_dir, prompt_lookup=PromptLookup(max_running=2)) as llm:
+        steps = []
+        step = llm.engine.step
+        llm.engine.step = lambda batch: steps.append(list(batch)) or step(batch)
+        llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=n, ignore_eos=True) for n in (15, 40, 90)],
+                     use_tqdm=False)
+    drafting = [len(batch) for batch in steps if any(c.num_logits == len(c.token_ids) > 1 for c in batch)]
+    assert drafting and max(drafting) <= 2  # three ran at first: none drafted until one finished
+    with pytest.raises(RequestError, match="max_running must be an integer >= 1"):
+        PromptLookup(max_running=0)
 
 
 def test_the_openai_server_and_triton_deploy_take_prompt_lookup(engine_dir, tmp_path):

@@ -139,6 +139,11 @@ class SequenceGraph(CacheTensors):
     inputs: tuple[TensorSpec, ...]
     layout: str = "1,num_kv_heads,L,head_dim"
 
+    @property
+    def checks_drafts(self) -> bool:
+        """Whether it returns logits for several last tokens (`num_logits`): engines built before have one row."""
+        return any(spec.name == "num_logits" for spec in self.inputs)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SequenceGraph:
         return super().from_dict({**data, "inputs": _specs(data["inputs"])})

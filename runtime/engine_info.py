@@ -71,7 +71,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "gpu_arch": m.target_options.get("gpu_arch"),
         "graphs": {"batch": m.artifact, "sequence": sequence.artifact if sequence else None},
         # a Session drafts (PromptLookup) on its default graph: the batch graph, or a sequence graph of several rows
-        "prompt_lookup": sequence is None or any(spec.name == "num_logits" for spec in sequence.inputs),
+        "prompt_lookup": sequence is None or sequence.checks_drafts,
         "no_sequence_graph": sequence_note,
         "limits": {"max_batch_size": limits.max_batch_size, "max_seq_len": limits.max_seq_len,
                    "max_num_tokens": limits.max_num_tokens, "kv_block_size": limits.kv_block_size},

@@ -217,7 +217,7 @@ class Executor:
                 self._finish(request, sample)
                 finished += 1
                 continue
-            finished += self._record(request, [sample])
+            finished += self._record(request, sample)
         running = len(scheduled)
         self.peak_batch_size = max(self.peak_batch_size, running)
         blocks = self.scheduler.blocks
@@ -232,16 +232,11 @@ class Executor:
         return finished
 
     def _sample_drafted(self, item: Scheduled, rows) -> int:
-        """Sample a drafting decode's rows in turn, as a Session does (each sample recorded before the next row is
-        sampled): drafts are taken while they equal what was sampled; the cache then holds its token and the drafts
-        taken. Returns 1 if the request finished."""
-        request, delta, taken = item.request, "", []
+        """A drafting decode's rows, sampled in turn (request.add_drafted); the cache then holds its token and the
+        drafts taken. Returns 1 if the request finished."""
+        request = item.request
         try:
-            for i, row in enumerate(rows):
-                taken.append(request.sampler.sample(row))
-                delta += request.add_sample(taken[-1])
-                if request.finished or i >= len(item.drafts) or taken[-1].token_id != item.drafts[i]:
-                    break
+            deltas, taken = request.add_drafted(rows, item.drafts)
         except Exception as exc:
             log.error("request %s failed sampling its drafts; it ends with the error", request.request_id,
                       exc_info=True)
@@ -251,17 +246,17 @@ class Executor:
         self.accepted_tokens += sum(s.token_id == d for s, d in zip(taken, item.drafts, strict=False))
         if not request.finished:
             self.scheduler.advance(request, len(taken))
-        return self._deliver_samples(request, delta, taken)
+        return self._deliver_samples(request, "".join(deltas), taken)
 
-    def _record(self, request: Request, samples: list[SampleResult]) -> int:
+    def _record(self, request: Request, sample: SampleResult) -> int:
         """Add a step's sample to the request and deliver it; 1 if the request finished."""
         try:
-            delta = request.add_sample(samples[0])
+            delta = request.add_sample(sample)
         except Exception as exc:
             log.error("request %s failed after sampling; it ends with the error", request.request_id, exc_info=True)
             self._finish(request, exc)
             return 1
-        return self._deliver_samples(request, delta, samples)
+        return self._deliver_samples(request, delta, [sample])
 
     def _deliver_samples(self, request: Request, delta: str, samples: list[SampleResult]) -> int:
         new = (tuple(s.token_id for s in samples), tuple(samples) if request.params.logprobs is not None else ())

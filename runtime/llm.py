@@ -25,7 +25,7 @@ from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, params_list, priorities, prompt_list
 from camshaft.runtime.outputs import IterationStats, Load, PromptOutput, RequestOutput, Sink
-from camshaft.runtime.prompt_lookup import PromptLookup
+from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import SchedulerConfig
@@ -58,8 +58,7 @@ class LLM:
             limits, policy=policy, kv_reservation=kv_reservation, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, max_queue=max_queue))
         lookup = PromptLookup(num_tokens=prompt_lookup) if is_int(prompt_lookup) else prompt_lookup
-        if lookup is not None and not isinstance(lookup, PromptLookup):
-            raise RequestError(f"prompt_lookup takes a camshaft.PromptLookup or its num_tokens, got {lookup!r:.60}")
+        check_prompt_lookup(lookup, "a camshaft.PromptLookup or its num_tokens")
         self.kv_cache_memory = parse_memory(kv_cache_memory)  # bytes; a fraction is resolved once, here
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=self.kv_cache_memory,
                                       threads=threads, spin_wait=spin_wait, huge_pages=huge_pages, manifest=manifest)

@@ -21,6 +21,11 @@ from camshaft.errors import RequestError
 MAX_DRAFT = 16  # the sequence graph gives logits for a token and at most this many drafts
 
 
+def check_prompt_lookup(value: object, what: str = "a camshaft.PromptLookup(num_tokens=...)") -> None:
+    if value is not None and not isinstance(value, PromptLookup):
+        raise RequestError(f"prompt_lookup takes {what}, got {value!r:.60}")
+
+
 @dataclass(frozen=True)
 class PromptLookup:
     """num_tokens: drafts a step at most; the last max_ngram .. min_ngram tokens are looked for, longest first, at

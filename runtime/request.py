@@ -147,6 +147,19 @@ class Request:
     def prompt_logprobs(self) -> list[SampleResult | None] | None:
         return None if self.params.prompt_logprobs is None else [None, *self.prompt_samples]
 
+    def add_drafted(self, rows, drafts: list[int] | tuple[int, ...]) -> tuple[list[str], list[SampleResult]]:
+        """Sample the logits rows of a token and its drafts in turn, each sample recorded before the next row is
+        sampled (penalties, grammars), as without drafts; stops at the first sample that differs from its draft, at
+        the row after the last draft, or when the request finishes. Returns each sample's text delta and the samples
+        taken: the cache holds as many of the fed tokens (the decode token and the drafts taken)."""
+        deltas, taken = [], []
+        for i, row in enumerate(rows):
+            taken.append(self.sampler.sample(row))
+            deltas.append(self.add_sample(taken[-1]))
+            if self.finished or i >= len(drafts) or taken[-1].token_id != drafts[i]:
+                break
+        return deltas, taken
+
     def result(self) -> GenerationResult:
         end = self.finished_at or time.perf_counter()
         first = self.first_token_at or end

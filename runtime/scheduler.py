@@ -21,7 +21,7 @@ from camshaft.checks import check_positive_ints
 from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.block_manager import BlockManager
-from camshaft.runtime.prompt_lookup import PromptLookup
+from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
 from camshaft.runtime.request import Request
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
@@ -46,9 +46,7 @@ class SchedulerConfig:
             raise RequestError(f"unknown capacity policy {self.policy!r}; use one of {POLICIES}")
         if self.kv_reservation not in RESERVATIONS:
             raise RequestError(f"unknown KV reservation {self.kv_reservation!r}; use one of {RESERVATIONS}")
-        if self.prompt_lookup is not None and not isinstance(self.prompt_lookup, PromptLookup):
-            raise RequestError(f"prompt_lookup takes a camshaft.PromptLookup(num_tokens=...), got "
-                               f"{self.prompt_lookup!r:.60}")
+        check_prompt_lookup(self.prompt_lookup)
         if self.num_blocks < 2:
             raise CapacityError(f"a KV pool needs at least 2 blocks (one is the null block), got {self.num_blocks}")
 

@@ -68,7 +68,7 @@ class SequenceEngine:
         self.binding.bind_ortvalue_input("seqlens_k", self._values[1])
         self.binding.bind_ortvalue_input("total_sequence_length", self._values[2])
         # logits rows: 1, or a token and its drafts (prompt lookup) on engines whose graph takes num_logits
-        self.max_rows = MAX_ROWS if any(spec.name == "num_logits" for spec in self.layout.inputs) else 1
+        self.max_rows = MAX_ROWS if self.layout.checks_drafts else 1
         self._rows_wanted = np.ones(1, dtype=np.int64)
         if self.max_rows > 1:
             self._values.append(ort.OrtValue.ortvalue_from_numpy(self._rows_wanted))

@@ -20,7 +20,7 @@ from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import params_list
-from camshaft.runtime.prompt_lookup import PromptLookup
+from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
 from camshaft.runtime.prompt_text import encode_text
 from camshaft.runtime.request import GenerationResult, Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
@@ -47,9 +47,7 @@ class Session:
                  prompt_lookup: PromptLookup | None = None):
         if graph not in GRAPHS:
             raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
-        if prompt_lookup is not None and not isinstance(prompt_lookup, PromptLookup):
-            raise RequestError(f"prompt_lookup takes a camshaft.PromptLookup(num_tokens=...), got "
-                               f"{prompt_lookup!r:.60}")
+        check_prompt_lookup(prompt_lookup)
         kv_cache_memory = parse_memory(kv_cache_memory)
         manifest = read_manifest(engine_dir)
         if graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None):
@@ -60,7 +58,7 @@ class Session:
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
                                                     threads=threads, huge_pages=huge_pages, manifest=manifest))
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
-        if prompt_lookup is not None and self.engine.max_rows <= prompt_lookup.num_tokens:
+        if prompt_lookup is not None and self.engine.max_rows == 1:
             self.engine.close()
             raise EngineError(f"{engine_dir}: its sequence graph gives logits for one token a step, so it cannot check "
                               "drafts; rebuild the engine with this camshaft for prompt lookup, run it on its batch "
@@ -225,26 +223,24 @@ class Session:
                 self._release_engine_if_idle()
 
     def _decode_with_drafts(self, request: Request, logits: np.ndarray) -> Generator[str, None, GenerationResult]:
-        """Decode feeding each new token with prompt lookup's drafts; a position's sample that differs from its
-        draft ends the step (the cache past it is written again by the next one)."""
+        """Decode feeding each new token with prompt lookup's drafts (request.add_drafted samples them); the cache
+        past the drafts taken is written again by the next step."""
         rows, drafts, fed_at = logits[None], [], request.num_computed - 1
         context = np.empty(len(request.prompt_ids) + request.params.max_tokens, dtype=np.int64)
         context[:len(request.prompt_ids)] = request.prompt_ids
         largest = min(self.prompt_lookup.num_tokens, self.engine.limits.max_num_tokens - 1)  # a step's token budget
         while True:
-            for i, row in enumerate(rows):
-                delta = request.add_sample(request.sampler.sample(row))
-                context[request.num_tokens - 1] = request.output_ids[-1]
+            deltas, taken = request.add_drafted(rows, drafts)
+            context[request.num_tokens - len(taken): request.num_tokens] = [s.token_id for s in taken]
+            self.accepted_tokens += sum(s.token_id == d for s, d in zip(taken, drafts, strict=False))
+            for k, delta in enumerate(deltas, 1 - len(deltas)):  # k: 0 for the step's last token
                 if delta:
                     yield delta
-                taken = i < len(drafts) and request.output_ids[-1] == drafts[i]
-                self.accepted_tokens += taken
-                if request.finished:
-                    return request.result()
-                self._check_open()  # closed while this request ran: it ends at its next token, drafts or not
-                if i < len(drafts) and not taken:
-                    break
-            request.num_computed = fed_at + i + 1
+                if k or not request.finished:
+                    self._check_open()  # closed while this request ran: it ends at its next token, drafts or not
+            if request.finished:
+                return request.result()
+            request.num_computed = fed_at + len(taken)
             limit = min(largest, request.params.max_tokens - len(request.output_ids) - 1)
             drafts = self.prompt_lookup.propose(context[:request.num_tokens], limit)
             self.drafted_tokens += len(drafts)

@@ -66,8 +66,8 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """api_key: every route but /health, /metrics and /version asks for it as a bearer token (None: none).
-    tool_call_parser: how tool calls are read from text the model chose to write ("hermes"; None: tool_choice
-    "auto" is refused)."""
+    tool_call_parser: how tool calls are read from text the model chose to write (tool_calls.PARSERS; None:
+    tool_choice "auto" is refused)."""
     if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
         raise CamshaftError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
     app = FastAPI(title="camshaft OpenAI-compatible API")

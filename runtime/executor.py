@@ -106,7 +106,7 @@ class Executor:
         running = len(scheduler.running)
         counters = scheduler.blocks.counters()
         return Load(running, max(0, in_flight - running), counters.used, counters.total, counters.reuse_hits,
-                    scheduler.num_preemptions)
+                    scheduler.num_preemptions, self.drafted_tokens, self.accepted_tokens)
 
     def snapshot_stats(self) -> list[IterationStats]:
         with self._stats_lock:

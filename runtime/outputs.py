@@ -53,6 +53,8 @@ class Load:
     kv_blocks_total: int
     prefix_hits: int
     preemptions: int
+    draft_tokens: int = 0  # prompt lookup's drafts fed to the engine, and those taken, since start
+    accepted_draft_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:

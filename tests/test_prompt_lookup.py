@@ -4,6 +4,8 @@ greedy, seeded sampling, penalties, stop strings, grammars, log-probs — on bot
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from typer.testing import CliRunner
 
@@ -185,21 +187,45 @@ def test_in_flight_batching_drafts_only_while_few_requests_run(engine_dir):
         PromptLookup(max_running=0)
 
 
-def test_the_openai_server_and_triton_deploy_take_prompt_lookup(engine_dir, tmp_path):
+def _draft_counts(metrics_text: str) -> tuple[float, float]:
+    values = {line.split(" ")[0].split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+              if line.startswith("camshaft_spec_decode_")}
+    return (values["camshaft_spec_decode_draft_tokens_total"],
+            values["camshaft_spec_decode_accepted_tokens_total"])
+
+
+def test_the_openai_server_and_triton_serve_prompt_lookup_and_count_its_drafts(engine_dir, tmp_path):
+    """The same greedy text with drafts as without, through the OpenAI server and a real tritonserver deployed with
+    --prompt-lookup; both servers' /metrics count the drafts fed and taken as the batch loop does."""
     import json
 
     import httpx
+    import requests
     from test_openai_server import running_server
 
     from camshaft.triton_repo.deploy import MARKER
+    from camshaft.triton_repo.server import TritonServer
 
     body = {"model": "engine", "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0}
     with running_server(engine_dir) as (url, _):
         expected = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+        assert _draft_counts(httpx.get(f"{url}/metrics").text) == (0, 0)
     with running_server(engine_dir, prompt_lookup=4) as (url, llm):
         assert httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"] == expected
-        assert llm.executor.accepted_tokens > 0
+        drafted, accepted = _draft_counts(httpx.get(f"{url}/metrics").text)
+        assert 0 < accepted <= drafted
+        assert (drafted, accepted) == (llm.executor.drafted_tokens, llm.executor.accepted_tokens)
     result = CliRunner().invoke(app, ["deploy", "--engine", str(engine_dir), "--repo", str(tmp_path / "repo"),
                                       "--prompt-lookup", "3"])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "repo" / MARKER).read_text())["llm_options"]["prompt_lookup"] == 3
+    with TritonServer(tmp_path / "repo", log_file=tmp_path / "tritonserver.log") as server:
+        answer = requests.post(f"http://{server.endpoints.http}/v2/models/ensemble/generate", timeout=60,
+                               json={"text_input": PROMPTS[1], "max_tokens": 40, "exclude_input_in_output": True})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["text_output"] == expected
+        deadline = time.monotonic() + 30  # the token model pushes its metrics to Triton a few times a second
+        while (counts := _draft_counts(requests.get(server.endpoints.metrics_url, timeout=10).text))[1] == 0:
+            assert time.monotonic() < deadline, f"Triton's /metrics never counted a draft taken: {counts}"
+            time.sleep(0.1)
+        assert counts[1] <= counts[0]

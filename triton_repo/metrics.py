@@ -24,7 +24,11 @@ COUNTERS = {
     "camshaft_requests_refused_total": "Requests refused (invalid, too long, or the queue full)",
     "camshaft_requests_finished_total": "Requests finished, aborted ones included",
     "camshaft_requests_aborted_total": "Requests aborted (cancelled, client gone, or a stop request)",
+    "camshaft_spec_decode_draft_tokens_total": "Prompt lookup's draft tokens fed to the engine",
+    "camshaft_spec_decode_accepted_tokens_total": "Draft tokens equal to the sampled token",
 }
+FROM_LOAD = {"camshaft_spec_decode_draft_tokens_total": "draft_tokens",  # counted by the batch loop itself
+             "camshaft_spec_decode_accepted_tokens_total": "accepted_draft_tokens"}
 
 # TensorRT-LLM's triton backend families, under its names and labels: what endpoint pickers (the Gateway API
 # inference extension, llm-d) scrape from a "triton-tensorrt-llm" server
@@ -51,7 +55,7 @@ class Metrics:
                                                                          kind=pb_utils.MetricFamily.GAUGE)
             self.metrics |= {(family_name, kind): family.Metric(labels={**labels, label: kind, "version": "1"})
                              for kind in kinds}
-        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._counts = dict.fromkeys(COUNTERS.keys() - FROM_LOAD.keys(), 0)
         self._sent = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         self._window: list[tuple[float, int]] = []
@@ -65,6 +69,7 @@ class Metrics:
         load = self.llm.load()  # before the counts: an idle load is never shown with a request not yet counted
         with self._lock:
             counts = dict(self._counts)
+        counts |= {name: getattr(load, field) for name, field in FROM_LOAD.items()}
         for name, value in counts.items():
             if value > self._sent[name]:
                 self.metrics[name].increment(value - self._sent[name])

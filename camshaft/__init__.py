@@ -25,7 +25,8 @@ _LAZY = {
     "SamplingParams": "camshaft.runtime.sampling_params", "GuidedDecodingParams": "camshaft.runtime.guided",
     "PromptLookup": "camshaft.runtime.prompt_lookup",
     "GenerationResult": "camshaft.runtime.request",
-    "Timings": "camshaft.runtime.request", "PromptOutput": "camshaft.runtime.outputs",
+    "Timings": "camshaft.runtime.request", "RequestMetrics": "camshaft.runtime.request",
+    "PromptOutput": "camshaft.runtime.outputs",
     "RequestOutput": "camshaft.runtime.outputs", "SampleResult": "camshaft.runtime.sampler",
     "build_engine": "camshaft.builder.build", "BuildConfig": "camshaft.builder.config",
     "quantize_checkpoint": "camshaft.quantize.modelopt_adapter", "QuantSpec": "camshaft.quantize.spec",
@@ -33,7 +34,7 @@ _LAZY = {
 }
 __all__ = [
     "__version__", "LLM", "Session", "SamplingParams", "GuidedDecodingParams", "PromptLookup", "GenerationResult",
-    "Timings",
+    "Timings", "RequestMetrics",
     "PromptOutput", "RequestOutput",
     "SampleResult", "build_engine", "BuildConfig", "quantize_checkpoint", "QuantSpec", "QuantizeError",
     "BuildConfigError", "CamshaftError", "CapacityError", "CheckpointError", "EngineError", "FetchError",
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from camshaft.runtime.guided import GuidedDecodingParams
     from camshaft.runtime.llm import LLM
     from camshaft.runtime.outputs import PromptOutput, RequestOutput
-    from camshaft.runtime.request import GenerationResult, Timings
+    from camshaft.runtime.request import GenerationResult, RequestMetrics, Timings
     from camshaft.runtime.sampler import SampleResult
     from camshaft.runtime.sampling_params import SamplingParams
     from camshaft.runtime.session import Session

@@ -235,6 +235,7 @@ class Executor:
         """A drafting decode's rows, sampled in turn (request.add_drafted); the cache then holds its token and the
         drafts taken. Returns 1 if the request finished."""
         request = item.request
+        accepted = request.accepted_draft_tokens
         try:
             deltas, taken = request.add_drafted(rows, item.drafts)
         except Exception as exc:
@@ -243,7 +244,7 @@ class Executor:
             self._finish(request, exc)
             return 1
         self.drafted_tokens += len(item.drafts)
-        self.accepted_tokens += sum(s.token_id == d for s, d in zip(taken, item.drafts, strict=False))
+        self.accepted_tokens += request.accepted_draft_tokens - accepted
         if not request.finished:
             self.scheduler.advance(request, len(taken))
         return self._deliver_samples(request, "".join(deltas), taken)

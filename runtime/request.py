@@ -31,6 +31,30 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class RequestMetrics:
+    """A request's times (seconds since the epoch; None: not reached) and counts, as TensorRT-LLM reports them
+    with return_perf_metrics. KV blocks are the in-flight batcher's (0 from a Session), over every admission (a
+    preempted request is admitted again)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    kv_blocks_reused: int = 0  # taken from the prefix cache
+    kv_blocks_new: int = 0  # allocated empty
+    draft_tokens: int = 0  # prompt lookup's drafts fed to the engine
+    accepted_draft_tokens: int = 0  # drafts equal to the token sampled in their place
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.kv_blocks_reused + self.kv_blocks_new
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     text: str
     token_ids: list[int]
@@ -43,6 +67,7 @@ class GenerationResult:
     # stop_word_ids sequence that ended it; None for an end id, the length limit or an abort
     prompt_logprobs: list[SampleResult | None] | None = None  # vLLM's: None for the first prompt token, then each
     # prompt token's log-prob given the tokens before it (with prompt_logprobs alternatives), when asked for
+    metrics: RequestMetrics | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -72,7 +97,12 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None  # first taken into the running batch (a preempted request keeps it)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finished_at: float | None = None
+    kv_blocks_reused: int = 0  # RequestMetrics' counts
+    kv_blocks_new: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     prompt_id: str = ""  # the prompt's id, shared by its n requests ("" : the request's own)
 
     @property
@@ -102,7 +132,7 @@ class Request:
 
     def add_sample(self, sample: SampleResult) -> str:
         """Record a sampled token; returns the text delta that became safe to emit, and sets finish_reason."""
-        now = time.perf_counter()
+        now = self.last_token_at = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
         token = sample.token_id
@@ -158,6 +188,8 @@ class Request:
             deltas.append(self.add_sample(taken[-1]))
             if self.finished or i >= len(drafts) or taken[-1].token_id != drafts[i]:
                 break
+        self.draft_tokens += len(drafts)
+        self.accepted_draft_tokens += sum(s.token_id == d for s, d in zip(taken, drafts, strict=False))
         return deltas, taken
 
     def result(self) -> GenerationResult:
@@ -175,7 +207,14 @@ class Request:
             stop_token_id=self.stop_token_id,
             stop_reason=self.stop_reason,
             prompt_logprobs=self.prompt_logprobs,
+            metrics=self.metrics(),
         )
+
+    def metrics(self) -> RequestMetrics:
+        offset = time.time() - time.perf_counter()
+        epoch = [None if t is None else t + offset for t in (self.admitted_at, self.first_token_at, self.last_token_at)]
+        return RequestMetrics(self.arrival + offset, *epoch, self.kv_blocks_reused, self.kv_blocks_new,
+                              self.draft_tokens, self.accepted_draft_tokens)
 
 
 def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: object,

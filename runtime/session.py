@@ -230,9 +230,10 @@ class Session:
         context[:len(request.prompt_ids)] = request.prompt_ids
         largest = min(self.prompt_lookup.num_tokens, self.engine.limits.max_num_tokens - 1)  # a step's token budget
         while True:
+            accepted = request.accepted_draft_tokens
             deltas, taken = request.add_drafted(rows, drafts)
             context[request.num_tokens - len(taken): request.num_tokens] = [s.token_id for s in taken]
-            self.accepted_tokens += sum(s.token_id == d for s, d in zip(taken, drafts, strict=False))
+            self.accepted_tokens += request.accepted_draft_tokens - accepted
             for k, delta in enumerate(deltas, 1 - len(deltas)):  # k: 0 for the step's last token
                 if delta:
                     yield delta

@@ -167,6 +167,9 @@ def test_in_flight_batching_drafts_too_with_the_same_outputs(engine_dir, policy,
     drafted = [c for c in chunks if c.num_logits == len(c.token_ids) > 1]  # a token and its drafts, every row
     assert drafted and executor.accepted_tokens > 0
     assert sum(len(c.token_ids) - 1 for c in drafted) == executor.drafted_tokens
+    metrics = [o.metrics for result in got for o in result.outputs]  # each request's own count
+    assert sum(m.draft_tokens for m in metrics) == executor.drafted_tokens
+    assert sum(m.accepted_draft_tokens for m in metrics) == executor.accepted_tokens
     for batch in steps:  # drafts only in steps of decodes alone (beside a prompt chunk they would be padded to it)
         if any(c.num_logits == len(c.token_ids) > 1 for c in batch):
             assert all(len(c.token_ids) == 1 or c.num_logits == len(c.token_ids) for c in batch)
@@ -221,9 +224,14 @@ def test_the_openai_server_and_triton_serve_prompt_lookup_and_count_its_drafts(e
     assert json.loads((tmp_path / "repo" / MARKER).read_text())["llm_options"]["prompt_lookup"] == 3
     with TritonServer(tmp_path / "repo", log_file=tmp_path / "tritonserver.log") as server:
         answer = requests.post(f"http://{server.endpoints.http}/v2/models/ensemble/generate", timeout=60,
-                               json={"text_input": PROMPTS[1], "max_tokens": 40, "exclude_input_in_output": True})
+                               json={"text_input": PROMPTS[1], "max_tokens": 40, "exclude_input_in_output": True,
+                                     "return_perf_metrics": True})
         assert answer.status_code == 200, answer.text
         assert answer.json()["text_output"] == expected
+        perf = answer.json()  # the request's own drafts (return_perf_metrics, through the text model)
+        assert 0 < perf["total_accepted_draft_tokens"] <= perf["total_draft_tokens"]
+        assert perf["acceptance_rate"] == pytest.approx(perf["total_accepted_draft_tokens"]
+                                                        / perf["total_draft_tokens"])
         deadline = time.monotonic() + 30  # the token model pushes its metrics to Triton a few times a second
         while (counts := _draft_counts(requests.get(server.endpoints.metrics_url, timeout=10).text))[1] == 0:
             assert time.monotonic() < deadline, f"Triton's /metrics never counted a draft taken: {counts}"

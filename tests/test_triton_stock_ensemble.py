@@ -1,9 +1,11 @@
 """A tensorrtllm_backend-style `platform: "ensemble"` over camshaft's tensorrt_llm model, on the real tritonserver:
 it loads (every tensor the stock ensemble maps to tensorrt_llm is declared, with the stock types, and the token
-model's batch size holds the ensemble's), what the stock preprocessing always sends passes, and what camshaft lacks
-(LoRA, prompt tuning, encoder-decoder inputs, perf metrics) is refused by name."""
+model's batch size holds the ensemble's), what the stock preprocessing always sends passes, return_perf_metrics
+answers, and what camshaft lacks (LoRA, prompt tuning, encoder-decoder inputs) is refused by name."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -109,13 +111,36 @@ def test_the_stock_ensemble_loads_and_runs_what_its_preprocessing_sends(stock):
     assert error is None and outputs[0]["output_ids"].reshape(-1).tolist()[len(prompt):] == [77] * 8
 
 
+def test_return_perf_metrics_gives_times_and_kv_block_reuse(stock):
+    """TensorRT-LLM's perf outputs on the last response: times in order within the request's wall-clock window,
+    blocks for prompt and output, and a second request with the same 70-token prompt reusing its two full blocks."""
+    server, _ = stock
+    prompt = [(7 * i) % 250 + 3 for i in range(70)]
+    block = 32  # the engine's kv_block_size (the default)
+    runs = []
+    for _ in range(2):
+        before = time.time_ns()
+        outputs, error, _ = Stream(server.endpoints.grpc).run("stock_ensemble", inputs(
+            input_ids=prompt, input_lengths=[len(prompt)], request_output_len=[10], return_perf_metrics=[True],
+            streaming=[True]))
+        assert error is None, error
+        runs.append(({k: v.item() for k, v in outputs[-1].items() if v.size == 1}, before, time.time_ns()))
+        assert all("arrival_time_ns" not in o for o in outputs[:-1])  # the last response only
+    for perf, before, after in runs:
+        times = [perf[f"{n}_time_ns"] for n in ("arrival", "first_scheduled", "first_token", "last_token")]
+        assert before <= times[0] <= times[1] <= times[2] <= times[3] <= after, (before, times, after)
+        assert perf["kv_cache_alloc_total_blocks"] == perf["kv_cache_alloc_new_blocks"] + perf["kv_cache_reused_blocks"]
+        assert perf["kv_cache_alloc_total_blocks"] == -(-(len(prompt) + 10) // block)  # ceil: 80 tokens, 3 blocks
+        assert (perf["total_draft_tokens"], perf["total_accepted_draft_tokens"], perf["acceptance_rate"]) == (0, 0, 0)
+    assert [perf["kv_cache_reused_blocks"] for perf, _, _ in runs] == [0, len(prompt) // block]
+
+
 @pytest.mark.parametrize("extra, message", [
     (dict(lora_task_id=[3]), "lora_task_id: LoRA is not supported"),
     (dict(lora_config=np.zeros((1, 3))), "lora_config: LoRA is not supported"),
     (dict(prompt_embedding_table=np.ones((2, 64))), "prompt tuning (p-tuning) is not supported"),
     (dict(prompt_vocab_size=[2]), "prompt_vocab_size: prompt tuning"),
     (dict(decoder_input_ids=[0, 5, 6], decoder_input_lengths=[3]), "encoder-decoder models"),
-    (dict(return_perf_metrics=[True]), "return_perf_metrics is not supported"),
     (dict(embedding_bias=np.zeros(385)), "embedding_bias must hold one value per vocabulary entry"),
     (dict(input_ids=[[5, 9], [6, 7]], input_lengths=[[2], [2]], request_output_len=[[4], [4]]),
      "input_ids holds 2 prompts; send one request per prompt"),

@@ -13,6 +13,7 @@ import numpy as np
 
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.guided import GuidedDecodingParams
+from camshaft.runtime.request import RequestMetrics
 from camshaft.runtime.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_WORD_IDS, SamplingParams
 
 MAX_WORD_LISTS = min(MAX_BAD_WORDS, MAX_STOP_WORD_IDS)
@@ -29,6 +30,7 @@ class TokenRequest:
     log_probs: bool
     num_input_tokens: bool
     num_output_tokens: bool
+    perf_metrics: bool = False
 
 
 def error_status(exc: BaseException) -> tuple[str, str]:
@@ -196,7 +198,7 @@ def token_request(values: Values, *, eos_token_ids: Sequence[int], exclude_defau
     max_tokens = one(values, "request_output_len")
     if max_tokens is None:
         raise RequestError("request_output_len is required: the number of tokens to generate")
-    for name in ("return_context_logits", "return_generation_logits", "return_perf_metrics"):
+    for name in ("return_context_logits", "return_generation_logits"):
         if one(values, name):
             raise RequestError(f"{name} is not supported by camshaft's Triton models; leave it false")
     check_unsupported(values)
@@ -205,7 +207,19 @@ def token_request(values: Values, *, eos_token_ids: Sequence[int], exclude_defau
                         bool(exclude_default if one(values, "exclude_input_in_output") is None
                              else one(values, "exclude_input_in_output")),
                         bool(one(values, "return_log_probs")), bool(one(values, "return_num_input_tokens")),
-                        bool(one(values, "return_num_output_tokens")))
+                        bool(one(values, "return_num_output_tokens")), bool(one(values, "return_perf_metrics")))
+
+
+def perf_metrics(metrics: RequestMetrics) -> dict[str, int | float]:
+    """return_perf_metrics' outputs, as TensorRT-LLM names them (times: nanoseconds since the epoch, 0 for one
+    not reached)."""
+    times = {"arrival": metrics.arrival_time, "first_scheduled": metrics.first_scheduled_time,
+             "first_token": metrics.first_token_time, "last_token": metrics.last_token_time}
+    return {"kv_cache_alloc_new_blocks": metrics.kv_blocks_new, "kv_cache_reused_blocks": metrics.kv_blocks_reused,
+            "kv_cache_alloc_total_blocks": metrics.kv_blocks_total,
+            **{f"{name}_time_ns": 0 if t is None else round(t * 1e9) for name, t in times.items()},
+            "acceptance_rate": metrics.acceptance_rate, "total_accepted_draft_tokens": metrics.accepted_draft_tokens,
+            "total_draft_tokens": metrics.draft_tokens}
 
 
 def check_unsupported(values: Values) -> None:

@@ -37,6 +37,7 @@ SAMPLING = (
     ("return_num_output_tokens", "return_num_output_tokens", "BOOL"),
     ("return_context_logits", "return_context_logits", "BOOL"),
     ("return_generation_logits", "return_generation_logits", "BOOL"),
+    ("return_perf_metrics", "return_perf_metrics", "BOOL"),
     ("guided_decoding_guide_type", "guided_decoding_guide_type", "STRING"),
     ("guided_decoding_guide", "guided_decoding_guide", "STRING"),
 )
@@ -57,17 +58,20 @@ TOKEN_INPUTS = (
 # are refused when they ask for what camshaft lacks (protocol.check_unsupported), the outputs never sent.
 STOCK_INPUTS = (
     _s("decoder_input_ids", "INT32", (-1,)), _s("decoder_input_lengths", "INT32"),
-    _s("return_perf_metrics", "BOOL"),
     _s("prompt_embedding_table", "FP16", (-1, -1)), _s("prompt_vocab_size", "INT32"),
     _s("prompt_table_extra_ids", "UINT64", (-1,)),
     _s("lora_task_id", "UINT64"), _s("lora_weights", "FP16", (-1, -1)), _s("lora_config", "INT32", (-1, 3)),
 )
-STOCK_OUTPUTS = (
-    _s("context_logits", "FP32", (-1, -1)), _s("generation_logits", "FP32", (-1, -1, -1)),
-    _s("batch_index", "INT32"),
+# return_perf_metrics: on a sequence's last response (times in nanoseconds since the epoch)
+PERF_OUTPUTS = (
     *(_s(f"kv_cache_{n}_blocks", "INT32") for n in ("alloc_new", "reused", "alloc_total")),
     *(_s(f"{n}_time_ns", "INT64") for n in ("arrival", "first_scheduled", "first_token", "last_token")),
     _s("acceptance_rate", "FP32"), _s("total_accepted_draft_tokens", "INT32"), _s("total_draft_tokens", "INT32"),
+)
+STOCK_OUTPUTS = (
+    _s("context_logits", "FP32", (-1, -1)), _s("generation_logits", "FP32", (-1, -1, -1)),
+    _s("batch_index", "INT32"),
+    *PERF_OUTPUTS,
 )
 TOKEN_INPUTS += STOCK_INPUTS
 TOKEN_OUTPUTS = (
@@ -92,6 +96,7 @@ TEXT_OUTPUTS = (
     _s("text_output", "STRING", (-1,)), _s("sequence_index", "INT32"),
     _s("cum_log_probs", "FP32", (-1,)), _s("output_log_probs", "FP32", (-1, -1)),
     _s("num_input_tokens", "INT32"), _s("num_output_tokens", "INT32"),
+    *PERF_OUTPUTS,
 )
 
 

@@ -29,7 +29,7 @@ from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
 from camshaft.triton_repo.protocol import check_parameters, one, text_embedding_bias
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN
-from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, FINAL, error_response, tensor
+from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, FINAL, error_response, perf_tensors, tensor
 
 PASSED_AS_IS = {"stop_words", "bad_words"}
 HANDLED_HERE = {"text_input", "stream", "exclude_input_in_output", "embedding_bias_words",
@@ -159,6 +159,8 @@ class TextModel:
         delta, index = out["text"], out["sequence_index"]
         extra = [tensor(n, [[out[n]]], np.int32) for n in ("num_input_tokens", "num_output_tokens") if n in out]
         extra.append(tensor("sequence_index", [[index]], np.int32))
+        if "perf" in out:
+            extra += perf_tensors(out["perf"])
         logprobs = call.logprobs.setdefault(index, [])
         logprobs.extend(out["logprobs"])
         call.pieces.setdefault(index, []).append(delta)

@@ -11,9 +11,11 @@ import triton_python_backend_utils as pb_utils
 
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.request import sequence_of
-from camshaft.triton_repo.protocol import TokenRequest, error_status
+from camshaft.triton_repo.protocol import TokenRequest, error_status, perf_metrics
+from camshaft.triton_repo.tensors import PERF_OUTPUTS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+NUMPY = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32}
 CANCEL_CHECK_S = 0.2  # how often a running request asks Triton whether it was cancelled (an IPC round trip)
 
 
@@ -34,6 +36,11 @@ def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
 
 def tensor(name: str, value, dtype) -> pb_utils.Tensor:
     return pb_utils.Tensor(name, np.asarray(value, dtype=dtype))
+
+
+def perf_tensors(values: dict[str, int | float]) -> list[pb_utils.Tensor]:
+    """protocol.perf_metrics' values as the [1, 1] tensors of PERF_OUTPUTS."""
+    return [tensor(spec.name, [[values[spec.name]]], NUMPY[spec.dtype]) for spec in PERF_OUTPUTS]
 
 
 @dataclass
@@ -91,6 +98,8 @@ def response(job: Job, sequence: Sequence, ids: list[int], logprobs: list[float]
             tensors.append(tensor("num_input_tokens", [[len(spec.prompt_ids)]], np.int32))
         if spec.num_output_tokens:
             tensors.append(tensor("num_output_tokens", [[len(sequence.tokens)]], np.int32))
+        if spec.perf_metrics and output.result.metrics is not None:
+            tensors += perf_tensors(perf_metrics(output.result.metrics))
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 

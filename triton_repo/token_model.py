@@ -22,7 +22,14 @@ from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.request import sequence_of
 from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.metrics import Metrics
-from camshaft.triton_repo.protocol import TokenRequest, check_parameters, error_status, one, token_request
+from camshaft.triton_repo.protocol import (
+    TokenRequest,
+    check_parameters,
+    error_status,
+    one,
+    perf_metrics,
+    token_request,
+)
 from camshaft.triton_repo.tensors import TOKEN_INPUTS
 from camshaft.triton_repo.token_jobs import (
     CANCEL_CHECK_S,
@@ -226,6 +233,8 @@ class TokenModel:
                         payload["num_input_tokens"] = len(spec.prompt_ids)
                     if spec.num_output_tokens:
                         payload["num_output_tokens"] = generated[output.request_id]
+                    if spec.perf_metrics and output.result.metrics is not None:
+                        payload["perf"] = perf_metrics(output.result.metrics)
                 send(("out", call_id, payload))
 
             ids = self.llm.submit(spec.prompt_ids, spec.params, sink)

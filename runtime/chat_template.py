@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from camshaft.errors import RequestError
@@ -20,23 +21,67 @@ TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, 
                   "object>}}</tool_call>, one such block per call.")
 
 
-def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-    """The template's text of the conversation, ending with the assistant's generation prompt."""
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                                "tokenize", "return_dict", "chat_template", "conversation", "tokenizer_kwargs"})
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The template's text of the conversation, ending with the assistant's generation prompt. template_kwargs:
+    more variables the template reads (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
     from jinja2 import TemplateError
 
     check_messages(messages)
     if tokenizer.chat_template is None:
-        raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt instead")
+        raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt, or give the engine "
+                           "one (chat_template=, --chat-template FILE)")
     if tools is not None:
         check_tools(tools)
+    template_kwargs = check_template_kwargs(template_kwargs)
     tools = tools or None
     template = tokenizer.get_chat_template(tools=tools)
     if not reads_tools(template):
         messages, tools = as_text(messages, tools, calls_as_text="tool_calls" not in template), None
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                             **template_kwargs)
     except (TemplateError, TypeError) as exc:  # e.g. a template that wants alternating turns, no system role
         raise RequestError(f"this model's chat template refused the messages: {exc}") from exc
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise RequestError(f"chat_template_kwargs is an object of template variable names to values, got "
+                           f"{kwargs!r:.80}")
+    taken = sorted(TEMPLATE_ARGUMENTS & kwargs.keys())
+    if taken:
+        raise RequestError(f"chat_template_kwargs cannot set {', '.join(taken)}: camshaft sets them (messages and "
+                           "tools have their own fields); leave them out")
+    return kwargs
+
+
+def load_chat_template(value: str | Path) -> str:
+    """A chat template from a file (its text: Jinja, as chat_template.jinja holds) or given inline as Jinja text;
+    refused unless it parses."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    text = str(value)
+    inline = isinstance(value, str) and ("{{" in text or "{%" in text)
+    if not inline:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise RequestError(f"chat template {text!r:.120} is neither a file nor Jinja text (holding {{{{ or "
+                               "{%); give the path of a .jinja file or the template itself")
+        text = path.read_text(encoding="utf-8")
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
+    except TemplateSyntaxError as exc:
+        where = "the template given" if inline else str(value)
+        raise RequestError(f"{where} is not a valid Jinja chat template: line {exc.lineno}: {exc.message}") from None
+    return text
 
 
 @lru_cache(maxsize=8)

@@ -19,6 +19,7 @@ from camshaft.checks import is_int
 from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
+from camshaft.runtime.chat_template import load_chat_template
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.executor import Executor
 from camshaft.runtime.guided import Guides
@@ -41,7 +42,8 @@ class LLM:
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  kv_cache_memory: int | float | str | None = None, threads: int | None = None,
                  max_queue: int | None = None, spin_wait: bool = True, huge_pages: bool = True,
-                 kv_reservation: str = "paged", prompt_lookup: PromptLookup | int | None = None) -> None:
+                 kv_reservation: str = "paged", prompt_lookup: PromptLookup | int | None = None,
+                 chat_template: str | Path | None = None) -> None:
         """max_batch_size, max_num_tokens: at most the engine's (the default). kv_cache_memory: the KV pool's budget
         (kv_cache.parse_memory): bytes, also with a unit ("512MiB", "2GB"), or a fraction of the available memory (a
         number between 0 and 1, 1.0 for all of it); None: room for max_batch_size full-length sequences. max_queue:
@@ -51,7 +53,8 @@ class LLM:
         on transparent huge pages (Linux; see runtime/backends/huge_pages.py); kv_reservation "contiguous" reserves
         max_seq_len tokens of KV blocks per request, as a cache without paging would (for comparisons). prompt_lookup
         (a PromptLookup, or its num_tokens): decodes also feed drafts from their own text, checked in the same step
-        (runtime/prompt_lookup.py): the same outputs, faster where text repeats and the batch is small."""
+        (runtime/prompt_lookup.py): the same outputs, faster where text repeats and the batch is small.
+        chat_template: a Jinja chat template (a file, or the text) in place of the engine tokenizer's."""
         manifest = read_manifest(Path(engine_dir))
         limits = manifest.limits
         batch, tokens = astuple(check_llm_options(
@@ -59,6 +62,7 @@ class LLM:
             max_num_tokens=max_num_tokens, max_queue=max_queue))
         lookup = PromptLookup(num_tokens=prompt_lookup) if is_int(prompt_lookup) else prompt_lookup
         check_prompt_lookup(lookup, "a camshaft.PromptLookup or its num_tokens")
+        template = None if chat_template is None else load_chat_template(chat_template)
         self.kv_cache_memory = parse_memory(kv_cache_memory)  # bytes; a fraction is resolved once, here
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=self.kv_cache_memory,
                                       threads=threads, spin_wait=spin_wait, huge_pages=huge_pages, manifest=manifest)
@@ -67,6 +71,8 @@ class LLM:
             max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy, kv_reservation=kv_reservation,
             prompt_lookup=lookup)
         self.tokenizer = engine.tokenizer
+        if template is not None:
+            self.tokenizer.chat_template = template
         self._encoder = _Encoder(engine)
         self._guides = Guides(self.tokenizer, manifest.model.vocab_size, engine.eos_token_ids)
         self.executor = Executor(engine, self.config, max_queue=max_queue)
@@ -108,11 +114,13 @@ class LLM:
         self.close()
 
     def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
-               tools: list[dict[str, Any]] | None = None, for_generation: bool = True) -> list[int]:
+               tools: list[dict[str, Any]] | None = None, for_generation: bool = True,
+               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template), with the
-        functions the model may call (`tools`). for_generation False (counting tokens): text however long, and an
-        empty prompt, are tokenized, not refused."""
-        return self._encoder.encode(prompt, messages, tools=tools, for_generation=for_generation)
+        functions the model may call (`tools`) and more variables the template reads (`chat_template_kwargs`).
+        for_generation False (counting tokens): text however long, and an empty prompt, are tokenized, not refused."""
+        return self._encoder.encode(prompt, messages, tools=tools, for_generation=for_generation,
+                                    chat_template_kwargs=chat_template_kwargs)
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
         """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
@@ -201,14 +209,17 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[PromptOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptOutput]:
         """generate() for one conversation (a list of {"role", "content"} messages) or a list of them, each through
-        the tokenizer's chat template with the assistant's turn opened; `tools`: the functions the model may call."""
+        the tokenizer's chat template with the assistant's turn opened; `tools`: the functions the model may call;
+        `chat_template_kwargs`: more variables the template reads (e.g. Qwen3's enable_thinking)."""
         if not isinstance(messages, (list, tuple)):
             raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got "
                                f"{messages!r:.80}")
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
-        prompts = [self.encode(messages=list(c), tools=tools) for c in conversations]
+        prompts = [self.encode(messages=list(c), tools=tools, chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def stream_sync(self, prompt: Prompt, sampling_params: SamplingParams | None = None,

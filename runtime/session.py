@@ -15,7 +15,7 @@ import numpy as np
 from camshaft.checks import is_int
 from camshaft.errors import EngineError, RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
-from camshaft.runtime.chat_template import render_chat
+from camshaft.runtime.chat_template import load_chat_template, render_chat
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
@@ -44,10 +44,11 @@ class Session:
 
     def __init__(self, engine_dir: str | Path, *, threads: int | None = None,
                  kv_cache_memory: int | float | str | None = None, graph: str = "auto", huge_pages: bool = True,
-                 prompt_lookup: PromptLookup | None = None):
+                 prompt_lookup: PromptLookup | None = None, chat_template: str | Path | None = None):
         if graph not in GRAPHS:
             raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
         check_prompt_lookup(prompt_lookup)
+        template = None if chat_template is None else load_chat_template(chat_template)
         kv_cache_memory = parse_memory(kv_cache_memory)
         manifest = read_manifest(engine_dir)
         if graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None):
@@ -66,6 +67,8 @@ class Session:
         self.prompt_lookup = prompt_lookup
         self.drafted_tokens = self.accepted_tokens = 0  # prompt lookup's drafts, over this Session's requests
         self.tokenizer = self.engine.tokenizer
+        if template is not None:
+            self.tokenizer.chat_template = template
         self._guides = Guides(self.tokenizer, manifest.model.vocab_size, self.engine.eos_token_ids)
         self._ids = itertools.count()
         self._running = threading.Lock()
@@ -100,10 +103,12 @@ class Session:
         return self.engine.huge_page_bytes
 
     def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
-               tools: list[dict[str, Any]] | None = None, for_generation: bool = True) -> list[int]:
+               tools: list[dict[str, Any]] | None = None, for_generation: bool = True,
+               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt's ids as generation feeds them to the engine: text, token ids, or chat messages through the
-        chat template, with the functions the model may call (`tools`, OpenAI's form: chat_template.py). For
-        counting tokens (for_generation False), text however long and an empty prompt are tokenized, not refused."""
+        chat template, with the functions the model may call (`tools`, OpenAI's form: chat_template.py) and more
+        variables the template reads (`chat_template_kwargs`). For counting tokens (for_generation False), text
+        however long and an empty prompt are tokenized, not refused."""
         if isinstance(prompt, dict):
             if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
                 raise RequestError(f'a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got the '
@@ -115,10 +120,12 @@ class Session:
         if (prompt is None) == (messages is None):
             raise RequestError("pass exactly one of a prompt or chat messages")
         limit = self.manifest.limits.max_seq_len if for_generation else None
-        if tools is not None and messages is None:
-            raise RequestError("tools go with chat messages; pass messages=[...]")
+        chat_only = [name for name, value in (("tools", tools), ("chat_template_kwargs", chat_template_kwargs))
+                     if value is not None]
+        if chat_only and messages is None:
+            raise RequestError(f"{' and '.join(chat_only)} go with chat messages; pass messages=[...]")
         if messages is not None:
-            text = render_chat(self.tokenizer, messages, tools)
+            text = render_chat(self.tokenizer, messages, tools, chat_template_kwargs)
             # The template already holds the special tokens: encoding must not add a second BOS.
             ids = encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)
         elif isinstance(prompt, str):
@@ -175,9 +182,12 @@ class Session:
         return request.result()
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
-             tools: list[dict[str, Any]] | None = None, **overrides: Any) -> GenerationResult:
-        """generate() for a conversation; `tools`: the functions the model may call (rendered into the prompt)."""
-        request = self._request(self.encode(messages=messages, tools=tools), self._params(sampling_params, overrides))
+             tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             **overrides: Any) -> GenerationResult:
+        """generate() for a conversation; `tools`: the functions the model may call (rendered into the prompt);
+        `chat_template_kwargs`: more variables the chat template reads (e.g. Qwen3's enable_thinking)."""
+        request = self._request(self.encode(messages=messages, tools=tools, chat_template_kwargs=chat_template_kwargs),
+                                self._params(sampling_params, overrides))
         for _ in self._run(request):
             pass
         return request.result()

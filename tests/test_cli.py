@@ -69,6 +69,24 @@ def test_run_streams_the_same_text_as_generate(engine, capsys):
     assert "12 tokens · finish length" in stats and "12 tokens · finish length" in streamed_stats
 
 
+def test_run_chat_template_replaces_the_engines(engine, capsys, tmp_path):
+    """--chat-template's file renders the --chat messages: one that writes the user's words alone gives the plain
+    prompt's output; one that does not parse is refused, naming the file and line, before the engine loads."""
+    code, plain, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc def", "--max-tokens", "8")
+    assert code == 0
+    bare = tmp_path / "bare.jinja"
+    bare.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    code, chat, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc def", "--max-tokens", "8", "--chat")
+    assert code == 0 and chat != plain  # the engine's own template wraps the words
+    code, templated, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc def", "--max-tokens", "8",
+                                  "--chat", "--chat-template", bare)
+    assert code == 0 and templated == plain
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }")
+    code, _, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "hi", "--chat", "--chat-template", broken)
+    assert code == 1 and f"{broken} is not a valid Jinja chat template: line 2" in err and "Traceback" not in err
+
+
 def test_run_reads_the_prompt_from_stdin(engine, capsys, monkeypatch):
     import io
 
@@ -95,6 +113,9 @@ BAD_RUNS = {
     "top_p above one": (["--prompt", "hi", "--top-p", "1.5"], "--top-p"),
     "top_k below -1": (["--prompt", "hi", "--top-k", "-2"], "--top-k must be >= 1"),
     "system without chat": (["--prompt", "hi", "--system", "be brief"], "add --chat"),
+    "chat template without chat": (["--prompt", "hi", "--chat-template", "t.jinja"], "add --chat"),
+    "chat template missing": (["--prompt", "hi", "--chat", "--chat-template", "no/such.jinja"],
+                              "is neither a file nor Jinja text"),
 }
 
 

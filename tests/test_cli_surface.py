@@ -59,6 +59,8 @@ def test_a_tool_call_parser_is_for_the_openai_api_and_known(engine):
             "--tool-call-parser reads tool calls for the OpenAI API")
     refused(invoke("serve", "--engine", engine, "--api", "openai", "--tool-call-parser", "pythonic"),
             "unknown --tool-call-parser 'pythonic'; use hermes, llama3_json, mistral")
+    refused(invoke("serve", "--engine", engine, "--chat-template", "t.jinja"),
+            "--chat-template renders chat messages for the OpenAI API")
 
 
 def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path):

@@ -40,10 +40,10 @@ def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextmanager
 def running_server(engine: Path, api_key: str | None = None, tool_call_parser: str | None = None,
-                   **llm_options) -> Iterator[tuple[str, object]]:
+                   chat_template: Path | None = None, **llm_options) -> Iterator[tuple[str, object]]:
     """(base URL, its LLM) of a uvicorn server on a free loopback port, in a thread."""
     server, llm = build_server(engine, host="127.0.0.1", port=0, llm_options=llm_options, log_level="warning",
-                               api_key=api_key, tool_call_parser=tool_call_parser)
+                               api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -577,11 +577,11 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
         ("/tokenize", {"prompt": "x", "messages": messages}, "one of prompt (text) or messages"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "takes its default only"),
         ("/tokenize", {"messages": messages, "tools": [{"type": "function"}]}, "each tool is {'type': 'function'"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": messages, "chat_template_kwargs": {"a": 1}},
-         "chat_template_kwargs is not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": messages, "chat_template_kwargs": {"tools": 1}},
+         "chat_template_kwargs cannot set tools"),
         ("/v1/chat/completions", {"model": MODEL, "messages": messages, "continue_final_message": True},
          "take their defaults only"),
-        ("/tokenize", {"prompt": "x", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs is not supported"),
+        ("/tokenize", {"prompt": "x", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs go with messages"),
         ("/detokenize", {"tokens": [5, 10**6]}, "token id 1000000 is outside"),
         ("/detokenize", {"tokens": [5, True]}, "tokens"),
     ]:
@@ -594,6 +594,22 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
     empty = HTTP.post(url + "/tokenize", json={"prompt": ""}).json()
     assert empty["count"] == len(llm.tokenizer("")["input_ids"])
     assert 'path="/tokenize",status="200"' in HTTP.get(url + "/metrics").text
+
+
+def test_a_chat_template_and_its_kwargs_shape_the_chat_prompt(engine_dir, tmp_path):
+    """--chat-template's file replaces the engine's template for chat requests and /tokenize alike; a request's
+    chat_template_kwargs reach it as variables (vLLM's, e.g. Qwen3's enable_thinking)."""
+    template = tmp_path / "brief.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+                        "{% if add_generation_prompt %}{{ 'ANSWER' if not brief else 'BRIEF' }}:{% endif %}")
+    messages = [{"role": "user", "content": "hi there"}]
+    with running_server(engine_dir, chat_template=template, max_batch_size=2) as (url, llm):
+        for kwargs, suffix in (({}, "ANSWER:"), ({"chat_template_kwargs": {"brief": True}}, "BRIEF:")):
+            want = llm.tokenizer.encode(f"[user:hi there]{suffix}", add_special_tokens=False)
+            counted = HTTP.post(url + "/tokenize", json={"messages": messages, **kwargs}).json()
+            assert counted["tokens"] == want
+            body = {"model": MODEL, "messages": messages, "max_tokens": 3, **kwargs}
+            assert HTTP.post(url + "/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"] == len(want)
 
 
 def test_an_api_key_guards_every_route_but_the_operators(engine_dir):

@@ -314,6 +314,24 @@ def test_a_chat_template_refusal_is_a_request_error(engine_dir, tmp_path):
             session.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
 
 
+def test_a_chat_template_given_inline_reads_the_kwargs_passed(engine_dir):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tail | default('?') }}"
+    with Session(engine_dir, chat_template=template) as session:
+        messages = [{"role": "user", "content": "hi"}]
+        encode = session.tokenizer.encode
+        assert session.encode(messages=messages) == encode("hi?", add_special_tokens=False)
+        result = session.chat(messages, chat_template_kwargs={"tail": "!"}, max_tokens=2)
+        assert result.prompt_token_ids == encode("hi!", add_special_tokens=False)
+        for kwargs, message in (({"add_generation_prompt": False}, "cannot set add_generation_prompt"),
+                                ({"not a name": 1}, "template variable names"), ([1], "template variable names")):
+            with pytest.raises(RequestError, match=message):
+                session.encode(messages=messages, chat_template_kwargs=kwargs)
+        with pytest.raises(RequestError, match="chat_template_kwargs go with chat messages"):
+            session.encode("hi", chat_template_kwargs={"tail": "!"})
+    with pytest.raises(RequestError, match="the template given is not a valid Jinja chat template: line 1"):
+        Session(engine_dir, chat_template="{{ messages ")
+
+
 @pytest.mark.parametrize("graph", ["sequence", "batch"])
 def test_a_kv_cache_budget_bounds_either_graph(engine_dir, graph):
     """kv_cache_memory holds 48 tokens (in whole 8-token blocks for the batch graph): a request needing more is

@@ -22,6 +22,8 @@ def run(
                                              "dropped)")],
     chat: Annotated[bool, typer.Option(help="Wrap the prompt as a user message in the chat template")] = False,
     system: Annotated[str | None, typer.Option(help="System message (with --chat)")] = None,
+    chat_template: Annotated[Path | None, typer.Option(
+        help="A Jinja chat template file used in place of the engine tokenizer's (with --chat)")] = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much "
@@ -39,6 +41,8 @@ def run(
 
     if system is not None and not chat:
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
+    if chat_template is not None and not chat:
+        raise RequestError("--chat-template renders --chat messages; add --chat (or drop --chat-template)")
     if prompt == "-":
         prompt = _stdin_text()
     lookup = None
@@ -48,7 +52,7 @@ def run(
         lookup = PromptLookup(num_tokens=prompt_lookup)
     with flag_names("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_lookup"):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        _run(engine, prompt, chat, system, params, stream, lookup)
+        _run(engine, prompt, chat, system, params, stream, lookup, chat_template)
 
 
 def _stdin_text() -> str:
@@ -62,7 +66,7 @@ def _stdin_text() -> str:
 
 
 def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool,
-         prompt_lookup: PromptLookup | None) -> None:
+         prompt_lookup: PromptLookup | None, chat_template: Path | None = None) -> None:
     from camshaft.runtime.session import Session
 
     max_tokens = params.max_tokens
@@ -71,7 +75,8 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
     from camshaft.errors import EngineError
 
     try:
-        session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup)
+        session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup,
+                          chat_template=chat_template)
     except EngineError as exc:
         if prompt_lookup is None or "cannot check drafts" not in str(exc):
             raise

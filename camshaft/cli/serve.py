@@ -103,6 +103,8 @@ def serve(
         help="OpenAI API: how tool calls the model writes are read, enabling tool_choice auto: hermes (<tool_call> "
              "blocks: Qwen2.5/3, Hermes, camshaft's own tool prompt), llama3_json (Llama 3.1-3.3), mistral "
              "([TOOL_CALLS])")] = None,
+    chat_template: Annotated[Path | None, typer.Option(
+        help="OpenAI API: a Jinja chat template file used in place of the engine tokenizer's")] = None,
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
@@ -120,6 +122,9 @@ def serve(
                             "behind a gateway that checks them, or unset it")
     if tool_call_parser is not None and api != "openai":
         raise CamshaftError("--tool-call-parser reads tool calls for the OpenAI API (--api openai); drop it")
+    if chat_template is not None and api != "openai":
+        raise CamshaftError("--chat-template renders chat messages for the OpenAI API (--api openai); Triton's models "
+                            "take text: drop it")
     if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
         raise CamshaftError(f"unknown --tool-call-parser {tool_call_parser!r}; use {', '.join(TOOL_CALL_PARSERS)}")
     if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
@@ -140,7 +145,7 @@ def serve(
         from camshaft.openai_server.server import serve as serve_openai
 
         serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
-                     api_key=api_key, tool_call_parser=tool_call_parser)
+                     api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
     elif api == "triton":
         from camshaft.triton_repo.server import serve as serve_triton
 

@@ -199,8 +199,8 @@ def _template_call(index: int, call: dict[str, Any]) -> dict[str, Any]:
 
 
 class _TemplateOptions(BaseModel):
-    """The chat template options of OpenAI and vLLM bodies: camshaft renders every chat one way (the generation
-    prompt added), so other values are refused rather than ignored."""
+    """The chat template options of OpenAI and vLLM bodies: camshaft renders every chat with the generation prompt
+    added, so other values are refused rather than ignored; chat_template_kwargs reach the template (vLLM's)."""
 
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -208,8 +208,6 @@ class _TemplateOptions(BaseModel):
     continue_final_message: bool = False
 
     def check_template_options(self) -> None:
-        if self.chat_template_kwargs:
-            raise RequestError("chat_template_kwargs is not supported; leave it out")
         if not self.add_generation_prompt or self.continue_final_message:
             raise RequestError("add_generation_prompt and continue_final_message take their defaults only (true, "
                                "false): camshaft renders every chat with the generation prompt; leave them out")
@@ -255,8 +253,10 @@ class TokenizeRequest(_TemplateOptions):
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send one of prompt (text) or messages (chat)")
-        if self.prompt is not None and self.tools:
-            raise RequestError("tools go with messages (a chat); a prompt is tokenized as it is: leave tools out")
+        chat_only = [name for name in ("tools", "chat_template_kwargs") if getattr(self, name)]
+        if self.prompt is not None and chat_only:
+            raise RequestError(f"{' and '.join(chat_only)} go with messages (a chat); a prompt is tokenized as it is: "
+                               "leave them out")
         self.check_template_options()
         default = self.prompt is not None  # vLLM's: special tokens for a prompt, none added to a chat template
         if self.add_special_tokens not in (None, default):

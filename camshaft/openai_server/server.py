@@ -18,9 +18,11 @@ GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish before they are 
 
 def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_level: str = "info",
                  model_name: str | None = None, api_key: str | None = None,
-                 tool_call_parser: str | None = None) -> tuple[uvicorn.Server, LLM]:
-    """The uvicorn server and the LLM it serves (the caller closes the LLM after the server stops)."""
-    llm = LLM(engine, spin_wait=False, **llm_options)
+                 tool_call_parser: str | None = None, chat_template: str | Path | None = None
+                 ) -> tuple[uvicorn.Server, LLM]:
+    """The uvicorn server and the LLM it serves (the caller closes the LLM after the server stops). chat_template:
+    a Jinja file or text in place of the engine tokenizer's."""
+    llm = LLM(engine, spin_wait=False, chat_template=chat_template, **llm_options)
     try:
         app = create_app(llm, model_name or Path(engine).resolve().name, api_key, tool_call_parser)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
@@ -32,13 +34,14 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
 
 
 def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None],
-          model_name: str | None = None, api_key: str | None = None, tool_call_parser: str | None = None) -> None:
+          model_name: str | None = None, api_key: str | None = None, tool_call_parser: str | None = None,
+          chat_template: str | Path | None = None) -> None:
     """Serve until Ctrl-C or SIGTERM (a second one cuts open streams), then return. uvicorn runs in a thread and
     this one handles the signals, so the LLM is closed and the exit status is 0. model_name: the model id clients
     send (default: the engine directory's name)."""
     model_name = model_name or Path(engine).resolve().name
     server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name,
-                               api_key=api_key, tool_call_parser=tool_call_parser)
+                               api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
     thread = threading.Thread(target=server.run, name="camshaft-openai-http")
 
     def stop(signum: int, frame: object) -> None:

@@ -32,16 +32,17 @@ class Timings:
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """A request's times (seconds since the epoch; None: not reached) and counts, as TensorRT-LLM reports them
-    with return_perf_metrics. KV blocks are the in-flight batcher's (0 from a Session), over every admission (a
-    preempted request is admitted again)."""
+    """A request's times and counts, as TensorRT-LLM reports them with return_perf_metrics. Times: seconds of
+    time.perf_counter() (the monotonic clock, TensorRT-LLM's steady_clock: compare them with each other, not with
+    the wall clock; None: not reached). KV blocks: those holding the prompt when the in-flight batcher admitted the
+    request (summed over admissions: a preempted request is admitted again; 0 from a Session)."""
 
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
     last_token_time: float | None
     kv_blocks_reused: int = 0  # taken from the prefix cache
-    kv_blocks_new: int = 0  # allocated empty
+    kv_blocks_new: int = 0  # allocated for the rest of the prompt
     draft_tokens: int = 0  # prompt lookup's drafts fed to the engine
     accepted_draft_tokens: int = 0  # drafts equal to the token sampled in their place
 
@@ -211,10 +212,8 @@ class Request:
         )
 
     def metrics(self) -> RequestMetrics:
-        offset = time.time() - time.perf_counter()
-        epoch = [None if t is None else t + offset for t in (self.admitted_at, self.first_token_at, self.last_token_at)]
-        return RequestMetrics(self.arrival + offset, *epoch, self.kv_blocks_reused, self.kv_blocks_new,
-                              self.draft_tokens, self.accepted_draft_tokens)
+        return RequestMetrics(self.arrival, self.admitted_at, self.first_token_at, self.last_token_at,
+                              self.kv_blocks_reused, self.kv_blocks_new, self.draft_tokens, self.accepted_draft_tokens)
 
 
 def new_requests(request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: object,

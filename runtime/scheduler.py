@@ -167,7 +167,7 @@ class Scheduler:
         drafts = self.config.prompt_lookup.propose(request.all_ids, limit) if limit > 0 else []
         more = self.blocks.blocks_for(request.num_computed + 1 + len(drafts)) - len(request.blocks)
         if more > 0:
-            self._allocate(request, more)
+            request.blocks.extend(self.blocks.allocate(more))
         return drafts
 
     def _drafted(self, request: Request, drafts: list[int]) -> Scheduled:
@@ -184,15 +184,11 @@ class Scheduler:
             wanted = self.blocks.blocks_for(len(tokens))
         if not self.blocks.fits(wanted - len(reused), reused):
             return False
-        request.blocks = self.blocks.take_cached(reused)
-        request.kv_blocks_reused += len(reused)
-        self._allocate(request, wanted - len(reused))
+        request.blocks = self.blocks.take_cached(reused) + self.blocks.allocate(wanted - len(reused))
         request.num_computed = len(reused) * self.config.block_size
+        request.kv_blocks_reused += len(reused)  # RequestMetrics: the prompt's blocks, as TensorRT-LLM counts them
+        request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - len(reused)
         return True
-
-    def _allocate(self, request: Request, count: int) -> None:
-        request.blocks.extend(self.blocks.allocate(count))
-        request.kv_blocks_new += count
 
     def _grow(self, request: Request, tokens: int, scheduled: list[Scheduled]) -> bool:
         """Make room for the request's next `tokens` tokens, preempting the lowest-priority, newest running requests
@@ -204,7 +200,7 @@ class Scheduler:
                 self.preempt(victim)
                 if victim is request:
                     return False
-            self._allocate(request, 1)
+            request.blocks.extend(self.blocks.allocate(1))
         return True
 
     def preempt(self, request: Request) -> None:

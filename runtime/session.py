@@ -240,9 +240,10 @@ class Session:
         context[:len(request.prompt_ids)] = request.prompt_ids
         largest = min(self.prompt_lookup.num_tokens, self.engine.limits.max_num_tokens - 1)  # a step's token budget
         while True:
-            accepted = request.accepted_draft_tokens
+            drafted, accepted = request.draft_tokens, request.accepted_draft_tokens
             deltas, taken = request.add_drafted(rows, drafts)
             context[request.num_tokens - len(taken): request.num_tokens] = [s.token_id for s in taken]
+            self.drafted_tokens += request.draft_tokens - drafted
             self.accepted_tokens += request.accepted_draft_tokens - accepted
             for k, delta in enumerate(deltas, 1 - len(deltas)):  # k: 0 for the step's last token
                 if delta:
@@ -254,7 +255,6 @@ class Session:
             request.num_computed = fed_at + len(taken)
             limit = min(largest, request.params.max_tokens - len(request.output_ids) - 1)
             drafts = self.prompt_lookup.propose(context[:request.num_tokens], limit)
-            self.drafted_tokens += len(drafts)
             fed_at, tokens = request.num_computed, [request.output_ids[-1], *drafts]
             rows = self.engine.feed_rows(tokens, fed_at, len(tokens))
 

@@ -112,7 +112,7 @@ def test_shared_prefix_feeds_only_new_tokens(engine_dir):
         assert llm.kv_cache.reuse_hits == 256 // BLOCK and llm.kv_cache.used == 0
         assert "".join(llm.stream_sync(second, params)) == result.text
     metrics = result.outputs[0].metrics  # the request's own count (TensorRT-LLM's perf metrics)
-    assert metrics.kv_blocks_reused == 256 // BLOCK and metrics.kv_blocks_new >= 1
+    assert (metrics.kv_blocks_reused, metrics.kv_blocks_new) == (256 // BLOCK, 1)  # the prompt's 259 tokens
     times = [metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time]
     assert None not in times and times == sorted(times)
 
@@ -125,7 +125,8 @@ def test_n_outputs_share_the_prompt_blocks(engine_dir):
         output = llm.generate(prompt, params, use_tqdm=False)[0]
         assert len(output.outputs) == 3 and len({tuple(o.token_ids) for o in output.outputs}) == 3
         assert llm.executor.scheduler.blocks.reuse_hits == 2 * 6
-        assert sorted(o.metrics.kv_blocks_reused for o in output.outputs) == [0, 6, 6]
+        assert sorted((o.metrics.kv_blocks_reused, o.metrics.kv_blocks_new) for o in output.outputs) == [
+            (0, 7), (6, 1), (6, 1)]
         prompt_tokens_fed = sum(len(tokens) for step in steps for tokens, _ in step if len(tokens) > 1)
         assert prompt_tokens_fed == 100 + 2 * 4
         again = llm.generate(prompt, params, use_tqdm=False)[0]

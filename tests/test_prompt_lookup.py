@@ -83,6 +83,10 @@ def test_a_repeating_output_takes_fewer_engine_steps(engine_dir):
     # after the prompt's token, each step gives its token and the drafts taken
     assert len(result.token_ids) - 1 == len(steps) + session.accepted_tokens
     assert session.accepted_tokens > len(steps) and max(map(len, steps)) == 9
+    metrics = result.metrics  # the request's own count, as return_perf_metrics reports it
+    assert (metrics.draft_tokens, metrics.accepted_draft_tokens) == (sum(len(s) - 1 for s in steps),
+                                                                     session.accepted_tokens)
+    assert metrics.kv_blocks_total == 0  # a Session's cache is not the batcher's pool
 
 
 def test_an_engine_that_cannot_check_drafts_is_refused_and_so_are_bad_settings(engine_dir, tmp_path):
@@ -170,6 +174,10 @@ def test_in_flight_batching_drafts_too_with_the_same_outputs(engine_dir, policy,
     metrics = [o.metrics for result in got for o in result.outputs]  # each request's own count
     assert sum(m.draft_tokens for m in metrics) == executor.drafted_tokens
     assert sum(m.accepted_draft_tokens for m in metrics) == executor.accepted_tokens
+    # each sampling step gives one token and the drafts taken, but a request that ends on a draft taken none more
+    tokens = sum(len(o.token_ids) for result in got for o in result.outputs)
+    samplings = sum(1 for c in chunks if c.num_logits >= 1)  # every row sampled (no prompt log-probs asked)
+    assert tokens - samplings <= executor.accepted_tokens <= tokens - samplings + len(metrics)
     for batch in steps:  # drafts only in steps of decodes alone (beside a prompt chunk they would be padded to it)
         if any(c.num_logits == len(c.token_ids) > 1 for c in batch):
             assert all(len(c.token_ids) == 1 or c.num_logits == len(c.token_ids) for c in batch)
@@ -182,10 +190,15 @@ def test_in_flight_batching_drafts_only_while_few_requests_run(engine_dir):
         steps = []
         step = llm.engine.step
         llm.engine.step = lambda batch: steps.append(list(batch)) or step(batch)
-        llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=n, ignore_eos=True) for n in (15, 40, 90)],
-                     use_tqdm=False)
+        results = llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=n, ignore_eos=True) for n in (15, 40, 90)],
+                               use_tqdm=False)
     drafting = [len(batch) for batch in steps if any(c.num_logits == len(c.token_ids) > 1 for c in batch)]
     assert drafting and max(drafting) <= 2  # three ran at first: none drafted until one finished
+    # ending at max_tokens, never on a draft: each sampling step gave one token and the drafts it took
+    samplings = sum(1 for batch in steps for c in batch if c.num_logits >= 1)
+    accepted = sum(r.outputs[0].metrics.accepted_draft_tokens for r in results)
+    assert accepted > 0 and sum(len(r.token_ids) for r in results) == samplings + accepted
+    assert accepted == llm.executor.accepted_tokens
     with pytest.raises(RequestError, match="max_running must be an integer >= 1"):
         PromptLookup(max_running=0)
 
@@ -193,8 +206,8 @@ def test_in_flight_batching_drafts_only_while_few_requests_run(engine_dir):
 def _draft_counts(metrics_text: str) -> tuple[float, float]:
     values = {line.split(" ")[0].split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
               if line.startswith("camshaft_spec_decode_")}
-    return (values["camshaft_spec_decode_draft_tokens_total"],
-            values["camshaft_spec_decode_accepted_tokens_total"])
+    return (values["camshaft_spec_decode_num_draft_tokens_total"],
+            values["camshaft_spec_decode_num_accepted_tokens_total"])
 
 
 def test_the_openai_server_and_triton_serve_prompt_lookup_and_count_its_drafts(engine_dir, tmp_path):

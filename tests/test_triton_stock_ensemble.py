@@ -112,25 +112,25 @@ def test_the_stock_ensemble_loads_and_runs_what_its_preprocessing_sends(stock):
 
 
 def test_return_perf_metrics_gives_times_and_kv_block_reuse(stock):
-    """TensorRT-LLM's perf outputs on the last response: times in order within the request's wall-clock window,
-    blocks for prompt and output, and a second request with the same 70-token prompt reusing its two full blocks."""
+    """TensorRT-LLM's perf outputs on the last response: monotonic-clock times in order within the request's
+    window, the prompt's blocks, and a second request with the same 70-token prompt reusing its two full blocks."""
     server, _ = stock
     prompt = [(7 * i) % 250 + 3 for i in range(70)]
     block = 32  # the engine's kv_block_size (the default)
     runs = []
     for _ in range(2):
-        before = time.time_ns()
+        before = time.monotonic_ns()  # CLOCK_MONOTONIC, as the server's
         outputs, error, _ = Stream(server.endpoints.grpc).run("stock_ensemble", inputs(
             input_ids=prompt, input_lengths=[len(prompt)], request_output_len=[10], return_perf_metrics=[True],
             streaming=[True]))
         assert error is None, error
-        runs.append(({k: v.item() for k, v in outputs[-1].items() if v.size == 1}, before, time.time_ns()))
+        runs.append(({k: v.item() for k, v in outputs[-1].items() if v.size == 1}, before, time.monotonic_ns()))
         assert all("arrival_time_ns" not in o for o in outputs[:-1])  # the last response only
     for perf, before, after in runs:
         times = [perf[f"{n}_time_ns"] for n in ("arrival", "first_scheduled", "first_token", "last_token")]
         assert before <= times[0] <= times[1] <= times[2] <= times[3] <= after, (before, times, after)
         assert perf["kv_cache_alloc_total_blocks"] == perf["kv_cache_alloc_new_blocks"] + perf["kv_cache_reused_blocks"]
-        assert perf["kv_cache_alloc_total_blocks"] == -(-(len(prompt) + 10) // block)  # ceil: 80 tokens, 3 blocks
+        assert perf["kv_cache_alloc_total_blocks"] == -(-len(prompt) // block)  # the prompt's: 70 tokens, 3 blocks
         assert (perf["total_draft_tokens"], perf["total_accepted_draft_tokens"], perf["acceptance_rate"]) == (0, 0, 0)
     assert [perf["kv_cache_reused_blocks"] for perf, _, _ in runs] == [0, len(prompt) // block]
 

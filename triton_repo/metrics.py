@@ -24,11 +24,11 @@ COUNTERS = {
     "camshaft_requests_refused_total": "Requests refused (invalid, too long, or the queue full)",
     "camshaft_requests_finished_total": "Requests finished, aborted ones included",
     "camshaft_requests_aborted_total": "Requests aborted (cancelled, client gone, or a stop request)",
-    "camshaft_spec_decode_draft_tokens_total": "Prompt lookup's draft tokens fed to the engine",
-    "camshaft_spec_decode_accepted_tokens_total": "Draft tokens equal to the sampled token",
+    "camshaft_spec_decode_num_draft_tokens_total": "Prompt lookup's draft tokens fed to the engine",
+    "camshaft_spec_decode_num_accepted_tokens_total": "Draft tokens equal to the sampled token",
 }
-FROM_LOAD = {"camshaft_spec_decode_draft_tokens_total": "draft_tokens",  # counted by the batch loop itself
-             "camshaft_spec_decode_accepted_tokens_total": "accepted_draft_tokens"}
+FROM_LOAD = {"camshaft_spec_decode_num_draft_tokens_total": "draft_tokens",  # counted by the batch loop itself
+             "camshaft_spec_decode_num_accepted_tokens_total": "accepted_draft_tokens"}
 
 # TensorRT-LLM's triton backend families, under its names and labels: what endpoint pickers (the Gateway API
 # inference extension, llm-d) scrape from a "triton-tensorrt-llm" server

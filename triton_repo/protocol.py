@@ -211,8 +211,8 @@ def token_request(values: Values, *, eos_token_ids: Sequence[int], exclude_defau
 
 
 def perf_metrics(metrics: RequestMetrics) -> dict[str, int | float]:
-    """return_perf_metrics' outputs, as TensorRT-LLM names them (times: nanoseconds since the epoch, 0 for one
-    not reached)."""
+    """return_perf_metrics' outputs, as TensorRT-LLM names them (times: nanoseconds of the monotonic clock, as its
+    steady_clock; 0 for one not reached)."""
     times = {"arrival": metrics.arrival_time, "first_scheduled": metrics.first_scheduled_time,
              "first_token": metrics.first_token_time, "last_token": metrics.last_token_time}
     return {"kv_cache_alloc_new_blocks": metrics.kv_blocks_new, "kv_cache_reused_blocks": metrics.kv_blocks_reused,

@@ -55,14 +55,15 @@ TOKEN_INPUTS = (
     _s("embedding_bias", "FP32", (-1,)),
 )
 # Declared so that tensorrtllm_backend's stock `ensemble` (which maps them) loads over this token model: the inputs
-# are refused when they ask for what camshaft lacks (protocol.check_unsupported), the outputs never sent.
+# are refused when they ask for what camshaft lacks (protocol.check_unsupported); of the outputs, only PERF_OUTPUTS
+# are ever sent (return_perf_metrics).
 STOCK_INPUTS = (
     _s("decoder_input_ids", "INT32", (-1,)), _s("decoder_input_lengths", "INT32"),
     _s("prompt_embedding_table", "FP16", (-1, -1)), _s("prompt_vocab_size", "INT32"),
     _s("prompt_table_extra_ids", "UINT64", (-1,)),
     _s("lora_task_id", "UINT64"), _s("lora_weights", "FP16", (-1, -1)), _s("lora_config", "INT32", (-1, 3)),
 )
-# return_perf_metrics: on a sequence's last response (times in nanoseconds since the epoch)
+# return_perf_metrics: on a sequence's last response (times in nanoseconds of the monotonic clock)
 PERF_OUTPUTS = (
     *(_s(f"kv_cache_{n}_blocks", "INT32") for n in ("alloc_new", "reused", "alloc_total")),
     *(_s(f"{n}_time_ns", "INT64") for n in ("arrival", "first_scheduled", "first_token", "last_token")),

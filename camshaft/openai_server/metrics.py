@@ -33,9 +33,9 @@ class _LoadCollector(Collector):
                                   value=load.prefix_hits)
         yield CounterMetricFamily("camshaft_preemptions", "Sequences preempted to free KV blocks",
                                   value=load.preemptions)
-        yield CounterMetricFamily("camshaft_spec_decode_draft_tokens", "Prompt lookup's draft tokens fed to the engine",
-                                  value=load.draft_tokens)
-        yield CounterMetricFamily("camshaft_spec_decode_accepted_tokens", "Draft tokens equal to the sampled token",
+        yield CounterMetricFamily("camshaft_spec_decode_num_draft_tokens",
+                                  "Prompt lookup's draft tokens fed to the engine", value=load.draft_tokens)
+        yield CounterMetricFamily("camshaft_spec_decode_num_accepted_tokens", "Draft tokens equal to the sampled token",
                                   value=load.accepted_draft_tokens)
 
 

@@ -6,6 +6,7 @@ A template that reads `tools` renders them its own way (Qwen2.5's, Llama 3.1's, 
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from functools import lru_cache
@@ -21,23 +22,17 @@ TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, 
                   "object>}}</tool_call>, one such block per call.")
 
 
-TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                                "tokenize", "return_dict", "chat_template", "conversation", "tokenizer_kwargs"})
-
-
 def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None) -> str:
     """The template's text of the conversation, ending with the assistant's generation prompt. template_kwargs:
     more variables the template reads (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
-    from jinja2 import TemplateError
-
     check_messages(messages)
     if tokenizer.chat_template is None:
         raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt, or give the engine "
                            "one (chat_template=, --chat-template FILE)")
     if tools is not None:
         check_tools(tools)
-    template_kwargs = check_template_kwargs(template_kwargs)
+    template_kwargs = check_template_kwargs(template_kwargs, tokenizer)
     tools = tools or None
     template = tokenizer.get_chat_template(tools=tools)
     if not reads_tools(template):
@@ -45,51 +40,73 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str,
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
                                              **template_kwargs)
-    except (TemplateError, TypeError) as exc:  # e.g. a template that wants alternating turns, no system role
+    except Exception as exc:  # the template's own errors (raise_exception, a division by zero, ...) and jinja's
         raise RequestError(f"this model's chat template refused the messages: {exc}") from exc
 
 
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+def check_template_kwargs(kwargs: dict[str, Any] | None, tokenizer) -> dict[str, Any]:
+    """vLLM's rule: names apply_chat_template takes itself are not template variables."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
         raise RequestError(f"chat_template_kwargs is an object of template variable names to values, got "
                            f"{kwargs!r:.80}")
-    taken = sorted(TEMPLATE_ARGUMENTS & kwargs.keys())
+    own = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+           if p.kind is not p.VAR_KEYWORD}
+    taken = sorted((own | {"messages", "conversations"}) & kwargs.keys())
     if taken:
-        raise RequestError(f"chat_template_kwargs cannot set {', '.join(taken)}: camshaft sets them (messages and "
-                           "tools have their own fields); leave them out")
+        raise RequestError(f"chat_template_kwargs cannot set {', '.join(taken)}: they are not template variables "
+                           "(messages and tools have their own fields); leave them out")
     return kwargs
 
 
 def load_chat_template(value: str | Path) -> str:
-    """A chat template from a file (its text: Jinja, as chat_template.jinja holds) or given inline as Jinja text;
-    refused unless it parses."""
+    """A chat template from a file (its text: Jinja, as chat_template.jinja holds), else, as vLLM reads one, the
+    value itself where it looks like a template (braces or a line break); refused unless it parses as transformers
+    parses chat templates."""
     from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     text = str(value)
-    inline = isinstance(value, str) and ("{{" in text or "{%" in text)
-    if not inline:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise RequestError(f"chat template {text!r:.120} is neither a file nor Jinja text (holding {{{{ or "
-                               "{%); give the path of a .jinja file or the template itself")
-        text = path.read_text(encoding="utf-8")
+    path = Path(text).expanduser()
     try:
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
+        inline = not path.is_file()
+    except (OSError, ValueError):  # not a path at all (a name too long, a NUL)
+        inline = True
+    if inline and not any(c in text for c in "{}\n"):
+        raise RequestError(f"chat template {text!r:.120} is neither a file nor a template; give the path of a "
+                           ".jinja file or the template itself")
+    if not inline:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RequestError(f"chat template {path} could not be read as UTF-8 text: {exc}") from None
+    where = "the template given" if inline else str(path)
+    if not text.strip():
+        raise RequestError(f"{where} is empty; give a chat template")
+    try:
+        _environment().parse(text)
     except TemplateSyntaxError as exc:
-        where = "the template given" if inline else str(value)
         raise RequestError(f"{where} is not a valid Jinja chat template: line {exc.lineno}: {exc.message}") from None
     return text
 
 
+@lru_cache(maxsize=1)
+def _environment():
+    """transformers' chat template environment (its extensions: loop controls, {% generation %})."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template("").environment
+
+
 @lru_cache(maxsize=8)
 def reads_tools(template: str) -> bool:
-    from jinja2 import meta
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2 import TemplateSyntaxError, meta
 
-    return "tools" in meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(template))
+    try:
+        return "tools" in meta.find_undeclared_variables(_environment().parse(template))
+    except TemplateSyntaxError as exc:  # the engine's own template: apply_chat_template would refuse it too
+        raise RequestError(f"this engine's chat template does not parse (line {exc.lineno}: {exc.message}); fix "
+                           "tokenizer/chat_template.jinja in the engine or give one (--chat-template FILE)") from None
 
 
 def as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

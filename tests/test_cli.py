@@ -115,7 +115,7 @@ BAD_RUNS = {
     "system without chat": (["--prompt", "hi", "--system", "be brief"], "add --chat"),
     "chat template without chat": (["--prompt", "hi", "--chat-template", "t.jinja"], "add --chat"),
     "chat template missing": (["--prompt", "hi", "--chat", "--chat-template", "no/such.jinja"],
-                              "is neither a file nor Jinja text"),
+                              "is neither a file nor a template"),
 }
 
 

@@ -332,6 +332,26 @@ def test_a_chat_template_given_inline_reads_the_kwargs_passed(engine_dir):
         Session(engine_dir, chat_template="{{ messages ")
 
 
+def test_a_chat_template_as_transformers_takes_it_and_its_errors_as_request_errors(engine_dir, tmp_path):
+    """Loop controls parse (transformers' extensions); a template failing on the kwargs passed, apply_chat_template's
+    own arguments, an unreadable or empty file: each a RequestError, never another exception."""
+    template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}"
+                "{{ 1 // d | default(1) }}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": "unseen"}]
+    with Session(engine_dir, chat_template=template) as session:
+        assert session.encode(messages=messages) == session.tokenizer.encode("hi1", add_special_tokens=False)
+        with pytest.raises(RequestError, match="chat template refused the messages: integer division"):
+            session.encode(messages=messages, chat_template_kwargs={"d": 0})
+        with pytest.raises(RequestError, match="cannot set padding, return_assistant_tokens_mask"):
+            session.encode(messages=messages, chat_template_kwargs={"padding": True,
+                                                                     "return_assistant_tokens_mask": True})
+    (tmp_path / "latin.jinja").write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    (tmp_path / "empty.jinja").write_text(" \n")
+    for name, message in (("latin.jinja", "could not be read as UTF-8"), ("empty.jinja", "is empty")):
+        with pytest.raises(RequestError, match=message):
+            Session(engine_dir, chat_template=tmp_path / name)
+
+
 @pytest.mark.parametrize("graph", ["sequence", "batch"])
 def test_a_kv_cache_budget_bounds_either_graph(engine_dir, graph):
     """kv_cache_memory holds 48 tokens (in whole 8-token blocks for the batch graph): a request needing more is

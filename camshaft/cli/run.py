@@ -22,8 +22,9 @@ def run(
                                              "dropped)")],
     chat: Annotated[bool, typer.Option(help="Wrap the prompt as a user message in the chat template")] = False,
     system: Annotated[str | None, typer.Option(help="System message (with --chat)")] = None,
-    chat_template: Annotated[Path | None, typer.Option(
-        help="A Jinja chat template file used in place of the engine tokenizer's (with --chat)")] = None,
+    chat_template: Annotated[str | None, typer.Option(
+        help="A Jinja chat template (a file, or the template itself) used in place of the engine's (with --chat)")]
+    = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much "
@@ -66,7 +67,7 @@ def _stdin_text() -> str:
 
 
 def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool,
-         prompt_lookup: PromptLookup | None, chat_template: Path | None = None) -> None:
+         prompt_lookup: PromptLookup | None, chat_template: str | None = None) -> None:
     from camshaft.runtime.session import Session
 
     max_tokens = params.max_tokens

@@ -204,10 +204,14 @@ class _TemplateOptions(BaseModel):
 
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
     def check_template_options(self) -> None:
+        if self.chat_template is not None:  # vLLM refuses it too, unless trusted: it would run a client's template
+            raise RequestError("a request's own chat_template is not taken: the server's (its engine's, or "
+                               "--chat-template) renders every chat; leave it out")
         if not self.add_generation_prompt or self.continue_final_message:
             raise RequestError("add_generation_prompt and continue_final_message take their defaults only (true, "
                                "false): camshaft renders every chat with the generation prompt; leave them out")

@@ -59,6 +59,13 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     assert done.returncode == 0, done.stderr
     marker = json.loads((tmp_path / "default" / MARKER).read_text())
     assert marker["llm_options"]["max_queue"] == 4 * 4
+    assert "decoupled: true" in (tmp_path / "default" / "tensorrt_llm" / "config.pbtxt").read_text()
+    done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "sync"),
+                           "--no-decoupled"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr  # tensorrtllm_backend's decoupled_mode false; the text models as ever
+    token, text = ((tmp_path / "sync" / m / "config.pbtxt").read_text() for m in ("tensorrt_llm", "ensemble"))
+    assert "decoupled: false" in token and "decoupled: true" in text
+    assert json.loads((tmp_path / "sync" / MARKER).read_text())["token_model_decoupled"] is False
     assert 'string_value: "20"' in (tmp_path / "default" / "ensemble" / "config.pbtxt").read_text()  # max_requests
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "fraction"),
                            "--kv-cache-memory", "0.25"], capture_output=True, text=True)

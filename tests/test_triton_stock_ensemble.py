@@ -1,16 +1,23 @@
 """A tensorrtllm_backend-style `platform: "ensemble"` over camshaft's tensorrt_llm model, on the real tritonserver:
 it loads (every tensor the stock ensemble maps to tensorrt_llm is declared, with the stock types, and the token
 model's batch size holds the ensemble's), what the stock preprocessing always sends passes, return_perf_metrics
-answers, and what camshaft lacks (LoRA, prompt tuning, encoder-decoder inputs) is refused by name."""
+answers, and what camshaft lacks (LoRA, prompt tuning, encoder-decoder inputs) is refused by name; deployed not
+decoupled, the same ensemble takes plain infer."""
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from test_triton import Stream, assert_same_ids
+from tritonclient.utils import InferenceServerException
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
@@ -66,16 +73,19 @@ def ensemble_config() -> str:
             + maps + "  }\n  ]\n}\n")
 
 
-@pytest.fixture(scope="module")
-def stock(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stock")
+def stock_server(root: Path, decoupled: bool = True) -> Iterator[tuple[TritonServer, Session]]:
     build_engine(BuildConfig(make_tiny_model("llama", root / "hf"), root / "engine", max_seq_len=256,
                              max_num_tokens=64, max_batch_size=4))
-    repo = deploy_repository(root / "engine", root / "repo")
+    repo = deploy_repository(root / "engine", root / "repo", decoupled=decoupled)
     (repo / "stock_ensemble" / "1").mkdir(parents=True)
     (repo / "stock_ensemble" / "config.pbtxt").write_text(ensemble_config())
     with TritonServer(repo, log_file=root / "tritonserver.log") as server, Session(root / "engine") as session:
         yield server, session
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    yield from stock_server(tmp_path_factory.mktemp("stock"))
 
 
 def inputs(**values):
@@ -133,6 +143,47 @@ def test_return_perf_metrics_gives_times_and_kv_block_reuse(stock):
         assert perf["kv_cache_alloc_total_blocks"] == -(-len(prompt) // block)  # the prompt's: 70 tokens, 3 blocks
         assert (perf["total_draft_tokens"], perf["total_accepted_draft_tokens"], perf["acceptance_rate"]) == (0, 0, 0)
     assert [perf["kv_cache_reused_blocks"] for perf, _, _ in runs] == [0, len(prompt) // block]
+
+
+def test_a_token_model_deployed_not_decoupled_answers_plain_infer_through_the_stock_ensemble(tmp_path):
+    """tensorrtllm_backend's decoupled_mode false: the stock ensemble takes plain HTTP and gRPC infer and /generate,
+    one response each, equal to Session's; what needs several responses is refused by name; camshaft's own text
+    models still stream."""
+    prompt = [5, 9, 17, 33, 2, 41]
+    for server, session in stock_server(tmp_path, decoupled=False):
+        reference = session.generate(prompt, SamplingParams(max_tokens=8, logprobs=2))
+        for module in (httpclient, grpcclient):
+            client = module.InferenceServerClient(server.endpoints.http if module is httpclient
+                                                  else server.endpoints.grpc)
+            result = client.infer("stock_ensemble", typed_inputs(module, input_ids=[prompt], input_lengths=[[6]],
+                                                                  request_output_len=[[8]]))
+            ids = result.as_numpy("output_ids").reshape(-1).tolist()
+            assert ids[:len(prompt)] == prompt
+            assert_same_ids(ids[len(prompt):], reference, session.engine.eos_token_ids)
+            for extra, message in ((dict(streaming=[[True]]), "streaming=true needs several responses"),
+                                   (dict(num_return_sequences=[[2]]), "num_return_sequences > 1 needs several")):
+                with pytest.raises(InferenceServerException, match=re.escape(message)):
+                    client.infer("stock_ensemble", typed_inputs(module, input_ids=[prompt], input_lengths=[[6]],
+                                                                request_output_len=[[8]], **extra))
+        generated = requests.post(f"http://{server.endpoints.http}/v2/models/stock_ensemble/generate", timeout=60,
+                                  json={"input_ids": prompt, "input_lengths": 6, "request_output_len": 8})
+        assert generated.status_code == 200, generated.text
+        assert generated.json()["output_ids"] == ids
+        streamed = requests.post(f"http://{server.endpoints.http}/v2/models/ensemble/generate_stream", timeout=60,
+                                 json={"text_input": "hello", "max_tokens": 24, "stream": True})
+        events = [line for line in streamed.text.splitlines() if line.startswith("data:")]
+        assert streamed.status_code == 200 and len(events) > 1  # the text models reach the executor directly
+
+
+def typed_inputs(module, **values) -> list:
+    specs = {n: t for n, t, _ in STOCK_INPUTS}
+    tensors = []
+    for name, value in values.items():
+        array = np.asarray(value, dtype={"INT32": np.int32, "BOOL": np.bool_}[specs[name]])
+        tensor = module.InferInput(name, list(array.shape), specs[name])
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,8 +1,10 @@
 """`camshaft deploy`: a Triton model repository for an engine, its config.pbtxt files generated from the manifest.
 
-Models: `tensorrt_llm` (tokens; hosts the engine's one executor), `<name>` (text, decoupled: streaming, gRPC,
-/generate, /generate_stream) and `<name>_sync` (text, not decoupled: plain HTTP/gRPC infer). The text models reach
-the executor over a private channel to the token model (channel.py); none loads the engine a second time.
+Models: `tensorrt_llm` (tokens; hosts the engine's one executor; decoupled unless deployed with decoupled=False,
+tensorrtllm_backend's decoupled_mode: then one response a request, for plain infer), `<name>` (text, decoupled:
+streaming, gRPC, /generate, /generate_stream) and `<name>_sync` (text, not decoupled: plain HTTP/gRPC infer). The
+text models reach the executor over a private channel to the token model (channel.py); none loads the engine a second
+time.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ def _entries(repo: Path) -> set[str]:
     return {MARKER, TOKEN_MODEL, str(name), f"{name}_sync"}
 
 
-def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None) -> Path:
-    """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments."""
+def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None,
+                      decoupled: bool = True) -> Path:
+    """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments; decoupled: the token
+    model's transaction policy (the text models come in both kinds)."""
     engine, repo = Path(engine).resolve(), Path(repo)
     manifest = read_manifest(engine)  # refuses a missing or broken engine directory
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name in (TOKEN_MODEL, f"{TOKEN_MODEL}_sync") \
@@ -69,9 +73,10 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     common = {"engine_dir": str(engine), "camshaft_path": str(Path(camshaft.__file__).resolve().parents[1])}
     models = {
         # one prompt a request whatever Triton's batch bound: a large one lets any tensorrtllm_backend ensemble load
-        TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=True, max_batch_size=TOKEN_MODEL_BATCH, token=True, params={
-            "camshaft_model": "camshaft.triton_repo.token_model:TokenModel",
-            "llm_options": json.dumps(options), "exclude_input_in_output": "false", **common}),
+        TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=decoupled, max_batch_size=TOKEN_MODEL_BATCH, token=True,
+                                  params={"camshaft_model": "camshaft.triton_repo.token_model:TokenModel",
+                                          "llm_options": json.dumps(options), "exclude_input_in_output": "false",
+                                          **common}),
         name: model_config(name, decoupled=True, max_batch_size=batch, token=False, params={
             "camshaft_model": "camshaft.triton_repo.text_model:TextModel", "token_model": TOKEN_MODEL,
             "max_requests": str(admitted), **common}),
@@ -91,7 +96,8 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
             (staging / model / "config.pbtxt").write_text(config)
             shutil.copyfile(SHIM, staging / model / "1" / "model.py")
         (staging / MARKER).write_text(json.dumps({
-            "engine_dir": str(engine), "name": name, "llm_options": options, "camshaft_version": __version__},
+            "engine_dir": str(engine), "name": name, "llm_options": options, "token_model_decoupled": decoupled,
+            "camshaft_version": __version__},
             indent=2) + "\n")
         replace_dir(staging, repo)
     except BaseException:

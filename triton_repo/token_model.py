@@ -47,6 +47,7 @@ DRAIN_S = 60.0  # at unload, the longest the text models' requests in flight may
 
 class TokenModel:
     def __init__(self, args: dict, params: dict[str, str]) -> None:
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
         self.exclude_default = params.get("exclude_input_in_output", "false") == "true"
         self.by_client_id: dict[str, Job] = {}
@@ -86,6 +87,8 @@ class TokenModel:
         spec = token_request(values, eos_token_ids=engine.eos_token_ids,
                              vocab_size=engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
         self._check_sequences(spec)
+        if not self.decoupled:
+            self._check_one_response(spec)
         job = Job(request, sender, spec, client_id)
         with self.lock:  # registered before it can finish: the responder forgets it only once it is registered
             if client_id:
@@ -109,6 +112,15 @@ class TokenModel:
             raise RequestError(f"num_return_sequences {n} can never be in flight: this server holds {batch + queue_} "
                                f"sequences (batch {batch} + queue {queue_}); lower it, or deploy with a larger "
                                "--max-queue")
+
+    @staticmethod
+    def _check_one_response(spec: TokenRequest) -> None:
+        """Deployed not decoupled (tensorrtllm_backend's decoupled_mode false), a request gets exactly one response."""
+        for wanted, what in ((spec.streaming, "streaming=true"), (spec.params.n > 1, "num_return_sequences > 1")):
+            if wanted:
+                raise RequestError(f"{what} needs several responses, and tensorrt_llm is deployed not decoupled (one "
+                                   "response a request); leave it out, or deploy decoupled (camshaft deploy without "
+                                   "--no-decoupled)")
 
     def _forget(self, job: Job) -> None:
         """Call with the lock held."""
@@ -169,8 +181,9 @@ class TokenModel:
         if job.failed:
             return
         if job.cancelled:  # Triton 2.51 unloads a model only once its cancelled requests got their final flag
-            if last:
-                job.sender.send(flags=FINAL)
+            if last:  # alone if decoupled; else the one response a request gets
+                job.sender.send(None if self.decoupled else error_response(RuntimeError("the request was cancelled")),
+                                flags=FINAL)
             return
         if output.error is not None:  # the whole request ends with it; its other sequences are stopped
             job.failed = True

@@ -64,12 +64,18 @@ def deploy(
     max_num_tokens: TokensOption = None,
     policy: PolicyOption = "guaranteed_no_evict",
     prompt_lookup: LookupOption = 0,
+    no_decoupled: Annotated[bool, typer.Option(
+        "--no-decoupled",
+        help="The token model tensorrt_llm not decoupled (tensorrtllm_backend's decoupled_mode false): one response "
+             "a request, so an ensemble over it takes plain infer, but no streaming (default: decoupled, streaming). "
+             "The text models come in both kinds (NAME, NAME_sync)")] = False,
 ) -> None:
     """Write a Triton model repository that serves an engine with in-flight batching."""
     from camshaft.triton_repo.deploy import deploy_repository
 
     deploy_repository(engine, repo, name=name, llm_options=_llm_options(
-        engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens, prompt_lookup))
+        engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens, prompt_lookup),
+        decoupled=not no_decoupled)
     typer.echo(str(repo))
 
 
@@ -103,8 +109,9 @@ def serve(
         help="OpenAI API: how tool calls the model writes are read, enabling tool_choice auto: hermes (<tool_call> "
              "blocks: Qwen2.5/3, Hermes, camshaft's own tool prompt), llama3_json (Llama 3.1-3.3), mistral "
              "([TOOL_CALLS])")] = None,
-    chat_template: Annotated[Path | None, typer.Option(
-        help="OpenAI API: a Jinja chat template file used in place of the engine tokenizer's")] = None,
+    chat_template: Annotated[str | None, typer.Option(
+        help="OpenAI API: a Jinja chat template (a file, or the template itself) used in place of the engine's")]
+    = None,
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,

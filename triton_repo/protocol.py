@@ -222,6 +222,15 @@ def perf_metrics(metrics: RequestMetrics) -> dict[str, int | float]:
             "total_draft_tokens": metrics.draft_tokens}
 
 
+def check_one_response(spec: TokenRequest) -> None:
+    """The token model deployed not decoupled (tensorrtllm_backend's decoupled_mode false): one response a request."""
+    for wanted, what in ((spec.streaming, "streaming=true"), (spec.params.n > 1, "num_return_sequences > 1")):
+        if wanted:
+            raise RequestError(f"{what} needs several responses, and tensorrt_llm is deployed not decoupled (one "
+                               "response a request); leave it out, or deploy decoupled (camshaft deploy without "
+                               "--no-decoupled)")
+
+
 def check_unsupported(values: Values) -> None:
     """What tensorrtllm_backend's stock ensemble sends the token model: its defaults pass (the preprocessing model
     sends a one-id decoder input and an empty prompt table always); anything asking for encoder-decoder models,

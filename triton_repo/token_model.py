@@ -24,6 +24,7 @@ from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import (
     TokenRequest,
+    check_one_response,
     check_parameters,
     error_status,
     one,
@@ -88,7 +89,7 @@ class TokenModel:
                              vocab_size=engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
         self._check_sequences(spec)
         if not self.decoupled:
-            self._check_one_response(spec)
+            check_one_response(spec)
         job = Job(request, sender, spec, client_id)
         with self.lock:  # registered before it can finish: the responder forgets it only once it is registered
             if client_id:
@@ -112,15 +113,6 @@ class TokenModel:
             raise RequestError(f"num_return_sequences {n} can never be in flight: this server holds {batch + queue_} "
                                f"sequences (batch {batch} + queue {queue_}); lower it, or deploy with a larger "
                                "--max-queue")
-
-    @staticmethod
-    def _check_one_response(spec: TokenRequest) -> None:
-        """Deployed not decoupled (tensorrtllm_backend's decoupled_mode false), a request gets exactly one response."""
-        for wanted, what in ((spec.streaming, "streaming=true"), (spec.params.n > 1, "num_return_sequences > 1")):
-            if wanted:
-                raise RequestError(f"{what} needs several responses, and tensorrt_llm is deployed not decoupled (one "
-                                   "response a request); leave it out, or deploy decoupled (camshaft deploy without "
-                                   "--no-decoupled)")
 
     def _forget(self, job: Job) -> None:
         """Call with the lock held."""

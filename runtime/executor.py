@@ -271,6 +271,8 @@ class Executor:
 
     def _release_held(self, request: Request) -> None:
         for sibling in self._held.pop(request.request_id, []):  # in the queue where their first sequence arrived
+            if request.params.prompt_logprobs is not None:  # the same prompt's: recorded once, its blocks reused
+                sibling.prompt_samples = list(request.prompt_samples)
             self._add(sibling, request.queue_order)
 
     def _finish(self, request: Request, error: Exception | None = None, delta: str = "",

@@ -329,6 +329,14 @@ def test_prompt_logprobs_are_transformers_log_softmax_through_chunks_reuse_and_p
             assert out.outputs[0].token_ids == same.outputs[0].token_ids  # sampling unchanged
             assert same.outputs[0].prompt_logprobs is None
     assert preempted > 0  # the second pool forced recomputation, which must not record a prompt twice
+    with LLM(engine_dir) as llm:  # n outputs share the prompt's log-probs and blocks: the prompt runs once
+        steps = record_steps(llm)
+        n = llm.generate(prompts[0], SamplingParams(max_tokens=5, ignore_eos=True, prompt_logprobs=2, n=3,
+                                                    temperature=1.0, seed=1))[0]
+        assert sum(len(tokens) for step in steps for tokens, _ in step if len(tokens) > 1) == 150 + 2 * (150 % BLOCK)
+        first = [s.logprob for s in n.outputs[0].prompt_logprobs[1:]]
+        np.testing.assert_allclose(first, expected(prompts[0]), atol=2e-5)
+        assert all([s.logprob for s in o.prompt_logprobs[1:]] == first for o in n.outputs[1:])
     with pytest.raises(Exception, match="for prompt_logprobs use camshaft.LLM"):
         Session(engine_dir).generate(prompts[1], params)
 

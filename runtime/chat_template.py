@@ -35,6 +35,8 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str,
     template_kwargs = check_template_kwargs(template_kwargs, tokenizer)
     tools = tools or None
     template = tokenizer.get_chat_template(tools=tools)
+    if "developer" not in template:  # OpenAI's newer name for the system role, which most templates do not know
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     if not reads_tools(template):
         messages, tools = as_text(messages, tools, calls_as_text="tool_calls" not in template), None
     try:

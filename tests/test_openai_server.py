@@ -441,8 +441,8 @@ HI = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stop_token_ids": [10**20]}, "stop_token_ids"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**20, 5]}, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4200}, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4200}, "prompt"),
 ])
 def test_bad_input_is_an_openai_400(served, path, body, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
@@ -452,6 +452,41 @@ def test_bad_input_is_an_openai_400(served, path, body, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["message"] and error["param"] == param
+
+
+def test_context_overflow_is_refused_in_the_words_clients_match(served):
+    """vLLM's and OpenAI's "maximum context length" text (clients trim the conversation on it), code
+    context_length_exceeded, param the prompt's field."""
+    cases = [("/v1/completions", {"prompt": [5] * 4000, "max_tokens": 200}, "prompt",
+              "However, you requested 4200 tokens (4000 in the prompt, 200 in the completion)"),
+             (CHAT, {"messages": [{"role": "user", "content": "hello " * 4200}]}, "messages",
+              "However, your request has "),
+             ("/v1/completions", {"prompt": "word " * 40000}, "prompt", "However, your request has more")]
+    for path, body, param, words in cases:
+        error = HTTP.post(served[0] + path, json={"model": MODEL, **body}).json()["error"]
+        assert error["message"].startswith("This model's maximum context length is 4096 tokens. ") and \
+            words in error["message"], error
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+
+
+def test_developer_messages_refusals_and_no_model_as_vllm_takes_them(served, client):
+    """OpenAI's `developer` role reaches a template without one as `system`; an assistant's refusal parts are its
+    text; `model` may be left out (vLLM: the served model)."""
+    url = served[0]
+
+    def tokens(messages: list[dict]) -> list[int]:
+        return HTTP.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+
+    user = {"role": "user", "content": "hi"}
+    assert tokens([{"role": "developer", "content": "be brief"}, user]) == \
+        tokens([{"role": "system", "content": "be brief"}, user])
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}
+    assert tokens([user, refused, user]) == tokens([user, {"role": "assistant", "content": "no"}, user])
+    bad = HTTP.post(url + "/tokenize", json={"messages": [{"role": "user", "content": [{"type": "refusal",
+                                                                                          "refusal": "no"}]}]})
+    assert bad.status_code == 400 and "only text content parts" in bad.json()["error"]["message"]
+    answer = HTTP.post(url + CHAT, json={"messages": [user], "max_tokens": 3})
+    assert answer.status_code == 200 and answer.json()["model"] == MODEL
 
 
 def test_priority_reaches_the_scheduler(served, client):

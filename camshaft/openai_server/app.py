@@ -100,11 +100,25 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         if body.n > max_n:
             raise APIError(400, f"n must be at most {max_n} (this server's batch size), got {body.n}", param="n")
 
-    async def prompt_ids(**prompt: Any) -> list[int]:
-        ids = await asyncio.to_thread(llm.encode, **prompt)  # a long prompt must not stall the open streams
+    async def prompt_ids(max_tokens: int | None = None, **prompt: Any) -> list[int]:
+        """The prompt's ids, refused in vLLM's words (which clients match to trim) when the context cannot hold it
+        and max_tokens more."""
+        what = "messages" if "messages" in prompt else "prompt"
+        try:
+            ids = await asyncio.to_thread(llm.encode, **prompt)  # a long prompt must not stall the open streams
+        except CapacityError as exc:  # far too long: refused after tokenizing a prefix
+            raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens. However, your "
+                           f"request has more input tokens ({exc}).", param=what,
+                           code="context_length_exceeded") from None
         if len(ids) >= max_seq_len:
-            raise CapacityError(f"the prompt has {len(ids)} tokens; this model's context holds {max_seq_len} "
-                                "(prompt + output). Shorten the prompt.")
+            raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens. However, your request "
+                           f"has {len(ids)} input tokens. Please reduce the length of the {what} (the output needs "
+                           "room too).", param=what, code="context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > max_seq_len:
+            raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens. However, you "
+                           f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} in "
+                           f"the completion). Please reduce the length of the {what} or completion.", param=what,
+                           code="context_length_exceeded")
         return ids
 
     async def respond(request: Request, stream: bool, include_usage: bool, prompts: list[list[int]],
@@ -186,8 +200,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             raise APIError(400, f"{outputs} outputs (prompts x n) can never be in flight at once: this server holds "
                            f"{max_n + limit} (batch {max_n} + queue {limit}); send fewer prompts per request",
                            param="prompt")
-        prompts = [await prompt_ids(prompt=p) for p in body.prompts()]
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        prompts = [await prompt_ids(prompt=p, max_tokens=max_tokens) for p in body.prompts()]
         params = body.sampling_params(max_tokens or 1, body.logprobs)  # echo with max_tokens 0: one token, dropped
         if body.echo and body.logprobs is not None:
             params = replace(params, prompt_logprobs=body.logprobs)
@@ -212,7 +226,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             params = replace(params, guided_decoding=guided)
         if tools is not None and tools.kind == "auto" and "skip_special_tokens" not in body.model_fields_set:
             params = replace(params, skip_special_tokens=False)  # some models' <tool_call> tags are special tokens
-        ids = await prompt_ids(messages=[m.template_dict() for m in body.messages],
+        ids = await prompt_ids(max_tokens=body.requested_max_tokens(),
+                               messages=[m.template_dict() for m in body.messages],
                                tools=tools.prompt_tools if tools is not None else None,
                                chat_template_kwargs=body.chat_template_kwargs)
         shape = ChatShape(model_name, llm.tokenizer, tools)

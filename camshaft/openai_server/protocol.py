@@ -39,7 +39,7 @@ class _GenerationRequest(BaseModel):
             return data
         return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
 
-    model: str
+    model: str | None = None  # vLLM's: optional, the served model
     max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float = 1.0
@@ -173,10 +173,12 @@ class ChatMessage(BaseModel):
 
     def _text(self) -> str:
         content = self.content
-        if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise RequestError("only text content parts ({'type': 'text', 'text': ...}) are supported")
-            texts = [part.get("text", "") for part in content]
+        if isinstance(content, list):  # an assistant's refusal parts are its text too (OpenAI's replayed turns)
+            kinds = {"text": "text", **({"refusal": "refusal"} if self.role == "assistant" else {})}
+            if any(part.get("type") not in kinds for part in content):
+                raise RequestError("only text content parts ({'type': 'text', 'text': ...}; an assistant's "
+                                   "{'type': 'refusal', 'refusal': ...} too) are supported")
+            texts = [part.get(kinds[part["type"]], "") for part in content]
             if not all(isinstance(text, str) for text in texts):
                 raise RequestError("a text content part's text must be a string")
             content = "\n".join(texts)

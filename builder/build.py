@@ -146,7 +146,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         quantization: dict = {}
         limits = BuildLimits(
             max_batch_size=config.max_batch_size,
-            max_seq_len=config.resolved_max_seq_len(model.max_position_embeddings),
+            max_seq_len=config.resolved_max_seq_len(model),
             max_num_tokens=config.max_num_tokens,
             kv_block_size=config.kv_block_size,
         )

@@ -22,7 +22,7 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
 )
 from camshaft.errors import CheckpointError
 from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig, require_tokenizer
-from camshaft.weight_files import weight_files
+from camshaft.weight_files import index_map, weight_files
 
 EMBED = "model.embed_tokens.weight"
 
@@ -40,6 +40,7 @@ class Checkpoint:
         self.files = weight_files(self.dir)
         self._stack = ExitStack()
         self._where: dict[str, Path] = {}
+        self._aliases: dict[str, str] = {}  # a name read as another tensor
         self._handles = {}
         self._fp8: dict[str, tuple[tuple[int, ...], int, int]] = {}  # name → shape, start, end (safetensors F8_E4M3)
         for file in self.files:
@@ -53,6 +54,10 @@ class Checkpoint:
             self._fp8.update(fp8_tensors(file))
         self.quantization = read_quant_config(self.dir)
         self._check_tied_head()
+        if self.config.tie_word_embeddings and not self.quantization and EMBED not in self._where \
+                and "lm_head.weight" in self._where:
+            self._where[EMBED] = self._where["lm_head.weight"]  # a tied model saved as its head, as transformers ties
+            self._aliases[EMBED] = "lm_head.weight"
 
     def _check_tied_head(self) -> None:
         """A tied head reads the embedding; a checkpoint that also stores a different lm_head.weight is refused
@@ -189,13 +194,24 @@ class Checkpoint:
     def _raw(self, name: str) -> np.ndarray:
         file = self._where.get(name)
         if file is None:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}{self._hint(name)}")
+        stored = self._aliases.get(name, name)
         try:
-            if name in self._fp8:
-                return read_fp8(file, *self._fp8[name])
-            return self._handles[file].get_tensor(name)
+            if stored in self._fp8:
+                return read_fp8(file, *self._fp8[stored])
+            return self._handles[file].get_tensor(stored)
         except (SafetensorError, OSError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{file.name}: tensor {name!r} could not be read: {exc}") from exc
+
+    def _hint(self, name: str) -> str:
+        """Where the index says a missing tensor is, or what a missing head may mean."""
+        index = self.dir / "model.safetensors.index.json"
+        shard = index_map(index).get(name) if index.is_file() else None
+        if shard is not None:
+            return f" (the index puts it in {shard}, which does not hold it)"
+        if name == "lm_head.weight" and not self.config.tie_word_embeddings:
+            return "; if the model's head is its embedding, set tie_word_embeddings to true in config.json"
+        return ""
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

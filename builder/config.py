@@ -8,6 +8,7 @@ from pathlib import Path
 from camshaft.checks import check_positive_ints, is_int_at_least
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import TARGETS
+from camshaft.model_config import ModelConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The first is the target's default. TensorRT: float16 or bfloat16 (sm80+, targets/precision.py) base precision.
@@ -81,12 +82,15 @@ class BuildConfig:
     def resolved_dtype(self) -> str:
         return TARGET_DTYPES[self.target][0] if self.dtype == "auto" else self.dtype
 
-    def resolved_max_seq_len(self, max_position_embeddings: int) -> int:
+    def resolved_max_seq_len(self, model: ModelConfig) -> int:
+        longest = model.context_length
         if self.max_seq_len is None:
-            return min(max_position_embeddings, 4096)
-        if self.max_seq_len > max_position_embeddings:
+            return min(longest, 4096)
+        if self.max_seq_len > longest:
+            scaled = f", {model.rope.type} rope scaling x{model.rope.factor:g} included" \
+                if longest > model.max_position_embeddings else ""
             raise BuildConfigError(
-                f"--max-seq-len {self.max_seq_len} exceeds the model's max_position_embeddings "
-                f"({max_position_embeddings}); pass --max-seq-len {max_position_embeddings} or less"
-            )
+                f"--max-seq-len {self.max_seq_len} exceeds the model's context ({longest} tokens: "
+                f"max_position_embeddings {model.max_position_embeddings}{scaled}); pass --max-seq-len {longest} or "
+                "less")
         return self.max_seq_len

@@ -146,12 +146,12 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> d
     # as transformers: a top-level original_max_position_embeddings (Phi-3 style) wins, then the rope section's
     original = (f if hf.get("original_max_position_embeddings") is not None and rope_type in ("llama3", "yarn")
                 else p).get("original_max_position_embeddings", "int", None, least=1) or positions
-    if rope_type != "yarn":
+    if rope_type == "default":
         factor = p.get("factor", "number", 1.0, least=0)
-    elif "factor" in p.data:  # null: the ratio of the context lengths, as transformers reads it
+    elif rope_type == "yarn" and "factor" in p.data:  # null: the ratio of the context lengths (transformers)
         factor = p.get("factor", "number", positions / original, least=0)
     else:
-        factor = p.get("factor", "number", least=0)  # required, as transformers requires it
+        factor = p.get("factor", "number", least=0)  # required (linear, llama3, yarn), as transformers requires it
     if theta <= 0 or factor <= 0:
         raise CheckpointError(f"{source}: rope_theta and the rope factor must be > 0, got {theta} and {factor}")
     if rope_type == "yarn" and theta <= 1:

@@ -96,6 +96,15 @@ class ModelConfig:
             raise CheckpointError("sliding-window layers need a positive sliding_window")
 
     @property
+    def context_length(self) -> int:
+        """The longest sequence the model is made for: max_position_embeddings, or what its rope scaling extends it
+        to (vLLM's rule: yarn's original_max_position_embeddings x factor, linear's max_position_embeddings x
+        factor)."""
+        rope, positions = self.rope, self.max_position_embeddings
+        scaled = {"yarn": rope.original_max_position_embeddings * rope.factor, "linear": positions * rope.factor}
+        return max(positions, int(scaled.get(rope.type, 0)))
+
+    @property
     def has_sliding_layers(self) -> bool:
         return "sliding" in self.layer_types
 

@@ -13,10 +13,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is malformed: {exc}") from exc
+        weight_map = index_map(index)
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -33,6 +30,22 @@ def weight_files(model_dir: Path) -> list[Path]:
             "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)`."
         )
     raise CheckpointError(f"{model_dir} has no *.safetensors weights")
+
+
+def index_map(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map: tensor name -> a shard file in the index's directory."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{index} is malformed: {exc!r}") from exc
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: weight_map must be an object of tensor names to shard files, got "
+                              f"{weight_map!r:.80}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise CheckpointError(f"{index}: tensor {name!r} maps to {shard!r}; each shard is a file name in the "
+                                  "checkpoint directory")
+    return weight_map
 
 
 def matrix_names(model_dir: Path) -> list[str]:

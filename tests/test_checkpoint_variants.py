@@ -129,3 +129,60 @@ def test_another_models_tokenizer_is_refused_at_build(tmp_path):
                                               f"{vocab_size}"):
         build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=32))
     assert not (tmp_path / "engine").exists()
+
+
+def test_a_tied_model_saved_as_its_head_builds_with_that_head_as_its_embedding(tmp_path):
+    """transformers ties a checkpoint that stores lm_head.weight alone; the engine reads the same tensor."""
+    model = make_tiny_model("llama3-rope", tmp_path / "hf")  # tie_word_embeddings: true
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+    [weights] = model.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, weights)
+    build_engine(BuildConfig(model, tmp_path / "head-only", max_seq_len=64))
+    with Session(tmp_path / "engine") as a, Session(tmp_path / "head-only") as b:
+        assert a.generate("hello there", max_tokens=12, ignore_eos=True).token_ids == \
+            b.generate("hello there", max_tokens=12, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("weight_map, message", [
+    ([], "weight_map must be an object of tensor names to shard files"),
+    ({"model.norm.weight": None}, "maps to None; each shard is a file name in the checkpoint directory"),
+    ({"model.norm.weight": "../elsewhere.safetensors"}, "maps to '../elsewhere.safetensors'"),
+])
+def test_a_malformed_index_is_one_clear_error(tiny, tmp_path, weight_map, message):
+    model = copy_of(tiny, tmp_path)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=message):
+        build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+
+
+def test_a_tensor_missing_from_its_shard_names_the_shard(tiny, tmp_path):
+    model = copy_of(tiny, tmp_path)
+    [weights] = model.glob("*.safetensors")
+    tensors = load_file(weights)
+    gone = "model.layers.1.mlp.down_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != gone}, weights)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        **{k: weights.name for k in tensors if k != gone}, gone: weights.name}}))
+    with pytest.raises(CheckpointError, match=f"'{gone}' is missing .*the index puts it in {weights.name}"):
+        build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+
+
+def test_weights_beyond_float16_are_refused_not_written_as_inf(tiny, tmp_path):
+    from camshaft.builder.build import write_graph
+    from camshaft.builder.checkpoint import Checkpoint
+    from camshaft.errors import BuildConfigError
+    from camshaft.manifest import read_manifest
+
+    model = copy_of(tiny, tmp_path)
+    [weights] = model.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.0.post_attention_layernorm.weight"][:4] = 1e5
+    save_file(tensors, weights)
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))  # float32: as the checkpoint says
+    limits = read_manifest(tmp_path / "engine").limits
+    with Checkpoint(model) as checkpoint, pytest.raises(  # the TensorRT targets' float16 graph
+            BuildConfigError, match="model.layers.0.post_attention_layernorm.weight holds values beyond float16's "
+                                    "range .*--dtype bfloat16 or float32"):
+        write_graph(checkpoint, limits, "float16", tmp_path)

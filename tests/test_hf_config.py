@@ -58,6 +58,9 @@ def edited(config: dict, **changes) -> dict:
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "attention_factor": 0}),
      "yarn's attention factor .* must be between 1e-6 and 1e6, got 0"),
     (dict(architectures="LlamaForCausalLM"), "architectures must be a list"),
+    (dict(rope_parameters=..., rope_scaling={"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 32}), "factor"),
+    (dict(rope_parameters=..., rope_scaling={"rope_type": "linear"}), "factor"),
 ])
 def test_bad_values_are_one_clear_error(configs, changes, message):
     with pytest.raises(CheckpointError, match=message):
@@ -172,3 +175,25 @@ def test_biases_follow_each_architecture_as_transformers_builds_it(configs, tmp_
 def test_odd_json_types_are_a_clear_error_not_a_traceback(configs, changes, message):
     with pytest.raises(CheckpointError, match=message):
         ModelConfig.from_hf(edited(configs["llama"], **changes))
+
+
+def test_rope_scaling_extends_the_context_a_build_may_ask_for(configs):
+    """vLLM's rule: yarn holds original_max_position_embeddings x factor, linear max_position_embeddings x factor
+    (Qwen2.5's long-context recipe leaves max_position_embeddings at the native length)."""
+    from camshaft.builder.config import BuildConfig
+    from camshaft.errors import BuildConfigError
+
+    yarn = ModelConfig.from_hf(edited(configs["llama"], max_position_embeddings=64, rope_parameters=...,
+                                      rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 64}))
+    linear = ModelConfig.from_hf(edited(configs["llama"], max_position_embeddings=64, rope_parameters=...,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    plain = ModelConfig.from_hf(edited(configs["llama"], max_position_embeddings=64))
+    assert (yarn.context_length, linear.context_length, plain.context_length) == (256, 128, 64)
+    assert BuildConfig("m", "e", max_seq_len=256).resolved_max_seq_len(yarn) == 256
+    assert BuildConfig("m", "e").resolved_max_seq_len(yarn) == 256
+    with pytest.raises(BuildConfigError, match=r"exceeds the model's context \(256 tokens: max_position_embeddings "
+                                               r"64, yarn rope scaling x4 included\); pass --max-seq-len 256"):
+        BuildConfig("m", "e", max_seq_len=300).resolved_max_seq_len(yarn)
+    with pytest.raises(BuildConfigError, match=r"\(64 tokens: max_position_embeddings 64\); pass"):
+        BuildConfig("m", "e", max_seq_len=65).resolved_max_seq_len(plain)

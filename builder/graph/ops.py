@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from camshaft.errors import BuildConfigError
+
 ALIGN = 64
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -50,6 +52,9 @@ class GraphWriter:
         """A large tensor, written to the external data file now so memory stays flat. int4 arrays (ml_dtypes) are
         packed two elements a byte, the first in the low nibble, as ONNX stores them."""
         array = np.ascontiguousarray(array)
+        if array.dtype == np.float16 and not np.isfinite(array).all():  # the cast from the checkpoint overflowed
+            raise BuildConfigError(f"{name} holds values beyond float16's range (or not finite in the checkpoint); "
+                                   "build with --dtype bfloat16 or float32")
         if array.dtype == ml_dtypes.int4:
             nibbles = array.reshape(-1).view(np.uint8) & 0x0F
             nibbles = np.concatenate([nibbles, np.zeros(nibbles.size % 2, np.uint8)])

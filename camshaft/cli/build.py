@@ -160,7 +160,7 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
                                shown_as=f"--quant {quant}")
     check_weight_only_compute(config.weight_only_compute, spec.info.layer_algos, f"--quant {quant}")
     if Path(config.model_dir).is_dir():  # a missing one: quantize says so
-        config.resolved_max_seq_len(ModelConfig.from_hf_dir(config.model_dir).max_position_embeddings)
+        config.resolved_max_seq_len(ModelConfig.from_hf_dir(config.model_dir))
 
 
 def _quantize(model: Path, quant: str, output: Path, kv_cache_dtype: str | None, group_size: str,

@@ -90,7 +90,7 @@ class SamplingParams:
             value = getattr(self, name)
             words = _listed(value, name, '["\\n\\n"]')
             _require(all(isinstance(w, str) and w for w in words),
-                     f"{name} must be a list of non-empty strings, got {value!r}")
+                     f"{name} must be a non-empty string or a list of them, got {value!r}")
             for word in words:
                 check_unicode(word, f"{name} {word!r}")
             object.__setattr__(self, name, words)

@@ -439,6 +439,7 @@ HI = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
     (CHAT, {"model": MODEL, "messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"model": MODEL, "messages": HI, "stop": ""}, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stop_token_ids": [10**20]}, "stop_token_ids"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**20, 5]}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, "prompt"),

@@ -75,7 +75,8 @@ def build(
     = "auto",
     max_batch_size: Annotated[int, typer.Option(help="Most sequences in one step")] = 32,
     max_seq_len: Annotated[int | None, typer.Option(help="Most tokens per sequence, prompt + output (default: the "
-                                                         "model's max_position_embeddings, at most 4096)")] = None,
+                                                         "model's context, max_position_embeddings or what its rope "
+                                                         "scaling extends it to, at most 4096)")] = None,
     max_num_tokens: Annotated[int, typer.Option(help="Most tokens in one step (prefill chunk size)")] = 512,
     kv_block_size: Annotated[int, typer.Option(help="Tokens per KV cache block")] = 32,
     gpu_arch: Annotated[str | None, typer.Option(help="tensorrt targets: GPU architecture, e.g. sm89 (default: "

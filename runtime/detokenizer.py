@@ -18,8 +18,9 @@ _TRIM_AFTER = 64  # drop tokens before the window once this many have piled up
 class TextStream:
     """Turns generated token ids into text deltas that are safe to show: never half a UTF-8 character, never the
     start of a stop string that may still complete. After a stop string the text is cut at its first occurrence
-    (the one that ends first; kept only with include_stop) and later tokens are ignored. Stop strings are not
-    looked for before `min_tokens` tokens were appended (vLLM's meaning: text wholly before then is kept)."""
+    (the one that ends first; kept only with include_stop) and later tokens are ignored. With `min_tokens`, stop
+    strings are looked for once more tokens than that were appended, and only those ending past the first
+    min_tokens tokens' text (vLLM's meaning: text wholly before then is kept)."""
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: tuple[str, ...] = (), include_stop: bool = False,
                  skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
@@ -40,6 +41,7 @@ class TextStream:
         self._done = False
         self._min_tokens = min_tokens
         self._appended = 0
+        self._boundary = 0  # length of the text of the first min_tokens tokens: a stop must end past it
 
     @property
     def text(self) -> str:
@@ -63,8 +65,10 @@ class TextStream:
         self._ids.append(token_id)
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
+            self._mark_boundary(0)
             return ""  # nothing new yet, or a character still incomplete
         delta = new_text[len(self._prefix_text) :]
+        self._mark_boundary(len(delta))
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         if self._prefix_offset > _TRIM_AFTER:
@@ -72,6 +76,10 @@ class TextStream:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return self._release(delta, final=False)
+
+    def _mark_boundary(self, unreleased: int) -> None:
+        if self._appended == self._min_tokens:
+            self._boundary = len(self._text) + len(self._pending) + unreleased
 
     def finish(self) -> str:
         """Generation ended for another reason (eos, length): flush held-back text, even an incomplete character."""
@@ -83,7 +91,7 @@ class TextStream:
     def _release(self, delta: str, final: bool) -> str:
         pending = self._pending + delta
         searched_from = max(0, len(self._pending) - max((len(s) for s in self._stops), default=0) + 1)
-        cut = self._first_stop(pending, searched_from) if self._appended >= self._min_tokens else None
+        cut = self._first_stop(pending, searched_from) if self._appended > self._min_tokens else None
         if cut is not None:
             self._done = True
             safe = pending[:cut]
@@ -97,10 +105,12 @@ class TextStream:
         return safe
 
     def _first_stop(self, text: str, start: int) -> int | None:
-        """End of the kept text if a stop string occurs in text[start:] (earliest end wins, then earliest start)."""
+        """End of the kept text if a stop string occurs in text[start:] ending past the min_tokens boundary (earliest
+        end wins, then earliest start); `text` begins where the emitted text ends."""
         best: tuple[int, int, str] | None = None
+        boundary = self._boundary - len(self._text)
         for stop in self._stops:
-            at = text.find(stop, start)
+            at = text.find(stop, max(start, boundary - len(stop) + 1))
             if at >= 0 and (best is None or (at + len(stop), at) < best[:2]):
                 best = (at + len(stop), at, stop)
         if best is None:

@@ -220,7 +220,8 @@ def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> lis
 
 
 def tokenize_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
-    """Token ids of each bad word as it would appear at the start of the text and after a space (as vLLM does)."""
-    variants = [v for word in words for v in (word.lstrip(), " " + word.lstrip())]
+    """Token ids of each bad word as it would appear at the start of the text and after a space (as vLLM does); a word
+    of whitespace alone is banned as it is (its "after a space" form would ban the space)."""
+    variants = [v for word in words for v in ((word.lstrip(), " " + word.lstrip()) if word.strip() else (word,))]
     encoded = tokenizer(variants, add_special_tokens=False)["input_ids"] if variants else []
     return [list(ids) for ids in dict.fromkeys(tuple(ids) for ids in encoded if ids)]

@@ -69,7 +69,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # -1: none, a fresh stream (vLLM's)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     stop_word_ids: tuple[tuple[int, ...], ...] = ()  # token id sequences, as TensorRT-LLM's stop_words_list
@@ -147,6 +147,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         _require(self.seed is None or is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and self.seed == -1:  # vLLM's "random", which clients send
+            object.__setattr__(self, "seed", None)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),

@@ -191,12 +191,18 @@ def test_random_real_text_never_emits_broken_characters(tokenizer, seed):
 
 
 def test_stop_strings_are_not_looked_for_before_min_tokens(tokenizer):
+    """vLLM's meaning: a stop string counts once more than min_tokens tokens were generated, and only where it ends
+    past the first min_tokens tokens' text (one held back while it may begin a longer stop included)."""
     ids = tokenizer.encode("a. b. c. d", add_special_tokens=False)
     text = tokenizer.decode(ids)
     dots = [i for i in range(1, len(ids) + 1) if tokenizer.decode(ids[:i]).count(".") == 2]
-    min_tokens = dots[0]  # the token that completes the second "."
+    min_tokens = dots[0]  # the token that completes the second ".": the third is the first that may stop
     stream, deltas = _stream(tokenizer, [], ids, stop=(".",), min_tokens=min_tokens)
     assert stream.matched_stop == "."
-    assert "".join(deltas) == stream.text == text[: text.index(".", text.index(".") + 1)]
+    assert "".join(deltas) == stream.text == text[: text.rindex(".")]
     stream, _ = _stream(tokenizer, [], ids, stop=(".",), min_tokens=len(ids) + 1)
+    assert not stream.stopped and stream.text == text
+    stream, _ = _stream(tokenizer, [], ids, stop=(". b. c",), min_tokens=dots[0])  # across the boundary: it counts
+    assert stream.matched_stop == ". b. c" and stream.text == "a"
+    stream, _ = _stream(tokenizer, [], ids, stop=("b. z", "b"), min_tokens=dots[0])  # "b" was held back before
     assert not stream.stopped and stream.text == text

@@ -316,3 +316,5 @@ def test_tokenize_bad_words_covers_start_and_mid_sentence():
     words = tokenize_bad_words(tokenizer, ["world", "fox jumps"])
     decoded = [tokenizer.decode(w) for w in words]
     assert decoded == ["world", " world", "fox jumps", " fox jumps"]
+    spaces = tokenize_bad_words(tokenizer, ["\n", "\t"])  # banned as they are, never as a space
+    assert [tokenizer.decode(w) for w in spaces] == ["\n", "\t"]

@@ -297,8 +297,9 @@ def test_tiny_temperatures_are_greedy_and_seeds_are_distinct(session):
     with pytest.raises(RequestError, match="finite number"):
         session.generate("abc", temperature=float("inf"))
     runs = [session.generate("abc", max_tokens=20, temperature=1.0, seed=s, ignore_eos=True).token_ids
-            for s in (-1, 2**64 - 1, -1)]
-    assert runs[0] == runs[2] != runs[1]
+            for s in (-2, 2**64 - 1, -2, -1, -1)]
+    assert runs[0] == runs[2] != runs[1]  # every integer its own stream
+    assert runs[3] != runs[4]  # -1: vLLM's "no seed"
 
 
 def test_a_chat_template_refusal_is_a_request_error(engine_dir, tmp_path):

@@ -87,6 +87,14 @@ def test_run_chat_template_replaces_the_engines(engine, capsys, tmp_path):
     assert code == 1 and f"{broken} is not a valid Jinja chat template: line 2" in err and "Traceback" not in err
 
 
+def test_sampling_flags_at_temperature_zero_are_named_as_doing_nothing(engine, capsys):
+    code, greedy, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "6")
+    assert code == 0 and "note:" not in err
+    code, same, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "6", "--top-k",
+                               "5", "--seed", "3")
+    assert code == 0 and same == greedy and "--top-k, --seed change nothing at --temperature 0" in err
+
+
 def test_run_reads_the_prompt_from_stdin(engine, capsys, monkeypatch):
     import io
 
@@ -249,3 +257,16 @@ def test_build_quant_keeps_its_checkpoint_beside_an_output_given_as_dot(tmp_path
 
     monkeypatch.chdir(tmp_path)
     assert quantized_checkpoint(Path(".")) == tmp_path.parent / f"{tmp_path.name}.ckpt"
+
+
+def test_a_kv_pool_beyond_the_machine_names_the_flag_once(engine, capsys):
+    code, _, err = camshaft(capsys, "bench", "throughput", "--engine", engine, "--kv-cache-memory", "1TB",
+                            "--num-requests", "2")
+    assert code == 1 and "larger than this machine's" in err and err.count("--kv-cache-memory") == 1
+
+
+def test_results_that_cannot_be_written_are_one_line_after_the_report(engine, capsys):
+    code, out, err = camshaft(capsys, "bench", "throughput", "--engine", engine, "--num-requests", "2",
+                              "--dataset", "synthetic:in=8,out=4", "--output-json", "/proc/camshaft-results.json")
+    assert code == 1 and "GFLOP/s" in out  # the report came first
+    assert "--output-json /proc/camshaft-results.json could not be written" in err and "Traceback" not in err

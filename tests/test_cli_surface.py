@@ -187,3 +187,10 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     raw["sequence_graph"]["inputs"] = [t for t in raw["sequence_graph"]["inputs"] if t["name"] != "num_logits"]
     (older / "manifest.json").write_text(json.dumps(raw))
     assert "(one logits row: prompt lookup on the batch graph only" in invoke("inspect", "--engine", older).output
+
+
+def test_version_is_an_option_of_the_command():
+    import camshaft
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"camshaft {camshaft.__version__}"

@@ -22,7 +22,7 @@ from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.triton_repo.deploy import MARKER, deploy_repository
 from camshaft.triton_repo.protocol import error_status
-from camshaft.triton_repo.server import free_port
+from camshaft.triton_repo.server import TritonServer, free_port
 
 from tiny_models import make_tiny_model
 
@@ -60,6 +60,12 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     marker = json.loads((tmp_path / "default" / MARKER).read_text())
     assert marker["llm_options"]["max_queue"] == 4 * 4
     assert "decoupled: true" in (tmp_path / "default" / "tensorrt_llm" / "config.pbtxt").read_text()
+    done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "my repo")],
+                          capture_output=True, text=True)  # Triton's python stubs crash on such a path: refused
+    assert done.returncode == 1 and "holds whitespace" in done.stderr and not (tmp_path / "my repo").exists()
+    shutil.copytree(tmp_path / "default", tmp_path / "copied repo")
+    with pytest.raises(CamshaftError, match="the model repository .* holds whitespace"):
+        TritonServer(tmp_path / "copied repo")
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "sync"),
                            "--no-decoupled"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr  # tensorrtllm_backend's decoupled_mode false; the text models as ever
@@ -146,7 +152,6 @@ def test_stop_ends_the_stubs_even_after_tritonserver_died(engine, tmp_path):
     import psutil
 
     from camshaft.triton_repo.channel import channel_path
-    from camshaft.triton_repo.server import TritonServer
 
     server = TritonServer(deploy_repository(engine, tmp_path / "repo")).start()
     pid = server.process.pid

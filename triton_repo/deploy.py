@@ -53,12 +53,21 @@ def _entries(repo: Path) -> set[str]:
     return {MARKER, TOKEN_MODEL, str(name), f"{name}_sync"}
 
 
+def check_path(path: Path, what: str) -> None:
+    """Triton's python backend passes model paths to its stub processes split at whitespace (they then crash and
+    the models never load): a path holding any is refused before anything is written or started."""
+    if any(c.isspace() for c in str(Path(path).resolve())):
+        raise CamshaftError(f"{what} {str(path)!r} holds whitespace, which Triton's python backend cannot load models "
+                            "from (its stubs crash); use a path without spaces")
+
+
 def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None,
                       decoupled: bool = True) -> Path:
     """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments; decoupled: the token
     model's transaction policy (the text models come in both kinds)."""
     engine, repo = Path(engine).resolve(), Path(repo)
     manifest = read_manifest(engine)  # refuses a missing or broken engine directory
+    check_path(repo, "--repo")
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name in (TOKEN_MODEL, f"{TOKEN_MODEL}_sync") \
             or MARKER in (name, f"{name}_sync"):
         raise CamshaftError(f"--name {name!r} must be a plain model name (letters, digits, _ . -) "

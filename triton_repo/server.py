@@ -24,7 +24,7 @@ import psutil
 
 from camshaft.errors import CamshaftError
 from camshaft.triton_repo.channel import channel_path, remove_socket
-from camshaft.triton_repo.deploy import TOKEN_MODEL
+from camshaft.triton_repo.deploy import TOKEN_MODEL, check_path
 from camshaft.triton_repo.launch import Endpoints, free_port, make_backends_dir, server_env, tritonserver_root
 from camshaft.triton_repo.shutdown import wait_until_stopped
 
@@ -41,6 +41,8 @@ class TritonServer:
         self.repo = Path(repo).resolve()
         if not (self.repo.is_dir() and any(self.repo.glob("*/config.pbtxt"))):
             raise CamshaftError(f"{repo} is not a model repository (no */config.pbtxt); write one with camshaft deploy")
+        check_path(self.repo, "the model repository")
+        check_path(Path(tempfile.gettempdir()), "the temporary directory ($TMPDIR)")
         probe = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.endpoints = Endpoints(probe, http_port or free_port(probe), grpc_port or free_port(probe),
                                    metrics_port or free_port(probe))

@@ -26,6 +26,20 @@ app.add_typer(eval_app, name="eval")
 err = Console(stderr=True)
 
 
+def _version(show: bool) -> None:
+    if show:
+        from camshaft.version import __version__
+
+        typer.echo(f"camshaft {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="Show camshaft's version and exit")) -> None:
+    """Build, quantize, serve and benchmark LLM inference engines."""
+
+
 _COUNTED = re.compile(r".*\blayer (\d+)/(\d+)$")  # a step of the builders' loop over layers
 
 

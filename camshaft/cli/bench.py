@@ -38,6 +38,18 @@ def bench_latency(
         typer.echo(f"{key:>22}: {value}")
 
 
+def write_json(path: Path, data: dict) -> None:
+    """The results file; one that cannot be written is one line (the results are on stdout already)."""
+    import json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        raise CamshaftError(f"--output-json {path} could not be written ({exc.strerror or exc}); the results are "
+                            "above") from None
+
+
 def require_outputs(plot: Path | None, output_json: Path | None) -> None:
     """Refuse --plot and --output-json before any work (matplotlib missing, a path that cannot be written), rather
     than after the whole benchmark."""
@@ -76,7 +88,6 @@ def bench_throughput(
     """Closed-loop throughput: N greedy requests, at most C in flight; tok/s, TTFT/ITL/E2E percentiles, GFLOP/s.
 
     Requests longer than the engine's max_seq_len are clipped to fit, and the report says how many."""
-    import json
 
     from camshaft.errors import RequestError
     from camshaft.runtime.throughput import throughput_benchmark
@@ -97,11 +108,9 @@ def bench_throughput(
     for line in report_lines(results):
         typer.echo(line)
     if output_json:
-        output_json.parent.mkdir(parents=True, exist_ok=True)
-        output_json.write_text(json.dumps({"engine": str(engine), "dataset": dataset,
-                                           "dataset_spec": str(parse_dataset_spec(dataset)),
-                                           "num_requests": num_requests, "seed": seed, "options": options,
-                                           "results": [r.to_dict(True) for r in results]}, indent=2) + "\n")
+        write_json(output_json, {"engine": str(engine), "dataset": dataset,
+                                 "dataset_spec": str(parse_dataset_spec(dataset)), "num_requests": num_requests,
+                                 "seed": seed, "options": options, "results": [r.to_dict(True) for r in results]})
     if plot:
         plot_sweep(results, plot)
 
@@ -128,7 +137,6 @@ def bench_serve(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: latency vs throughput, one line per target")] = None,
 ) -> None:
     """Serving benchmark: the same requests through several endpoints; TTFT/TPOT/ITL/E2E percentiles, goodput."""
-    import json
 
     from camshaft.bench_serve.clients import Target
     from camshaft.bench_serve.report import Goodput
@@ -163,11 +171,9 @@ def bench_serve(
     results = run_bench(targets, requests, parse_rates(request_rate), concurrencies=concurrencies,
                         goodput=Goodput.parse(goodput), seed=seed, warmup=warmup, log=typer.echo)
     if output_json:
-        output_json.parent.mkdir(parents=True, exist_ok=True)
-        output_json.write_text(json.dumps({"dataset": dataset, "dataset_spec": str(parse_dataset_spec(dataset)),
-                                           "num_requests": num_requests, "seed": seed,
-                                           "concurrency": concurrencies,
-                                           "results": [r.to_dict() for r in results]}, indent=2) + "\n")
+        write_json(output_json, {"dataset": dataset, "dataset_spec": str(parse_dataset_spec(dataset)),
+                                 "num_requests": num_requests, "seed": seed, "concurrency": concurrencies,
+                                 "results": [r.to_dict() for r in results]})
     if plot:
         plot_results(results, plot, title=f"{dataset}, {num_requests} requests, request rate {request_rate}, "
                                           f"concurrency {concurrency or 'unlimited'}")

@@ -44,6 +44,11 @@ def run(
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
     if chat_template is not None and not chat:
         raise RequestError("--chat-template renders --chat messages; add --chat (or drop --chat-template)")
+    unused = [flag for flag, given in (("--top-p", top_p != 1.0), ("--top-k", top_k not in (0, -1)),
+                                       ("--seed", seed is not None)) if given]
+    if temperature == 0 and unused:
+        err.print(f"[yellow]note:[/yellow] {', '.join(unused)} change nothing at --temperature 0 (greedy decoding); "
+                  "add --temperature above 0 to sample")
     if prompt == "-":
         prompt = _stdin_text()
     lookup = None

@@ -7,6 +7,7 @@ so a directory without one (or with `complete` false) was never finished and nev
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,7 +232,7 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Manife
     path = engine_dir / MANIFEST_NAME
     if not path.is_file() and (engine_dir / "config.json").is_file():
         raise EngineError(f"{engine_dir} is a Hugging Face checkpoint, not an engine; build one from it with "
-                          f"`camshaft build --model {engine_dir} --output ENGINE_DIR` and pass that")
+                          f"`camshaft build --model {shlex.quote(str(engine_dir))} --output ENGINE_DIR` and pass that")
     if not path.is_file():
         raise EngineError(
             f"{engine_dir} has no {MANIFEST_NAME}: it is not an engine directory, or its build never finished. "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,8 +59,9 @@ def check_reference_model(model_dir: str | Path) -> None:
                            "Hugging Face checkpoint it was built from)")
     if (path / HF_QUANT_CONFIG).is_file():
         raise RequestError(f"--model {path} is a quantized checkpoint ({HF_QUANT_CONFIG}), which transformers does "
-                           f"not run as camshaft builds it; build an engine (camshaft build --model {path} --output "
-                           "ENGINE) and pass --engine ENGINE, or pass the float checkpoint to --model")
+                           "not run as camshaft builds it; build an engine (camshaft build --model "
+                           f"{shlex.quote(str(path))} --output ENGINE) and pass --engine ENGINE, or pass the float "
+                           "checkpoint to --model")
     if not (path / "config.json").is_file():
         raise RequestError(f"--model {path} has no config.json; pass a Hugging Face checkpoint directory")
     require_tokenizer(path, RequestError, f"--model {path}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,8 @@ def benchmark_prompt(vocab_size: int, prompt_len: int, seed: int = 0) -> list[in
 
 
 def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: int = 128, repeats: int = 5,
-                      warmup: int = 1, session: Session | None = None) -> dict[str, float | str]:
+                      warmup: int = 1, session: Session | None = None,
+                      progress: Callable[[str], None] = lambda _: None) -> dict[str, float | str]:
     for name, value, least in (("prompt_len", prompt_len, 1), ("new_tokens", new_tokens, 1), ("repeats", repeats, 1),
                                ("warmup", warmup, 0)):
         if not is_int_at_least(value, least):
@@ -31,9 +33,13 @@ def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: 
                            f"({limit}); lower them or rebuild with a larger --max-seq-len")
     prompt = benchmark_prompt(session.manifest.model.vocab_size, prompt_len)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(warmup):
+    for i in range(warmup):
+        progress(f"warm-up {i + 1}/{warmup}")
         session.generate(prompt, params)
-    runs = [session.generate(prompt, params).timings for _ in range(repeats)]
+    runs = []
+    for i in range(repeats):
+        progress(f"run {i + 1}/{repeats}: {prompt_len} prompt tokens, {new_tokens} new")
+        runs.append(session.generate(prompt, params).timings)
     return {
         "graph": session.graph,
         "huge_pages_mib": session.huge_page_bytes >> 20,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -219,11 +220,12 @@ def llm_config(llm: LLM) -> dict[str, str | int]:
 def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int, concurrency: int | list[int], *,
                          seed: int = 0, threads: int | None = None, warmup: int = 2,
                          policy: str = "guaranteed_no_evict", max_batch_size: int | None = None,
-                         max_num_tokens: int | None = None, kv_cache_memory: int | float | str | None = None
-                         ) -> list[ThroughputResult]:
+                         max_num_tokens: int | None = None, kv_cache_memory: int | float | str | None = None,
+                         progress: Callable[[str], None] = lambda _: None) -> list[ThroughputResult]:
     """Load the dataset for the engine and run it once per concurrency, each on a fresh `LLM` (an empty prefix
     cache) after `warmup` short requests with other prompts. policy, max_batch_size, max_num_tokens and
-    kv_cache_memory go to every LLM (a memory fraction is resolved once, before the first)."""
+    kv_cache_memory go to every LLM (a memory fraction is resolved once, before the first); `progress` hears of
+    each level as it starts."""
     levels = [concurrency] if is_int(concurrency) else list(concurrency)
     if not levels or not all(is_int_at_least(c, 1) for c in levels):
         raise RequestError(f"concurrency takes positive integers, got {concurrency!r}")
@@ -238,7 +240,8 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
                            "queue: lower --concurrency or raise --max-batch-size (at most the engine's "
                            f"{engine_limits.max_batch_size})")
     results, requests = [], None
-    for c in levels:
+    for i, c in enumerate(levels, 1):
+        progress(f"concurrency {c} ({i}/{len(levels)}): {num_requests} requests")
         with LLM(engine_dir, threads=threads, policy=policy, max_batch_size=max_batch_size,
                  max_num_tokens=max_num_tokens, kv_cache_memory=memory) as llm:
             limits, model = llm.engine.manifest.limits, llm.engine.manifest.model

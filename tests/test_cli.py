@@ -210,9 +210,9 @@ def test_build_for_a_product_that_is_not_installed_fails_before_any_work(tiny, c
 
 
 def test_bench_latency_reports_the_graph_it_ran(capsys, engine):
-    code, out, _ = camshaft(capsys, "bench", "latency", "--engine", engine, "--prompt-len", 8, "--new-tokens", 4,
-                            "--repeats", 1, "--warmup", 0)
-    assert code == 0
+    code, out, err = camshaft(capsys, "bench", "latency", "--engine", engine, "--prompt-len", 8, "--new-tokens", 4,
+                              "--repeats", 2, "--warmup", 0)
+    assert code == 0 and "run 2/2: 8 prompt tokens, 4 new" in err  # progress on stderr, the report alone on stdout
     report = dict(line.strip().split(": ", 1) for line in out.strip().splitlines())
     assert report["graph"] == "sequence" and report["new_tokens"] == "4" and float(report["decode_tok_s"]) > 0
     assert int(report["huge_pages_mib"]) >= 0
@@ -269,4 +269,5 @@ def test_results_that_cannot_be_written_are_one_line_after_the_report(engine, ca
     code, out, err = camshaft(capsys, "bench", "throughput", "--engine", engine, "--num-requests", "2",
                               "--dataset", "synthetic:in=8,out=4", "--output-json", "/proc/camshaft-results.json")
     assert code == 1 and "GFLOP/s" in out  # the report came first
+    assert "concurrency 32 (1/1): 2 requests" in err  # each level announced as it starts
     assert "--output-json /proc/camshaft-results.json could not be written" in err and "Traceback" not in err

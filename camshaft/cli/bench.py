@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from camshaft.cli import bench_app, flag_names
+from camshaft.cli import bench_app, flag_names, progress
 from camshaft.cli.serve import LLM_FLAGS, BatchOption, MemoryOption, PolicyOption, TokensOption
 from camshaft.errors import CamshaftError
 from camshaft.runtime.bench_data import PRESETS, parse_dataset_spec
@@ -33,7 +33,7 @@ def bench_latency(
 
     with flag_names("prompt_len", "new_tokens", "repeats", "warmup"):
         report = latency_benchmark(engine, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
-                                   warmup=warmup)
+                                   warmup=warmup, progress=progress)
     for key, value in report.items():
         typer.echo(f"{key:>22}: {value}")
 
@@ -104,7 +104,8 @@ def bench_throughput(
     options = {"policy": policy, "kv_cache_memory": kv_cache_memory, "max_batch_size": max_batch_size,
                "max_num_tokens": max_num_tokens}
     with flag_names(*LLM_FLAGS):
-        results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads, **options)
+        results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads,
+                                       progress=progress, **options)
     for line in report_lines(results):
         typer.echo(line)
     if output_json:

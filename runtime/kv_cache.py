@@ -105,7 +105,7 @@ def host_memory() -> int:
     total = psutil.virtual_memory().total
     return total if limit is None else min(total, limit)
 
-SMALLER_POOL = ("give a smaller budget (kv_cache_memory, e.g. 0.5 of free memory) or build the "
+SMALLER_POOL = ("give a smaller budget (kv_cache_memory / --kv-cache-memory, e.g. 0.5 of free memory) or build the "
                 "engine with a smaller --max-seq-len or --max-batch-size")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import sys
@@ -169,6 +170,10 @@ class LLM:
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
                             self.engine.manifest.model.vocab_size, priority, self._guides)
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's accessor; also `llm.tokenizer`)."""
+        return self.tokenizer
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None) -> list[PromptOutput]:
@@ -177,6 +182,10 @@ class LLM:
         prompt. `priority`: one for all or one per prompt, lower first (vLLM's meaning); None: all equal, first
         come, first served. `use_tqdm`: a progress bar on stderr (None: when stderr is a terminal)."""
         prompts = prompt_list(prompts)
+        return self._generate(prompts, [_text_of(p) for p in prompts], sampling_params, use_tqdm, priority)
+
+    def _generate(self, prompts: list, texts: list[str | None], sampling_params, use_tqdm: bool | None,
+                  priority: int | Sequence[int] | None) -> list[PromptOutput]:
         params = params_list(sampling_params, len(prompts))
         each = priorities(priority, len(prompts))
         groups = [self._requests(p, sp, pr) for p, sp, pr in zip(prompts, params, each, strict=True)]
@@ -185,8 +194,8 @@ class LLM:
         submitted = []
         try:
             for group in groups:
+                submitted.extend(r.request_id for r in group)  # first: an interrupt between the two leaks nothing
                 self.executor.submit(group, [_finals(done)] * len(group), bounded=False)
-                submitted.extend(r.request_id for r in group)
             results: list[list[GenerationResult | None]] = [[None] * len(g) for g in groups]
             enabled = sys.stderr.isatty() if use_tqdm is None else use_tqdm
             bar = tqdm(total=len(where), desc="generate", unit="req", disable=not enabled)
@@ -204,7 +213,8 @@ class LLM:
             for request_id in submitted:
                 self.executor.abort(request_id)
             raise
-        return [PromptOutput(g[0].prompt_ids, list(r), g[0].prompt_id) for g, r in zip(groups, results, strict=True)]
+        return [PromptOutput(g[0].prompt_ids, list(r), g[0].prompt_id, text)
+                for g, r, text in zip(groups, results, texts, strict=True)]
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -218,9 +228,15 @@ class LLM:
             raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got "
                                f"{messages!r:.80}")
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
-        prompts = [self.encode(messages=list(c), tools=tools, chat_template_kwargs=chat_template_kwargs)
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append(self.encode(messages=list(conversation), tools=tools,
+                                           chat_template_kwargs=chat_template_kwargs))
+            except RequestError as exc:
+                raise (type(exc)(f"conversation {i}: {exc}") if len(conversations) > 1 else exc) from None
+        texts = [self.tokenizer.decode(ids) for ids in prompts]  # as the template wrote them
+        return self._generate(prompts, texts, sampling_params, use_tqdm, priority)
 
     def stream_sync(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> Iterator[str]:
@@ -251,9 +267,10 @@ class LLM:
         params = params_list(sampling_params, 1)[0]
         if params.n != 1:
             raise RequestError("streaming text gives one output; use n=1 (or stream_outputs for several)")
-        async for _, output in self.stream_outputs(prompt, params, priority):
-            if output.delta:
-                yield output.delta
+        async with contextlib.aclosing(self.stream_outputs(prompt, params, priority)) as outputs:
+            async for _, output in outputs:  # closing this stream closes that one: the request is aborted at once
+                if output.delta:
+                    yield output.delta
 
     def _single(self, prompt: Prompt, params: SamplingParams | None, priority: int) -> Request:
         params = params_list(params, 1)[0]
@@ -267,6 +284,12 @@ class _Encoder(Session):
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer
+
+
+def _text_of(prompt: Prompt) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    return prompt.get("prompt") if isinstance(prompt, dict) else None
 
 
 def _check(output: RequestOutput) -> bool:

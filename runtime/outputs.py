@@ -68,6 +68,12 @@ class PromptOutput:
     prompt_token_ids: list[int]
     outputs: list[GenerationResult]
     request_id: str = ""  # the prompt's id (LLM.abort takes it)
+    prompt: str | None = None  # the prompt's text (a chat's as its template wrote it); None when ids were given
+
+    @property
+    def finished(self) -> bool:
+        """Always true: generate() returns finished outputs (vLLM's field)."""
+        return True
 
     @property
     def text(self) -> str:

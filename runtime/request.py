@@ -69,6 +69,7 @@ class GenerationResult:
     prompt_logprobs: list[SampleResult | None] | None = None  # vLLM's: None for the first prompt token, then each
     # prompt token's log-prob given the tokens before it (with prompt_logprobs alternatives), when asked for
     metrics: RequestMetrics | None = None
+    index: int = 0  # which of the prompt's n outputs (vLLM's CompletionOutput.index)
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -209,6 +210,7 @@ class Request:
             stop_reason=self.stop_reason,
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics(),
+            index=sequence_of(self.request_id, self.params.n)[1],
         )
 
     def metrics(self) -> RequestMetrics:

@@ -123,3 +123,38 @@ def test_closing_finishes_every_request_queued_held_or_running(engine_dir):
     assert all(isinstance(o.error, ServerClosedError) or o.result is not None for o in finals)
     with pytest.raises(ServerClosedError, match="create a new LLM"):
         llm.submit([3], params, lambda o: None)
+
+
+def test_results_read_as_vllms_and_a_closed_async_stream_aborts_at_once(engine_dir):
+    """PromptOutput.prompt (text given, a chat's rendered text, None for ids), finished, each output's index;
+    get_tokenizer; a chat error names its conversation; closing llm.stream's iterator aborts the request before
+    the event loop turns again (its KV blocks freed within a step)."""
+    import time
+
+    from camshaft.errors import RequestError
+
+    with LLM(engine_dir, max_batch_size=4) as llm:
+        outs = llm.generate(["hi", [5, 6, 7], {"prompt": "x y"}],
+                            SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=3), use_tqdm=False)
+        assert [o.prompt for o in outs] == ["hi", None, "x y"] and all(o.finished for o in outs)
+        assert [[c.index for c in o.outputs] for o in outs] == [[0, 1]] * 3
+        assert llm.get_tokenizer() is llm.tokenizer
+        chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+        assert chat.prompt == llm.tokenizer.decode(chat.prompt_token_ids) and "hi" in chat.prompt
+        with pytest.raises(RequestError, match="conversation 1: chat message 0"):
+            llm.chat([[{"role": "user", "content": "hi"}], ["x"]])
+
+        step = llm.engine.step
+        llm.engine.step = lambda chunks: time.sleep(0.01) or step(chunks)  # 200 tokens take 2 s or more
+
+        async def first_delta_then_close() -> None:
+            stream = llm.stream("hello", SamplingParams(max_tokens=200, ignore_eos=True))
+            async for _ in stream:
+                break
+            await stream.aclose()
+            deadline = time.monotonic() + 0.5  # blocking: the event loop does not turn
+            while llm.load().kv_blocks_used and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert llm.load().kv_blocks_used == 0 and llm.load().running == 0
+
+        asyncio.run(first_delta_then_close())

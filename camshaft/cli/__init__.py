@@ -65,7 +65,9 @@ def flag_names(*names: str) -> Iterator[None]:
     try:
         yield
     except RequestError as exc:
-        raise type(exc)(pattern.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from exc
+        message = pattern.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(exc))
+        message = re.sub(r"(--[\w-]+) / \1\b", r"\1", message)  # "kv_cache_memory / --kv-cache-memory", rewritten
+        raise type(exc)(message) from exc
 
 
 _MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EMFILE,

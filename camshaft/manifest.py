@@ -84,6 +84,7 @@ SEQUENCE_INPUTS: tuple[TensorSpec, ...] = (
 
 
 CACHE_NAMES = ("key_inputs", "value_inputs", "key_outputs", "value_outputs")
+ENGINE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,8 @@ class Manifest:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in self.files.values()) \
                 or not isinstance(self.complete, bool):
             raise ValueError("files maps names to sizes in bytes, complete is true or false")
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is none of {', '.join(ENGINE_DTYPES)}")
         if self.kv_cache.dtype not in (self.dtype, "int8", "float8"):
             raise ValueError(f"kv_cache.dtype {self.kv_cache.dtype!r} is neither the engine's {self.dtype} nor int8 "
                              "or float8")
@@ -248,6 +251,8 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Manife
     if not isinstance(raw, dict):
         raise EngineError(f"{path} is corrupt (not a JSON object); rebuild the engine with `camshaft build`")
     version = raw.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise EngineError(f"{path} is corrupt (format_version {version!r} is not an integer); rebuild the engine")
     if version not in READABLE_FORMAT_VERSIONS:
         raise EngineError(
             f"{engine_dir} was built by camshaft {raw.get('camshaft_version', '?')} (engine format {version}); "

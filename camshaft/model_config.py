@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from camshaft.checks import check_positive_ints, is_int_at_least
+from camshaft.checks import check_positive_ints, is_int, is_int_at_least
 from camshaft.errors import CheckpointError, UnsupportedModelError
 from camshaft.hf_config import ATTENTION_FACTORS, ROPE_TYPES, model_fields
 
@@ -94,6 +94,10 @@ class ModelConfig:
             raise UnsupportedModelError(f"layer types {sorted(bad)} are not supported")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise CheckpointError("sliding-window layers need a positive sliding_window")
+        special = [*self.eos_token_ids, *([] if self.bos_token_id is None else [self.bos_token_id])]
+        if not all(is_int(t) and 0 <= t < self.vocab_size for t in special):
+            raise CheckpointError(f"the end and bos ids {special} must be token ids of the vocabulary "
+                                  f"(0..{self.vocab_size - 1})")
 
     @property
     def context_length(self) -> int:

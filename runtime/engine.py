@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from camshaft.engine_files import TOKENIZER_DIR, check_unchanged
 from camshaft.errors import EngineError
-from camshaft.manifest import GROUP_FLAGS, Manifest, read_manifest
+from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, Manifest, read_manifest
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, pool_blocks
 
+EDITABLE = ("chat_template.jinja",)  # tokenizer files a user may add or edit after the build
 
-def load_tokenizer(engine_dir: Path):
+
+def load_tokenizer(engine_dir: Path, files: Iterable[str] | None = None):
+    """The engine's tokenizer; with `files` (the manifest's), a file in its directory that the build did not write
+    is refused: transformers would read it and tokenize otherwise."""
     # The fast tokenizer class alone imports in ~1 s; AutoTokenizer pulls in torch and takes several.
     from transformers import PreTrainedTokenizerFast
 
     path = engine_dir / TOKENIZER_DIR
     if not (path / "tokenizer.json").is_file():
         raise EngineError(f"{engine_dir} has no {TOKENIZER_DIR}/tokenizer.json; rebuild the engine")
+    listed = {Path(f).name for f in files or () if Path(f).parent.name == TOKENIZER_DIR}
+    if listed:  # engines that list their tokenizer's files (all but the earliest)
+        extra = sorted(p.name for p in path.iterdir() if p.name not in listed | set(EDITABLE))
+        if extra:
+            raise EngineError(f"{path} holds {', '.join(extra)}, which the build did not write and which would change "
+                              "how text is tokenized; remove them (or rebuild the engine)")
     try:
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     except Exception as exc:  # transformers raises many types for a broken tokenizer
@@ -47,11 +58,15 @@ class Engine:
             raise EngineError(f"{self.dir}: the engine takes inputs this camshaft does not produce "
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.group_flags = {spec.name for spec in GROUP_FLAGS} <= inputs
+        if ({spec.name for spec in SLIDING_INPUTS} <= inputs) != m.model.has_sliding_layers:
+            raise EngineError(f"{self.dir}: its manifest's model has {'' if m.model.has_sliding_layers else 'no '}"
+                              "sliding-window layers but its graph inputs say otherwise: the manifest was edited or "
+                              "belongs to another build; rebuild the engine")
         num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))
         check_fits_host(m, num_blocks)
         self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)
         self.pool = BlockPool(num_blocks)
-        self.tokenizer = load_tokenizer(self.dir)
+        self.tokenizer = load_tokenizer(self.dir, m.files)
         check_unchanged(self.dir, m.build_id)  # a rebuild that replaced it while it loaded
         config = m.model
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None

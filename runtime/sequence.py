@@ -53,9 +53,11 @@ class SequenceEngine:
                                                           session_options(threads, spin_wait=True), huge_pages)
         check_signature(self.session, self.dir / self.layout.artifact, m,
                         [*self.layout.key_inputs, *self.layout.value_inputs],
-                        (1, self.layout.num_kv_heads, None, self.layout.head_dim), "float32")
+                        (1, self.layout.num_kv_heads, None, self.layout.head_dim), "float32",
+                        {spec.name for spec in self.layout.inputs},
+                        [*self.layout.key_outputs, *self.layout.value_outputs])
         self.binding = self.session.io_binding()
-        self.tokenizer = load_tokenizer(self.dir)
+        self.tokenizer = load_tokenizer(self.dir, m.files)
         check_unchanged(self.dir, m.build_id)
         self.eos_token_ids = end_ids(m.model, self.tokenizer)
         self.caches: list[np.ndarray] = []

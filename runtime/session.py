@@ -51,7 +51,13 @@ class Session:
         template = None if chat_template is None else load_chat_template(chat_template)
         kv_cache_memory = parse_memory(kv_cache_memory)
         manifest = read_manifest(engine_dir)
-        if graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None):
+        sequence = graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None)
+        if prompt_lookup is not None and sequence and manifest.sequence_graph is not None \
+                and not manifest.sequence_graph.checks_drafts:
+            raise EngineError(f"{engine_dir}: its sequence graph gives logits for one token a step, so it cannot check "
+                              "drafts; rebuild the engine with this camshaft for prompt lookup, run it on its batch "
+                              "graph (graph=\"batch\"), or without prompt_lookup")
+        if sequence:
             self.engine: SequenceEngine | BatchGraphSequence = SequenceEngine(
                 engine_dir, threads=threads, manifest=manifest, kv_cache_memory=kv_cache_memory,
                 huge_pages=huge_pages)
@@ -59,11 +65,6 @@ class Session:
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
                                                     threads=threads, huge_pages=huge_pages, manifest=manifest))
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
-        if prompt_lookup is not None and self.engine.max_rows == 1:
-            self.engine.close()
-            raise EngineError(f"{engine_dir}: its sequence graph gives logits for one token a step, so it cannot check "
-                              "drafts; rebuild the engine with this camshaft for prompt lookup, run it on its batch "
-                              "graph (graph=\"batch\"), or without prompt_lookup")
         self.prompt_lookup = prompt_lookup
         self.drafted_tokens = self.accepted_tokens = 0  # prompt lookup's drafts, over this Session's requests
         self.tokenizer = self.engine.tokenizer

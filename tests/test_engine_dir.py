@@ -142,7 +142,7 @@ def test_a_manifest_pointing_the_sequence_graph_at_the_batch_graph_is_refused(co
     raw = json.loads((copy / "manifest.json").read_text())
     raw["sequence_graph"]["artifact"] = "model.onnx"
     (copy / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(EngineError, match="has no float32 cache input .*rebuild the engine"):
+    with pytest.raises(EngineError, match="model.onnx.s inputs differ from its manifest.s .*rebuild the engine"):
         Session(copy)
 
 
@@ -217,10 +217,10 @@ def test_an_engine_rebuilt_while_it_loads_is_refused(copy, other_build, monkeypa
 
     load = engine_module.load_tokenizer
 
-    def swap_then_load(engine_dir):
+    def swap_then_load(engine_dir, files=None):
         shutil.rmtree(copy)
         shutil.copytree(other_build, copy)
-        return load(engine_dir)
+        return load(engine_dir, files)
     monkeypatch.setattr(engine_module, "load_tokenizer", swap_then_load)
     with pytest.raises(EngineError, match="was replaced while it loaded"):
         Engine(copy)
@@ -378,3 +378,43 @@ def test_remote_code_checkpoints_are_refused(built, tmp_path):
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="never runs code from a checkpoint"):
         build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine"))
+
+
+def _edited(copy, edit) -> None:
+    raw = json.loads((copy / "manifest.json").read_text())
+    edit(raw)
+    (copy / "manifest.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("edit, loader, message", [
+    (lambda m: m.update(inputs=[s for s in m["inputs"] if s["name"] != "has_decode"]), Engine,
+     "inputs differ from its manifest's .*has_decode"),
+    (lambda m: m["kv_cache"]["key_outputs"].__setitem__(0, "kv_cache_k_0_typo"), Engine,
+     "outputs differ from its manifest's .*kv_cache_k_0"),
+    (lambda m: m["sequence_graph"].update(inputs=[s for s in m["sequence_graph"]["inputs"]
+                                                  if s["name"] != "num_logits"]), Session,
+     "inputs differ from its manifest's .*num_logits"),
+    (lambda m: m["model"].update(layer_types=["sliding"] * len(m["model"]["layer_types"]), sliding_window=4), Engine,
+     "has sliding-window layers but its graph inputs say otherwise"),
+    (lambda m: m["model"].update(eos_token_ids=["2"]), Engine, "end and bos ids .* must be token ids"),
+    (lambda m: m["model"].update(eos_token_ids=[99999]), Session, "end and bos ids .* must be token ids"),
+    (lambda m: m.update(dtype="float64"), Engine, "dtype 'float64' is none of float32"),
+    (lambda m: m.update(format_version="3"), Session, "format_version '3' is not an integer"),
+])
+def test_a_manifest_edited_against_its_graph_is_refused_at_load(copy, edit, loader, message):
+    """What the runtime feeds, binds and stops on comes from the manifest: one that disagrees with the graph, or
+    holds values of the wrong kind, is refused when the engine loads, not mid-request."""
+    _edited(copy, edit)
+    with pytest.raises(EngineError, match=message):
+        loader(copy)
+
+
+def test_files_added_to_the_tokenizer_are_refused_but_a_chat_template_may_be_edited(copy):
+    (copy / "tokenizer" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    with Session(copy) as session:
+        assert session.encode(messages=[{"role": "user", "content": "hi"}]) == session.tokenizer.encode(
+            "hi", add_special_tokens=False)
+    (copy / "tokenizer" / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<unk>"}))
+    for loader in (Session, Engine):
+        with pytest.raises(EngineError, match="holds special_tokens_map.json, which the build did not write"):
+            loader(copy)

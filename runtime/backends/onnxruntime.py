@@ -95,10 +95,19 @@ def _allocate(shape: tuple[int, ...], dtype: type, count: int) -> np.ndarray:
 
 
 def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifest, caches: list[str],
-                    cache_shape: tuple[int | None, ...], cache_dtype: str) -> None:
-    """The loaded graph agrees with the manifest on what the runtime sizes from it: the logits' width, the KV cache
-    inputs `caches` (all there, of `cache_dtype`, the first of `cache_shape`; None and symbolic dimensions are not
-    compared) and the build limits the graph was lowered for (graph_meta.py)."""
+                    cache_shape: tuple[int | None, ...], cache_dtype: str, feeds: set[str],
+                    cache_outputs: list[str]) -> None:
+    """The loaded graph agrees with the manifest on what the runtime feeds and binds: exactly the inputs `feeds` and
+    `caches` and the outputs logits and `cache_outputs`; and on what it sizes from it: the logits' width, the KV cache
+    inputs (of `cache_dtype`, the first of `cache_shape`; None and symbolic dimensions are not compared) and the build
+    limits the graph was lowered for (graph_meta.py)."""
+    found = {t.name for t in session.get_inputs()}, {t.name for t in session.get_outputs()}
+    for kind, names, wanted in zip(("input", "output"), found, (feeds | set(caches), {"logits", *cache_outputs}),
+                                   strict=True):
+        if names != wanted:
+            odd = sorted(names ^ wanted)
+            raise EngineError(f"{path}'s {kind}s differ from its manifest's ({', '.join(odd[:4])}): the manifest was "
+                              "edited or belongs to another build; rebuild the engine")
     types = {t.name: t.type for t in session.get_inputs()}
     wrong = [name for name in caches if types.get(name) != ORT_TYPES[cache_dtype]]
     if wrong:
@@ -125,7 +134,8 @@ class OnnxRuntimeBackend:
         kv = manifest.kv_cache
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
         check_signature(self.session, engine_dir / manifest.artifact, manifest, [*kv.key_inputs, *kv.value_inputs],
-                        (None, *shape[1:]), kv.dtype)
+                        (None, *shape[1:]), kv.dtype, {spec.name for spec in manifest.inputs},
+                        [*kv.key_outputs, *kv.value_outputs])
         self.num_blocks = num_blocks
         self.binding = self.session.io_binding()
         self.caches: list[np.ndarray] = []

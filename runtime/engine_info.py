@@ -16,14 +16,15 @@ from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, pool_blocks
 TARGET_DEVICES = {"onnxruntime": "CPU", "tensorrt": "datacenter NVIDIA GPU", "tensorrt-rtx": "NVIDIA RTX GPU"}
 
 
-def runs_here(manifest: Manifest) -> str | None:
-    """None if the engine's runtime is installed at the version that built it (and, for TensorRT, a GPU of its
-    architecture is present); else why not."""
+def runs_here(manifest: Manifest, engine_dir: Path) -> str | None:
+    """None if the engine's runtime is installed at the version that built it, its graphs take what the manifest
+    says (onnxruntime) and, for TensorRT, a GPU of its architecture is present; else why not."""
     try:
         if manifest.target == "onnxruntime":
-            from camshaft.runtime.backends.onnxruntime import check_compatible
+            from camshaft.runtime.backends.onnxruntime import check_compatible, check_graph_io
 
             check_compatible(manifest)
+            check_graph_io(engine_dir, manifest)
         else:
             from camshaft.runtime.backends.tensorrt import check_compatible as check_tensorrt
 
@@ -39,7 +40,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
     engine_dir = Path(engine_dir)
     try:
         m = read_manifest(engine_dir)
-        reason, files_ok = runs_here(m), True
+        reason, files_ok = runs_here(m, engine_dir), True
     except EngineError as exc:
         m = read_manifest(engine_dir, check_files=False)
         reason, files_ok = str(exc), False

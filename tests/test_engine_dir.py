@@ -407,6 +407,11 @@ def test_a_manifest_edited_against_its_graph_is_refused_at_load(copy, edit, load
     _edited(copy, edit)
     with pytest.raises(EngineError, match=message):
         loader(copy)
+    if "differ from its manifest" in message:  # inspect reads the graphs' names too, without loading them
+        from camshaft.runtime.engine_info import engine_info
+
+        info = engine_info(copy)
+        assert not info["runs_here"] and "differ from its manifest's" in info["runs_here_reason"]
 
 
 def test_files_added_to_the_tokenizer_are_refused_but_a_chat_template_may_be_edited(copy):

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from camshaft.errors import CapacityError, EngineError
@@ -94,6 +95,30 @@ def _allocate(shape: tuple[int, ...], dtype: type, count: int) -> np.ndarray:
                             f"process's memory; {SMALLER_POOL}") from None
 
 
+def check_io_names(path: Path, inputs: set[str], outputs: set[str], wanted_inputs: set[str],
+                   wanted_outputs: set[str]) -> None:
+    for kind, names, wanted in (("input", inputs, wanted_inputs), ("output", outputs, wanted_outputs)):
+        if names != wanted:
+            odd = sorted(names ^ wanted)
+            raise EngineError(f"{path}'s {kind}s differ from its manifest's ({', '.join(odd[:4])}): the manifest was "
+                              "edited or belongs to another build; rebuild the engine")
+
+
+def check_graph_io(engine_dir: Path, manifest: Manifest) -> None:
+    """The graphs' input and output names against the manifest's, read from the graph files alone (inspect: no
+    session, no weights)."""
+    kv, sequence = manifest.kv_cache, manifest.sequence_graph
+    graphs = [(manifest.artifact, manifest.inputs, kv)] + ([(sequence.artifact, sequence.inputs, sequence)]
+                                                          if sequence is not None else [])
+    for artifact, inputs, layout in graphs:
+        graph = onnx.load(str(engine_dir / artifact), load_external_data=False).graph
+        constants = {t.name for t in graph.initializer}
+        check_io_names(engine_dir / artifact, {i.name for i in graph.input if i.name not in constants},
+                       {o.name for o in graph.output}, {s.name for s in inputs} | {*layout.key_inputs,
+                                                                                   *layout.value_inputs},
+                       {"logits", *layout.key_outputs, *layout.value_outputs})
+
+
 def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifest, caches: list[str],
                     cache_shape: tuple[int | None, ...], cache_dtype: str, feeds: set[str],
                     cache_outputs: list[str]) -> None:
@@ -101,13 +126,8 @@ def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifes
     `caches` and the outputs logits and `cache_outputs`; and on what it sizes from it: the logits' width, the KV cache
     inputs (of `cache_dtype`, the first of `cache_shape`; None and symbolic dimensions are not compared) and the build
     limits the graph was lowered for (graph_meta.py)."""
-    found = {t.name for t in session.get_inputs()}, {t.name for t in session.get_outputs()}
-    for kind, names, wanted in zip(("input", "output"), found, (feeds | set(caches), {"logits", *cache_outputs}),
-                                   strict=True):
-        if names != wanted:
-            odd = sorted(names ^ wanted)
-            raise EngineError(f"{path}'s {kind}s differ from its manifest's ({', '.join(odd[:4])}): the manifest was "
-                              "edited or belongs to another build; rebuild the engine")
+    check_io_names(path, {t.name for t in session.get_inputs()}, {t.name for t in session.get_outputs()},
+                   feeds | set(caches), {"logits", *cache_outputs})
     types = {t.name: t.type for t in session.get_inputs()}
     wrong = [name for name in caches if types.get(name) != ORT_TYPES[cache_dtype]]
     if wrong:

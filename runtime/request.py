@@ -142,7 +142,7 @@ class Request:
         if self.params.logprobs is not None:
             self.samples.append(sample)
         params = self.params
-        may_stop = len(self.output_ids) >= params.min_tokens
+        may_stop = len(self.output_ids) > params.min_tokens  # a stop must end past the first min_tokens tokens
         end_id = not params.ignore_eos and token in self.eos_token_ids
         stop_id = may_stop and (end_id or token in params.stop_token_ids)
         # a stop token's text is left out unless include_stop_str_in_output (vLLM); its id stays in the output

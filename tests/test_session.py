@@ -178,8 +178,11 @@ def test_stop_word_ids_end_on_the_whole_sequence_and_keep_it(session):
     stopped = session.generate("q", max_tokens=30, ignore_eos=True, stop_word_ids=[word, (ids[k],) * 3])
     assert stopped.token_ids == ids[: k + 1] and stopped.finish_reason == "stop" and stopped.stop_token_id is None
     assert stopped.text == session.tokenizer.decode(ids[: k + 1])  # TensorRT-LLM keeps a stop word in the output
-    later = session.generate("q", max_tokens=30, ignore_eos=True, stop_word_ids=[word], min_tokens=k + 2)
-    assert later.token_ids[: k + 1] == ids[: k + 1] and len(later.token_ids) > k + 1
+    for min_tokens in (k + 1, k + 2):  # the word ends at token k + 1: within the first min_tokens, it does not count
+        later = session.generate("q", max_tokens=30, ignore_eos=True, stop_word_ids=[word], min_tokens=min_tokens)
+        assert later.token_ids[: k + 1] == ids[: k + 1] and len(later.token_ids) > k + 1
+    assert session.generate("q", max_tokens=30, ignore_eos=True, stop_word_ids=[word],
+                            min_tokens=k).token_ids == ids[: k + 1]
 
 
 def test_stop_word_ids_match_ids_even_where_text_cannot(session):

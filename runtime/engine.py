@@ -14,24 +14,31 @@ from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, pool_blocks
 
-EDITABLE = ("chat_template.jinja",)  # tokenizer files a user may add or edit after the build
+EDITABLE = ("chat_template.jinja", "additional_chat_templates")  # what a user may add or edit after the build
+
+
+def check_tokenizer_files(engine_dir: Path, files: Iterable[str]) -> None:
+    """A file in the tokenizer's directory that the build did not write (`files`: the manifest's) is refused:
+    transformers would read it and tokenize otherwise. Chat templates and hidden files are let be."""
+    path = engine_dir / TOKENIZER_DIR
+    listed = {Path(f).name for f in files if Path(f).parent.name == TOKENIZER_DIR}
+    if listed and path.is_dir():  # engines that list their tokenizer's files (all but the earliest)
+        extra = sorted(p.name for p in path.iterdir()
+                       if p.name not in listed and p.name not in EDITABLE and not p.name.startswith("."))
+        if extra:
+            raise EngineError(f"{path} holds {', '.join(extra)}, which the build did not write and which would change "
+                              "how text is tokenized; remove them (or rebuild the engine)")
 
 
 def load_tokenizer(engine_dir: Path, files: Iterable[str] | None = None):
-    """The engine's tokenizer; with `files` (the manifest's), a file in its directory that the build did not write
-    is refused: transformers would read it and tokenize otherwise."""
+    """The engine's tokenizer; with `files` (the manifest's), checked by check_tokenizer_files first."""
     # The fast tokenizer class alone imports in ~1 s; AutoTokenizer pulls in torch and takes several.
     from transformers import PreTrainedTokenizerFast
 
     path = engine_dir / TOKENIZER_DIR
     if not (path / "tokenizer.json").is_file():
         raise EngineError(f"{engine_dir} has no {TOKENIZER_DIR}/tokenizer.json; rebuild the engine")
-    listed = {Path(f).name for f in files or () if Path(f).parent.name == TOKENIZER_DIR}
-    if listed:  # engines that list their tokenizer's files (all but the earliest)
-        extra = sorted(p.name for p in path.iterdir() if p.name not in listed | set(EDITABLE))
-        if extra:
-            raise EngineError(f"{path} holds {', '.join(extra)}, which the build did not write and which would change "
-                              "how text is tokenized; remove them (or rebuild the engine)")
+    check_tokenizer_files(engine_dir, files or ())
     try:
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     except Exception as exc:  # transformers raises many types for a broken tokenizer

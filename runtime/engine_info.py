@@ -11,6 +11,7 @@ from camshaft.engine_files import TOKENIZER_DIR
 from camshaft.errors import EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.manifest import Manifest, read_manifest
+from camshaft.runtime.engine import check_tokenizer_files
 from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, pool_blocks
 
 TARGET_DEVICES = {"onnxruntime": "CPU", "tensorrt": "datacenter NVIDIA GPU", "tensorrt-rtx": "NVIDIA RTX GPU"}
@@ -29,6 +30,7 @@ def runs_here(manifest: Manifest, engine_dir: Path) -> str | None:
             from camshaft.runtime.backends.tensorrt import check_compatible as check_tensorrt
 
             check_tensorrt(manifest)
+        check_tokenizer_files(engine_dir, manifest.files)
     except EngineError as exc:
         return str(exc)
     return None

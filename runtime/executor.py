@@ -41,7 +41,7 @@ class Executor:
         self.stats: deque[IterationStats] = deque(maxlen=stats_window)  # the latest steps (a server runs for days)
         self.steps_done = 0
         self.peak_batch_size, self.peak_kv_usage = 0, 0.0  # since the caller last set them to 0
-        self.drafted_tokens = self.accepted_tokens = 0  # prompt lookup's drafts (config.prompt_lookup)
+        self.draft_tokens = self.accepted_draft_tokens = 0  # prompt lookup's drafts (config.prompt_lookup)
         self._sinks: dict[str, Sink] = {}
         self._requests: dict[str, Request] = {}
         self._held: dict[str, list[Request]] = {}  # siblings waiting for the first sequence's prompt blocks
@@ -106,7 +106,7 @@ class Executor:
         running = len(scheduler.running)
         counters = scheduler.blocks.counters()
         return Load(running, max(0, in_flight - running), counters.used, counters.total, counters.reuse_hits,
-                    scheduler.num_preemptions, self.drafted_tokens, self.accepted_tokens)
+                    scheduler.num_preemptions, self.draft_tokens, self.accepted_draft_tokens)
 
     def snapshot_stats(self) -> list[IterationStats]:
         with self._stats_lock:
@@ -243,8 +243,8 @@ class Executor:
                       exc_info=True)
             self._finish(request, exc)
             return 1
-        self.drafted_tokens += len(item.drafts)
-        self.accepted_tokens += request.accepted_draft_tokens - accepted
+        self.draft_tokens += len(item.drafts)
+        self.accepted_draft_tokens += request.accepted_draft_tokens - accepted
         if not request.finished:
             self.scheduler.advance(request, len(taken))
         return self._deliver_samples(request, "".join(deltas), taken)

@@ -228,15 +228,14 @@ class LLM:
             raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got "
                                f"{messages!r:.80}")
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
-        prompts = []
+        rendered = []
         for i, conversation in enumerate(conversations):
             try:
-                prompts.append(self.encode(messages=list(conversation), tools=tools,
-                                           chat_template_kwargs=chat_template_kwargs))
+                rendered.append(self._encoder.chat_prompt(list(conversation), tools, chat_template_kwargs))
             except RequestError as exc:
                 raise (type(exc)(f"conversation {i}: {exc}") if len(conversations) > 1 else exc) from None
-        texts = [self.tokenizer.decode(ids) for ids in prompts]  # as the template wrote them
-        return self._generate(prompts, texts, sampling_params, use_tqdm, priority)
+        return self._generate([ids for _, ids in rendered], [text for text, _ in rendered], sampling_params,
+                              use_tqdm, priority)
 
     def stream_sync(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> Iterator[str]:

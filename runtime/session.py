@@ -66,7 +66,7 @@ class Session:
                                                     threads=threads, huge_pages=huge_pages, manifest=manifest))
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
         self.prompt_lookup = prompt_lookup
-        self.drafted_tokens = self.accepted_tokens = 0  # prompt lookup's drafts, over this Session's requests
+        self.draft_tokens = self.accepted_draft_tokens = 0  # prompt lookup's drafts, over this Session's requests
         self.tokenizer = self.engine.tokenizer
         if template is not None:
             self.tokenizer.chat_template = template
@@ -126,9 +126,7 @@ class Session:
         if chat_only and messages is None:
             raise RequestError(f"{' and '.join(chat_only)} go with chat messages; pass messages=[...]")
         if messages is not None:
-            text = render_chat(self.tokenizer, messages, tools, chat_template_kwargs)
-            # The template already holds the special tokens: encoding must not add a second BOS.
-            ids = encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)
+            ids = self._chat_prompt(messages, tools, chat_template_kwargs, limit)[1]
         elif isinstance(prompt, str):
             if not prompt and for_generation:
                 raise RequestError("the prompt is empty; pass some text")
@@ -165,19 +163,38 @@ class Session:
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
                             self.manifest.model.vocab_size, guides=self._guides)[0]
 
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """A conversation as generation feeds it: the chat template's text, and its ids."""
+        text, ids = self._chat_prompt(messages, tools, chat_template_kwargs, self.manifest.limits.max_seq_len)
+        if not ids:
+            raise RequestError("the prompt encodes to no tokens; pass some text")
+        return text, ids
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     template_kwargs: dict[str, Any] | None, limit: int | None) -> tuple[str, list[int]]:
+        """The chat template's text of a conversation and its ids (the template holds the special tokens: encoding
+        adds no second BOS)."""
+        text = render_chat(self.tokenizer, messages, tools, template_kwargs)
+        return text, encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)
+
     def stream(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
-               messages: list[dict[str, str]] | None = None,
+               messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
+               chat_template_kwargs: dict[str, Any] | None = None,
                **overrides: Any) -> Generator[str, None, GenerationResult]:
         """Text deltas as they become safe; they concatenate to the generated text, and the generator returns the
         GenerationResult (StopIteration.value). Bad input raises here, before the first delta; timings count from
-        the first delta asked for."""
-        request = self._request(self.encode(prompt, messages), self._params(sampling_params, overrides))
+        the first delta asked for. `tools`, `chat_template_kwargs`: as encode() takes them, with messages."""
+        ids = self.encode(prompt, messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        request = self._request(ids, self._params(sampling_params, overrides))
         return self._run(request)
 
     def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
-                 messages: list[dict[str, str]] | None = None, **overrides: Any) -> GenerationResult:
+                 messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None, **overrides: Any) -> GenerationResult:
         """One request: `sampling_params` and/or SamplingParams fields as keywords (max_tokens=..., which win)."""
-        request = self._request(self.encode(prompt, messages), self._params(sampling_params, overrides))
+        ids = self.encode(prompt, messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        request = self._request(ids, self._params(sampling_params, overrides))
         for _ in self._run(request):
             pass
         return request.result()
@@ -244,8 +261,8 @@ class Session:
             drafted, accepted = request.draft_tokens, request.accepted_draft_tokens
             deltas, taken = request.add_drafted(rows, drafts)
             context[request.num_tokens - len(taken): request.num_tokens] = [s.token_id for s in taken]
-            self.drafted_tokens += request.draft_tokens - drafted
-            self.accepted_tokens += request.accepted_draft_tokens - accepted
+            self.draft_tokens += request.draft_tokens - drafted
+            self.accepted_draft_tokens += request.accepted_draft_tokens - accepted
             for k, delta in enumerate(deltas, 1 - len(deltas)):  # k: 0 for the step's last token
                 if delta:
                     yield delta

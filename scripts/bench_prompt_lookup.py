@@ -69,11 +69,11 @@ class Camshaft:
 
     def run(self, task: str) -> dict:
         session = self.session
-        before = session.accepted_tokens, session.drafted_tokens
+        before = session.accepted_draft_tokens, session.draft_tokens
         result = session.generate(self.prompts[task], max_tokens=self.max_tokens, temperature=0)
         t = result.timings
         return {"ttft_s": t.ttft_s, "total_s": t.total_s, "token_ids": list(result.token_ids),
-                "accepted": session.accepted_tokens - before[0], "drafted": session.drafted_tokens - before[1]}
+                "accepted": session.accepted_draft_tokens - before[0], "drafted": session.draft_tokens - before[1]}
 
 
 class Transformers:

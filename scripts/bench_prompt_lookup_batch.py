@@ -41,13 +41,13 @@ class Batch:
         texts = list(tasks().values())
         chats = [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(size)]
         executor = self.llm.executor
-        before = executor.accepted_tokens, executor.drafted_tokens
+        before = executor.accepted_draft_tokens, executor.draft_tokens
         start = time.perf_counter()
         outputs = self.llm.chat(chats, SamplingParams(max_tokens=self.max_tokens), use_tqdm=False)
         wall = time.perf_counter() - start
         ids = [o.outputs[0].token_ids for o in outputs]
         return {"wall_s": wall, "tokens": sum(map(len, ids)), "token_ids": ids,
-                "accepted": executor.accepted_tokens - before[0], "drafted": executor.drafted_tokens - before[1]}
+                "accepted": executor.accepted_draft_tokens - before[0], "drafted": executor.draft_tokens - before[1]}
 
 
 def main(argv: list[str] | None = None) -> None:

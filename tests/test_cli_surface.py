@@ -186,7 +186,9 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     raw = json.loads((older / "manifest.json").read_text())
     raw["sequence_graph"]["inputs"] = [t for t in raw["sequence_graph"]["inputs"] if t["name"] != "num_logits"]
     (older / "manifest.json").write_text(json.dumps(raw))
-    assert "(one logits row: prompt lookup on the batch graph only" in invoke("inspect", "--engine", older).output
+    described = invoke("inspect", "--engine", older).output  # its graph still takes num_logits: it does not run
+    assert "(one logits row: prompt lookup on the batch graph only" in described
+    assert "sequence.onnx's inputs differ from its manifest's (num_logits)" in described
 
 
 def test_version_is_an_option_of_the_command():

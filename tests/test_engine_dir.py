@@ -416,6 +416,9 @@ def test_a_manifest_edited_against_its_graph_is_refused_at_load(copy, edit, load
 
 def test_files_added_to_the_tokenizer_are_refused_but_a_chat_template_may_be_edited(copy):
     (copy / "tokenizer" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    (copy / "tokenizer" / "additional_chat_templates").mkdir()  # transformers' named templates (tool_use, ...)
+    (copy / "tokenizer" / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    (copy / "tokenizer" / ".DS_Store").write_bytes(b"\0")
     with Session(copy) as session:
         assert session.encode(messages=[{"role": "user", "content": "hi"}]) == session.tokenizer.encode(
             "hi", add_special_tokens=False)
@@ -423,3 +426,6 @@ def test_files_added_to_the_tokenizer_are_refused_but_a_chat_template_may_be_edi
     for loader in (Session, Engine):
         with pytest.raises(EngineError, match="holds special_tokens_map.json, which the build did not write"):
             loader(copy)
+    from camshaft.runtime.engine_info import engine_info
+
+    assert "special_tokens_map.json" in engine_info(copy)["runs_here_reason"]

@@ -69,8 +69,8 @@ def test_the_output_is_the_same_with_drafts_and_the_engine_checks_several_a_step
                 except StopIteration as done:
                     assert "".join(deltas) == done.value.text == plain.generate(prompt, max_tokens=60).text
                     break
-    assert max(feeds) > 1 and drafting.accepted_tokens > 0 and drafting.drafted_tokens >= drafting.accepted_tokens
-    assert sum(rows - 1 for rows in feeds) == drafting.drafted_tokens  # every draft was checked by the engine
+    assert max(feeds) > 1 and 0 < drafting.accepted_draft_tokens <= drafting.draft_tokens
+    assert sum(rows - 1 for rows in feeds) == drafting.draft_tokens  # every draft was checked by the engine
 
 
 def test_a_repeating_output_takes_fewer_engine_steps(engine_dir):
@@ -81,11 +81,11 @@ def test_a_repeating_output_takes_fewer_engine_steps(engine_dir):
             or feed_rows(tokens, start, rows)
         result = session.generate("abc abc abc abc abc abc", max_tokens=120, temperature=0, ignore_eos=True)
     # after the prompt's token, each step gives its token and the drafts taken
-    assert len(result.token_ids) - 1 == len(steps) + session.accepted_tokens
-    assert session.accepted_tokens > len(steps) and max(map(len, steps)) == 9
+    assert len(result.token_ids) - 1 == len(steps) + session.accepted_draft_tokens
+    assert session.accepted_draft_tokens > len(steps) and max(map(len, steps)) == 9
     metrics = result.metrics  # the request's own count, as return_perf_metrics reports it
     assert (metrics.draft_tokens, metrics.accepted_draft_tokens) == (sum(len(s) - 1 for s in steps),
-                                                                     session.accepted_tokens)
+                                                                     session.accepted_draft_tokens)
     assert metrics.kv_blocks_total == 0  # a Session's cache is not the batcher's pool
 
 
@@ -131,7 +131,7 @@ def test_a_step_keeps_to_the_engines_token_budget_and_close_ends_a_stream(tmp_pa
             feed_rows(tokens, start, rows)
         assert session.generate("abc abc abc abc", max_tokens=80).token_ids == \
             plain.generate("abc abc abc abc", max_tokens=80).token_ids
-        assert session.accepted_tokens > 0 and max(sizes[1:]) == 4  # a token and 3 drafts: the step's budget
+        assert session.accepted_draft_tokens > 0 and max(sizes[1:]) == 4  # a token and 3 drafts: the step's budget
     for read in range(2, 14):  # closed mid-step, among drafts taken: the stream ends at its next token
         session = Session(small, prompt_lookup=PromptLookup(num_tokens=3))
         stream = session.stream("abc abc abc abc abc abc", max_tokens=100, ignore_eos=True)
@@ -169,15 +169,15 @@ def test_in_flight_batching_drafts_too_with_the_same_outputs(engine_dir, policy,
         assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
     chunks = [c for batch in steps for c in batch]
     drafted = [c for c in chunks if c.num_logits == len(c.token_ids) > 1]  # a token and its drafts, every row
-    assert drafted and executor.accepted_tokens > 0
-    assert sum(len(c.token_ids) - 1 for c in drafted) == executor.drafted_tokens
+    assert drafted and executor.accepted_draft_tokens > 0
+    assert sum(len(c.token_ids) - 1 for c in drafted) == executor.draft_tokens
     metrics = [o.metrics for result in got for o in result.outputs]  # each request's own count
-    assert sum(m.draft_tokens for m in metrics) == executor.drafted_tokens
-    assert sum(m.accepted_draft_tokens for m in metrics) == executor.accepted_tokens
+    assert sum(m.draft_tokens for m in metrics) == executor.draft_tokens
+    assert sum(m.accepted_draft_tokens for m in metrics) == executor.accepted_draft_tokens
     # each sampling step gives one token and the drafts taken, but a request that ends on a draft taken none more
     tokens = sum(len(o.token_ids) for result in got for o in result.outputs)
     samplings = sum(1 for c in chunks if c.num_logits >= 1)  # every row sampled (no prompt log-probs asked)
-    assert tokens - samplings <= executor.accepted_tokens <= tokens - samplings + len(metrics)
+    assert tokens - samplings <= executor.accepted_draft_tokens <= tokens - samplings + len(metrics)
     for batch in steps:  # drafts only in steps of decodes alone (beside a prompt chunk they would be padded to it)
         if any(c.num_logits == len(c.token_ids) > 1 for c in batch):
             assert all(len(c.token_ids) == 1 or c.num_logits == len(c.token_ids) for c in batch)
@@ -198,7 +198,7 @@ def test_in_flight_batching_drafts_only_while_few_requests_run(engine_dir):
     samplings = sum(1 for batch in steps for c in batch if c.num_logits >= 1)
     accepted = sum(r.outputs[0].metrics.accepted_draft_tokens for r in results)
     assert accepted > 0 and sum(len(r.token_ids) for r in results) == samplings + accepted
-    assert accepted == llm.executor.accepted_tokens
+    assert accepted == llm.executor.accepted_draft_tokens
     with pytest.raises(RequestError, match="max_running must be an integer >= 1"):
         PromptLookup(max_running=0)
 
@@ -230,7 +230,7 @@ def test_the_openai_server_and_triton_serve_prompt_lookup_and_count_its_drafts(e
         assert httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"] == expected
         drafted, accepted = _draft_counts(httpx.get(f"{url}/metrics").text)
         assert 0 < accepted <= drafted
-        assert (drafted, accepted) == (llm.executor.drafted_tokens, llm.executor.accepted_tokens)
+        assert (drafted, accepted) == (llm.executor.draft_tokens, llm.executor.accepted_draft_tokens)
     result = CliRunner().invoke(app, ["deploy", "--engine", str(engine_dir), "--repo", str(tmp_path / "repo"),
                                       "--prompt-lookup", "3"])
     assert result.exit_code == 0, result.output

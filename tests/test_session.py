@@ -326,6 +326,15 @@ def test_a_chat_template_given_inline_reads_the_kwargs_passed(engine_dir):
         assert session.encode(messages=messages) == encode("hi?", add_special_tokens=False)
         result = session.chat(messages, chat_template_kwargs={"tail": "!"}, max_tokens=2)
         assert result.prompt_token_ids == encode("hi!", add_special_tokens=False)
+        generated = session.generate(messages=messages, chat_template_kwargs={"tail": "!"}, max_tokens=2)
+        stream = session.stream(messages=messages, chat_template_kwargs={"tail": "!"}, max_tokens=2)
+        while True:
+            try:
+                next(stream)
+            except StopIteration as done:
+                streamed = done.value
+                break
+        assert generated.prompt_token_ids == streamed.prompt_token_ids == result.prompt_token_ids
         for kwargs, message in (({"add_generation_prompt": False}, "cannot set add_generation_prompt"),
                                 ({"not a name": 1}, "template variable names"), ([1], "template variable names")):
             with pytest.raises(RequestError, match=message):

@@ -54,7 +54,7 @@ class GraphWriter:
         array = np.ascontiguousarray(array)
         if array.dtype == np.float16 and not np.isfinite(array).all():  # the cast from the checkpoint overflowed
             raise BuildConfigError(f"{name} holds values beyond float16's range (or not finite in the checkpoint); "
-                                   "build with --dtype bfloat16 or float32")
+                                   "build with --dtype bfloat16 (sm80 and later)")
         if array.dtype == ml_dtypes.int4:
             nibbles = array.reshape(-1).view(np.uint8) & 0x0F
             nibbles = np.concatenate([nibbles, np.zeros(nibbles.size % 2, np.uint8)])

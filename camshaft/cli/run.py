@@ -106,7 +106,7 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
         result = session.generate(sampling_params=params, **kwargs)
         typer.echo(result.text)
     t = result.timings
-    drafts = f" · drafts {session.accepted_tokens}/{session.drafted_tokens} taken" if prompt_lookup else ""
+    drafts = f" · drafts {session.accepted_draft_tokens}/{session.draft_tokens} taken" if prompt_lookup else ""
     err.print(f"[dim]{t.output_tokens} tokens · finish {result.finish_reason} · TTFT {t.ttft_s * 1000:.0f} ms · "
               f"{t.decode_tok_s:.1f} tok/s{drafts}[/dim]")
 

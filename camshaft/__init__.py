@@ -24,8 +24,8 @@ _LAZY = {
     "LLM": "camshaft.runtime.llm", "Session": "camshaft.runtime.session",
     "SamplingParams": "camshaft.runtime.sampling_params", "GuidedDecodingParams": "camshaft.runtime.guided",
     "PromptLookup": "camshaft.runtime.prompt_lookup",
-    "GenerationResult": "camshaft.runtime.request",
-    "Timings": "camshaft.runtime.request", "RequestMetrics": "camshaft.runtime.request",
+    "GenerationResult": "camshaft.runtime.outputs",
+    "Timings": "camshaft.runtime.outputs", "RequestMetrics": "camshaft.runtime.outputs",
     "PromptOutput": "camshaft.runtime.outputs",
     "RequestOutput": "camshaft.runtime.outputs", "SampleResult": "camshaft.runtime.sampler",
     "build_engine": "camshaft.builder.build", "BuildConfig": "camshaft.builder.config",
@@ -48,8 +48,7 @@ if TYPE_CHECKING:
     from camshaft.quantize.spec import QuantizeError, QuantSpec
     from camshaft.runtime.guided import GuidedDecodingParams
     from camshaft.runtime.llm import LLM
-    from camshaft.runtime.outputs import PromptOutput, RequestOutput
-    from camshaft.runtime.request import GenerationResult, RequestMetrics, Timings
+    from camshaft.runtime.outputs import GenerationResult, PromptOutput, RequestMetrics, RequestOutput, Timings
     from camshaft.runtime.sampler import SampleResult
     from camshaft.runtime.sampling_params import SamplingParams
     from camshaft.runtime.session import Session

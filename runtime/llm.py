@@ -26,9 +26,9 @@ from camshaft.runtime.executor import Executor
 from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, params_list, priorities, prompt_list
-from camshaft.runtime.outputs import IterationStats, Load, PromptOutput, RequestOutput, Sink
+from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, PromptOutput, RequestOutput, Sink
 from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
-from camshaft.runtime.request import GenerationResult, Request, new_requests
+from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import SchedulerConfig
 from camshaft.runtime.session import Prompt, Session

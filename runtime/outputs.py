@@ -1,12 +1,77 @@
-"""What the batch loop reports: per-request outputs (to a request's sink), per-step stats and its current load."""
+"""Results and what the batch loop reports: a request's GenerationResult (timings, metrics), a prompt's outputs, a
+stream's steps, per-step stats and the current load."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from camshaft.runtime.request import GenerationResult
 from camshaft.runtime.sampler import SampleResult
+
+
+@dataclass(frozen=True)
+class Timings:
+    queued_s: float  # arrival to admission (the running batch, or the Session's turn)
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        decode_time = self.total_s - self.ttft_s
+        return (self.output_tokens - 1) / decode_time if self.output_tokens > 1 and decode_time > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """A request's times and counts, as TensorRT-LLM reports them with return_perf_metrics. Times: seconds of
+    time.perf_counter() (the monotonic clock, TensorRT-LLM's steady_clock: compare them with each other, not with
+    the wall clock; None: not reached). KV blocks: those holding the prompt when the in-flight batcher admitted the
+    request (summed over admissions: a preempted request is admitted again; 0 from a Session)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    kv_blocks_reused: int = 0  # taken from the prefix cache
+    kv_blocks_new: int = 0  # allocated for the rest of the prompt
+    draft_tokens: int = 0  # prompt lookup's drafts fed to the engine
+    accepted_draft_tokens: int = 0  # drafts equal to the token sampled in their place
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.kv_blocks_reused + self.kv_blocks_new
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_token_ids: list[int]
+    timings: Timings
+    logprobs: list[SampleResult] | None = None
+    stop_token_id: int | None = None  # the end id or stop_token_ids entry that ended it (token_ids[-1]), else None
+    stop_reason: str | int | tuple[int, ...] | None = None  # vLLM's: the stop string, stop_token_ids entry or
+    # stop_word_ids sequence that ended it; None for an end id, the length limit or an abort
+    prompt_logprobs: list[SampleResult | None] | None = None  # vLLM's: None for the first prompt token, then each
+    # prompt token's log-prob given the tokens before it (with prompt_logprobs alternatives), when asked for
+    metrics: RequestMetrics | None = None
+    index: int = 0  # which of the prompt's n outputs (vLLM's CompletionOutput.index)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the chosen tokens' log-probs (vLLM's), when logprobs were asked for."""
+        return None if self.logprobs is None else float(sum(s.logprob or 0.0 for s in self.logprobs))
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,10 @@ from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import params_list
+from camshaft.runtime.outputs import GenerationResult
 from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
 from camshaft.runtime.prompt_text import encode_text
-from camshaft.runtime.request import GenerationResult, Request, new_requests
+from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.guided import GuidedDecodingParams
-from camshaft.runtime.request import RequestMetrics
+from camshaft.runtime.outputs import RequestMetrics
 from camshaft.runtime.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_WORD_IDS, SamplingParams
 
 MAX_WORD_LISTS = min(MAX_BAD_WORDS, MAX_STOP_WORD_IDS)

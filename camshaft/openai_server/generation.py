@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 
 from camshaft.openai_server.metrics import Metrics
 from camshaft.runtime.llm import LLM
-from camshaft.runtime.outputs import RequestOutput
-from camshaft.runtime.request import GenerationResult
+from camshaft.runtime.outputs import GenerationResult, RequestOutput
 from camshaft.runtime.sampling_params import SamplingParams
 
 

@@ -11,8 +11,7 @@ from typing import Any
 from camshaft.openai_server.tokens import TokenText
 from camshaft.openai_server.tools import ToolChoice
 from camshaft.runtime.detokenizer import TextStream
-from camshaft.runtime.outputs import RequestOutput
-from camshaft.runtime.request import GenerationResult
+from camshaft.runtime.outputs import GenerationResult, RequestOutput
 from camshaft.runtime.sampler import SampleResult
 
 _FLOOR = -9999.0  # OpenAI's stand-in for a log-prob of -inf (JSON has no infinities)

@@ -28,10 +28,10 @@ from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, params_list, priorities, prompt_list
 from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, PromptOutput, RequestOutput, Sink
 from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
+from camshaft.runtime.prompts import Prompt, PromptEncoder
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import SchedulerConfig
-from camshaft.runtime.session import Prompt, Session
 
 
 class LLM:
@@ -74,7 +74,7 @@ class LLM:
         self.tokenizer = engine.tokenizer
         if template is not None:
             self.tokenizer.chat_template = template
-        self._encoder = _Encoder(engine)
+        self.prompts = PromptEncoder(self.tokenizer, limits.max_seq_len, manifest.model.vocab_size)
         self._guides = Guides(self.tokenizer, manifest.model.vocab_size, engine.eos_token_ids)
         self.executor = Executor(engine, self.config, max_queue=max_queue)
         # what one request may hold of the pool (a contiguous reservation takes max_seq_len whatever it asks for)
@@ -120,7 +120,7 @@ class LLM:
         """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template), with the
         functions the model may call (`tools`) and more variables the template reads (`chat_template_kwargs`).
         for_generation False (counting tokens): text however long, and an empty prompt, are tokenized, not refused."""
-        return self._encoder.encode(prompt, messages, tools=tools, for_generation=for_generation,
+        return self.prompts.encode(prompt, messages, tools=tools, for_generation=for_generation,
                                     chat_template_kwargs=chat_template_kwargs)
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
@@ -165,7 +165,7 @@ class LLM:
 
     def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
         priority = check_priority(priority)
-        ids = self._encoder.encode(prompt)
+        ids = self.prompts.encode(prompt)
         params = params.for_prompt(len(ids), self.config.max_seq_len, self._kv_tokens)
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
                             self.engine.manifest.model.vocab_size, priority, self._guides)
@@ -231,7 +231,7 @@ class LLM:
         rendered = []
         for i, conversation in enumerate(conversations):
             try:
-                rendered.append(self._encoder.chat_prompt(list(conversation), tools, chat_template_kwargs))
+                rendered.append(self.prompts.chat_prompt(list(conversation), tools, chat_template_kwargs))
             except RequestError as exc:
                 raise (type(exc)(f"conversation {i}: {exc}") if len(conversations) > 1 else exc) from None
         return self._generate([ids for _, ids in rendered], [text for text, _ in rendered], sampling_params,
@@ -276,13 +276,6 @@ class LLM:
         if params.n != 1:
             raise RequestError("streaming gives one output; use n=1 (or generate() for several outputs)")
         return self._requests(prompt, params, priority)[0]
-
-
-class _Encoder(Session):
-    """Session's prompt encoding and checks, on the LLM's engine."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.tokenizer = engine, engine.tokenizer
 
 
 def _text_of(prompt: Prompt) -> str | None:

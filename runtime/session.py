@@ -12,23 +12,20 @@ from typing import Any
 
 import numpy as np
 
-from camshaft.checks import is_int
 from camshaft.errors import EngineError, RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
-from camshaft.runtime.chat_template import load_chat_template, render_chat
+from camshaft.runtime.chat_template import load_chat_template
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import params_list
 from camshaft.runtime.outputs import GenerationResult
 from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
-from camshaft.runtime.prompt_text import encode_text
+from camshaft.runtime.prompts import Prompt, PromptEncoder
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
 
-Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
 
@@ -71,6 +68,7 @@ class Session:
         self.tokenizer = self.engine.tokenizer
         if template is not None:
             self.tokenizer.chat_template = template
+        self.prompts = PromptEncoder(self.tokenizer, manifest.limits.max_seq_len, manifest.model.vocab_size)
         self._guides = Guides(self.tokenizer, manifest.model.vocab_size, self.engine.eos_token_ids)
         self._ids = itertools.count()
         self._running = threading.Lock()
@@ -107,42 +105,9 @@ class Session:
     def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
                tools: list[dict[str, Any]] | None = None, for_generation: bool = True,
                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The prompt's ids as generation feeds them to the engine: text, token ids, or chat messages through the
-        chat template, with the functions the model may call (`tools`, OpenAI's form: chat_template.py) and more
-        variables the template reads (`chat_template_kwargs`). For counting tokens (for_generation False), text
-        however long and an empty prompt are tokenized, not refused."""
-        if isinstance(prompt, dict):
-            if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
-                raise RequestError(f'a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got the '
-                                   f"keys {sorted(map(str, prompt))}")
-            key, prompt = next(iter(prompt.items()))
-            if isinstance(prompt, str) != (key == "prompt"):
-                raise RequestError(f'"prompt" takes text and "prompt_token_ids" a list of token ids; got {key} = '
-                                   f"{prompt!r:.80}")
-        if (prompt is None) == (messages is None):
-            raise RequestError("pass exactly one of a prompt or chat messages")
-        limit = self.manifest.limits.max_seq_len if for_generation else None
-        chat_only = [name for name, value in (("tools", tools), ("chat_template_kwargs", chat_template_kwargs))
-                     if value is not None]
-        if chat_only and messages is None:
-            raise RequestError(f"{' and '.join(chat_only)} go with chat messages; pass messages=[...]")
-        if messages is not None:
-            ids = self._chat_prompt(messages, tools, chat_template_kwargs, limit)[1]
-        elif isinstance(prompt, str):
-            if not prompt and for_generation:
-                raise RequestError("the prompt is empty; pass some text")
-            ids = encode_text(self.tokenizer, prompt, limit)
-        else:
-            vocab = self.manifest.model.vocab_size
-            items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
-            if items is None or not all(is_int(t) for t in items):
-                raise RequestError(f"a prompt is a string or a list of integer token ids, got {prompt!r:.80}")
-            ids = [int(t) for t in items]
-            if any(t < 0 or t >= vocab for t in ids):
-                raise RequestError(f"prompt token ids must lie in [0, {vocab})")
-        if not ids and for_generation:
-            raise RequestError("the prompt encodes to no tokens; pass some text")
-        return ids
+        """The prompt's ids as generation feeds them to the engine (PromptEncoder.encode)."""
+        return self.prompts.encode(prompt, messages, tools=tools, for_generation=for_generation,
+                                   chat_template_kwargs=chat_template_kwargs)
 
     def _params(self, params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
         unknown = set(overrides) - _PARAM_NAMES
@@ -163,21 +128,6 @@ class Session:
         params = params.for_prompt(len(ids), self.manifest.limits.max_seq_len, self.engine.token_budget)
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
                             self.manifest.model.vocab_size, guides=self._guides)[0]
-
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
-        """A conversation as generation feeds it: the chat template's text, and its ids."""
-        text, ids = self._chat_prompt(messages, tools, chat_template_kwargs, self.manifest.limits.max_seq_len)
-        if not ids:
-            raise RequestError("the prompt encodes to no tokens; pass some text")
-        return text, ids
-
-    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template_kwargs: dict[str, Any] | None, limit: int | None) -> tuple[str, list[int]]:
-        """The chat template's text of a conversation and its ids (the template holds the special tokens: encoding
-        adds no second BOS)."""
-        text = render_chat(self.tokenizer, messages, tools, template_kwargs)
-        return text, encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)
 
     def stream(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
                messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,

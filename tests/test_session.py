@@ -397,7 +397,7 @@ def test_a_huge_prompt_is_refused_after_tokenizing_a_prefix(engine_dir):
             return getattr(self.inner, name)
 
     with Session(engine_dir) as session:
-        session.tokenizer = spy = Spy(session.tokenizer)
+        session.prompts.tokenizer = spy = Spy(session.tokenizer)
         prompt = "lorem ipsum " * 200_000
         with pytest.raises(CapacityError, match=f"the prompt has {len(prompt)} characters, more than 96 tokens"):
             session.generate(prompt, max_tokens=2)

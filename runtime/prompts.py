@@ -1,0 +1,76 @@
+"""Prompts in every form generation takes (text, token ids, vLLM's prompt dicts, chat messages with tools) to the
+token ids fed to an engine, checked against its limits and vocabulary; Session and LLM each hold one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from camshaft.checks import is_int
+from camshaft.errors import RequestError
+from camshaft.runtime.chat_template import render_chat
+from camshaft.runtime.prompt_text import encode_text
+
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer, max_seq_len: int, vocab_size: int) -> None:
+        self.tokenizer, self.max_seq_len, self.vocab_size = tokenizer, max_seq_len, vocab_size
+
+    def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
+               tools: list[dict[str, Any]] | None = None, for_generation: bool = True,
+               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt's ids as generation feeds them to the engine: text, token ids, or chat messages through the
+        chat template, with the functions the model may call (`tools`, OpenAI's form: chat_template.py) and more
+        variables the template reads (`chat_template_kwargs`). For counting tokens (for_generation False), text
+        however long and an empty prompt are tokenized, not refused."""
+        if isinstance(prompt, dict):
+            if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
+                raise RequestError(f'a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got the '
+                                   f"keys {sorted(map(str, prompt))}")
+            key, prompt = next(iter(prompt.items()))
+            if isinstance(prompt, str) != (key == "prompt"):
+                raise RequestError(f'"prompt" takes text and "prompt_token_ids" a list of token ids; got {key} = '
+                                   f"{prompt!r:.80}")
+        if (prompt is None) == (messages is None):
+            raise RequestError("pass exactly one of a prompt or chat messages")
+        limit = self.max_seq_len if for_generation else None
+        chat_only = [name for name, value in (("tools", tools), ("chat_template_kwargs", chat_template_kwargs))
+                     if value is not None]
+        if chat_only and messages is None:
+            raise RequestError(f"{' and '.join(chat_only)} go with chat messages; pass messages=[...]")
+        if messages is not None:
+            ids = self._chat_prompt(messages, tools, chat_template_kwargs, limit)[1]
+        elif isinstance(prompt, str):
+            if not prompt and for_generation:
+                raise RequestError("the prompt is empty; pass some text")
+            ids = encode_text(self.tokenizer, prompt, limit)
+        else:
+            vocab = self.vocab_size
+            items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+            if items is None or not all(is_int(t) for t in items):
+                raise RequestError(f"a prompt is a string or a list of integer token ids, got {prompt!r:.80}")
+            ids = [int(t) for t in items]
+            if any(t < 0 or t >= vocab for t in ids):
+                raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        if not ids and for_generation:
+            raise RequestError("the prompt encodes to no tokens; pass some text")
+        return ids
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """A conversation as generation feeds it: the chat template's text, and its ids."""
+        text, ids = self._chat_prompt(messages, tools, chat_template_kwargs, self.max_seq_len)
+        if not ids:
+            raise RequestError("the prompt encodes to no tokens; pass some text")
+        return text, ids
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     template_kwargs: dict[str, Any] | None, limit: int | None) -> tuple[str, list[int]]:
+        """The chat template's text of a conversation and its ids (the template holds the special tokens: encoding
+        adds no second BOS)."""
+        text = render_chat(self.tokenizer, messages, tools, template_kwargs)
+        return text, encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)

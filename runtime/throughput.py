@@ -116,6 +116,8 @@ class ThroughputResult:
     python_overhead: dict[str, dict[str, float]]  # "all_steps" and "batch_C": StepTimer.overhead() of those steps
     preemptions: int
     prefix_reuse_hits: int  # KV blocks taken from the prefix cache (0 unless prompts repeat)
+    draft_tokens: int  # prompt lookup's drafts fed to the engine, and those taken (0 without prompt_lookup)
+    accepted_draft_tokens: int
     config: dict[str, str | int]  # the LLM's: policy, max_batch_size, max_num_tokens, kv_pool_blocks, kv_pool_bytes
     clipped: dict | None = None  # requests cut to fit max_seq_len (bench_data.clipped_requests)
     records: list[RequestRecord] = field(repr=False, default_factory=list)
@@ -142,6 +144,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     steps_before = executor.steps_done
     preempt_before = executor.scheduler.num_preemptions
     hits_before = llm.kv_cache.reuse_hits
+    drafts_before = executor.draft_tokens, executor.accepted_draft_tokens
     executor.peak_batch_size, executor.peak_kv_usage = 0, 0.0
     records = [RequestRecord(i, len(r.prompt_ids), r.max_tokens) for i, r in enumerate(requests)]
     done: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
@@ -203,6 +206,8 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         gflop_s=total_flop / wall / 1e9, gflop_s_linear=(flops["linear"] + flops["lm_head"]) / wall / 1e9,
         python_overhead=overhead, preemptions=executor.scheduler.num_preemptions - preempt_before,
         prefix_reuse_hits=llm.kv_cache.reuse_hits - hits_before, config=llm_config(llm),
+        draft_tokens=executor.draft_tokens - drafts_before[0],
+        accepted_draft_tokens=executor.accepted_draft_tokens - drafts_before[1],
         clipped=clipped_requests(requests, llm.config.max_seq_len), records=records)
 
 
@@ -213,6 +218,7 @@ def _ms(p: dict[str, float]) -> dict[str, float]:
 def llm_config(llm: LLM) -> dict[str, str | int]:
     c = llm.config
     return {"policy": c.policy, "max_batch_size": c.max_batch_size, "max_num_tokens": c.max_num_tokens,
+            "prompt_lookup": c.prompt_lookup.num_tokens if c.prompt_lookup else 0,
             "kv_pool_blocks": c.num_blocks - 1,  # usable; the bytes include the null block (the memory taken)
             "kv_pool_bytes": c.num_blocks * bytes_per_block(llm.engine.manifest)}
 
@@ -221,11 +227,12 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
                          seed: int = 0, threads: int | None = None, warmup: int = 2,
                          policy: str = "guaranteed_no_evict", max_batch_size: int | None = None,
                          max_num_tokens: int | None = None, kv_cache_memory: int | float | str | None = None,
-                         progress: Callable[[str], None] = lambda _: None) -> list[ThroughputResult]:
+                         prompt_lookup: int = 0, progress: Callable[[str], None] = lambda _: None
+                         ) -> list[ThroughputResult]:
     """Load the dataset for the engine and run it once per concurrency, each on a fresh `LLM` (an empty prefix
     cache) after `warmup` short requests with other prompts. policy, max_batch_size, max_num_tokens and
-    kv_cache_memory go to every LLM (a memory fraction is resolved once, before the first); `progress` hears of
-    each level as it starts."""
+    kv_cache_memory go to every LLM (a memory fraction is resolved once, before the first), and prompt_lookup (its
+    num_tokens; 0: off); `progress` hears of each level as it starts."""
     levels = [concurrency] if is_int(concurrency) else list(concurrency)
     if not levels or not all(is_int_at_least(c, 1) for c in levels):
         raise RequestError(f"concurrency takes positive integers, got {concurrency!r}")
@@ -243,7 +250,7 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
     for i, c in enumerate(levels, 1):
         progress(f"concurrency {c} ({i}/{len(levels)}): {num_requests} requests")
         with LLM(engine_dir, threads=threads, policy=policy, max_batch_size=max_batch_size,
-                 max_num_tokens=max_num_tokens, kv_cache_memory=memory) as llm:
+                 max_num_tokens=max_num_tokens, kv_cache_memory=memory, prompt_lookup=prompt_lookup or None) as llm:
             limits, model = llm.engine.manifest.limits, llm.engine.manifest.model
             if requests is None:
                 requests = load_dataset(dataset, num_requests, max_seq_len=limits.max_seq_len,

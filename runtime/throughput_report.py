@@ -36,13 +36,15 @@ def result_line(r: ThroughputResult) -> str:
     return (f"concurrency {r.concurrency:>3}: {r.output_tok_s:8.1f} out tok/s  {r.requests_s:6.2f} req/s  "
             f"TTFT p50/p90/p99 {fmt_percentiles(r.ttft_ms)} ms  ITL p50/p90/p99 {fmt_percentiles(r.itl_ms, '.1f')} ms  "
             f"E2E p50 {fmt(e2e, '.2f')} s  peak KV {100 * r.peak_kv_usage:.0f}%  {r.gflop_s:.1f} GFLOP/s  "
-            f"loop overhead {fmt(100 * r.python_overhead['all_steps']['outside_engine_step'], '.1f')}%")
+            f"loop overhead {fmt(100 * r.python_overhead['all_steps']['outside_engine_step'], '.1f')}%"
+            + (f"  drafts {r.accepted_draft_tokens}/{r.draft_tokens} taken" if r.draft_tokens else ""))
 
 
 def config_line(config: dict) -> str:
+    lookup = f", prompt lookup {config['prompt_lookup']}" if config.get("prompt_lookup") else ""
     return (f"policy {config['policy']}, max batch size {config['max_batch_size']}, max num tokens "
             f"{config['max_num_tokens']}, KV pool {config['kv_pool_blocks']} blocks "
-            f"({config['kv_pool_bytes'] / 2**20:.1f} MiB)")
+            f"({config['kv_pool_bytes'] / 2**20:.1f} MiB){lookup}")
 
 
 def clipped_line(clipped: dict | None) -> str | None:

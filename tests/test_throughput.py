@@ -210,13 +210,35 @@ def test_cli_bench_throughput_sets_the_llm_like_serve(engine_dir, tmp_path):
     assert "policy max_utilization, max batch size 2, max num tokens 16, KV pool 11 blocks" in result.output
     data = json.loads(out.read_text())
     assert data["options"] == {"policy": "max_utilization", "kv_cache_memory": f"{block * 12 / 1024}KiB",
-                               "max_batch_size": 2, "max_num_tokens": 16}
+                               "max_batch_size": 2, "max_num_tokens": 16, "prompt_lookup": 0}
     (run,) = data["results"]
     assert run["config"] == {"policy": "max_utilization", "max_batch_size": 2, "max_num_tokens": 16,
-                             "kv_pool_blocks": 11, "kv_pool_bytes": 12 * block}
+                             "prompt_lookup": 0, "kv_pool_blocks": 11, "kv_pool_bytes": 12 * block}
+    assert (run["draft_tokens"], run["accepted_draft_tokens"]) == (0, 0)
     assert run["peak_batch_size"] <= 2 and run["output_tokens"] == 16
     # 40-token prompts under a 16-token budget: prefill is chunked
     assert run["num_steps"] >= -(-run["gflop"]["tokens_fed"] // 16)
+
+
+def test_cli_bench_throughput_measures_prompt_lookup(engine_dir, tmp_path):
+    """--prompt-lookup N runs the LLM with drafts (as serve and deploy take it); each level reports the drafts fed
+    and taken, counted by the batch loop."""
+    from typer.testing import CliRunner
+
+    from camshaft.cli import app
+
+    data = tmp_path / "repeats.jsonl"
+    data.write_text("".join(json.dumps({"prompt": list(range(3, 120)) * 2, "max_tokens": 24}) + "\n"
+                            for _ in range(3)))
+    out = tmp_path / "lookup.json"
+    result = CliRunner().invoke(app, ["bench", "throughput", "--engine", str(engine_dir), "--dataset", f"jsonl:{data}",
+                                      "--num-requests", "3", "--concurrency", "1", "--prompt-lookup", "4",
+                                      "--output-json", str(out)])
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads(out.read_text())["results"]
+    assert run["config"]["prompt_lookup"] == 4 and run["draft_tokens"] > 0
+    assert f"drafts {run['accepted_draft_tokens']}/{run['draft_tokens']} taken" in result.output
+    assert ", prompt lookup 4" in result.output
 
 
 @pytest.mark.parametrize("args, message", [

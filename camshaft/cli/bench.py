@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from camshaft.cli import bench_app, flag_names, progress
-from camshaft.cli.serve import LLM_FLAGS, BatchOption, MemoryOption, PolicyOption, TokensOption
+from camshaft.cli.serve import LLM_FLAGS, BatchOption, LookupOption, MemoryOption, PolicyOption, TokensOption
 from camshaft.errors import CamshaftError
 from camshaft.runtime.bench_data import PRESETS, parse_dataset_spec
 
@@ -82,6 +82,7 @@ def bench_throughput(
     kv_cache_memory: MemoryOption = None,
     max_batch_size: BatchOption = None,
     max_num_tokens: TokensOption = None,
+    prompt_lookup: LookupOption = 0,
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: output tok/s and p50 TTFT vs concurrency")] = None,
 ) -> None:
@@ -102,7 +103,7 @@ def bench_throughput(
     if not levels or min(levels) < 1:
         raise RequestError(f"--concurrency takes positive integers, comma-separated to sweep; got {concurrency!r}")
     options = {"policy": policy, "kv_cache_memory": kv_cache_memory, "max_batch_size": max_batch_size,
-               "max_num_tokens": max_num_tokens}
+               "max_num_tokens": max_num_tokens, "prompt_lookup": prompt_lookup}
     with flag_names(*LLM_FLAGS):
         results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads,
                                        progress=progress, **options)

@@ -27,9 +27,10 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import load_tokenizer
 from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
-from camshaft.triton_repo.protocol import check_parameters, one, text_embedding_bias
+from camshaft.triton_repo.protocol import check_parameters, one
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN
 from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, FINAL, error_response, perf_tensors, tensor
+from camshaft.triton_repo.word_lists import text_embedding_bias
 
 PASSED_AS_IS = {"stop_words", "bad_words"}
 HANDLED_HERE = {"text_input", "stream", "exclude_input_in_output", "embedding_bias_words",

@@ -27,8 +27,9 @@ TRITON_PORTS = {"--grpc-port": 8001, "--metrics-port": 8002}
 TokensOption = Annotated[int | None, typer.Option(min=1, help="Most tokens a step computes (the prefill chunk budget; "
                                                        "default and maximum: the engine's)")]
 LookupOption = Annotated[int, typer.Option(
-    min=0, max=16, help="Decodes also feed up to this many tokens drafted from their own prompt and output (prompt "
-                        "lookup: the same outputs, faster where text repeats and the batch is small); 0 = off")]
+    min=0, max=16, metavar="N",
+    help="Decodes also feed up to this many tokens drafted from their own prompt and output (prompt lookup: the same "
+         "outputs, faster where text repeats and the batch is small); 0 = off")]
 
 
 def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | None, max_batch_size: int | None,

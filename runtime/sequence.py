@@ -19,9 +19,10 @@ from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
 from camshaft.runtime.backends.onnxruntime import check_compatible, check_signature, load_session, session_options
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
+from camshaft.runtime.prompt_lookup import MAX_DRAFT
 
 GROW = 256
-MAX_ROWS = 17  # logits rows one feed may ask for: a token and up to 16 drafts
+MAX_ROWS = MAX_DRAFT + 1  # logits rows one feed may ask for: a token and its drafts
 
 
 def over_budget(total: int, holds: int, how: str) -> CapacityError:
@@ -51,11 +52,8 @@ class SequenceEngine:
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
                                                           session_options(threads, spin_wait=True), huge_pages)
-        check_signature(self.session, self.dir / self.layout.artifact, m,
-                        [*self.layout.key_inputs, *self.layout.value_inputs],
-                        (1, self.layout.num_kv_heads, None, self.layout.head_dim), "float32",
-                        {spec.name for spec in self.layout.inputs},
-                        [*self.layout.key_outputs, *self.layout.value_outputs])
+        check_signature(self.session, self.dir / self.layout.artifact, m, self.layout.inputs, self.layout,
+                        (1, self.layout.num_kv_heads, None, self.layout.head_dim), "float32")
         self.binding = self.session.io_binding()
         self.tokenizer = load_tokenizer(self.dir, m.files)
         check_unchanged(self.dir, m.build_id)

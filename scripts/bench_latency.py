@@ -42,6 +42,7 @@ import numpy as np
 
 from camshaft.models import default_model_dir, fetch_model
 from camshaft.runtime.bench import benchmark_prompt
+from camshaft.runtime.throughput_plot import save_figure
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -589,13 +590,9 @@ def plot(results: dict, path: Path) -> None:
         ax.set_axisbelow(True)
     cfg = results["config"]
     m = results["machine"]
-    fig.suptitle(f"SmolLM2-135M-Instruct, batch 1, {cfg['prompt_len']} prompt + {cfg['new_tokens']} new tokens, "
-                 f"greedy, fp32, {cfg['threads']} threads — {m['cpu']}\nmedian of {cfg['rounds']} interleaved "
-                 f"round(s); error bars: min–max", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"SmolLM2-135M-Instruct, batch 1, {cfg['prompt_len']} prompt + {cfg['new_tokens']} new "
+                f"tokens, greedy, fp32, {cfg['threads']} threads — {m['cpu']}\nmedian of {cfg['rounds']} interleaved "
+                "round(s); error bars: min–max")
 
 
 def fmt_range(s: dict, digits: int) -> str:

@@ -39,6 +39,7 @@ from bench_latency import (  # noqa: E402
 )
 
 from camshaft.models import default_model_dir, fetch_model  # noqa: E402
+from camshaft.runtime.throughput_plot import save_figure  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 MD_BEGIN, MD_END = "<!-- prompt-lookup:begin -->", "<!-- prompt-lookup:end -->"
@@ -240,12 +241,9 @@ def plot(results: dict, path: Path) -> None:
     ax.legend(fontsize=8, ncols=2)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
-    fig.suptitle(f"Prompt lookup decoding, SmolLM2-135M-Instruct, batch 1, greedy, fp32, {results['threads']} threads "
-                 f"— {results['machine']['cpu']}; median of {results['rounds']} interleaved rounds", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"Prompt lookup decoding, SmolLM2-135M-Instruct, batch 1, greedy, fp32, "
+                f"{results['threads']} threads — {results['machine']['cpu']}; median of {results['rounds']} "
+                "interleaved rounds")
 
 
 def markdown(results: dict, plot_path: Path) -> str:

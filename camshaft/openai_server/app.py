@@ -104,21 +104,21 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         """The prompt's ids, refused in vLLM's words (which clients match to trim) when the context cannot hold it
         and max_tokens more."""
         what = "messages" if "messages" in prompt else "prompt"
+
+        def too_long(detail: str) -> APIError:
+            return APIError(400, f"This model's maximum context length is {max_seq_len} tokens. However, {detail}",
+                            param=what, code="context_length_exceeded")
+
         try:
             ids = await asyncio.to_thread(llm.encode, **prompt)  # a long prompt must not stall the open streams
         except CapacityError as exc:  # far too long: refused after tokenizing a prefix
-            raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens. However, your "
-                           f"request has more input tokens ({exc}).", param=what,
-                           code="context_length_exceeded") from None
+            raise too_long(f"your request has more input tokens ({exc}).") from None
         if len(ids) >= max_seq_len:
-            raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens. However, your request "
-                           f"has {len(ids)} input tokens. Please reduce the length of the {what} (the output needs "
-                           "room too).", param=what, code="context_length_exceeded")
+            raise too_long(f"your request has {len(ids)} input tokens. Please reduce the length of the {what} (the "
+                           "output needs room too).")
         if max_tokens is not None and len(ids) + max_tokens > max_seq_len:
-            raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens. However, you "
-                           f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} in "
-                           f"the completion). Please reduce the length of the {what} or completion.", param=what,
-                           code="context_length_exceeded")
+            raise too_long(f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} in "
+                           f"the completion). Please reduce the length of the {what} or completion.")
         return ids
 
     async def respond(request: Request, stream: bool, include_usage: bool, prompts: list[list[int]],

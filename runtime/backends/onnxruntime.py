@@ -12,7 +12,7 @@ import onnxruntime as ort
 
 from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_graph_limits
-from camshaft.manifest import Manifest
+from camshaft.manifest import KVCacheLayout, Manifest, SequenceGraph, TensorSpec
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
 from camshaft.runtime.kv_cache import CGROUP, SMALLER_POOL
 
@@ -95,11 +95,16 @@ def _allocate(shape: tuple[int, ...], dtype: type, count: int) -> np.ndarray:
                             f"process's memory; {SMALLER_POOL}") from None
 
 
-def check_io_names(path: Path, inputs: set[str], outputs: set[str], wanted_inputs: set[str],
-                   wanted_outputs: set[str]) -> None:
-    for kind, names, wanted in (("input", inputs, wanted_inputs), ("output", outputs, wanted_outputs)):
-        if names != wanted:
-            odd = sorted(names ^ wanted)
+def graph_io(inputs: tuple[TensorSpec, ...], layout: KVCacheLayout | SequenceGraph) -> tuple[set[str], set[str]]:
+    """The input and output names a graph has by its manifest: the step inputs and caches in, logits and caches out."""
+    return ({spec.name for spec in inputs} | {*layout.key_inputs, *layout.value_inputs},
+            {"logits", *layout.key_outputs, *layout.value_outputs})
+
+
+def check_io_names(path: Path, inputs: set[str], outputs: set[str], wanted: tuple[set[str], set[str]]) -> None:
+    for kind, names, want in (("input", inputs, wanted[0]), ("output", outputs, wanted[1])):
+        if names != want:
+            odd = sorted(names ^ want)
             raise EngineError(f"{path}'s {kind}s differ from its manifest's ({', '.join(odd[:4])}): the manifest was "
                               "edited or belongs to another build; rebuild the engine")
 
@@ -107,27 +112,26 @@ def check_io_names(path: Path, inputs: set[str], outputs: set[str], wanted_input
 def check_graph_io(engine_dir: Path, manifest: Manifest) -> None:
     """The graphs' input and output names against the manifest's, read from the graph files alone (inspect: no
     session, no weights)."""
-    kv, sequence = manifest.kv_cache, manifest.sequence_graph
-    graphs = [(manifest.artifact, manifest.inputs, kv)] + ([(sequence.artifact, sequence.inputs, sequence)]
-                                                          if sequence is not None else [])
+    sequence = manifest.sequence_graph
+    graphs = [(manifest.artifact, manifest.inputs, manifest.kv_cache)] + (
+        [(sequence.artifact, sequence.inputs, sequence)] if sequence is not None else [])
     for artifact, inputs, layout in graphs:
         graph = onnx.load(str(engine_dir / artifact), load_external_data=False).graph
         constants = {t.name for t in graph.initializer}
         check_io_names(engine_dir / artifact, {i.name for i in graph.input if i.name not in constants},
-                       {o.name for o in graph.output}, {s.name for s in inputs} | {*layout.key_inputs,
-                                                                                   *layout.value_inputs},
-                       {"logits", *layout.key_outputs, *layout.value_outputs})
+                       {o.name for o in graph.output}, graph_io(inputs, layout))
 
 
-def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifest, caches: list[str],
-                    cache_shape: tuple[int | None, ...], cache_dtype: str, feeds: set[str],
-                    cache_outputs: list[str]) -> None:
-    """The loaded graph agrees with the manifest on what the runtime feeds and binds: exactly the inputs `feeds` and
-    `caches` and the outputs logits and `cache_outputs`; and on what it sizes from it: the logits' width, the KV cache
-    inputs (of `cache_dtype`, the first of `cache_shape`; None and symbolic dimensions are not compared) and the build
-    limits the graph was lowered for (graph_meta.py)."""
+def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifest,
+                    inputs: tuple[TensorSpec, ...], layout: KVCacheLayout | SequenceGraph,
+                    cache_shape: tuple[int | None, ...], cache_dtype: str) -> None:
+    """The loaded graph agrees with the manifest on what the runtime feeds and binds (graph_io: `inputs` and the
+    caches of `layout`); and on what it sizes from it: the logits' width, the KV cache inputs (of `cache_dtype`, the
+    first of `cache_shape`; None and symbolic dimensions are not compared) and the build limits the graph was lowered
+    for (graph_meta.py)."""
     check_io_names(path, {t.name for t in session.get_inputs()}, {t.name for t in session.get_outputs()},
-                   feeds | set(caches), {"logits", *cache_outputs})
+                   graph_io(inputs, layout))
+    caches = [*layout.key_inputs, *layout.value_inputs]
     types = {t.name: t.type for t in session.get_inputs()}
     wrong = [name for name in caches if types.get(name) != ORT_TYPES[cache_dtype]]
     if wrong:
@@ -153,9 +157,8 @@ class OnnxRuntimeBackend:
                                                           session_options(threads, spin_wait), huge_pages)
         kv = manifest.kv_cache
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
-        check_signature(self.session, engine_dir / manifest.artifact, manifest, [*kv.key_inputs, *kv.value_inputs],
-                        (None, *shape[1:]), kv.dtype, {spec.name for spec in manifest.inputs},
-                        [*kv.key_outputs, *kv.value_outputs])
+        check_signature(self.session, engine_dir / manifest.artifact, manifest, manifest.inputs, kv,
+                        (None, *shape[1:]), kv.dtype)
         self.num_blocks = num_blocks
         self.binding = self.session.io_binding()
         self.caches: list[np.ndarray] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -22,25 +23,55 @@ TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, 
                   "object>}}</tool_call>, one such block per call.")
 
 
-def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> str:
-    """The template's text of the conversation, ending with the assistant's generation prompt. template_kwargs:
-    more variables the template reads (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
+@dataclass(frozen=True, eq=False)
+class ChatOptions:
+    """How a conversation renders: the functions the model may call (`tools`, OpenAI's form), more variables the
+    template reads (`template_kwargs`: vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking), and how it ends:
+    the assistant's turn opened (`add_generation_prompt`, the default) or the last message left open for the model
+    to go on with (`continue_final_message`, e.g. an assistant reply begun by the caller)."""
+
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} is true or false, got {getattr(self, name)!r:.80}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise RequestError("add_generation_prompt and continue_final_message exclude each other: the first opens "
+                               "a new assistant turn, the second goes on with the last message; set "
+                               "add_generation_prompt false to continue the last message")
+        if self.tools is not None:
+            check_tools(self.tools)
+
+    @property
+    def default(self) -> bool:
+        return self.tools is None and self.template_kwargs is None and self.add_generation_prompt \
+            and not self.continue_final_message
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> str:
+    """The template's text of the conversation, ending as `options` asks (by default with the assistant's
+    generation prompt)."""
     check_messages(messages)
     if tokenizer.chat_template is None:
         raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt, or give the engine "
                            "one (chat_template=, --chat-template FILE)")
-    if tools is not None:
-        check_tools(tools)
-    template_kwargs = check_template_kwargs(template_kwargs, tokenizer)
-    tools = tools or None
+    template_kwargs = check_template_kwargs(options.template_kwargs, tokenizer)
+    if options.continue_final_message and not (messages[-1].get("content") or ""):
+        raise RequestError("continue_final_message goes on with the last message's text, and it has none; end the "
+                           "messages with the text to continue (e.g. an assistant message begun)")
+    tools = options.tools or None
     template = tokenizer.get_chat_template(tools=tools)
     if "developer" not in template:  # OpenAI's newer name for the system role, which most templates do not know
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     if not reads_tools(template):
         messages, tools = as_text(messages, tools, calls_as_text="tool_calls" not in template), None
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=options.add_generation_prompt,
+                                             continue_final_message=options.continue_final_message, tokenize=False,
                                              **template_kwargs)
     except Exception as exc:  # the template's own errors (raise_exception, a division by zero, ...) and jinja's
         raise RequestError(f"this model's chat template refused the messages: {exc}") from exc

@@ -28,7 +28,7 @@ from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, params_list, priorities, prompt_list
 from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, PromptOutput, RequestOutput, Sink
 from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
-from camshaft.runtime.prompts import Prompt, PromptEncoder
+from camshaft.runtime.prompts import Prompt, PromptEncoder, chat_options
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import SchedulerConfig
@@ -116,12 +116,13 @@ class LLM:
 
     def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
                tools: list[dict[str, Any]] | None = None, for_generation: bool = True,
-               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template), with the
-        functions the model may call (`tools`) and more variables the template reads (`chat_template_kwargs`).
-        for_generation False (counting tokens): text however long, and an empty prompt, are tokenized, not refused."""
-        return self.prompts.encode(prompt, messages, tools=tools, for_generation=for_generation,
-                                    chat_template_kwargs=chat_template_kwargs)
+               chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> list[int]:
+        """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template, with the
+        chat keywords of chat()). for_generation False (counting tokens): text however long, and an empty prompt,
+        are tokenized, not refused."""
+        chat = chat_options(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
+        return self.prompts.encode(prompt, messages, chat=chat, for_generation=for_generation)
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
         """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
@@ -219,19 +220,22 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None,
-             tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptOutput]:
+             tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[PromptOutput]:
         """generate() for one conversation (a list of {"role", "content"} messages) or a list of them, each through
-        the tokenizer's chat template with the assistant's turn opened; `tools`: the functions the model may call;
-        `chat_template_kwargs`: more variables the template reads (e.g. Qwen3's enable_thinking)."""
+        the tokenizer's chat template with the assistant's turn opened (or, with continue_final_message and
+        add_generation_prompt False, the last message left open for the model to go on with); `tools`: the
+        functions the model may call; `chat_template_kwargs`: more variables the template reads (e.g. Qwen3's
+        enable_thinking)."""
         if not isinstance(messages, (list, tuple)):
             raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got "
                                f"{messages!r:.80}")
+        chat = chat_options(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         rendered = []
         for i, conversation in enumerate(conversations):
             try:
-                rendered.append(self.prompts.chat_prompt(list(conversation), tools, chat_template_kwargs))
+                rendered.append(self.prompts.chat_prompt(list(conversation), chat))
             except RequestError as exc:
                 raise (type(exc)(f"conversation {i}: {exc}") if len(conversations) > 1 else exc) from None
         return self._generate([ids for _, ids in rendered], [text for text, _ in rendered], sampling_params,

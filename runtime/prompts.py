@@ -9,7 +9,7 @@ import numpy as np
 
 from camshaft.checks import is_int
 from camshaft.errors import RequestError
-from camshaft.runtime.chat_template import render_chat
+from camshaft.runtime.chat_template import ChatOptions, render_chat
 from camshaft.runtime.prompt_text import encode_text
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
@@ -21,12 +21,10 @@ class PromptEncoder:
         self.tokenizer, self.max_seq_len, self.vocab_size = tokenizer, max_seq_len, vocab_size
 
     def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
-               tools: list[dict[str, Any]] | None = None, for_generation: bool = True,
-               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+               chat: ChatOptions | None = None, for_generation: bool = True) -> list[int]:
         """The prompt's ids as generation feeds them to the engine: text, token ids, or chat messages through the
-        chat template, with the functions the model may call (`tools`, OpenAI's form: chat_template.py) and more
-        variables the template reads (`chat_template_kwargs`). For counting tokens (for_generation False), text
-        however long and an empty prompt are tokenized, not refused."""
+        chat template as `chat` asks (tools, template variables, how the conversation ends). For counting tokens
+        (for_generation False), text however long and an empty prompt are tokenized, not refused."""
         if isinstance(prompt, dict):
             if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
                 raise RequestError(f'a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got the '
@@ -38,12 +36,10 @@ class PromptEncoder:
         if (prompt is None) == (messages is None):
             raise RequestError("pass exactly one of a prompt or chat messages")
         limit = self.max_seq_len if for_generation else None
-        chat_only = [name for name, value in (("tools", tools), ("chat_template_kwargs", chat_template_kwargs))
-                     if value is not None]
-        if chat_only and messages is None:
-            raise RequestError(f"{' and '.join(chat_only)} go with chat messages; pass messages=[...]")
+        if chat is not None and not chat.default and messages is None:
+            raise RequestError(f"{chat_only(chat)} go with chat messages; pass messages=[...]")
         if messages is not None:
-            ids = self._chat_prompt(messages, tools, chat_template_kwargs, limit)[1]
+            ids = self._chat_prompt(messages, chat or ChatOptions(), limit)[1]
         elif isinstance(prompt, str):
             if not prompt and for_generation:
                 raise RequestError("the prompt is empty; pass some text")
@@ -60,17 +56,31 @@ class PromptEncoder:
             raise RequestError("the prompt encodes to no tokens; pass some text")
         return ids
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    def chat_prompt(self, messages: list[dict[str, Any]], chat: ChatOptions | None = None) -> tuple[str, list[int]]:
         """A conversation as generation feeds it: the chat template's text, and its ids."""
-        text, ids = self._chat_prompt(messages, tools, chat_template_kwargs, self.max_seq_len)
+        text, ids = self._chat_prompt(messages, chat or ChatOptions(), self.max_seq_len)
         if not ids:
             raise RequestError("the prompt encodes to no tokens; pass some text")
         return text, ids
 
-    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template_kwargs: dict[str, Any] | None, limit: int | None) -> tuple[str, list[int]]:
+    def _chat_prompt(self, messages: list[dict[str, Any]], chat: ChatOptions,
+                     limit: int | None) -> tuple[str, list[int]]:
         """The chat template's text of a conversation and its ids (the template holds the special tokens: encoding
         adds no second BOS)."""
-        text = render_chat(self.tokenizer, messages, tools, template_kwargs)
+        text = render_chat(self.tokenizer, messages, chat)
         return text, encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)
+
+
+def chat_options(tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 add_generation_prompt: bool = True, continue_final_message: bool = False) -> ChatOptions:
+    """The public methods' chat keywords (vLLM's names) as one ChatOptions."""
+    return ChatOptions(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
+
+
+def chat_only(chat: ChatOptions) -> str:
+    """The chat options set away from their defaults, by their public names."""
+    names = [name for name, changed in (("tools", chat.tools is not None),
+                                        ("chat_template_kwargs", chat.template_kwargs is not None),
+                                        ("add_generation_prompt", not chat.add_generation_prompt),
+                                        ("continue_final_message", chat.continue_final_message)) if changed]
+    return " and ".join(names)

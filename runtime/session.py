@@ -21,7 +21,7 @@ from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import params_list
 from camshaft.runtime.outputs import GenerationResult
 from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
-from camshaft.runtime.prompts import Prompt, PromptEncoder
+from camshaft.runtime.prompts import Prompt, PromptEncoder, chat_options
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
@@ -104,10 +104,12 @@ class Session:
 
     def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
                tools: list[dict[str, Any]] | None = None, for_generation: bool = True,
-               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The prompt's ids as generation feeds them to the engine (PromptEncoder.encode)."""
-        return self.prompts.encode(prompt, messages, tools=tools, for_generation=for_generation,
-                                   chat_template_kwargs=chat_template_kwargs)
+               chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> list[int]:
+        """The prompt's ids as generation feeds them to the engine (PromptEncoder.encode); with messages, the chat
+        keywords as vLLM's LLM.chat takes them."""
+        chat = chat_options(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
+        return self.prompts.encode(prompt, messages, chat=chat, for_generation=for_generation)
 
     def _params(self, params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
         unknown = set(overrides) - _PARAM_NAMES
@@ -131,35 +133,41 @@ class Session:
 
     def stream(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
                messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
-               chat_template_kwargs: dict[str, Any] | None = None,
-               **overrides: Any) -> Generator[str, None, GenerationResult]:
+               chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **overrides: Any) -> Generator[str, None, GenerationResult]:
         """Text deltas as they become safe; they concatenate to the generated text, and the generator returns the
         GenerationResult (StopIteration.value). Bad input raises here, before the first delta; timings count from
-        the first delta asked for. `tools`, `chat_template_kwargs`: as encode() takes them, with messages."""
-        ids = self.encode(prompt, messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        the first delta asked for. The chat keywords: as encode() takes them, with messages."""
+        ids = self.encode(prompt, messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                          add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
         request = self._request(ids, self._params(sampling_params, overrides))
         return self._run(request)
 
     def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
                  messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None, **overrides: Any) -> GenerationResult:
+                 chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False, **overrides: Any) -> GenerationResult:
         """One request: `sampling_params` and/or SamplingParams fields as keywords (max_tokens=..., which win)."""
-        ids = self.encode(prompt, messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
-        request = self._request(ids, self._params(sampling_params, overrides))
-        for _ in self._run(request):
-            pass
-        return request.result()
+        generator = self.stream(prompt, sampling_params, messages=messages, tools=tools,
+                                chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, **overrides)
+        try:
+            while True:
+                next(generator)
+        except StopIteration as stop:
+            return stop.value
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
              tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
              **overrides: Any) -> GenerationResult:
         """generate() for a conversation; `tools`: the functions the model may call (rendered into the prompt);
-        `chat_template_kwargs`: more variables the chat template reads (e.g. Qwen3's enable_thinking)."""
-        request = self._request(self.encode(messages=messages, tools=tools, chat_template_kwargs=chat_template_kwargs),
-                                self._params(sampling_params, overrides))
-        for _ in self._run(request):
-            pass
-        return request.result()
+        `chat_template_kwargs`: more variables the chat template reads (e.g. Qwen3's enable_thinking);
+        `continue_final_message` (with add_generation_prompt False): the model goes on with the last message, e.g.
+        an assistant reply begun."""
+        return self.generate(messages=messages, sampling_params=sampling_params, tools=tools,
+                             chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message, **overrides)
 
     def _run(self, request: Request) -> Generator[str, None, GenerationResult]:
         if not self._running.acquire(blocking=False):

@@ -272,6 +272,13 @@ def test_chat_priorities_in_numpy_and_what_stopped_a_request(engine_dir):
         assert chat.prompt_token_ids == llm.encode(messages=messages)
         assert chat.outputs[0].token_ids == llm.generate(chat.prompt_token_ids, params)[0].outputs[0].token_ids
         assert len(llm.chat([messages, messages], params, priority=np.array([1, 0]))) == 2
+        begun = [*messages, {"role": "assistant", "content": "The"}]
+        continued = llm.chat([messages, begun], params, add_generation_prompt=False, continue_final_message=True)
+        assert [c.prompt_token_ids for c in continued] == [
+            llm.encode(messages=m, add_generation_prompt=False, continue_final_message=True) for m in (messages, begun)]
+        assert llm.tokenizer.decode(continued[1].prompt_token_ids).endswith("assistant\nThe")
+        with pytest.raises(RequestError, match="exclude each other"):
+            llm.chat(begun, params, continue_final_message=True)
         with pytest.raises(RequestError, match="messages"):
             llm.chat([])
         result = chat.outputs[0]

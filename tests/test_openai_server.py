@@ -608,6 +608,14 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
     assert chat["tokens"] == session.chat(messages, max_tokens=1).prompt_token_ids
     assert HTTP.post(url + "/detokenize", json={"model": MODEL, "tokens": expected}).json() == {
         "prompt": llm.tokenizer.decode(expected)}
+    begun = [*messages, {"role": "assistant", "content": "The"}]
+    keep_going = {"add_generation_prompt": False, "continue_final_message": True}
+    opened = HTTP.post(url + "/tokenize", json={"messages": begun, **keep_going}).json()["tokens"]
+    assert opened == session.encode(messages=begun, **keep_going) != session.encode(messages=begun)
+    reply = HTTP.post(url + "/v1/chat/completions", json={"messages": begun, "max_tokens": 4, "temperature": 0,
+                                                          **keep_going}).json()
+    assert reply["usage"]["prompt_tokens"] == len(opened)
+    assert reply["choices"][0]["message"]["content"] == session.generate(opened, max_tokens=4).text
     for path, bad, message in [
         ("/tokenize", {"model": "other", "prompt": "x"}, "does not exist"),
         ("/tokenize", {"prompt": "x", "messages": messages}, "one of prompt (text) or messages"),
@@ -621,7 +629,9 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
         ("/tokenize", {"messages": messages, "chat_template_kwargs": {"d": [[[[]]]] * 3, "messages": 1}},
          "cannot set messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": messages, "continue_final_message": True},
-         "take their defaults only"),
+         "add_generation_prompt and continue_final_message exclude each other"),
+        ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt go with messages"),
+        ("/tokenize", {"messages": messages, "add_generation_prompt": "no"}, "add_generation_prompt"),
         ("/tokenize", {"prompt": "x", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs go with messages"),
         ("/detokenize", {"tokens": [5, 10**6]}, "token id 1000000 is outside"),
         ("/detokenize", {"tokens": [5, True]}, "tokens"),

@@ -416,3 +416,35 @@ def test_text_that_is_not_unicode_is_a_request_error(engine_dir, where):
             else:  # the position in the message, not in the rendered template
                 session.chat([{"role": "system", "content": "hi"}, {"role": "user", "content": "a\ud800b"}],
                              max_tokens=2)
+
+
+def test_continue_final_message_leaves_the_last_message_open_as_transformers_renders_it(session):
+    """vLLM's chat keywords: add_generation_prompt False ends the chat after its last message; with
+    continue_final_message the model goes on with that message's text (no end-of-turn after it)."""
+    messages = [{"role": "user", "content": "name a river"}, {"role": "assistant", "content": "The river"}]
+    tokenizer = session.tokenizer
+
+    def reference(**kwargs) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    opened = session.encode(messages=messages, add_generation_prompt=False, continue_final_message=True)
+    assert opened == reference(continue_final_message=True)
+    assert tokenizer.decode(opened).endswith("assistant\nThe river")
+    closed = session.encode(messages=messages, add_generation_prompt=False)
+    assert closed == reference(add_generation_prompt=False) and tokenizer.decode(closed).endswith("<|im_end|>\n")
+    assert session.encode(messages=messages) == reference(add_generation_prompt=True) != closed
+    continued = session.chat(messages, add_generation_prompt=False, continue_final_message=True, max_tokens=5,
+                             ignore_eos=True)
+    assert continued.prompt_token_ids == opened
+    assert continued.token_ids == session.generate(opened, max_tokens=5, ignore_eos=True).token_ids
+    for kwargs, message in (({"continue_final_message": True}, "exclude each other"),
+                            ({"add_generation_prompt": "no"}, "add_generation_prompt is true or false"),
+                            ({"add_generation_prompt": False, "continue_final_message": 1}, "true or false")):
+        with pytest.raises(RequestError, match=message):
+            session.chat(messages, max_tokens=1, **kwargs)
+    with pytest.raises(RequestError, match="last message's text, and it has none"):
+        session.encode(messages=[*messages[:1], {"role": "assistant", "content": ""}], add_generation_prompt=False,
+                       continue_final_message=True)
+    with pytest.raises(RequestError, match="add_generation_prompt go with chat messages"):
+        session.encode("hi", add_generation_prompt=False)

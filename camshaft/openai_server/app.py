@@ -170,7 +170,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         body.check_supported()
         prompt = {"prompt": body.prompt} if body.prompt is not None else \
             {"messages": [m.template_dict() for m in body.messages or []], "tools": body.tools or None,
-             "chat_template_kwargs": body.chat_template_kwargs}
+             **body.chat_keywords()}
         ids = await asyncio.to_thread(llm.encode, **prompt, for_generation=False)  # counted however long
         metrics.http(route_path(request), 200)
         return {"count": len(ids), "max_model_len": max_seq_len, "tokens": ids,
@@ -228,8 +228,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             params = replace(params, skip_special_tokens=False)  # some models' <tool_call> tags are special tokens
         ids = await prompt_ids(max_tokens=body.requested_max_tokens(),
                                messages=[m.template_dict() for m in body.messages],
-                               tools=tools.prompt_tools if tools is not None else None,
-                               chat_template_kwargs=body.chat_template_kwargs)
+                               tools=tools.prompt_tools if tools is not None else None, **body.chat_keywords())
         shape = ChatShape(model_name, llm.tokenizer, tools)
         return await respond(request, body.stream, body.include_usage, [ids], params, shape, arrival, body.priority)
 

@@ -201,22 +201,24 @@ def _template_call(index: int, call: dict[str, Any]) -> dict[str, Any]:
 
 
 class _TemplateOptions(BaseModel):
-    """The chat template options of OpenAI and vLLM bodies: camshaft renders every chat with the generation prompt
-    added, so other values are refused rather than ignored; chat_template_kwargs reach the template (vLLM's)."""
+    """The chat template options of OpenAI and vLLM bodies: tools, chat_template_kwargs (vLLM's) and how the chat
+    ends (add_generation_prompt, continue_final_message) reach the template; a request's own template does not."""
 
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Any = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
     def check_template_options(self) -> None:
         if self.chat_template is not None:  # vLLM refuses it too, unless trusted: it would run a client's template
             raise RequestError("a request's own chat_template is not taken: the server's (its engine's, or "
                                "--chat-template) renders every chat; leave it out")
-        if not self.add_generation_prompt or self.continue_final_message:
-            raise RequestError("add_generation_prompt and continue_final_message take their defaults only (true, "
-                               "false): camshaft renders every chat with the generation prompt; leave them out")
+
+    def chat_keywords(self) -> dict[str, Any]:
+        """The template options as LLM.encode takes them."""
+        return {"chat_template_kwargs": self.chat_template_kwargs, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
 
 class ChatCompletionRequest(_GenerationRequest, _TemplateOptions):
@@ -259,7 +261,9 @@ class TokenizeRequest(_TemplateOptions):
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send one of prompt (text) or messages (chat)")
-        chat_only = [name for name in ("tools", "chat_template_kwargs") if getattr(self, name)]
+        chat_only = [name for name in ("tools", "chat_template_kwargs", "continue_final_message")
+                     if getattr(self, name)]
+        chat_only += [] if self.add_generation_prompt else ["add_generation_prompt"]
         if self.prompt is not None and chat_only:
             raise RequestError(f"{' and '.join(chat_only)} go with messages (a chat); a prompt is tokenized as it is: "
                                "leave them out")

@@ -26,6 +26,7 @@ from camshaft.builder.target_checks import (
     check_weight_only_compute,
     has_weight_only_layers,
 )
+from camshaft.builder.targets.trt_product import parse_arch
 from camshaft.engine_files import TOKENIZER_DIR, engine_entries, record_files
 from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import graph_limits
@@ -150,7 +151,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             max_num_tokens=config.max_num_tokens,
             kv_block_size=config.kv_block_size,
         )
-        dtype = config.resolved_dtype
+        dtype = config.resolved_dtype(checkpoint.float_dtype, parse_arch(gpu_arch) if gpu_arch else None)
         tokenizer_files = checkpoint.tokenizer_files()  # before any long work: a checkpoint without one fails now
         staging = staging_dir(output)
         try:

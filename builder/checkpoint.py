@@ -25,6 +25,7 @@ from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig,
 from camshaft.weight_files import index_map, weight_files
 
 EMBED = "model.embed_tokens.weight"
+SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 class Checkpoint:
@@ -58,6 +59,14 @@ class Checkpoint:
                 and "lm_head.weight" in self._where:
             self._where[EMBED] = self._where["lm_head.weight"]  # a tied model saved as its head, as transformers ties
             self._aliases[EMBED] = "lm_head.weight"
+
+    @property
+    def float_dtype(self) -> str | None:
+        """The float type the checkpoint stores its embedding in (its own precision), None where that is not float."""
+        name = self._aliases.get(EMBED, EMBED)
+        if name not in self._where:
+            return None
+        return SAFETENSORS_FLOATS.get(self._handles[self._where[name]].get_slice(name).get_dtype())
 
     def _check_tied_head(self) -> None:
         """A tied head reads the embedding; a checkpoint that also stores a different lm_head.weight is refused

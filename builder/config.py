@@ -11,7 +11,8 @@ from camshaft.manifest import TARGETS
 from camshaft.model_config import ModelConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-# The first is the target's default. TensorRT: float16 or bfloat16 (sm80+, targets/precision.py) base precision.
+# What each target builds; auto: the checkpoint's own type where the target builds it for the GPU (bfloat16: sm80+,
+# targets/precision.py), else the first.
 TARGET_DTYPES = {"onnxruntime": ("float32",), "tensorrt": ("float16", "bfloat16"),
                  "tensorrt-rtx": ("float16", "bfloat16")}
 # How the onnxruntime target multiplies weight-only (int4/int8) layers: float dequantizes the weights (exact), int8
@@ -62,7 +63,7 @@ class BuildConfig:
             from camshaft.builder.targets.precision import check_precision
             from camshaft.builder.targets.trt_product import parse_arch
 
-            check_precision(self.target, parse_arch(self.resolved_gpu_arch), dtype=self.resolved_dtype)
+            check_precision(self.target, parse_arch(self.resolved_gpu_arch), dtype=self.resolved_dtype())
         if Path(self.model_dir).resolve() == Path(self.output_dir).resolve():
             raise BuildConfigError("--output must differ from --model: the engine would overwrite the checkpoint")
 
@@ -78,9 +79,17 @@ class BuildConfig:
         """MatMulNBits accuracy level of the onnxruntime target's weight-only layers."""
         return ACCURACY_LEVELS["int8" if self.weight_only_compute == "auto" else self.weight_only_compute]
 
-    @property
-    def resolved_dtype(self) -> str:
-        return TARGET_DTYPES[self.target][0] if self.dtype == "auto" else self.dtype
+    def resolved_dtype(self, stored: str | None = None, arch: int | None = None) -> str:
+        """The engine's float type: --dtype, or for auto the checkpoint's `stored` type (as trtllm-build's auto
+        takes it) where the target builds it for `arch` (None: any), else the target's first."""
+        if self.dtype != "auto":
+            return self.dtype
+        if stored in TARGET_DTYPES[self.target]:
+            from camshaft.builder.targets.precision import required_arch
+
+            if arch is None or arch >= required_arch(self.target, dtype=stored)[0]:
+                return stored
+        return TARGET_DTYPES[self.target][0]
 
     def resolved_max_seq_len(self, model: ModelConfig) -> int:
         longest = model.context_length

@@ -71,7 +71,7 @@ def check_target(config: BuildConfig) -> str | None:
         from camshaft.builder.targets.precision import check_precision
 
         arch = trt_product.supported_archs(trt, config.target)[0]
-        check_precision(config.target, arch, dtype=config.resolved_dtype)
+        check_precision(config.target, arch, dtype=config.resolved_dtype())
         return f"sm{arch}"
     trt_product.check_arch(trt, config.target, config.resolved_gpu_arch)
     return config.resolved_gpu_arch

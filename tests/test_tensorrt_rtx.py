@@ -91,8 +91,19 @@ def test_parser_errors_name_the_node(tmp_path: Path) -> None:
                    num_blocks_max=NUM_BLOCKS)
 
 
-@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
-def test_build_engine_for_tensorrt_rtx_records_plan_and_graph(tmp_path, dtype):
+def stored_as_bfloat16(model: Path) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for file in model.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize(("dtype", "stored", "base"), [("auto", "float32", "float16"), ("bfloat16", "float32",
+                                                       "bfloat16"), ("auto", "bfloat16", "bfloat16")])
+def test_build_engine_for_tensorrt_rtx_records_plan_and_graph(tmp_path, dtype, stored, base):
+    """--dtype auto builds the checkpoint's own half type (as trtllm-build's auto), float16 for a float32 one."""
     import onnx
 
     from camshaft.builder.build import GRAPH_NAME, build_engine, file_sha256
@@ -101,10 +112,14 @@ def test_build_engine_for_tensorrt_rtx_records_plan_and_graph(tmp_path, dtype):
     from camshaft.runtime.engine import Engine
 
     model = make_tiny_model("qwen3-qknorm", tmp_path / "hf")
+    if stored == "bfloat16":
+        stored_as_bfloat16(model)
     out = tmp_path / "engine"
-    manifest = build_engine(BuildConfig(model, out, target="tensorrt-rtx", max_seq_len=64, max_batch_size=4,
-                                        max_num_tokens=32, kv_block_size=8, dtype=dtype))
-    base = "float16" if dtype == "auto" else dtype
+    config = BuildConfig(model, out, target="tensorrt-rtx", max_seq_len=64, max_batch_size=4, max_num_tokens=32,
+                         kv_block_size=8, dtype=dtype)
+    if stored == "bfloat16":  # a GPU without bfloat16 kernels (sm75) gets float16 from auto
+        assert config.resolved_dtype(stored, 75) == "float16" and config.resolved_dtype(stored, 80) == "bfloat16"
+    manifest = build_engine(config)
     assert manifest.target == "tensorrt-rtx" and manifest.dtype == base and manifest.kv_cache.dtype == base
     elem = onnx.helper.tensor_dtype_to_np_dtype(
         onnx.load(out / GRAPH_NAME, load_external_data=False).graph.input[-1].type.tensor_type.elem_type)

@@ -74,7 +74,7 @@ def test_bad_arch_spelling_fails_in_build_config(tmp_path: Path) -> None:
 
 def test_bf16_base_precision_in_build_config(tmp_path: Path) -> None:
     config = BuildConfig(tmp_path / "hf", tmp_path / "out", target="tensorrt-rtx", dtype="bfloat16")
-    assert config.resolved_dtype == "bfloat16" and config.resolved_gpu_arch == "sm89"
+    assert config.resolved_dtype() == "bfloat16" and config.resolved_gpu_arch == "sm89"
     with pytest.raises(BuildConfigError, match=r"no BF16 kernels"):
         BuildConfig(tmp_path / "hf", tmp_path / "out", target="tensorrt-rtx", dtype="bfloat16", gpu_arch="sm75")
     with pytest.raises(BuildConfigError, match=r"onnxruntime builds float32 engines, not bfloat16"):

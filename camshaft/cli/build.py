@@ -71,7 +71,8 @@ def build(
     output: Annotated[Path, typer.Option(help="Engine directory to write")],
     target: Annotated[str, typer.Option(help="onnxruntime (CPU) | tensorrt | tensorrt-rtx")] = "onnxruntime",
     dtype: Annotated[str, typer.Option(
-        help="auto (onnxruntime: float32, tensorrt targets: float16) | float32 | float16 | bfloat16 (tensorrt, sm80+)")]
+        help="auto (onnxruntime: float32; tensorrt targets: the checkpoint's own float16 or bfloat16 where the GPU "
+             "has it, else float16) | float32 | float16 | bfloat16 (tensorrt, sm80+)")]
     = "auto",
     max_batch_size: Annotated[int, typer.Option(help="Most sequences in one step")] = 32,
     max_seq_len: Annotated[int | None, typer.Option(help="Most tokens per sequence, prompt + output (default: the "

@@ -16,7 +16,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from camshaft.checks import is_int
 from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
@@ -27,7 +26,7 @@ from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import check_llm_options, check_priority, params_list, priorities, prompt_list
 from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, PromptOutput, RequestOutput, Sink
-from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
+from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup
 from camshaft.runtime.prompts import Prompt, PromptEncoder, chat_options
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
@@ -61,8 +60,7 @@ class LLM:
         batch, tokens = astuple(check_llm_options(
             limits, policy=policy, kv_reservation=kv_reservation, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, max_queue=max_queue))
-        lookup = PromptLookup(num_tokens=prompt_lookup) if is_int(prompt_lookup) else prompt_lookup
-        check_prompt_lookup(lookup, "a camshaft.PromptLookup or its num_tokens")
+        lookup = as_prompt_lookup(prompt_lookup)
         template = None if chat_template is None else load_chat_template(chat_template)
         self.kv_cache_memory = parse_memory(kv_cache_memory)  # bytes; a fraction is resolved once, here
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=self.kv_cache_memory,

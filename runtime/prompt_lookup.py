@@ -26,6 +26,20 @@ def check_prompt_lookup(value: object, what: str = "a camshaft.PromptLookup(num_
         raise RequestError(f"prompt_lookup takes {what}, got {value!r:.60}")
 
 
+def as_prompt_lookup(value: PromptLookup | int | None) -> PromptLookup | None:
+    """Session's and LLM's prompt_lookup: a PromptLookup, its num_tokens, or None (and 0) for none."""
+    if is_int(value) and not isinstance(value, bool):
+        return PromptLookup(num_tokens=int(value)) if value else None
+    check_prompt_lookup(value, "a camshaft.PromptLookup or its num_tokens")
+    return value
+
+
+def checks_drafts(manifest) -> bool:
+    """Whether an engine's Session graph can check drafts: engines built before prompt lookup have a sequence graph
+    that gives logits for one token a step."""
+    return manifest.sequence_graph is None or manifest.sequence_graph.checks_drafts
+
+
 @dataclass(frozen=True)
 class PromptLookup:
     """num_tokens: drafts a step at most; the last max_ngram .. min_ngram tokens are looked for, longest first, at

@@ -20,7 +20,7 @@ from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
 from camshaft.runtime.llm_options import params_list
 from camshaft.runtime.outputs import GenerationResult
-from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
+from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup, checks_drafts
 from camshaft.runtime.prompts import Prompt, PromptEncoder, chat_options
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
@@ -37,21 +37,20 @@ class Session:
     camshaft: the fastest for one request), else its batch graph; "sequence" or "batch" insists on one.
     `kv_cache_memory` bounds the KV cache of either graph (bytes, "512MiB", or a fraction of available memory:
     kv_cache.parse_memory). `huge_pages`: the weights on transparent huge
-    pages (Linux; see runtime/backends/huge_pages.py). `prompt_lookup`: decode with drafts copied from the prompt
-    and output (runtime/prompt_lookup.py): the same output, faster where text repeats."""
+    pages (Linux; see runtime/backends/huge_pages.py). `prompt_lookup` (a PromptLookup, or its num_tokens): decode with
+    drafts copied from the prompt and output (runtime/prompt_lookup.py): the same output, faster where text repeats."""
 
     def __init__(self, engine_dir: str | Path, *, threads: int | None = None,
                  kv_cache_memory: int | float | str | None = None, graph: str = "auto", huge_pages: bool = True,
-                 prompt_lookup: PromptLookup | None = None, chat_template: str | Path | None = None):
+                 prompt_lookup: PromptLookup | int | None = None, chat_template: str | Path | None = None):
         if graph not in GRAPHS:
             raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
-        check_prompt_lookup(prompt_lookup)
+        prompt_lookup = as_prompt_lookup(prompt_lookup)
         template = None if chat_template is None else load_chat_template(chat_template)
         kv_cache_memory = parse_memory(kv_cache_memory)
         manifest = read_manifest(engine_dir)
         sequence = graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None)
-        if prompt_lookup is not None and sequence and manifest.sequence_graph is not None \
-                and not manifest.sequence_graph.checks_drafts:
+        if prompt_lookup is not None and sequence and not checks_drafts(manifest):
             raise EngineError(f"{engine_dir}: its sequence graph gives logits for one token a step, so it cannot check "
                               "drafts; rebuild the engine with this camshaft for prompt lookup, run it on its batch "
                               "graph (graph=\"batch\"), or without prompt_lookup")

@@ -93,8 +93,11 @@ def test_an_engine_that_cannot_check_drafts_is_refused_and_so_are_bad_settings(e
     import json
     import shutil
 
-    with pytest.raises(RequestError, match="prompt_lookup takes a camshaft.PromptLookup"):
-        Session(engine_dir, prompt_lookup=4)
+    for bad in (4.0, "4", True):
+        with pytest.raises(RequestError, match="prompt_lookup takes a camshaft.PromptLookup or its num_tokens"):
+            Session(engine_dir, prompt_lookup=bad)
+    with Session(engine_dir, prompt_lookup=4) as by_number, Session(engine_dir, prompt_lookup=0) as off:
+        assert by_number.prompt_lookup == PromptLookup(num_tokens=4) and off.prompt_lookup is None
     with Session(engine_dir) as session:
         assert session.engine.max_rows > 1
         session.engine.max_rows = 1  # as an engine built before prompt lookup reads

@@ -11,7 +11,6 @@ import typer
 from camshaft.cli import app, err, eval_app, flag_names
 
 if TYPE_CHECKING:
-    from camshaft.runtime.prompt_lookup import PromptLookup
     from camshaft.runtime.sampling_params import SamplingParams
 
 
@@ -51,14 +50,9 @@ def run(
                   "add --temperature above 0 to sample")
     if prompt == "-":
         prompt = _stdin_text()
-    lookup = None
-    if prompt_lookup:
-        from camshaft.runtime.prompt_lookup import PromptLookup
-
-        lookup = PromptLookup(num_tokens=prompt_lookup)
     with flag_names("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_lookup"):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        _run(engine, prompt, chat, system, params, stream, lookup, chat_template)
+        _run(engine, prompt, chat, system, params, stream, prompt_lookup, chat_template)
 
 
 def _stdin_text() -> str:
@@ -72,22 +66,20 @@ def _stdin_text() -> str:
 
 
 def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool,
-         prompt_lookup: PromptLookup | None, chat_template: str | None = None) -> None:
+         prompt_lookup: int, chat_template: str | None = None) -> None:
     from camshaft.runtime.session import Session
 
     max_tokens = params.max_tokens
     # One prompt, then exit: moving the weights to huge pages (0.2-1.3 s for SmolLM2 fp32) repays itself at 6 % of
     # each decode step after 200-1300 tokens (both scale with the weights' size; BENCHMARKS.md): only long runs ask.
     from camshaft.errors import EngineError
+    from camshaft.manifest import read_manifest
+    from camshaft.runtime.prompt_lookup import checks_drafts
 
-    try:
-        session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup,
-                          chat_template=chat_template)
-    except EngineError as exc:
-        if prompt_lookup is None or "cannot check drafts" not in str(exc):
-            raise
+    if prompt_lookup and not checks_drafts(read_manifest(engine)):
         raise EngineError(f"{engine}: built before prompt lookup (its sequence graph gives logits for one token a "
-                          "step); rebuild it with this camshaft for --prompt-lookup, or drop --prompt-lookup") from None
+                          "step); rebuild it with this camshaft for --prompt-lookup, or drop --prompt-lookup")
+    session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup, chat_template=chat_template)
     messages = None
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

@@ -208,6 +208,18 @@ def _load_jsonl(path: Path, num_requests: int, max_seq_len: int, vocab_size: int
     return [rows[i % len(rows)] for i in range(num_requests)]
 
 
+def repeat_note(spec: DatasetSpec, num_requests: int) -> str | None:
+    """For a JSONL dataset with fewer requests than asked for (read and checked now): a note that they repeat."""
+    if spec.kind != "jsonl":
+        return None
+    rows = len(read_jsonl_requests(spec.path))
+    if rows >= num_requests:
+        return None
+    return (f"note: {spec.path} holds {rows} request(s); {num_requests} requests repeat them in order, and a repeated "
+            "prompt is served from the prefix cache (TTFT and throughput read better than for as many different "
+            "prompts; GFLOP/s counts only what was computed)")
+
+
 def warmup_requests(requests: list[BenchRequest], vocab_size: int, count: int = 4) -> list[BenchRequest]:
     """Short requests with other prompt ids than `requests` (so the prefix cache cannot help the measured run)."""
     rng = np.random.default_rng(12345)

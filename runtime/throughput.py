@@ -26,8 +26,16 @@ import numpy as np
 
 from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import RequestError
-from camshaft.manifest import Manifest, read_manifest
-from camshaft.runtime.bench_data import BenchRequest, clipped_requests, load_dataset, warmup_requests
+from camshaft.manifest import read_manifest
+from camshaft.runtime.bench_data import (
+    BenchRequest,
+    clipped_requests,
+    load_dataset,
+    parse_dataset_spec,
+    repeat_note,
+    warmup_requests,
+)
+from camshaft.runtime.flops import count_flops
 from camshaft.runtime.kv_cache import bytes_per_block, parse_memory
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.llm_options import check_llm_options
@@ -36,32 +44,6 @@ from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.step_timer import StepTimer
 from camshaft.runtime.throughput_report import json_ready
 
-# ---------------------------------------------------------------------------------------------------------- flops
-
-def linear_params(manifest: Manifest) -> tuple[int, int]:
-    """(weights of the per-token matmuls of all layers, weights of the LM head)."""
-    m = manifest.model
-    q = m.num_heads * m.head_dim
-    kv = m.num_kv_heads * m.head_dim
-    per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
-    return per_layer * m.num_layers, m.vocab_size * m.hidden_size
-
-
-def count_flops(manifest: Manifest, requests: list[BenchRequest]) -> dict[str, float]:
-    """FLOPs of computing every request once (no preemption recompute): 2 x layer weights x tokens fed
-    (prompt + output - 1), 2 x LM-head weights x logits rows (one per output token), and attention
-    4 x heads x head_dim x context per token per layer (QK^T and PV)."""
-    m = manifest.model
-    layers, head = linear_params(manifest)
-    fed = sum(len(r.prompt_ids) + r.max_tokens - 1 for r in requests)
-    rows = sum(r.max_tokens for r in requests)
-    context = sum((n * (n + 1)) // 2 for n in (len(r.prompt_ids) + r.max_tokens - 1 for r in requests))
-    attention = 4 * m.num_heads * m.head_dim * m.num_layers * context
-    return {"linear": 2.0 * layers * fed, "lm_head": 2.0 * head * rows, "attention": float(attention),
-            "tokens_fed": fed}
-
-
-# ---------------------------------------------------------------------------------------------------------- client
 
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
@@ -150,6 +132,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     done: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
     timer = StepTimer(llm)
     in_flight = 0
+    reused = [0] * len(requests)  # prompt tokens each took from the prefix cache
 
     def submit(index: int) -> None:
         nonlocal in_flight
@@ -179,6 +162,8 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
             in_flight -= 1
             if output.error is not None:
                 raise output.error
+            reused[index] = min(output.result.metrics.kv_blocks_reused * llm.engine.block_size,
+                                len(requests[index].prompt_ids))
             if keep_token_ids:
                 records[index].token_ids = list(output.result.token_ids)
             if next_index < len(requests):
@@ -187,7 +172,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         wall = time.perf_counter() - started
     finally:
         timer.restore()
-    flops = count_flops(llm.engine.manifest, requests)
+    flops = count_flops(llm.engine.manifest, requests, reused)
     total_flop = flops["linear"] + flops["lm_head"] + flops["attention"]
     output_tokens = sum(len(r.token_times) for r in records)
     joining = [r.ttft_s for r in records[concurrency:] if r.in_flight_at_submit == concurrency - 1]
@@ -238,6 +223,8 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
         raise RequestError(f"concurrency takes positive integers, got {concurrency!r}")
     if not is_int_at_least(num_requests, 1):
         raise RequestError(f"num_requests must be an integer >= 1, got {num_requests!r}")
+    spec = parse_dataset_spec(dataset)  # a bad spec or JSONL file is refused before the engine loads
+    note = repeat_note(spec, num_requests)
     memory = parse_memory(kv_cache_memory)
     engine_limits = read_manifest(Path(engine_dir), check_files=False).limits  # LLM() below checks the files
     batch = check_llm_options(engine_limits, policy=policy, max_batch_size=max_batch_size,
@@ -246,6 +233,8 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
         raise RequestError(f"concurrency {max(levels)} exceeds the batch size {batch}; requests beyond it would only "
                            "queue: lower --concurrency or raise --max-batch-size (at most the engine's "
                            f"{engine_limits.max_batch_size})")
+    if note:
+        progress(note)
     results, requests = [], None
     for i, c in enumerate(levels, 1):
         progress(f"concurrency {c} ({i}/{len(levels)}): {num_requests} requests")
@@ -253,7 +242,7 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
                  max_num_tokens=max_num_tokens, kv_cache_memory=memory, prompt_lookup=prompt_lookup or None) as llm:
             limits, model = llm.engine.manifest.limits, llm.engine.manifest.model
             if requests is None:
-                requests = load_dataset(dataset, num_requests, max_seq_len=limits.max_seq_len,
+                requests = load_dataset(spec, num_requests, max_seq_len=limits.max_seq_len,
                                         vocab_size=model.vocab_size, seed=seed, tokenizer=llm.tokenizer)
             if warmup:
                 run_throughput(llm, warmup_requests(requests, model.vocab_size, warmup), warmup)

@@ -466,8 +466,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from camshaft.runtime.bench_data import load_dataset, warmup_requests
+    from camshaft.runtime.flops import linear_params
     from camshaft.runtime.llm import LLM
-    from camshaft.runtime.throughput import linear_params, run_throughput
+    from camshaft.runtime.throughput import run_throughput
     from camshaft.runtime.throughput_plot import plot_sweep
     from camshaft.runtime.throughput_report import clipped_line
 

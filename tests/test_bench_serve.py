@@ -42,8 +42,13 @@ def test_targets_and_slos_parse_or_say_what_to_write():
     with pytest.raises(RequestError, match="--goodput"):
         Goodput.parse("ttft=5")
     assert parse_rates("1, 2.5,inf") == [1.0, 2.5, math.inf]
-    with pytest.raises(RequestError, match="--request-rate"):
-        parse_rates("0,fast")
+    for bad in ("0,fast", "nan", "-inf"):
+        with pytest.raises(RequestError, match="--request-rate"):
+            parse_rates(bad)
+    for bad in ("ttft_ms=nan", "e2e_ms=inf", "tpot_ms=0"):
+        with pytest.raises(RequestError, match="--goodput"):
+            Goodput.parse(bad)
+    assert not Goodput().set and Goodput(e2e_ms=1.0).set
 
 
 def test_poisson_arrivals_have_the_requested_rate():
@@ -88,11 +93,45 @@ def test_metrics_follow_from_the_chunk_times():
                Record(10, 3, sent=1.0, chunk_times=[1.3, 1.4, 1.5], text="abc", output_tokens=3),
                Record(10, 3, sent=2.0, error="HTTP 503: busy")]
     result = summarize(Target.parse("t=http://h,backend=openai"), 2.0, None, records, 2.0, Goodput(ttft_ms=200))
-    assert (result.completed, result.failed, result.first_error) == (2, 1, "HTTP 503: busy")
+    assert (result.completed, result.failed, result.errors) == (2, 1, {"HTTP 503: busy": 1})
     assert result.ttft_ms["mean"] == pytest.approx(200.0)
     assert result.tpot_ms["mean"] == pytest.approx((150.0 + 100.0) / 2)
     assert sorted([result.itl_ms["p50"], result.e2e_ms["p50"]]) == pytest.approx([100.0, 450.0])
     assert result.output_tok_s == pytest.approx(3.0) and result.goodput_req_s == pytest.approx(0.5)
+    errors = [Record(10, 3, error="HTTP 503: busy"), Record(10, 3, error="ConnectError: refused"),
+              Record(10, 3, error="ConnectError: refused"), Record(10, 3)]  # the last: no output at all
+    down = summarize(Target.parse("t=http://h,backend=openai"), 2.0, None, errors, 2.0, Goodput())
+    assert down.errors == {"ConnectError: refused": 2, "HTTP 503: busy": 1, "no output": 1}  # most first
+    assert "FAILED 4: ConnectError: refused (x2); HTTP 503: busy (x1); no output (x1)" in down.line()
+    assert down.goodput_req_s is None and "goodput" not in down.line()  # no SLO: no goodput
+    assert "TTFT p50/p99 —/— ms" in down.line()
+    as_json = json.loads(json.dumps(down.to_dict(), allow_nan=False))  # strict JSON: no NaN
+    assert as_json["ttft_ms"]["p50"] is None and as_json["errors"]["no output"] == 1
+
+
+def test_an_openai_event_with_empty_text_is_output():
+    """A server holding back bytes that are not yet UTF-8 sends a chunk with empty text: a token still arrived."""
+    import asyncio
+
+    import httpx
+
+    from camshaft.bench_serve.clients import OpenAIClient
+    from camshaft.bench_serve.workload import ServeRequest
+
+    events = [{"choices": [{"index": 0, "text": ""}]}, {"choices": [{"index": 0, "text": "", "finish_reason":
+              "length"}]}, {"choices": [], "usage": {"completion_tokens": 2}}]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    async def run() -> Record:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as http:
+            client = OpenAIClient(Target.parse("t=http://h,backend=openai,model=m"), http)
+            record = Record(3, 2)
+            await client(ServeRequest("hi", 3, 2), record)
+            return record
+
+    record = asyncio.run(run())
+    assert record.ok and len(record.chunk_times) == 2 and record.output_tokens == 2
 
 
 def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_path):
@@ -110,6 +149,12 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
     for r in runs:
         assert (r["completed"], r["failed"], r["output_tokens"]) == (12, 0, 12 * 12)
         assert 0 < r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+        assert r["prompt_tokens"] > 12 * 30  # counted as sent: each run's salt leads its prompts
+        assert r["goodput_req_s"] is None
+    settings = json.loads(out.read_text())
+    assert settings["request_rate"] == [50.0, "inf"] and settings["warmup"] == 2 and settings["goodput"] is None
+    assert [(t["name"], t["backend"]) for t in settings["targets"]] == [("first", "llm"), ("second", "llm")]
+    assert "first: 12 requests, rate 50/s, concurrency 2" in result.output  # progress as each run starts
     assert (tmp_path / "serve.png").stat().st_size > 10_000
 
 
@@ -121,6 +166,32 @@ def test_a_dataset_longer_than_an_engine_is_refused_before_the_run(engine_dir, c
     err = " ".join(err.split())
     assert code == 1 and "does not fit target t's max_seq_len 256" in err, err
     assert "synthetic:in=NORMAL(128,12),out=64" in err and "Traceback" not in err
+    # 250 tokens fit 256 as they are, not with the salt each run puts before them: refused before any request
+    code, out, err = camshaft(capsys, "bench", "serve", "--target", f"t={engine_dir},backend=llm", "--dataset",
+                              "synthetic:in=200,out=50", "--num-requests", "2", "--warmup", "0")
+    assert code == 1 and "with the run's salt" in " ".join(err.split()) and "FAILED" not in out, err
+    for flag, value in (("--request-rate", "nan"), ("--goodput", "ttft_ms=nan")):
+        code, _, err = camshaft(capsys, "bench", "serve", "--target", f"t={engine_dir},backend=llm",
+                                "--num-requests", "2", flag, value)
+        assert code == 1 and flag in err, err
+
+
+def test_a_jsonl_dataset_shorter_than_the_run_repeats_with_a_note(engine_dir, tmp_path, capsys):
+    """Repeated prompts hit the prefix cache: said, and the GFLOP/s count only what was computed."""
+    from test_cli import camshaft
+
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "hello " * 40, "max_tokens": 4}) + "\n")
+    out = tmp_path / "t.json"
+    code, _, err = camshaft(capsys, "bench", "throughput", "--engine", str(engine_dir), "--dataset", f"jsonl:{data}",
+                            "--num-requests", "3", "--concurrency", "1", "--output-json", str(out))
+    assert code == 0 and "holds 1 request(s); 3 requests repeat them" in " ".join(err.split()), err
+    (run,) = json.loads(out.read_text())["results"]
+    assert run["prefix_reuse_hits"] > 0
+    assert run["gflop"]["tokens_fed"] < run["prompt_tokens"] + 3 * (4 - 1)  # the reused prompt blocks not counted
+    code, _, err = camshaft(capsys, "bench", "throughput", "--engine", str(engine_dir), "--dataset",
+                            f"jsonl:{tmp_path / 'missing.jsonl'}", "--num-requests", "1", "--concurrency", "1")
+    assert code == 1 and "missing.jsonl" in err and "concurrency 1 (1/1)" not in err, err  # before the engine loads
 
 
 def test_bench_serve_reads_triton_token_counts(engine_dir, tmp_path):
@@ -141,4 +212,4 @@ def test_bench_serve_reads_triton_token_counts(engine_dir, tmp_path):
             "--tokenizer", str(engine_dir / "tokenizer")])
     assert result.exit_code == 0, result.output
     for r in json.loads(out.read_text())["results"]:
-        assert (r["completed"], r["failed"], r["output_tokens"]) == (6, 0, 36), (r["target"], r["first_error"])
+        assert (r["completed"], r["failed"], r["output_tokens"]) == (6, 0, 36), (r["target"], r["errors"])

@@ -13,8 +13,9 @@ from camshaft.builder.config import BuildConfig
 from camshaft.errors import RequestError
 from camshaft.runtime import throughput
 from camshaft.runtime.bench_data import BenchRequest, load_dataset, parse_dataset_spec
+from camshaft.runtime.flops import count_flops
 from camshaft.runtime.llm import LLM
-from camshaft.runtime.throughput import count_flops, run_throughput, throughput_benchmark
+from camshaft.runtime.throughput import run_throughput, throughput_benchmark
 
 from tiny_models import make_tiny_model
 

@@ -93,8 +93,8 @@ class OpenAIClient:
                     return
                 if event.get("usage"):
                     record.output_tokens = event["usage"]["completion_tokens"]
-                for choice in event.get("choices", []):
-                    record.chunk(choice.get("text") or "")
+                for choice in event.get("choices", []):  # an event with choices is output, its text empty or not
+                    record.chunk(choice.get("text") or "", tokens=1)
 
     async def close(self) -> None:
         pass

@@ -4,13 +4,15 @@ target, one point per request rate)."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from camshaft.bench_serve.clients import Record, Target
 from camshaft.errors import RequestError
 from camshaft.runtime.throughput import percentiles
 from camshaft.runtime.throughput_plot import save_figure
+from camshaft.runtime.throughput_report import fmt, json_ready
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,13 @@ class Goodput:
                 values[key.strip()] = float(value)
             except ValueError:
                 values[key.strip()] = -1.0
-            if key.strip() not in ("ttft_ms", "tpot_ms", "e2e_ms") or values[key.strip()] <= 0:
+            if key.strip() not in ("ttft_ms", "tpot_ms", "e2e_ms") or not 0 < values[key.strip()] < math.inf:
                 raise RequestError(f"cannot read --goodput {text!r}; use e.g. ttft_ms=1000,tpot_ms=100,e2e_ms=20000")
         return cls(**values)
+
+    @property
+    def set(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
 
     def met(self, ttft_ms: float, tpot_ms: float, e2e_ms: float) -> bool:
         return all(limit is None or value <= limit for limit, value in
@@ -55,26 +61,35 @@ class ServeResult:
     output_tokens: int
     output_tok_s: float
     requests_s: float
-    goodput_req_s: float
+    goodput_req_s: float | None  # None: no SLO given
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
-    first_error: str | None = None
+    errors: dict[str, int] = field(default_factory=dict)  # each failure's message: how many requests, most first
 
     def line(self) -> str:
         rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
         limit = f"C={self.concurrency}" if self.concurrency else "C=inf"
         ttft, itl = self.ttft_ms, self.itl_ms
+        goodput = "" if self.goodput_req_s is None else f" (goodput {self.goodput_req_s:.2f})"
         return " ".join([
             f"{self.target:<14} {limit:>5} rate {rate:>5}/s:", f"{self.output_tok_s:7.1f} out tok/s",
-            f"{self.requests_s:5.2f} req/s (goodput {self.goodput_req_s:.2f})",
-            f" TTFT p50/p99 {ttft['p50']:.0f}/{ttft['p99']:.0f} ms", f" TPOT p50 {self.tpot_ms['p50']:.1f} ms",
-            f" ITL p50/p99 {itl['p50']:.1f}/{itl['p99']:.1f} ms", f" E2E p50 {self.e2e_ms['p50']:.0f} ms",
-        ] + ([f" FAILED {self.failed}: {self.first_error}"] if self.failed else []))
+            f"{self.requests_s:5.2f} req/s{goodput}",
+            f" TTFT p50/p99 {fmt(ttft['p50'])}/{fmt(ttft['p99'])} ms",
+            f" TPOT p50 {fmt(self.tpot_ms['p50'], '.1f')} ms",
+            f" ITL p50/p99 {fmt(itl['p50'], '.1f')}/{fmt(itl['p99'], '.1f')} ms",
+            f" E2E p50 {fmt(self.e2e_ms['p50'])} ms",
+        ] + ([f" FAILED {self.failed}: {self.error_summary()}"] if self.failed else []))
+
+    def error_summary(self, most: int = 3) -> str:
+        shown = [f"{message} (x{count})" for message, count in list(self.errors.items())[:most]]
+        more = len(self.errors) - most
+        return "; ".join(shown + ([f"{more} other error(s)"] if more > 0 else []))
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        """Plain JSON values: a percentile without data is None, not NaN."""
+        out = json_ready(asdict(self))
         out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
         return out
 
@@ -93,13 +108,13 @@ def summarize(target: Target, rate: float, concurrency: int | None, records: lis
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
     good = sum(goodput.met(t * 1000, ((e - t) / (n - 1) if n > 1 else 0.0) * 1000, e * 1000)
                for t, e, n in zip(ttft, e2e, tokens, strict=True))
-    failed = [r for r in records if not r.ok]
+    failed = Counter((r.error or "no output") for r in records if not r.ok)
     return ServeResult(
         target=target.name, backend=target.backend, request_rate=rate, concurrency=concurrency,
-        completed=len(ok), failed=len(failed), wall_s=wall_s, prompt_tokens=sum(r.prompt_tokens for r in ok),
+        completed=len(ok), failed=sum(failed.values()), wall_s=wall_s, prompt_tokens=sum(r.prompt_tokens for r in ok),
         output_tokens=sum(tokens), output_tok_s=sum(tokens) / wall_s, requests_s=len(ok) / wall_s,
-        goodput_req_s=good / wall_s, ttft_ms=_ms(ttft), tpot_ms=_ms(tpot), itl_ms=_ms(itl), e2e_ms=_ms(e2e),
-        first_error=(failed[0].error or "no output") if failed else None)
+        goodput_req_s=good / wall_s if goodput.set else None, ttft_ms=_ms(ttft), tpot_ms=_ms(tpot), itl_ms=_ms(itl),
+        e2e_ms=_ms(e2e), errors=dict(failed.most_common()))
 
 
 def _point_label(result: ServeResult, by_rate: bool, by_limit: bool) -> str:

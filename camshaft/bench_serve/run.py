@@ -13,15 +13,27 @@ from camshaft.bench_serve.report import Goodput, ServeResult, summarize
 from camshaft.bench_serve.workload import ServeRequest, arrival_times
 from camshaft.errors import CamshaftError
 
+PROGRESS_EVERY_S = 10.0
 
-def salted(requests: list[ServeRequest], salt: str) -> list[ServeRequest]:
+
+def run_salt(point: int, index: int) -> str:
+    return f"run {point}.{index}"
+
+
+def salted(requests: list[ServeRequest], salt: str, tokenizer=None) -> list[ServeRequest]:
     """The requests with `salt` leading every prompt: each point of a sweep, and each target, starts cold, since a
-    server's prefix cache would otherwise serve prompts it saw before (two targets may be one server)."""
-    return [replace(r, prompt=f"{salt}: {r.prompt}") for r in requests]
+    server's prefix cache would otherwise serve prompts it saw before (two targets may be one server). With a
+    tokenizer their prompt tokens are counted again, salt included."""
+    out = []
+    for r in requests:
+        prompt = f"{salt}: {r.prompt}"
+        count = r.prompt_tokens if tokenizer is None else len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        out.append(replace(r, prompt=prompt, prompt_tokens=count))
+    return out
 
 
-async def _drive(client, requests: list[ServeRequest], arrivals: list[float],
-                 concurrency: int | None) -> tuple[list[Record], float]:
+async def _drive(client, requests: list[ServeRequest], arrivals: list[float], concurrency: int | None,
+                 progress: Callable[[str], None] = lambda _: None) -> tuple[list[Record], float]:
     limit = asyncio.Semaphore(concurrency or len(requests))
     records = [Record(r.prompt_tokens, r.max_tokens) for r in requests]
     start = time.perf_counter()
@@ -35,13 +47,23 @@ async def _drive(client, requests: list[ServeRequest], arrivals: list[float],
             except Exception as exc:  # a failed request is a result, not a crash of the benchmark
                 record.error = f"{type(exc).__name__}: {exc}"
 
-    await asyncio.gather(*(one(q, r, t) for q, r, t in zip(requests, records, arrivals, strict=True)))
+    async def tick() -> None:  # a long run says how far it got
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            done = sum(r.ok or r.error is not None for r in records)
+            progress(f"{done}/{len(records)} requests done, {time.perf_counter() - start:.0f} s")
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await asyncio.gather(*(one(q, r, t) for q, r, t in zip(requests, records, arrivals, strict=True)))
+    finally:
+        ticker.cancel()
     return records, time.perf_counter() - start
 
 
 async def _bench(targets: list[Target], requests: list[ServeRequest], rates: list[float],
                  concurrencies: list[int | None], goodput: Goodput, seed: int, warmup: int,
-                 log: Callable[[str], None]) -> list[ServeResult]:
+                 log: Callable[[str], None], progress: Callable[[str], None], tokenizer) -> list[ServeResult]:
     import httpx
 
     results = []
@@ -59,14 +81,17 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
                                         f"answer: {type(exc).__name__}: {exc}; is the server up at that address?") \
                         from exc
                 if warmup:
+                    progress(f"{target.name}: {warmup} warm-up request(s)")
                     short = [replace(r, max_tokens=min(r.max_tokens, 4)) for r in salted(requests[:warmup], "warm")]
                     await _drive(client, short, [0.0] * len(short), None)
             points = [(c, rate) for c in concurrencies for rate in rates]
             for point, (concurrency, rate) in enumerate(points):
                 arrivals = arrival_times(len(requests), rate, seed)
                 for index, (target, client) in enumerate(zip(targets, clients, strict=True)):
-                    batch = salted(requests, f"run {point}.{index}")  # targets may share a server
-                    records, wall = await _drive(client, batch, arrivals, concurrency)
+                    batch = salted(requests, run_salt(point, index), tokenizer)  # targets may share a server
+                    progress(f"{target.name}: {len(batch)} requests, rate {rate:g}/s, concurrency "
+                             f"{concurrency or 'unlimited'}")
+                    records, wall = await _drive(client, batch, arrivals, concurrency, progress)
                     result = summarize(target, rate, concurrency, records, wall, goodput)
                     log(result.line())
                     results.append(result)
@@ -78,8 +103,10 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
 
 def bench_serve(targets: list[Target], requests: list[ServeRequest], rates: list[float], *,
                 concurrencies: list[int | None] | None = None, goodput: Goodput | None = None, seed: int = 0,
-                warmup: int = 2, log: Callable[[str], None] = print) -> list[ServeResult]:
+                warmup: int = 2, log: Callable[[str], None] = print,
+                progress: Callable[[str], None] = lambda _: None, tokenizer=None) -> list[ServeResult]:
     """Every target gets `requests` at each (max concurrency, rate) pair (requests/s, inf = all at once; None =
-    no concurrency limit); results in run order."""
+    no concurrency limit); results in run order, each also a `log` line; `progress` hears of each run and, every
+    PROGRESS_EVERY_S, of the requests done. `tokenizer`: counts the prompts as sent (salted)."""
     return asyncio.run(_bench(targets, requests, rates, concurrencies or [None], goodput or Goodput(), seed, warmup,
-                              log))
+                              log, progress, tokenizer))

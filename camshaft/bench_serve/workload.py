@@ -89,7 +89,7 @@ def _jsonl(path: Path, num_prompts: int, tokenizer) -> list[ServeRequest]:
             raise RequestError(f"{path}: serving endpoints take text prompts, got {prompt!r:.80}")
         count = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if tokenizer is not None else 0
         rows.append(ServeRequest(prompt, count, max_tokens))
-    return [rows[i % len(rows)] for i in range(num_prompts)]
+    return [rows[i % len(rows)] for i in range(num_prompts)]  # fewer rows repeat (bench_data.repeat_note says so)
 
 
 def parse_rates(text: str) -> list[float]:
@@ -101,7 +101,7 @@ def parse_rates(text: str) -> list[float]:
             rate = float(part)
         except ValueError:
             rate = -1.0
-        if rate <= 0:
+        if not rate > 0:  # nan too
             raise RequestError(f"--request-rate takes positive numbers or inf, comma-separated; got {text!r}")
         rates.append(rate)
     return rates

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +13,7 @@ import typer
 from camshaft.cli import bench_app, flag_names, progress
 from camshaft.cli.serve import LLM_FLAGS, BatchOption, LookupOption, MemoryOption, PolicyOption, TokensOption
 from camshaft.errors import CamshaftError
-from camshaft.runtime.bench_data import PRESETS, parse_dataset_spec
+from camshaft.runtime.bench_data import PRESETS, parse_dataset_spec, repeat_note
 
 _PRESETS = "; ".join(f"{name}: prompts {spec.prompt_len} tokens, outputs {spec.output_len}"
                      for name, spec in ((n, parse_dataset_spec(n)) for n in PRESETS))
@@ -144,6 +146,7 @@ def bench_serve(
     from camshaft.bench_serve.report import Goodput
     from camshaft.bench_serve.report import plot as plot_results
     from camshaft.bench_serve.run import bench_serve as run_bench
+    from camshaft.bench_serve.run import run_salt, salted
     from camshaft.bench_serve.workload import load_requests, load_tokenizer, parse_rates
     from camshaft.manifest import read_manifest
 
@@ -154,34 +157,47 @@ def bench_serve(
         concurrencies = [0]
     if any(c is not None and c < 1 for c in concurrencies):
         raise CamshaftError(f"--concurrency takes positive integers, comma-separated; got {concurrency!r}")
+    rates, slos = parse_rates(request_rate), Goodput.parse(goodput)
     targets = [Target.parse(t) for t in target]
     if len({t.name for t in targets}) != len(targets):
         raise CamshaftError("--target names must differ")
+    spec = parse_dataset_spec(dataset)
+    note = repeat_note(spec, num_requests)
     limits = {t.name: read_manifest(Path(t.url)).limits.max_seq_len  # a broken engine says so before anything loads
               for t in targets if t.backend == "llm"}
     source = tokenizer or next((Path(t.url) for t in targets if t.backend == "llm"), None)
-    requests = load_requests(dataset, num_requests, load_tokenizer(source) if source else None, seed=seed)
-    longest = max(requests, key=lambda r: r.prompt_tokens + r.max_tokens)
+    tok = load_tokenizer(source) if source else None
+    requests = load_requests(dataset, num_requests, tok, seed=seed)
+    if note:
+        progress(note)
+    # the longest request as sent in the last run (each run's prompts lead with their own salt: run.py)
+    sent = salted(requests, run_salt(len(rates) * len(concurrencies) - 1, len(targets) - 1), tok)
+    longest = max(sent, key=lambda r: r.prompt_tokens + r.max_tokens)
     for t in targets:
         limit = limits.get(t.name)
         if limit is not None and longest.prompt_tokens + 1 + longest.max_tokens > limit:  # + a BOS the engine adds
             raise CamshaftError(
-                f"--dataset {dataset}: its longest request ({longest.prompt_tokens} prompt + {longest.max_tokens} "
-                f"output tokens) does not fit target {t.name}'s max_seq_len {limit}; size the requests to the engine "
-                f"(e.g. --dataset 'synthetic:in=NORMAL({limit // 2},{limit // 20}),out={limit // 4}') or build it "
-                f"with --max-seq-len {longest.prompt_tokens + 1 + longest.max_tokens} or more")
-    results = run_bench(targets, requests, parse_rates(request_rate), concurrencies=concurrencies,
-                        goodput=Goodput.parse(goodput), seed=seed, warmup=warmup, log=typer.echo)
+                f"--dataset {dataset}: its longest request ({longest.prompt_tokens} prompt tokens as sent, with the "
+                f"run's salt, + {longest.max_tokens} output tokens) does not fit target {t.name}'s max_seq_len "
+                f"{limit}; size the requests to the engine (e.g. --dataset 'synthetic:in=NORMAL({limit // 2},"
+                f"{limit // 20}),out={limit // 4}') or build it with --max-seq-len "
+                f"{longest.prompt_tokens + 1 + longest.max_tokens} or more")
+    results = run_bench(targets, requests, rates, concurrencies=concurrencies, goodput=slos, seed=seed, warmup=warmup,
+                        log=typer.echo, progress=progress, tokenizer=tok)
     if output_json:
-        write_json(output_json, {"dataset": dataset, "dataset_spec": str(parse_dataset_spec(dataset)),
-                                 "num_requests": num_requests, "seed": seed, "concurrency": concurrencies,
-                                 "results": [r.to_dict() for r in results]})
+        write_json(output_json, {
+            "dataset": dataset, "dataset_spec": str(spec), "num_requests": num_requests, "seed": seed,
+            "concurrency": concurrencies, "request_rate": ["inf" if math.isinf(r) else r for r in rates],
+            "warmup": warmup, "goodput": {k: v for k, v in asdict(slos).items() if v is not None} or None,
+            "targets": [asdict(t) for t in targets], "results": [r.to_dict() for r in results]})
     if plot:
         plot_results(results, plot, title=f"{dataset}, {num_requests} requests, request rate {request_rate}, "
                                           f"concurrency {concurrency or 'unlimited'}")
     failed = [r for r in results if r.completed == 0]
     if failed:
         raise CamshaftError(f"every request of {len(failed)} run(s) failed ({failed[0].target}: "
-                            f"{failed[0].first_error}); the results above are of errors, not of a server")
-
-
+                            f"{failed[0].error_summary(1)}); the results above are of errors, not of a server")
+    partly = [r for r in results if r.failed]
+    if partly:
+        progress(f"warning: {sum(r.failed for r in partly)} request(s) failed in {len(partly)} run(s) (their "
+                 "lines above say why); the numbers count completed requests only")

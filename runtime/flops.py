@@ -1,0 +1,32 @@
+"""What a throughput run computes, in FLOPs: the basis of its achieved GFLOP/s."""
+
+from __future__ import annotations
+
+from camshaft.manifest import Manifest
+from camshaft.runtime.bench_data import BenchRequest
+
+
+def linear_params(manifest: Manifest) -> tuple[int, int]:
+    """(weights of the per-token matmuls of all layers, weights of the LM head)."""
+    m = manifest.model
+    q = m.num_heads * m.head_dim
+    kv = m.num_kv_heads * m.head_dim
+    per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
+    return per_layer * m.num_layers, m.vocab_size * m.hidden_size
+
+
+def count_flops(manifest: Manifest, requests: list[BenchRequest], reused: list[int] | None = None) -> dict[str, float]:
+    """FLOPs of computing every request once (no preemption recompute): 2 x layer weights x tokens fed
+    (prompt + output - 1), 2 x LM-head weights x logits rows (one per output token), and attention
+    4 x heads x head_dim x context per token per layer (QK^T and PV). `reused`: each request's prompt tokens taken
+    from the prefix cache, never computed."""
+    m = manifest.model
+    layers, head = linear_params(manifest)
+    reused = reused or [0] * len(requests)
+    totals = [len(r.prompt_ids) + r.max_tokens - 1 for r in requests]
+    fed = sum(n - k for n, k in zip(totals, reused, strict=True))
+    rows = sum(r.max_tokens for r in requests)
+    context = sum((n * (n + 1)) // 2 - (k * (k + 1)) // 2 for n, k in zip(totals, reused, strict=True))
+    attention = 4 * m.num_heads * m.head_dim * m.num_layers * context
+    return {"linear": 2.0 * layers * fed, "lm_head": 2.0 * head * rows, "attention": float(attention),
+            "tokens_fed": fed}

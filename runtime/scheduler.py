@@ -114,12 +114,16 @@ class Scheduler:
         # drafts only in a step of decodes alone: beside a prompt chunk they would be padded to its length
         lookup = self.config.prompt_lookup
         drafting = lookup is not None and not self.waiting and len(decodes) == len(self.running) <= lookup.max_running
-        for left, request in enumerate(decodes, 1 - len(decodes)):  # -left: decodes after this one
+        taken: list[Request] = []
+        for request in decodes:
             # in priority order; a preemption never takes a request scheduled already (siblings tie in order)
-            if budget and request in self.running and self._grow(request, 1, scheduled):
-                drafts = self._drafts(request, budget + left - 1) if drafting else []
-                scheduled.append(self._chunk(request, 1) if not drafts else self._drafted(request, drafts))
-                budget -= 1 + len(drafts)
+            if len(taken) < budget and request in self.running and self._grow(request, 1, taken):
+                taken.append(request)
+        budget -= len(taken)
+        for request in taken:  # drafts after every decode has its token's room: they take only what is left
+            drafts = self._drafts(request, budget) if drafting and request.output_ids else []  # not a prompt's tail
+            scheduled.append(self._chunk(request, 1) if not drafts else self._drafted(request, drafts))
+            budget -= len(drafts)
         admit = self.num_preemptions == preemptions_before  # after a preemption, admitting would only thrash
         prefills = sorted((r for r in self.running if r.num_tokens - r.num_computed > 1), key=queue_key)
         for request in prefills:  # a waiting request of higher priority takes the budget before a running prompt
@@ -190,12 +194,12 @@ class Scheduler:
         request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - len(reused)
         return True
 
-    def _grow(self, request: Request, tokens: int, scheduled: list[Scheduled]) -> bool:
+    def _grow(self, request: Request, tokens: int, scheduled: list[Request]) -> bool:
         """Make room for the request's next `tokens` tokens, preempting the lowest-priority, newest running requests
         not in this step yet (`scheduled`) if the pool is full. False if the request itself had to be preempted."""
         while self.blocks.blocks_for(request.num_computed + tokens) > len(request.blocks):
             while self.blocks.num_free == 0:
-                taken = {id(item.request) for item in scheduled}
+                taken = {id(r) for r in scheduled}
                 victim = max((r for r in self.running if id(r) not in taken), key=queue_key)
                 self.preempt(victim)
                 if victim is request:

@@ -206,6 +206,42 @@ def test_in_flight_batching_drafts_only_while_few_requests_run(engine_dir):
         PromptLookup(max_running=0)
 
 
+def test_a_prompts_one_token_tail_is_fed_without_drafts(engine_dir):
+    """A prompt of max_num_tokens + 1 tokens ends on a one-token chunk, scheduled beside decodes: it has no output
+    yet to draft after (the batch loop failed on it)."""
+    from camshaft.runtime.llm import LLM
+
+    prompt = ([5, 6, 7] * 30)[:65]  # repeats: drafts would be found
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(engine_dir) as plain:
+        expected = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(engine_dir, prompt_lookup=4) as drafting:
+        assert drafting.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+        assert drafting.alive and drafting.executor.accepted_draft_tokens > 0
+
+
+def test_drafts_take_only_blocks_no_decode_of_the_step_needs():
+    """One decode's drafts may not take the last free block that a later decode needs for its own token: that
+    decode would be preempted (and recomputed) for a guess."""
+    from camshaft.runtime.request import Request
+    from camshaft.runtime.scheduler import Scheduler, SchedulerConfig
+
+    for lookup in (None, PromptLookup(num_tokens=4)):
+        scheduler = Scheduler(SchedulerConfig(num_blocks=6, block_size=8, max_batch_size=4, max_num_tokens=64,
+                                              max_seq_len=64, policy="max_utilization", prompt_lookup=lookup))
+        params = SamplingParams(max_tokens=20)
+        repeating = Request("A", [1, 2, 3, 4] * 3 + [1, 2, 3], params, None, None, (2,))  # 15 tokens
+        other = Request("B", list(range(10, 26)), params, None, None, (2,))  # 16: its next token needs a block
+        scheduler.add(repeating)
+        scheduler.add(other)
+        scheduler.computed(scheduler.schedule())  # both prompts: 2 blocks each, 1 free
+        repeating.output_ids.append(4)
+        other.output_ids.append(99)
+        step = scheduler.schedule()
+        assert [(s.request.request_id, s.chunk.token_ids) for s in step] == [("A", [4]), ("B", [99])]
+        assert scheduler.num_preemptions == 0 and not scheduler.waiting
+
+
 def _draft_counts(metrics_text: str) -> tuple[float, float]:
     values = {line.split(" ")[0].split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
               if line.startswith("camshaft_spec_decode_")}

@@ -138,7 +138,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
     with Checkpoint(config.model_dir) as checkpoint:
         model = checkpoint.config
         algos = checkpoint.quant_algos
-        for algo in algos:
+        for algo in algos or ([None] if checkpoint.quantization else []):  # None: a KV cache quantized alone
             check_quantized_target(config.target, algo, checkpoint.quantization.get("kv_cache_quant_algo"), gpu_arch)
         check_weight_only_compute(config.weight_only_compute, algos, str(config.model_dir))
         # int8 compute by default only where the checkpoint has weight-only layers (an int4 lm_head on an fp8 /

@@ -93,10 +93,11 @@ class Checkpoint:
 
     @property
     def quant_algos(self) -> list[str]:
-        """Every quant_algo the checkpoint's layers use (one, unless it is MIXED_PRECISION); [] if float."""
+        """Every quant_algo the checkpoint's layers use (one, unless it is MIXED_PRECISION); [] if they are float
+        (a checkpoint may quantize its KV cache only)."""
         quant = self.quantization or {}
         if quant.get("quant_algo") != MIXED:
-            return [quant["quant_algo"]] if quant else []
+            return [quant["quant_algo"]] if quant.get("quant_algo") else []
         return sorted({v["quant_algo"] for v in quant["quantized_layers"].values()})
 
     @property

@@ -133,6 +133,11 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
     """hf_quant_config.json's "quantization" section (None for a float checkpoint), checked to be buildable."""
     path = model_dir / HF_QUANT_CONFIG
     method = unreadable_quantization(model_dir)
+    if method == "modelopt":
+        raise CheckpointError(
+            f"{model_dir} is a ModelOpt checkpoint (config.json's quantization_config) without its {HF_QUANT_CONFIG}, "
+            "which says how each layer is stored: copy that file from where the checkpoint came from (ModelOpt's "
+            "export writes it beside config.json), or quantize the float checkpoint with `camshaft quantize`")
     if method is not None:
         raise CheckpointError(
             f"{model_dir}/config.json says the weights are quantized (quant_method {method}), but there is no "
@@ -151,8 +156,12 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
     if algo == MIXED and not (isinstance(layers, dict) and layers
                               and all(isinstance(v, dict) for v in layers.values())):
         raise CheckpointError(f"{path} is {MIXED} but has no quantized_layers {{layer: {{quant_algo: ...}}}}")
+    if algo is None and quant.get("kv_cache_quant_algo") is None:
+        raise CheckpointError(f"{path} quantizes nothing (quant_algo and kv_cache_quant_algo are null); remove it to "
+                              "build the float checkpoint")
+    # quant_algo null: ModelOpt's export of a checkpoint with float layers and a quantized KV cache
     for name, layer_algo in ([(n, v.get("quant_algo")) for n, v in layers.items()] if algo == MIXED
-                             else [(None, algo)]):
+                             else [(None, algo)] if algo is not None else []):
         if layer_algo not in READABLE_QUANT_ALGOS:
             where = f"{model_dir} quantizes {name} as" if name else f"{model_dir} is quantized as"
             raise CheckpointError(

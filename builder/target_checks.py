@@ -14,23 +14,24 @@ from camshaft.errors import BuildConfigError
 TRT_QUANT_ALGOS = tuple(ALGO_FEATURES)
 
 
-def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: str | None = None,
+def check_quantized_target(target: str, quant_algo: str | None, kv_cache_quant_algo: str | None = None,
                            gpu_arch: str | None = None, shown_as: str | None = None) -> None:
     """Refuse a quantized checkpoint the target cannot build, before any work (`camshaft build --quant` calls it
     before quantizing). The TensorRT targets get every format but fp8_pc_pt and int8_sq_pt (per-token scales,
     computed at run time) as standard Q/DQ (plans built with tensorrt-rtx 1.7, tests/test_quantize_trt.py); a
     quantized KV cache is refused (its float8 pool is uint8 codes, which TensorRT rejects); so is a format whose
     precision `gpu_arch` has no kernels for (fp8 before sm89: targets/precision.py). `shown_as`: the format's name
-    in messages (the user's --quant; default the checkpoint's quant_algo)."""
-    if quant_algo not in READABLE_QUANT_ALGOS:
+    in messages (the user's --quant; default the checkpoint's quant_algo). quant_algo None: float layers (a
+    checkpoint that quantizes its KV cache only)."""
+    if quant_algo is not None and quant_algo not in READABLE_QUANT_ALGOS:
         raise BuildConfigError(f"camshaft cannot build {quant_algo} checkpoints; it builds "
                                f"{', '.join(READABLE_QUANT_ALGOS)}")
     if target == "onnxruntime":
         return
-    if quant_algo not in TRT_QUANT_ALGOS or kv_cache_quant_algo:
+    if (quant_algo is not None and quant_algo not in TRT_QUANT_ALGOS) or kv_cache_quant_algo:
         from camshaft.quantize.spec import FORMATS
 
-        what = shown_as or f"{quant_algo} checkpoints"
+        what = shown_as or (f"{quant_algo} checkpoints" if quant_algo else "a checkpoint with a quantized KV cache")
         why = (f"the KV cache is quantized ({kv_cache_quant_algo.lower()}: camshaft lowers quantized caches for "
                "onnxruntime only; TensorRT rejects the float8 pool's uint8 codes)" if kv_cache_quant_algo else
                "the inputs take per-token scales, computed at run time (static Q/DQ cannot)")
@@ -39,7 +40,7 @@ def check_quantized_target(target: str, quant_algo: str, kv_cache_quant_algo: st
             f"the {target} target cannot build {what}: {why}. It builds --quant {' | '.join(builds)} without "
             "--kv-cache-dtype; build this one for --target onnxruntime."
         )
-    if gpu_arch is not None:
+    if gpu_arch is not None and quant_algo is not None:
         from camshaft.builder.targets.precision import check_precision
         from camshaft.builder.targets.trt_product import parse_arch
 

@@ -341,7 +341,12 @@ def test_quantized_weights_without_their_config_are_refused(tiny, tmp_path):
     config = json.loads((bare / "config.json").read_text())
     config.setdefault("quantization_config", {"quant_method": "modelopt"})
     (bare / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="says the weights are quantized .quant_method modelopt."):
+    with pytest.raises(CheckpointError, match="is a ModelOpt checkpoint .* without its hf_quant_config.json.*copy "
+                                              "that file from where the checkpoint came from"):
+        Checkpoint(bare)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="says the weights are quantized .quant_method gptq."):
         Checkpoint(bare)
     with pytest.raises(QuantizeError, match="already quantized .config.json's quantization_config"):
         quantize_checkpoint(bare, tmp_path / "again", QuantSpec("int8_wo"), **CALIB)

@@ -254,3 +254,36 @@ def test_a_quantized_kv_cache_keeps_the_session_on_the_batch_graph(kv_engine):
                                             "kv_cache_memory or lower max_tokens"):
         tight.generate(list(range(10, 30)), max_tokens=40)
     tight.close()
+
+
+def test_a_checkpoint_that_quantizes_only_its_kv_cache_builds(tiny, tmp_path):
+    """ModelOpt writes quant_algo null with a kv_cache_quant_algo when only the K/V quantizers are on: float layers
+    and an fp8 cache, which the onnxruntime target builds and the TensorRT targets refuse by name."""
+    import json
+    import shutil
+
+    from camshaft.errors import BuildConfigError
+    from camshaft.quantize.kv_scales import write_kv_tensors
+
+    ckpt = shutil.copytree(tiny, tmp_path / "kv-only")
+    (ckpt / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt", "version": "0.47.0"},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8", "quantized_layers": {}}}))
+    write_kv_tensors(ckpt, {f"model.layers.{i}.self_attn.{p}_proj.{p}_scale": torch.tensor(0.02)
+                            for i in range(2) for p in "kv"})
+    limits = dict(max_seq_len=128, kv_block_size=BLOCK, max_num_tokens=64)
+    manifest = build_engine(BuildConfig(ckpt, tmp_path / "engine", **limits))
+    build_engine(BuildConfig(tiny, tmp_path / "float", **limits))
+    quant = manifest.quantization
+    assert manifest.kv_cache.dtype == "float8" and quant["quant_algo"] is None
+    assert quant["quantized_linear_layers"] == 0 and quant["kv_cache_quant_algo"] == "FP8"
+    prompt = list(range(5, 45))
+    with Session(tmp_path / "engine") as kv, Session(tmp_path / "float", graph="batch") as plain:
+        quantized = kv.generate(prompt, max_tokens=1, logprobs=0).logprobs[0]
+        exact = plain.generate(prompt, max_tokens=1, logprobs=0).logprobs[0]
+    assert quantized.token_id == exact.token_id and 0 < abs(quantized.logprob - exact.logprob) < 0.05
+    with pytest.raises(BuildConfigError, match="cannot build a checkpoint with a quantized KV cache"):
+        build_engine(BuildConfig(ckpt, tmp_path / "rtx", target="tensorrt-rtx", **limits))
+    (ckpt / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": None}}))
+    with pytest.raises(Exception, match="quantizes nothing"):
+        build_engine(BuildConfig(ckpt, tmp_path / "nothing", **limits))

@@ -15,8 +15,13 @@ def check_replaceable(output: Path, marker: str, kind: str, error: type[Exceptio
                       owned: Callable[[Path], set[str]] | None = None) -> None:
     """Refuse an output (given as `flag`) that exists and is neither empty nor a `kind` (recognised by its `marker`
     file), or a `kind` holding entries other than those `owned` names (they would be deleted with it); a symlink or a
-    mount point, which cannot be swapped for the new directory, is refused too."""
+    mount point, which cannot be swapped for the new directory, is refused too, and so is a path under a file or in a
+    directory this process cannot write."""
     output = Path(os.path.abspath(output))  # "." has a parent to build beside
+    parent = next(p for p in output.parents if p.exists())  # the output is built beside itself, in a new sibling
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        what = "is a file" if not parent.is_dir() else "is not a directory you can write to"
+        raise error(f"{flag} {output} cannot be written: {parent} {what}; choose a path in a writable directory")
     if output.is_symlink():
         raise error(f"{flag} {output} is a symlink (to {os.readlink(output)}); the output replaces it with a "
                     "directory: pass the directory itself, or a new path")

@@ -41,10 +41,24 @@ def test_a_killed_runs_leftovers_are_removed_and_a_live_ones_kept(tmp_path):
     assert staging.is_dir() and not any(p.exists() for p in leftovers) and live.is_dir()
 
 
-def test_an_output_that_cannot_be_written_is_one_error(built, tmp_path):
+def test_an_output_that_cannot_be_written_is_one_error_before_any_work(built, tmp_path, monkeypatch):
+    """A path under a file: build refuses it first, and quantize before the model loads (it calibrated first)."""
+    import transformers
+
+    from camshaft.quantize.modelopt_adapter import quantize_checkpoint
+    from camshaft.quantize.spec import QuantSpec
+
     model, _ = built
-    with pytest.raises(CamshaftError, match="cannot write beside --output"):
+    with pytest.raises(CamshaftError, match="--output /dev/null/engine cannot be written: /dev/null is a file"):
         build_engine(BuildConfig(model, "/dev/null/engine", max_seq_len=64))
+    (tmp_path / "afile").write_text("")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the output was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    with pytest.raises(CamshaftError, match=f"{tmp_path / 'afile'} is a file; choose a path in a writable directory"):
+        quantize_checkpoint(model, tmp_path / "afile" / "q", QuantSpec("int8_wo"), calib_size=4, calib_seq_len=64)
 
 
 def test_a_checkpoint_without_a_tokenizer_fails_before_the_graph_is_written(built, tmp_path, monkeypatch):

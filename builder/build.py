@@ -65,6 +65,11 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
                                    lm_head_float_channels=checkpoint.lm_head_float_channels, branches=branches,
                                    grouped_decode=grouped_decode)
         lowering.lower()
+    dequantized = lowering.linears.dequantized
+    if dequantized:
+        more = " ..." if len(dequantized) > 3 else ""
+        progress(f"{len(dequantized)} quantized layer(s) no kernel of this target takes, built from their dequantized "
+                 f"weights (float compute, exact): {', '.join(dequantized[:3])}{more}")
     model = writer.model(OPSET)
     if MS_DOMAIN in _domains(model.graph):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
@@ -112,6 +117,7 @@ def _quantization_record(quant: dict, algos: list[str], lowering: DecoderLowerin
         "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
         "accuracy_level": level,
         "quantized_linear_layers": sum(counts.values()),
+        "dequantized_linear_layers": lowering.linears.dequantized,  # quantized, but built float (exact)
         "float_modules": sorted(m for m in listed_float
                                 if (m != "lm_head" or lowering.head.dtype == "float")
                                 and (m != "model.embed_tokens" or not lowering.head.shares_embedding)),

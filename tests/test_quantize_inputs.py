@@ -474,3 +474,52 @@ def test_cli_quantize(tiny, tmp_path, capsys, monkeypatch):
     assert code == 0
     assert json.loads((tmp_path / "o" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W8A16"
     assert (tmp_path / "o" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("group, kernel_block", [(256, 128), (8, None)])
+def test_an_int4_group_matmulnbits_lacks_is_built_exactly(tmp_path, group, kernel_block):
+    """ModelOpt (and TensorRT-LLM) take int4 groups MatMulNBits has no block for: 256 runs in blocks of 128 with
+    each scale repeated; 8 has no kernel and is built from its dequantized weights, said at build time and in the
+    manifest (it was built float silently). Either way the logits are ModelOpt's fake-quant model's."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    import numpy as np
+    import onnx
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+
+    from camshaft.runtime.session import Session
+
+    src = make_tiny_model("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2)
+    ids = torch.randint(3, 384, (1, 24), generator=torch.Generator().manual_seed(0))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    cfg = copy.deepcopy(mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)
+    for entry in cfg["quant_cfg"]:
+        if isinstance(entry.get("cfg"), dict) and isinstance(entry["cfg"].get("block_sizes"), dict):
+            entry["cfg"]["block_sizes"][-1] = group
+    with torch.no_grad():
+        mtq.quantize(model, cfg, forward_loop=lambda m: m(ids))
+        fake = model(ids).logits[0, -1].numpy()
+        export_hf_checkpoint(model, export_dir=str(tmp_path / "q"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "q" / name).write_bytes((src / name).read_bytes())
+    said = []
+    manifest = build_engine(BuildConfig(tmp_path / "q", tmp_path / "engine", max_seq_len=64,
+                                        weight_only_compute="float"), progress=said.append)
+    quant = manifest.quantization
+    nbits = [n for n in onnx.load(tmp_path / "engine" / manifest.artifact, load_external_data=False).graph.node
+             if n.op_type == "MatMulNBits"]
+    if kernel_block is None:
+        assert quant["quantized_linear_layers"] == 0 and len(quant["dequantized_linear_layers"]) == 14 and not nbits
+        assert any("14 quantized layer(s) no kernel of this target takes" in line for line in said)
+    else:
+        assert quant["quantized_linear_layers"] == 14 and quant["dequantized_linear_layers"] == []
+        assert nbits and {a.i for n in nbits for a in n.attribute if a.name == "block_size"} == {kernel_block}
+    with Session(tmp_path / "engine", graph="batch") as session:
+        ours = session.generate(ids[0].tolist(), max_tokens=1, logprobs=5).logprobs[0]
+    reference = torch.log_softmax(torch.tensor(fake), -1).numpy()
+    assert ours.token_id == int(np.argmax(fake))
+    for token, logprob in ours.top_logprobs:
+        assert logprob == pytest.approx(reference[token], abs=2e-3)

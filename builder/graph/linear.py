@@ -53,6 +53,7 @@ class Linears:
         self.quantized = quantized or (lambda *_: None)
         self.accuracy_level = NBITS_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
         self.counts: Counter[str] = Counter()  # quantized layers per lowering kind
+        self.dequantized: list[str] = []  # quantized layers no kernel takes, built from their dequantized weights
 
     def float_weight(self, name: str, shape: tuple[int, int]) -> np.ndarray:
         """[in, out] weight in the graph's float type."""
@@ -66,6 +67,8 @@ class Linears:
         q = self.quantized(prefix, out_dim, in_dim)
         y = self.lower_quantized(x, [q], prefix, in_dim) if q is not None else None
         if y is None:  # float (a quantized layer no kernel takes comes back dequantized)
+            if q is not None:
+                self.dequantized.append(prefix)
             y = self.g.op("MatMul", [x, self.g.weight(f"{prefix}.weight",
                                                      self.float_weight(f"{prefix}.weight", (out_dim, in_dim)))])
         return self.bias(y, prefix, [prefix], [out_dim]) if bias else y
@@ -240,11 +243,10 @@ class Linears:
 
 
 def nbits_block(q: QuantizedLinear, in_dim: int) -> int | None:
-    """MatMulNBits block size for a layer: its own block, or for per-channel scales the largest allowed block
-    dividing in_dim (scales repeated per block). None when MatMulNBits cannot express the layer."""
-    if q.block_size != in_dim:
-        return q.block_size if q.block_size in NBITS_BLOCK_SIZES else None
-    return next((b for b in NBITS_BLOCK_SIZES if in_dim % b == 0), None)
+    """MatMulNBits block size for a layer: the largest allowed block dividing its own (per-channel scales: in_dim),
+    its scales repeated over the smaller blocks, so a group of 256 is exact in blocks of 128. None when MatMulNBits
+    cannot express the layer."""
+    return next((b for b in NBITS_BLOCK_SIZES if q.block_size % b == 0), None)
 
 
 def _fusable(q: QuantizedLinear, first: QuantizedLinear) -> bool:

@@ -212,6 +212,31 @@ def test_tritonclient_http_infer_uses_the_sync_model(stack):
         client.infer("ensemble", tensors(httpclient, text_input=prompt, max_tokens=max_tokens))
 
 
+def test_stock_clients_shapes_parameters_and_the_bls_model(stack):
+    """What tensorrtllm_backend's own clients rely on: text_output of shape [1] (end_to_end_grpc_client.py decodes
+    output[0]), the Streaming request parameter inflight_batcher_llm_client.py sends with every request (stop
+    requests too), and a tensorrt_llm_bls model answering as the ensemble does."""
+    prompt, max_tokens = PROMPTS[1], 10
+    reference = stack.reference(prompt, max_tokens)
+    client = grpcclient.InferenceServerClient(stack.server.endpoints.grpc)
+    result = client.infer("ensemble_sync", tensors(grpcclient, text_input=prompt, max_tokens=max_tokens,
+                                                   exclude_input_in_output=True))
+    assert result.as_numpy("text_output").shape == (1,)
+    assert_same_text(result.as_numpy("text_output")[0].decode(), reference, stack.session.tokenizer)
+    client.close()
+    stream = Stream(stack.server.endpoints.grpc)
+    stream.client.async_stream_infer("ensemble", tensors(grpcclient, text_input=prompt, max_tokens=max_tokens,
+                                                         stream=True, exclude_input_in_output=True),
+                                     parameters={"Streaming": True}, enable_empty_final_response=True)
+    outputs, error, _ = stream.collect()
+    assert error is None and all(o["text_output"].shape == (1,) for o in outputs)
+    assert_same_text("".join(o["text_output"][0].decode() for o in outputs), reference, stack.session.tokenizer)
+    bls = requests.post(f"{stack.http}/tensorrt_llm_bls/generate", timeout=60,
+                        json={"text_input": prompt, "max_tokens": max_tokens, "exclude_input_in_output": True})
+    assert bls.status_code == 200, bls.text
+    assert_same_text(bls.json()["text_output"], reference, stack.session.tokenizer)
+
+
 def test_a_short_sync_request_is_answered_while_long_ones_run(stack):
     """ensemble_sync answers each request when it ends, not when every request Triton batched with it has ended."""
     from concurrent.futures import ThreadPoolExecutor

@@ -44,7 +44,7 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     configs = {p.parent.name: p.read_text() for p in repo.glob("*/config.pbtxt")}
-    assert sorted(configs) == ["llm", "llm_sync", "tensorrt_llm"]
+    assert sorted(configs) == ["llm", "llm_sync", "tensorrt_llm", "tensorrt_llm_bls"]
     assert all("${" not in text for text in configs.values())
     assert all((repo / name / "1" / "model.py").is_file() for name in configs)
     assert "decoupled: true" in configs["llm"] and "decoupled: false" in configs["llm_sync"]
@@ -68,10 +68,11 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
         TritonServer(tmp_path / "copied repo")
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "sync"),
                            "--no-decoupled"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr  # tensorrtllm_backend's decoupled_mode false; the text models as ever
-    token, text = ((tmp_path / "sync" / m / "config.pbtxt").read_text() for m in ("tensorrt_llm", "ensemble"))
-    assert "decoupled: false" in token and "decoupled: true" in text
-    assert json.loads((tmp_path / "sync" / MARKER).read_text())["token_model_decoupled"] is False
+    assert done.returncode == 0, done.stderr  # tensorrtllm_backend's decoupled_mode false: no model decoupled
+    for model in ("tensorrt_llm", "ensemble", "ensemble_sync", "tensorrt_llm_bls"):
+        assert "decoupled: false" in (tmp_path / "sync" / model / "config.pbtxt").read_text()
+    assert "decoupled: true" in (tmp_path / "default" / "tensorrt_llm_bls" / "config.pbtxt").read_text()
+    assert json.loads((tmp_path / "sync" / MARKER).read_text())["decoupled"] is False
     assert 'string_value: "20"' in (tmp_path / "default" / "ensemble" / "config.pbtxt").read_text()  # max_requests
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "fraction"),
                            "--kv-cache-memory", "0.25"], capture_output=True, text=True)
@@ -84,8 +85,9 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
                            "max_utilization"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "--max-queue, --policy would be ignored" in done.stderr  # not silently dropped
     deploy_repository(engine, repo, name="again")  # a camshaft repository is replaced
-    assert sorted(p.parent.name for p in repo.glob("*/config.pbtxt")) == ["again", "again_sync", "tensorrt_llm"]
-    with pytest.raises(CamshaftError, match="other than tensorrt_llm and camshaft_repository.json"):
+    assert sorted(p.parent.name for p in repo.glob("*/config.pbtxt")) == ["again", "again_sync", "tensorrt_llm",
+                                                                          "tensorrt_llm_bls"]
+    with pytest.raises(CamshaftError, match="other than tensorrt_llm, tensorrt_llm_bls and camshaft_repository.json"):
         deploy_repository(engine, tmp_path / "marker", name="camshaft_repository.json")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.txt").write_text("mine")

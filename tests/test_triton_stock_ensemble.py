@@ -147,8 +147,9 @@ def test_return_perf_metrics_gives_times_and_kv_block_reuse(stock):
 
 def test_a_token_model_deployed_not_decoupled_answers_plain_infer_through_the_stock_ensemble(tmp_path):
     """tensorrtllm_backend's decoupled_mode false: the stock ensemble takes plain HTTP and gRPC infer and /generate,
-    one response each, equal to Session's; what needs several responses is refused by name; camshaft's own text
-    models still stream."""
+    one response each, equal to Session's; what needs several responses is refused by name; as in a stock
+    repository deployed so, camshaft's own text models (ensemble, tensorrt_llm_bls) answer plain infer too, and
+    none streams."""
     prompt = [5, 9, 17, 33, 2, 41]
     for server, session in stock_server(tmp_path, decoupled=False):
         reference = session.generate(prompt, SamplingParams(max_tokens=8, logprobs=2))
@@ -169,10 +170,19 @@ def test_a_token_model_deployed_not_decoupled_answers_plain_infer_through_the_st
                                   json={"input_ids": prompt, "input_lengths": 6, "request_output_len": 8})
         assert generated.status_code == 200, generated.text
         assert generated.json()["output_ids"] == ids
-        streamed = requests.post(f"http://{server.endpoints.http}/v2/models/ensemble/generate_stream", timeout=60,
-                                 json={"text_input": "hello", "max_tokens": 24, "stream": True})
-        events = [line for line in streamed.text.splitlines() if line.startswith("data:")]
-        assert streamed.status_code == 200 and len(events) > 1  # the text models reach the executor directly
+        text = httpclient.InferenceServerClient(server.endpoints.http)
+        for model in ("ensemble", "tensorrt_llm_bls"):
+            answer = text.infer(model, text_inputs(text_input="hello", max_tokens=8))
+            assert answer.as_numpy("text_output")[0].decode().startswith("hello")
+            with pytest.raises(InferenceServerException, match="deployed with --no-decoupled, where no model takes "
+                                                               "stream=true"):
+                text.infer(model, text_inputs(text_input="hello", max_tokens=8, stream=True))
+
+
+def text_inputs(**values) -> list:
+    from test_triton import tensors
+
+    return tensors(httpclient, **values)
 
 
 def typed_inputs(module, **values) -> list:

@@ -1,10 +1,10 @@
 """`camshaft deploy`: a Triton model repository for an engine, its config.pbtxt files generated from the manifest.
 
-Models: `tensorrt_llm` (tokens; hosts the engine's one executor; decoupled unless deployed with decoupled=False,
-tensorrtllm_backend's decoupled_mode: then one response a request, for plain infer), `<name>` (text, decoupled:
-streaming, gRPC, /generate, /generate_stream) and `<name>_sync` (text, not decoupled: plain HTTP/gRPC infer). The
-text models reach the executor over a private channel to the token model (channel.py); none loads the engine a second
-time.
+Models: `tensorrt_llm` (tokens; hosts the engine's one executor), `<name>` and `tensorrt_llm_bls` (text, as
+tensorrtllm_backend's ensemble and BLS models take it: streaming, gRPC, /generate, /generate_stream) and `<name>_sync`
+(text, not decoupled: plain HTTP/gRPC infer). With decoupled=False (tensorrtllm_backend's decoupled_mode false) none is
+decoupled: one response a request, plain infer everywhere, no streaming. The text models reach the executor over a
+private channel to the token model (channel.py); none loads the engine a second time.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from camshaft.version import __version__
 
 MARKER = "camshaft_repository.json"
 TOKEN_MODEL = "tensorrt_llm"
+BLS_MODEL = "tensorrt_llm_bls"  # tensorrtllm_backend's text model beside the ensemble: the same text model here
 SHIM = Path(__file__).with_name("model_shim.py")
 TOKEN_MODEL_BATCH = 1024  # Triton's bound on a request's batch dimension; the token model refuses more than 1
 LLM_OPTIONS = ("kv_cache_memory", "max_queue", "max_batch_size", "policy", "max_num_tokens", "threads", "prompt_lookup")
@@ -45,12 +46,12 @@ def model_config(name: str, *, decoupled: bool, max_batch_size: int, token: bool
 
 
 def _entries(repo: Path) -> set[str]:
-    """The names deploy wrote into `repo`: its marker and the three model directories."""
+    """The names deploy wrote into `repo`: its marker and the model directories."""
     try:
         name = json.loads((repo / MARKER).read_text())["name"]
     except (OSError, ValueError, KeyError, TypeError):
-        return {MARKER, TOKEN_MODEL}
-    return {MARKER, TOKEN_MODEL, str(name), f"{name}_sync"}
+        return {MARKER, TOKEN_MODEL, BLS_MODEL}
+    return {MARKER, TOKEN_MODEL, BLS_MODEL, str(name), f"{name}_sync"}
 
 
 def check_path(path: Path, what: str) -> None:
@@ -63,15 +64,15 @@ def check_path(path: Path, what: str) -> None:
 
 def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None,
                       decoupled: bool = True) -> Path:
-    """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments; decoupled: the token
-    model's transaction policy (the text models come in both kinds)."""
+    """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments; decoupled: the
+    models' transaction policy (`<name>_sync` is never decoupled)."""
     engine, repo = Path(engine).resolve(), Path(repo)
     manifest = read_manifest(engine)  # refuses a missing or broken engine directory
     check_path(repo, "--repo")
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name in (TOKEN_MODEL, f"{TOKEN_MODEL}_sync") \
-            or MARKER in (name, f"{name}_sync"):
+    taken = (TOKEN_MODEL, BLS_MODEL)
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or {name, f"{name}_sync"} & {*taken, MARKER}:
         raise CamshaftError(f"--name {name!r} must be a plain model name (letters, digits, _ . -) "
-                            f"other than {TOKEN_MODEL} and {MARKER}")
+                            f"other than {', '.join(taken)} and {MARKER}")
     options = {k: v for k, v in (llm_options or {}).items() if v is not None}
     unknown = set(options) - set(LLM_OPTIONS)
     if unknown:
@@ -80,19 +81,16 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     options.setdefault("max_queue", QUEUE_PER_BATCH * batch)  # as the CLI: a bounded queue the text models match
     admitted = batch + options["max_queue"]
     common = {"engine_dir": str(engine), "camshaft_path": str(Path(camshaft.__file__).resolve().parents[1])}
+    text = {"camshaft_model": "camshaft.triton_repo.text_model:TextModel", "token_model": TOKEN_MODEL,
+            "max_requests": str(admitted), "stream_model": name if decoupled else "", **common}
     models = {
         # one prompt a request whatever Triton's batch bound: a large one lets any tensorrtllm_backend ensemble load
         TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=decoupled, max_batch_size=TOKEN_MODEL_BATCH, token=True,
                                   params={"camshaft_model": "camshaft.triton_repo.token_model:TokenModel",
                                           "llm_options": json.dumps(options), "exclude_input_in_output": "false",
                                           **common}),
-        name: model_config(name, decoupled=True, max_batch_size=batch, token=False, params={
-            "camshaft_model": "camshaft.triton_repo.text_model:TextModel", "token_model": TOKEN_MODEL,
-            "max_requests": str(admitted), **common}),
-        f"{name}_sync": model_config(f"{name}_sync", decoupled=False, max_batch_size=batch, token=False,
-                                     params={"camshaft_model": "camshaft.triton_repo.text_model:TextModel",
-                                             "token_model": TOKEN_MODEL, "max_requests": str(admitted),
-                                             **common}),
+        **{model: model_config(model, decoupled=decoupled and not model.endswith("_sync"), max_batch_size=batch,
+                               token=False, params=text) for model in (name, f"{name}_sync", BLS_MODEL)},
     }
     if Path(engine).resolve().is_relative_to(Path(repo).resolve()):
         raise CamshaftError(f"--engine {engine} lies inside --repo {repo}, which deploy replaces as a whole; keep the "
@@ -105,7 +103,7 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
             (staging / model / "config.pbtxt").write_text(config)
             shutil.copyfile(SHIM, staging / model / "1" / "model.py")
         (staging / MARKER).write_text(json.dumps({
-            "engine_dir": str(engine), "name": name, "llm_options": options, "token_model_decoupled": decoupled,
+            "engine_dir": str(engine), "name": name, "llm_options": options, "decoupled": decoupled,
             "camshaft_version": __version__},
             indent=2) + "\n")
         replace_dir(staging, repo)

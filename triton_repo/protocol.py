@@ -38,7 +38,9 @@ def error_status(exc: BaseException) -> tuple[str, str]:
     return ("INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"), message
 
 
-TRITON_PARAMETERS = {"id"}  # /generate's request id, which Triton also hands over as a parameter
+# /generate's request id, which Triton also hands over as a parameter; the request parameter tensorrtllm_backend's
+# clients (inflight_batcher_llm_client.py) send, which its backend does not read either (the stream input decides)
+TRITON_PARAMETERS = {"id", "Streaming"}
 
 
 def check_parameters(parameters: str, inputs: Sequence[str]) -> None:

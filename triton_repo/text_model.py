@@ -67,6 +67,7 @@ class TextModel:
         manifest = read_manifest(Path(params["engine_dir"]))
         self.max_seq_len, self.vocab_size = manifest.limits.max_seq_len, manifest.model.vocab_size
         self.max_requests = int(params.get("max_requests") or 256)  # what the executor admits (batch + queue)
+        self.stream_model = params.get("stream_model", "")  # the decoupled text model; "" when none is
         self.calls: dict[str, _Call] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.channel = ChannelClient(channel_path(params["token_model"]), lambda message: self.inbox.put(message))
@@ -108,12 +109,13 @@ class TextModel:
                                                 bool(one(values, "return_log_probs")))
             returned = one(values, "num_return_sequences")
             if returned is not None and returned > 1 and not call.decoupled:
-                raise RequestError(f"{self.name} answers once and cannot return {returned} sequences; send "
-                                   f"num_return_sequences to the decoupled model {self.name.removesuffix('_sync')} "
-                                   "(/generate_stream or a gRPC stream: /generate takes one response)")
+                raise RequestError(f"{self.name} answers once and cannot return {returned} sequences; "
+                                   + self._to_stream_model("num_return_sequences")
+                                   + (" (/generate_stream or a gRPC stream: /generate takes one response)"
+                                      if self.stream_model else ""))
             if call.stream and not call.decoupled:
-                raise RequestError(f"{self.name} is not decoupled and cannot stream; send stream=true to the "
-                                   f"decoupled model {self.name.removesuffix('_sync')}")
+                raise RequestError(f"{self.name} is not decoupled and cannot stream; "
+                                   + self._to_stream_model("stream=true"))
             self.channel.send(("submit", call.id, self._token_inputs(values, call.text)))
         except Exception as exc:
             self._final(call, error_response(exc))
@@ -122,6 +124,11 @@ class TextModel:
                     self.channel.send(("refused", call.id))
             return
         self.calls[call.id] = call
+
+    def _to_stream_model(self, what: str) -> str:
+        if self.stream_model:
+            return f"send {what} to the decoupled model {self.stream_model}"
+        return f"this repository was deployed with --no-decoupled, where no model takes {what}; deploy without it"
 
     def _final(self, call: _Call, response) -> None:
         """The call's last response; a cancelled decoupled call gets only its final flag (Triton completes it)."""
@@ -220,7 +227,7 @@ class TextModel:
 
     @staticmethod
     def _response(text: str, new_logprobs: list[float], logprobs: list[float], want_logprobs: bool, extra: list):
-        tensors = [tensor("text_output", [[text.encode()]], np.object_), *extra]
+        tensors = [tensor("text_output", [text.encode()], np.object_), *extra]  # [1] as tensorrtllm_backend's
         if want_logprobs:
             tensors += [tensor("cum_log_probs", [[sum(logprobs)]], np.float32),
                         tensor("output_log_probs", [[list(new_logprobs)]], np.float32)]

@@ -58,7 +58,8 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
 def deploy(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     repo: Annotated[Path, typer.Option(help="Triton model repository to write")],
-    name: Annotated[str, typer.Option(help="Served model name: the Triton text model (and NAME_sync)")] = "ensemble",
+    name: Annotated[str, typer.Option(help="Served model name: the Triton text model (and NAME_sync; "
+                                           "tensorrt_llm_bls is another)")] = "ensemble",
     kv_cache_memory: MemoryOption = None,
     max_queue: QueueOption = None,
     max_batch_size: BatchOption = None,
@@ -67,9 +68,9 @@ def deploy(
     prompt_lookup: LookupOption = 0,
     no_decoupled: Annotated[bool, typer.Option(
         "--no-decoupled",
-        help="The token model tensorrt_llm not decoupled (tensorrtllm_backend's decoupled_mode false): one response "
-             "a request, so an ensemble over it takes plain infer, but no streaming (default: decoupled, streaming). "
-             "The text models come in both kinds (NAME, NAME_sync)")] = False,
+        help="No model decoupled (tensorrtllm_backend's decoupled_mode false): one response a request, so every "
+             "model (and an ensemble over tensorrt_llm) takes plain infer, but none streams (default: decoupled, "
+             "streaming; NAME_sync takes plain infer either way)")] = False,
 ) -> None:
     """Write a Triton model repository that serves an engine with in-flight batching."""
     from camshaft.triton_repo.deploy import deploy_repository

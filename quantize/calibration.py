@@ -233,6 +233,7 @@ def tokenize(texts: Iterable[Sample], source: str, tokenizer, num_samples: int, 
             progress(f"tokenizing calibration text: {min(len(ids), needed)}/{needed} tokens")
         if len(ids) >= needed:
             break
+    progress(f"tokenizing calibration text: {min(len(ids), needed)}/{needed} tokens")  # where the count ended
     if len(ids) < needed:
         raise QuantizeError(
             f"calibration data ({source}) has {len(ids)} tokens, fewer than --calib-size {num_samples} x "

@@ -242,8 +242,10 @@ def test_chat_messages_are_rendered_with_the_chat_template(tiny, tmp_path):
     assert rendered[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     prose = tokenizer.encode("plain prose", add_special_tokens=False) + [tokenizer.eos_token_id]
     expected = (rendered + prose) * 4  # the template ends each turn itself: no EOS after a conversation
-    got = calibration.tokenize(texts * 4, source, tokenizer, 1, len(expected))
+    said = []
+    got = calibration.tokenize(texts * 4, source, tokenizer, 1, len(expected), progress=said.append)
     assert got.input_ids[0].tolist() == expected
+    assert said[-1] == f"tokenizing calibration text: {len(expected)}/{len(expected)} tokens"  # where it ended
     (tmp_path / "turns.jsonl").write_text(json.dumps({"turns": CHAT}) + "\n")
     assert list(load_texts(f"{tmp_path / 'turns.jsonl'}:turns")[0]) == [CHAT]
     with pytest.raises(QuantizeError, match=r'chat.jsonl:2: expected .* "messages" field .a string or chat messages'):

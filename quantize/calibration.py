@@ -159,8 +159,10 @@ def _jsonl_text(line: str, file: Path, number: int, field: str | None) -> Sample
             return checked_messages(value, f"{file}:{number}")
     holds = f"an object with the keys {sorted(item)[:10]}" if isinstance(item, dict) else type(item).__name__
     wanted = f'a "{field}" field (a string or chat messages)' if field else 'a "text" string or "messages" list field'
-    raise QuantizeError(f"{file}:{number}: expected a string or an object with {wanted}, found {holds} (another "
-                        f"field: --calib-data {file}:FIELD)")
+    hint = (f"another field: --calib-data {file}:FIELD" if isinstance(item, dict) else
+            "a JSON array of records is not JSON Lines: write one record a line" if isinstance(item, list) else
+            "one string or object a line")
+    raise QuantizeError(f"{file}:{number}: expected a string or an object with {wanted}, found {holds} ({hint})")
 
 
 @dataclass(frozen=True)

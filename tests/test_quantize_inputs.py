@@ -116,6 +116,9 @@ def test_user_corpus_formats(tmp_path):
         load_texts(tmp_path)
     texts, source = load_texts(f"{tmp_path / 'c.jsonl'}:body")
     assert list(texts) == ["three"] and source == f"{tmp_path / 'c.jsonl'}, field body"
+    (tmp_path / "d.json").write_text('[{"text": "one"}, {"text": "two"}]\n')  # an array on one line: not JSONL
+    with pytest.raises(QuantizeError, match="found list .a JSON array of records is not JSON Lines: write one record"):
+        list(load_texts(tmp_path / "d.json")[0])
     with pytest.raises(QuantizeError, match="holds plain text, which has no column body"):
         load_texts(f"{tmp_path}:body")
 

@@ -262,9 +262,14 @@ def test_streamed_chat_and_completion_concatenate_to_the_text(client, session):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
+    assert all("usage" in c.model_fields_set for c in chunks)  # with include_usage: on every chunk, null but last
+    assert [c.usage is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+
     expected = session.generate(PROMPTS[3], max_tokens=16, temperature=0)
-    pieces = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=0, stream=True)
+    pieces = list(client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=0,
+                                            stream=True))
     assert "".join(c.choices[0].text for c in pieces) == expected.text
+    assert not any("usage" in c.model_fields_set for c in pieces)  # OpenAI's: no usage field without include_usage
 
 
 def test_n_sampled_outputs_are_reproducible_with_a_seed(client):

@@ -241,12 +241,12 @@ async def _events(generation: Generation, shape: _Shape, with_logprobs: bool,
     try:
         opening = shape.opening(generation.num_choices)
         if opening:
-            yield sse(shape.chunk(opening))
+            yield sse(shape.chunk(opening, with_usage=include_usage))
         async for index, output in generation:
             completion_tokens += len(output.token_ids) if shape.shows_output else 0
             choice = shape.chunk_choice(index, output, with_logprobs)
             if choice is not None:
-                yield sse(shape.chunk([choice]))
+                yield sse(shape.chunk([choice], with_usage=include_usage))
         if include_usage:
             yield sse(shape.chunk([], usage(generation.prompt_tokens, completion_tokens)))
     except Exception as exc:  # the response has started: the error goes in the stream

@@ -59,9 +59,10 @@ class _Shape:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+    def chunk(self, choices: list[dict], usage_: dict | None = None, with_usage: bool = True) -> dict:
+        """A stream's chunk; OpenAI's: a usage field (null but on the last) only when include_usage asked for it."""
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage_}
+                "choices": choices, **({"usage": usage_} if with_usage else {})}
 
 
 class CompletionShape(_Shape):

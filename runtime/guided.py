@@ -22,6 +22,11 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # blanks until max_tokens (a schema's own top-level "x-guidance" settings replace this)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
+# Where JSON Schema holds subschemas: maps of them, one, and lists of them ("items" may be either)
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_ONE = ("items", "contains", "additionalProperties", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class GuidedDecodingParams:
                                f"{', '.join(given) or 'none'}")
         if self.json is not None:
             object.__setattr__(self, "json", _schema_text(self.json))
+        if self.json_object is None:  # vLLM's default, and what a client sending nulls sends
+            object.__setattr__(self, "json_object", False)
         if self.json_object is not False and self.json_object is not True:
             raise RequestError(f"json_object must be True or False, got {self.json_object!r:.100}")
         for name in ("regex", "grammar"):
@@ -83,16 +90,30 @@ def _schema_text(schema: object) -> str:
         raise RequestError(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
 
 
-def _closed(schema: object) -> object:
-    """additionalProperties false wherever an object schema lists properties and says nothing of others."""
-    if isinstance(schema, Mapping):
-        closed = {key: _closed(value) for key, value in schema.items()}
-        if "properties" in closed and not OPEN_KEYS & closed.keys():
-            closed["additionalProperties"] = False
-        return closed
-    if isinstance(schema, list):
-        return [_closed(item) for item in schema]
-    return schema
+def _closed(schema: object, close: bool = True) -> object:
+    """additionalProperties false wherever an object schema lists properties and says nothing of others; only
+    subschemas are visited (never a const, enum, default or example value). The branches of an allOf stay open (each
+    closed alone would forbid the others' properties): their parent is closed over all their properties instead."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in SCHEMA_ONE:
+        if key in out:
+            out[key] = [_closed(sub) for sub in out[key]] if isinstance(out[key], list) else _closed(out[key])
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub, close=key != "allOf") for sub in out[key]]
+    branches = out.get("allOf") if isinstance(out.get("allOf"), list) else []
+    listed = {name: {} for sub in branches if isinstance(sub, Mapping) and isinstance(sub.get("properties"), Mapping)
+              for name in sub["properties"]}
+    if listed and all(isinstance(sub, Mapping) and not (OPEN_KEYS | {"$ref"}) & sub.keys() for sub in branches):
+        out["properties"] = {**listed, **(out.get("properties") or {})}
+    if close and isinstance(out.get("properties"), Mapping) and not OPEN_KEYS & out.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 class Guides:

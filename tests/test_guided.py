@@ -140,6 +140,25 @@ def test_large_choices_unlisted_keys_and_an_end_id_the_grammar_ends_on(llm):
     assert out.token_ids[-1] == eos and out.stop_token_id == eos and out.finish_reason == "stop"
 
 
+def test_closing_object_schemas_touches_subschemas_only_and_keeps_all_of_satisfiable(llm):
+    """Values (const, enum, default) are never rewritten: the output still equals the user's const; the branches of
+    an allOf stay open, their parent closed over all their properties (each closed alone refused the schema)."""
+    const = {"type": "object", "properties": {"x": {"const": {"properties": 1}}}, "required": ["x"]}
+    closed = json.loads(GuidedDecodingParams(json=const).json)
+    assert closed["properties"]["x"] == {"const": {"properties": 1}} and closed["additionalProperties"] is False
+    both = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]},
+                      {"type": "object", "properties": {"b": {"type": "integer", "maximum": 9}}, "required": ["b"]}]}
+    for schema, check in ((const, lambda v: v == {"x": {"properties": 1}}),
+                          (both, lambda v: sorted(v) == ["a", "b"])):
+        out = llm.generate([5, 6], SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(json=schema)),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and check(json.loads(out.text)), out.text
+    nested = json.loads(GuidedDecodingParams(json={"type": "array", "items": {"properties": {"k": {}}},
+                                                   "default": [{"properties": {}}]}).json)
+    assert nested["items"]["additionalProperties"] is False and nested["default"] == [{"properties": {}}]
+    assert GuidedDecodingParams(regex="[0-9]+", json_object=None).json_object is False  # vLLM's default
+
+
 def test_bad_grammars_are_refused_before_anything_runs(llm):
     for guided, message in ((GuidedDecodingParams(regex="a(b"), "unclosed group"),
                             (GuidedDecodingParams(regex="[^\x00-\U0010FFFF]"), "guided decoding"),

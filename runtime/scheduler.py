@@ -191,6 +191,8 @@ class Scheduler:
         request.blocks = self.blocks.take_cached(reused) + self.blocks.allocate(wanted - len(reused))
         request.num_computed = len(reused) * self.config.block_size
         request.kv_blocks_reused += len(reused)  # RequestMetrics: the prompt's blocks, as TensorRT-LLM counts them
+        if request.first_reused_blocks is None:
+            request.first_reused_blocks = len(reused)
         request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - len(reused)
         return True
 

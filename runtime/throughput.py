@@ -133,6 +133,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     timer = StepTimer(llm)
     in_flight = 0
     reused = [0] * len(requests)  # prompt tokens each took from the prefix cache
+    submitted: list = [None] * len(requests)
 
     def submit(index: int) -> None:
         nonlocal in_flight
@@ -148,6 +149,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         request.add_sample = timed_add_sample
         record.in_flight_at_submit = in_flight
         record.submitted = time.perf_counter()
+        submitted[index] = request
         executor.submit([request], [lambda out, i=index: done.put((i, out)) if out.finished else None])
         in_flight += 1
 
@@ -162,8 +164,9 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
             in_flight -= 1
             if output.error is not None:
                 raise output.error
-            reused[index] = min(output.result.metrics.kv_blocks_reused * llm.engine.block_size,
-                                len(requests[index].prompt_ids))
+            # what the first admission took from the prefix cache (a readmission after preemption takes back the
+            # request's own blocks, which were computed)
+            reused[index] = (submitted[index].first_reused_blocks or 0) * llm.engine.block_size
             if keep_token_ids:
                 records[index].token_ids = list(output.result.token_ids)
             if next_index < len(requests):

@@ -11,6 +11,7 @@ import pytest
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import RequestError
+from camshaft.manifest import read_manifest
 from camshaft.runtime import throughput
 from camshaft.runtime.bench_data import BenchRequest, load_dataset, parse_dataset_spec
 from camshaft.runtime.flops import count_flops
@@ -79,6 +80,25 @@ def test_jsonl_dataset(tmp_path):
     text.write_text('{"prompt": "hello", "max_tokens": 2}\n')
     with pytest.raises(RequestError, match="tokenizer"):
         load_dataset(f"jsonl:{text}", 1, max_seq_len=64, vocab_size=300)
+
+
+def test_flops_leave_out_only_what_the_prefix_cache_saved(engine_dir):
+    """A repeated prompt's cached blocks are not counted; a preempted request readmitted onto its own cached blocks
+    computed them once, so they are (the count is of computing each request once)."""
+    from camshaft.runtime.kv_cache import bytes_per_block
+
+    manifest = read_manifest(engine_dir)
+    requests = load_dataset("synthetic:in=48,out=40", 4, max_seq_len=MAX_SEQ_LEN,
+                            vocab_size=manifest.model.vocab_size, seed=7)
+    once = count_flops(manifest, requests)["tokens_fed"]
+    with LLM(engine_dir, threads=1, kv_cache_memory=8 * bytes_per_block(manifest), policy="max_utilization") as llm:
+        tight = run_throughput(llm, requests, concurrency=4)
+    assert tight.preemptions > 0 and tight.gflop["tokens_fed"] == once
+    with LLM(engine_dir, threads=1) as llm:
+        repeated = run_throughput(llm, [requests[0]] * 3, concurrency=1)
+    # the 2nd and 3rd take 2 of the 1st's 3 prompt blocks (the last prompt token is always computed: its logits)
+    assert repeated.prefix_reuse_hits == 2 * 2
+    assert repeated.gflop["tokens_fed"] == 3 * (48 + 40 - 1) - 2 * 32
 
 
 def test_run_returns_every_request_with_sane_metrics(engine_dir):

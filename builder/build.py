@@ -103,12 +103,12 @@ def _quantization_record(quant: dict, algos: list[str], lowering: DecoderLowerin
     level = lowering.linears.accuracy_level if counts["nbits"] else None
     int8_blocks = "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None
     # ModelOpt's MIXED_PRECISION config lists no exclude_modules: the head, the embedding and camshaft's --exclude
-    listed_float = (quant.get("exclude_modules", []) if quant["quant_algo"] != MIXED
+    listed_float = (quant.get("exclude_modules", []) if quant.get("quant_algo") != MIXED
                     else ["lm_head", "model.embed_tokens", *record.get("exclude", [])])
     return {
         "format": record.get("format"),
-        "quant_algo": quant["quant_algo"],
-        **({"layer_quant_algos": algos} if quant["quant_algo"] == MIXED else {}),
+        "quant_algo": quant.get("quant_algo"),
+        **({"layer_quant_algos": algos} if quant.get("quant_algo") == MIXED else {}),
         "group_size": quant.get("group_size"),
         "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),

@@ -22,10 +22,7 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
 )
 from camshaft.errors import CheckpointError
 from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig, require_tokenizer
-from camshaft.weight_files import index_map, weight_files
-
-EMBED = "model.embed_tokens.weight"
-SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+from camshaft.weight_files import EMBED, SAFETENSORS_FLOATS, index_map, weight_files
 
 
 class Checkpoint:
@@ -62,7 +59,11 @@ class Checkpoint:
 
     @property
     def float_dtype(self) -> str | None:
-        """The float type the checkpoint stores its embedding in (its own precision), None where that is not float."""
+        """The model's own float type: the one `camshaft quantize` recorded of the checkpoint it quantized (its
+        export is float32 whatever the model's), else the type the embedding is stored in; None where not float."""
+        recorded = (self.quantization or {}).get("camshaft", {}).get("source_dtype")
+        if recorded:
+            return recorded
         name = self._aliases.get(EMBED, EMBED)
         if name not in self._where:
             return None

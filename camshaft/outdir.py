@@ -18,7 +18,7 @@ def check_replaceable(output: Path, marker: str, kind: str, error: type[Exceptio
     mount point, which cannot be swapped for the new directory, is refused too, and so is a path under a file or in a
     directory this process cannot write."""
     output = Path(os.path.abspath(output))  # "." has a parent to build beside
-    parent = next(p for p in output.parents if p.exists())  # the output is built beside itself, in a new sibling
+    parent = next((p for p in output.parents if p.exists()), output)  # built beside itself, in a new sibling
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         what = "is a file" if not parent.is_dir() else "is not a directory you can write to"
         raise error(f"{flag} {output} cannot be written: {parent} {what}; choose a path in a writable directory")

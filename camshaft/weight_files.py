@@ -63,3 +63,23 @@ def matrix_names(model_dir: Path) -> list[str]:
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
     return names
+
+
+SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+EMBED = "model.embed_tokens.weight"
+
+
+def stored_float_dtype(model_dir: Path) -> str | None:
+    """The float type a checkpoint stores its embedding in (its own precision; a tied model saved as its head: the
+    head's), from the safetensors headers; None where that is not float or not there."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in (EMBED, "lm_head.weight"):
+        for file in weight_files(model_dir):
+            try:
+                with safe_open(str(file), framework="numpy") as handle:
+                    if name in handle.keys():
+                        return SAFETENSORS_FLOATS.get(handle.get_slice(name).get_dtype())
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
+    return None

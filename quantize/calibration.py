@@ -226,16 +226,19 @@ def tokenize(texts: Iterable[Sample], source: str, tokenizer, num_samples: int, 
     needed = num_samples * seq_len
     eos = tokenizer.eos_token_id
     ids: list[int] = []
+    shown = True
     for i, sample in enumerate(texts):
         text = sample if isinstance(sample, str) else render(tokenizer, sample, source)
         ids.extend(tokenizer.encode(text, add_special_tokens=False))
         if eos is not None and isinstance(sample, str):
             ids.append(int(eos))
-        if i % 200 == 0:
+        shown = i % 200 == 0
+        if shown:
             progress(f"tokenizing calibration text: {min(len(ids), needed)}/{needed} tokens")
         if len(ids) >= needed:
             break
-    progress(f"tokenizing calibration text: {min(len(ids), needed)}/{needed} tokens")  # where the count ended
+    if not shown:  # where the count ended
+        progress(f"tokenizing calibration text: {min(len(ids), needed)}/{needed} tokens")
     if len(ids) < needed:
         raise QuantizeError(
             f"calibration data ({source}) has {len(ids)} tokens, fewer than --calib-size {num_samples} x "

@@ -45,6 +45,7 @@ from camshaft.quantize.spec import (
     modelopt_config,
     resolve_group_size,
 )
+from camshaft.weight_files import stored_float_dtype
 
 INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
 
@@ -104,6 +105,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         where = HF_QUANT_CONFIG if method is None else f"config.json's quantization_config, quant_method {method}"
         raise QuantizeError(f"{model_dir} is already quantized ({where}); quantize the original checkpoint")
     model_config = ModelConfig.from_hf_dir(model_dir)
+    source_dtype = stored_float_dtype(model_dir)  # the export is float32: builds take the model's own type from this
     group_size = resolve_group_size(spec, model_config)
     check_lm_head_fits(spec, model_config)
     check_sizes(calib_size, calib_seq_len, model_config.max_position_embeddings)
@@ -174,6 +176,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         timings["total"] = round(time.perf_counter() - start, 2)
         record = {
             "format": spec.format, "kv_cache_dtype": spec.kv_cache_dtype, "group_size": group_size,
+            "source_dtype": source_dtype,
             "exclude": list(spec.exclude), "modelopt_config": spec.info.modelopt_config,
             "algorithm": cfg.get("algorithm"), "lm_head": spec.lm_head,
             **({"lm_head_float_channels": head_inputs.largest(float_channels)} if head_inputs else {}),

@@ -217,7 +217,7 @@ def repeat_note(spec: DatasetSpec, num_requests: int) -> str | None:
         return None
     return (f"note: {spec.path} holds {rows} request(s); {num_requests} requests repeat them in order, and a repeated "
             "prompt is served from the prefix cache (TTFT and throughput read better than for as many different "
-            "prompts; GFLOP/s counts only what was computed)")
+            "prompts)")
 
 
 def warmup_requests(requests: list[BenchRequest], vocab_size: int, count: int = 4) -> list[BenchRequest]:

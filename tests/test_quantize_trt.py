@@ -69,6 +69,21 @@ def test_quantized_formats_build_tensorrt_rtx_plans(tiny, tmp_path, fmt):
     assert all(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.graph.initializer if t.name in scales)
 
 
+def test_dtype_auto_follows_the_model_a_checkpoint_was_quantized_from(tmp_path):
+    """The quantized export is float32 whatever the model: the quantize record keeps the model's own type, which
+    --dtype auto builds (a bfloat16 model: bfloat16 with or without --quant)."""
+    from test_tensorrt_rtx import stored_as_bfloat16
+
+    from camshaft.builder.checkpoint import Checkpoint
+
+    model = stored_as_bfloat16(make_tiny_model("llama", tmp_path / "hf"))
+    quantize_checkpoint(model, tmp_path / "ckpt", QuantSpec("int8_wo"), **CALIB)
+    with Checkpoint(tmp_path / "ckpt") as ckpt:
+        assert ckpt.float_dtype == "bfloat16" and ckpt.quantization["camshaft"]["source_dtype"] == "bfloat16"
+    built = build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", target="tensorrt-rtx", **BUILD))
+    assert built.dtype == "bfloat16"
+
+
 def test_quantized_kv_cache_is_refused_before_any_work(tiny, tmp_path):
     with pytest.raises(BuildConfigError, match=r"cannot build FP8 checkpoints: the KV cache is quantized \(fp8"):
         check_quantized_target("tensorrt", "FP8", "FP8")

@@ -1,6 +1,7 @@
-"""The text models: `<name>` (decoupled; `stream` true streams text deltas, false sends exactly one response) and
-`<name>_sync` (not decoupled, for plain HTTP infer). Both tokenize, then hand the token ids to the executor that the
-token model hosts, over the private channel of channel.py, and never load the engine themselves.
+"""The text models: `<name>` and `tensorrt_llm_bls` (decoupled unless deployed --no-decoupled; `stream` true streams
+text deltas, false sends exactly one response) and `<name>_sync` (not decoupled, for plain HTTP infer). Each
+tokenizes, then hands the token ids to the executor that the token model hosts, over the private channel of
+channel.py, and never loads the engine itself.
 
 One thread owns every call into Triton's python stub once execute() has handed a request over (parsing, responses,
 cancellation checks) and every message to the executor; the channel's reader thread only passes on what arrives.

@@ -37,6 +37,7 @@ async def _drive(client, requests: list[ServeRequest], arrivals: list[float], co
     limit = asyncio.Semaphore(concurrency or len(requests))
     records = [Record(r.prompt_tokens, r.max_tokens) for r in requests]
     start = time.perf_counter()
+    finished = 0
 
     async def one(request: ServeRequest, record: Record, at: float) -> None:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
@@ -46,12 +47,14 @@ async def _drive(client, requests: list[ServeRequest], arrivals: list[float], co
                 await client(request, record)
             except Exception as exc:  # a failed request is a result, not a crash of the benchmark
                 record.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                nonlocal finished
+                finished += 1
 
     async def tick() -> None:  # a long run says how far it got
         while True:
             await asyncio.sleep(PROGRESS_EVERY_S)
-            done = sum(r.ok or r.error is not None for r in records)
-            progress(f"{done}/{len(records)} requests done, {time.perf_counter() - start:.0f} s")
+            progress(f"{finished}/{len(records)} requests done, {time.perf_counter() - start:.0f} s")
 
     ticker = asyncio.create_task(tick())
     try:

@@ -51,6 +51,8 @@ def test_an_output_that_cannot_be_written_is_one_error_before_any_work(built, tm
     model, _ = built
     with pytest.raises(CamshaftError, match="--output /dev/null/engine cannot be written: /dev/null is a file"):
         build_engine(BuildConfig(model, "/dev/null/engine", max_seq_len=64))
+    with pytest.raises(CamshaftError, match="--output / "):  # no parent at all
+        build_engine(BuildConfig(model, "/", max_seq_len=64))
     (tmp_path / "afile").write_text("")
 
     def no_load(*args, **kwargs):

@@ -249,6 +249,7 @@ def test_chat_messages_are_rendered_with_the_chat_template(tiny, tmp_path):
     got = calibration.tokenize(texts * 4, source, tokenizer, 1, len(expected), progress=said.append)
     assert got.input_ids[0].tolist() == expected
     assert said[-1] == f"tokenizing calibration text: {len(expected)}/{len(expected)} tokens"  # where it ended
+    assert said.count(said[-1]) == 1
     (tmp_path / "turns.jsonl").write_text(json.dumps({"turns": CHAT}) + "\n")
     assert list(load_texts(f"{tmp_path / 'turns.jsonl'}:turns")[0]) == [CHAT]
     with pytest.raises(QuantizeError, match=r'chat.jsonl:2: expected .* "messages" field .a string or chat messages'):

@@ -29,15 +29,19 @@ def bench_latency(
     new_tokens: Annotated[int, typer.Option(min=1, help="Generated tokens (greedy, end id ignored)")] = 128,
     repeats: Annotated[int, typer.Option(min=1, help="Measured runs (medians are reported)")] = 5,
     warmup: Annotated[int, typer.Option(min=0, help="Unmeasured runs first")] = 1,
+    output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
 ) -> None:
     """Batch-1 latency: TTFT, prefill and decode tokens/s (medians over repeats)."""
     from camshaft.runtime.bench import latency_benchmark
 
+    require_outputs(None, output_json)
     with flag_names("prompt_len", "new_tokens", "repeats", "warmup"):
         report = latency_benchmark(engine, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
                                    warmup=warmup, progress=progress)
     for key, value in report.items():
         typer.echo(f"{key:>22}: {value}")
+    if output_json:
+        write_json(output_json, {"engine": str(engine), "repeats": repeats, "warmup": warmup, **report})
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -84,6 +84,10 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     done = subprocess.run([*CAMSHAFT, "serve", "--repo", str(repo), "--max-queue", "3", "--policy",
                            "max_utilization"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "--max-queue, --policy would be ignored" in done.stderr  # not silently dropped
+    for where in (["--repo", str(repo)], ["--engine", str(engine), "--api", "openai"]):
+        done = subprocess.run([*CAMSHAFT, "serve", *where, "--no-decoupled"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 1 and "--no-decoupled sets how Triton's models are deployed" in done.stderr
     deploy_repository(engine, repo, name="again")  # a camshaft repository is replaced
     assert sorted(p.parent.name for p in repo.glob("*/config.pbtxt")) == ["again", "again_sync", "tensorrt_llm",
                                                                           "tensorrt_llm_bls"]
@@ -106,7 +110,7 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
 def test_serve_engine_answers_and_stops_on_sigint(engine):
     ports = [str(free_port("127.0.0.1")) for _ in range(3)]
     command = [*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port", ports[1],
-               "--metrics-port", ports[2], "--max-queue", "8", "--name", "llm"]
+               "--metrics-port", ports[2], "--max-queue", "8", "--name", "llm", "--no-decoupled"]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     ready = threading.Event()
@@ -125,6 +129,10 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
         close = {"Connection": "close"}  # an open keep-alive connection holds Triton's exit for its exit timeout
         answer = requests.post(url, json={"text_input": "hello", "max_tokens": 4}, headers=close, timeout=60)
         assert answer.status_code == 200 and answer.json()["text_output"].startswith("hello")
+        infer = requests.post(f"http://127.0.0.1:{ports[0]}/v2/models/llm/infer", headers=close, timeout=60, json={
+            "inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]},
+                       {"name": "max_tokens", "shape": [1, 1], "datatype": "INT32", "data": [4]}]})
+        assert infer.status_code == 200, infer.text  # --no-decoupled: plain infer on the served model itself
         assert "camshaft_kv_cache_blocks_total" in requests.get(f"http://127.0.0.1:{ports[2]}/metrics",
                                                                  headers=close, timeout=10).text
         server.send_signal(signal.SIGINT)

@@ -201,9 +201,9 @@ def port_free(host: str, port: int) -> bool:
 
 
 def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, grpc_port: int, metrics_port: int,
-          llm_options: dict, log: Callable[[str], None], name: str | None = None) -> None:
+          llm_options: dict, log: Callable[[str], None], name: str | None = None, decoupled: bool = True) -> None:
     """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit.
-    name: the text model's name when deploying `engine` (default ensemble); a repository keeps the one it has."""
+    name, decoupled: as deploy_repository takes them, when deploying `engine` (a repository keeps its own)."""
     from camshaft.triton_repo.deploy import deploy_repository
 
     if repo is not None and name is not None and name != _text_model_name(Path(repo)):
@@ -212,7 +212,7 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
     with tempfile.TemporaryDirectory(prefix="camshaft-repo-") as tmp:
         if engine is not None:
             repo = deploy_repository(Path(engine), Path(tmp) / "repo", name=name or "ensemble",
-                                     llm_options=llm_options)
+                                     llm_options=llm_options, decoupled=decoupled)
             log(f"deployed {engine} to {repo}")
         elif given := [k for k, v in llm_options.items() if v is not None]:
             raise CamshaftError(f"{repo} serves the LLM options camshaft deploy wrote into it, so {', '.join(given)} "

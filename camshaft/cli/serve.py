@@ -26,6 +26,11 @@ LLM_FLAGS = ("kv_cache_memory", "max_queue", "max_batch_size", "max_num_tokens")
 TRITON_PORTS = {"--grpc-port": 8001, "--metrics-port": 8002}
 TokensOption = Annotated[int | None, typer.Option(min=1, help="Most tokens a step computes (the prefill chunk budget; "
                                                        "default and maximum: the engine's)")]
+NoDecoupledOption = Annotated[bool, typer.Option(
+    "--no-decoupled",
+    help="Triton: no model decoupled (tensorrtllm_backend's decoupled_mode false): one response a request, so every "
+         "model (and an ensemble over tensorrt_llm) takes plain infer, but none streams (default: decoupled, "
+         "streaming; NAME_sync takes plain infer either way)")]
 LookupOption = Annotated[int, typer.Option(
     min=0, max=16, metavar="N",
     help="Decodes also feed up to this many tokens drafted from their own prompt and output (prompt lookup: the same "
@@ -66,11 +71,7 @@ def deploy(
     max_num_tokens: TokensOption = None,
     policy: PolicyOption = "guaranteed_no_evict",
     prompt_lookup: LookupOption = 0,
-    no_decoupled: Annotated[bool, typer.Option(
-        "--no-decoupled",
-        help="No model decoupled (tensorrtllm_backend's decoupled_mode false): one response a request, so every "
-             "model (and an ensemble over tensorrt_llm) takes plain infer, but none streams (default: decoupled, "
-             "streaming; NAME_sync takes plain infer either way)")] = False,
+    no_decoupled: NoDecoupledOption = False,
 ) -> None:
     """Write a Triton model repository that serves an engine with in-flight batching."""
     from camshaft.triton_repo.deploy import deploy_repository
@@ -114,6 +115,7 @@ def serve(
     chat_template: Annotated[str | None, typer.Option(
         help="OpenAI API: a Jinja chat template (a file, or the template itself) used in place of the engine's")]
     = None,
+    no_decoupled: NoDecoupledOption = False,
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
@@ -131,6 +133,9 @@ def serve(
                             "behind a gateway that checks them, or unset it")
     if tool_call_parser is not None and api != "openai":
         raise CamshaftError("--tool-call-parser reads tool calls for the OpenAI API (--api openai); drop it")
+    if no_decoupled and (api != "triton" or repo is not None):
+        raise CamshaftError("--no-decoupled sets how Triton's models are deployed: it goes with --engine (Triton); a "
+                            "--repo keeps what camshaft deploy wrote, and the OpenAI API has no such models")
     if chat_template is not None and api != "openai":
         raise CamshaftError("--chat-template renders chat messages for the OpenAI API (--api openai); Triton's models "
                             "take text: drop it")
@@ -159,7 +164,8 @@ def serve(
         from camshaft.triton_repo.server import serve as serve_triton
 
         serve_triton(engine=engine, repo=repo, host=host, http_port=port, grpc_port=grpc_port,
-                     metrics_port=metrics_port, llm_options=options, log=progress, name=name)
+                     metrics_port=metrics_port, llm_options=options, log=progress, name=name,
+                     decoupled=not no_decoupled)
     else:
         raise CamshaftError(f"unknown --api {api!r}; use triton or openai")
 

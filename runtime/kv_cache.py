@@ -54,15 +54,21 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
     return total
 
 
-def parse_memory(spec: str | int | float | None) -> int | None:
-    """A KV cache budget in bytes (memory_spec; a fraction of the memory available now)."""
+def parse_memory(spec: str | int | float | None, manifest: Manifest | None = None) -> int | None:
+    """A KV cache budget in bytes (memory_spec; a fraction of the memory available now where `manifest`'s engine
+    keeps its cache: the host's, or for a TensorRT engine the GPU's)."""
     value = memory_spec(spec)
     if isinstance(value, float):
         import psutil
 
-        available = psutil.virtual_memory().available
-        left = cgroup_available()
-        available = available if left is None else min(available, left)
+        if manifest is not None and manifest.target != "onnxruntime":
+            from camshaft.runtime.backends.tensorrt import device_free_memory
+
+            available = device_free_memory(manifest)
+        else:
+            available = psutil.virtual_memory().available
+            left = cgroup_available()
+            available = available if left is None else min(available, left)
         if value * available < 1:
             raise RequestError(f"a KV cache budget of {value} of the memory available ({available} bytes) is under "
                                f"one byte; raise the budget: {MEMORY_HELP}")
@@ -123,15 +129,24 @@ def cache_copies(manifest: Manifest) -> int:
     return 2 if manifest.target.startswith("tensorrt") else 1
 
 
+def plan_blocks(manifest: Manifest) -> int | None:
+    """The largest KV pool (blocks) a TensorRT plan's optimisation profile takes; None for other targets."""
+    profile = manifest.target_options.get("profile", {}).get("num_blocks")
+    return int(profile[2]) if manifest.target != "onnxruntime" and profile else None
+
+
 def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | float | None = None,
                 copies: int = 1) -> int:
     """Blocks for `max_sequences` full-length sequences, or as many as fit `memory` (see parse_memory) when the
     backend holds `copies` buffers of each cache, plus the null block."""
     spec = memory_spec(memory)
-    memory_bytes = parse_memory(spec)
+    memory_bytes = parse_memory(spec, manifest)
     if memory_bytes is not None:
         each = copies * bytes_per_block(manifest)
         blocks = memory_bytes // each
+        most = plan_blocks(manifest)
+        if most is not None:  # a TensorRT plan takes at most the pool its profile was built for
+            blocks = min(blocks, most)
         if blocks < 2:
             given = f" ({spec} of the memory available)" if isinstance(spec, float) else ""
             one = "; 1 is one byte: for all of the available memory write 1.0" if memory_bytes == 1 else ""

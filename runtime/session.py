@@ -47,8 +47,8 @@ class Session:
             raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
         prompt_lookup = as_prompt_lookup(prompt_lookup)
         template = None if chat_template is None else load_chat_template(chat_template)
-        kv_cache_memory = parse_memory(kv_cache_memory)
         manifest = read_manifest(engine_dir)
+        kv_cache_memory = parse_memory(kv_cache_memory, manifest)
         sequence = graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None)
         if prompt_lookup is not None and sequence and not checks_drafts(manifest):
             raise EngineError(f"{engine_dir}: its sequence graph gives logits for one token a step, so it cannot check "

@@ -228,8 +228,8 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
         raise RequestError(f"num_requests must be an integer >= 1, got {num_requests!r}")
     spec = parse_dataset_spec(dataset)  # a bad spec or JSONL file is refused before the engine loads
     note = repeat_note(spec, num_requests)
-    memory = parse_memory(kv_cache_memory)
-    engine_limits = read_manifest(Path(engine_dir), check_files=False).limits  # LLM() below checks the files
+    manifest = read_manifest(Path(engine_dir), check_files=False)  # LLM() below checks the files
+    memory, engine_limits = parse_memory(kv_cache_memory, manifest), manifest.limits
     batch = check_llm_options(engine_limits, policy=policy, max_batch_size=max_batch_size,
                               max_num_tokens=max_num_tokens).max_batch_size
     if max(levels) > batch:  # before any level runs

@@ -93,11 +93,15 @@ class FakeCudart:
         cudaDevAttrComputeCapabilityMajor = "major"
         cudaDevAttrComputeCapabilityMinor = "minor"
 
-    def __init__(self, arch: int = 89, devices: int = 1) -> None:
-        self.arch, self.devices = arch, devices
+    def __init__(self, arch: int = 89, devices: int = 1, free: int = 8 * 2**30) -> None:
+        self.arch, self.devices, self.free = arch, devices, free
         self.allocations: dict[int, ctypes.Array] = {}
         self.freed: list[int] = []
         self.copies = 0
+        self.out_of_memory = False
+
+    def cudaMemGetInfo(self):  # noqa: N802
+        return 0, self.free, 16 * 2**30
 
     def cudaGetDeviceCount(self):  # noqa: N802
         return 0, self.devices
@@ -106,6 +110,8 @@ class FakeCudart:
         return 0, self.arch // 10 if attr == "major" else self.arch % 10
 
     def cudaMalloc(self, nbytes):  # noqa: N802
+        if self.out_of_memory:
+            return 2, 0  # cudaErrorMemoryAllocation
         buffer = (ctypes.c_char * nbytes)()
         self.allocations[ctypes.addressof(buffer)] = buffer
         return 0, ctypes.addressof(buffer)
@@ -266,6 +272,42 @@ def test_backend_plumbing_against_simulated_cuda_and_tensorrt(simulated):
     assert bound() == (before if context.runs % 2 == 0 else [(o, i) for i, o in before])
     trt_backend.close()
     assert not cudart.allocations and cudart.streams_destroyed == 1
+    assert trt_backend.context is trt_backend.engine is trt_backend.runtime is None  # the plan's memory too
+    trt_backend.close()  # twice: nothing left to free
+
+
+def test_a_failed_allocation_leaves_the_buffers_bound_and_usable(simulated):
+    """Growing a feed's buffer allocates the new one first: when that fails the step fails, and the next step that
+    fits the old buffer runs as if nothing happened (the old one was freed and left bound before)."""
+    rtx_dir, ort_dir, cudart = simulated
+    engine, reference = Engine(rtx_dir, max_sequences=2), Engine(ort_dir, max_sequences=2)
+    ids = np.random.default_rng(1).integers(3, engine.manifest.model.vocab_size, 24).tolist()
+    table = engine.pool.allocate(-(-len(ids) // BLOCK))
+    ref_table = reference.pool.allocate(-(-len(ids) // BLOCK))
+    for key, (start, n) in enumerate(((0, 2), (2, 20), (2, 2), (4, 1))):
+        cudart.out_of_memory = key == 1  # 20 tokens need larger feed buffers than 2 did
+        if cudart.out_of_memory:
+            with pytest.raises(EngineError, match="cudaMalloc"):
+                engine.step([Chunk(ids[start: start + n], start, table)])
+            continue
+        got = engine.step([Chunk(ids[start: start + n], start, table)])
+        expected = reference.step([Chunk(ids[start: start + n], start, ref_table)])
+        assert float(np.abs(got - expected).max()) <= 2e-2 * float(np.abs(expected).max())
+    bound = engine.backend.context.addresses
+    assert all(bound[name] == buffer.ptr != 0 for name, buffer in engine.backend._buffers.items())
+
+
+def test_a_fractional_budget_is_of_the_gpus_free_memory_and_capped_at_the_plans_pool(simulated):
+    from camshaft.runtime.kv_cache import bytes_per_block, parse_memory, plan_blocks
+
+    rtx_dir, _, cudart = simulated
+    manifest = Engine(rtx_dir, max_sequences=1).manifest
+    cudart.free = 3 * 2**30
+    assert parse_memory(0.5, manifest) == 3 * 2**29  # not the host's memory
+    most = plan_blocks(manifest)
+    assert most is not None and Engine(rtx_dir, kv_cache_memory=0.5).pool.num_blocks == most  # capped, not refused
+    cudart.free = 5 * 2 * bytes_per_block(manifest)
+    assert Engine(rtx_dir, kv_cache_memory=1.0).pool.num_blocks == 5  # two buffers a cache
 
 
 def test_a_kv_budget_counts_both_buffers_of_each_cache(simulated):

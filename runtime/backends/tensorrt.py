@@ -9,11 +9,11 @@ runtime/batch.py builds; `kv_cache_bytes`. Per step: every feed is copied into a
 as needed), its shape set on the context (`set_input_shape`), the plan enqueued with `execute_async_v3` on one CUDA
 stream, the logits copied back and the stream synchronised.
 
-KV caches: one device buffer per layer and K/V, [num_blocks, block_size, kv_heads*head_dim] in the engine's float
-type, bound as both the graph's cache input and its ScatterND output (the same device pointer), so new K/V are
-written in place as the onnxruntime backend does through IOBinding. TensorRT documents no guarantee for an output
-bound to its input's memory; the first GPU run must compare logits against the onnxruntime engine (the skipped test
-does) before this aliasing is trusted.
+KV caches: [num_blocks, block_size, kv_heads*head_dim] in the engine's float type, per layer and K/V. A cache whose
+output the plan aliases to its input (`get_aliased_input_tensor`: TensorRT's KVCacheUpdate) is one device buffer
+bound as both; otherwise the graph's ScatterND writes a whole new cache, so each cache has two buffers, bound as
+input and output, which swap after every step (a step copies every cache: what a fused in-place update would save).
+The first GPU run must compare logits against the onnxruntime engine (the skipped test does).
 
 The GPU is probed with cuda-python's `cudaGetDeviceCount()` before anything of TensorRT is touched: creating a
 TensorRT runtime on a machine without a driver can crash the process instead of raising.
@@ -111,6 +111,13 @@ def check_compatible(manifest: Manifest) -> tuple[Any, int, Any]:
     return cudart, local, trt
 
 
+def device_free_memory(manifest: Manifest) -> int:
+    """Bytes free on GPU 0 now (cudaMemGetInfo), once this machine is known to run the engine (else EngineError)."""
+    cudart, _, _ = check_compatible(manifest)
+    free, _total = _check(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")
+    return int(free)
+
+
 class TensorRTBackend:
     """Never run on a GPU (see the module docstring)."""
 
@@ -202,10 +209,7 @@ class TensorRTBackend:
         array = np.ascontiguousarray(array, dtype=self._dtypes[name])
         buffer = self._buffers.get(name)
         if buffer is None or buffer.nbytes < array.nbytes:
-            if buffer is not None:
-                buffer.free()
-            buffer = self._buffers[name] = _DeviceBuffer(self.cudart, max(array.nbytes * 2, 256))
-            self.context.set_tensor_address(name, buffer.ptr)
+            buffer = self._grow(name, max(array.nbytes * 2, 256))
         self._shape(name, array.shape)
         if array.nbytes:
             kind = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
@@ -213,6 +217,17 @@ class TensorRTBackend:
                                                             self.stream), f"upload of {name}")
         # The host array must outlive the asynchronous copy: keep it until the step synchronises.
         self._pinned.append(array)
+
+    def _grow(self, name: str, nbytes: int) -> _DeviceBuffer:
+        """A larger device buffer for tensor `name`, bound in place of its old one; the new one is allocated first, so
+        a failed allocation leaves the old buffer bound and usable."""
+        grown = _DeviceBuffer(self.cudart, nbytes)
+        old = self._buffers.get(name)
+        self._buffers[name] = grown
+        self.context.set_tensor_address(name, grown.ptr)
+        if old is not None:
+            old.free()
+        return grown
 
     def step(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
         self._pinned: list[np.ndarray] = []
@@ -226,10 +241,7 @@ class TensorRTBackend:
         logits = self._buffers.get("logits")
         needed = n * self.vocab_size * 4
         if logits is None or logits.nbytes < needed:
-            if logits is not None:
-                logits.free()
-            logits = self._buffers["logits"] = _DeviceBuffer(self.cudart, needed * 2)
-        self.context.set_tensor_address("logits", logits.ptr)
+            logits = self._grow("logits", needed * 2)
         if not self.context.execute_async_v3(int(self.stream)):
             raise EngineError("TensorRT could not enqueue the step")
         out = np.empty((n, self.vocab_size), dtype=np.float32)
@@ -246,10 +258,16 @@ class TensorRTBackend:
         return sum(c.nbytes for c in [*self.caches, *self._spares] if c is not None)
 
     def close(self) -> None:
-        for buffer in [*self.caches, *(s for s in self._spares if s is not None), *self._buffers.values()]:
+        """Free the buffers once the stream is idle, then the context, the plan and the runtime (the weights' GPU
+        memory), then the stream."""
+        stream, self.stream = getattr(self, "stream", None), None
+        if stream is not None:
+            self.cudart.cudaStreamSynchronize(stream)  # nothing may still read or write a buffer freed below
+        for buffer in [*getattr(self, "caches", []), *(s for s in getattr(self, "_spares", []) if s is not None),
+                       *getattr(self, "_buffers", {}).values()]:
             buffer.free()
         self.caches, self._spares, self._buffers = [], [], {}
-        stream, self.stream = getattr(self, "stream", None), None
+        self.context = self.engine = self.runtime = None  # in this order: a context before its plan
         if stream is not None:
             _check(self.cudart, self.cudart.cudaStreamDestroy(stream), "cudaStreamDestroy")
 

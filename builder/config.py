@@ -49,6 +49,9 @@ class BuildConfig:
                             lambda name: f"--{name.replace('_', '-')}")
         if self.max_seq_len is not None and not is_int_at_least(self.max_seq_len, 2):
             raise BuildConfigError(f"--max-seq-len must be an integer > 1, got {self.max_seq_len!r}")
+        for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "max_seq_len"):  # numpy's: Python's
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
         if self.kv_block_size & (self.kv_block_size - 1):
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
         if self.gpu_arch is not None and not self.target.startswith("tensorrt"):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from camshaft.checks import is_int
 from camshaft.errors import CamshaftError
 from camshaft.model_config import ModelConfig
 
@@ -104,10 +106,13 @@ class QuantSpec:
     format: str
     kv_cache_dtype: str | None = None
     group_size: int | str = "auto"  # "auto" or one of GROUP_SIZES; only for blockwise formats
-    exclude: tuple[str, ...] = ()  # fnmatch patterns over module names, e.g. "*.mlp.down_proj" or "model.layers.0.*"
+    exclude: str | Sequence[str] | None = ()  # fnmatch patterns over module names ("*.mlp.down_proj"), kept a tuple
     lm_head: str = "float"  # or int8 / int4: rounded to nearest when the engine is built (ModelOpt leaves it float)
 
     def __post_init__(self) -> None:
+        for name in ("format", "lm_head"):
+            if not isinstance(getattr(self, name), str):
+                raise QuantizeError(f"QuantSpec.{name} is a name (a string), got {getattr(self, name)!r:.80}")
         if self.format not in FORMATS:
             raise QuantizeError(
                 f"unknown quantization format {self.format!r}; choose one of: "
@@ -118,6 +123,11 @@ class QuantSpec:
                 f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; choose one of: {', '.join(KV_CACHE_DTYPES)}"
             )
         group = self.group_size
+        if not isinstance(group, str) and not is_int(group):
+            raise QuantizeError(f"--group-size is 'auto' or an integer, got {group!r:.80}")
+        if is_int(group):
+            group = int(group)
+            object.__setattr__(self, "group_size", group)
         if isinstance(group, str) and group != "auto":
             try:
                 group = int(group)
@@ -134,8 +144,12 @@ class QuantSpec:
                 )
         if self.lm_head not in LM_HEAD_DTYPES:
             raise QuantizeError(f"unknown --lm-head {self.lm_head!r}; choose one of: {', '.join(LM_HEAD_DTYPES)}")
-        exclude = tuple(self.exclude)
+        # one pattern or several (a string is one pattern, not its characters); None: none
+        exclude = () if self.exclude is None else (self.exclude,) if isinstance(self.exclude, str) else \
+            tuple(self.exclude)
         for pattern in exclude:
+            if not isinstance(pattern, str):
+                raise QuantizeError(f"an --exclude pattern is a string (fnmatch), got {pattern!r:.80}")
             if not pattern or not pattern.strip():
                 raise QuantizeError("an --exclude pattern is empty")
         object.__setattr__(self, "exclude", exclude)

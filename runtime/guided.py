@@ -85,7 +85,7 @@ def _schema_text(schema: object) -> str:
             schema = json.loads(schema)
         if not isinstance(schema, Mapping):
             raise RequestError(f"the guided json schema must be a JSON object, got {schema!r:.100}")
-        return json.dumps(_closed(schema))  # property order is output order
+        return json.dumps(_closed(schema), allow_nan=False)  # property order is output order; NaN is not JSON
     except (ValueError, TypeError, RecursionError) as exc:
         raise RequestError(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
 

@@ -24,7 +24,14 @@ from camshaft.runtime.engine import Engine
 from camshaft.runtime.executor import Executor
 from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import parse_memory
-from camshaft.runtime.llm_options import check_llm_options, check_priority, params_list, priorities, prompt_list
+from camshaft.runtime.llm_options import (
+    check_llm_options,
+    check_priority,
+    check_runtime_options,
+    params_list,
+    priorities,
+    prompt_list,
+)
 from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, PromptOutput, RequestOutput, Sink
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup
 from camshaft.runtime.prompts import Prompt, PromptEncoder, chat_options
@@ -55,6 +62,7 @@ class LLM:
         (a PromptLookup, or its num_tokens): decodes also feed drafts from their own text, checked in the same step
         (runtime/prompt_lookup.py): the same outputs, faster where text repeats and the batch is small.
         chat_template: a Jinja chat template (a file, or the text) in place of the engine tokenizer's."""
+        check_runtime_options(threads, spin_wait, huge_pages)
         manifest = read_manifest(Path(engine_dir))
         limits = manifest.limits
         batch, tokens = astuple(check_llm_options(
@@ -117,8 +125,9 @@ class LLM:
                chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
                continue_final_message: bool = False) -> list[int]:
         """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template, with the
-        chat keywords of chat()). for_generation False (counting tokens): text however long, and an empty prompt,
-        are tokenized, not refused."""
+        chat keywords of chat()) — vLLM's tokenizing, not its pooling `encode`. for_generation True refuses an empty
+        prompt and stops tokenizing text far longer than the engine takes (generation checks the exact length);
+        False (counting tokens): text however long, and an empty prompt, are tokenized."""
         chat = chat_options(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
         return self.prompts.encode(prompt, messages, chat=chat, for_generation=for_generation)
 
@@ -136,7 +145,12 @@ class LLM:
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or all n of a prompt, by the prompt's id; or each of several ids) and free its KV blocks
         before the next step; its sink gets a final output. Unknown or finished ids are ignored."""
-        for one in [request_id] if isinstance(request_id, str) else request_id:
+        ids = [request_id] if isinstance(request_id, str) else \
+            list(request_id) if isinstance(request_id, Iterable) else None
+        if ids is None or not all(isinstance(one, str) for one in ids):
+            raise RequestError(f"abort takes a request id (a string, as submit returns them) or several, got "
+                               f"{request_id!r:.80}")
+        for one in ids:
             self.executor.abort(one)
 
     async def stream_outputs(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0
@@ -184,10 +198,15 @@ class LLM:
         return self._generate(prompts, [_text_of(p) for p in prompts], sampling_params, use_tqdm, priority)
 
     def _generate(self, prompts: list, texts: list[str | None], sampling_params, use_tqdm: bool | None,
-                  priority: int | Sequence[int] | None) -> list[PromptOutput]:
+                  priority: int | Sequence[int] | None, what: str = "prompt") -> list[PromptOutput]:
         params = params_list(sampling_params, len(prompts))
         each = priorities(priority, len(prompts))
-        groups = [self._requests(p, sp, pr) for p, sp, pr in zip(prompts, params, each, strict=True)]
+        groups = []
+        for i, (prompt, sp, pr) in enumerate(zip(prompts, params, each, strict=True)):
+            try:
+                groups.append(self._requests(prompt, sp, pr))
+            except RequestError as exc:  # which of several was refused
+                raise (type(exc)(f"{what} {i}: {exc}") if len(prompts) > 1 else exc) from None
         done: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         where = {r.request_id: (i, j) for i, group in enumerate(groups) for j, r in enumerate(group)}
         submitted = []
@@ -197,7 +216,8 @@ class LLM:
                 self.executor.submit(group, [_finals(done)] * len(group), bounded=False)
             results: list[list[GenerationResult | None]] = [[None] * len(g) for g in groups]
             enabled = sys.stderr.isatty() if use_tqdm is None else use_tqdm
-            bar = tqdm(total=len(where), desc="generate", unit="req", disable=not enabled)
+            # none made unless shown: even a disabled tqdm starts its monitor thread, which outlives the LLM
+            bar = tqdm(total=len(where), desc="generate", unit="req") if enabled else None
             try:
                 for _ in range(len(where)):
                     output = done.get()
@@ -205,9 +225,11 @@ class LLM:
                         raise output.error
                     i, j = where[output.request_id]
                     results[i][j] = output.result
-                    bar.update(1)
+                    if bar is not None:
+                        bar.update(1)
             finally:
-                bar.close()
+                if bar is not None:
+                    bar.close()
         except BaseException:
             for request_id in submitted:
                 self.executor.abort(request_id)
@@ -237,7 +259,7 @@ class LLM:
             except RequestError as exc:
                 raise (type(exc)(f"conversation {i}: {exc}") if len(conversations) > 1 else exc) from None
         return self._generate([ids for _, ids in rendered], [text for text, _ in rendered], sampling_params,
-                              use_tqdm, priority)
+                              use_tqdm, priority, what="conversation")
 
     def stream_sync(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> Iterator[str]:

@@ -46,6 +46,15 @@ def _limit(name: str, value: int | None, engine_limit: int) -> int:
     return int(value)
 
 
+def check_runtime_options(threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
+    """The backend options LLM and Session take, refused before the engine loads when they are not what they say."""
+    if threads is not None and not is_int_at_least(threads, 1):
+        raise RequestError(f"threads must be an integer >= 1, or None for the backend's choice; got {threads!r:.60}")
+    for name, value in (("spin_wait", spin_wait), ("huge_pages", huge_pages)):
+        if not isinstance(value, bool):
+            raise RequestError(f"{name} is True or False, got {value!r:.60}")
+
+
 def check_max_queue(max_queue: int | None) -> None:
     if max_queue is not None and not is_int_at_least(max_queue, 0):
         raise RequestError(f"max_queue must be an integer >= 0, or None for no limit; got {max_queue!r}")

@@ -12,7 +12,8 @@ from camshaft.errors import RequestError
 from camshaft.runtime.chat_template import ChatOptions, render_chat
 from camshaft.runtime.prompt_text import encode_text
 
-Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+# text, token ids (a list, tuple or 1-D array), or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+Prompt = str | list[int] | tuple[int, ...] | np.ndarray | dict[str, Any]
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
@@ -33,7 +34,9 @@ class PromptEncoder:
             if isinstance(prompt, str) != (key == "prompt"):
                 raise RequestError(f'"prompt" takes text and "prompt_token_ids" a list of token ids; got {key} = '
                                    f"{prompt!r:.80}")
-        if (prompt is None) == (messages is None):
+        if prompt is None and messages is None:
+            raise RequestError("the prompt is None; pass text, token ids or a prompt dict (or chat messages)")
+        if prompt is not None and messages is not None:
             raise RequestError("pass exactly one of a prompt or chat messages")
         limit = self.max_seq_len if for_generation else None
         if chat is not None and not chat.default and messages is None:

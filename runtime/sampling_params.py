@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -70,17 +70,19 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None  # -1: none, a fresh stream (vLLM's)
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    stop_word_ids: tuple[tuple[int, ...], ...] = ()  # token id sequences, as TensorRT-LLM's stop_words_list
-    bad_words: tuple[str, ...] = ()
-    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # token id sequences, as TensorRT-LLM's bad_words_list
+    # list-valued fields take what vLLM's take (a string or any sequence, None for none) and are kept as tuples
+    stop: str | Sequence[str] | None = ()
+    stop_token_ids: Sequence[int] | None = ()
+    stop_word_ids: Sequence[Sequence[int]] | None = ()  # token id sequences, as TensorRT-LLM's stop_words_list
+    bad_words: str | Sequence[str] | None = ()
+    bad_word_ids: Sequence[Sequence[int]] | None = ()  # token id sequences, as TensorRT-LLM's bad_words_list
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
     beam_width: int = 1
     include_stop_str_in_output: bool = False
-    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: {token id: bias in [-100, 100]} added to the logits
+    # OpenAI's: {token id: bias in [-100, 100]} added to the logits (or (id, bias) pairs)
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = ()
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text (their ids stay in token_ids)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-prob (and this many alternatives); LLM only
     guided_decoding: GuidedDecodingParams | None = None  # the output held to a JSON schema, regex, choice or grammar

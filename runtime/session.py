@@ -17,8 +17,8 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.chat_template import load_chat_template
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
-from camshaft.runtime.kv_cache import parse_memory
-from camshaft.runtime.llm_options import params_list
+from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, parse_memory
+from camshaft.runtime.llm_options import check_runtime_options, params_list
 from camshaft.runtime.outputs import GenerationResult
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup, checks_drafts
 from camshaft.runtime.prompts import Prompt, PromptEncoder, chat_options
@@ -45,6 +45,7 @@ class Session:
                  prompt_lookup: PromptLookup | int | None = None, chat_template: str | Path | None = None):
         if graph not in GRAPHS:
             raise RequestError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}")
+        check_runtime_options(threads, huge_pages=huge_pages)
         prompt_lookup = as_prompt_lookup(prompt_lookup)
         template = None if chat_template is None else load_chat_template(chat_template)
         manifest = read_manifest(engine_dir)
@@ -59,6 +60,9 @@ class Session:
                 engine_dir, threads=threads, manifest=manifest, kv_cache_memory=kv_cache_memory,
                 huge_pages=huge_pages)
         else:
+            if kv_cache_memory is not None:  # a bound: one sequence never uses more than a full-length one's blocks
+                most = (manifest.limits.max_blocks_per_seq + 1) * bytes_per_block(manifest) * cache_copies(manifest)
+                kv_cache_memory = min(kv_cache_memory, most)
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
                                                     threads=threads, huge_pages=huge_pages, manifest=manifest))
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
@@ -164,6 +168,9 @@ class Session:
         `chat_template_kwargs`: more variables the chat template reads (e.g. Qwen3's enable_thinking);
         `continue_final_message` (with add_generation_prompt False): the model goes on with the last message, e.g.
         an assistant reply begun."""
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
+            raise RequestError("a Session answers one conversation at a time; pass one list of messages, or use "
+                               "camshaft.LLM(engine_dir).chat for several at once")
         return self.generate(messages=messages, sampling_params=sampling_params, tools=tools,
                              chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message, **overrides)

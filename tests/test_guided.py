@@ -115,6 +115,7 @@ def test_session_and_streaming_follow_the_grammar(engine_dir, llm):
     ({"json": "[" * 100_000}, "the guided json schema is not JSON"),
     ({"json": {"enum": {1, 2}}}, "the guided json schema is not JSON"),
     ({"json": 0}, "the guided json schema must be a JSON object, got 0"),
+    ({"json": {"type": "number", "maximum": float("inf")}}, "the guided json schema is not JSON"),
     ({"choice": {"a": 1}}, "choice must be a list of non-empty strings"),
 ])
 def test_bad_guided_params_are_refused(kwargs, message):

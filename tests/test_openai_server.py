@@ -449,6 +449,9 @@ HI = [{"role": "user", "content": "Hi"}]
     ("/v1/completions", {"model": MODEL, "prompt": [10**20, 5]}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4200}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "use_beam_search": True}, "use_beam_search"),
+    (CHAT, {"model": MODEL, "messages": HI, "prompt_logprobs": 1}, "prompt_logprobs"),
+    (CHAT, {"model": MODEL, "messages": HI, "stream": "yes"}, "stream"),
 ])
 def test_bad_input_is_an_openai_400(served, path, body, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
@@ -458,6 +461,14 @@ def test_bad_input_is_an_openai_400(served, path, body, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["message"] and error["param"] == param
+
+
+def test_vllms_bad_words_reach_the_sampler():
+    from camshaft.openai_server.protocol import ChatCompletionRequest, CompletionRequest
+
+    for request in (CompletionRequest(prompt="x", bad_words=["foo", "bar baz"]),
+                    ChatCompletionRequest(messages=HI, bad_words=["foo", "bar baz"])):
+        assert request.sampling_params(4, None).bad_words == ("foo", "bar baz")
 
 
 def test_context_overflow_is_refused_in_the_words_clients_match(served):

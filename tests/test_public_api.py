@@ -28,3 +28,46 @@ def test_llm_takes_token_ids_in_any_sequence_and_outputs_forward_finish_reason(t
         assert len(as_list) == len(as_tuple) == len(as_array) == 1
         assert as_list[0].token_ids == as_tuple[0].token_ids == as_array[0].token_ids
         assert as_list[0].finish_reason == "length"
+
+
+def test_options_are_checked_where_they_are_taken_and_numpy_integers_are_plain_ints(tmp_path):
+    """From a review of the public API: wrong types are RequestErrors naming the option (they reached onnxruntime as
+    TypeErrors, or read 'false' as true); numpy integers are stored as ints (they broke the manifest's JSON); a
+    Session's KV budget on the batch graph holds at most one full-length sequence; a quiet generate starts no tqdm
+    thread; which of several prompts was refused is said; abort takes request ids only."""
+    import threading
+
+    import pytest
+
+    from camshaft.builder.config import BuildConfig
+    from camshaft.errors import RequestError
+    from camshaft.quantize.spec import QuantizeError, QuantSpec
+
+    config = BuildConfig(tmp_path / "hf", tmp_path / "out", max_batch_size=np.int64(4), max_seq_len=np.int32(64),
+                         kv_block_size=np.int64(8))
+    assert all(type(getattr(config, n)) is int for n in ("max_batch_size", "max_seq_len", "kv_block_size"))
+    assert QuantSpec("int4_awq", exclude="*.mlp.down_proj").exclude == ("*.mlp.down_proj",)  # one pattern
+    assert QuantSpec("int4_awq", exclude=None).exclude == () and QuantSpec("int4_awq", group_size=np.int64(64))
+    for bad in (dict(exclude=[1]), dict(group_size=64.0), dict(format=["int4_awq"])):
+        with pytest.raises(QuantizeError):
+            QuantSpec(**{"format": "int4_awq", **bad})
+    engine = tiny_engine(tmp_path, max_seq_len=64, max_batch_size=4)
+    for bad, name in ((dict(threads=True), "threads"), (dict(threads=2.5), "threads"), (dict(threads=0), "threads"),
+                      (dict(spin_wait="false"), "spin_wait"), (dict(huge_pages="no"), "huge_pages")):
+        with pytest.raises(RequestError, match=name):
+            camshaft.LLM(engine, **bad)
+    with pytest.raises(RequestError, match="huge_pages"):
+        camshaft.Session(engine, huge_pages="no")
+    with camshaft.Session(engine, graph="batch", kv_cache_memory="64MiB") as session:
+        assert session.engine.engine.pool.num_blocks == session.manifest.limits.max_blocks_per_seq + 1
+    before = {t.name for t in threading.enumerate()}
+    with camshaft.LLM(engine, threads=1) as llm:
+        llm.generate([[5, 6]], camshaft.SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(RequestError, match=r"^prompt 1: "):
+            llm.generate([[5, 6], [5] * 70], camshaft.SamplingParams(max_tokens=2))
+        with pytest.raises(RequestError, match="the prompt is None"):
+            llm.generate([None])
+        for bad in (123, None, ["a", 1]):
+            with pytest.raises(RequestError, match="abort takes a request id"):
+                llm.abort(bad)
+    assert {t.name for t in threading.enumerate()} - before == set()

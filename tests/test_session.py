@@ -254,8 +254,12 @@ def test_limits(session):
         session.generate("hello", max_tokens=95)
     with pytest.raises(RequestError, match="unknown sampling parameter"):
         session.generate("hello", temprature=0.5)
-    with pytest.raises(RequestError, match="exactly one"):
+    with pytest.raises(RequestError, match="the prompt is None; pass text, token ids"):
         session.generate()
+    with pytest.raises(RequestError, match="exactly one of a prompt or chat messages"):
+        session.generate("hi", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(RequestError, match="one conversation at a time"):
+        session.chat([[{"role": "user", "content": "hi"}]] * 2)
     with pytest.raises(RequestError, match="token ids"):
         session.generate([10**6])
     with pytest.raises(RequestError, match="one output per request"):

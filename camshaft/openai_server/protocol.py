@@ -48,7 +48,7 @@ class _GenerationRequest(BaseModel):
     seed: StrictInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, StrictFloat] | None = None
     # vLLM's extensions
@@ -58,6 +58,7 @@ class _GenerationRequest(BaseModel):
     min_tokens: StrictInt = 0
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     priority: StrictInt = 0
@@ -68,6 +69,9 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's, refused rather than ignored: camshaft cannot honour them
+    use_beam_search: StrictBool = False
+    prompt_logprobs: StrictInt | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -76,6 +80,12 @@ class _GenerationRequest(BaseModel):
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options applies to streamed responses; set stream: true or leave it out")
+        if self.use_beam_search:
+            raise RequestError("use_beam_search is not supported: camshaft has no beam search; sample (n, temperature, "
+                               "seed) instead")
+        if self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs is not returned by this server; for the prompt's log-probs send "
+                               "/v1/completions echo: true with logprobs")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -83,7 +93,7 @@ class _GenerationRequest(BaseModel):
             temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, ignore_eos=self.ignore_eos,
             logprobs=logprobs, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.token_biases(), skip_special_tokens=self.skip_special_tokens,
             guided_decoding=self.guided_decoding())

@@ -21,7 +21,7 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
     read_quant_config,
 )
 from camshaft.errors import CheckpointError
-from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig, require_tokenizer
+from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig, missing_checkpoint, require_tokenizer
 from camshaft.weight_files import EMBED, SAFETENSORS_FLOATS, index_map, weight_files
 
 
@@ -33,7 +33,7 @@ class Checkpoint:
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir} is a file; --model takes a checkpoint directory (config.json, "
                                   "safetensors, tokenizer)" if self.dir.exists() else
-                                  f"checkpoint directory {self.dir} does not exist")
+                                  missing_checkpoint(self.dir))
         self.config = ModelConfig.from_hf_dir(self.dir)
         self.files = weight_files(self.dir)
         self._stack = ExitStack()

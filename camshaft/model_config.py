@@ -169,3 +169,12 @@ def unreadable_quantization(model_dir: Path) -> str | None:
     if not quant:
         return None
     return str(quant.get("quant_method", "unnamed")) if isinstance(quant, dict) else "unnamed"
+
+
+def missing_checkpoint(model_dir: Path) -> str:
+    """The message for a --model that does not exist; a model hub id (org/name) is told camshaft reads directories."""
+    text = str(model_dir)
+    hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/"))
+    return f"checkpoint directory {model_dir} does not exist" + (
+        "; camshaft reads local checkpoint directories, not model hub ids: download the checkpoint to a directory "
+        "first, or fetch a model camshaft knows (camshaft models list)" if hub_id else "")

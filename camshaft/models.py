@@ -58,7 +58,8 @@ def known_model(name: str) -> KnownModel:
         return KNOWN_MODELS[name]
     except KeyError:
         known = ", ".join(sorted(KNOWN_MODELS))
-        raise FetchError(f"unknown model {name!r}; known models: {known}") from None
+        hub = " (camshaft fetches the models it knows by these names, not model hub ids)" if "/" in name else ""
+        raise FetchError(f"unknown model {name!r}{hub}; known models: {known}") from None
 
 
 def default_model_dir(name: str) -> Path:

@@ -22,6 +22,7 @@ from camshaft.model_config import (
     HF_QUANT_CONFIG,
     TOKENIZER_FILES,
     ModelConfig,
+    missing_checkpoint,
     require_tokenizer,
     unreadable_quantization,
 )
@@ -64,10 +65,16 @@ class QuantizeResult:
 
 
 def import_modelopt():
+    import warnings
+
+    # ModelOpt 0.47 warns at import that this transformers is untested and to upgrade itself, which the <0.48 pin
+    # forbids: camshaft's tests run this pair, so the warning would only mislead
     try:
-        import modelopt.torch.quantization as mtq
-        import requests  # noqa: F401  (modelopt imports it without declaring it)
-        from modelopt.torch.export import export_hf_checkpoint
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="transformers .* is not tested with current version of modelopt")
+            import modelopt.torch.quantization as mtq
+            import requests  # noqa: F401  (modelopt imports it without declaring it)
+            from modelopt.torch.export import export_hf_checkpoint
     except ImportError as exc:
         raise QuantizeError(f"NVIDIA ModelOpt is not available ({exc}); {INSTALL_HINT}") from exc
     return mtq, export_hf_checkpoint
@@ -99,7 +106,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     start = time.perf_counter()
     # --- checks, all before any long work ---
     if not model_dir.is_dir():
-        raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
+        raise CheckpointError(missing_checkpoint(model_dir))
     method = unreadable_quantization(model_dir)
     if (model_dir / HF_QUANT_CONFIG).is_file() or method is not None:
         where = HF_QUANT_CONFIG if method is None else f"config.json's quantization_config, quant_method {method}"
@@ -163,6 +170,9 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             export_hf_checkpoint(model, export_dir=str(staging))
         if not (staging / HF_QUANT_CONFIG).is_file():
             raise QuantizeError(f"ModelOpt's export wrote no {HF_QUANT_CONFIG}; nothing was quantized")
+        for written in staging.iterdir():  # its safetensors come private (mkstemp): servers may run as other users
+            if written.is_file():
+                written.chmod(0o644)
         if spec.info.per_token_inputs:
             mark_quant_algo(staging, spec.info.checkpoint_algo)
         if kv_tensors:

@@ -109,6 +109,34 @@ def test_metrics_follow_from_the_chunk_times():
     assert as_json["ttft_ms"]["p50"] is None and as_json["errors"]["no output"] == 1
 
 
+def test_an_openai_target_sends_the_api_key_from_the_environment(monkeypatch):
+    """A server started with --api-key: the key in $OPENAI_API_KEY (as OpenAI's clients read it) is sent; without
+    one, a 401 says what to set rather than asking whether the server is up."""
+    import asyncio
+
+    import httpx
+
+    from camshaft.bench_serve.clients import OpenAIClient
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer sekret":
+            return httpx.Response(401, json={"error": {"message": "unauthorized"}})
+        return httpx.Response(200, json={"data": [{"id": "served"}]})
+
+    async def start() -> str:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+            client = OpenAIClient(Target.parse("t=http://h,backend=openai"), http)
+            await client.start()
+            return client.model
+
+    for name in ("OPENAI_API_KEY", "CAMSHAFT_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RequestError, match="wants an API key: set OPENAI_API_KEY"):
+        asyncio.run(start())
+    monkeypatch.setenv("OPENAI_API_KEY", "sekret")
+    assert asyncio.run(start()) == "served"
+
+
 def test_an_openai_event_with_empty_text_is_output():
     """A server holding back bytes that are not yet UTF-8 sends a chunk with empty text: a token still arrived."""
     import asyncio
@@ -134,8 +162,12 @@ def test_an_openai_event_with_empty_text_is_output():
     assert record.ok and len(record.chunk_times) == 2 and record.output_tokens == 2
 
 
-def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_path):
+def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_path, monkeypatch):
+    import sys
+
     from typer.testing import CliRunner
+
+    monkeypatch.setitem(sys.modules, "httpx", None)  # in-process targets need no HTTP client (the serve extra's)
 
     out = tmp_path / "serve.json"
     result = CliRunner().invoke(app, [

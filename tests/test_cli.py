@@ -188,12 +188,14 @@ def test_build_quant_is_quantize_then_build_in_one_step(tiny, capsys):
     code, stdout, err = camshaft(capsys, "build", "--model", model, "--output", out, "--max-seq-len", "64",
                                  "--quant", "int8_wo", "--calib-size", "2", "--calib-seq-len", "32")
     assert code == 0, err
-    assert stdout.strip() == str(out)
+    assert stdout.strip() == str(out) and "engine for onnxruntime (float32, int8_wo)" in err  # what was built
     checkpoint = json.loads((root / "int8-engine.ckpt" / "hf_quant_config.json").read_text())
     manifest = json.loads((out / "manifest.json").read_text())
     assert checkpoint["quantization"]["quant_algo"] == manifest["quantization"]["quant_algo"] == "W8A16"
     code, _, err = camshaft(capsys, "run", "--engine", out, "--prompt", "hello", "--max-tokens", "3")
     assert code == 0, err
+    code, described, _ = camshaft(capsys, "inspect", "--engine", out)
+    assert "activations int8 dynamic per block" in described  # what --weight-only-compute chose
 
 
 def test_build_for_a_product_that_is_not_installed_fails_before_any_work(tiny, capsys):
@@ -273,3 +275,11 @@ def test_results_that_cannot_be_written_are_one_line_after_the_report(engine, ca
     assert code == 1 and "GFLOP/s" in out  # the report came first
     assert "concurrency 32 (1/1): 2 requests" in err  # each level announced as it starts
     assert "--output-json /proc/camshaft-results.json could not be written" in err and "Traceback" not in err
+
+
+def test_a_model_hub_id_is_told_camshaft_reads_directories(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = camshaft(capsys, "build", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--output", "out")
+    assert code == 1 and "not model hub ids: download the checkpoint to a directory first" in " ".join(err.split())
+    code, _, err = camshaft(capsys, "models", "fetch", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert code == 1 and "not model hub ids" in " ".join(err.split()) and "smollm2-135m-instruct" in err

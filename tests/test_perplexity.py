@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_cli import camshaft
 
@@ -42,6 +44,7 @@ def test_the_cli_scores_engine_and_reference_on_the_same_windows(tiny, tmp_path,
     assert code == 0 and len(lines) == 2, out
     engine_ppl, reference_ppl = (float(line.split()[2]) for line in lines)
     assert abs(engine_ppl - reference_ppl) / reference_ppl < 1e-4 and lines[0].split("(")[1] == lines[1].split("(")[1]
+    assert re.search(r"tokens, \d+ windows? of \d+ tokens\)$", lines[0]), lines[0]  # the window size shown
     code, _, err = camshaft(capsys, "eval", "ppl", "--engine", engine, "--model", model, "--data",
                             tmp_path / "text.txt", "--window", "64")
     assert code == 0 and "not of the same windows" in err

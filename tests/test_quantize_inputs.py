@@ -341,6 +341,7 @@ def test_quantized_weights_without_their_config_are_refused(tiny, tmp_path):
     from safetensors.numpy import load_file, save_file
 
     quantize_checkpoint(tiny, tmp_path / "q", QuantSpec("int8_wo"), **CALIB)
+    assert all(f.stat().st_mode & 0o044 == 0o044 for f in (tmp_path / "q").iterdir())  # others may read it (servers)
     bare = tmp_path / "bare"
     shutil.copytree(tmp_path / "q", bare)
     (bare / "hf_quant_config.json").unlink()

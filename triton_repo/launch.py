@@ -37,7 +37,8 @@ class Endpoints:
 def tritonserver_root() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise CamshaftError("tritonserver is not installed: install camshaft[serve] (nvidia-pytriton ships it)")
+        raise CamshaftError("tritonserver is not installed: install camshaft[serve] (./scripts/setup.sh serve; "
+                            "nvidia-pytriton ships it)")
     root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
     if not (root / "bin" / "tritonserver").is_file():
         raise CamshaftError(f"{root} holds no bin/tritonserver; reinstall nvidia-pytriton")

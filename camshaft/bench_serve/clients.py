@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,8 @@ from camshaft.bench_serve.workload import ServeRequest
 from camshaft.errors import RequestError
 
 BACKENDS = ("openai", "triton-generate", "triton-grpc", "llm")
+HTTP_BACKENDS = ("openai", "triton-generate")
+API_KEY_VARIABLES = ("OPENAI_API_KEY", "CAMSHAFT_API_KEY")  # an OpenAI target's key, as OpenAI's clients read it
 
 
 @dataclass(frozen=True)
@@ -62,22 +65,29 @@ class Record:
 
 
 class OpenAIClient:
-    """POST /v1/completions with stream=true; the length is forced with min_tokens and ignore_eos."""
+    """POST /v1/completions with stream=true; the length is forced with min_tokens and ignore_eos. A server started
+    with an API key gets the one in $OPENAI_API_KEY (or $CAMSHAFT_API_KEY) as a bearer token."""
 
     def __init__(self, target: Target, http) -> None:
         self.target, self.http, self.model = target, http, target.model
+        key = next((os.environ[v] for v in API_KEY_VARIABLES if os.environ.get(v)), None)
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def start(self) -> None:
+        response = await self.http.get(f"{self.target.url}/v1/models", headers=self.headers)
+        if response.status_code == 401:
+            raise RequestError(f"target {self.target.name} ({self.target.url}) wants an API key: set OPENAI_API_KEY "
+                               "(or CAMSHAFT_API_KEY) to the one the server was started with")
+        response.raise_for_status()
         if self.model is None:
-            response = await self.http.get(f"{self.target.url}/v1/models")
-            response.raise_for_status()
             self.model = response.json()["data"][0]["id"]
 
     async def __call__(self, request: ServeRequest, record: Record) -> None:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
                 "min_tokens": request.max_tokens, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
-        async with self.http.stream("POST", f"{self.target.url}/v1/completions", json=body) as response:
+        async with self.http.stream("POST", f"{self.target.url}/v1/completions", json=body,
+                                    headers=self.headers) as response:
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
                 return

@@ -4,11 +4,12 @@ noisy machine slows them alike."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from camshaft.bench_serve.clients import Record, Target, make_client
+from camshaft.bench_serve.clients import HTTP_BACKENDS, Record, Target, make_client
 from camshaft.bench_serve.report import Goodput, ServeResult, summarize
 from camshaft.bench_serve.workload import ServeRequest, arrival_times
 from camshaft.errors import CamshaftError
@@ -67,11 +68,9 @@ async def _drive(client, requests: list[ServeRequest], arrivals: list[float], co
 async def _bench(targets: list[Target], requests: list[ServeRequest], rates: list[float],
                  concurrencies: list[int | None], goodput: Goodput, seed: int, warmup: int,
                  log: Callable[[str], None], progress: Callable[[str], None], tokenizer) -> list[ServeResult]:
-    import httpx
-
     results = []
-    limits = httpx.Limits(max_connections=len(requests) + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as http:
+    over_http = any(t.backend in HTTP_BACKENDS for t in targets)
+    async with _http_client(len(requests) + 8) if over_http else contextlib.nullcontext() as http:
         clients = [make_client(t, http) for t in targets]
         try:
             for target, client in zip(targets, clients, strict=True):
@@ -102,6 +101,16 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
             for client in clients:
                 await client.close()
     return results
+
+
+def _http_client(connections: int):
+    try:
+        import httpx
+    except ImportError:
+        raise CamshaftError("bench serve's HTTP targets need httpx: ./scripts/setup.sh serve, or pip install httpx") \
+            from None
+    limits = httpx.Limits(max_connections=connections)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
 
 
 def bench_serve(targets: list[Target], requests: list[ServeRequest], rates: list[float], *,

@@ -121,8 +121,11 @@ def build(
                   DEFAULT_CALIB_SEQ_LEN if calib_seq_len is None else calib_seq_len, exclude, lm_head)
         config = replace(config, model_dir=checkpoint)
     manifest = build_engine(config, progress=progress)
-    err.print(f"built {manifest.model.architecture} engine for {manifest.target} ({manifest.dtype}) in "
-              f"{manifest.target_options.get('build_seconds', '?')} s")
+    quant = manifest.quantization or {}
+    quantized = quant.get("format") or quant.get("quant_algo") or (f"KV cache {quant['kv_cache_dtype']}"
+                                                                   if quant.get("kv_cache_dtype") else None)
+    err.print(f"built {manifest.model.architecture} engine for {manifest.target} ({manifest.dtype}"
+              f"{', ' + quantized if quantized else ''}) in {manifest.target_options.get('build_seconds', '?')} s")
     typer.echo(str(output))
 
 

@@ -147,4 +147,6 @@ def eval_ppl(
     if model is not None:
         results.append(("transformers", reference_perplexity(model, text, window)))
     for name, r in results:
-        typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({r.tokens_scored} tokens, {r.windows} windows)")
+        windows = f"{r.windows} window{'s' if r.windows != 1 else ''}"
+        of = f" of {engine_window} tokens" if name == "engine" else f" of {window} tokens"
+        typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({r.tokens_scored} tokens, {windows}{of})")

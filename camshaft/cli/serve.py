@@ -145,8 +145,10 @@ def serve(
         raise CamshaftError("--api-key is empty or starts or ends with spaces; give the key clients send")
     triton_ports = {"--grpc-port": grpc_port, "--metrics-port": metrics_port}
     if api == "openai" and any(v is not None for v in triton_ports.values()):
-        names = ", ".join(k for k, v in triton_ports.items() if v is not None)
-        raise CamshaftError(f"--api openai listens on --port only; {names} set Triton's ports: drop them")
+        given = [k for k, v in triton_ports.items() if v is not None]
+        verb, them = ("set", "them") if len(given) > 1 else ("sets", "it")
+        raise CamshaftError(f"--api openai listens on --port only; {' and '.join(given)} {verb} Triton's ports: "
+                            f"drop {them}")
     grpc_port, metrics_port = (TRITON_PORTS[k] if v is None else v for k, v in triton_ports.items())
     if api == "triton" and len({port, grpc_port, metrics_port}) < 3:
         raise CamshaftError(f"Triton needs three different ports: --port {port}, --grpc-port {grpc_port}, "
@@ -156,7 +158,11 @@ def serve(
     options = {} if engine is None else _llm_options(engine, kv_cache_memory, max_queue, max_batch_size,
                                                      policy or "guaranteed_no_evict", max_num_tokens, prompt_lookup)
     if api == "openai":
-        from camshaft.openai_server.server import serve as serve_openai
+        try:
+            from camshaft.openai_server.server import serve as serve_openai
+        except ImportError as exc:  # fastapi, uvicorn: the serve extra
+            raise CamshaftError(f"the OpenAI server needs camshaft[serve] ({exc.name} is not installed): "
+                                "./scripts/setup.sh serve, or pip install 'camshaft[serve]'") from None
 
         serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
                      api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)

@@ -42,7 +42,7 @@ def test_out_of_range_numbers_are_usage_errors(engine, args, flag):
 
 def test_serve_refuses_ports_it_would_ignore_or_share(engine):
     refused(invoke("serve", "--api", "openai", "--engine", engine, "--grpc-port", "5"),
-            "--api openai listens on --port only; --grpc-port set Triton's")
+            "--api openai listens on --port only; --grpc-port sets Triton's")
     refused(invoke("serve", "--engine", engine, "--port", "18300", "--grpc-port", "18300"),
             "Triton needs three different ports")
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import queue
 import sys
-import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import astuple
 from pathlib import Path
 from typing import Any
@@ -32,7 +29,8 @@ from camshaft.runtime.llm_options import (
     priorities,
     prompt_list,
 )
-from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, PromptOutput, RequestOutput, Sink
+from camshaft.runtime.llm_streams import ServingAPI
+from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, PromptOutput, RequestOutput
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup
 from camshaft.runtime.prompts import Prompt, PromptEncoder, chat_options
 from camshaft.runtime.request import Request, new_requests
@@ -40,7 +38,7 @@ from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import SchedulerConfig
 
 
-class LLM:
+class LLM(ServingAPI):
     """Many requests on one engine with in-flight batching: `generate` for offline batches (results in input order),
     `stream` / `submit` for servers. Safe to call from many threads and from asyncio at once; `close()` (or `with`)
     ends the batch loop. Bad input raises RequestError before anything runs."""
@@ -131,51 +129,6 @@ class LLM:
         chat = chat_options(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
         return self.prompts.encode(prompt, messages, chat=chat, for_generation=for_generation)
 
-    def submit(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
-        """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
-        only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (the
-        prompt's id when n is 1, else the prompt's id with "-0" ... "-{n-1}"; abort takes them or the prompt's
-        id). Raises RequestError, CapacityError or ServerBusyError at once."""
-        params = params_list(sampling_params, 1)[0]
-        self.executor.check_outputs(params.n)  # before building n requests
-        group = self._requests(prompt, params, priority)
-        self.executor.submit(group, [sink] * len(group))
-        return [r.request_id for r in group]
-
-    def abort(self, request_id: str | Iterable[str]) -> None:
-        """Stop a request (or all n of a prompt, by the prompt's id; or each of several ids) and free its KV blocks
-        before the next step; its sink gets a final output. Unknown or finished ids are ignored."""
-        ids = [request_id] if isinstance(request_id, str) else \
-            list(request_id) if isinstance(request_id, Iterable) else None
-        if ids is None or not all(isinstance(one, str) for one in ids):
-            raise RequestError(f"abort takes a request id (a string, as submit returns them) or several, got "
-                               f"{request_id!r:.80}")
-        for one in ids:
-            self.executor.abort(one)
-
-    async def stream_outputs(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0
-                             ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(index, output) pairs for the prompt's n outputs as the batch loop produces them, each ending with a
-        finished output; errors are raised; closing or cancelling the consumer aborts what is unfinished."""
-        params = params_list(sampling_params, 1)[0]
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        ids = self.submit(prompt, params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output),
-                          priority)
-        index = {request_id: i for i, request_id in enumerate(ids)}
-        unfinished = set(ids)
-        try:
-            while unfinished:
-                output = await outputs.get()
-                if output.finished:
-                    unfinished.discard(output.request_id)
-                if output.error is not None:
-                    raise output.error
-                yield index[output.request_id], output
-        finally:
-            for request_id in unfinished:
-                self.executor.abort(request_id)
-
     def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
         priority = check_priority(priority)
         ids = self.prompts.encode(prompt)
@@ -261,57 +214,11 @@ class LLM:
         return self._generate([ids for _, ids in rendered], [text for text, _ in rendered], sampling_params,
                               use_tqdm, priority, what="conversation")
 
-    def stream_sync(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    priority: int = 0) -> Iterator[str]:
-        """Text deltas of one request as the batch loop produces them; closing the iterator aborts the request.
-        Bad input raises here; the request is queued when iteration starts (ServerBusyError then)."""
-        request = self._single(prompt, sampling_params, priority)
-        self.executor.scheduler.check(request)
-        return self._deltas(request)
-
-    def _deltas(self, request: Request) -> Iterator[str]:
-        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        request.arrival = time.perf_counter()
-        self.executor.submit([request], [outputs.put])
-        finished = False
-        try:
-            while not finished:
-                output = outputs.get()
-                finished = _check(output)
-                if output.delta:
-                    yield output.delta
-        finally:
-            if not finished:
-                self.executor.abort(request.request_id)
-
-    async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                     priority: int = 0) -> AsyncIterator[str]:
-        """`async for delta in llm.stream(prompt)`; cancelling the consumer aborts the request."""
-        params = params_list(sampling_params, 1)[0]
-        if params.n != 1:
-            raise RequestError("streaming text gives one output; use n=1 (or stream_outputs for several)")
-        async with contextlib.aclosing(self.stream_outputs(prompt, params, priority)) as outputs:
-            async for _, output in outputs:  # closing this stream closes that one: the request is aborted at once
-                if output.delta:
-                    yield output.delta
-
-    def _single(self, prompt: Prompt, params: SamplingParams | None, priority: int) -> Request:
-        params = params_list(params, 1)[0]
-        if params.n != 1:
-            raise RequestError("streaming gives one output; use n=1 (or generate() for several outputs)")
-        return self._requests(prompt, params, priority)[0]
-
 
 def _text_of(prompt: Prompt) -> str | None:
     if isinstance(prompt, str):
         return prompt
     return prompt.get("prompt") if isinstance(prompt, dict) else None
-
-
-def _check(output: RequestOutput) -> bool:
-    if output.error is not None:
-        raise output.error
-    return output.finished
 
 
 def _finals(done: queue.SimpleQueue):

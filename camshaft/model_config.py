@@ -174,7 +174,8 @@ def unreadable_quantization(model_dir: Path) -> str | None:
 def missing_checkpoint(model_dir: Path) -> str:
     """The message for a --model that does not exist; a model hub id (org/name) is told camshaft reads directories."""
     text = str(model_dir)
-    hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/"))
+    hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/")) \
+        and not Path(text.split("/")[0]).exists()  # out/model, with out/ here, is a mistyped local path
     return f"checkpoint directory {model_dir} does not exist" + (
         "; camshaft reads local checkpoint directories, not model hub ids: download the checkpoint to a directory "
         "first, or fetch a model camshaft knows (camshaft models list)" if hub_id else "")

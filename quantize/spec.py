@@ -110,8 +110,9 @@ class QuantSpec:
     lm_head: str = "float"  # or int8 / int4: rounded to nearest when the engine is built (ModelOpt leaves it float)
 
     def __post_init__(self) -> None:
-        for name in ("format", "lm_head"):
-            if not isinstance(getattr(self, name), str):
+        for name in ("format", "lm_head", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and (value is not None or name != "kv_cache_dtype"):
                 raise QuantizeError(f"QuantSpec.{name} is a name (a string), got {getattr(self, name)!r:.80}")
         if self.format not in FORMATS:
             raise QuantizeError(

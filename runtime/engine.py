@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,7 @@ def end_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
 
 
 class Engine:
-    def __init__(self, engine_dir: str | Path, *, max_sequences: int = 1, kv_cache_memory: int | None = None,
+    def __init__(self, engine_dir: str | Path, *, max_sequences: int = 1, kv_cache_memory: int | float | None = None,
                  threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True,
                  manifest: Manifest | None = None) -> None:
         """huge_pages: the loaded weights on transparent huge pages (Linux; see runtime/backends/huge_pages.py).
@@ -69,17 +69,20 @@ class Engine:
             raise EngineError(f"{self.dir}: its manifest's model has {'' if m.model.has_sliding_layers else 'no '}"
                               "sliding-window layers but its graph inputs say otherwise: the manifest was edited or "
                               "belongs to another build; rebuild the engine")
-        num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))
-        check_fits_host(m, num_blocks)
+        if isinstance(kv_cache_memory, float):  # a TensorRT engine's fraction: sized once its plan is on the GPU
+            num_blocks = lambda: pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))  # noqa: E731
+        else:
+            num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))
+            check_fits_host(m, num_blocks)
         self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(self.backend.num_blocks)
         self.tokenizer = load_tokenizer(self.dir, m.files)
         check_unchanged(self.dir, m.build_id)  # a rebuild that replaced it while it loaded
         config = m.model
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None
         self.eos_token_ids = end_ids(config, self.tokenizer)
 
-    def _backend(self, num_blocks: int, threads: int | None, spin_wait: bool, huge_pages: bool):
+    def _backend(self, num_blocks: int | Callable[[], int], threads: int | None, spin_wait: bool, huge_pages: bool):
         target = self.manifest.target
         if target == "onnxruntime":
             from camshaft.runtime.backends.onnxruntime import OnnxRuntimeBackend

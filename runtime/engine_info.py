@@ -112,7 +112,7 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     window = f", sliding window {md['sliding_window']}" if md["sliding_window"] else ""
     rope = md["rope"]
     window += f", rope {rope['type']} x{rope['factor']:g}" if rope["type"] != "default" else ""
-    quant = "none" if q is None else ", ".join(f"{k} {v}" for k, v in q.items())
+    quant = "none" if q is None else ", ".join(f"{k} {len(v) if isinstance(v, list) else v}" for k, v in q.items())
     head = (info["lm_head"] or {}).get("dtype")
     sequence = info["graphs"]["sequence"] or f"none ({info['no_sequence_graph']})"
     if info["graphs"]["sequence"] and not info["prompt_lookup"]:

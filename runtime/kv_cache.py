@@ -54,21 +54,19 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
     return total
 
 
-def parse_memory(spec: str | int | float | None, manifest: Manifest | None = None) -> int | None:
-    """A KV cache budget in bytes (memory_spec; a fraction of the memory available now where `manifest`'s engine
-    keeps its cache: the host's, or for a TensorRT engine the GPU's)."""
+def parse_memory(spec: str | int | float | None, manifest: Manifest | None = None) -> int | float | None:
+    """A KV cache budget in bytes (memory_spec; a fraction of the host memory available now). For a TensorRT engine
+    (`manifest`) a fraction stays a fraction: it is of the GPU memory free once the plan is loaded (its weights and
+    context), which the backend resolves with pool_blocks(..., on_device=True)."""
     value = memory_spec(spec)
+    if isinstance(value, float) and manifest is not None and manifest.target != "onnxruntime":
+        return value
     if isinstance(value, float):
         import psutil
 
-        if manifest is not None and manifest.target != "onnxruntime":
-            from camshaft.runtime.backends.tensorrt import device_free_memory
-
-            available = device_free_memory(manifest)
-        else:
-            available = psutil.virtual_memory().available
-            left = cgroup_available()
-            available = available if left is None else min(available, left)
+        available = psutil.virtual_memory().available
+        left = cgroup_available()
+        available = available if left is None else min(available, left)
         if value * available < 1:
             raise RequestError(f"a KV cache budget of {value} of the memory available ({available} bytes) is under "
                                f"one byte; raise the budget: {MEMORY_HELP}")
@@ -141,6 +139,10 @@ def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | floa
     backend holds `copies` buffers of each cache, plus the null block."""
     spec = memory_spec(memory)
     memory_bytes = parse_memory(spec, manifest)
+    if isinstance(memory_bytes, float):  # a TensorRT engine's fraction: of the GPU memory free now
+        from camshaft.runtime.backends.tensorrt import device_free_memory
+
+        memory_bytes = int(memory_bytes * device_free_memory(manifest))
     if memory_bytes is not None:
         each = copies * bytes_per_block(manifest)
         blocks = memory_bytes // each

@@ -68,7 +68,8 @@ class LLM(ServingAPI):
             max_num_tokens=max_num_tokens, max_queue=max_queue))
         lookup = as_prompt_lookup(prompt_lookup)
         template = None if chat_template is None else load_chat_template(chat_template)
-        self.kv_cache_memory = parse_memory(kv_cache_memory, manifest)  # bytes; a fraction is resolved once, here
+        # bytes, a fraction resolved once, here (a TensorRT engine's: by its backend, once the plan is loaded)
+        self.kv_cache_memory = parse_memory(kv_cache_memory, manifest)
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=self.kv_cache_memory,
                                       threads=threads, spin_wait=spin_wait, huge_pages=huge_pages, manifest=manifest)
         self.config = SchedulerConfig(

@@ -60,7 +60,7 @@ class Session:
                 engine_dir, threads=threads, manifest=manifest, kv_cache_memory=kv_cache_memory,
                 huge_pages=huge_pages)
         else:
-            if kv_cache_memory is not None:  # a bound: one sequence never uses more than a full-length one's blocks
+            if isinstance(kv_cache_memory, int):  # a bound: one sequence never uses more than a full-length one's
                 most = (manifest.limits.max_blocks_per_seq + 1) * bytes_per_block(manifest) * cache_copies(manifest)
                 kv_cache_memory = min(kv_cache_memory, most)
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,

@@ -121,20 +121,29 @@ def test_an_openai_target_sends_the_api_key_from_the_environment(monkeypatch):
     def server(request: httpx.Request) -> httpx.Response:
         if request.headers.get("authorization") != "Bearer sekret":
             return httpx.Response(401, json={"error": {"message": "unauthorized"}})
+        if request.url.path == "/v1/models" and gateway:
+            return httpx.Response(404)
         return httpx.Response(200, json={"data": [{"id": "served"}]})
 
-    async def start() -> str:
+    async def start(spec: str = "t=http://h,backend=openai") -> str:
         async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
-            client = OpenAIClient(Target.parse("t=http://h,backend=openai"), http)
+            client = OpenAIClient(Target.parse(spec), http)
             await client.start()
             return client.model
 
+    gateway = False
     for name in ("OPENAI_API_KEY", "CAMSHAFT_API_KEY"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(RequestError, match="wants an API key: set OPENAI_API_KEY"):
+    with pytest.raises(RequestError, match="wants an API key: set CAMSHAFT_API_KEY"):
         asyncio.run(start())
     monkeypatch.setenv("OPENAI_API_KEY", "sekret")
     assert asyncio.run(start()) == "served"
+    monkeypatch.setenv("CAMSHAFT_API_KEY", "wrong")  # camshaft serve's own variable wins over a shell's OpenAI key
+    with pytest.raises(RequestError, match=r"refused the API key from \$CAMSHAFT_API_KEY"):
+        asyncio.run(start())
+    monkeypatch.setenv("CAMSHAFT_API_KEY", "sekret")
+    gateway = True  # a target naming its model needs no /v1/models
+    assert asyncio.run(start("t=http://h,backend=openai,model=m")) == "m"
 
 
 def test_an_openai_event_with_empty_text_is_output():

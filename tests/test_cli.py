@@ -281,5 +281,8 @@ def test_a_model_hub_id_is_told_camshaft_reads_directories(capsys, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     code, _, err = camshaft(capsys, "build", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--output", "out")
     assert code == 1 and "not model hub ids: download the checkpoint to a directory first" in " ".join(err.split())
+    (tmp_path / "out").mkdir()  # out/model with out/ here: a mistyped local path, not a hub id
+    code, _, err = camshaft(capsys, "build", "--model", "out/model", "--output", "engine")
+    assert code == 1 and "does not exist" in err and "hub" not in err
     code, _, err = camshaft(capsys, "models", "fetch", "HuggingFaceTB/SmolLM2-135M-Instruct")
     assert code == 1 and "not model hub ids" in " ".join(err.split()) and "smollm2-135m-instruct" in err

@@ -48,7 +48,7 @@ def test_options_are_checked_where_they_are_taken_and_numpy_integers_are_plain_i
     assert all(type(getattr(config, n)) is int for n in ("max_batch_size", "max_seq_len", "kv_block_size"))
     assert QuantSpec("int4_awq", exclude="*.mlp.down_proj").exclude == ("*.mlp.down_proj",)  # one pattern
     assert QuantSpec("int4_awq", exclude=None).exclude == () and QuantSpec("int4_awq", group_size=np.int64(64))
-    for bad in (dict(exclude=[1]), dict(group_size=64.0), dict(format=["int4_awq"])):
+    for bad in (dict(exclude=[1]), dict(group_size=64.0), dict(format=["int4_awq"]), dict(kv_cache_dtype=["fp8"])):
         with pytest.raises(QuantizeError):
             QuantSpec(**{"format": "int4_awq", **bad})
     engine = tiny_engine(tmp_path, max_seq_len=64, max_batch_size=4)

@@ -521,6 +521,10 @@ def test_an_int4_group_matmulnbits_lacks_is_built_exactly(tmp_path, group, kerne
     if kernel_block is None:
         assert quant["quantized_linear_layers"] == 0 and len(quant["dequantized_linear_layers"]) == 14 and not nbits
         assert any("14 quantized layer(s) no kernel of this target takes" in line for line in said)
+        from camshaft.runtime.engine_info import engine_info, info_lines
+
+        precision = next(line for line in info_lines(engine_info(tmp_path / "engine")) if line.startswith("precision"))
+        assert "dequantized_linear_layers 14" in precision  # a count on the line; the names in --json
     else:
         assert quant["quantized_linear_layers"] == 14 and quant["dequantized_linear_layers"] == []
         assert nbits and {a.i for n in nbits for a in n.attribute if a.name == "block_size"} == {kernel_block}

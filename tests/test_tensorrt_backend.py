@@ -297,17 +297,32 @@ def test_a_failed_allocation_leaves_the_buffers_bound_and_usable(simulated):
     assert all(bound[name] == buffer.ptr != 0 for name, buffer in engine.backend._buffers.items())
 
 
-def test_a_fractional_budget_is_of_the_gpus_free_memory_and_capped_at_the_plans_pool(simulated):
+def test_a_fractional_budget_is_of_the_gpu_memory_the_loaded_plan_leaves_and_capped_at_its_pool(simulated,
+                                                                                                  monkeypatch):
+    """A fraction is of the GPU memory free once the plan (its weights) and its context are loaded, as TensorRT-LLM's
+    free_gpu_memory_fraction: measured before, 1.0 would leave the weights no room. A budget above the plan's pool
+    is capped to it rather than refused."""
     from camshaft.runtime.kv_cache import bytes_per_block, parse_memory, plan_blocks
+    from camshaft.runtime.llm import LLM
 
     rtx_dir, _, cudart = simulated
     manifest = Engine(rtx_dir, max_sequences=1).manifest
+    assert parse_memory(0.5, manifest) == 0.5  # kept a fraction: the backend resolves it
+    events = []
+    trt = backend.TensorRTBackend._import("tensorrt-rtx")
+    deserialize = trt.Runtime.deserialize_cuda_engine
+    monkeypatch.setattr(trt.Runtime, "deserialize_cuda_engine",
+                        lambda self, blob: events.append("plan") or deserialize(self, blob))
+    free = cudart.cudaMemGetInfo
+    monkeypatch.setattr(cudart, "cudaMemGetInfo", lambda: events.append("free memory") or free())
     cudart.free = 3 * 2**30
-    assert parse_memory(0.5, manifest) == 3 * 2**29  # not the host's memory
     most = plan_blocks(manifest)
     assert most is not None and Engine(rtx_dir, kv_cache_memory=0.5).pool.num_blocks == most  # capped, not refused
+    assert events == ["plan", "free memory"]
     cudart.free = 5 * 2 * bytes_per_block(manifest)
     assert Engine(rtx_dir, kv_cache_memory=1.0).pool.num_blocks == 5  # two buffers a cache
+    with LLM(rtx_dir, kv_cache_memory=1.0) as llm:
+        assert llm.kv_cache_memory == 1.0 and llm.config.num_blocks == 5
 
 
 def test_a_kv_budget_counts_both_buffers_of_each_cache(simulated):

@@ -14,7 +14,8 @@ from camshaft.errors import RequestError
 
 BACKENDS = ("openai", "triton-generate", "triton-grpc", "llm")
 HTTP_BACKENDS = ("openai", "triton-generate")
-API_KEY_VARIABLES = ("OPENAI_API_KEY", "CAMSHAFT_API_KEY")  # an OpenAI target's key, as OpenAI's clients read it
+# an OpenAI target's key: camshaft serve's own variable first (a shell may hold a real OpenAI key too), then OpenAI's
+API_KEY_VARIABLES = ("CAMSHAFT_API_KEY", "OPENAI_API_KEY")
 
 
 @dataclass(frozen=True)
@@ -66,20 +67,23 @@ class Record:
 
 class OpenAIClient:
     """POST /v1/completions with stream=true; the length is forced with min_tokens and ignore_eos. A server started
-    with an API key gets the one in $OPENAI_API_KEY (or $CAMSHAFT_API_KEY) as a bearer token."""
+    with an API key gets the one in $CAMSHAFT_API_KEY (or $OPENAI_API_KEY) as a bearer token."""
 
     def __init__(self, target: Target, http) -> None:
         self.target, self.http, self.model = target, http, target.model
-        key = next((os.environ[v] for v in API_KEY_VARIABLES if os.environ.get(v)), None)
-        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.key_from = next((v for v in API_KEY_VARIABLES if os.environ.get(v)), None)
+        self.headers = {"Authorization": f"Bearer {os.environ[self.key_from]}"} if self.key_from else {}
 
     async def start(self) -> None:
         response = await self.http.get(f"{self.target.url}/v1/models", headers=self.headers)
         if response.status_code == 401:
-            raise RequestError(f"target {self.target.name} ({self.target.url}) wants an API key: set OPENAI_API_KEY "
-                               "(or CAMSHAFT_API_KEY) to the one the server was started with")
-        response.raise_for_status()
-        if self.model is None:
+            where = f"{self.target.name} ({self.target.url})"
+            raise RequestError(f"target {where} refused the API key from ${self.key_from}; set it to the key the "
+                               "server was started with" if self.key_from else
+                               f"target {where} wants an API key: set CAMSHAFT_API_KEY (or OPENAI_API_KEY) to the "
+                               "one the server was started with")
+        if self.model is None:  # a target naming its model needs no /v1/models (a gateway may not serve it)
+            response.raise_for_status()
             self.model = response.json()["data"][0]["id"]
 
     async def __call__(self, request: ServeRequest, record: Record) -> None:

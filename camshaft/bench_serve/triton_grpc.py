@@ -15,7 +15,11 @@ _NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_INT64": np.in
 
 class TritonGrpcClient:
     def __init__(self, target, _http) -> None:
-        import tritonclient.grpc.aio as grpcclient
+        try:
+            import tritonclient.grpc.aio as grpcclient
+        except ImportError:
+            raise RequestError("bench serve's triton-grpc targets need tritonclient: ./scripts/setup.sh serve, or pip "
+                               "install 'tritonclient[grpc]'") from None
 
         self.grpc = grpcclient
         self.target, self.model = target, target.model or "ensemble"

@@ -22,6 +22,7 @@ TensorRT runtime on a machine without a driver can crash the process instead of 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,19 +122,15 @@ def device_free_memory(manifest: Manifest) -> int:
 class TensorRTBackend:
     """Never run on a GPU (see the module docstring)."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
-                 spin_wait: bool = True, huge_pages: bool = True) -> None:
+    def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int | Callable[[], int],
+                 threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
+        """num_blocks: the KV pool's, or what sizes it once the plan and its context are on the GPU (a fraction of
+        the memory then free)."""
         del threads, spin_wait, huge_pages  # CPU options of the onnxruntime backend; nothing to set here
         self.huge_page_bytes = 0
         product, options = manifest.target, manifest.target_options
         cudart, local, trt = check_compatible(manifest)
         self.cudart = cudart
-        profile_blocks = options.get("profile", {}).get("num_blocks")
-        if profile_blocks is not None and num_blocks > int(profile_blocks[2]):
-            raise EngineError(
-                f"a KV pool of {num_blocks} blocks exceeds the {int(profile_blocks[2])} blocks the plan was built for; "
-                "lower max_sequences or kv_cache_memory, or rebuild with a larger --max-batch-size"
-            )
         # 3. The plan.
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
@@ -150,6 +147,13 @@ class TensorRTBackend:
         if self.context is None:
             raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?)")
         self.stream = _check(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
+        num_blocks = num_blocks() if callable(num_blocks) else num_blocks
+        profile_blocks = options.get("profile", {}).get("num_blocks")
+        if profile_blocks is not None and num_blocks > int(profile_blocks[2]):
+            raise EngineError(
+                f"a KV pool of {num_blocks} blocks exceeds the {int(profile_blocks[2])} blocks the plan was built for; "
+                "lower max_sequences or kv_cache_memory, or rebuild with a larger --max-batch-size"
+            )
         self._dtypes = {}
         for i in range(self.engine.num_io_tensors):
             name = self.engine.get_tensor_name(i)

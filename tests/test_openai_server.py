@@ -463,6 +463,16 @@ def test_bad_input_is_an_openai_400(served, path, body, param):
     assert error["message"] and error["param"] == param
 
 
+def test_ignored_fields_are_said_in_the_log(served, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="camshaft.openai_server"):
+        answer = HTTP.post(served[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "temprature": 0.5,
+                                                                 "user": "me"})
+    assert answer.status_code == 200  # as OpenAI and vLLM: unknown fields do not fail the request
+    assert "fields present in the request but ignored: temprature, user" in caplog.text
+
+
 def test_vllms_bad_words_reach_the_sampler():
     from camshaft.openai_server.protocol import ChatCompletionRequest, CompletionRequest
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
@@ -31,6 +32,8 @@ from camshaft.openai_server.tools import tool_choice
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.version import __version__
+
+LOG = logging.getLogger("camshaft.openai_server")
 
 T = TypeVar("T")
 _Shape = CompletionShape | ChatShape
@@ -62,6 +65,7 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
         watcher.cancel()
         task.cancel()
     return task.result() if task.done() and not task.cancelled() else None
+
 
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
@@ -97,6 +101,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
     def check(body: CompletionRequest | ChatCompletionRequest) -> None:
         check_model(body.model)
         body.check_supported()
+        if body.model_extra:  # fields camshaft has no use for (user, store, ...), or a typo: said, as vLLM does
+            LOG.warning("fields present in the request but ignored: %s", ", ".join(sorted(body.model_extra)))
         if body.n > max_n:
             raise APIError(400, f"n must be at most {max_n} (this server's batch size), got {body.n}", param="n")
 

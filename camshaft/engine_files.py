@@ -57,7 +57,12 @@ def check_files(engine_dir: Path, sizes: dict[str, int], fingerprints: dict[str,
                 f"{file} has {file.stat().st_size} bytes but the manifest expects {size}: the file is truncated "
                 "or was replaced. Rebuild the engine with `camshaft build`."
             )
-        if name in fingerprints and fingerprint(file) != fingerprints[name]:
+        try:
+            printed = fingerprint(file) if name in fingerprints else None
+        except OSError as exc:
+            raise EngineError(f"{file} could not be read ({exc.strerror or exc}); make the engine directory readable "
+                              "by this user") from exc
+        if printed is not None and printed != fingerprints[name]:
             raise EngineError(f"{file} is not the file this engine was built with (its bytes differ from the "
                               "manifest's fingerprint: copied from another build?); rebuild the engine with "
                               "`camshaft build`")

@@ -190,6 +190,14 @@ class Manifest:
             raise ValueError("files maps names to sizes in bytes, complete is true or false")
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is none of {', '.join(ENGINE_DTYPES)}")
+        for name in ("quantization", "target_options", "tools", "fingerprints"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} is an object, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.quantization.get("lm_head") or {}, dict):
+            raise ValueError("quantization.lm_head is an object")
+        for name in ("build_id", "graph_sha256", "camshaft_version"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} is a string, got {getattr(self, name)!r:.40}")
         if self.kv_cache.dtype not in (self.dtype, "int8", "float8"):
             raise ValueError(f"kv_cache.dtype {self.kv_cache.dtype!r} is neither the engine's {self.dtype} nor int8 "
                              "or float8")
@@ -246,18 +254,24 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Manife
     except FileNotFoundError as exc:
         raise EngineError(f"{path} disappeared while it was read (a rebuild replacing the engine?); load it "
                           "again") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EngineError(f"{path} is corrupt ({exc}); rebuild the engine with `camshaft build`") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {str(exc)[:200]}); rebuild the engine with "
+                          "`camshaft build`") from exc
+    except OSError as exc:
+        raise EngineError(f"{path} could not be read ({exc.strerror or exc}); make the engine directory readable by "
+                          "this user") from exc
     if not isinstance(raw, dict):
         raise EngineError(f"{path} is corrupt (not a JSON object); rebuild the engine with `camshaft build`")
     version = raw.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise EngineError(f"{path} is corrupt (format_version {version!r} is not an integer); rebuild the engine")
     if version not in READABLE_FORMAT_VERSIONS:
+        fix = (f"upgrade camshaft to {raw.get('camshaft_version', 'the version that built it')} or later, or rebuild "
+               "the engine with this one" if version > ENGINE_FORMAT_VERSION else
+               "rebuild the engine with this version's `camshaft build`")
         raise EngineError(
             f"{engine_dir} was built by camshaft {raw.get('camshaft_version', '?')} (engine format {version}); "
-            f"this is camshaft {__version__} (engine format {ENGINE_FORMAT_VERSION}). Rebuild the engine with "
-            "this version's `camshaft build`."
+            f"this is camshaft {__version__} (engine format {ENGINE_FORMAT_VERSION}): {fix}."
         )
     if not raw.get("complete", False):
         raise EngineError(f"{engine_dir}: the build never finished; rebuild it with `camshaft build`")

@@ -16,7 +16,14 @@ from camshaft.engine_files import check_unchanged
 from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
-from camshaft.runtime.backends.onnxruntime import check_compatible, check_signature, load_session, session_options
+from camshaft.runtime.backends.onnxruntime import (
+    GraphIO,
+    check_compatible,
+    check_signature,
+    load_session,
+    sequence_cache_shape,
+    session_options,
+)
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
 from camshaft.runtime.prompt_lookup import MAX_DRAFT
@@ -52,8 +59,8 @@ class SequenceEngine:
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
                                                           session_options(threads, spin_wait=True), huge_pages)
-        check_signature(self.session, self.dir / self.layout.artifact, m, self.layout.inputs, self.layout,
-                        (1, self.layout.num_kv_heads, None, self.layout.head_dim), "float32")
+        check_signature(GraphIO.of_session(self.session), self.dir / self.layout.artifact, m, self.layout.inputs,
+                        self.layout, sequence_cache_shape(self.layout), "float32")
         self.binding = self.session.io_binding()
         self.tokenizer = load_tokenizer(self.dir, m.files)
         check_unchanged(self.dir, m.build_id)

@@ -115,12 +115,16 @@ MANIFEST_EDITS = {
     "files a list": (("files",), ["model.onnx"], "has a build_id and a fingerprint for each of its files"),
     "a size a string": (("files", "model.onnx"), "17355", "files maps names to sizes"),
     "complete a string": (("complete",), "no", "complete is true or false"),
-    "tools a list": (("tools",), ["onnx"], "AttributeError"),
+    "tools a list": (("tools",), ["onnx"], "tools is an object"),
     "kv dtype unknown": (("kv_cache", "dtype"), "fp4", "kv_cache.dtype 'fp4' is neither"),
     "kv dtype another float": (("kv_cache", "dtype"), "float16", "kv_cache.dtype 'float16' is neither"),
     "a layer's cache dropped": (("kv_cache", "key_inputs"), ["past_key_0"], "does not name one cache tensor a layer"),
     "cache names a string": (("sequence_graph", "value_inputs"), "past_v", "does not name one cache tensor a layer"),
     "no build id": (("build_id",), "", "has a build_id and a fingerprint"),
+    "quantization a string": (("quantization",), "int4", "quantization is an object"),
+    "target_options null": (("target_options",), None, "target_options is an object"),
+    "lm_head a string": (("quantization", "lm_head"), "int8", "quantization.lm_head is an object"),
+    "build id a number": (("build_id",), 7, "build_id is a string"),
 }
 
 
@@ -255,8 +259,23 @@ def test_other_camshaft_engine_format(copy):
     raw = json.loads((copy / "manifest.json").read_text())
     raw["format_version"], raw["camshaft_version"] = 999, "9.9.9"
     (copy / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(EngineError, match=r"built by camshaft 9\.9\.9.*this is camshaft"):
+    with pytest.raises(EngineError, match=r"built by camshaft 9\.9\.9.*this is camshaft.*upgrade camshaft to 9\.9\.9"):
         Engine(copy)
+    (copy / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion limit
+    with pytest.raises(EngineError, match="corrupt .RecursionError"):
+        Engine(copy)
+
+
+def test_a_graph_that_is_not_onnx_is_an_engine_error_for_inspect(copy):
+    """inspect reads the graphs' inputs without loading them: a graph that is not ONNX is said, not a traceback
+    (an engine of format 2 records no fingerprint that would catch it first)."""
+    from camshaft.runtime.backends.onnxruntime import check_graph_io
+
+    manifest = read_manifest(copy)
+    artifact = copy / manifest.artifact
+    artifact.write_bytes(b"\xff" * artifact.stat().st_size)
+    with pytest.raises(EngineError, match="could not be read as ONNX"):
+        check_graph_io(copy, manifest)
 
 
 def test_other_onnxruntime_version(copy):
@@ -429,3 +448,25 @@ def test_files_added_to_the_tokenizer_are_refused_but_a_chat_template_may_be_edi
     from camshaft.runtime.engine_info import engine_info
 
     assert "special_tokens_map.json" in engine_info(copy)["runs_here_reason"]
+
+
+@pytest.mark.parametrize("keys, value, reason", [
+    (("model", "vocab_size"), 383, "logits dimensions"),
+    (("limits", "max_seq_len"), 32, "was built for max_seq_len"),
+    (("kv_cache", "dtype"), "int8", "has no int8 cache input"),
+])
+def test_inspect_says_an_engine_its_loaders_refuse_does_not_run(copy, keys, value, reason):
+    """inspect reads the graphs' files (no session): it compares what a load compares — cache types and shapes, the
+    logits' width, the limits the graph was built for — not only the names."""
+    from camshaft.runtime.engine_info import engine_info
+
+    raw = json.loads((copy / "manifest.json").read_text())
+    node = raw
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match=reason):
+        Engine(copy)
+    info = engine_info(copy)
+    assert info["runs_here"] is False and reason in info["runs_here_reason"]

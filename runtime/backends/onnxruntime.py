@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -109,44 +110,83 @@ def check_io_names(path: Path, inputs: set[str], outputs: set[str], wanted: tupl
                               "edited or belongs to another build; rebuild the engine")
 
 
+@dataclass(frozen=True)
+class GraphIO:
+    """A graph's inputs and outputs (name: (ONNX Runtime's type string, shape)) and its metadata, from a loaded
+    session or from the graph file alone (inspect: no session, no weights)."""
+
+    inputs: dict[str, tuple[str, tuple]]
+    outputs: dict[str, tuple[str, tuple]]
+    metadata: dict[str, str]
+
+    @classmethod
+    def of_session(cls, session: ort.InferenceSession) -> GraphIO:
+        return cls({t.name: (t.type, tuple(t.shape)) for t in session.get_inputs()},
+                   {t.name: (t.type, tuple(t.shape)) for t in session.get_outputs()},
+                   dict(session.get_modelmeta().custom_metadata_map))
+
+    @classmethod
+    def of_file(cls, path: Path) -> GraphIO:
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:  # not ONNX at all (protobuf's DecodeError), unreadable: as load_session says it
+            raise EngineError(f"{path} could not be read as ONNX ({type(exc).__name__}: {str(exc)[:200]}); rebuild "
+                              "the engine") from exc
+        constants = {t.name for t in model.graph.initializer}
+
+        def described(values) -> dict[str, tuple[str, tuple]]:
+            return {v.name: (ONNX_TYPES.get(v.type.tensor_type.elem_type, "other"),
+                             tuple(d.dim_value if d.HasField("dim_value") else d.dim_param
+                                   for d in v.type.tensor_type.shape.dim))
+                    for v in values if v.name not in constants}
+
+        return cls(described(model.graph.input), described(model.graph.output),
+                   {p.key: p.value for p in model.metadata_props})
+
+
+ONNX_TYPES = {onnx.TensorProto.FLOAT: "tensor(float)", onnx.TensorProto.FLOAT16: "tensor(float16)",
+              onnx.TensorProto.BFLOAT16: "tensor(bfloat16)", onnx.TensorProto.INT8: "tensor(int8)",
+              onnx.TensorProto.UINT8: "tensor(uint8)"}
+
+
 def check_graph_io(engine_dir: Path, manifest: Manifest) -> None:
-    """The graphs' input and output names against the manifest's, read from the graph files alone (inspect: no
-    session, no weights)."""
-    sequence = manifest.sequence_graph
-    graphs = [(manifest.artifact, manifest.inputs, manifest.kv_cache)] + (
-        [(sequence.artifact, sequence.inputs, sequence)] if sequence is not None else [])
-    for artifact, inputs, layout in graphs:
-        graph = onnx.load(str(engine_dir / artifact), load_external_data=False).graph
-        constants = {t.name for t in graph.initializer}
-        check_io_names(engine_dir / artifact, {i.name for i in graph.input if i.name not in constants},
-                       {o.name for o in graph.output}, graph_io(inputs, layout))
+    """The graphs against the manifest as check_signature compares a loaded one, read from the graph files alone
+    (inspect: no session, no weights)."""
+    kv, sequence = manifest.kv_cache, manifest.sequence_graph
+    check_signature(GraphIO.of_file(engine_dir / manifest.artifact), engine_dir / manifest.artifact, manifest,
+                    manifest.inputs, kv, (None, kv.block_size, kv.num_kv_heads * kv.head_dim), kv.dtype)
+    if sequence is not None:
+        check_signature(GraphIO.of_file(engine_dir / sequence.artifact), engine_dir / sequence.artifact, manifest,
+                        sequence.inputs, sequence, sequence_cache_shape(sequence), "float32")
 
 
-def check_signature(session: ort.InferenceSession, path: Path, manifest: Manifest,
+def sequence_cache_shape(layout: SequenceGraph) -> tuple[int | None, ...]:
+    return (1, layout.num_kv_heads, None, layout.head_dim)
+
+
+def check_signature(io: GraphIO, path: Path, manifest: Manifest,
                     inputs: tuple[TensorSpec, ...], layout: KVCacheLayout | SequenceGraph,
                     cache_shape: tuple[int | None, ...], cache_dtype: str) -> None:
-    """The loaded graph agrees with the manifest on what the runtime feeds and binds (graph_io: `inputs` and the
-    caches of `layout`); and on what it sizes from it: the logits' width, the KV cache inputs (of `cache_dtype`, the
-    first of `cache_shape`; None and symbolic dimensions are not compared) and the build limits the graph was lowered
-    for (graph_meta.py)."""
-    check_io_names(path, {t.name for t in session.get_inputs()}, {t.name for t in session.get_outputs()},
-                   graph_io(inputs, layout))
+    """The graph (a loaded session's or its file's, GraphIO) agrees with the manifest on what the runtime feeds and
+    binds (graph_io: `inputs` and the caches of `layout`); and on what it sizes from it: the logits' width, the KV
+    cache inputs (of `cache_dtype`, the first of `cache_shape`; None and symbolic dimensions are not compared) and
+    the build limits the graph was lowered for (graph_meta.py)."""
+    check_io_names(path, set(io.inputs), set(io.outputs), graph_io(inputs, layout))
     caches = [*layout.key_inputs, *layout.value_inputs]
-    types = {t.name: t.type for t in session.get_inputs()}
-    wrong = [name for name in caches if types.get(name) != ORT_TYPES[cache_dtype]]
+    wrong = [name for name in caches if io.inputs[name][0] != ORT_TYPES[cache_dtype]]
     if wrong:
         raise EngineError(f"{path} has no {cache_dtype} cache input {wrong[0]} as its manifest says: the manifest "
                           "was edited or belongs to another build; rebuild the engine")
-    shapes = {t.name: t.shape for t in [*session.get_inputs(), *session.get_outputs()]}
+    shapes = {name: shape for name, (_, shape) in [*io.inputs.items(), *io.outputs.items()]}
     wanted = {"logits": (None, manifest.model.vocab_size), **{name: cache_shape for name in caches[:1]}}
     for name, dims in wanted.items():
         found = shapes.get(name)
-        if found is not None and any(isinstance(f, int) and w is not None and f != w
+        if found is not None and any(isinstance(f, int) and f and w is not None and f != w
                                      for f, w in zip(found, dims, strict=False)):
             raise EngineError(f"{path}'s {name} dimensions {tuple(found)} disagree with its manifest "
                               f"({tuple('?' if w is None else w for w in dims)}): the manifest was edited or belongs "
                               "to another build; rebuild the engine")
-    check_graph_limits(session.get_modelmeta().custom_metadata_map, manifest.limits, path)
+    check_graph_limits(io.metadata, manifest.limits, path)
 
 
 class OnnxRuntimeBackend:
@@ -157,7 +197,7 @@ class OnnxRuntimeBackend:
                                                           session_options(threads, spin_wait), huge_pages)
         kv = manifest.kv_cache
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
-        check_signature(self.session, engine_dir / manifest.artifact, manifest, manifest.inputs, kv,
+        check_signature(GraphIO.of_session(self.session), engine_dir / manifest.artifact, manifest, manifest.inputs, kv,
                         (None, *shape[1:]), kv.dtype)
         self.num_blocks = num_blocks
         self.binding = self.session.io_binding()

@@ -201,6 +201,14 @@ class Manifest:
         if self.kv_cache.dtype not in (self.dtype, "int8", "float8"):
             raise ValueError(f"kv_cache.dtype {self.kv_cache.dtype!r} is neither the engine's {self.dtype} nor int8 "
                              "or float8")
+        for cache in (self.kv_cache, self.sequence_graph):  # the caches hold the model's K/V heads
+            if cache is not None and (cache.num_kv_heads, cache.head_dim) != (self.model.num_kv_heads,
+                                                                              self.model.head_dim):
+                raise ValueError(f"{type(cache).__name__} holds {cache.num_kv_heads} KV heads of {cache.head_dim}, "
+                                 f"the model {self.model.num_kv_heads} of {self.model.head_dim}")
+        widths = [spec.shape[-1] for spec in self.outputs if spec.name == "logits" and spec.shape]
+        if any(isinstance(w, int) and w != self.model.vocab_size for w in widths):
+            raise ValueError(f"the logits output is {widths[0]} wide, the vocabulary {self.model.vocab_size}")
         for cache in (self.kv_cache, self.sequence_graph):
             if cache is not None and not all(len(getattr(cache, n)) == self.model.num_layers
                                              and all(isinstance(t, str) for t in getattr(cache, n))

@@ -125,6 +125,9 @@ MANIFEST_EDITS = {
     "target_options null": (("target_options",), None, "target_options is an object"),
     "lm_head a string": (("quantization", "lm_head"), "int8", "quantization.lm_head is an object"),
     "build id a number": (("build_id",), 7, "build_id is a string"),
+    "model kv heads edited": (("model", "num_kv_heads"), 1, "KVCacheLayout holds 2 KV heads"),
+    "logits width edited": (("outputs",), [{"name": "logits", "dtype": "float32", "shape": ["N", 5]}],
+                            "the logits output is 5 wide"),
 }
 
 
@@ -450,21 +453,23 @@ def test_files_added_to_the_tokenizer_are_refused_but_a_chat_template_may_be_edi
     assert "special_tokens_map.json" in engine_info(copy)["runs_here_reason"]
 
 
-@pytest.mark.parametrize("keys, value, reason", [
-    (("model", "vocab_size"), 383, "logits dimensions"),
-    (("limits", "max_seq_len"), 32, "was built for max_seq_len"),
-    (("kv_cache", "dtype"), "int8", "has no int8 cache input"),
+@pytest.mark.parametrize("edits, reason", [
+    ({("model", "vocab_size"): 383, ("outputs",): [{"name": "logits", "dtype": "float32", "shape": ["N", 383]}]},
+     "logits dimensions"),
+    ({("limits", "max_seq_len"): 32}, "was built for max_seq_len"),
+    ({("kv_cache", "dtype"): "int8"}, "has no int8 cache input"),
 ])
-def test_inspect_says_an_engine_its_loaders_refuse_does_not_run(copy, keys, value, reason):
+def test_inspect_says_an_engine_its_loaders_refuse_does_not_run(copy, edits, reason):
     """inspect reads the graphs' files (no session): it compares what a load compares — cache types and shapes, the
     logits' width, the limits the graph was built for — not only the names."""
     from camshaft.runtime.engine_info import engine_info
 
     raw = json.loads((copy / "manifest.json").read_text())
-    node = raw
-    for key in keys[:-1]:
-        node = node[key]
-    node[keys[-1]] = value
+    for keys, value in edits.items():
+        node = raw
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
     (copy / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(EngineError, match=reason):
         Engine(copy)

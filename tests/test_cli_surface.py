@@ -160,6 +160,11 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     assert result.exit_code == 0, result.output
     info, manifest = json.loads(result.output), read_manifest(engine)
     c = manifest.model
+    assert list(info) == [  # the keys README documents, in its order
+        "engine", "format_version", "camshaft_version", "build_id", "model", "dtype", "quantization", "lm_head", "target",
+        "device", "gpu_arch", "graphs", "prompt_lookup", "no_sequence_graph", "limits", "kv_cache", "files",
+        "bytes_listed", "files_as_built", "fingerprinted", "eos_token_ids", "chat_template", "tools", "runs_here",
+        "runs_here_reason"]
     assert info["model"]["layers"] == c.num_layers and info["limits"]["max_seq_len"] == 128
     assert info["kv_cache"]["bytes_per_token"] == c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # fp32 K and V
     assert info["kv_cache"]["default_pool_bytes"] == (4 * 128 + info["limits"]["kv_block_size"]) * \

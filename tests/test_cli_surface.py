@@ -161,7 +161,8 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     info, manifest = json.loads(result.output), read_manifest(engine)
     c = manifest.model
     assert list(info) == [  # the keys README documents, in its order
-        "engine", "format_version", "camshaft_version", "build_id", "model", "dtype", "quantization", "lm_head", "target",
+        "engine", "format_version", "camshaft_version", "build_id", "model", "dtype", "quantization", "lm_head",
+        "target",
         "device", "gpu_arch", "graphs", "prompt_lookup", "no_sequence_graph", "limits", "kv_cache", "files",
         "bytes_listed", "files_as_built", "fingerprinted", "eos_token_ids", "chat_template", "tools", "runs_here",
         "runs_here_reason"]

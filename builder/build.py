@@ -29,7 +29,7 @@ from camshaft.builder.target_checks import (
 from camshaft.builder.targets.trt_product import parse_arch
 from camshaft.engine_files import TOKENIZER_DIR, engine_entries, record_files
 from camshaft.errors import BuildConfigError
-from camshaft.graph_meta import graph_limits
+from camshaft.graph_meta import BUILD_ID_KEY, graph_limits
 from camshaft.manifest import MANIFEST_NAME, BuildLimits, Manifest, TensorSpec
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.version import __version__
@@ -180,6 +180,10 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 files += [sequence.artifact, f"{sequence.artifact}.data"] if sequence else []
             import onnxruntime
 
+            build_id = uuid.uuid4().hex
+            for graph in [artifact, sequence.artifact if sequence else None] if for_ort else []:
+                if graph is not None:
+                    stamp_build_id(staging / graph, build_id)
             files += sorted(f"{TOKENIZER_DIR}/{p.name}" for p in tok_dir.iterdir()  # the chat template: editable
                             if p.is_file() and p.name != CHAT_TEMPLATE)
             sizes, fingerprints = record_files(staging, files)
@@ -197,7 +201,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                        **target_options.pop("tools", {})},
                 files=sizes,
                 fingerprints=fingerprints,
-                build_id=uuid.uuid4().hex,
+                build_id=build_id,
                 graph_sha256=graph_hash,
                 sequence_graph=sequence,
                 target_options={**target_options, "build_seconds": round(time.perf_counter() - started, 2)},
@@ -209,6 +213,13 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             raise
     progress(f"engine written to {output}")
     return manifest
+
+
+def stamp_build_id(path: Path, build_id: str) -> None:
+    """The build's id in an onnxruntime graph's metadata (graph_meta.check_build_id); its weights stay put."""
+    model = onnx.load(str(path), load_external_data=False)
+    model.metadata_props.append(onnx.StringStringEntryProto(key=BUILD_ID_KEY, value=build_id))
+    onnx.save(model, str(path))
 
 
 def _compile(config: BuildConfig, limits: BuildLimits, graph_path: Path, staging: Path,

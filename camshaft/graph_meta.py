@@ -12,6 +12,7 @@ from camshaft.manifest import BuildLimits
 from camshaft.model_config import ModelConfig
 
 GRAPH_LIMITS_KEY = "camshaft.build_limits"  # the ONNX graph's metadata entry: the limits it was lowered for (JSON)
+BUILD_ID_KEY = "camshaft.build_id"  # and the build it belongs to (the manifest's build_id)
 
 
 def graph_limits(limits: BuildLimits, batch_graph: bool) -> dict[str, str]:
@@ -21,6 +22,16 @@ def graph_limits(limits: BuildLimits, batch_graph: bool) -> dict[str, str]:
     if batch_graph:
         values["kv_block_size"] = limits.kv_block_size
     return {GRAPH_LIMITS_KEY: json.dumps(values, sort_keys=True)}
+
+
+def check_build_id(metadata: dict[str, str], build_id: str, path: Path) -> None:
+    """A graph of another build than the manifest's (its files re-listed by hand) is refused: the sequence graph reads
+    the batch graph's weights by offset, so a mix would run on the wrong weights. Graphs without the entry (built
+    before it existed) are not compared."""
+    recorded = metadata.get(BUILD_ID_KEY)
+    if recorded is not None and build_id and recorded != build_id:
+        raise EngineError(f"{path} belongs to build {recorded[:12]}, its manifest to {build_id[:12]}: files of two "
+                          "builds were mixed; rebuild the engine")
 
 
 def check_graph_limits(metadata: dict[str, str], limits: BuildLimits, path: Path) -> None:

@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from camshaft.engine_files import check_unchanged
 from camshaft.errors import CapacityError, EngineError
-from camshaft.graph_meta import sequence_graph_support
+from camshaft.graph_meta import check_build_id, sequence_graph_support
 from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
 from camshaft.runtime.backends.onnxruntime import (
     GraphIO,
@@ -61,6 +61,8 @@ class SequenceEngine:
                                                           session_options(threads, spin_wait=True), huge_pages)
         check_signature(GraphIO.of_session(self.session), self.dir / self.layout.artifact, m, self.layout.inputs,
                         self.layout, sequence_cache_shape(self.layout), "float32")
+        # its weights are the batch graph's, read by offset: that graph must be of the same build
+        check_build_id(GraphIO.of_file(self.dir / m.artifact).metadata, m.build_id, self.dir / m.artifact)
         self.binding = self.session.io_binding()
         self.tokenizer = load_tokenizer(self.dir, m.files)
         check_unchanged(self.dir, m.build_id)

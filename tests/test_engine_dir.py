@@ -475,3 +475,20 @@ def test_inspect_says_an_engine_its_loaders_refuse_does_not_run(copy, edits, rea
         Engine(copy)
     info = engine_info(copy)
     assert info["runs_here"] is False and reason in info["runs_here_reason"]
+
+
+def test_graphs_of_another_build_relisted_in_the_manifest_are_refused(copy, other_build):
+    """The graphs carry their build's id: another build's batch graph and weights, even re-listed by hand with their
+    sizes and fingerprints, are refused (the sequence graph would read its weights by offset from them)."""
+    from camshaft.engine_files import fingerprint
+
+    raw = json.loads((copy / "manifest.json").read_text())
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copyfile(other_build / name, copy / name)
+        raw["files"][name] = (copy / name).stat().st_size
+        raw["fingerprints"][name] = fingerprint(copy / name)
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match="files of two builds were mixed"):
+        Session(copy, graph="batch")
+    with pytest.raises(EngineError, match="files of two builds were mixed"):
+        Session(copy)  # the sequence graph: its own file is this build's, the weights it reads are not

@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 
 from camshaft.errors import CapacityError, EngineError
-from camshaft.graph_meta import check_graph_limits
+from camshaft.graph_meta import check_build_id, check_graph_limits
 from camshaft.manifest import KVCacheLayout, Manifest, SequenceGraph, TensorSpec
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
 from camshaft.runtime.kv_cache import CGROUP, SMALLER_POOL
@@ -187,6 +187,7 @@ def check_signature(io: GraphIO, path: Path, manifest: Manifest,
                               f"({tuple('?' if w is None else w for w in dims)}): the manifest was edited or belongs "
                               "to another build; rebuild the engine")
     check_graph_limits(io.metadata, manifest.limits, path)
+    check_build_id(io.metadata, manifest.build_id, path)
 
 
 class OnnxRuntimeBackend:

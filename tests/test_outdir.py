@@ -76,12 +76,18 @@ def test_a_checkpoint_without_a_tokenizer_fails_before_the_graph_is_written(buil
     assert not list(tmp_path.glob(".engine.partial-*"))
 
 
+def _wider(manifest: dict) -> None:
+    manifest["model"]["vocab_size"] += 1
+    manifest["outputs"][0]["shape"][-1] += 1
+
+
 def _longer(manifest: dict) -> None:
     manifest["limits"]["max_seq_len"] *= 2
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda m: m["model"].update(vocab_size=m["model"]["vocab_size"] + 1), "logits dimensions"),
+    (lambda m: m["model"].update(vocab_size=m["model"]["vocab_size"] + 1), "the logits output is 384 wide"),
+    (_wider, "logits dimensions"),  # the manifest consistent in itself: the graph says otherwise
     (lambda m: m["tools"].pop("onnxruntime"), "does not say which onnxruntime"),
     (_longer, r"built for max_seq_len 64 \(manifest: 128\)"),
 ])

@@ -57,7 +57,7 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
 def parse_memory(spec: str | int | float | None, manifest: Manifest | None = None) -> int | float | None:
     """A KV cache budget in bytes (memory_spec; a fraction of the host memory available now). For a TensorRT engine
     (`manifest`) a fraction stays a fraction: it is of the GPU memory free once the plan is loaded (its weights and
-    context), which the backend resolves with pool_blocks(..., on_device=True)."""
+    context), which pool_blocks reads when the backend sizes its pool then (Engine passes it the sizing)."""
     value = memory_spec(spec)
     if isinstance(value, float) and manifest is not None and manifest.target != "onnxruntime":
         return value

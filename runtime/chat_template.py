@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,12 @@ TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, 
 @dataclass(frozen=True, eq=False)
 class ChatOptions:
     """How a conversation renders: the functions the model may call (`tools`, OpenAI's form), more variables the
-    template reads (`template_kwargs`: vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking), and how it ends:
+    template reads (`chat_template_kwargs`, vLLM's: e.g. Qwen3's enable_thinking), and how it ends:
     the assistant's turn opened (`add_generation_prompt`, the default) or the last message left open for the model
     to go on with (`continue_final_message`, e.g. an assistant reply begun by the caller)."""
 
     tools: list[dict[str, Any]] | None = None
-    template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -46,10 +46,9 @@ class ChatOptions:
         if self.tools is not None:
             check_tools(self.tools)
 
-    @property
-    def default(self) -> bool:
-        return self.tools is None and self.template_kwargs is None and self.add_generation_prompt \
-            and not self.continue_final_message
+    def changed(self) -> list[str]:
+        """The options set away from their defaults (by their public names)."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> str:
@@ -59,7 +58,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
     if tokenizer.chat_template is None:
         raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt, or give the engine "
                            "one (chat_template=, --chat-template FILE)")
-    template_kwargs = check_template_kwargs(options.template_kwargs, tokenizer)
+    template_kwargs = check_template_kwargs(options.chat_template_kwargs, tokenizer)
     if options.continue_final_message and not (messages[-1].get("content") or ""):
         raise RequestError("continue_final_message goes on with the last message's text, and it has none; end the "
                            "messages with the text to continue (e.g. an assistant message begun)")

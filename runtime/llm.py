@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
-from camshaft.runtime.chat_template import load_chat_template
+from camshaft.runtime.chat_template import ChatOptions, load_chat_template
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.executor import Executor
 from camshaft.runtime.guided import Guides
@@ -32,7 +32,7 @@ from camshaft.runtime.llm_options import (
 from camshaft.runtime.llm_streams import ServingAPI
 from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, PromptOutput, RequestOutput
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup
-from camshaft.runtime.prompts import Prompt, PromptEncoder, chat_options
+from camshaft.runtime.prompts import Prompt, PromptEncoder
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler import SchedulerConfig
@@ -127,7 +127,7 @@ class LLM(ServingAPI):
         chat keywords of chat()) — vLLM's tokenizing, not its pooling `encode`. for_generation True refuses an empty
         prompt and stops tokenizing text far longer than the engine takes (generation checks the exact length);
         False (counting tokens): text however long, and an empty prompt, are tokenized."""
-        chat = chat_options(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
+        chat = ChatOptions(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
         return self.prompts.encode(prompt, messages, chat=chat, for_generation=for_generation)
 
     def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
@@ -204,7 +204,7 @@ class LLM(ServingAPI):
         if not isinstance(messages, (list, tuple)):
             raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got "
                                f"{messages!r:.80}")
-        chat = chat_options(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
+        chat = ChatOptions(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         rendered = []
         for i, conversation in enumerate(conversations):

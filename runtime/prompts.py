@@ -39,8 +39,8 @@ class PromptEncoder:
         if prompt is not None and messages is not None:
             raise RequestError("pass exactly one of a prompt or chat messages")
         limit = self.max_seq_len if for_generation else None
-        if chat is not None and not chat.default and messages is None:
-            raise RequestError(f"{chat_only(chat)} go with chat messages; pass messages=[...]")
+        if chat is not None and chat.changed() and messages is None:
+            raise RequestError(f"{' and '.join(chat.changed())} go with chat messages; pass messages=[...]")
         if messages is not None:
             ids = self._chat_prompt(messages, chat or ChatOptions(), limit)[1]
         elif isinstance(prompt, str):
@@ -72,18 +72,3 @@ class PromptEncoder:
         adds no second BOS)."""
         text = render_chat(self.tokenizer, messages, chat)
         return text, encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)
-
-
-def chat_options(tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 add_generation_prompt: bool = True, continue_final_message: bool = False) -> ChatOptions:
-    """The public methods' chat keywords (vLLM's names) as one ChatOptions."""
-    return ChatOptions(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
-
-
-def chat_only(chat: ChatOptions) -> str:
-    """The chat options set away from their defaults, by their public names."""
-    names = [name for name, changed in (("tools", chat.tools is not None),
-                                        ("chat_template_kwargs", chat.template_kwargs is not None),
-                                        ("add_generation_prompt", not chat.add_generation_prompt),
-                                        ("continue_final_message", chat.continue_final_message)) if changed]
-    return " and ".join(names)

@@ -14,14 +14,14 @@ import numpy as np
 
 from camshaft.errors import EngineError, RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
-from camshaft.runtime.chat_template import load_chat_template
+from camshaft.runtime.chat_template import ChatOptions, load_chat_template
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
 from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, parse_memory
 from camshaft.runtime.llm_options import check_runtime_options, params_list
 from camshaft.runtime.outputs import GenerationResult
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup, checks_drafts
-from camshaft.runtime.prompts import Prompt, PromptEncoder, chat_options
+from camshaft.runtime.prompts import Prompt, PromptEncoder
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
@@ -111,7 +111,7 @@ class Session:
                continue_final_message: bool = False) -> list[int]:
         """The prompt's ids as generation feeds them to the engine (PromptEncoder.encode); with messages, the chat
         keywords as vLLM's LLM.chat takes them."""
-        chat = chat_options(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
+        chat = ChatOptions(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
         return self.prompts.encode(prompt, messages, chat=chat, for_generation=for_generation)
 
     def _params(self, params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:

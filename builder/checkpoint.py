@@ -22,7 +22,7 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
 )
 from camshaft.errors import CheckpointError
 from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig, missing_checkpoint, require_tokenizer
-from camshaft.weight_files import EMBED, SAFETENSORS_FLOATS, index_map, weight_files
+from camshaft.weight_files import EMBED, index_map, stored_float_dtype, weight_files
 
 
 class Checkpoint:
@@ -61,13 +61,7 @@ class Checkpoint:
     def float_dtype(self) -> str | None:
         """The model's own float type: the one `camshaft quantize` recorded of the checkpoint it quantized (its
         export is float32 whatever the model's), else the type the embedding is stored in; None where not float."""
-        recorded = (self.quantization or {}).get("camshaft", {}).get("source_dtype")
-        if recorded:
-            return recorded
-        name = self._aliases.get(EMBED, EMBED)
-        if name not in self._where:
-            return None
-        return SAFETENSORS_FLOATS.get(self._handles[self._where[name]].get_slice(name).get_dtype())
+        return (self.quantization or {}).get("camshaft", {}).get("source_dtype") or stored_float_dtype(self.dir)
 
     def _check_tied_head(self) -> None:
         """A tied head reads the embedding; a checkpoint that also stores a different lm_head.weight is refused

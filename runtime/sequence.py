@@ -21,7 +21,6 @@ from camshaft.runtime.backends.onnxruntime import (
     check_compatible,
     check_signature,
     load_session,
-    sequence_cache_shape,
     session_options,
 )
 from camshaft.runtime.batch import Chunk
@@ -59,8 +58,7 @@ class SequenceEngine:
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
                                                           session_options(threads, spin_wait=True), huge_pages)
-        check_signature(GraphIO.of_session(self.session), self.dir / self.layout.artifact, m, self.layout.inputs,
-                        self.layout, sequence_cache_shape(self.layout), "float32")
+        check_signature(GraphIO.of_session(self.session), self.dir, m, self.layout)
         # its weights are the batch graph's, read by offset: that graph must be of the same build
         check_build_id(GraphIO.of_file(self.dir / m.artifact).metadata, m.build_id, self.dir / m.artifact)
         self.binding = self.session.io_binding()

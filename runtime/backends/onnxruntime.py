@@ -152,25 +152,29 @@ ONNX_TYPES = {onnx.TensorProto.FLOAT: "tensor(float)", onnx.TensorProto.FLOAT16:
 def check_graph_io(engine_dir: Path, manifest: Manifest) -> None:
     """The graphs against the manifest as check_signature compares a loaded one, read from the graph files alone
     (inspect: no session, no weights)."""
-    kv, sequence = manifest.kv_cache, manifest.sequence_graph
-    check_signature(GraphIO.of_file(engine_dir / manifest.artifact), engine_dir / manifest.artifact, manifest,
-                    manifest.inputs, kv, (None, kv.block_size, kv.num_kv_heads * kv.head_dim), kv.dtype)
-    if sequence is not None:
-        check_signature(GraphIO.of_file(engine_dir / sequence.artifact), engine_dir / sequence.artifact, manifest,
-                        sequence.inputs, sequence, sequence_cache_shape(sequence), "float32")
+    for layout in (manifest.kv_cache, manifest.sequence_graph):
+        if layout is not None:
+            check_signature(GraphIO.of_file(engine_dir / graph_contract(manifest, layout)[0]), engine_dir, manifest,
+                            layout)
 
 
-def sequence_cache_shape(layout: SequenceGraph) -> tuple[int | None, ...]:
-    return (1, layout.num_kv_heads, None, layout.head_dim)
+def graph_contract(manifest: Manifest, layout: KVCacheLayout | SequenceGraph
+                   ) -> tuple[str, tuple[TensorSpec, ...], tuple[int | None, ...], str]:
+    """What the manifest says of the graph holding `layout`'s caches: its file, its step inputs, its first cache's
+    shape (None: not compared) and the caches' type (the sequence graph's are float32)."""
+    if isinstance(layout, SequenceGraph):
+        return layout.artifact, layout.inputs, (1, layout.num_kv_heads, None, layout.head_dim), "float32"
+    return (manifest.artifact, manifest.inputs, (None, layout.block_size, layout.num_kv_heads * layout.head_dim),
+            layout.dtype)
 
 
-def check_signature(io: GraphIO, path: Path, manifest: Manifest,
-                    inputs: tuple[TensorSpec, ...], layout: KVCacheLayout | SequenceGraph,
-                    cache_shape: tuple[int | None, ...], cache_dtype: str) -> None:
+def check_signature(io: GraphIO, engine_dir: Path, manifest: Manifest, layout: KVCacheLayout | SequenceGraph) -> None:
     """The graph (a loaded session's or its file's, GraphIO) agrees with the manifest on what the runtime feeds and
-    binds (graph_io: `inputs` and the caches of `layout`); and on what it sizes from it: the logits' width, the KV
-    cache inputs (of `cache_dtype`, the first of `cache_shape`; None and symbolic dimensions are not compared) and
-    the build limits the graph was lowered for (graph_meta.py)."""
+    binds (graph_io: its step inputs and the caches of `layout`); and on what it sizes from it: the logits' width,
+    the KV cache inputs (their type and first shape, graph_contract; symbolic dimensions are not compared), the build
+    limits the graph was lowered for and the build it belongs to (graph_meta.py)."""
+    artifact, inputs, cache_shape, cache_dtype = graph_contract(manifest, layout)
+    path = engine_dir / artifact
     check_io_names(path, set(io.inputs), set(io.outputs), graph_io(inputs, layout))
     caches = [*layout.key_inputs, *layout.value_inputs]
     wrong = [name for name in caches if io.inputs[name][0] != ORT_TYPES[cache_dtype]]
@@ -198,8 +202,7 @@ class OnnxRuntimeBackend:
                                                           session_options(threads, spin_wait), huge_pages)
         kv = manifest.kv_cache
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
-        check_signature(GraphIO.of_session(self.session), engine_dir / manifest.artifact, manifest, manifest.inputs, kv,
-                        (None, *shape[1:]), kv.dtype)
+        check_signature(GraphIO.of_session(self.session), engine_dir, manifest, kv)
         self.num_blocks = num_blocks
         self.binding = self.session.io_binding()
         self.caches: list[np.ndarray] = []

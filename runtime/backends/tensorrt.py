@@ -30,6 +30,7 @@ import numpy as np
 
 from camshaft.errors import EngineError
 from camshaft.manifest import TRT_MODULES, Manifest
+from camshaft.runtime.kv_cache import plan_blocks
 
 
 def _cudart(product: str, arch: str) -> Any:
@@ -128,7 +129,7 @@ class TensorRTBackend:
         the memory then free)."""
         del threads, spin_wait, huge_pages  # CPU options of the onnxruntime backend; nothing to set here
         self.huge_page_bytes = 0
-        product, options = manifest.target, manifest.target_options
+        product = manifest.target
         cudart, local, trt = check_compatible(manifest)
         self.cudart = cudart
         # 3. The plan.
@@ -148,10 +149,10 @@ class TensorRTBackend:
             raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?)")
         self.stream = _check(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
         num_blocks = num_blocks() if callable(num_blocks) else num_blocks
-        profile_blocks = options.get("profile", {}).get("num_blocks")
-        if profile_blocks is not None and num_blocks > int(profile_blocks[2]):
+        most = plan_blocks(manifest)
+        if most is not None and num_blocks > most:
             raise EngineError(
-                f"a KV pool of {num_blocks} blocks exceeds the {int(profile_blocks[2])} blocks the plan was built for; "
+                f"a KV pool of {num_blocks} blocks exceeds the {most} blocks the plan was built for; "
                 "lower max_sequences or kv_cache_memory, or rebuild with a larger --max-batch-size"
             )
         self._dtypes = {}

@@ -103,12 +103,13 @@ def _quantization_record(quant: dict, algos: list[str], lowering: DecoderLowerin
     level = lowering.linears.accuracy_level if counts["nbits"] else None
     int8_blocks = "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None
     # ModelOpt's MIXED_PRECISION config lists no exclude_modules: the head, the embedding and camshaft's --exclude
-    listed_float = (quant.get("exclude_modules", []) if quant.get("quant_algo") != MIXED
+    algo = quant.get("quant_algo")  # None: float layers (a KV cache quantized alone)
+    listed_float = (quant.get("exclude_modules", []) if algo != MIXED
                     else ["lm_head", "model.embed_tokens", *record.get("exclude", [])])
     return {
         "format": record.get("format"),
-        "quant_algo": quant.get("quant_algo"),
-        **({"layer_quant_algos": algos} if quant.get("quant_algo") == MIXED else {}),
+        "quant_algo": algo,
+        **({"layer_quant_algos": algos} if algo == MIXED else {}),
         "group_size": quant.get("group_size"),
         "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),

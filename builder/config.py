@@ -7,10 +7,10 @@ from pathlib import Path
 
 from camshaft.checks import check_positive_ints, is_int_at_least
 from camshaft.errors import BuildConfigError
-from camshaft.manifest import TARGETS
+from camshaft.manifest import ENGINE_DTYPES, TARGETS
 from camshaft.model_config import ModelConfig
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", *ENGINE_DTYPES)
 # What each target builds; auto: the checkpoint's own type where the target builds it for the GPU (bfloat16: sm80+,
 # targets/precision.py), else the first.
 TARGET_DTYPES = {"onnxruntime": ("float32",), "tensorrt": ("float16", "bfloat16"),

@@ -40,7 +40,7 @@ def check_quantized_target(target: str, quant_algo: str | None, kv_cache_quant_a
             f"the {target} target cannot build {what}: {why}. It builds --quant {' | '.join(builds)} without "
             "--kv-cache-dtype; build this one for --target onnxruntime."
         )
-    if gpu_arch is not None and quant_algo is not None:
+    if gpu_arch is not None:
         from camshaft.builder.targets.precision import check_precision
         from camshaft.builder.targets.trt_product import parse_arch
 

@@ -126,10 +126,7 @@ class QuantSpec:
         group = self.group_size
         if not isinstance(group, str) and not is_int(group):
             raise QuantizeError(f"--group-size is 'auto' or an integer, got {group!r:.80}")
-        if is_int(group):
-            group = int(group)
-            object.__setattr__(self, "group_size", group)
-        if isinstance(group, str) and group != "auto":
+        if group != "auto":  # an int (numpy's too) or a number written as text
             try:
                 group = int(group)
             except ValueError:

@@ -205,7 +205,6 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
     """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit.
     name, decoupled: as deploy_repository takes them, when deploying `engine` (a repository keeps its own)."""
     from camshaft.triton_repo.deploy import deploy_repository
-    from camshaft.triton_repo.launch import tritonserver_root
 
     tritonserver_root()  # not installed: said before anything is deployed
     if repo is not None and name is not None and name != _text_model_name(Path(repo)):

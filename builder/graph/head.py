@@ -63,7 +63,7 @@ class Head:
             return g.op("Gather", [self.table(), ids], axis=0)
         q = self.quantized()
         qweight, scales = self.tensors()
-        block = nbits_block(q, c.hidden_size)
+        block = nbits_block(q)
         # MatMulNBits' weight [vocab, blocks, block * bits / 8] as it is; scales [vocab, blocks, 1] (its rank)
         scales = g.weight("lm_head.embedding_scales", self._scales.reshape(c.vocab_size, -1, 1))
         rows = g.op("GatherBlockQuantized", [qweight, ids, scales], domain=MS_DOMAIN, bits=q.bits, block_size=block,
@@ -143,6 +143,6 @@ class Head:
     def tensors(self) -> tuple[str, str]:
         if self._tensors is None:
             q, g = self.quantized(), self.linears.g
-            qweight, self._scales = self.linears.nbits_tensors([q], nbits_block(q, self.c.hidden_size))
+            qweight, self._scales = self.linears.nbits_tensors([q], nbits_block(q))
             self._tensors = g.weight("lm_head.qweight", qweight), g.weight("lm_head.scales", self._scales)
         return self._tensors

@@ -100,7 +100,7 @@ class Linears:
             return None
         if self.qdq:
             kind, y = "qdq", self.qdq_matmul(x, layers, name, in_dim)
-        elif first.activation is None and nbits_block(first, in_dim) is not None:
+        elif first.activation is None and nbits_block(first) is not None:
             kind, y = "nbits", self.matmul_nbits(x, layers, name, in_dim)
         elif first.activation == "int8" and per_channel:
             kind, y = "int8_per_token" if first.per_token else "int8", self.integer_matmul(x, layers, name)
@@ -117,7 +117,7 @@ class Linears:
         """Whether these layers (sharing an input) can be one MatMulNBits over their own tensors (`joined`)."""
         first = layers[0]
         return (not self.qdq and first is not None and first.activation is None
-                and nbits_block(first, in_dim) is not None
+                and nbits_block(first) is not None
                 and all(q is not None and _fusable(q, first) for q in layers))
 
     def pre_scale(self, x: str, layer: QuantizedLinear, name: str) -> str:
@@ -134,7 +134,7 @@ class Linears:
         be lowered, and a Concat joins them (ONNX Runtime folds it at load); `tensors`: (qweight, scales) already
         written (the nbits_tensors of `layers`)."""
         g, first = self.g, layers[0]
-        block = nbits_block(first, in_dim)
+        block = nbits_block(first)
         if tensors is not None:
             qweight, scales = tensors
         elif joined is None:
@@ -242,7 +242,7 @@ class Linears:
         return g.op("MatMul", [x, w])
 
 
-def nbits_block(q: QuantizedLinear, in_dim: int) -> int | None:
+def nbits_block(q: QuantizedLinear) -> int | None:
     """MatMulNBits block size for a layer: the largest allowed block dividing its own (per-channel scales: in_dim),
     its scales repeated over the smaller blocks, so a group of 256 is exact in blocks of 128. None when MatMulNBits
     cannot express the layer."""

@@ -70,7 +70,8 @@ class Engine:
                               "sliding-window layers but its graph inputs say otherwise: the manifest was edited or "
                               "belongs to another build; rebuild the engine")
         if isinstance(kv_cache_memory, float):  # a TensorRT engine's fraction: sized once its plan is on the GPU
-            num_blocks = lambda: pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))  # noqa: E731
+            num_blocks = lambda free: pool_blocks(  # noqa: E731 - called with the GPU's free bytes
+                m, max_sequences, max(1, int(kv_cache_memory * free)), cache_copies(m))
         else:
             num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))
             check_fits_host(m, num_blocks)
@@ -82,7 +83,7 @@ class Engine:
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None
         self.eos_token_ids = end_ids(config, self.tokenizer)
 
-    def _backend(self, num_blocks: int | Callable[[], int], threads: int | None, spin_wait: bool, huge_pages: bool):
+    def _backend(self, num_blocks: int | Callable[[int], int], threads: int | None, spin_wait: bool, huge_pages: bool):
         target = self.manifest.target
         if target == "onnxruntime":
             from camshaft.runtime.backends.onnxruntime import OnnxRuntimeBackend

@@ -57,7 +57,7 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
 def parse_memory(spec: str | int | float | None, manifest: Manifest | None = None) -> int | float | None:
     """A KV cache budget in bytes (memory_spec; a fraction of the host memory available now). For a TensorRT engine
     (`manifest`) a fraction stays a fraction: it is of the GPU memory free once the plan is loaded (its weights and
-    context), which pool_blocks reads when the backend sizes its pool then (Engine passes it the sizing)."""
+    context): Engine hands the backend a sizing that it calls with the free bytes it then measures."""
     value = memory_spec(spec)
     if isinstance(value, float) and manifest is not None and manifest.target != "onnxruntime":
         return value
@@ -139,10 +139,6 @@ def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | floa
     backend holds `copies` buffers of each cache, plus the null block."""
     spec = memory_spec(memory)
     memory_bytes = parse_memory(spec, manifest)
-    if isinstance(memory_bytes, float):  # a TensorRT engine's fraction: of the GPU memory free now
-        from camshaft.runtime.backends.tensorrt import device_free_memory
-
-        memory_bytes = int(memory_bytes * device_free_memory(manifest))
     if memory_bytes is not None:
         each = copies * bytes_per_block(manifest)
         blocks = memory_bytes // each

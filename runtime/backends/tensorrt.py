@@ -113,17 +113,10 @@ def check_compatible(manifest: Manifest) -> tuple[Any, int, Any]:
     return cudart, local, trt
 
 
-def device_free_memory(manifest: Manifest) -> int:
-    """Bytes free on GPU 0 now (cudaMemGetInfo), once this machine is known to run the engine (else EngineError)."""
-    cudart, _, _ = check_compatible(manifest)
-    free, _total = _check(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")
-    return int(free)
-
-
 class TensorRTBackend:
     """Never run on a GPU (see the module docstring)."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int | Callable[[], int],
+    def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int | Callable[[int], int],
                  threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
         """num_blocks: the KV pool's, or what sizes it once the plan and its context are on the GPU (a fraction of
         the memory then free)."""
@@ -148,7 +141,9 @@ class TensorRTBackend:
         if self.context is None:
             raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?)")
         self.stream = _check(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
-        num_blocks = num_blocks() if callable(num_blocks) else num_blocks
+        if callable(num_blocks):  # a fraction of the GPU memory the plan and its context leave
+            free, _total = _check(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")
+            num_blocks = num_blocks(int(free))
         most = plan_blocks(manifest)
         if most is not None and num_blocks > most:
             raise EngineError(

@@ -74,12 +74,13 @@ def stored_float_dtype(model_dir: Path) -> str | None:
     head's), from the safetensors headers; None where that is not float or not there."""
     from safetensors import SafetensorError, safe_open
 
-    for name in (EMBED, "lm_head.weight"):
-        for file in weight_files(model_dir):
-            try:
-                with safe_open(str(file), framework="numpy") as handle:
-                    if name in handle.keys():
-                        return SAFETENSORS_FLOATS.get(handle.get_slice(name).get_dtype())
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
-    return None
+    found: dict[str, str] = {}
+    for file in weight_files(model_dir):  # each file opened once
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                found |= {name: handle.get_slice(name).get_dtype() for name in (EMBED, "lm_head.weight")
+                          if name in handle.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
+    stored = found.get(EMBED, found.get("lm_head.weight"))
+    return SAFETENSORS_FLOATS.get(stored) if stored else None

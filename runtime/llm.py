@@ -160,7 +160,7 @@ class LLM(ServingAPI):
             try:
                 groups.append(self._requests(prompt, sp, pr))
             except RequestError as exc:  # which of several was refused
-                raise (type(exc)(f"{what} {i}: {exc}") if len(prompts) > 1 else exc) from None
+                raise _numbered(exc, what, i, len(prompts)) from None
         done: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         where = {r.request_id: (i, j) for i, group in enumerate(groups) for j, r in enumerate(group)}
         submitted = []
@@ -211,9 +211,14 @@ class LLM(ServingAPI):
             try:
                 rendered.append(self.prompts.chat_prompt(list(conversation), chat))
             except RequestError as exc:
-                raise (type(exc)(f"conversation {i}: {exc}") if len(conversations) > 1 else exc) from None
+                raise _numbered(exc, "conversation", i, len(conversations)) from None
         return self._generate([ids for _, ids in rendered], [text for text, _ in rendered], sampling_params,
                               use_tqdm, priority, what="conversation")
+
+
+def _numbered(exc: RequestError, what: str, i: int, count: int) -> RequestError:
+    """The error of item i of several, saying which (one alone needs no number)."""
+    return type(exc)(f"{what} {i}: {exc}") if count > 1 else exc
 
 
 def _text_of(prompt: Prompt) -> str | None:

@@ -149,7 +149,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         _require(self.seed is None or is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
-        if self.seed is not None and self.seed == -1:  # vLLM's "random", which clients send
+        if self.seed == -1:  # vLLM's "random", which clients send
             object.__setattr__(self, "seed", None)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -17,7 +17,7 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.chat_template import ChatOptions, load_chat_template
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
-from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, parse_memory
+from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, parse_memory, pool_blocks
 from camshaft.runtime.llm_options import check_runtime_options, params_list
 from camshaft.runtime.outputs import GenerationResult
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup, checks_drafts
@@ -61,7 +61,7 @@ class Session:
                 huge_pages=huge_pages)
         else:
             if isinstance(kv_cache_memory, int):  # a bound: one sequence never uses more than a full-length one's
-                most = (manifest.limits.max_blocks_per_seq + 1) * bytes_per_block(manifest) * cache_copies(manifest)
+                most = pool_blocks(manifest, 1) * bytes_per_block(manifest) * cache_copies(manifest)
                 kv_cache_memory = min(kv_cache_memory, most)
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
                                                     threads=threads, huge_pages=huge_pages, manifest=manifest))

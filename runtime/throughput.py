@@ -132,7 +132,6 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     done: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
     timer = StepTimer(llm)
     in_flight = 0
-    reused = [0] * len(requests)  # prompt tokens each took from the prefix cache
     submitted: list = [None] * len(requests)
 
     def submit(index: int) -> None:
@@ -164,9 +163,6 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
             in_flight -= 1
             if output.error is not None:
                 raise output.error
-            # what the first admission took from the prefix cache (a readmission after preemption takes back the
-            # request's own blocks, which were computed)
-            reused[index] = (submitted[index].first_reused_blocks or 0) * llm.engine.block_size
             if keep_token_ids:
                 records[index].token_ids = list(output.result.token_ids)
             if next_index < len(requests):
@@ -175,6 +171,9 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         wall = time.perf_counter() - started
     finally:
         timer.restore()
+    # what each request's first admission took from the prefix cache (a readmission after preemption takes back the
+    # request's own blocks, which were computed)
+    reused = [(r.first_reused_blocks or 0) * llm.engine.block_size for r in submitted]
     flops = count_flops(llm.engine.manifest, requests, reused)
     total_flop = flops["linear"] + flops["lm_head"] + flops["attention"]
     output_tokens = sum(len(r.token_times) for r in records)
@@ -242,7 +241,7 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
     for i, c in enumerate(levels, 1):
         progress(f"concurrency {c} ({i}/{len(levels)}): {num_requests} requests")
         with LLM(engine_dir, threads=threads, policy=policy, max_batch_size=max_batch_size,
-                 max_num_tokens=max_num_tokens, kv_cache_memory=memory, prompt_lookup=prompt_lookup or None) as llm:
+                 max_num_tokens=max_num_tokens, kv_cache_memory=memory, prompt_lookup=prompt_lookup) as llm:
             limits, model = llm.engine.manifest.limits, llm.engine.manifest.model
             if requests is None:
                 requests = load_dataset(spec, num_requests, max_seq_len=limits.max_seq_len,

@@ -76,7 +76,7 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
     from camshaft.manifest import read_manifest
     from camshaft.runtime.prompt_lookup import checks_drafts
 
-    if prompt_lookup and not checks_drafts(read_manifest(engine)):
+    if prompt_lookup and not checks_drafts(read_manifest(engine, check_files=False)):
         raise EngineError(f"{engine}: built before prompt lookup (its sequence graph gives logits for one token a "
                           "step); rebuild it with this camshaft for --prompt-lookup, or drop --prompt-lookup")
     session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup, chat_template=chat_template)

@@ -48,8 +48,12 @@ def anonymous_regions() -> list[Region]:
         for line in [*smaps, "0-0 ---- 0 0:0 0\n"]:
             parts = line.split()
             if "-" in parts[0] and not parts[0].endswith(":"):
-                if header is not None and header[1] == "rw-p" and (len(header) < 6 or header[5] == "[heap]"):
-                    start, end = (int(x, 16) for x in header[0].split("-"))
+                start, end = (int(x, 16) for x in header[0].split("-")) if header is not None else (0, 0)
+                # smaps lists mappings in address order; one that goes back is a second view of memory the kernel
+                # changed between two reads of the file (seen here once: a region's huge pages counted twice)
+                ascending = not regions or start >= regions[-1].end
+                if header is not None and header[1] == "rw-p" and (len(header) < 6 or header[5] == "[heap]") \
+                        and ascending:
                     regions.append(Region(start, end, fields.get("Rss:", 0) << 10,
                                           fields.get("AnonHugePages:", 0) << 10))
                 header, fields = parts, {}

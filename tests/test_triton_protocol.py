@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from camshaft.errors import RequestError
-from camshaft.triton_repo.protocol import check_parameters, one, token_request
+from camshaft.triton_repo.protocol import batch_rows, check_parameters, one, token_request
 from camshaft.triton_repo.word_lists import text_embedding_bias
 
 from tiny_models import tokenizer_json
@@ -160,3 +160,22 @@ def test_guided_decoding_inputs_as_tensorrt_llm_names_them():
                                  ("json_schema", "{oops", "not JSON")):
         with pytest.raises(RequestError, match=message):
             guided(kind, guide)
+
+
+def test_a_batch_splits_into_one_request_a_prompt_as_tensorrtllm_backend():
+    values = {"input_ids": np.array([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]], np.int32),
+              "input_lengths": np.array([[3], [2], [4]], np.int32),
+              "request_output_len": np.array([[4], [6], [2]], np.int32),
+              "runtime_top_k": np.array([[3], [3], [3]], np.int32),
+              "stop_words_list": np.concatenate([words([9], [1]), words([10, 4]), words([11, 12])])}
+    specs = [token_request(row, eos_token_ids=(2,), exclude_default=False, vocab_size=VOCAB)
+             for row in batch_rows(values)]
+    assert [s.prompt_ids for s in specs] == [[5, 6, 7], [8, 9], [1, 2, 3, 4]]  # the padding dropped
+    assert [s.params.max_tokens for s in specs] == [4, 6, 2] and {s.params.top_k for s in specs} == {3}
+    assert [s.params.stop_word_ids for s in specs] == [((9,), (1,)), ((10, 4),), ((11, 12),)]
+    single = {"input_ids": values["input_ids"][:1], "request_output_len": np.array([[4], [6]], np.int32)}
+    assert batch_rows(single) == [single]  # one prompt: as sent (its inputs are checked by token_request)
+    with pytest.raises(RequestError, match=r"input_ids holds 3 prompts: send input_lengths, shape \[3, 1\]"):
+        batch_rows({k: v for k, v in values.items() if k != "input_lengths"})
+    with pytest.raises(RequestError, match="split them with batch_rows first"):
+        token_request(values, eos_token_ids=(2,), exclude_default=False, vocab_size=VOCAB)

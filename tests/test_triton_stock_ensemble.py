@@ -121,6 +121,31 @@ def test_the_stock_ensemble_loads_and_runs_what_its_preprocessing_sends(stock):
     assert error is None and outputs[0]["output_ids"].reshape(-1).tolist()[len(prompt):] == [77] * 8
 
 
+def test_a_batch_of_prompts_runs_as_one_request_each_naming_its_batch_index(stock):
+    """input_ids [B, L] padded with input_lengths [B, 1], every input a row a prompt: as tensorrtllm_backend, each
+    prompt runs as its own request with its own inputs, each response names its batch_index, and the final flag
+    comes only after the last prompt's last response."""
+    server, session = stock
+    prompts, max_tokens = [[5, 9, 17, 33, 2, 41], [8, 3], [12, 13, 14, 15]], [6, 9, 3]
+    width = max(map(len, prompts))
+    for streaming in (False, True):
+        inputs = typed_inputs(grpcclient, input_ids=[p + [2] * (width - len(p)) for p in prompts],
+                              input_lengths=[[len(p)] for p in prompts], request_output_len=[[n] for n in max_tokens],
+                              streaming=[[streaming]] * 3, exclude_input_in_output=[[True]] * 3)
+        outputs, error, _ = Stream(server.endpoints.grpc).run("stock_ensemble", inputs)
+        assert error is None, error
+        got: dict[int, list[int]] = {}
+        for o in outputs:
+            got.setdefault(int(o["batch_index"].reshape(-1)[0]), []).extend(o["output_ids"].reshape(-1).tolist())
+        assert sorted(got) == [0, 1, 2] and (len(outputs) == 3 or streaming)
+        for row, prompt in enumerate(prompts):
+            reference = session.generate(prompt, SamplingParams(max_tokens=max_tokens[row], logprobs=2))
+            assert_same_ids(got[row], reference, session.engine.eos_token_ids)
+    _, error, _ = Stream(server.endpoints.grpc).run("stock_ensemble", typed_inputs(
+        grpcclient, input_ids=[[5, 9], [6, 7]], request_output_len=[[4], [4]]))
+    assert error is not None and "input_ids holds 2 prompts: send input_lengths, shape [2, 1]" in str(error), error
+
+
 def test_return_perf_metrics_gives_times_and_kv_block_reuse(stock):
     """TensorRT-LLM's perf outputs on the last response: monotonic-clock times in order within the request's
     window, the prompt's blocks, and a second request with the same 70-token prompt reusing its two full blocks."""
@@ -162,10 +187,12 @@ def test_a_token_model_deployed_not_decoupled_answers_plain_infer_through_the_st
             assert ids[:len(prompt)] == prompt
             assert_same_ids(ids[len(prompt):], reference, session.engine.eos_token_ids)
             for extra, message in ((dict(streaming=[[True]]), "streaming=true needs several responses"),
-                                   (dict(num_return_sequences=[[2]]), "num_return_sequences > 1 needs several")):
+                                   (dict(num_return_sequences=[[2]]), "num_return_sequences > 1 needs several"),
+                                   (dict(input_ids=[prompt, prompt], input_lengths=[[6], [6]],
+                                         request_output_len=[[8], [8]]), "a batch of 2 prompts needs several")):
                 with pytest.raises(InferenceServerException, match=re.escape(message)):
-                    client.infer("stock_ensemble", typed_inputs(module, input_ids=[prompt], input_lengths=[[6]],
-                                                                request_output_len=[[8]], **extra))
+                    client.infer("stock_ensemble", typed_inputs(module, **{
+                        "input_ids": [prompt], "input_lengths": [[6]], "request_output_len": [[8]], **extra}))
         generated = requests.post(f"http://{server.endpoints.http}/v2/models/stock_ensemble/generate", timeout=60,
                                   json={"input_ids": prompt, "input_lengths": 6, "request_output_len": 8})
         assert generated.status_code == 200, generated.text
@@ -203,8 +230,6 @@ def typed_inputs(module, **values) -> list:
     (dict(prompt_vocab_size=[2]), "prompt_vocab_size: prompt tuning"),
     (dict(decoder_input_ids=[0, 5, 6], decoder_input_lengths=[3]), "encoder-decoder models"),
     (dict(embedding_bias=np.zeros(385)), "embedding_bias must hold one value per vocabulary entry"),
-    (dict(input_ids=[[5, 9], [6, 7]], input_lengths=[[2], [2]], request_output_len=[[4], [4]]),
-     "input_ids holds 2 prompts; send one request per prompt"),
 ])
 def test_what_camshaft_lacks_is_refused_by_name(stock, extra, message):
     server, _ = stock

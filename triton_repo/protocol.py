@@ -1,6 +1,7 @@
 """tensorrtllm_backend request tensors -> camshaft SamplingParams (no Triton import: testable anywhere).
 
-Values are numpy arrays as Triton hands them over, batch dimension first; one request per call (batch 1).
+Values are numpy arrays as Triton hands them over, batch dimension first. A token-model request may hold several
+prompts (input_ids [B, L] with input_lengths [B, 1]), split into one request each as tensorrtllm_backend does.
 """
 
 from __future__ import annotations
@@ -93,13 +94,27 @@ def guided(kind: str | None, guide: str | None) -> GuidedDecodingParams | None:
     return GuidedDecodingParams(**{GUIDE_TYPES[kind]: guide})
 
 
+def batch_rows(values: Values) -> list[Values]:
+    """A request's prompts, each with its row of every input (Triton checks that all inputs have as many rows);
+    input_lengths says where each prompt's padding starts, as tensorrtllm_backend's clients send it."""
+    ids = values.get("input_ids")
+    batch = ids.shape[0] if ids is not None and ids.ndim >= 2 else 1
+    if batch == 1:
+        return [values]
+    if values.get("input_lengths") is None:
+        raise RequestError(f"input_ids holds {batch} prompts: send input_lengths, shape [{batch}, 1], each prompt's "
+                           "length (the rest of its row is padding)")
+    return [{name: array[row:row + 1] for name, array in values.items()} for row in range(batch)]
+
+
 def token_request(values: Values, *, eos_token_ids: Sequence[int], exclude_default: bool,
                   vocab_size: int) -> TokenRequest:
+    """One prompt's request (a row of batch_rows)."""
     ids_array = values.get("input_ids")
     if ids_array is None:
         raise RequestError("input_ids is required: the prompt's token ids, shape [1, L] INT32")
     if ids_array.ndim >= 2 and ids_array.shape[0] != 1:
-        raise RequestError(f"input_ids holds {ids_array.shape[0]} prompts; send one request per prompt")
+        raise RequestError(f"input_ids holds {ids_array.shape[0]} prompts; split them with batch_rows first")
     prompt = [int(t) for t in ids_array.reshape(-1)]
     if not prompt:
         raise RequestError("input_ids is empty; send at least one token id, shape [1, L] INT32")
@@ -135,9 +150,11 @@ def perf_metrics(metrics: RequestMetrics) -> dict[str, int | float]:
             "total_draft_tokens": metrics.draft_tokens}
 
 
-def check_one_response(spec: TokenRequest) -> None:
+def check_one_response(specs: Sequence[TokenRequest]) -> None:
     """The token model deployed not decoupled (tensorrtllm_backend's decoupled_mode false): one response a request."""
-    for wanted, what in ((spec.streaming, "streaming=true"), (spec.params.n > 1, "num_return_sequences > 1")):
+    for wanted, what in ((any(s.streaming for s in specs), "streaming=true"),
+                         (any(s.params.n > 1 for s in specs), "num_return_sequences > 1"),
+                         (len(specs) > 1, f"a batch of {len(specs)} prompts")):
         if wanted:
             raise RequestError(f"{what} needs several responses, and tensorrt_llm is deployed not decoupled (one "
                                "response a request); leave it out, or deploy decoupled (camshaft deploy without "

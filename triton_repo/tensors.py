@@ -55,8 +55,8 @@ TOKEN_INPUTS = (
     _s("embedding_bias", "FP32", (-1,)),
 )
 # Declared so that tensorrtllm_backend's stock `ensemble` (which maps them) loads over this token model: the inputs
-# are refused when they ask for what camshaft lacks (protocol.check_unsupported); of the outputs, only PERF_OUTPUTS
-# are ever sent (return_perf_metrics).
+# are refused when they ask for what camshaft lacks (protocol.check_unsupported); of the outputs, batch_index is
+# sent with every response and PERF_OUTPUTS with return_perf_metrics.
 STOCK_INPUTS = (
     _s("decoder_input_ids", "INT32", (-1,)), _s("decoder_input_lengths", "INT32"),
     _s("prompt_embedding_table", "FP16", (-1, -1)), _s("prompt_vocab_size", "INT32"),

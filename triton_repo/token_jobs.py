@@ -45,7 +45,7 @@ def perf_tensors(values: dict[str, int | float]) -> list[pb_utils.Tensor]:
 
 @dataclass
 class Sequence:
-    """One of a request's num_return_sequences outputs (TensorRT-LLM's sequence_index)."""
+    """One of a prompt's num_return_sequences outputs (TensorRT-LLM's sequence_index)."""
 
     index: int
     tokens: list[int] = field(default_factory=list)
@@ -54,12 +54,13 @@ class Sequence:
 
 @dataclass
 class Job:
+    """One Triton request: its prompts (rows) and what was sent back for them."""
+
     request: object
     sender: object
-    spec: TokenRequest
     client_id: str = ""
+    rows: list[Row] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
-    sequences: dict[str, Sequence] = field(default_factory=dict)
     finished: int = 0  # sequences ended; the response that ends the last one carries the final flag
     checked: float = field(default_factory=time.monotonic)
     cancelled: bool = False
@@ -67,28 +68,38 @@ class Job:
     stop_requested: bool = False  # a stop request came for its client id
     counted: bool = False  # its end counted in the metrics
 
+    @property
+    def sequences_total(self) -> int:
+        return sum(row.spec.params.n for row in self.rows)
+
+    @property
+    def done(self) -> bool:
+        return self.failed or self.finished == self.sequences_total
+
+
+@dataclass
+class Row:
+    """One prompt of a job (TensorRT-LLM's batch_index) and its sequences."""
+
+    job: Job
+    index: int
+    spec: TokenRequest
+    sequences: dict[str, Sequence] = field(default_factory=dict)
+
     def sequence(self, request_id: str) -> Sequence:
         """LLM.submit names a prompt's n > 1 requests "<id>-0" ... "<id>-{n-1}"."""
         if request_id not in self.sequences:
             self.sequences[request_id] = Sequence(sequence_of(request_id, self.spec.params.n)[1])
         return self.sequences[request_id]
 
-    def prompt_id(self, request_id: str) -> str:
-        """What LLM.abort takes to stop all the job's sequences."""
-        return sequence_of(request_id, self.spec.params.n)[0]
 
-    @property
-    def done(self) -> bool:
-        return self.failed or self.finished == self.spec.params.n
-
-
-def response(job: Job, sequence: Sequence, ids: list[int], logprobs: list[float], text: str,
+def response(row: Row, sequence: Sequence, ids: list[int], logprobs: list[float], text: str,
              output: RequestOutput) -> pb_utils.InferenceResponse:
     """A token-model response for one sequence: its new (streaming) or all ids, as tensorrtllm_backend names them."""
-    spec = job.spec
+    spec = row.spec
     tensors = [tensor("output_ids", [[ids]], np.int32), tensor("sequence_length", [[len(ids)]], np.int32),
                tensor("text_output", [[text.encode()]], np.object_),
-               tensor("sequence_index", [[sequence.index]], np.int32)]
+               tensor("sequence_index", [[sequence.index]], np.int32), tensor("batch_index", [[row.index]], np.int32)]
     if spec.log_probs:
         tensors += [tensor("cum_log_probs", [[sum(sequence.logprobs)]], np.float32),
                     tensor("output_log_probs", [[logprobs]], np.float32)]

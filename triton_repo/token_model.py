@@ -24,6 +24,7 @@ from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import (
     TokenRequest,
+    batch_rows,
     check_one_response,
     check_parameters,
     error_status,
@@ -36,6 +37,7 @@ from camshaft.triton_repo.token_jobs import (
     CANCEL_CHECK_S,
     FINAL,
     Job,
+    Row,
     aborted,
     ended_on_end_id,
     error_response,
@@ -85,34 +87,40 @@ class TokenModel:
             self.outputs.put((sender, pb_utils.InferenceResponse(output_tensors=[])))
             return
         engine = self.llm.engine
-        spec = token_request(values, eos_token_ids=engine.eos_token_ids,
-                             vocab_size=engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
-        self._check_sequences(spec)
+        specs = [token_request(row, eos_token_ids=engine.eos_token_ids, vocab_size=engine.manifest.model.vocab_size,
+                               exclude_default=self.exclude_default) for row in batch_rows(values)]
+        self._check_sequences(specs)
         if not self.decoupled:
-            check_one_response(spec)
-        job = Job(request, sender, spec, client_id)
+            check_one_response(specs)
+        job = Job(request, sender, client_id)
+        job.rows = [Row(job, index, spec) for index, spec in enumerate(specs)]
         with self.lock:  # registered before it can finish: the responder forgets it only once it is registered
             if client_id:
                 self.by_client_id[client_id] = job
+        ids: list[str] = []
         try:  # not under the lock: submit may compile a guided grammar, and the responder needs the lock
-            ids = self.llm.submit(spec.prompt_ids, spec.params, lambda out: self.outputs.put((job, out)))
+            for row in job.rows:
+                ids += self.llm.submit(row.spec.prompt_ids, row.spec.params,
+                                       lambda out, row=row: self.outputs.put((row, out)))
         except BaseException:
+            self.llm.abort(ids)  # the prompts submitted before one was refused: the request fails as a whole
             with self.lock:
+                job.failed = job.counted = True  # its outputs are dropped; counted as refused, not as finished
                 self._forget(job)
             raise
-        with self.lock:
-            job.request_ids, stop = ids, job.stop_requested
+        with self.lock:  # an error or a cancel may have ended the job before its later prompts were submitted
+            job.request_ids, stop = ids, job.stop_requested or job.failed or job.cancelled
         if stop:
             self.llm.abort(ids)
         self.metrics.count("camshaft_requests_total")
 
-    def _check_sequences(self, spec: TokenRequest) -> None:
-        """num_return_sequences that could never be in flight at once: refused before anything is built."""
-        n, batch, queue_ = spec.params.n, self.llm.config.max_batch_size, self.llm.executor.max_queue
+    def _check_sequences(self, specs: list[TokenRequest]) -> None:
+        """Sequences that could never be in flight at once: refused before anything is built."""
+        n, batch, queue_ = sum(s.params.n for s in specs), self.llm.config.max_batch_size, self.llm.executor.max_queue
         if queue_ is not None and n > batch + queue_:
-            raise RequestError(f"num_return_sequences {n} can never be in flight: this server holds {batch + queue_} "
-                               f"sequences (batch {batch} + queue {queue_}); lower it, or deploy with a larger "
-                               "--max-queue")
+            what = f"num_return_sequences {n}" if len(specs) == 1 else f"{len(specs)} prompts with {n} sequences"
+            raise RequestError(f"{what} can never be in flight: this server holds {batch + queue_} sequences (batch "
+                               f"{batch} + queue {queue_}); lower it, or deploy with a larger --max-queue")
 
     def _forget(self, job: Job) -> None:
         """Call with the lock held."""
@@ -134,27 +142,28 @@ class TokenModel:
                 except queue.Empty:
                     break
             running = None not in items
-            grouped: dict[int, tuple[Job, list[RequestOutput]]] = {}
+            grouped: dict[tuple[int, str], tuple[Row, list[RequestOutput]]] = {}
             for first, second in filter(None, items):
-                if isinstance(first, Job):
+                if isinstance(first, Row):
                     grouped.setdefault((id(first), second.request_id), (first, []))[1].append(second)
                 else:  # a response execute() produced: an error, or the final flag of a stop request
                     try:
                         first.send(second, flags=FINAL)
                     except Exception as exc:
                         pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r})")
-            for job, outputs in grouped.values():
-                self._send(job, merge(outputs))  # per request: a job's n sequences are kept apart
+            for row, outputs in grouped.values():
+                self._send(row, merge(outputs))  # per sequence: a job's prompts and their n sequences kept apart
             self.metrics.tick()
 
-    def _send(self, job: Job, output: RequestOutput) -> None:
+    def _send(self, row: Row, output: RequestOutput) -> None:
+        job = row.job
         try:
-            self._deliver(job, output)
+            self._deliver(row, output)
         except Exception as exc:  # a client gone mid-send: stop its request, keep serving the others
             pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r}); aborting the request")
             if not output.finished:
                 job.cancelled = True
-                self.llm.abort(job.prompt_id(output.request_id))
+                self.llm.abort(job.request_ids)
         job.finished += output.finished
         if job.done and not job.counted:  # once a request, however many sequences it has
             job.counted = True
@@ -167,9 +176,10 @@ class TokenModel:
         if aborted:
             self.metrics.count("camshaft_requests_aborted_total")
 
-    def _deliver(self, job: Job, output: RequestOutput) -> None:
+    def _deliver(self, row: Row, output: RequestOutput) -> None:
+        job = row.job
         self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
-        last = output.finished and job.finished + 1 == job.spec.params.n  # this output ends the job
+        last = output.finished and job.finished + 1 == job.sequences_total  # this output ends the job
         if job.failed:
             return
         if job.cancelled:  # Triton 2.51 unloads a model only once its cancelled requests got their final flag
@@ -179,7 +189,7 @@ class TokenModel:
             return
         if output.error is not None:  # the whole request ends with it; its other sequences are stopped
             job.failed = True
-            self.llm.abort(job.prompt_id(output.request_id))
+            self.llm.abort(job.request_ids)
             job.sender.send(error_response(output.error), flags=FINAL)
             return
         now = time.monotonic()
@@ -187,20 +197,20 @@ class TokenModel:
             job.checked = now
             if job.request.is_cancelled():
                 job.cancelled = True
-                self.llm.abort(job.prompt_id(output.request_id))
+                self.llm.abort(job.request_ids)
                 return
-        spec, sequence = job.spec, job.sequence(output.request_id)
+        spec, sequence = row.spec, row.sequence(output.request_id)
         # TensorRT-LLM leaves the end id that stops a sequence out of output_ids (stop words stay)
         keep = len(output.token_ids) - int(ended_on_end_id(output))
         new = list(output.token_ids[:keep])
         sequence.tokens.extend(new)
         sequence.logprobs.extend(s.logprob for s in output.logprobs[:keep])
         if spec.streaming:
-            job.sender.send(response(job, sequence, new, sequence.logprobs[len(sequence.logprobs) - len(new):],
+            job.sender.send(response(row, sequence, new, sequence.logprobs[len(sequence.logprobs) - len(new):],
                                            output.delta, output), flags=FINAL if last else 0)
         elif output.finished:
             ids = sequence.tokens if spec.exclude_input else [*spec.prompt_ids, *sequence.tokens]
-            job.sender.send(response(job, sequence, ids, sequence.logprobs, output.result.text, output),
+            job.sender.send(response(row, sequence, ids, sequence.logprobs, output.result.text, output),
                             flags=FINAL if last else 0)
 
     def _from_channel(self, send: Send, call_id: str, values: dict) -> list[str]:
@@ -209,7 +219,7 @@ class TokenModel:
             spec = token_request(values, eos_token_ids=self.llm.engine.eos_token_ids,
                                  vocab_size=self.llm.engine.manifest.model.vocab_size,
                                  exclude_default=self.exclude_default)
-            self._check_sequences(spec)
+            self._check_sequences([spec])
             generated: dict[str, int] = {}
             n, ended, failed = spec.params.n, [0], [False]
 

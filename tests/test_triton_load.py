@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import requests
@@ -167,6 +168,31 @@ def test_stop_reaches_the_request_with_that_id_and_finished_ids_are_forgotten(st
     outputs, error, _ = running.collect()
     assert error is None and outputs[-1]["finish_reason"].reshape(-1)[0] == b"abort"
     stack.wait_metrics(lambda m: idle(m) and m["camshaft_stoppable_requests"] == 0, "no request id left registered")
+    # a batch of prompts in one request: the stop reaches every one of them
+    running = Stream(grpc).send("tensorrt_llm", batch_tensors(
+        input_ids=[[5, 6, 7], [8, 9, 0]], input_lengths=[[3], [2]], request_output_len=[[LONG]] * 2,
+        end_id=[[-1]] * 2, streaming=[[True]] * 2), request_id="id-4")
+    _, first_error = running.responses.get(timeout=60)
+    assert first_error is None
+    _, error, _ = Stream(grpc).run("tensorrt_llm", tensors(grpcclient, stop=True), request_id="id-4")
+    assert error is None
+    outputs, error, _ = running.collect()
+    ends = {int(o["batch_index"].reshape(-1)[0]): o["finish_reason"].reshape(-1)[0] for o in outputs
+            if "finish_reason" in o}
+    assert error is None and ends == {0: b"abort", 1: b"abort"}, ends
+    stack.wait_metrics(lambda m: idle(m) and m["camshaft_stoppable_requests"] == 0, "no request id left registered")
+
+
+def batch_tensors(**values) -> list:
+    """A batch of prompts' inputs, each value [B, ...] (INT32, or BOOL)."""
+    out = []
+    for name, value in values.items():
+        array = np.asarray(value)
+        array = array if array.dtype == np.bool_ else array.astype(np.int32)
+        tensor = grpcclient.InferInput(name, list(array.shape), "BOOL" if array.dtype == np.bool_ else "INT32")
+        tensor.set_data_from_numpy(array)
+        out.append(tensor)
+    return out
 
 
 def test_a_full_queue_is_refused_as_busy_and_recovers(stack):

@@ -201,6 +201,44 @@ def test_generate_stream_pieces_concatenate_to_the_text(stack):
     assert_same_text("".join(e["text_output"] for e in events), reference, stack.session.tokenizer)
 
 
+def test_text_models_take_a_batch_of_prompts_each_naming_its_batch_index(stack):
+    """text_input [B, 1] with every input a row a prompt: each prompt's text equals Session's, its responses carry
+    its batch_index, and the final flag comes after the last prompt's last response; the sync model refuses."""
+    prompts, max_tokens = PROMPTS[:3], [12, 20, 6]
+    rows = {"text_input": np.array([[p.encode()] for p in prompts], np.object_),
+            "max_tokens": np.array([[n] for n in max_tokens], np.int32)}
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        for stream in (True, False):
+            inputs = batch_tensors(grpcclient, **rows, stream=np.array([[stream]] * 3))
+            outputs, error, _ = Stream(stack.server.endpoints.grpc).run(model, inputs)
+            assert error is None, error.message()
+            got: dict[int, str] = {}
+            for o in outputs:
+                row = int(o["batch_index"].reshape(-1)[0])
+                got[row] = got.get(row, "") + o["text_output"].reshape(-1)[0].decode()
+            assert sorted(got) == [0, 1, 2] and (stream or len(outputs) == 3), got
+            for row, prompt in enumerate(prompts):
+                text = got[row] if stream else got[row][len(prompt):]
+                assert stream or got[row].startswith(prompt)
+                assert_same_text(text, stack.reference(prompt, max_tokens[row]), stack.session.tokenizer)
+    client = grpcclient.InferenceServerClient(stack.server.endpoints.grpc)
+    with pytest.raises(InferenceServerException, match="ensemble_sync answers once and cannot take a batch of 3 "
+                                                       "prompts; send a batch of prompts to the decoupled model"):
+        client.infer("ensemble_sync", batch_tensors(grpcclient, **rows))
+    client.close()
+
+
+def batch_tensors(module, **arrays: np.ndarray) -> list:
+    """Inputs of a batch of prompts, each array [B, ...] (BYTES, INT32 or BOOL)."""
+    out = []
+    for name, array in arrays.items():
+        array = array if array.dtype.kind in "Ob" else array.astype(np.int32)
+        kind = {"O": "BYTES", "i": "INT32", "b": "BOOL"}[array.dtype.kind]
+        out.append(module.InferInput(name, list(array.shape), kind))
+        out[-1].set_data_from_numpy(array)
+    return out
+
+
 def test_tritonclient_http_infer_uses_the_sync_model(stack):
     client = httpclient.InferenceServerClient(stack.server.endpoints.http)
     prompt, max_tokens = PROMPTS[0], 12

@@ -16,7 +16,17 @@ import numpy as np
 import psutil
 import pytest
 import requests
-from test_triton import PROMPTS, Stack, Stream, assert_same_ids, assert_same_text, grpcclient, tensors, texts
+from test_triton import (
+    PROMPTS,
+    Stack,
+    Stream,
+    assert_same_ids,
+    assert_same_text,
+    batch_tensors,
+    grpcclient,
+    tensors,
+    texts,
+)
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
@@ -146,8 +156,12 @@ def test_cancelled_grpc_streams_and_a_dropped_http_stream_abort_their_requests(s
     assert error is None and cancelled
     with requests.post(f"{stack.http}/ensemble/generate_stream", json=long_text(), stream=True, timeout=60) as sse:
         assert next(sse.iter_lines()).startswith(b"data: ")
-    # Triton 2.51 marks an HTTP stream cancelled when its client disconnects: all three stop early
-    stack.wait_metrics(lambda m: m["camshaft_requests_aborted_total"] - aborted == 3, "three aborted requests")
+    batch = batch_tensors(grpcclient, text_input=np.array([[b"a"], [b"b"]], np.object_),
+                          max_tokens=np.array([[LONG]] * 2), end_id=np.array([[-1]] * 2), stream=np.array([[True]] * 2))
+    _, error, cancelled = Stream(grpc).run("ensemble", batch, cancel_after=2)  # both prompts of the batch stop
+    assert error is None and cancelled
+    # Triton 2.51 marks an HTTP stream cancelled when its client disconnects: all five stop early
+    stack.wait_metrics(lambda m: m["camshaft_requests_aborted_total"] - aborted == 5, "five aborted requests")
     stack.wait_metrics(idle, "an idle executor with an empty KV pool")
 
 
@@ -170,8 +184,9 @@ def test_stop_reaches_the_request_with_that_id_and_finished_ids_are_forgotten(st
     stack.wait_metrics(lambda m: idle(m) and m["camshaft_stoppable_requests"] == 0, "no request id left registered")
     # a batch of prompts in one request: the stop reaches every one of them
     running = Stream(grpc).send("tensorrt_llm", batch_tensors(
-        input_ids=[[5, 6, 7], [8, 9, 0]], input_lengths=[[3], [2]], request_output_len=[[LONG]] * 2,
-        end_id=[[-1]] * 2, streaming=[[True]] * 2), request_id="id-4")
+        grpcclient, input_ids=np.array([[5, 6, 7], [8, 9, 0]]), input_lengths=np.array([[3], [2]]),
+        request_output_len=np.array([[LONG]] * 2), end_id=np.array([[-1]] * 2), streaming=np.array([[True]] * 2)),
+        request_id="id-4")
     _, first_error = running.responses.get(timeout=60)
     assert first_error is None
     _, error, _ = Stream(grpc).run("tensorrt_llm", tensors(grpcclient, stop=True), request_id="id-4")
@@ -181,18 +196,6 @@ def test_stop_reaches_the_request_with_that_id_and_finished_ids_are_forgotten(st
             if "finish_reason" in o}
     assert error is None and ends == {0: b"abort", 1: b"abort"}, ends
     stack.wait_metrics(lambda m: idle(m) and m["camshaft_stoppable_requests"] == 0, "no request id left registered")
-
-
-def batch_tensors(**values) -> list:
-    """A batch of prompts' inputs, each value [B, ...] (INT32, or BOOL)."""
-    out = []
-    for name, value in values.items():
-        array = np.asarray(value)
-        array = array if array.dtype == np.bool_ else array.astype(np.int32)
-        tensor = grpcclient.InferInput(name, list(array.shape), "BOOL" if array.dtype == np.bool_ else "INT32")
-        tensor.set_data_from_numpy(array)
-        out.append(tensor)
-    return out
 
 
 def test_a_full_queue_is_refused_as_busy_and_recovers(stack):

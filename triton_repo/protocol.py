@@ -104,6 +104,10 @@ def batch_rows(values: Values) -> list[Values]:
     if values.get("input_lengths") is None:
         raise RequestError(f"input_ids holds {batch} prompts: send input_lengths, shape [{batch}, 1], each prompt's "
                            "length (the rest of its row is padding)")
+    return split_rows(values, batch)
+
+
+def split_rows(values: Values, batch: int) -> list[Values]:
     return [{name: array[row:row + 1] for name, array in values.items()} for row in range(batch)]
 
 

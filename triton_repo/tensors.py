@@ -94,7 +94,7 @@ TEXT_INPUTS = (
     _s("stream", "BOOL"),
 )
 TEXT_OUTPUTS = (
-    _s("text_output", "STRING", (-1,)), _s("sequence_index", "INT32"),
+    _s("text_output", "STRING", (-1,)), _s("sequence_index", "INT32"), _s("batch_index", "INT32"),
     _s("cum_log_probs", "FP32", (-1,)), _s("output_log_probs", "FP32", (-1, -1)),
     _s("num_input_tokens", "INT32"), _s("num_output_tokens", "INT32"),
     *PERF_OUTPUTS,

@@ -16,8 +16,6 @@ import json
 import queue
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,36 +26,15 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import load_tokenizer
 from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
-from camshaft.triton_repo.protocol import check_parameters, one
+from camshaft.triton_repo.protocol import check_parameters, one, split_rows
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN
-from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, FINAL, error_response, perf_tensors, tensor
+from camshaft.triton_repo.text_calls import TextCall, text_response
+from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, error_response, perf_tensors, tensor
 from camshaft.triton_repo.word_lists import text_embedding_bias
 
 PASSED_AS_IS = {"stop_words", "bad_words"}
 HANDLED_HERE = {"text_input", "stream", "exclude_input_in_output", "embedding_bias_words",
                 "embedding_bias_weights"}
-
-
-@dataclass
-class _Call:
-    """One client request: what it asked for and what the executor has sent back so far."""
-
-    request: object
-    decoupled: bool  # else exactly one response (the sync model), sent as the decoupled ones are: execute() waits
-    # for none, so a short request never waits for the long ones Triton batched with it
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    sender: object = None
-    text: str = ""
-    stream: bool = False
-    exclude: bool = False
-    want_logprobs: bool = False
-    pieces: dict[int, list[str]] = field(default_factory=dict)  # by sequence index (num_return_sequences)
-    logprobs: dict[int, list[float]] = field(default_factory=dict)
-    checked: float = field(default_factory=time.monotonic)
-    cancelled: bool = False
-
-    def emit(self, response, final: bool) -> None:
-        self.sender.send(response, flags=FINAL if final else 0)
 
 
 class TextModel:
@@ -69,7 +46,7 @@ class TextModel:
         self.max_seq_len, self.vocab_size = manifest.limits.max_seq_len, manifest.model.vocab_size
         self.max_requests = int(params.get("max_requests") or 256)  # what the executor admits (batch + queue)
         self.stream_model = params.get("stream_model", "")  # the decoupled text model; "" when none is
-        self.calls: dict[str, _Call] = {}
+        self.calls: dict[str, TextCall] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.channel = ChannelClient(channel_path(params["token_model"]), lambda message: self.inbox.put(message))
         self.owner = threading.Thread(target=self._own, name="camshaft-text-owner", daemon=True)
@@ -77,7 +54,7 @@ class TextModel:
 
     def execute(self, requests: list) -> None:
         for request in requests:
-            self.inbox.put(("request", _Call(request, self.decoupled)))
+            self.inbox.put(("request", request))
         return None
 
     def finalize(self) -> None:
@@ -97,43 +74,58 @@ class TextModel:
             except Exception as exc:  # one request's failure must not stop the others
                 pb_utils.Logger.log_error(f"camshaft: {self.name} failed: {exc!r}")
 
-    def _start(self, call: _Call) -> None:
-        call.sender = call.request.get_response_sender()
+    def _start(self, request) -> None:
+        first = TextCall(request, self.decoupled, sender=request.get_response_sender())
+        calls = first.batch = [first]
         try:
-            if len(self.calls) >= self.max_requests:
+            check_parameters(request.parameters(), [t.name for t in TEXT_INPUTS])
+            rows = self._rows({t.name(): t.as_numpy() for t in request.inputs()})
+            if len(self.calls) + len(rows) > self.max_requests:
                 raise ServerBusyError(f"server busy: {self.name} holds {self.max_requests} requests in flight, as "
                                       "many as the executor admits; retry later or deploy with a larger --max-queue")
-            check_parameters(call.request.parameters(), [t.name for t in TEXT_INPUTS])
-            values = {t.name(): t.as_numpy() for t in call.request.inputs()}
-            call.text, call.stream = self._text(values), bool(one(values, "stream"))
-            call.exclude, call.want_logprobs = (bool(one(values, "exclude_input_in_output")),
-                                                bool(one(values, "return_log_probs")))
-            returned = one(values, "num_return_sequences")
-            if returned is not None and returned > 1 and not call.decoupled:
-                raise RequestError(f"{self.name} answers once and cannot return {returned} sequences; "
-                                   + self._to_stream_model("num_return_sequences")
-                                   + (" (/generate_stream or a gRPC stream: /generate takes one response)"
-                                      if self.stream_model else ""))
-            if call.stream and not call.decoupled:
-                raise RequestError(f"{self.name} is not decoupled and cannot stream; "
-                                   + self._to_stream_model("stream=true"))
-            self.channel.send(("submit", call.id, self._token_inputs(values, call.text)))
+            if len(rows) > 1 and not first.decoupled:
+                raise RequestError(f"{self.name} answers once and cannot take a batch of {len(rows)} prompts; "
+                                   + self._to_stream_model("a batch of prompts"))
+            calls += [TextCall(request, self.decoupled, sender=first.sender, batch_index=i, batch=calls)
+                      for i in range(1, len(rows))]
+            for call, values in zip(calls, rows, strict=True):
+                self._read(call, values)
+            for call, values in zip(calls, rows, strict=True):
+                self.channel.send(("submit", call.id, self._token_inputs(values, call.text)))
+                self.calls[call.id] = call
         except Exception as exc:
-            self._final(call, error_response(exc))
+            self._final(first, error_response(exc))  # the prompts submitted before are stopped
             if not isinstance(exc, ServerClosedError):  # counted with the token model's refusals
                 with contextlib.suppress(Exception):
-                    self.channel.send(("refused", call.id))
-            return
-        self.calls[call.id] = call
+                    self.channel.send(("refused", first.id))
+
+    def _read(self, call: TextCall, values) -> None:
+        """One prompt's inputs: what the text model itself handles, and what a model that answers once refuses."""
+        call.text, call.stream = self._text(values), bool(one(values, "stream"))
+        call.exclude, call.want_logprobs = (bool(one(values, "exclude_input_in_output")),
+                                            bool(one(values, "return_log_probs")))
+        returned = one(values, "num_return_sequences")
+        if returned is not None and returned > 1 and not call.decoupled:
+            raise RequestError(f"{self.name} answers once and cannot return {returned} sequences; "
+                               + self._to_stream_model("num_return_sequences")
+                               + (" (/generate_stream or a gRPC stream: /generate takes one response)"
+                                  if self.stream_model else ""))
+        if call.stream and not call.decoupled:
+            raise RequestError(f"{self.name} is not decoupled and cannot stream; "
+                               + self._to_stream_model("stream=true"))
 
     def _to_stream_model(self, what: str) -> str:
         if self.stream_model:
             return f"send {what} to the decoupled model {self.stream_model}"
         return f"this repository was deployed with --no-decoupled, where no model takes {what}; deploy without it"
 
-    def _final(self, call: _Call, response) -> None:
-        """The call's last response; a cancelled decoupled call gets only its final flag (Triton completes it)."""
-        self.calls.pop(call.id, None)
+    def _final(self, call: TextCall, response) -> None:
+        """The request's last response (its other prompts still running are stopped); a cancelled decoupled request
+        gets only its final flag (Triton completes it)."""
+        for other in call.batch:
+            if self.calls.pop(other.id, None) is not None and not other.ended:
+                with contextlib.suppress(Exception):
+                    self.channel.send(("abort", other.id))
         if call.cancelled and call.decoupled:
             response = None
         try:
@@ -143,18 +135,21 @@ class TextModel:
 
     def _lost(self, reason: str) -> None:
         for call in list(self.calls.values()):
-            self._final(call, error_response(ServerClosedError(f"{reason}; restart the server")))
+            if call.id in self.calls:  # not ended with another prompt of its request
+                self._final(call, error_response(ServerClosedError(f"{reason}; restart the server")))
 
-    def _on_executor(self, call: _Call, message: tuple) -> None:
+    def _on_executor(self, call: TextCall, message: tuple) -> None:
         if message[0] == "error":
             _, _, code, text = message
+            call.ended = True
             self._final(call, pb_utils.InferenceResponse(error=pb_utils.TritonError(text, getattr(pb_utils.TritonError,
                                                                                                   code))))
             return
         out = message[2]
         reason = out["finish_reason"]
+        call.ended = out["last"]
         if call.cancelled:
-            if out["last"]:  # the executor let all its sequences go: now Triton may release it
+            if call.ended and call.others_ended:  # the executor let all its sequences go: Triton may release it
                 self._final(call, error_response(RuntimeError("the request was cancelled")))
             return
         if reason is None and time.monotonic() - call.checked >= CANCEL_CHECK_S:
@@ -164,47 +159,58 @@ class TextModel:
                 return
         self._deliver(call, out, reason)
 
-    def _deliver(self, call: _Call, out: dict, reason: str | None) -> None:
+    def _deliver(self, call: TextCall, out: dict, reason: str | None) -> None:
         delta, index = out["text"], out["sequence_index"]
         extra = [tensor(n, [[out[n]]], np.int32) for n in ("num_input_tokens", "num_output_tokens") if n in out]
-        extra.append(tensor("sequence_index", [[index]], np.int32))
+        extra += [tensor("sequence_index", [[index]], np.int32), tensor("batch_index", [[call.batch_index]], np.int32)]
         if "perf" in out:
             extra += perf_tensors(out["perf"])
         logprobs = call.logprobs.setdefault(index, [])
         logprobs.extend(out["logprobs"])
         call.pieces.setdefault(index, []).append(delta)
-        final = out["last"]  # the call's last sequence ended
+        final = call.ended and call.others_ended  # the request's last sequence ended
         response = None
         if call.stream and (delta or reason is not None or call.want_logprobs):
-            response = self._response(delta, out["logprobs"], logprobs, call.want_logprobs, extra)
+            response = text_response(delta, out["logprobs"], logprobs, call.want_logprobs, extra)
         elif not call.stream and reason is not None:
             text = "".join(call.pieces[index])
-            response = self._response(text if call.exclude else call.text + text, logprobs, logprobs,
-                                      call.want_logprobs, extra)
+            response = text_response(text if call.exclude else call.text + text, logprobs, logprobs,
+                                     call.want_logprobs, extra)
         if response is None:
             return
         if final:
-            self.calls.pop(call.id, None)
+            for other in call.batch:
+                self.calls.pop(other.id, None)
         try:
             call.emit(response, final)
         except Exception:  # the client is gone
             if not final:
                 self._cancel(call)
 
-    def _cancel(self, call: _Call) -> None:
-        call.cancelled = True
+    def _cancel(self, call: TextCall) -> None:
+        """Every prompt of the request is stopped; the final flag waits until the executor has let them all go."""
         try:
-            self.channel.send(("abort", call.id))
+            for other in call.batch:
+                other.cancelled = True
+                if not other.ended:
+                    self.channel.send(("abort", other.id))
         except ServerClosedError as exc:
             self._lost(str(exc))
 
-    def _text(self, values) -> str:
+    @staticmethod
+    def _rows(values) -> list:
+        """The request's prompts, each with its row of every input (text_input [B, 1]: a batch of B prompts)."""
         array = values.get("text_input")
         if array is None:
-            raise RequestError("text_input is required: the prompt, shape [1, 1] BYTES")
-        if array.size != 1:
-            raise RequestError(f"text_input holds {array.size} prompts (shape {list(array.shape)}); "
-                               "send one prompt per request, shape [1, 1]")
+            raise RequestError("text_input is required: the prompt, shape [1, 1] BYTES (B prompts: [B, 1])")
+        batch = array.shape[0] if array.ndim else 1
+        if array.size != batch:
+            raise RequestError(f"text_input has shape {list(array.shape)}; send one prompt a row, shape [1, 1] "
+                               "(B prompts: [B, 1])")
+        return split_rows(values, batch) if batch > 1 else [values]
+
+    @staticmethod
+    def _text(values) -> str:
         text = one(values, "text_input")
         if not text:
             raise RequestError("text_input is empty; pass some text")
@@ -225,11 +231,3 @@ class TextModel:
         if bias is not None:
             inputs["embedding_bias"] = bias
         return inputs
-
-    @staticmethod
-    def _response(text: str, new_logprobs: list[float], logprobs: list[float], want_logprobs: bool, extra: list):
-        tensors = [tensor("text_output", [text.encode()], np.object_), *extra]  # [1] as tensorrtllm_backend's
-        if want_logprobs:
-            tensors += [tensor("cum_log_probs", [[sum(logprobs)]], np.float32),
-                        tensor("output_log_probs", [[list(new_logprobs)]], np.float32)]
-        return pb_utils.InferenceResponse(output_tensors=tensors)

@@ -5,6 +5,12 @@ class CamshaftError(Exception):
     """Base class: the CLI prints these without a traceback."""
 
 
+def needs_extra(what: str, extra: str) -> str:
+    """The one way a message says which optional part of camshaft to install."""
+    return f"{what} needs camshaft's {extra} extra: ./scripts/setup.sh {extra} in a checkout, or pip install " \
+           f"'camshaft[{extra}]'"
+
+
 class CheckpointError(CamshaftError):
     """A Hugging Face checkpoint is missing, malformed or unsupported."""
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from camshaft.errors import CamshaftError, FetchError
+from camshaft.errors import CamshaftError, FetchError, needs_extra
 from camshaft.outdir import staging_dir
 
 MARKER = ".camshaft-fetch.json"
@@ -102,10 +102,7 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise FetchError(
-            "converting a model needs torch, which is not installed: pip install 'camshaft[reference]' "
-            "(torch==2.13.0)"
-        ) from None
+        raise FetchError(needs_extra("converting a model (torch==2.13.0, not installed)", "reference")) from None
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)

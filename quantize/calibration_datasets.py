@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from camshaft.errors import needs_extra
 from camshaft.quantize.calibration_chat import CHAT_FIELD, Sample, checked_messages, is_chat_feature, sample_chars
 from camshaft.quantize.spec import QuantizeError
 
@@ -126,7 +127,6 @@ def _datasets() -> Any:
     try:
         import datasets
     except ImportError as exc:
-        raise QuantizeError(f"reading datasets needs the datasets package ({exc}); install the quantize extra: "
-                            "pip install 'camshaft[quantize]'") from exc
+        raise QuantizeError(needs_extra(f"reading datasets (the datasets package: {exc})", "quantize")) from exc
     datasets.disable_progress_bars()
     return datasets

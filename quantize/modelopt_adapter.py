@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from camshaft.errors import CheckpointError
+from camshaft.errors import CheckpointError, needs_extra
 from camshaft.model_config import (
     CAMSHAFT_QUANT_RECORD,
     HF_QUANT_CONFIG,
@@ -48,8 +48,6 @@ from camshaft.quantize.spec import (
 )
 from camshaft.weight_files import stored_float_dtype
 
-INSTALL_HINT = "install the quantize extra: pip install 'camshaft[quantize]'"
-
 Progress = Callable[[str], None]
 
 
@@ -76,7 +74,7 @@ def import_modelopt():
             import requests  # noqa: F401  (modelopt imports it without declaring it)
             from modelopt.torch.export import export_hf_checkpoint
     except ImportError as exc:
-        raise QuantizeError(f"NVIDIA ModelOpt is not available ({exc}); {INSTALL_HINT}") from exc
+        raise QuantizeError(needs_extra(f"quantizing (NVIDIA ModelOpt is not available: {exc})", "quantize")) from exc
     return mtq, export_hf_checkpoint
 
 

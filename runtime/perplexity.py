@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from camshaft.errors import RequestError
+from camshaft.errors import RequestError, needs_extra
 from camshaft.manifest import MANIFEST_NAME
 from camshaft.model_config import HF_QUANT_CONFIG, require_tokenizer
 from camshaft.runtime.batch import Chunk
@@ -126,7 +126,8 @@ def reference_perplexity(model_dir: str | Path, text: str, window: int) -> Perpl
         import torch
         import transformers
     except ImportError as exc:
-        raise RequestError("the transformers reference needs torch: pip install 'camshaft[reference]'") from exc
+        raise RequestError(needs_extra(f"the transformers reference ({exc.name} is not installed)", "reference")) \
+            from exc
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = tokenizer(text)["input_ids"]

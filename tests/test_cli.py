@@ -206,8 +206,8 @@ def test_build_for_a_product_that_is_not_installed_fails_before_any_work(tiny, c
     root, model = tiny
     out = root / "trt-engine"
     code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--target", "tensorrt")
-    assert code == 1 and "needs the tensorrt Python package" in err and "Install it with" in err
-    assert "camshaft[tensorrt]" in err  # brackets print as written, not as console markup
+    assert code == 1 and "the tensorrt Python package" in err and "needs camshaft's tensorrt extra" in err
+    assert "pip install 'camshaft[tensorrt]'" in err  # brackets print as written, not as console markup
     assert not out.exists() and not list(root.glob(".trt-engine*"))
 
 

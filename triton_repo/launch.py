@@ -11,7 +11,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from camshaft.errors import CamshaftError
+from camshaft.errors import CamshaftError, needs_extra
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,7 @@ class Endpoints:
 def tritonserver_root() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise CamshaftError("tritonserver is not installed: install camshaft[serve] (./scripts/setup.sh serve; "
-                            "nvidia-pytriton ships it)")
+        raise CamshaftError(needs_extra("serving on Triton (tritonserver, shipped in nvidia-pytriton)", "serve"))
     root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
     if not (root / "bin" / "tritonserver").is_file():
         raise CamshaftError(f"{root} holds no bin/tritonserver; reinstall nvidia-pytriton")

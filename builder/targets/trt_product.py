@@ -6,13 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from camshaft.errors import BuildConfigError
+from camshaft.errors import BuildConfigError, needs_extra
 from camshaft.manifest import TRT_MODULES
-
-INSTALL_HINT = {
-    "tensorrt-rtx": "pip install 'camshaft[tensorrt-rtx]'",
-    "tensorrt": "pip install 'camshaft[tensorrt]'",
-}
 
 
 def import_product(product: str) -> Any:
@@ -24,10 +19,8 @@ def import_product(product: str) -> Any:
     try:
         return importlib.import_module(TRT_MODULES[product])
     except ImportError as exc:
-        raise BuildConfigError(
-            f"the {product} target needs the {TRT_MODULES[product]} Python package, which is not importable here "
-            f"({exc}). Install it with: {INSTALL_HINT[product]}"
-        ) from exc
+        raise BuildConfigError(needs_extra(f"the {product} target (the {TRT_MODULES[product]} Python package, not "
+                                           f"importable here: {exc})", product)) from exc
 
 
 def parse_arch(gpu_arch: str) -> int:
@@ -52,9 +45,7 @@ def _local_arch(product: str) -> int:
     try:
         from cuda.bindings import runtime as cudart
     except ImportError as exc:
-        raise BuildConfigError(
-            f"the {product} target needs cuda-python to find the GPU; install it with: {INSTALL_HINT[product]}"
-        ) from exc
+        raise BuildConfigError(needs_extra(f"the {product} target (cuda-python, to find the GPU)", product)) from exc
     err, count = cudart.cudaGetDeviceCount()
     if err != cudart.cudaError_t.cudaSuccess or count == 0:
         raise BuildConfigError(

@@ -12,7 +12,7 @@ from dataclasses import replace
 from camshaft.bench_serve.clients import HTTP_BACKENDS, Record, Target, make_client
 from camshaft.bench_serve.report import Goodput, ServeResult, summarize
 from camshaft.bench_serve.workload import ServeRequest, arrival_times
-from camshaft.errors import CamshaftError
+from camshaft.errors import CamshaftError, needs_extra
 
 PROGRESS_EVERY_S = 10.0
 
@@ -107,8 +107,7 @@ def _http_client(connections: int):
     try:
         import httpx
     except ImportError:
-        raise CamshaftError("bench serve's HTTP targets need httpx: ./scripts/setup.sh serve, or pip install httpx") \
-            from None
+        raise CamshaftError(needs_extra("bench serve's HTTP target (httpx)", "serve")) from None
     limits = httpx.Limits(max_connections=connections)
     return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
 

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 
 from camshaft.bench_serve.workload import ServeRequest
-from camshaft.errors import RequestError
+from camshaft.errors import RequestError, needs_extra
 
 _NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_BOOL": np.bool_,
           "TYPE_FP32": np.float32, "TYPE_UINT64": np.uint64}
@@ -18,8 +18,7 @@ class TritonGrpcClient:
         try:
             import tritonclient.grpc.aio as grpcclient
         except ImportError:
-            raise RequestError("bench serve's triton-grpc targets need tritonclient: ./scripts/setup.sh serve, or pip "
-                               "install 'tritonclient[grpc]'") from None
+            raise RequestError(needs_extra("bench serve's triton-grpc target (tritonclient)", "serve")) from None
 
         self.grpc = grpcclient
         self.target, self.model = target, target.model or "ensemble"

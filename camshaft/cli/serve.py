@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from camshaft.cli import app, flag_names, progress
-from camshaft.errors import CamshaftError
+from camshaft.errors import CamshaftError, needs_extra
 from camshaft.openai_server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from camshaft.runtime.llm_options import QUEUE_PER_BATCH
 
@@ -161,8 +161,7 @@ def serve(
         try:
             from camshaft.openai_server.server import serve as serve_openai
         except ImportError as exc:  # fastapi, uvicorn: the serve extra
-            raise CamshaftError(f"the OpenAI server needs camshaft[serve] ({exc.name} is not installed): "
-                                "./scripts/setup.sh serve, or pip install 'camshaft[serve]'") from None
+            raise CamshaftError(needs_extra(f"the OpenAI server ({exc.name} is not installed)", "serve")) from None
 
         serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
                      api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from camshaft.errors import EngineError
+from camshaft.errors import EngineError, needs_extra
 from camshaft.manifest import TRT_MODULES, Manifest
 from camshaft.runtime.kv_cache import plan_blocks
 
@@ -37,10 +37,8 @@ def _cudart(product: str, arch: str) -> Any:
     try:
         from cuda.bindings import runtime as cudart
     except ImportError as exc:
-        raise EngineError(
-            f"this engine targets {product} {arch} and needs cuda-python to reach the GPU; install it with: "
-            f"pip install 'camshaft[{product}]'"
-        ) from exc
+        raise EngineError(needs_extra(f"this engine (it targets {product} {arch}; cuda-python reaches the GPU)",
+                                      product)) from exc
     return cudart
 
 
@@ -196,10 +194,7 @@ class TensorRTBackend:
         try:
             return importlib.import_module(module)
         except ImportError as exc:
-            raise EngineError(
-                f"this engine needs the {module} Python package ({exc}); install it with: "
-                f"pip install 'camshaft[{product}]'"
-            ) from exc
+            raise EngineError(needs_extra(f"this engine (the {module} Python package: {exc})", product)) from exc
 
     def _shape(self, name: str, shape: tuple[int, ...]) -> None:
         if not self.context.set_input_shape(name, tuple(int(d) for d in shape)):

@@ -160,8 +160,16 @@ def test_cancelled_grpc_streams_and_a_dropped_http_stream_abort_their_requests(s
                           max_tokens=np.array([[LONG]] * 2), end_id=np.array([[-1]] * 2), stream=np.array([[True]] * 2))
     _, error, cancelled = Stream(grpc).run("ensemble", batch, cancel_after=2)  # both prompts of the batch stop
     assert error is None and cancelled
-    # Triton 2.51 marks an HTTP stream cancelled when its client disconnects: all five stop early
-    stack.wait_metrics(lambda m: m["camshaft_requests_aborted_total"] - aborted == 5, "five aborted requests")
+    token_batch = batch_tensors(grpcclient, input_ids=np.array([[5, 6], [7, 8]]), input_lengths=np.array([[2]] * 2),
+                                request_output_len=np.array([[LONG]] * 2), end_id=np.array([[-1]] * 2),
+                                streaming=np.array([[True]] * 2))
+    _, error, cancelled = Stream(grpc).run("tensorrt_llm", token_batch, cancel_after=2)
+    assert error is None and cancelled
+    # Triton 2.51 marks an HTTP stream cancelled when its client disconnects: all stop early (the text models count
+    # each prompt of a batch as a request, the token model the whole batch as one)
+    stack.wait_metrics(lambda m: m["camshaft_requests_aborted_total"] - aborted == 6, "six aborted requests")
+    stack.wait_metrics(lambda m: m["camshaft_requests_total"] == m["camshaft_requests_finished_total"],
+                       "every request counted as finished")
     stack.wait_metrics(idle, "an idle executor with an empty KV pool")
 
 

@@ -174,7 +174,7 @@ def test_a_batch_splits_into_one_request_a_prompt_as_tensorrtllm_backend():
     assert [s.params.max_tokens for s in specs] == [4, 6, 2] and {s.params.top_k for s in specs} == {3}
     assert [s.params.stop_word_ids for s in specs] == [((9,), (1,)), ((10, 4),), ((11, 12),)]
     single = {"input_ids": values["input_ids"][:1], "request_output_len": np.array([[4], [6]], np.int32)}
-    assert batch_rows(single) == [single]  # one prompt: as sent (its inputs are checked by token_request)
+    assert batch_rows(single) == [single]  # one prompt: passed on as sent
     with pytest.raises(RequestError, match=r"input_ids holds 3 prompts: send input_lengths, shape \[3, 1\]"):
         batch_rows({k: v for k, v in values.items() if k != "input_lengths"})
     with pytest.raises(RequestError, match="split them with batch_rows first"):

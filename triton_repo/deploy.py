@@ -26,7 +26,7 @@ MARKER = "camshaft_repository.json"
 TOKEN_MODEL = "tensorrt_llm"
 BLS_MODEL = "tensorrt_llm_bls"  # tensorrtllm_backend's text model beside the ensemble: the same text model here
 SHIM = Path(__file__).with_name("model_shim.py")
-TOKEN_MODEL_BATCH = 1024  # Triton's bound on a request's batch dimension; the token model refuses more than 1
+TOKEN_MODEL_BATCH = 1024  # Triton's bound on a request's batch dimension (prompts a request)
 LLM_OPTIONS = ("kv_cache_memory", "max_queue", "max_batch_size", "policy", "max_num_tokens", "threads", "prompt_lookup")
 
 
@@ -84,7 +84,7 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     text = {"camshaft_model": "camshaft.triton_repo.text_model:TextModel", "token_model": TOKEN_MODEL,
             "max_requests": str(admitted), "stream_model": name if decoupled else "", **common}
     models = {
-        # one prompt a request whatever Triton's batch bound: a large one lets any tensorrtllm_backend ensemble load
+        # a large batch bound lets any tensorrtllm_backend ensemble load (each prompt of a batch runs on its own)
         TOKEN_MODEL: model_config(TOKEN_MODEL, decoupled=decoupled, max_batch_size=TOKEN_MODEL_BATCH, token=True,
                                   params={"camshaft_model": "camshaft.triton_repo.token_model:TokenModel",
                                           "llm_options": json.dumps(options), "exclude_input_in_output": "false",

@@ -60,8 +60,8 @@ def one(values: Values, name: str):
         return None
     flat = array.reshape(-1)
     if flat.size != 1:
-        raise RequestError(f"{name} must hold one value (shape [1, 1]), got shape {list(array.shape)}; "
-                           "send one request per call")
+        raise RequestError(f"{name} must hold one value a prompt (shape [1, 1]; B prompts: [B, 1]), got shape "
+                           f"{list(array.shape)}")
     value = flat[0]
     return utf8_text(value, name) if isinstance(value, bytes) else value.item()
 

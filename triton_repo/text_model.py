@@ -90,11 +90,12 @@ class TextModel:
                       for i in range(1, len(rows))]
             for call, values in zip(calls, rows, strict=True):
                 self._read(call, values)
-            for call, values in zip(calls, rows, strict=True):
-                self.channel.send(("submit", call.id, self._token_inputs(values, call.text)))
+            inputs = [self._token_inputs(values, call.text) for call, values in zip(calls, rows, strict=True)]
+            for call, token_inputs in zip(calls, inputs, strict=True):
+                self.channel.send(("submit", call.id, token_inputs))
                 self.calls[call.id] = call
-        except Exception as exc:
-            self._final(first, error_response(exc))  # the prompts submitted before are stopped
+        except Exception as exc:  # the prompts submitted before are stopped, unless the channel is gone
+            self._final(first, error_response(exc), abort=not isinstance(exc, ServerClosedError))
             if not isinstance(exc, ServerClosedError):  # counted with the token model's refusals
                 with contextlib.suppress(Exception):
                     self.channel.send(("refused", first.id))
@@ -119,11 +120,12 @@ class TextModel:
             return f"send {what} to the decoupled model {self.stream_model}"
         return f"this repository was deployed with --no-decoupled, where no model takes {what}; deploy without it"
 
-    def _final(self, call: TextCall, response) -> None:
-        """The request's last response (its other prompts still running are stopped); a cancelled decoupled request
-        gets only its final flag (Triton completes it)."""
+    def _final(self, call: TextCall, response, abort: bool = True) -> None:
+        """The request's last response (its prompts still running are stopped, unless `abort` is false: the channel
+        is gone, and the token model stops them itself); a cancelled decoupled request gets only its final flag
+        (Triton completes it)."""
         for other in call.batch:
-            if self.calls.pop(other.id, None) is not None and not other.ended:
+            if self.calls.pop(other.id, None) is not None and not other.ended and abort:
                 with contextlib.suppress(Exception):
                     self.channel.send(("abort", other.id))
         if call.cancelled and call.decoupled:
@@ -136,7 +138,7 @@ class TextModel:
     def _lost(self, reason: str) -> None:
         for call in list(self.calls.values()):
             if call.id in self.calls:  # not ended with another prompt of its request
-                self._final(call, error_response(ServerClosedError(f"{reason}; restart the server")))
+                self._final(call, error_response(ServerClosedError(f"{reason}; restart the server")), abort=False)
 
     def _on_executor(self, call: TextCall, message: tuple) -> None:
         if message[0] == "error":

@@ -105,8 +105,13 @@ class TokenModel:
         except BaseException:
             self.llm.abort(ids)  # the prompts submitted before one was refused: the request fails as a whole
             with self.lock:
-                job.failed = job.counted = True  # its outputs are dropped; counted as refused, not as finished
+                first = self._end(job)
+                if first:
+                    job.counted = True  # its outputs are dropped; execute() counts it as refused
                 self._forget(job)
+            if not first:  # an earlier prompt's error ended it: its final response went, counted as finished
+                self.metrics.count("camshaft_requests_total")
+                return
             raise
         with self.lock:  # an error or a cancel may have ended the job before its later prompts were submitted
             job.request_ids, stop = ids, job.stop_requested or job.failed or job.cancelled
@@ -121,6 +126,12 @@ class TokenModel:
             what = f"num_return_sequences {n}" if len(specs) == 1 else f"{len(specs)} prompts with {n} sequences"
             raise RequestError(f"{what} can never be in flight: this server holds {batch + queue_} sequences (batch "
                                f"{batch} + queue {queue_}); lower it, or deploy with a larger --max-queue")
+
+    @staticmethod
+    def _end(job: Job) -> bool:
+        """Call with the lock held: claims the job's one error response (False when another thread has)."""
+        first, job.failed = not job.failed, True
+        return first
 
     def _forget(self, job: Job) -> None:
         """Call with the lock held."""
@@ -188,9 +199,11 @@ class TokenModel:
                                 flags=FINAL)
             return
         if output.error is not None:  # the whole request ends with it; its other sequences are stopped
-            job.failed = True
-            self.llm.abort(job.request_ids)
-            job.sender.send(error_response(output.error), flags=FINAL)
+            with self.lock:
+                first = self._end(job)
+            if first:
+                self.llm.abort(job.request_ids)
+                job.sender.send(error_response(output.error), flags=FINAL)
             return
         now = time.monotonic()
         if not output.finished and now - job.checked >= CANCEL_CHECK_S:

@@ -34,7 +34,8 @@ def test_a_missing_target_package_is_refused_before_calibration(tiny, tmp_path, 
     code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", engine, "--target", "tensorrt",
                             "--quant", "fp8", "--calib-size", "2", "--calib-seq-len", "32")
     err = one_line(err)
-    assert code == 1 and "the tensorrt target needs the tensorrt Python package" in err, err
+    assert code == 1 and "the tensorrt target (the tensorrt Python package" in err, err
+    assert "needs camshaft's tensorrt extra" in err
     assert "Traceback" not in err and nothing_quantized(engine) and not engine.exists()
 
 

@@ -176,7 +176,12 @@ def load_dataset(spec: str | DatasetSpec, num_requests: int, *, max_seq_len: int
 def read_jsonl_requests(path: Path) -> list[tuple[str | list, int]]:
     """(prompt, max_tokens) per line of {"prompt": text or token ids, "max_tokens": n}; raises naming the line."""
     rows = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"{path} is not UTF-8 text (byte {exc.start}); a JSONL dataset holds one JSON object a "
+                           "line, UTF-8") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -3,6 +3,7 @@ arguments of its calls (prompts, sampling params, priorities) in every form they
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -46,10 +47,19 @@ def _limit(name: str, value: int | None, engine_limit: int) -> int:
     return int(value)
 
 
+def usable_cpus() -> int:
+    """Logical CPUs this process may run on (its affinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def check_runtime_options(threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
     """The backend options LLM and Session take, refused before the engine loads when they are not what they say."""
     if threads is not None and not is_int_at_least(threads, 1):
         raise RequestError(f"threads must be an integer >= 1, or None for the backend's choice; got {threads!r:.60}")
+    if threads is not None and threads > usable_cpus():
+        raise RequestError(f"threads {threads} is more than the {usable_cpus()} CPUs this process may use (threads "
+                           f"beyond them only take turns); pass at most {usable_cpus()}, or None for the backend's "
+                           "choice")
     for name, value in (("spin_wait", spin_wait), ("huge_pages", huge_pages)):
         if not isinstance(value, bool):
             raise RequestError(f"{name} is True or False, got {value!r:.60}")

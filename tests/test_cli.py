@@ -108,6 +108,9 @@ def test_run_reads_the_prompt_from_stdin(engine, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfcaf\xe9")))
     code, _, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "-")
     assert code == 1 and "reads UTF-8 text from stdin; byte 6 is not UTF-8" in err  # counted from the first byte
+    monkeypatch.setattr(sys, "stdin", None)  # started with stdin closed (<&-)
+    code, _, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "-")
+    assert code == 1 and "reads the prompt from stdin, which is closed" in err
 
 
 BAD_RUNS = {

@@ -151,8 +151,9 @@ def test_a_failed_final_move_keeps_the_output_it_says_it_kept(built, tmp_path, m
     assert len(kept) == 2 and all((tmp_path / path.rsplit("/", 1)[1] / "manifest.json").is_file() for path in kept)
 
 
-def test_a_build_stopped_with_sigterm_leaves_nothing_behind(tmp_path):
-    """docker stop / a scheduler's eviction send SIGTERM: the build unwinds as on Ctrl-C."""
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_a_build_stopped_with_a_signal_says_so_and_leaves_nothing_behind(tmp_path, stop):
+    """docker stop / a scheduler's eviction send SIGTERM: the build unwinds as on Ctrl-C (SIGINT); each says why."""
     import signal
     import time
 
@@ -164,7 +165,8 @@ def test_a_build_stopped_with_sigterm_leaves_nothing_behind(tmp_path):
     while not list(tmp_path.glob(".engine.partial-*")) and build.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert build.poll() is None, "the build ended before it could be stopped"
-    build.send_signal(signal.SIGTERM)
+    build.send_signal(getattr(signal, stop))
     _, err = build.communicate(timeout=60)
-    assert build.returncode == 128 + signal.SIGTERM, err
+    assert build.returncode == 128 + getattr(signal, stop), err
+    assert err.strip().endswith("terminated" if stop == "SIGTERM" else "interrupted"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 import camshaft
@@ -53,6 +55,7 @@ def test_options_are_checked_where_they_are_taken_and_numpy_integers_are_plain_i
             QuantSpec(**{"format": "int4_awq", **bad})
     engine = tiny_engine(tmp_path, max_seq_len=64, max_batch_size=4)
     for bad, name in ((dict(threads=True), "threads"), (dict(threads=2.5), "threads"), (dict(threads=0), "threads"),
+                      (dict(threads=len(os.sched_getaffinity(0)) + 1), "is more than the .* CPUs this process may use"),
                       (dict(spin_wait="false"), "spin_wait"), (dict(huge_pages="no"), "huge_pages")):
         with pytest.raises(RequestError, match=name):
             camshaft.LLM(engine, **bad)

@@ -76,6 +76,10 @@ def test_jsonl_dataset(tmp_path):
     bad.write_text('{"prompt": [1, 2]}\n')
     with pytest.raises(RequestError, match="bad.jsonl:1"):
         load_dataset(f"jsonl:{bad}", 1, max_seq_len=64, vocab_size=300)
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"prompt": "caf\xe9", "max_tokens": 2}\n')
+    with pytest.raises(RequestError, match="binary.jsonl is not UTF-8 text"):
+        load_dataset(f"jsonl:{binary}", 1, max_seq_len=64, vocab_size=300)
     text = tmp_path / "text.jsonl"
     text.write_text('{"prompt": "hello", "max_tokens": 2}\n')
     with pytest.raises(RequestError, match="tokenizer"):

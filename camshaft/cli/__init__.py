@@ -79,9 +79,16 @@ def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C: half-written outputs are removed on the way out
 
 
+def _interrupted(_signum: int, _frame: object) -> None:
+    err.print("interrupted")  # said here: typer turns the KeyboardInterrupt into a silent exit 130
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # docker stop, a scheduler's eviction, `timeout`
         signal.signal(signal.SIGTERM, _terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # Ctrl-C
+        signal.signal(signal.SIGINT, _interrupted)
     try:
         app()
     except CamshaftError as exc:
@@ -95,7 +102,6 @@ def main() -> None:
         err.print(f"[bold red]error:[/bold red] {escape((exc.strerror or str(exc)) + where + hint)}", soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        err.print("interrupted")
         sys.exit(130)
 
 

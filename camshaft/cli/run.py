@@ -46,7 +46,8 @@ def run(
     unused = [flag for flag, given in (("--top-p", top_p != 1.0), ("--top-k", top_k not in (0, -1)),
                                        ("--seed", seed is not None)) if given]
     if temperature == 0 and unused:
-        err.print(f"[yellow]note:[/yellow] {', '.join(unused)} change nothing at --temperature 0 (greedy decoding); "
+        verb = "changes" if len(unused) == 1 else "change"
+        err.print(f"[yellow]note:[/yellow] {', '.join(unused)} {verb} nothing at --temperature 0 (greedy decoding); "
                   "add --temperature above 0 to sample")
     if prompt == "-":
         prompt = _stdin_text()
@@ -58,6 +59,9 @@ def run(
 def _stdin_text() -> str:
     from camshaft.errors import RequestError
 
+    if sys.stdin is None:
+        raise RequestError("--prompt - reads the prompt from stdin, which is closed; pipe the prompt in, or pass it "
+                           "as --prompt TEXT")
     try:
         text = sys.stdin.buffer.read().decode("utf-8")
     except UnicodeDecodeError as exc:

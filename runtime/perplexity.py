@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 
-from camshaft.errors import RequestError, needs_extra
+from camshaft.errors import CheckpointError, RequestError, needs_extra
 from camshaft.manifest import MANIFEST_NAME
-from camshaft.model_config import HF_QUANT_CONFIG, require_tokenizer
+from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig, require_tokenizer
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
+from camshaft.weight_files import weight_files
 
 REFERENCE_WINDOW = 1024  # tokens a transformers window scores (--window)
 
@@ -65,6 +67,8 @@ def check_reference_model(model_dir: str | Path) -> None:
     if not (path / "config.json").is_file():
         raise RequestError(f"--model {path} has no config.json; pass a Hugging Face checkpoint directory")
     require_tokenizer(path, RequestError, f"--model {path}")
+    ModelConfig.from_hf_dir(path)  # an architecture, or config values, camshaft could not build: refused as build does
+    weight_files(path)  # safetensors only: pickle weights are never loaded
 
 
 def reference_window(model_dir: str | Path, window: int | None, given: str = "--window") -> int:
@@ -118,6 +122,26 @@ def engine_perplexity(engine_dir: str | Path, text: str) -> PerplexityResult:
     return PerplexityResult(math.exp(total / count), count, len(parts))
 
 
+def _reference_model(transformers, torch, path: Path):
+    """The tokenizer and fp32 model, refused when transformers cannot read them or would make up weights (it fills
+    a missing tensor with random values and only logs it)."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, use_safetensors=True, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # unreadable files, shapes config.json denies
+        raise CheckpointError(f"--model {path}: transformers cannot load it: {str(exc).strip()[:400]}") from exc
+    missing = [n for n in info.get("missing_keys", ()) if n != "lm_head.weight" or not model.config.tie_word_embeddings]
+    for what, names in (("lacks", missing), ("has tensors of other shapes than config.json says:",
+                                             [str(m[0]) if isinstance(m, tuple) else str(m)
+                                              for m in info.get("mismatched_keys", ())])):
+        if names:
+            raise CheckpointError(f"--model {path} {what} {', '.join(sorted(names)[:5])}"
+                                  f"{' …' if len(names) > 5 else ''}; transformers would score random weights "
+                                  "in their place: fix the checkpoint (camshaft build refuses it too)")
+    return tokenizer, model.eval()
+
+
 def reference_perplexity(model_dir: str | Path, text: str, window: int) -> PerplexityResult:
     """transformers fp32 on the same windows: the numerics reference (needs torch)."""
     check_window(window)
@@ -128,8 +152,7 @@ def reference_perplexity(model_dir: str | Path, text: str, window: int) -> Perpl
     except ImportError as exc:
         raise RequestError(needs_extra(f"the transformers reference ({exc.name} is not installed)", "reference")) \
             from exc
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tokenizer, model = _reference_model(transformers, torch, Path(model_dir))
     ids = tokenizer(text)["input_ids"]
     total, count, parts = 0.0, 0, windows(ids, window)
     with torch.no_grad():

@@ -108,6 +108,46 @@ def test_bad_reference_input_is_one_clear_error_before_loading(tiny, tmp_path, c
     assert "Traceback" not in err and err.count("error:") == 1
 
 
+def broken_copy(model, out, case: str):
+    """A copy of the tiny checkpoint broken the way `case` says."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(model, out)
+    weights = out / "model.safetensors"
+    if case == "missing tensor":
+        tensors = load_file(weights)
+        save_file({k: v for k, v in tensors.items() if k != "model.layers.0.mlp.down_proj.weight"}, weights)
+    elif case == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif case == "unsupported architecture":
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
+    elif case == "pickle weights":
+        weights.rename(out / "pytorch_model.bin")
+    return out
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing tensor", "lacks model.layers.0.mlp.down_proj.weight; transformers would score random weights"),
+    ("truncated weights", "transformers cannot load it"),
+    ("unsupported architecture", "architecture ['GPT2LMHeadModel'] is not supported"),
+    ("pickle weights", "holds only pickle weights"),
+])
+def test_a_broken_reference_checkpoint_is_refused_not_scored(tiny, tmp_path, capsys, case, expected):
+    """transformers fills a missing tensor with random values (and only logs it), and loads pickles: the reference
+    takes only what camshaft build would."""
+    model, _ = tiny
+    broken = broken_copy(model, tmp_path / "broken", case)
+    (tmp_path / "t.txt").write_text(TEXT)
+    code, out, err = camshaft(capsys, "eval", "ppl", "--data", tmp_path / "t.txt", "--model", broken)
+    err = " ".join(err.split())
+    assert code == 1 and "ppl" not in out and expected in err, err
+    assert "Traceback" not in err
+
+
 def test_reference_perplexity_checks_its_inputs_first(tiny, tmp_path, no_model_load):
     _, engine = tiny
     with pytest.raises(RequestError, match="is an engine directory"):

@@ -11,6 +11,18 @@ from pathlib import Path
 from camshaft.errors import CamshaftError
 
 
+def writable_dir(path: Path) -> bool:
+    """A directory this process can create entries in, tried rather than asked (os.access says yes to root
+    everywhere, /proc included)."""
+    if not path.is_dir():
+        return False
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".camshaft-probe-", dir=path))
+    except OSError:
+        return False
+    return True
+
+
 def check_replaceable(output: Path, marker: str, kind: str, error: type[Exception], flag: str = "--output",
                       owned: Callable[[Path], set[str]] | None = None) -> None:
     """Refuse an output (given as `flag`) that exists and is neither empty nor a `kind` (recognised by its `marker`
@@ -19,7 +31,7 @@ def check_replaceable(output: Path, marker: str, kind: str, error: type[Exceptio
     directory this process cannot write."""
     output = Path(os.path.abspath(output))  # "." has a parent to build beside
     parent = next((p for p in output.parents if p.exists()), output)  # built beside itself, in a new sibling
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not writable_dir(parent):
         what = "is a file" if not parent.is_dir() else "is not a directory you can write to"
         raise error(f"{flag} {output} cannot be written: {parent} {what}; choose a path in a writable directory")
     if output.is_symlink():

@@ -61,6 +61,10 @@ def test_an_output_that_cannot_be_written_is_one_error_before_any_work(built, tm
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
     with pytest.raises(CamshaftError, match=f"{tmp_path / 'afile'} is a file; choose a path in a writable directory"):
         quantize_checkpoint(model, tmp_path / "afile" / "q", QuantSpec("int8_wo"), calib_size=4, calib_seq_len=64)
+    if os.path.isdir("/proc/self"):  # writable as far as os.access tells root, yet nothing can be created there
+        with pytest.raises(CamshaftError, match="--output /proc/q cannot be written: /proc is not a directory you can "
+                                                "write to"):
+            quantize_checkpoint(model, "/proc/q", QuantSpec("int8_wo"), calib_size=4, calib_seq_len=64)
 
 
 def test_a_checkpoint_without_a_tokenizer_fails_before_the_graph_is_written(built, tmp_path, monkeypatch):

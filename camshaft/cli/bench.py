@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +12,7 @@ import typer
 from camshaft.cli import bench_app, flag_names, progress
 from camshaft.cli.serve import LLM_FLAGS, BatchOption, LookupOption, MemoryOption, PolicyOption, TokensOption
 from camshaft.errors import CamshaftError
+from camshaft.outdir import writable_dir
 from camshaft.runtime.bench_data import PRESETS, parse_dataset_spec, repeat_note
 
 _PRESETS = "; ".join(f"{name}: prompts {spec.prompt_len} tokens, outputs {spec.output_len}"
@@ -65,7 +65,7 @@ def require_outputs(plot: Path | None, output_json: Path | None) -> None:
         if path.is_dir():
             raise CamshaftError(f"{flag} {path} is a directory; give a file path")
         parent = next((p for p in path.parents if p.exists()), None)
-        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        if parent is None or not writable_dir(parent):
             raise CamshaftError(f"{flag} {path} cannot be written ({parent} is not a writable directory)")
     if plot is None:
         return

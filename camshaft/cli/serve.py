@@ -43,7 +43,7 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
     max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available where
     the engine loads."""
     from camshaft.manifest import read_manifest
-    from camshaft.runtime.kv_cache import cache_copies, memory_spec, pool_blocks
+    from camshaft.runtime.kv_cache import cache_copies, check_fits_host, memory_spec, pool_blocks
     from camshaft.runtime.llm_options import check_llm_options
 
     manifest = read_manifest(Path(engine))
@@ -52,7 +52,7 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
                                    max_num_tokens=max_num_tokens, max_queue=max_queue)
         memory = memory_spec(kv_cache_memory)
         if isinstance(memory, int):  # bytes: checked now; a fraction depends on the machine that loads the engine
-            pool_blocks(manifest, limits.max_batch_size, memory, cache_copies(manifest))
+            check_fits_host(manifest, pool_blocks(manifest, limits.max_batch_size, memory, cache_copies(manifest)))
     return {"kv_cache_memory": memory,
             "max_queue": QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue,
             "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy,

@@ -95,7 +95,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
 
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
-            raise APIError(400, f"the model {model!r} does not exist; this server serves {model_name!r} "
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r} "
                            "(see /v1/models)", param="model", code="model_not_found")
 
     def check(body: CompletionRequest | ChatCompletionRequest) -> None:

@@ -6,6 +6,7 @@ so a directory without one (or with `complete` false) was never finished and nev
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -222,7 +223,8 @@ class Manifest:
             raise ValueError(f"the artifact(s) {', '.join(unlisted)} are not among the engine's files")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False)
+        data = asdict(self)
+        return json.dumps({**data, "digest": manifest_digest(data)}, indent=2, sort_keys=False)
 
     def write(self, engine_dir: Path) -> None:
         write_atomic(Path(engine_dir) / MANIFEST_NAME, self.to_json())
@@ -238,6 +240,12 @@ class Manifest:
             data["sequence_graph"] = SequenceGraph.from_dict(data["sequence_graph"])
         data["kv_cache"] = KVCacheLayout.from_dict(data["kv_cache"])
         return cls(**data)
+
+
+def manifest_digest(data: dict[str, Any]) -> str:
+    """sha256 of a manifest's fields (all but the digest itself), as JSON with sorted keys."""
+    fields = {k: v for k, v in data.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def read_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Manifest:
@@ -283,10 +291,15 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Manife
         )
     if not raw.get("complete", False):
         raise EngineError(f"{engine_dir}: the build never finished; rebuild it with `camshaft build`")
+    digest = raw.pop("digest", None)  # engines built before manifests carried one have none
     try:
         manifest = Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError, CamshaftError) as exc:
         raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {exc}); rebuild the engine") from exc
+    if digest is not None and digest != manifest_digest(raw):
+        raise EngineError(f"{path} was changed after the build (its digest no longer matches its contents): the "
+                          "build writes the manifest to describe its graphs, and an edited one no longer does; undo "
+                          "the edit, or rebuild the engine with `camshaft build` and the options wanted")
     if not check_files:
         return manifest
     try:

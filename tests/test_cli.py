@@ -272,12 +272,27 @@ def test_a_kv_pool_beyond_the_machine_names_the_flag_once(engine, capsys):
     assert code == 1 and "larger than this machine's" in err and err.count("--kv-cache-memory") == 1
 
 
-def test_results_that_cannot_be_written_are_one_line_after_the_report(engine, capsys):
+def test_results_that_cannot_be_written_are_one_line_after_the_report(engine, capsys, monkeypatch, tmp_path):
+    import errno
+    import pathlib
+
+    results, write_text = tmp_path / "results.json", pathlib.Path.write_text
+
+    def disk_full(path, *args, **kwargs):  # the disk filled up while the benchmark ran
+        if path == results:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
     code, out, err = camshaft(capsys, "bench", "throughput", "--engine", engine, "--num-requests", "2",
-                              "--dataset", "synthetic:in=8,out=4", "--output-json", "/proc/camshaft-results.json")
+                              "--dataset", "synthetic:in=8,out=4", "--output-json", results)
     assert code == 1 and "GFLOP/s" in out  # the report came first
     assert "concurrency 32 (1/1): 2 requests" in err  # each level announced as it starts
-    assert "--output-json /proc/camshaft-results.json could not be written" in err and "Traceback" not in err
+    assert f"--output-json {results} could not be written (No space left on device)" in " ".join(err.split())
+    assert "Traceback" not in err
+    code, _, err = camshaft(capsys, "bench", "throughput", "--engine", engine, "--num-requests", "2",
+                            "--dataset", "synthetic:in=8,out=4", "--output-json", "/proc/camshaft-results.json")
+    assert code == 1 and "cannot be written" in err and "concurrency" not in err  # refused before any work
 
 
 def test_a_model_hub_id_is_told_camshaft_reads_directories(capsys, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from camshaft.cli import app
 from camshaft.errors import CamshaftError, RequestError
 from camshaft.triton_repo.server import free_port
 
-from tiny_models import tiny_engine
+from tiny_models import stamped, tiny_engine
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     shutil.copytree(engine, older)
     raw = json.loads((older / "manifest.json").read_text())
     raw["sequence_graph"]["inputs"] = [t for t in raw["sequence_graph"]["inputs"] if t["name"] != "num_logits"]
-    (older / "manifest.json").write_text(json.dumps(raw))
+    (older / "manifest.json").write_text(json.dumps(stamped(raw)))
     described = invoke("inspect", "--engine", older).output  # its graph still takes num_logits: it does not run
     assert "(one logits row: prompt lookup on the batch graph only" in described
     assert "sequence.onnx's inputs differ from its manifest's (num_logits)" in described

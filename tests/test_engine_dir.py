@@ -17,7 +17,7 @@ from camshaft.runtime.batch import FEED_NAMES, Chunk, build_step
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.session import Session
 
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, stamped
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,7 @@ def test_a_format_1_engine_still_loads_and_runs_its_batch_graph(copy):
     del raw["sequence_graph"]
     raw["format_version"] = 1
     raw["files"] = {k: v for k, v in raw["files"].items() if not k.startswith("sequence")}
+    del raw["digest"]  # format 1 manifests had none
     (copy / "manifest.json").write_text(json.dumps(raw))
     session = Session(copy)
     assert session.graph == "batch" and session.generate("hi", max_tokens=3).finish_reason == "length"
@@ -88,7 +89,7 @@ def test_a_format_1_engine_still_loads_and_runs_its_batch_graph(copy):
 def test_a_sequence_graph_asking_for_an_input_this_runtime_lacks_is_refused(copy):
     raw = json.loads((copy / "manifest.json").read_text())
     raw["sequence_graph"]["inputs"].append({"name": "draft_tokens", "dtype": "int64", "shape": [1, "S"]})
-    (copy / "manifest.json").write_text(json.dumps(raw))
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match=r"does not produce \(draft_tokens\); upgrade camshaft or rebuild"):
         Session(copy)
 
@@ -139,7 +140,7 @@ def test_a_manifest_with_wrong_values_is_corrupt(copy, case):
     for key in keys[:-1]:
         node = node[key]
     node[keys[-1]] = value
-    (copy / "manifest.json").write_text(json.dumps(raw))
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match="corrupt") as info:
         Session(copy)
     assert needle in str(info.value) and "rebuild" in str(info.value)
@@ -148,7 +149,7 @@ def test_a_manifest_with_wrong_values_is_corrupt(copy, case):
 def test_a_manifest_pointing_the_sequence_graph_at_the_batch_graph_is_refused(copy):
     raw = json.loads((copy / "manifest.json").read_text())
     raw["sequence_graph"]["artifact"] = "model.onnx"
-    (copy / "manifest.json").write_text(json.dumps(raw))
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match="model.onnx.s inputs differ from its manifest.s .*rebuild the engine"):
         Session(copy)
 
@@ -261,7 +262,7 @@ def test_truncated_artifact(copy):
 def test_other_camshaft_engine_format(copy):
     raw = json.loads((copy / "manifest.json").read_text())
     raw["format_version"], raw["camshaft_version"] = 999, "9.9.9"
-    (copy / "manifest.json").write_text(json.dumps(raw))
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match=r"built by camshaft 9\.9\.9.*this is camshaft.*upgrade camshaft to 9\.9\.9"):
         Engine(copy)
     (copy / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion limit
@@ -284,7 +285,7 @@ def test_a_graph_that_is_not_onnx_is_an_engine_error_for_inspect(copy):
 def test_other_onnxruntime_version(copy):
     raw = json.loads((copy / "manifest.json").read_text())
     raw["tools"]["onnxruntime"] = "1.2.0"
-    (copy / "manifest.json").write_text(json.dumps(raw))
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match=r"onnxruntime 1\.2\.0.*installed"):
         Engine(copy)
 
@@ -292,7 +293,7 @@ def test_other_onnxruntime_version(copy):
 def test_an_engine_asking_for_an_input_this_runtime_lacks_is_refused(copy):
     raw = json.loads((copy / "manifest.json").read_text())
     raw["inputs"].append({"name": "draft_tokens", "dtype": "int64", "shape": ["T"]})
-    (copy / "manifest.json").write_text(json.dumps(raw))
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match=r"does not produce \(draft_tokens\); upgrade camshaft or rebuild"):
         Engine(copy)
 
@@ -402,10 +403,28 @@ def test_remote_code_checkpoints_are_refused(built, tmp_path):
         build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine"))
 
 
+@pytest.mark.parametrize("edit", [
+    lambda m: m["model"].update(hidden_size=m["model"]["hidden_size"] * 2),
+    lambda m: m["model"].update(rms_norm_eps=0.5),
+    lambda m: m["limits"].update(max_batch_size=1000),
+    lambda m: m["model"].update(tie_word_embeddings=not m["model"]["tie_word_embeddings"]),
+])
+def test_a_hand_edited_manifest_is_refused_by_its_digest(copy, edit):
+    """Values the runtime cannot check against the graph (the graph bakes them in, or only limits them) are still
+    the build's: the manifest's digest says an edit happened."""
+    raw = json.loads((copy / "manifest.json").read_text())
+    edit(raw)
+    (copy / "manifest.json").write_text(json.dumps(raw, indent=2))
+    with pytest.raises(EngineError, match="was changed after the build .its digest no longer matches"):
+        Engine(copy)
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw), indent=2))  # the values alone would load
+    Engine(copy).close()
+
+
 def _edited(copy, edit) -> None:
     raw = json.loads((copy / "manifest.json").read_text())
     edit(raw)
-    (copy / "manifest.json").write_text(json.dumps(raw))
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
 
 
 @pytest.mark.parametrize("edit, loader, message", [
@@ -470,7 +489,7 @@ def test_inspect_says_an_engine_its_loaders_refuse_does_not_run(copy, edits, rea
         for key in keys[:-1]:
             node = node[key]
         node[keys[-1]] = value
-    (copy / "manifest.json").write_text(json.dumps(raw))
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match=reason):
         Engine(copy)
     info = engine_info(copy)
@@ -487,7 +506,7 @@ def test_graphs_of_another_build_relisted_in_the_manifest_are_refused(copy, othe
         shutil.copyfile(other_build / name, copy / name)
         raw["files"][name] = (copy / name).stat().st_size
         raw["fingerprints"][name] = fingerprint(copy / name)
-    (copy / "manifest.json").write_text(json.dumps(raw))
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match="files of two builds were mixed"):
         Session(copy, graph="batch")
     with pytest.raises(EngineError, match="files of two builds were mixed"):

@@ -18,7 +18,7 @@ from camshaft.outdir import staging_dir
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.session import Session
 
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, stamped
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_a_manifest_that_disagrees_with_its_graph_is_refused(built, tmp_path, ed
     shutil.copytree(engine, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     edit(manifest)
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "manifest.json").write_text(json.dumps(stamped(manifest)))
     with pytest.raises(EngineError, match=message):
         runner(copy)
 

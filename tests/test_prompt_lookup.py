@@ -16,7 +16,7 @@ from camshaft.runtime.prompt_lookup import PromptLookup
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
 
-from tiny_models import tiny_engine
+from tiny_models import stamped, tiny_engine
 
 PROMPTS = ["The cat sat on the mat. The cat sat on the", "abc abc abc abc abc", "one two three one two three one"]
 PARAMS = [dict(temperature=0), dict(temperature=0.9, seed=7), dict(temperature=0.7, top_k=20, top_p=0.9, seed=1),
@@ -108,7 +108,7 @@ def test_an_engine_that_cannot_check_drafts_is_refused_and_so_are_bad_settings(e
     shutil.copytree(engine_dir, older)
     raw = json.loads((older / "manifest.json").read_text())
     raw["sequence_graph"]["inputs"] = [t for t in raw["sequence_graph"]["inputs"] if t["name"] != "num_logits"]
-    (older / "manifest.json").write_text(json.dumps(raw))
+    (older / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match='one token a step, so it cannot check drafts; .*graph="batch"'):
         Session(older, prompt_lookup=PromptLookup())
     old_cli = CliRunner().invoke(app, ["run", "--engine", str(older), "--prompt", "x", "--prompt-lookup", "4"])

@@ -87,3 +87,11 @@ def tiny_engine(root: Path, arch: str = "llama", **build_options) -> Path:
 
     build_engine(BuildConfig(make_tiny_model(arch, root / "hf"), root / "engine", **build_options))
     return root / "engine"
+
+
+def stamped(manifest: dict) -> dict:
+    """An edited manifest with its digest recomputed: what a build writing those values would have written (tests of
+    the checks behind the digest edit manifests this way)."""
+    from camshaft.manifest import manifest_digest
+
+    return {**manifest, "digest": manifest_digest(manifest)}

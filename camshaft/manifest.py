@@ -248,9 +248,10 @@ def manifest_digest(data: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def read_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Manifest:
+def read_manifest(engine_dir: str | Path, *, check_files: bool = True, check_digest: bool = True) -> Manifest:
     """Read and validate an engine directory's manifest; every failure is an EngineError saying what to do.
-    check_files False: the manifest alone, not the files it lists (their sizes and fingerprints)."""
+    check_files False: the manifest alone, not the files it lists (their sizes and fingerprints); check_digest
+    False: an edited manifest is read as it now is (to describe it, never to run it)."""
     engine_dir = Path(engine_dir)
     if engine_dir.exists() and not engine_dir.is_dir():
         raise EngineError(f"{engine_dir} is a file; an engine is the directory `camshaft build --output` wrote")
@@ -291,12 +292,12 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Manife
         )
     if not raw.get("complete", False):
         raise EngineError(f"{engine_dir}: the build never finished; rebuild it with `camshaft build`")
-    digest = raw.pop("digest", None)  # engines built before manifests carried one have none
+    digest = raw.pop("digest", None)  # engines of formats 1-3 have none
     try:
         manifest = Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError, CamshaftError) as exc:
         raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {exc}); rebuild the engine") from exc
-    if digest is not None and digest != manifest_digest(raw):
+    if check_digest and (digest is not None or version >= 4) and digest != manifest_digest(raw):
         raise EngineError(f"{path} was changed after the build (its digest no longer matches its contents): the "
                           "build writes the manifest to describe its graphs, and an edited one no longer does; undo "
                           "the edit, or rebuild the engine with `camshaft build` and the options wanted")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -13,13 +14,15 @@ from camshaft.errors import CamshaftError
 
 def writable_dir(path: Path) -> bool:
     """A directory this process can create entries in, tried rather than asked (os.access says yes to root
-    everywhere, /proc included)."""
+    everywhere, /proc included). A full disk is raised as itself (the CLI says to free space), not as 'unwritable'."""
     if not path.is_dir():
         return False
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".camshaft-probe-", dir=path))
-    except OSError:
-        return False
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):  # ENOENT: /proc's answer
+            return False
+        raise
     return True
 
 

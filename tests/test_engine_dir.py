@@ -15,7 +15,9 @@ from camshaft.errors import BuildConfigError, CheckpointError, EngineError
 from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS, read_manifest
 from camshaft.runtime.batch import FEED_NAMES, Chunk, build_step
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.engine_info import engine_info
 from camshaft.runtime.session import Session
+from camshaft.version import ENGINE_FORMAT_VERSION
 
 from tiny_models import make_tiny_model, stamped
 
@@ -50,7 +52,7 @@ def test_manifest_records_the_contract(built):
     assert set(m.files) == {"model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data",
                             *(f"tokenizer/{p.name}" for p in (engine / "tokenizer").iterdir()
                               if p.name != "chat_template.jinja")}  # a chat template may be edited
-    assert set(m.fingerprints) == set(m.files) and len(m.build_id) == 32 and m.format_version == 3
+    assert set(m.fingerprints) == set(m.files) and len(m.build_id) == 32 and m.format_version == ENGINE_FORMAT_VERSION
     seq = m.sequence_graph
     assert seq.artifact == "sequence.onnx" and [t.name for t in seq.inputs] == [
         "input_ids", "seqlens_k", "total_sequence_length", "num_logits"]
@@ -416,6 +418,12 @@ def test_a_hand_edited_manifest_is_refused_by_its_digest(copy, edit):
     edit(raw)
     (copy / "manifest.json").write_text(json.dumps(raw, indent=2))
     with pytest.raises(EngineError, match="was changed after the build .its digest no longer matches"):
+        Engine(copy)
+    described = engine_info(copy)  # still described as it now reads, with the reason it does not run
+    assert described["runs_here"] is False and "digest no longer matches" in described["runs_here_reason"]
+    del raw["digest"]  # from format 4 on, a manifest without one was edited too
+    (copy / "manifest.json").write_text(json.dumps(raw, indent=2))
+    with pytest.raises(EngineError, match="digest no longer matches"):
         Engine(copy)
     (copy / "manifest.json").write_text(json.dumps(stamped(raw), indent=2))  # the values alone would load
     Engine(copy).close()

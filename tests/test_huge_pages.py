@@ -11,7 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-from camshaft.runtime.backends.huge_pages import THP_MODE, anonymous_regions, available, load_in_huge_pages
+from camshaft.runtime.backends.huge_pages import (
+    THP_MODE,
+    Region,
+    anonymous_regions,
+    available,
+    load_in_huge_pages,
+    parse_smaps,
+)
 
 MiB = 1 << 20
 PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)  # malloc-like memory (not shared)
@@ -135,3 +142,15 @@ def _assert_collapsed(huge: int, weights: int, free_before: int) -> None:
         pytest.skip(f"{huge} of {weights} bytes on huge pages with {free_before} free 2 MiB blocks before the load: "
                     "memory too fragmented to tell")
     assert huge >= 0.75 * weights
+
+
+def test_a_region_smaps_shows_twice_counts_once_as_its_later_view():
+    """/proc/self/smaps is read in pieces: a mapping that changes between two reads can be listed again, later and
+    larger; the later view replaces the first, so no huge page is counted twice."""
+    def entry(start: int, end: int, rss_kb: int, huge_kb: int, perms: str = "rw-p") -> list[str]:
+        return [f"{start:x}-{end:x} {perms} 00000000 00:00 0\n", f"Rss: {rss_kb} kB\n",
+                f"AnonHugePages: {huge_kb} kB\n"]
+    a, m = 0x7F0000000000, MiB
+    lines = [*entry(a, a + 4 * m, 4096, 0), *entry(a + 8 * m, a + 9 * m, 1024, 0),
+             *entry(a, a + 68 * m, 69632, 65536), *entry(a + 80 * m, a + 81 * m, 1024, 0, "r--p")]
+    assert parse_smaps(lines) == [Region(a, a + 68 * m, 68 * m, 64 * m)]

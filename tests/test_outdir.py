@@ -163,8 +163,11 @@ def test_a_build_stopped_with_a_signal_says_so_and_leaves_nothing_behind(tmp_pat
 
     model = make_tiny_model("llama", tmp_path / "hf", num_hidden_layers=24)
     camshaft = [sys.executable, "-c", "from camshaft.cli import main; main()"]
+    # a runner started in the background (`.ci/run &`) hands its children SIGINT ignored, which camshaft respects
+    # as any program does (nohup): the build gets Ctrl-C's default back, as in a terminal
     build = subprocess.Popen([*camshaft, "build", "--model", str(model), "--output", str(tmp_path / "engine")],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(".engine.partial-*")) and build.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -79,16 +79,18 @@ def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C: half-written outputs are removed on the way out
 
 
-def _interrupted(_signum: int, _frame: object) -> None:
-    err.print("interrupted")  # said here: typer turns the KeyboardInterrupt into a silent exit 130
-    raise KeyboardInterrupt
+def _from_ctrl_c(exc: BaseException | None) -> bool:
+    """An exit that a KeyboardInterrupt caused (typer turns one into a silent SystemExit(130))."""
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def main() -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # docker stop, a scheduler's eviction, `timeout`
         signal.signal(signal.SIGTERM, _terminated)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # Ctrl-C
-        signal.signal(signal.SIGINT, _interrupted)
     try:
         app()
     except CamshaftError as exc:
@@ -102,7 +104,12 @@ def main() -> None:
         err.print(f"[bold red]error:[/bold red] {escape((exc.strerror or str(exc)) + where + hint)}", soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
+        err.print("interrupted")
         sys.exit(130)
+    except SystemExit as exc:
+        if exc.code == 130 and _from_ctrl_c(exc):
+            err.print("interrupted")
+        raise
 
 
 # The command modules register themselves on the apps above.

@@ -38,10 +38,13 @@ LookupOption = Annotated[int, typer.Option(
 
 
 def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | None, max_batch_size: int | None,
-                 policy: str, max_num_tokens: int | None = None, prompt_lookup: int = 0) -> dict:
+                 policy: str, max_num_tokens: int | None = None, prompt_lookup: int = 0, loads_here: bool = True
+                 ) -> dict:
     """The keyword arguments of camshaft.runtime.llm.LLM that servers take, checked now against the engine;
     max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available where
-    the engine loads."""
+    the engine loads. A pool in bytes larger than this machine's memory is refused when the engine `loads_here`,
+    else (deploy: a repository may be served elsewhere) said in a warning."""
+    from camshaft.errors import CapacityError
     from camshaft.manifest import read_manifest
     from camshaft.runtime.kv_cache import cache_copies, check_fits_host, memory_spec, pool_blocks
     from camshaft.runtime.llm_options import check_llm_options
@@ -52,7 +55,13 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
                                    max_num_tokens=max_num_tokens, max_queue=max_queue)
         memory = memory_spec(kv_cache_memory)
         if isinstance(memory, int):  # bytes: checked now; a fraction depends on the machine that loads the engine
-            check_fits_host(manifest, pool_blocks(manifest, limits.max_batch_size, memory, cache_copies(manifest)))
+            blocks = pool_blocks(manifest, limits.max_batch_size, memory, cache_copies(manifest))
+            try:
+                check_fits_host(manifest, blocks)
+            except CapacityError as exc:
+                if loads_here:
+                    raise
+                typer.echo(f"warning: {exc}; the machine that serves this repository needs that much", err=True)
     return {"kv_cache_memory": memory,
             "max_queue": QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue,
             "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy,
@@ -77,7 +86,7 @@ def deploy(
     from camshaft.triton_repo.deploy import deploy_repository
 
     deploy_repository(engine, repo, name=name, llm_options=_llm_options(
-        engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens, prompt_lookup),
+        engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens, prompt_lookup, loads_here=False),
         decoupled=not no_decoupled)
     typer.echo(str(repo))
 

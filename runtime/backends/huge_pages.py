@@ -43,22 +43,27 @@ def available() -> bool:
 
 def anonymous_regions() -> list[Region]:
     """Private read-write anonymous mappings of this process (the malloc heap and mmap'd blocks), from smaps."""
-    regions, header, fields = [], None, {}
     with open("/proc/self/smaps") as smaps:
-        for line in [*smaps, "0-0 ---- 0 0:0 0\n"]:
-            parts = line.split()
-            if "-" in parts[0] and not parts[0].endswith(":"):
-                start, end = (int(x, 16) for x in header[0].split("-")) if header is not None else (0, 0)
-                # smaps lists mappings in address order; one that goes back is a second view of memory the kernel
-                # changed between two reads of the file (seen here once: a region's huge pages counted twice)
-                ascending = not regions or start >= regions[-1].end
-                if header is not None and header[1] == "rw-p" and (len(header) < 6 or header[5] == "[heap]") \
-                        and ascending:
-                    regions.append(Region(start, end, fields.get("Rss:", 0) << 10,
-                                          fields.get("AnonHugePages:", 0) << 10))
-                header, fields = parts, {}
-            elif parts[0] in ("Rss:", "AnonHugePages:"):
-                fields[parts[0]] = int(parts[1])
+        return parse_smaps(list(smaps))
+
+
+def parse_smaps(lines: list[str]) -> list[Region]:
+    regions, header, fields = [], None, {}
+    for line in [*lines, "0-0 ---- 0 0:0 0\n"]:
+        parts = line.split()
+        if "-" in parts[0] and not parts[0].endswith(":"):
+            start, end = (int(x, 16) for x in header[0].split("-")) if header is not None else (0, 0)
+            # smaps lists mappings in address order; one that goes back is a second, later view of memory the
+            # kernel changed between two reads of the file: it replaces the first (the likely cause of a region's
+            # huge pages counted twice here, five runs in a row after set-up)
+            while regions and start < regions[-1].end:
+                regions.pop()
+            if header is not None and header[1] == "rw-p" and (len(header) < 6 or header[5] == "[heap]"):
+                regions.append(Region(start, end, fields.get("Rss:", 0) << 10,
+                                      fields.get("AnonHugePages:", 0) << 10))
+            header, fields = parts, {}
+        elif parts[0] in ("Rss:", "AnonHugePages:"):
+            fields[parts[0]] = int(parts[1])
     return regions
 
 

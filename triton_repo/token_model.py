@@ -19,17 +19,15 @@ import triton_python_backend_utils as pb_utils
 from camshaft.errors import RequestError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.outputs import RequestOutput
-from camshaft.runtime.request import sequence_of
 from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
+from camshaft.triton_repo.channel_calls import ChannelCall
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import (
     TokenRequest,
     batch_rows,
     check_one_response,
     check_parameters,
-    error_status,
     one,
-    perf_metrics,
     token_request,
 )
 from camshaft.triton_repo.tensors import TOKEN_INPUTS
@@ -227,44 +225,13 @@ class TokenModel:
                             flags=FINAL if last else 0)
 
     def _from_channel(self, send: Send, call_id: str, values: dict) -> list[str]:
-        """A text model's request: outputs go back over the channel as plain values (see channel.py)."""
+        """A text model's request: outputs go back over the channel as plain values (see channel_calls.py)."""
         try:
             spec = token_request(values, eos_token_ids=self.llm.engine.eos_token_ids,
                                  vocab_size=self.llm.engine.manifest.model.vocab_size,
                                  exclude_default=self.exclude_default)
             self._check_sequences([spec])
-            generated: dict[str, int] = {}
-            n, ended, failed = spec.params.n, [0], [False]
-
-            def sink(output: RequestOutput) -> None:
-                self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
-                if failed[0]:  # the call has ended with an error: its other sequences' outputs are dropped
-                    return
-                keep = len(output.token_ids) - int(ended_on_end_id(output))  # as _deliver counts
-                generated[output.request_id] = generated.get(output.request_id, 0) + keep
-                prompt_id, index = sequence_of(output.request_id, n)
-                if output.error is not None:  # the call ends with it; its other sequences are stopped
-                    failed[0] = True
-                    self._count_finished(aborted=False)
-                    self.llm.abort(prompt_id)
-                    send(("error", call_id, *error_status(output.error)))
-                    return
-                ended[0] += output.finished
-                if output.finished and ended[0] == n:
-                    self._count_finished(aborted=aborted(output))
-                payload = {"text": output.delta, "finish_reason": None, "last": ended[0] == n,
-                           "sequence_index": index,
-                           "logprobs": [s.logprob for s in output.logprobs[:keep]] if spec.log_probs else []}
-                if output.finished:
-                    payload["finish_reason"] = output.result.finish_reason
-                    if spec.num_input_tokens:
-                        payload["num_input_tokens"] = len(spec.prompt_ids)
-                    if spec.num_output_tokens:
-                        payload["num_output_tokens"] = generated[output.request_id]
-                    if spec.perf_metrics and output.result.metrics is not None:
-                        payload["perf"] = perf_metrics(output.result.metrics)
-                send(("out", call_id, payload))
-
+            sink = ChannelCall(spec, send, call_id, self.llm, self.metrics, self._count_finished)
             ids = self.llm.submit(spec.prompt_ids, spec.params, sink)
         except Exception:
             self.metrics.count("camshaft_requests_refused_total")

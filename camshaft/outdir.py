@@ -20,7 +20,7 @@ def writable_dir(path: Path) -> bool:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".camshaft-probe-", dir=path))
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):  # ENOENT: /proc's answer
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR):  # ENOENT: /proc's
             return False
         raise
     return True
@@ -35,7 +35,8 @@ def check_replaceable(output: Path, marker: str, kind: str, error: type[Exceptio
     output = Path(os.path.abspath(output))  # "." has a parent to build beside
     parent = next((p for p in output.parents if p.exists()), output)  # built beside itself, in a new sibling
     if not writable_dir(parent):
-        what = "is a file" if not parent.is_dir() else "is not a directory you can write to"
+        what = ("is not a directory you can write to" if parent.is_dir() else "is a file" if parent.exists()
+                else "no longer exists")
         raise error(f"{flag} {output} cannot be written: {parent} {what}; choose a path in a writable directory")
     if output.is_symlink():
         raise error(f"{flag} {output} is a symlink (to {os.readlink(output)}); the output replaces it with a "

@@ -4,14 +4,16 @@ channel.py as plain values (text deltas, finish reasons, counts), one message an
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from camshaft.runtime.llm import LLM
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.request import sequence_of
 from camshaft.triton_repo.channel import Send
-from camshaft.triton_repo.metrics import Metrics
-from camshaft.triton_repo.protocol import TokenRequest, error_status, perf_metrics
-from camshaft.triton_repo.token_jobs import aborted, ended_on_end_id
+from camshaft.triton_repo.protocol import TokenRequest, aborted, ended_on_end_id, error_status, perf_metrics
+
+if TYPE_CHECKING:
+    from camshaft.runtime.llm import LLM
+    from camshaft.triton_repo.metrics import Metrics
 
 
 class ChannelCall:

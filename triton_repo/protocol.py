@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.guided import GuidedDecodingParams
-from camshaft.runtime.outputs import RequestMetrics
+from camshaft.runtime.outputs import RequestMetrics, RequestOutput
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.triton_repo.word_lists import Values, embedding_bias, utf8_text, vocab_words
 
@@ -229,3 +229,13 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
     bad_ids = vocab_words(values.get("bad_words_list"), "bad_words_list", vocab_size)  # banned as ids, as TRT-LLM
     return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad),
                           stop_word_ids=tuple(map(tuple, stop_words)), bad_word_ids=tuple(map(tuple, bad_ids)))
+
+
+def ended_on_end_id(output: RequestOutput) -> bool:
+    """The last token is the end id that stopped the sequence (a stop word's ids are not one)."""
+    return bool(output.finished and output.token_ids and output.result is not None
+                and output.result.stop_token_id is not None)
+
+
+def aborted(output: RequestOutput) -> bool:
+    return output.result is not None and output.result.finish_reason == "abort"

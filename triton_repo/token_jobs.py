@@ -112,13 +112,3 @@ def response(row: Row, sequence: Sequence, ids: list[int], logprobs: list[float]
         if spec.perf_metrics and output.result.metrics is not None:
             tensors += perf_tensors(perf_metrics(output.result.metrics))
     return pb_utils.InferenceResponse(output_tensors=tensors)
-
-
-def ended_on_end_id(output: RequestOutput) -> bool:
-    """The last token is the end id that stopped the sequence (a stop word's ids are not one)."""
-    return bool(output.finished and output.token_ids and output.result is not None
-                and output.result.stop_token_id is not None)
-
-
-def aborted(output: RequestOutput) -> bool:
-    return output.result is not None and output.result.finish_reason == "abort"

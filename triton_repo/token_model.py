@@ -24,9 +24,11 @@ from camshaft.triton_repo.channel_calls import ChannelCall
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import (
     TokenRequest,
+    aborted,
     batch_rows,
     check_one_response,
     check_parameters,
+    ended_on_end_id,
     one,
     token_request,
 )
@@ -36,8 +38,6 @@ from camshaft.triton_repo.token_jobs import (
     FINAL,
     Job,
     Row,
-    aborted,
-    ended_on_end_id,
     error_response,
     merge,
     response,

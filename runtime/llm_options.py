@@ -56,10 +56,10 @@ def check_runtime_options(threads: int | None = None, spin_wait: bool = True, hu
     """The backend options LLM and Session take, refused before the engine loads when they are not what they say."""
     if threads is not None and not is_int_at_least(threads, 1):
         raise RequestError(f"threads must be an integer >= 1, or None for the backend's choice; got {threads!r:.60}")
-    if threads is not None and threads > usable_cpus():
-        raise RequestError(f"threads {threads} is more than the {usable_cpus()} CPUs this process may use (threads "
-                           f"beyond them only take turns); pass at most {usable_cpus()}, or None for the backend's "
-                           "choice")
+    cpus = usable_cpus()
+    if threads is not None and threads > cpus:
+        raise RequestError(f"threads {threads} is more than the {cpus} CPUs this process may use (threads beyond them "
+                           f"only take turns); pass at most {cpus}, or None for the backend's choice")
     for name, value in (("spin_wait", spin_wait), ("huge_pages", huge_pages)):
         if not isinstance(value, bool):
             raise RequestError(f"{name} is True or False, got {value!r:.60}")

@@ -56,6 +56,8 @@ class ChannelServer:
         self.path, self.submit, self.abort, self.refused, self.drain = path, submit, abort, refused, drain
         self.listener = Listener(str(path), family="AF_UNIX")
         self.connections: list[Connection] = []
+        # per connection: its calls not yet ended (call id -> request ids), its outgoing queue and writer thread
+        self._served: list[tuple[dict[str, list[str]], queue.SimpleQueue, threading.Thread]] = []
         threading.Thread(target=self._accept, name="camshaft-channel", daemon=True).start()
 
     def _accept(self) -> None:
@@ -71,6 +73,8 @@ class ChannelServer:
         outgoing: queue.SimpleQueue = queue.SimpleQueue()
         owned: dict[str, list[str]] = {}
         lock = threading.Lock()
+        writer = threading.Thread(target=_write, args=(connection, outgoing), daemon=True)
+        self._served.append((owned, outgoing, writer))
 
         def send(message: tuple) -> None:
             finished = message[0] == "error" or message[2].get("last", False)  # the call's last sequence ended
@@ -79,7 +83,7 @@ class ChannelServer:
                     owned.pop(message[1], None)
             outgoing.put(message)
 
-        threading.Thread(target=_write, args=(connection, outgoing), daemon=True).start()
+        writer.start()
         try:
             while True:
                 kind, call_id, *rest = connection.recv()
@@ -112,8 +116,17 @@ class ChannelServer:
                 self.abort(request_id)
             outgoing.put(None)
 
+    def in_flight(self) -> int:
+        """Calls whose last message is not yet queued (the executor may have let a request go before its sink ran)."""
+        return sum(len(owned) for owned, _, _ in list(self._served))
+
     def close(self) -> None:
+        """Stop accepting; what is queued for each text model is written before its connection closes."""
         self.listener.close()
+        for _, outgoing, writer in list(self._served):
+            outgoing.put(None)
+            if writer.is_alive():
+                writer.join(timeout=5)
         for connection in self.connections:
             connection.close()
         remove_socket(self.path)

@@ -247,7 +247,7 @@ class TokenModel:
         # Triton unloads this model once its own requests are done, but the text models' requests reach it over the
         # channel: let them finish (Triton's exit timeout still bounds the whole shutdown)
         deadline = time.monotonic() + DRAIN_S
-        while time.monotonic() < deadline and self.llm.alive and self._in_flight():
+        while time.monotonic() < deadline and self.llm.alive and (self._in_flight() or self.channel.in_flight()):
             time.sleep(0.05)
         self.channel.close()
         self.llm.close()  # unfinished requests get an error output, which the responder still sends

@@ -177,3 +177,26 @@ def test_a_build_stopped_with_a_signal_says_so_and_leaves_nothing_behind(tmp_pat
     assert build.returncode == 128 + getattr(signal, stop), err
     assert err.strip().endswith("terminated" if stop == "SIGTERM" else "interrupted"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_a_stop_that_turns_into_another_error_on_its_way_out_still_exits_as_that_stop(monkeypatch, capsys, stop):
+    """A signal landing inside Python's import locks surfaces as their KeyError (seen in CI: a SIGTERM during a
+    build's `from transformers import ...` exited 1 with a traceback): it is still a stop, with the stop's code."""
+    import signal
+
+    import camshaft.cli as cli
+
+    def stopped_inside_an_import():
+        try:
+            if stop == "SIGTERM":
+                cli._terminated(signal.SIGTERM, None)
+            raise KeyboardInterrupt
+        except BaseException:
+            raise KeyError(12345)  # noqa: B904 (as the import system does: the stop is its __context__)
+
+    monkeypatch.setattr(cli, "app", stopped_inside_an_import)
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 128 + getattr(signal, stop)
+    assert capsys.readouterr().err.strip() == ("terminated" if stop == "SIGTERM" else "interrupted")

@@ -74,18 +74,26 @@ _MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.
                    errno.ENFILE, errno.ENOMEM, errno.ENAMETOOLONG}
 
 
+class _Terminated(SystemExit):
+    """SIGTERM's exit: it unwinds like Ctrl-C, so half-written outputs are removed on the way out."""
+
+
 def _terminated(signum: int, _frame: object) -> None:
     err.print("terminated")
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: half-written outputs are removed on the way out
+    raise _Terminated(128 + signum)
 
 
-def _from_ctrl_c(exc: BaseException | None) -> bool:
-    """An exit that a KeyboardInterrupt caused (typer turns one into a silent SystemExit(130))."""
+def _stopped(exc: BaseException | None) -> int | None:
+    """The exit code of the stop (Ctrl-C, SIGTERM) that `exc` unwinds from, whatever it became on the way: typer
+    turns a KeyboardInterrupt into SystemExit(130), and a stop that lands inside an import surfaces as the import
+    system's own error (a KeyError from its module locks)."""
     while exc is not None:
         if isinstance(exc, KeyboardInterrupt):
-            return True
+            return 130
+        if isinstance(exc, _Terminated):
+            return int(exc.code)
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
 
 
 def main() -> None:
@@ -93,22 +101,21 @@ def main() -> None:
         signal.signal(signal.SIGTERM, _terminated)
     try:
         app()
-    except CamshaftError as exc:
-        err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
-        sys.exit(1)
-    except OSError as exc:  # the machine's, not ours: a full disk, a directory we may not write
-        if exc.errno not in _MACHINE_ERRORS:
-            raise
-        where = f": {exc.filename}" if exc.filename else ""
-        hint = "; free some space there or choose another directory" if exc.errno == errno.ENOSPC else ""
-        err.print(f"[bold red]error:[/bold red] {escape((exc.strerror or str(exc)) + where + hint)}", soft_wrap=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
-    except SystemExit as exc:
-        if exc.code == 130 and _from_ctrl_c(exc):
-            err.print("interrupted")
+    except BaseException as exc:
+        stop = _stopped(exc)
+        if stop is not None:
+            if stop == 130:
+                err.print("interrupted")
+            sys.exit(stop)
+        if isinstance(exc, CamshaftError):
+            err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
+            sys.exit(1)
+        if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRORS:  # the machine's, not ours: a full disk, ...
+            where = f": {exc.filename}" if exc.filename else ""
+            hint = "; free some space there or choose another directory" if exc.errno == errno.ENOSPC else ""
+            err.print(f"[bold red]error:[/bold red] {escape((exc.strerror or str(exc)) + where + hint)}",
+                      soft_wrap=True)
+            sys.exit(1)
         raise
 
 

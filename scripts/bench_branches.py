@@ -20,7 +20,8 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_latency import CamshaftSystem, log, machine_info, run_rounds, stats, write_markdown  # noqa: E402
+from bench_common import log, machine_info, stats, write_markdown  # noqa: E402
+from bench_systems import CamshaftSystem, run_rounds  # noqa: E402
 
 import camshaft.builder.build as build_module  # noqa: E402
 from camshaft.builder.config import BuildConfig  # noqa: E402

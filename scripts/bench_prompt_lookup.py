@@ -27,16 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_latency import (  # noqa: E402
-    PAUSE_S,
-    REPO,
-    Isolated,
-    command_line,
-    log,
-    machine_info,
-    set_ortgenai_threads,
-    write_markdown,
-)
+from bench_builds import set_ortgenai_threads  # noqa: E402
+from bench_common import PAUSE_S, REPO, command_line, log, machine_info, write_markdown  # noqa: E402
+from bench_systems import Isolated  # noqa: E402
 
 from camshaft.models import default_model_dir, fetch_model  # noqa: E402
 from camshaft.runtime.throughput_plot import save_figure  # noqa: E402

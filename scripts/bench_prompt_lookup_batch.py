@@ -19,8 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_latency import PAUSE_S, REPO, Isolated, command_line, log, machine_info, write_markdown  # noqa: E402
+from bench_common import PAUSE_S, REPO, command_line, log, machine_info, write_markdown  # noqa: E402
 from bench_prompt_lookup import tasks  # noqa: E402
+from bench_systems import Isolated  # noqa: E402
 
 MD_BEGIN, MD_END = "<!-- prompt-lookup-batch:begin -->", "<!-- prompt-lookup-batch:end -->"
 

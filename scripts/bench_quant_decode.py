@@ -7,7 +7,7 @@ the Session with `huge_pages=False`); peers: an onnxruntime-genai model director
 GGUF file through llama-cpp-python (--llamacpp). Each system runs in --processes processes of its own; each round
 runs every system once (each of its processes in turn, their mean time) in a shuffled order (seeded per round: a
 rotation would give every system the same predecessor each round); decode tok/s medians and per-round ratios to the
-first engine are printed (the machine is shared: compare ratios). Reuses the systems of scripts/bench_latency.py.
+first engine are printed (the machine is shared: compare ratios). Reuses the systems of scripts/bench_systems.py.
 
     .venv/bin/python scripts/bench_quant_decode.py float=out/q/head-float-engine int4=out/q/head-int4-engine \
         int8=out/q/head-int8-engine --ortgenai out/q/ortgenai-int4 --llamacpp SmolLM2-135M-Instruct.Q4_1.gguf
@@ -26,14 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_latency import (  # noqa: E402
-    PAUSE_S,
-    CamshaftSystem,
-    OrtGenaiSystem,
-    Replicas,
-    set_ortgenai_threads,
-    summarize_run,
-)
+from bench_builds import set_ortgenai_threads  # noqa: E402
+from bench_common import PAUSE_S  # noqa: E402
+from bench_systems import CamshaftSystem, OrtGenaiSystem, Replicas, summarize_run  # noqa: E402
 
 from camshaft.runtime.bench import benchmark_prompt  # noqa: E402
 
@@ -204,7 +199,7 @@ def main() -> None:
     from camshaft.manifest import read_manifest
 
     prompt = benchmark_prompt(read_manifest(pairs[0][1]).model.vocab_size, args.prompt_len)
-    systems = []  # each in --processes processes of its own (bench_latency.Replicas)
+    systems = []  # each in --processes processes of its own (bench_systems.Replicas)
     for name, spec in pairs:
         engine_dir, _, options = spec.partition("@")
         unknown = set(filter(None, options.split(","))) - {"batch", "small-pages"}

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
-from bench_latency import machine_info, rel, write_markdown
+from bench_common import machine_info, rel, write_markdown
 
 from camshaft.bench_serve.clients import Target
 from camshaft.bench_serve.report import ServeResult, plot

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_latency import machine_info, rel, show_cmd, write_markdown
+from bench_common import machine_info, rel, show_cmd, write_markdown
 
 from camshaft.models import default_model_dir, fetch_model
 
@@ -173,7 +173,7 @@ class TransformersPeer:
         torch.set_num_threads(threads)
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        # transformers 5.25 renamed forward's `past_key_values` to `cache`; accept either (as bench_latency does).
+        # transformers 5.25 renamed forward's `past_key_values` to `cache`; accept either (as bench_systems does).
         self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def _cache(self, out):

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_latency import write_markdown  # noqa: E402
+from bench_common import write_markdown  # noqa: E402
 
 from camshaft.runtime.backends import onnxruntime as ort_backend  # noqa: E402
 from camshaft.runtime.batch import Chunk  # noqa: E402

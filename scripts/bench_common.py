@@ -1,0 +1,109 @@
+"""What the benchmark scripts share: logging, the machine they ran on, stats, and writing BENCHMARKS.md sections."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MD_HEADER = ("# Benchmarks\n\nMeasured numbers, each section written by the script it names. The machine is shared "
+             "and noisy: compare systems through the ratios measured in the same run, not across runs.\n")
+# Before each run: the previous system's worker threads (torch's OpenMP, ONNX Runtime's pools) may still spin on the
+# two cores for a while after it returns, and would slow the first part of the next run (its TTFT) otherwise.
+PAUSE_S = 0.5
+
+def log(message: str) -> None:
+    print(f"· {message}", file=sys.stderr, flush=True)
+
+
+def show_cmd(parts: list[str]) -> str:
+    """A command for people to read: repository paths relative, the home directory as ~."""
+    home = str(Path.home())
+    shown = []
+    for part in parts:
+        if part.startswith(str(REPO) + os.sep):
+            part = part[len(str(REPO)) + 1:]
+        elif part.startswith(home + os.sep):
+            part = "~" + part[len(home):]
+        shown.append(part if re.fullmatch(r"[\w@%+=:,./~-]+", part) else shlex.quote(part))
+    return " ".join(shown)
+
+
+def rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_info() -> dict:
+    try:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False)
+        memory_gb = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        physical, memory_gb = None, None
+    return {
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "physical_cores": physical,
+        "available_cores": len(os.sched_getaffinity(0)),
+        "memory_gb": memory_gb,
+        "python": platform.python_version(),
+        "versions": {name: version(name) for name in
+                     ("camshaft", "onnxruntime", "onnxruntime-genai", "torch", "transformers", "numpy")},
+    }
+
+
+def stats(values: list[float], digits: int = 2) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def write_markdown(path: Path, section: str, begin_marker: str, end_marker: str) -> None:
+    """Replace the section between the markers in BENCHMARKS.md (or append it), leaving the rest as it is."""
+    text = path.read_text() if path.exists() else MD_HEADER
+    begin, end = text.find(begin_marker), text.find(end_marker)
+    if begin != -1 and end > begin:
+        text = text[:begin] + section + text[end + len(end_marker):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def command_line(argv: list[str]) -> str:
+    return show_cmd([sys.executable, str(Path(sys.argv[0]).resolve()), *argv])
+

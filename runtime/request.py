@@ -101,6 +101,8 @@ class Request:
             self.finished_at = now
             if not self.text.stopped:
                 delta += self.text.finish()
+                if self.text.stopped:  # a stop string in what only the flush decoded (held back, a partial character)
+                    self.finish_reason, self.stop_reason = "stop", self.text.matched_stop
         return delta
 
     def _stop_word(self, token: int) -> tuple[int, ...] | None:

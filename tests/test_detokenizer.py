@@ -206,3 +206,19 @@ def test_stop_strings_are_not_looked_for_before_min_tokens(tokenizer):
     assert stream.matched_stop == ". b. c" and stream.text == "a"
     stream, _ = _stream(tokenizer, [], ids, stop=("b. z", "b"), min_tokens=dots[0])  # "b" was held back before
     assert not stream.stopped and stream.text == text
+
+
+def test_a_stop_string_only_the_last_flush_decodes_ends_the_request_as_a_stop(byte_bpe):
+    """Generation ends on max_tokens mid-character: the flush decodes the held-back bytes (U+FFFD here) and a stop
+    string matches in them. The text is cut there, so the request stopped on that string, not on its length."""
+    from camshaft.runtime.request import Request
+    from camshaft.runtime.sampler import SampleResult, SequenceSampler
+    from camshaft.runtime.sampling_params import SamplingParams
+
+    first_byte = byte_bpe.encode("😀", add_special_tokens=False)[0]
+    for stop, expected in ((None, ("length", None, "\ufffd")), ("\ufffd", ("stop", "\ufffd", ""))):
+        params = SamplingParams(max_tokens=1, stop=stop, ignore_eos=True)
+        request = Request("r", [1], params, SequenceSampler(params, [1], (), [], len(byte_bpe)),
+                          TextStream(byte_bpe, [1], stop=params.stop), ())
+        delta = request.add_sample(SampleResult(first_byte))
+        assert (request.finish_reason, request.stop_reason, delta) == expected

@@ -76,7 +76,10 @@ class GuidedDecodingParams:
             return llguidance.grammar_from("regex", self.regex)
         if self.choice is not None:  # one regex of the escaped strings (llguidance's choice rule caps its size)
             return llguidance.grammar_from("regex", "|".join(re.escape(c) for c in self.choice))
-        return llguidance.grammar_from("grammar", self.grammar)
+        try:  # GBNF is converted here, so its errors come now; a Lark grammar's come when the matcher compiles it
+            return llguidance.grammar_from("grammar", self.grammar)
+        except ValueError as exc:
+            raise RequestError(f"guided decoding: the grammar does not compile: {_first_line(str(exc))}") from None
 
 
 def _schema_text(schema: object) -> str:

@@ -164,6 +164,8 @@ def test_bad_grammars_are_refused_before_anything_runs(llm):
     for guided, message in ((GuidedDecodingParams(regex="a(b"), "unclosed group"),
                             (GuidedDecodingParams(regex="[^\x00-\U0010FFFF]"), "guided decoding"),
                             (GuidedDecodingParams(grammar="start: nothing_defined"), "guided decoding"),
+                            (GuidedDecodingParams(grammar="root ::= ("), "the grammar does not compile"),  # GBNF
+                            (GuidedDecodingParams(grammar="root ::= foo"), "Rule 'foo' not found"),
                             (GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "strin"}}}),
                              "guided decoding")):
         with pytest.raises(RequestError, match=message):

@@ -462,6 +462,14 @@ def test_bad_input_is_an_openai_400(served, path, body, param):
     assert error["message"] and error["param"] == param
 
 
+def test_a_json_body_sent_as_a_form_is_told_which_header_it_lacks(served):
+    response = HTTP.post(served[0] + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
+                         headers={"content-type": "application/x-www-form-urlencoded"})  # curl -d's default
+    assert response.status_code == 400
+    assert "only with the header Content-Type: application/json (this request's: application/x-www-form-urlencoded)" \
+        in response.json()["error"]["message"]
+
+
 def test_ignored_fields_are_said_in_the_log(served, caplog):
     import logging
 

@@ -222,6 +222,9 @@ def test_a_template_that_reads_tools_renders_them_itself(engine_dir, tmp_path):
     ({"messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "get_time", "arguments": "{zone"}}]}]},
      "tool call 0's arguments are not JSON"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [  # deeper than json.loads goes
+        {"type": "function", "function": {"name": "get_time", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+     "tool call 0's arguments are not JSON"),
 ])
 def test_bad_tool_requests_are_refused_saying_why(served, body, message):
     response = httpx.post(f"{served[0]}/v1/chat/completions",

@@ -205,7 +205,7 @@ def _template_call(index: int, call: dict[str, Any]) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             raise RequestError(f"tool call {index}'s arguments are not JSON: {arguments!r:.80}") from None
     return {**call, "type": "function", "function": {**function, "arguments": arguments}}
 

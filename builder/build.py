@@ -30,7 +30,8 @@ from camshaft.builder.targets.trt_product import parse_arch
 from camshaft.engine_files import TOKENIZER_DIR, engine_entries, record_files
 from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import BUILD_ID_KEY, graph_limits
-from camshaft.manifest import MANIFEST_NAME, BuildLimits, Manifest, TensorSpec
+from camshaft.io_signature import TensorSpec
+from camshaft.manifest import MANIFEST_NAME, BuildLimits, Manifest
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
 from camshaft.version import __version__
 

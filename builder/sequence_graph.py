@@ -17,7 +17,8 @@ from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter, Reuse, save_model
 from camshaft.builder.graph.sequence import SequenceLowering, sequence_layout
 from camshaft.graph_meta import graph_limits, sequence_graph_support
-from camshaft.manifest import BuildLimits, SequenceGraph
+from camshaft.io_signature import SequenceGraph
+from camshaft.manifest import BuildLimits
 
 SEQUENCE_ARTIFACT = "sequence.onnx"
 

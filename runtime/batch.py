@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS
+from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS
 from camshaft.runtime.kv_cache import NULL_BLOCK
 
 # Every graph input build_step can produce; an engine asking for another one needs a newer camshaft.

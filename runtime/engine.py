@@ -9,7 +9,8 @@ import numpy as np
 
 from camshaft.engine_files import TOKENIZER_DIR, check_unchanged
 from camshaft.errors import EngineError
-from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, Manifest, read_manifest
+from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS
+from camshaft.manifest import Manifest, read_manifest
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, pool_blocks

@@ -15,7 +15,8 @@ import onnxruntime as ort
 from camshaft.engine_files import check_unchanged
 from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_build_id, sequence_graph_support
-from camshaft.manifest import SEQUENCE_INPUTS, Manifest, read_manifest
+from camshaft.io_signature import SEQUENCE_INPUTS
+from camshaft.manifest import Manifest, read_manifest
 from camshaft.runtime.backends.onnxruntime import (
     GraphIO,
     check_compatible,

@@ -48,7 +48,8 @@ def camshaft_cli() -> list[str]:
 
 def engine_usable(engine_dir: Path, min_seq_len: int) -> bool:
     from camshaft.errors import CamshaftError
-    from camshaft.manifest import KVCacheLayout, read_manifest
+    from camshaft.io_signature import KVCacheLayout
+    from camshaft.manifest import read_manifest
     from camshaft.runtime.backends.onnxruntime import check_compatible
 
     if not engine_dir.is_dir():

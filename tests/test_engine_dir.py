@@ -12,7 +12,8 @@ import pytest
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import BuildConfigError, CheckpointError, EngineError
-from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS, read_manifest
+from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS
+from camshaft.manifest import read_manifest
 from camshaft.runtime.batch import FEED_NAMES, Chunk, build_step
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.engine_info import engine_info

@@ -29,7 +29,8 @@ from camshaft.builder.graph.kv_quant import KV_ELEM, KVQuantizer
 from camshaft.builder.graph.layer_ops import LayerOps
 from camshaft.builder.graph.linear import Linears, QuantizedFn, WeightFn
 from camshaft.builder.graph.ops import NP_DTYPES, ONNX_DTYPES, GraphWriter
-from camshaft.manifest import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS, BuildLimits, KVCacheLayout, TensorSpec
+from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS, KVCacheLayout, TensorSpec
+from camshaft.manifest import BuildLimits
 from camshaft.model_config import ModelConfig
 
 OPSET = 23

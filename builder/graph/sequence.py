@@ -26,7 +26,8 @@ from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.layer_ops import LayerOps
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter
-from camshaft.manifest import SEQUENCE_INPUTS, BuildLimits, SequenceGraph
+from camshaft.io_signature import SEQUENCE_INPUTS, SequenceGraph
+from camshaft.manifest import BuildLimits
 from camshaft.model_config import ModelConfig
 
 

@@ -13,7 +13,8 @@ import onnxruntime as ort
 
 from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_build_id, check_graph_limits
-from camshaft.manifest import KVCacheLayout, Manifest, SequenceGraph, TensorSpec
+from camshaft.io_signature import KVCacheLayout, SequenceGraph, TensorSpec
+from camshaft.manifest import Manifest
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
 from camshaft.runtime.kv_cache import CGROUP, SMALLER_POOL
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from camshaft.errors import CheckpointError, needs_extra
+from camshaft.float_model import load_float_model
 from camshaft.model_config import (
     CAMSHAFT_QUANT_RECORD,
     HF_QUANT_CONFIG,
@@ -129,8 +130,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     timings["prepare"] = round(time.perf_counter() - start, 2)
     progress(f"loading {model_config.architecture} from {model_dir} (float32, CPU)")
     t = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                               use_safetensors=True).eval()
+    model = load_float_model(model_dir, f"--model {model_dir}", "quantize")
     if not getattr(model.config, "architectures", None):  # ModelOpt's HF export needs it
         model.config.architectures = [type(model).__name__]
     timings["load"] = round(time.perf_counter() - t, 2)

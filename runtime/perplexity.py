@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError
 
 from camshaft.errors import CheckpointError, RequestError, needs_extra
+from camshaft.float_model import load_float_model
 from camshaft.manifest import MANIFEST_NAME
 from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig, require_tokenizer
 from camshaft.runtime.batch import Chunk
@@ -122,24 +122,6 @@ def engine_perplexity(engine_dir: str | Path, text: str) -> PerplexityResult:
     return PerplexityResult(math.exp(total / count), count, len(parts))
 
 
-def _reference_model(transformers, torch, path: Path):
-    """The tokenizer and fp32 model, refused when transformers cannot read them or would make up weights (it fills
-    a missing tensor with random values and only logs it)."""
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float32, use_safetensors=True, output_loading_info=True)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # unreadable files, shapes config.json denies
-        raise CheckpointError(f"--model {path}: transformers cannot load it: {str(exc).strip()[:400]}") from exc
-    # a tensor of another shape is the RuntimeError above; a missing one is only listed
-    missing = sorted(n for n in info["missing_keys"] if n != "lm_head.weight" or not model.config.tie_word_embeddings)
-    if missing:
-        raise CheckpointError(f"--model {path} lacks {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}; "
-                              "transformers would score random weights in their place: fix the checkpoint (camshaft "
-                              "build refuses it too)")
-    return tokenizer, model.eval()
-
-
 def reference_perplexity(model_dir: str | Path, text: str, window: int) -> PerplexityResult:
     """transformers fp32 on the same windows: the numerics reference (needs torch)."""
     check_window(window)
@@ -150,7 +132,13 @@ def reference_perplexity(model_dir: str | Path, text: str, window: int) -> Perpl
     except ImportError as exc:
         raise RequestError(needs_extra(f"the transformers reference ({exc.name} is not installed)", "reference")) \
             from exc
-    tokenizer, model = _reference_model(transformers, torch, Path(model_dir))
+    path = Path(model_dir)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"--model {path}: transformers cannot load its tokenizer: {str(exc).strip()[:400]}") \
+            from exc
+    model = load_float_model(path, f"--model {path}", "score")
     ids = tokenizer(text)["input_ids"]
     total, count, parts = 0.0, 0, windows(ids, window)
     with torch.no_grad():

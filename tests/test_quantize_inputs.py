@@ -453,6 +453,28 @@ def test_pickle_weights_are_never_loaded_for_calibration(tiny, tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("damage", ["missing head", "missing layer tensor", "wrong shape"])
+def test_weights_transformers_would_make_up_are_refused_before_calibration(tmp_path, damage):
+    """transformers fills a missing tensor with random values and only logs it: quantizing that would export random
+    weights that then build. A tensor of another shape is refused too, as an error and not a traceback."""
+    from safetensors.numpy import load_file, save_file
+
+    model = make_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=False)
+    (shard,) = model.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = {"missing head": "lm_head.weight", "missing layer tensor": "model.layers.1.mlp.up_proj.weight",
+            "wrong shape": "model.layers.0.mlp.down_proj.weight"}[damage]
+    if damage == "wrong shape":
+        tensors[name] = tensors[name][:, :-8].copy()
+    else:
+        del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    message = "transformers cannot load it" if damage == "wrong shape" else f"lacks {name}; transformers would"
+    with pytest.raises(CheckpointError, match=message):
+        quantize_checkpoint(model, tmp_path / "ckpt", QuantSpec("int8_wo"), **CALIB)
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_cli_quantize(tiny, tmp_path, capsys, monkeypatch):
     import camshaft.quantize.modelopt_adapter as adapter
 

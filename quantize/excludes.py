@@ -28,6 +28,8 @@ def check_excludes_match(spec: QuantSpec, linears: list[str]) -> None:
     if spec.exclude and not set(linears) - excluded - {"lm_head"}:
         raise QuantizeError(f"--exclude {' '.join(spec.exclude)} leaves no linear layer to quantize; exclude fewer "
                             "layers (or build the float checkpoint)")
+    if "AWQ" in spec.info.modelopt_config:  # AWQ calibration: input scales
+        _check_awq_groups(spec, excluded, linears)
     for pattern in spec.exclude:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
             raise QuantizeError(
@@ -41,3 +43,22 @@ def examples(names: list[str]) -> list[str]:
     """The first and last few names, in layer order (layer 2 before layer 10)."""
     ordered = sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
     return ordered if len(ordered) <= 4 else ordered[:2] + ["…"] + ordered[-2:]
+
+
+def _check_awq_groups(spec: QuantSpec, excluded: set[str], linears: list[str]) -> None:
+    """AWQ's export folds the common input scale of the quantized projections that read one layer norm's output into
+    that norm (when two or more remain): an excluded q/k/v projection would then read scaled input with its float
+    weights unchanged. Each layer's q, k and v are excluded together or not at all."""
+    groups: dict[str, list[str]] = {}
+    for name in linears:
+        parent, _, leaf = name.rpartition(".")
+        if leaf in ("q_proj", "k_proj", "v_proj"):
+            groups.setdefault(parent, []).append(name)
+    for parent, names in sorted(groups.items()):
+        out = [n for n in names if n in excluded]
+        if out and len(names) - len(out) > 1:
+            raise QuantizeError(
+                f"--exclude keeps {', '.join(out)} float but not the other projections that read the same input: "
+                f"{spec.format} folds their shared scale into the layer norm before them, which the float one reads "
+                f"too; exclude all of {parent}'s q_proj, k_proj and v_proj (e.g. '{parent}.[qkv]_proj') or none")
+

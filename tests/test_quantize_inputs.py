@@ -333,6 +333,24 @@ def test_excludes_that_leave_nothing_or_fight_lm_head_are_refused(tiny):
         check_excludes_match(QuantSpec("int8_wo", exclude=("lm_head",), lm_head="int8"), names)
 
 
+def test_awq_excludes_a_layers_q_k_v_together_or_not_at_all(tiny, tmp_path, no_model_load):
+    """AWQ's export folds the input scale that two or more quantized q/k/v share into the layer norm before them: an
+    excluded one would read that scaled input with float weights made for the unscaled one."""
+    from camshaft.quantize.excludes import check_excludes_match, module_names
+
+    names = module_names(tiny)
+    for fmt in ("int4_awq", "w4a8_awq"):
+        with pytest.raises(QuantizeError, match=r"keeps model\.layers\.1\.self_attn\.q_proj float but not the other "
+                                                r"projections.*e\.g\. 'model\.layers\.1\.self_attn\.\[qkv\]_proj'"):
+            check_excludes_match(QuantSpec(fmt, exclude=("model.layers.1.self_attn.q_proj",)), names)
+        with pytest.raises(QuantizeError, match="keeps model.layers.0.self_attn.v_proj float"):
+            quantize_checkpoint(tiny, tmp_path / "ckpt", QuantSpec(fmt, exclude=("*.v_proj",)), **CALIB)
+        for fine in ("*.self_attn.[qkv]_proj", "*.[qk]_proj", "*.gate_proj", "*.o_proj"):  # none or one of q/k/v left
+            check_excludes_match(QuantSpec(fmt, exclude=(fine,)), names)
+    check_excludes_match(QuantSpec("int4_wo", exclude=("*.q_proj",)), names)  # no scale to fold without AWQ
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_quantized_weights_without_their_config_are_refused(tiny, tmp_path):
     """Codes must never be read as float weights: a checkpoint whose config.json says it is quantized but has no
     hf_quant_config.json, and a layer whose weight_scale is gone, are refused by the builder and by quantize."""

@@ -21,6 +21,7 @@ from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
 from camshaft.builder.graph.ops import GraphWriter, save_model
 from camshaft.builder.sequence_graph import sequence_graph
 from camshaft.builder.target_checks import (
+    check_lm_head_target,
     check_quantized_target,
     check_target,
     check_weight_only_compute,
@@ -148,6 +149,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         algos = checkpoint.quant_algos
         for algo in algos or ([None] if checkpoint.quantization else []):  # None: a KV cache quantized alone
             check_quantized_target(config.target, algo, checkpoint.quantization.get("kv_cache_quant_algo"), gpu_arch)
+        check_lm_head_target(config.target, checkpoint.lm_head, gpu_arch)
         check_weight_only_compute(config.weight_only_compute, algos, str(config.model_dir))
         # int8 compute by default only where the checkpoint has weight-only layers (an int4 lm_head on an fp8 /
         # int8_sq checkpoint keeps float compute, as before the option existed)

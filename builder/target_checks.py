@@ -59,6 +59,16 @@ def check_weight_only_compute(weight_only_compute: str, quant_algos: Sequence[st
             f"down_proj); {source} is {' + '.join(quant_algos) or 'not quantized'}. Drop it.")
 
 
+def check_lm_head_target(target: str, lm_head: str, gpu_arch: str | None) -> None:
+    """Refuse a quantized lm_head that `gpu_arch` (check_target's) has no weight-only kernels for, before any work."""
+    if gpu_arch is None or lm_head == "float":
+        return
+    from camshaft.builder.targets.precision import check_lm_head
+    from camshaft.builder.targets.trt_product import parse_arch
+
+    check_lm_head(target, parse_arch(gpu_arch), lm_head)
+
+
 def check_target(config: BuildConfig) -> str | None:
     """Refuse a target whose product is missing or cannot build for the architecture, before any work (`camshaft
     build --quant` calls it before calibrating). Returns the GPU architecture the plan is built for (the tensorrt

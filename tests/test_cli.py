@@ -181,6 +181,11 @@ def test_build_quant_is_quantize_then_build_in_one_step(tiny, capsys):
     code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--target", "tensorrt-rtx",
                             "--gpu-arch", "sm86", "--quant", "fp8")
     assert code == 1 and "sm86" in err and not (root / "int8-engine.ckpt").exists()
+    code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--target", "tensorrt-rtx",
+                            "--gpu-arch", "sm75", "--quant", "int8_sq", "--lm-head", "int4")  # int8_sq alone builds
+    err = " ".join(err.split())
+    assert code == 1 and "which --lm-head int4 needs; keep the head float (--lm-head float" in err, err
+    assert not (root / "int8-engine.ckpt").exists()
     (root / "int8-engine.ckpt").mkdir()
     (root / "int8-engine.ckpt" / "notes.txt").write_text("mine")
     code, _, err = camshaft(capsys, "build", "--model", model, "--output", out, "--quant", "int8_wo")

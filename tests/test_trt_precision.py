@@ -106,6 +106,23 @@ def test_build_engine_refuses_fp8_for_sm86_before_any_work(quantized, tmp_path: 
 
 @NEEDS_RTX
 @pytest.mark.tensorrt
+def test_build_engine_refuses_a_quantized_head_for_sm75_before_any_work(tmp_path: Path) -> None:
+    pytest.importorskip("modelopt.torch.quantization")
+    from camshaft.quantize.modelopt_adapter import quantize_checkpoint
+    from camshaft.quantize.spec import QuantSpec
+
+    checkpoint = tmp_path / "int8_sq-head4"
+    quantize_checkpoint(make_tiny_model("llama", tmp_path / "hf"), checkpoint, QuantSpec("int8_sq", lm_head="int4"),
+                        calib_size=2, calib_seq_len=32)
+    with pytest.raises(BuildConfigError, match=r"sm75 \(Turing\) has no INT4 weight-only .* which --lm-head int4 "
+                                               r"needs"):
+        build_engine(BuildConfig(checkpoint, tmp_path / "engine", target="tensorrt-rtx", gpu_arch="sm75",
+                                 max_seq_len=64))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "int8_sq-head4"]
+
+
+@NEEDS_RTX
+@pytest.mark.tensorrt
 @pytest.mark.parametrize("fmt", ["fp8", "int4_wo", "int8_sq"])
 def test_table_refuses_whatever_the_builder_refuses(quantized, tmp_path: Path, fmt: str) -> None:
     """Bypass the table and ask tensorrt-rtx itself, for each architecture below sm89."""

@@ -147,7 +147,12 @@ def _refuse_quant_options(options: dict[str, object]) -> None:
 def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str | None, group_size: str,
                            lm_head: str) -> None:
     """Everything the build after quantizing would refuse, checked before calibration starts."""
-    from camshaft.builder.target_checks import check_quantized_target, check_target, check_weight_only_compute
+    from camshaft.builder.target_checks import (
+        check_lm_head_target,
+        check_quantized_target,
+        check_target,
+        check_weight_only_compute,
+    )
     from camshaft.engine_files import MANIFEST_NAME, engine_entries
     from camshaft.errors import BuildConfigError
     from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig
@@ -163,6 +168,7 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     for algo in spec.info.layer_algos:
         check_quantized_target(config.target, algo, kv_cache_dtype and kv_cache_dtype.upper(), gpu_arch=gpu_arch,
                                shown_as=f"--quant {quant}")
+    check_lm_head_target(config.target, lm_head, gpu_arch)
     check_weight_only_compute(config.weight_only_compute, spec.info.layer_algos, f"--quant {quant}")
     if Path(config.model_dir).is_dir():  # a missing one: quantize says so
         config.resolved_max_seq_len(ModelConfig.from_hf_dir(config.model_dir))

@@ -28,6 +28,11 @@ def check_excludes_match(spec: QuantSpec, linears: list[str]) -> None:
     if spec.exclude and not set(linears) - excluded - {"lm_head"}:
         raise QuantizeError(f"--exclude {' '.join(spec.exclude)} leaves no linear layer to quantize; exclude fewer "
                             "layers (or build the float checkpoint)")
+    weight_only = [n for n in linears if any(fnmatch.fnmatchcase(n, p) for p in spec.info.weight_only_layers)]
+    if weight_only and set(weight_only) <= excluded:
+        raise QuantizeError(f"--exclude {' '.join(spec.exclude)} keeps float every layer {spec.format} makes "
+                            f"weight-only ({', '.join(spec.info.weight_only_layers)}), so nothing of it would be "
+                            "mixed; pass --quant int8_sq with the same --exclude for W8A8 layers beside float ones")
     if "AWQ" in spec.info.modelopt_config:  # AWQ calibration: input scales
         _check_awq_groups(spec, excluded, linears)
     for pattern in spec.exclude:

@@ -331,6 +331,10 @@ def test_excludes_that_leave_nothing_or_fight_lm_head_are_refused(tiny):
         check_excludes_match(QuantSpec("fp8", kv_cache_dtype="fp8", exclude=("*_proj",)), names)
     with pytest.raises(QuantizeError, match="--exclude keeps lm_head float but --lm-head int8 quantizes it"):
         check_excludes_match(QuantSpec("int8_wo", exclude=("lm_head",), lm_head="int8"), names)
+    with pytest.raises(QuantizeError, match=r"keeps float every layer int8_sq_mixed makes weight-only "
+                                            r"\(\*\.mlp\.down_proj\).*pass --quant int8_sq with the same --exclude"):
+        check_excludes_match(QuantSpec("int8_sq_mixed", exclude=("*.down_proj",)), names)
+    check_excludes_match(QuantSpec("int8_sq_mixed", exclude=("model.layers.0.mlp.down_proj",)), names)  # one left
 
 
 def test_awq_excludes_a_layers_q_k_v_together_or_not_at_all(tiny, tmp_path, no_model_load):

@@ -16,16 +16,11 @@ from camshaft.errors import CamshaftError, CapacityError
 from camshaft.openai_server import errors
 from camshaft.openai_server.api_key import ApiKey
 from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
+from camshaft.openai_server.chat_protocol import DetokenizeRequest, TokenizeRequest
 from camshaft.openai_server.errors import APIError, from_exception, route_path
 from camshaft.openai_server.generation import Generation
 from camshaft.openai_server.metrics import CONTENT_TYPE, Metrics
-from camshaft.openai_server.protocol import (
-    DEFAULT_COMPLETION_TOKENS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from camshaft.openai_server.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
 from camshaft.openai_server.responses import ChatShape, CompletionShape, sse, usage
 from camshaft.openai_server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from camshaft.openai_server.tools import tool_choice

@@ -9,12 +9,12 @@ request `priority`
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, model_validator
 
 from camshaft.errors import RequestError
+from camshaft.openai_server.chat_protocol import ChatMessage, TemplateOptions
 from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -163,75 +163,7 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
-    name: str | None = None
-
-    def template_dict(self) -> dict[str, Any]:
-        """{'role', 'content'} with text content parts joined by newlines (as vLLM and TensorRT-LLM join them), and
-        the tool fields, as chat templates expect them (a call's arguments as an object, not JSON text)."""
-        message: dict[str, Any] = {"role": self.role, "content": self._text()}
-        if self.tool_calls:
-            message["tool_calls"] = [_template_call(i, call) for i, call in enumerate(self.tool_calls)]
-        message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
-        return message
-
-    def _text(self) -> str:
-        content = self.content
-        if isinstance(content, list):  # an assistant's refusal parts are its text too (OpenAI's replayed turns)
-            kinds = {"text": "text", **({"refusal": "refusal"} if self.role == "assistant" else {})}
-            if any(part.get("type") not in kinds for part in content):
-                raise RequestError("only text content parts ({'type': 'text', 'text': ...}; an assistant's "
-                                   "{'type': 'refusal', 'refusal': ...} too) are supported")
-            texts = [part.get(kinds[part["type"]], "") for part in content]
-            if not all(isinstance(text, str) for text in texts):
-                raise RequestError("a text content part's text must be a string")
-            content = "\n".join(texts)
-        return content or ""
-
-
-def _template_call(index: int, call: dict[str, Any]) -> dict[str, Any]:
-    function = call.get("function")
-    if call.get("type", "function") != "function" or not isinstance(function, dict) \
-            or not isinstance(function.get("name"), str):
-        raise RequestError(f"tool call {index} is {call!r:.120}; each is {{'id': ..., 'type': 'function', "
-                           "'function': {'name': ..., 'arguments': JSON text}}")
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except (ValueError, RecursionError):
-            raise RequestError(f"tool call {index}'s arguments are not JSON: {arguments!r:.80}") from None
-    return {**call, "type": "function", "function": {**function, "arguments": arguments}}
-
-
-class _TemplateOptions(BaseModel):
-    """The chat template options of OpenAI and vLLM bodies: tools, chat_template_kwargs (vLLM's) and how the chat
-    ends (add_generation_prompt, continue_final_message) reach the template; a request's own template does not."""
-
-    tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    chat_template: Any = None
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-
-    def check_template_options(self) -> None:
-        if self.chat_template is not None:  # vLLM refuses it too, unless trusted: it would run a client's template
-            raise RequestError("a request's own chat_template is not taken: the server's (its engine's, or "
-                               "--chat-template) renders every chat; leave it out")
-
-    def chat_keywords(self) -> dict[str, Any]:
-        """The template options as LLM.encode takes them."""
-        return {"chat_template_kwargs": self.chat_template_kwargs, "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
-
-
-class ChatCompletionRequest(_GenerationRequest, _TemplateOptions):
+class ChatCompletionRequest(_GenerationRequest, TemplateOptions):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
@@ -254,38 +186,3 @@ class ChatCompletionRequest(_GenerationRequest, _TemplateOptions):
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class TokenizeRequest(_TemplateOptions):
-    """vLLM's /tokenize body: a prompt or chat messages, tokenized exactly as a completion or chat request would be
-    (its options at their defaults only: other values would tokenize unlike generation)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    return_token_strs: bool = False
-
-    def check_supported(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestError("send one of prompt (text) or messages (chat)")
-        chat_only = [name for name in ("tools", "chat_template_kwargs", "continue_final_message")
-                     if getattr(self, name)]
-        chat_only += [] if self.add_generation_prompt else ["add_generation_prompt"]
-        if self.prompt is not None and chat_only:
-            raise RequestError(f"{' and '.join(chat_only)} go with messages (a chat); a prompt is tokenized as it is: "
-                               "leave them out")
-        self.check_template_options()
-        default = self.prompt is not None  # vLLM's: special tokens for a prompt, none added to a chat template
-        if self.add_special_tokens not in (None, default):
-            raise RequestError("add_special_tokens takes its default only: camshaft tokenizes as its completions "
-                               "and chat completions do; leave it out")
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    tokens: list[StrictInt]

@@ -36,7 +36,8 @@ def ranked_channels(model_dir: Path, calib_size: int, calib_seq_len: int) -> tup
     import transformers
 
     from camshaft.quantize.calibration import load_texts, tokenize
-    from camshaft.quantize.modelopt_adapter import HeadInputs, calibration_loop
+    from camshaft.quantize.model_edits import HeadInputs
+    from camshaft.quantize.modelopt_adapter import calibration_loop
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     calib = tokenize(*load_texts(None), tokenizer, calib_size, calib_seq_len)

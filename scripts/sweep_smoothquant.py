@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fake_quant import FakeQuantBench, validation_text  # noqa: E402
 
-from camshaft.quantize.modelopt_adapter import quantize_inputs_per_token  # noqa: E402
+from camshaft.quantize.model_edits import quantize_inputs_per_token  # noqa: E402
 
 
 def main() -> None:

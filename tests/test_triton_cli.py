@@ -3,6 +3,7 @@ bundled tritonserver, answers, and exits cleanly on SIGINT."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -142,6 +143,56 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(engine):
+    """SIGKILL (or the OOM killer) leaves camshaft no chance to stop Triton: the kernel does (PR_SET_PDEATHSIG), so
+    no orphan keeps serving and holding the ports. The readiness poll of our own loopback server never goes through
+    $http_proxy (here a proxy that refuses everything)."""
+    import os
+
+    import psutil
+
+    ports = [str(free_port("127.0.0.1")) for _ in range(3)]
+    env = {**os.environ, "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    serve = subprocess.Popen([*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port",
+                              ports[1], "--metrics-port", ports[2]], stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in serve.stderr:
+            lines.append(line)
+            if "ready:" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    triton = []
+    try:
+        assert ready.wait(120) and serve.poll() is None, "".join(lines)
+        triton = [p for p in psutil.Process(serve.pid).children() if p.name() == "tritonserver"]
+        group = [p for p in psutil.process_iter() if _pgid(p.pid) == triton[0].pid]  # tritonserver and its stubs
+        serve.kill()
+        serve.wait()
+        gone, alive = psutil.wait_procs(group, timeout=60)
+        assert not alive, alive
+    finally:
+        for process in [serve.pid, *(p.pid for p in triton)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("host, message", [
+    ("::1", "--host ::1: tritonserver takes IPv4 addresses here"),
+    ("no-such-host.invalid", "--host no-such-host.invalid is no address of this machine"),
+    ("10.255.255.1", "cannot listen on 10.255.255.1 port .* pass an address of this machine"),
+])
+def test_an_address_tritonserver_cannot_listen_on_is_said_as_it_is(host, message):
+    from camshaft.triton_repo.launch import check_port
+
+    with pytest.raises(CamshaftError, match=message):
+        check_port(host, free_port("127.0.0.1"))
 
 
 def test_a_stopped_batch_loop_is_unavailable_and_says_restart(engine):

@@ -3,11 +3,15 @@ the environment of its python stub, free loopback ports."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import importlib.util
 import os
+import signal
 import socket
 import sys
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,3 +78,40 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a host and port tritonserver could not listen on, saying why (CamshaftError)."""
+    if ":" in host:
+        raise CamshaftError(f"--host {host}: tritonserver takes IPv4 addresses here; pass 127.0.0.1 (this machine "
+                            "only) or 0.0.0.0 (every interface)")
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing socket in TIME_WAIT is no listener
+        try:
+            probe.bind((host, port))
+        except socket.gaierror as exc:
+            raise CamshaftError(f"--host {host} is no address of this machine ({exc.strerror}); pass an address "
+                                "such as 127.0.0.1 or 0.0.0.0") from None
+        except OverflowError:
+            raise CamshaftError(f"port {port} is not a port number (0-65535)") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CamshaftError(f"port {port} on {host} is in use; pick another (--port / --grpc-port / "
+                                    "--metrics-port) or stop what listens there") from None
+            hint = ("ports below 1024 need privileges: pick a higher one" if exc.errno == errno.EACCES else
+                    "pass an address of this machine, such as 127.0.0.1 or 0.0.0.0"
+                    if exc.errno == errno.EADDRNOTAVAIL else "pick another host or port")
+            raise CamshaftError(f"cannot listen on {host} port {port} ({exc.strerror}); {hint}") from None
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with(parent: int) -> Callable[[], None]:
+    """Run in the child before exec: SIGTERM it when the thread that started it dies, however that dies (SIGKILL,
+    the OOM killer, a closed terminal), so no orphaned tritonserver keeps serving and holding its ports."""
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the line above took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,12 +24,19 @@ import psutil
 from camshaft.errors import CamshaftError
 from camshaft.triton_repo.channel import channel_path, remove_socket
 from camshaft.triton_repo.deploy import TOKEN_MODEL, check_path
-from camshaft.triton_repo.launch import Endpoints, free_port, make_backends_dir, server_env, tritonserver_root
+from camshaft.triton_repo.launch import (
+    Endpoints,
+    check_port,
+    free_port,
+    make_backends_dir,
+    server_env,
+    stop_with,
+    tritonserver_root,
+)
 from camshaft.triton_repo.shutdown import wait_until_stopped
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
-
-
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
 class TritonServer:
     """`with TritonServer(repo) as server:` starts tritonserver on loopback and waits until it is ready."""
 
@@ -67,13 +73,12 @@ class TritonServer:
     def start(self) -> TritonServer:
         e = self.endpoints
         for port in (e.http_port, e.grpc_port, e.metrics_port):  # a server already there would answer our poll
-            if not port_free(e.host, port):
-                raise CamshaftError(f"port {port} on {e.host} is in use; pick another (--port / --grpc-port / "
-                                    "--metrics-port) or stop what listens there")
+            check_port(e.host, port)
         with open(self.log_file, "ab") as log:
             # its own process group, which the stubs join: stop() can end them even after Triton itself died
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env(),
-                                            stdin=subprocess.DEVNULL, process_group=0)
+                                            stdin=subprocess.DEVNULL, process_group=0,
+                                            preexec_fn=stop_with(os.getpid()))
         try:
             self.wait_ready()
         except BaseException:
@@ -90,7 +95,7 @@ class TritonServer:
                 raise CamshaftError(f"tritonserver exited with code {self.process.returncode} before it was ready; "
                                     f"its log ({self.log_file}) ends:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:
+                with _DIRECT.open(url, timeout=2) as response:
                     if response.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -110,7 +115,7 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.endpoints.http}/v2/health/ready", timeout=5) as response:
+            with _DIRECT.open(f"http://{self.endpoints.http}/v2/health/ready", timeout=5) as response:
                 return response.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
@@ -190,16 +195,6 @@ def _shm_of(processes: list[psutil.Process]) -> set[str]:
     return names
 
 
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing socket in TIME_WAIT is no listener
-        try:
-            probe.bind((host, port))
-        except (OSError, OverflowError):
-            return False
-    return True
-
-
 def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, grpc_port: int, metrics_port: int,
           llm_options: dict, log: Callable[[str], None], name: str | None = None, decoupled: bool = True) -> None:
     """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit.
@@ -218,7 +213,9 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
         elif given := [k for k, v in llm_options.items() if v is not None]:
             raise CamshaftError(f"{repo} serves the LLM options camshaft deploy wrote into it, so {', '.join(given)} "
                                 "would be ignored; pass them to camshaft deploy instead")
-        log_file = Path(tempfile.gettempdir()) / f"camshaft-tritonserver-{os.getpid()}.log"  # kept if it fails
+        handle, name = tempfile.mkstemp(prefix="camshaft-tritonserver-", suffix=".log")  # kept if it fails
+        os.close(handle)
+        log_file = Path(name)
         server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
                               metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600, log_file=log_file)
         log(f"starting tritonserver on {repo} (log: {server.log_file})")
@@ -231,13 +228,15 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
                     "a second one kills it")
                 server.signal(signal.SIGTERM)
 
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)  # nohup: ignored
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, *hangup)}
         code = 0
         try:
             try:
                 server.start()
             except CamshaftError:
                 if stopping:  # interrupted while loading
+                    log_file.unlink(missing_ok=True)
                     return
                 raise
             e = server.endpoints

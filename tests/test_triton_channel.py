@@ -114,6 +114,26 @@ def test_no_listener_is_a_clear_error(tmp_path):
         client.send(("submit", "x", {}))
 
 
+def test_a_token_model_that_went_away_fails_requests_at_once_not_after_the_load_wait(channel):
+    """Before the first connection the client waits for the token model to load; once it was there, its going away
+    (its process died) is said within a couple of seconds, not after a minute a request."""
+    llm, client, arrived = channel
+    client.send(("submit", "first", {"prompt": [5, 6], "max_tokens": 2}))
+    collect(arrived, "first")
+    client.connect_timeout_s = 600  # what a first connection may wait
+    client.close()
+    client.connection = None
+    aside = client.path.rename(client.path.with_name("aside.sock"))  # the listener gone, as when its process dies
+    started = time.monotonic()
+    try:
+        with pytest.raises(ServerClosedError, match=f"no executor listens on {client.path}: its token model is "
+                                                     "gone"):
+            client.send(("submit", "second", {"prompt": [5, 6], "max_tokens": 2}))
+        assert time.monotonic() - started < 10
+    finally:
+        aside.rename(client.path)
+
+
 def test_the_socket_path_fits_a_long_tmpdir(monkeypatch):
     import tempfile
 

@@ -183,6 +183,42 @@ def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(en
                 os.kill(process, signal.SIGKILL)
 
 
+def test_serve_stops_with_an_error_when_a_models_process_dies(engine):
+    """Triton neither restarts a python backend stub that died nor stops answering ready; its requests fail or wait.
+    camshaft serve says which model died and exits 1, so a supervisor restarts the server whole."""
+    import os
+
+    import psutil
+
+    ports = [str(free_port("127.0.0.1")) for _ in range(3)]
+    serve = subprocess.Popen([*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port",
+                              ports[1], "--metrics-port", ports[2]], stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in serve.stderr:
+            lines.append(line)
+            if "ready:" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(120) and serve.poll() is None, "".join(lines)
+        (triton,) = [p for p in psutil.Process(serve.pid).children() if p.name() == "tritonserver"]
+        (stub,) = [p for p in triton.children() if "/tensorrt_llm/1/model.py" in " ".join(p.cmdline())]
+        os.kill(stub.pid, signal.SIGKILL)
+        assert serve.wait(60) == 1, "".join(lines)
+        assert not triton.is_running() or triton.status() == psutil.STATUS_ZOMBIE
+        text = " ".join("".join(lines).split())
+        assert "the process serving the model(s) tensorrt_llm died" in text, text
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
 @pytest.mark.parametrize("host, message", [
     ("::1", "--host ::1: tritonserver takes IPv4 addresses here"),
     ("no-such-host.invalid", "--host no-such-host.invalid is no address of this machine"),

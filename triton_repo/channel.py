@@ -151,13 +151,17 @@ class ChannelClient:
     """Text-model side: send() from one thread; what arrives goes to deliver(message) from a reader thread, and
     ("closed", reason) once the connection is gone (the next send reconnects)."""
 
-    def __init__(self, path: Path, deliver: Send, connect_timeout_s: float = 60.0) -> None:
+    def __init__(self, path: Path, deliver: Send, connect_timeout_s: float = 60.0,
+                 reconnect_timeout_s: float = 2.0) -> None:
         self.path, self.deliver, self.connect_timeout_s = path, deliver, connect_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
         self.connection: Connection | None = None
+        self.connected = False  # once: the token model loaded, and a lost connection means it is gone
 
     def send(self, message: tuple) -> None:
         if self.connection is None:
-            self.connection = self._connect()
+            self.connection = self._connect(self.reconnect_timeout_s if self.connected else self.connect_timeout_s)
+            self.connected = True
             threading.Thread(target=self._read, args=(self.connection,), daemon=True).start()
         try:
             self.connection.send(message)
@@ -165,14 +169,17 @@ class ChannelClient:
             self.connection = None
             raise ServerClosedError(f"the executor's channel {self.path} closed ({exc})") from exc
 
-    def _connect(self) -> Connection:
-        deadline = time.monotonic() + self.connect_timeout_s
+    def _connect(self, timeout_s: float) -> Connection:
+        deadline = time.monotonic() + timeout_s
         while True:  # the token model may still be loading
             try:
                 return Client(str(self.path), family="AF_UNIX")
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 if time.monotonic() > deadline:
-                    raise ServerClosedError(f"no executor listens on {self.path}: is its token model loaded?") from exc
+                    was = "its token model is gone (its process died?)" if self.connected else \
+                        "is its token model loaded?"
+                    raise ServerClosedError(f"no executor listens on {self.path}: {was}; restart the server") \
+                        from exc
                 time.sleep(0.1)
 
     def _read(self, connection: Connection) -> None:

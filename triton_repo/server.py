@@ -33,7 +33,7 @@ from camshaft.triton_repo.launch import (
     stop_with,
     tritonserver_root,
 )
-from camshaft.triton_repo.shutdown import wait_until_stopped
+from camshaft.triton_repo.shutdown import stub_watch, wait_until_stopped
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
@@ -151,6 +151,16 @@ class TritonServer:
         self._tmp.cleanup()
         return code
 
+    def stubs(self) -> dict[int, str]:
+        """The python backend stubs running now: pid → the model each serves (`<repo>/<model>/<version>/model.py`)."""
+        found = {}
+        for child in psutil.Process(self.process.pid).children():
+            with contextlib.suppress(psutil.Error, IndexError):
+                command = child.cmdline()
+                if Path(command[0]).name == "triton_python_backend_stub":
+                    found[child.pid] = Path(command[1]).parent.parent.name
+        return found
+
     @property
     def shm_regions(self) -> set[str]:
         """Names of the /dev/shm regions the server's processes were seen to map (removed by stop())."""
@@ -244,7 +254,8 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             models = sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
             name = _text_model_name(Path(repo))
             log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/{name}/generate")
-            code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log)
+            code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log,
+                                      lost=stub_watch(server.stubs()))
             if code and not stopping:
                 raise CamshaftError(f"tritonserver exited with code {code}; its log ends:\n{server.log_tail()}")
         finally:

@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Client
 
+import psutil
+
+from camshaft.errors import CamshaftError
 from camshaft.triton_repo.channel import channel_path
 from camshaft.triton_repo.deploy import TOKEN_MODEL
 
@@ -27,16 +30,40 @@ def drain(server_pid: int) -> bool:
         return False
 
 
+def stub_watch(stubs: dict[int, str]) -> Callable[[], str | None]:
+    """A check that names a model whose python backend stub (`stubs`: pid → model) has died, else None. Triton
+    neither restarts it nor stops being ready, so its requests would fail or hang until the server is restarted."""
+    processes = {}
+    for pid, model in stubs.items():
+        with contextlib.suppress(psutil.Error):
+            processes[psutil.Process(pid)] = model
+
+    def gone(process: psutil.Process) -> bool:  # Triton does not reap a stub that died: a zombie is gone too
+        try:
+            return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
+    def lost() -> str | None:
+        return ", ".join(sorted(model for process, model in processes.items() if gone(process))) or None
+    return lost
+
+
 def wait_until_stopped(process: subprocess.Popen, signals: list[float], exit_timeout_s: float,
-                       log: Callable[[str], None]) -> int:
+                       log: Callable[[str], None], lost: Callable[[], str | None] = lambda: None) -> int:
     """The server's exit code. `signals`: when each stop signal arrived (appended by the signal handler, which
     forwards the first as SIGTERM); a second one, or the server overstaying the exit timeout by KILL_AFTER_S, kills
-    it."""
+    it. `lost`: names models whose process died (stub_watch); the server is then no longer whole: CamshaftError,
+    so a supervisor restarts it."""
     drained = False
     while True:
         with contextlib.suppress(subprocess.TimeoutExpired):
             return process.wait(timeout=0.2)
         if not signals:
+            if dead := lost():
+                raise CamshaftError(f"the process serving the model(s) {dead} died (Triton neither restarts it nor "
+                                    "stops answering ready, and its requests fail or wait): stopping the server; "
+                                    "restart it, and see its log and the machine's (out of memory?) for why")
             continue
         waited = time.monotonic() - signals[0]
         if len(signals) > 1 or waited > exit_timeout_s + KILL_AFTER_S:

@@ -108,6 +108,26 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     assert (repo / "engines_llama" / "manifest.json").is_file()
 
 
+def test_deploy_again_refuses_to_lose_what_was_edited_or_added_inside_the_models(engine, tmp_path):
+    repo = deploy_repository(engine, tmp_path / "repo")
+    cache = repo / "ensemble" / "1" / "__pycache__"  # what Triton's stubs leave: not the user's, no obstacle
+    cache.mkdir()
+    (cache / "model.cpython-311.pyc").write_bytes(b"bytecode")
+    deploy_repository(engine, repo)
+    config = repo / "ensemble" / "config.pbtxt"
+    config.write_text(config.read_text().replace("count: 1", "count: 4"))
+    (repo / "tensorrt_llm" / "2").mkdir()
+    (repo / "tensorrt_llm" / "2" / "model.py").write_text("# mine")
+    with pytest.raises(CamshaftError, match=r"holds ensemble/config\.pbtxt \(edited\), tensorrt_llm/2/model\.py "
+                                            r"\(added\) since camshaft deploy wrote it, which deploying again would "
+                                            "lose; move them aside"):
+        deploy_repository(engine, repo)
+    assert "count: 4" in config.read_text() and (repo / "tensorrt_llm" / "2" / "model.py").read_text() == "# mine"
+    shutil.rmtree(repo / "tensorrt_llm" / "2")
+    config.write_text(config.read_text().replace("count: 4", "count: 1"))
+    deploy_repository(engine, repo)
+
+
 def test_serve_engine_answers_and_stops_on_sigint(engine):
     ports = [str(free_port("127.0.0.1")) for _ in range(3)]
     command = [*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port", ports[1],

@@ -9,6 +9,7 @@ private channel to the token model (channel.py); none loads the engine a second 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -54,6 +55,29 @@ def _entries(repo: Path) -> set[str]:
     return {MARKER, TOKEN_MODEL, BLS_MODEL, str(name), f"{name}_sync"}
 
 
+def _file_hashes(repo: Path, models) -> dict[str, str]:
+    """sha256 of every file under the model directories, by path relative to `repo` (Python's bytecode caches,
+    which the stubs write beside model.py, left out)."""
+    files = {}
+    for model in sorted(models):
+        for path in sorted((repo / model).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                files[str(path.relative_to(repo))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return files
+
+
+def _changed_files(repo: Path) -> list[str]:
+    """The files of a repository deploy wrote that were edited or added since (`ensemble/config.pbtxt (edited)`);
+    none for a repository of a camshaft that recorded no hashes."""
+    try:
+        written = json.loads((repo / MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    now = _file_hashes(repo, [m for m in _entries(repo) - {MARKER} if (repo / m).is_dir()])
+    return ([f"{path} (edited)" for path in sorted(now) if path in written and now[path] != written[path]]
+            + [f"{path} (added)" for path in sorted(set(now) - set(written))])
+
+
 def check_path(path: Path, what: str) -> None:
     """Triton's python backend passes model paths to its stub processes split at whitespace (they then crash and
     the models never load): a path holding any is refused before anything is written or started."""
@@ -96,6 +120,10 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
         raise CamshaftError(f"--engine {engine} lies inside --repo {repo}, which deploy replaces as a whole; keep the "
                             "engine outside the repository")
     check_replaceable(repo, MARKER, "a camshaft Triton repository", CamshaftError, flag="--repo", owned=_entries)
+    if changed := _changed_files(repo):
+        raise CamshaftError(f"--repo {repo} holds {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} "
+                            "since camshaft deploy wrote it, which deploying again would lose; move them aside (or "
+                            "remove the repository if they are not wanted) and deploy again")
     staging = staging_dir(repo, flag="--repo")
     try:
         for model, config in models.items():
@@ -104,7 +132,7 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
             shutil.copyfile(SHIM, staging / model / "1" / "model.py")
         (staging / MARKER).write_text(json.dumps({
             "engine_dir": str(engine), "name": name, "llm_options": options, "decoupled": decoupled,
-            "camshaft_version": __version__},
+            "camshaft_version": __version__, "files": _file_hashes(staging, models)},
             indent=2) + "\n")
         replace_dir(staging, repo)
     except BaseException:

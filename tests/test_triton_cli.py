@@ -128,6 +128,19 @@ def test_deploy_again_refuses_to_lose_what_was_edited_or_added_inside_the_models
     deploy_repository(engine, repo)
 
 
+def test_a_model_refuses_config_parameters_it_would_ignore(engine, tmp_path):
+    """tensorrtllm_backend's names (max_queue_size, ...) added to a camshaft model's config.pbtxt fail its load, naming
+    camshaft's equivalent, instead of loading with them ignored."""
+    repo = deploy_repository(engine, tmp_path / "repo")
+    config = repo / "tensorrt_llm" / "config.pbtxt"
+    config.write_text(config.read_text() + 'parameters {\n  key: "max_queue_size"\n  value { string_value: "0" }\n}\n')
+    with pytest.raises(CamshaftError) as failed:
+        TritonServer(repo, ready_timeout_s=120).start()
+    message = " ".join(str(failed.value).split())
+    assert "tensorrt_llm: config.pbtxt parameter(s) max_queue_size are not read here and would be ignored" in message
+    assert "for max_queue_size use camshaft deploy --max-queue (llm_options key max_queue)" in message
+
+
 def test_serve_engine_answers_and_stops_on_sigint(engine):
     ports = [str(free_port("127.0.0.1")) for _ in range(3)]
     command = [*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port", ports[1],

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
+from camshaft.errors import CamshaftError, RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.outputs import RequestMetrics, RequestOutput
 from camshaft.runtime.sampling_params import SamplingParams
@@ -51,6 +51,28 @@ def check_parameters(parameters: str, inputs: Sequence[str]) -> None:
     if unknown:
         raise RequestError(f"unknown input {unknown[0]!r} (sent as a request parameter; camshaft reads none); "
                            f"this model's inputs: {', '.join(inputs)}")
+
+
+# tensorrtllm_backend's config.pbtxt parameters that camshaft takes under another name (deploy writes them)
+BACKEND_PARAMETERS = {
+    "gpt_model_path": "engine_dir (camshaft deploy --engine)",
+    "max_queue_size": "camshaft deploy --max-queue (llm_options key max_queue)",
+    "batch_scheduler_policy": "camshaft deploy --policy (llm_options key policy)",
+    "kv_cache_free_gpu_mem_fraction": "camshaft deploy --kv-cache-memory (llm_options key kv_cache_memory)",
+    "max_tokens_in_paged_kv_cache": "camshaft deploy --kv-cache-memory (llm_options key kv_cache_memory)",
+    "max_num_tokens": "camshaft deploy --max-num-tokens (llm_options key max_num_tokens)",
+}
+
+
+def check_model_parameters(model: str, params: dict[str, str], known: set[str]) -> None:
+    """Refuse config.pbtxt parameters the model does not read (they would be ignored), naming camshaft's equivalent
+    of tensorrtllm_backend's."""
+    unknown = sorted(set(params) - known)
+    if unknown:
+        said = "; ".join(f"for {key} use {BACKEND_PARAMETERS[key]}" for key in unknown if key in BACKEND_PARAMETERS)
+        raise CamshaftError(f"{model}: config.pbtxt parameter(s) {', '.join(unknown)} are not read here and would "
+                            f"be ignored; remove them{'; ' + said if said else ''}. It reads "
+                            f"{', '.join(sorted(known))}")
 
 
 def one(values: Values, name: str):

@@ -26,6 +26,7 @@ from camshaft.triton_repo.protocol import (
     TokenRequest,
     aborted,
     batch_rows,
+    check_model_parameters,
     check_one_response,
     check_parameters,
     ended_on_end_id,
@@ -48,6 +49,8 @@ DRAIN_S = 60.0  # at unload, the longest the text models' requests in flight may
 
 class TokenModel:
     def __init__(self, args: dict, params: dict[str, str]) -> None:
+        check_model_parameters(args["model_name"], params, {"camshaft_model", "camshaft_path", "engine_dir",
+                                                            "llm_options", "exclude_input_in_output"})
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
         self.exclude_default = params.get("exclude_input_in_output", "false") == "true"

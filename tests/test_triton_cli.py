@@ -211,9 +211,11 @@ def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(en
         gone, alive = psutil.wait_procs(group, timeout=60)
         assert not alive, alive
     finally:
-        for process in [serve.pid, *(p.pid for p in triton)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(serve.pid, signal.SIGKILL)
+        for process in triton:  # and its stubs, which share its process group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_serve_stops_with_an_error_when_a_models_process_dies(engine):
@@ -237,6 +239,7 @@ def test_serve_stops_with_an_error_when_a_models_process_dies(engine):
         ready.set()
 
     threading.Thread(target=read, daemon=True).start()
+    triton = None
     try:
         assert ready.wait(120) and serve.poll() is None, "".join(lines)
         (triton,) = [p for p in psutil.Process(serve.pid).children() if p.name() == "tritonserver"]
@@ -250,6 +253,9 @@ def test_serve_stops_with_an_error_when_a_models_process_dies(engine):
         if serve.poll() is None:
             serve.kill()
             serve.wait()
+        if triton is not None:  # and its stubs, which share its process group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(triton.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("host, message", [

@@ -149,7 +149,8 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         algos = checkpoint.quant_algos
         for algo in algos or ([None] if checkpoint.quantization else []):  # None: a KV cache quantized alone
             check_quantized_target(config.target, algo, checkpoint.quantization.get("kv_cache_quant_algo"), gpu_arch)
-        check_lm_head_target(config.target, checkpoint.lm_head, gpu_arch)
+        check_lm_head_target(config.target, checkpoint.lm_head, gpu_arch, "quantize the checkpoint again with "
+                             "--lm-head float (the default)")
         check_weight_only_compute(config.weight_only_compute, algos, str(config.model_dir))
         # int8 compute by default only where the checkpoint has weight-only layers (an int4 lm_head on an fp8 /
         # int8_sq checkpoint keeps float compute, as before the option existed)

@@ -59,14 +59,15 @@ def check_weight_only_compute(weight_only_compute: str, quant_algos: Sequence[st
             f"down_proj); {source} is {' + '.join(quant_algos) or 'not quantized'}. Drop it.")
 
 
-def check_lm_head_target(target: str, lm_head: str, gpu_arch: str | None) -> None:
-    """Refuse a quantized lm_head that `gpu_arch` (check_target's) has no weight-only kernels for, before any work."""
+def check_lm_head_target(target: str, lm_head: str, gpu_arch: str | None, fix: str) -> None:
+    """Refuse a quantized lm_head that `gpu_arch` (check_target's) has no weight-only kernels for, before any work;
+    `fix` says how to keep it float where the user is."""
     if gpu_arch is None or lm_head == "float":
         return
     from camshaft.builder.targets.precision import check_lm_head
     from camshaft.builder.targets.trt_product import parse_arch
 
-    check_lm_head(target, parse_arch(gpu_arch), lm_head)
+    check_lm_head(target, parse_arch(gpu_arch), lm_head, fix)
 
 
 def check_target(config: BuildConfig) -> str | None:

@@ -258,6 +258,26 @@ def test_serve_stops_with_an_error_when_a_models_process_dies(engine):
                 os.killpg(triton.pid, signal.SIGKILL)
 
 
+def test_a_serve_refused_before_tritonserver_starts_leaves_no_log(engine, tmp_path, monkeypatch):
+    import socket
+    import tempfile
+
+    from camshaft.triton_repo.server import serve
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    repo = deploy_repository(engine, tmp_path / "repo")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for bad in ({"repo": tmp_path}, {"repo": repo, "http_port": taken.getsockname()[1]}):  # no repository; busy
+            options = {"engine": None, "host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0,
+                       "llm_options": {}, "log": lambda _: None, **bad}
+            with pytest.raises(CamshaftError, match="not a model repository|is in use"):
+                serve(**options)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 @pytest.mark.parametrize("host, message", [
     ("::1", "--host ::1: tritonserver takes IPv4 addresses here"),
     ("no-such-host.invalid", "--host no-such-host.invalid is no address of this machine"),

@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from camshaft.errors import RequestError
-from camshaft.triton_repo.protocol import batch_rows, check_parameters, one, token_request
+from camshaft.triton_repo.protocol import batch_rows, check_model_parameters, check_parameters, one, token_request
 from camshaft.triton_repo.word_lists import text_embedding_bias
 
 from tiny_models import tokenizer_json
@@ -179,3 +179,17 @@ def test_a_batch_splits_into_one_request_a_prompt_as_tensorrtllm_backend():
         batch_rows({k: v for k, v in values.items() if k != "input_lengths"})
     with pytest.raises(RequestError, match="split them with batch_rows first"):
         token_request(values, eos_token_ids=(2,), exclude_default=False, vocab_size=VOCAB)
+
+
+def test_config_parameters_the_model_and_the_python_backend_read_are_taken_and_others_refused():
+    from camshaft.errors import CamshaftError
+
+    known = {"engine_dir", "llm_options"}
+    check_model_parameters("tensorrt_llm", {"engine_dir": "e", "EXECUTION_ENV_PATH": "env.tar.gz",
+                                            "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}, known)  # the backend's own
+    with pytest.raises(CamshaftError, match=r"parameter\(s\) batch_scheduler_policy, token_model_decoupled are not "
+                                            r"read here .*for batch_scheduler_policy use camshaft deploy --policy "
+                                            r"\(llm_options key policy\) \(a repository an older camshaft wrote: "
+                                            r"deploy it again\)\. It reads engine_dir, llm_options"):
+        check_model_parameters("tensorrt_llm", {"engine_dir": "e", "batch_scheduler_policy": "max_utilization",
+                                                "token_model_decoupled": "true"}, known)

@@ -115,7 +115,7 @@ def test_build_engine_refuses_a_quantized_head_for_sm75_before_any_work(tmp_path
     quantize_checkpoint(make_tiny_model("llama", tmp_path / "hf"), checkpoint, QuantSpec("int8_sq", lm_head="int4"),
                         calib_size=2, calib_seq_len=32)
     with pytest.raises(BuildConfigError, match=r"sm75 \(Turing\) has no INT4 weight-only .* which --lm-head int4 "
-                                               r"needs"):
+                                               r"needs; quantize the checkpoint again with --lm-head float"):
         build_engine(BuildConfig(checkpoint, tmp_path / "engine", target="tensorrt-rtx", gpu_arch="sm75",
                                  max_seq_len=64))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "int8_sq-head4"]

@@ -55,27 +55,32 @@ def _entries(repo: Path) -> set[str]:
     return {MARKER, TOKEN_MODEL, BLS_MODEL, str(name), f"{name}_sync"}
 
 
+def _model_files(repo: Path, models) -> list[str]:
+    """The files under the model directories, relative to `repo` (Python's bytecode caches, which the stubs write
+    beside model.py, left out)."""
+    return [str(path.relative_to(repo)) for model in sorted(models) for path in sorted((repo / model).rglob("*"))
+            if path.is_file() and "__pycache__" not in path.parts]
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
 def _file_hashes(repo: Path, models) -> dict[str, str]:
-    """sha256 of every file under the model directories, by path relative to `repo` (Python's bytecode caches,
-    which the stubs write beside model.py, left out)."""
-    files = {}
-    for model in sorted(models):
-        for path in sorted((repo / model).rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts:
-                files[str(path.relative_to(repo))] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return files
+    return {name: _sha256(repo / name) for name in _model_files(repo, models)}
 
 
 def _changed_files(repo: Path) -> list[str]:
     """The files of a repository deploy wrote that were edited or added since (`ensemble/config.pbtxt (edited)`);
-    none for a repository of a camshaft that recorded no hashes."""
+    none for a repository of a camshaft that recorded no hashes. Only the files deploy wrote are read."""
     try:
         written = json.loads((repo / MARKER).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    now = _file_hashes(repo, [m for m in _entries(repo) - {MARKER} if (repo / m).is_dir()])
-    return ([f"{path} (edited)" for path in sorted(now) if path in written and now[path] != written[path]]
-            + [f"{path} (added)" for path in sorted(set(now) - set(written))])
+    now = _model_files(repo, [m for m in _entries(repo) - {MARKER} if (repo / m).is_dir()])
+    return ([f"{path} (edited)" for path in now if path in written and _sha256(repo / path) != written[path]]
+            + [f"{path} (added)" for path in now if path not in written])
 
 
 def check_path(path: Path, what: str) -> None:

@@ -108,10 +108,12 @@ PR_SET_PDEATHSIG = 1
 
 
 def stop_with(parent: int) -> Callable[[], None]:
-    """Run in the child before exec: SIGTERM it when the thread that started it dies, however that dies (SIGKILL,
-    the OOM killer, a closed terminal), so no orphaned tritonserver keeps serving and holding its ports."""
+    """A preexec_fn: the child gets SIGTERM when the thread that started it (`parent`'s) dies, however that dies
+    (SIGKILL, the OOM killer, a closed terminal), so no orphaned tritonserver keeps serving and holding its ports."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: no dynamic loading in the forked child
+
     def arm() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the line above took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # SIGTERM: Triton unloads its models and ends its stubs
+        if os.getppid() != parent:  # the parent died before the line above took effect (a handler may catch SIGTERM)
+            os._exit(1)
     return arm

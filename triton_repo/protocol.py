@@ -64,15 +64,18 @@ BACKEND_PARAMETERS = {
 }
 
 
+PYTHON_BACKEND_PARAMETERS = {"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS"}  # Triton's python backend reads
+
+
 def check_model_parameters(model: str, params: dict[str, str], known: set[str]) -> None:
-    """Refuse config.pbtxt parameters the model does not read (they would be ignored), naming camshaft's equivalent
-    of tensorrtllm_backend's."""
-    unknown = sorted(set(params) - known)
+    """Refuse config.pbtxt parameters neither the model nor Triton's python backend reads (they would be ignored),
+    naming camshaft's equivalent of tensorrtllm_backend's."""
+    unknown = sorted(set(params) - known - PYTHON_BACKEND_PARAMETERS)
     if unknown:
         said = "; ".join(f"for {key} use {BACKEND_PARAMETERS[key]}" for key in unknown if key in BACKEND_PARAMETERS)
         raise CamshaftError(f"{model}: config.pbtxt parameter(s) {', '.join(unknown)} are not read here and would "
-                            f"be ignored; remove them{'; ' + said if said else ''}. It reads "
-                            f"{', '.join(sorted(known))}")
+                            f"be ignored; remove them{'; ' + said if said else ''} (a repository an older camshaft "
+                            f"wrote: deploy it again). It reads {', '.join(sorted(known))}")
 
 
 def one(values: Values, name: str):

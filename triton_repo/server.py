@@ -226,8 +226,12 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
         handle, name = tempfile.mkstemp(prefix="camshaft-tritonserver-", suffix=".log")  # kept if it fails
         os.close(handle)
         log_file = Path(name)
-        server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
-                              metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600, log_file=log_file)
+        try:
+            server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
+                                  metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600, log_file=log_file)
+        except BaseException:
+            log_file.unlink(missing_ok=True)
+            raise
         log(f"starting tritonserver on {repo} (log: {server.log_file})")
         stopping: list[float] = []  # when each stop signal came
 
@@ -245,8 +249,9 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             try:
                 server.start()
             except CamshaftError:
-                if stopping:  # interrupted while loading
+                if stopping or server.process is None:  # interrupted while loading, or refused before it started
                     log_file.unlink(missing_ok=True)
+                if stopping:
                     return
                 raise
             e = server.endpoints

@@ -77,16 +77,16 @@ def check_precision(product: str, arch: int, quant_algo: str | None = None, dtyp
 LM_HEAD_FEATURES = {"int8": "int8_weight_only", "int4": "int4_weight_only"}  # --lm-head: a weight-only GEMM
 
 
-def check_lm_head(product: str, arch: int, lm_head: str) -> None:
-    """Refuse a quantized lm_head (`camshaft quantize --lm-head`) the architecture has no weight-only kernels for."""
+def check_lm_head(product: str, arch: int, lm_head: str, fix: str) -> None:
+    """Refuse a quantized lm_head (`camshaft quantize --lm-head`) the architecture has no weight-only kernels for;
+    `fix`: how to keep the head float where the user is (before quantizing, or with a checkpoint quantized so)."""
     feature = LM_HEAD_FEATURES.get(lm_head)
     if feature is None or arch >= MIN_ARCH[product][feature]:
         return
     need = MIN_ARCH[product][feature]
     raise BuildConfigError(
         f"sm{arch} ({ARCH_NAMES.get(arch, 'this GPU')}) has no {FEATURE_NAMES[feature]} kernels in {product}, which "
-        f"--lm-head {lm_head} needs; keep the head float (--lm-head float, the default) or pass --gpu-arch sm{need} "
-        "or later for a GPU that has them")
+        f"--lm-head {lm_head} needs; {fix}, or pass --gpu-arch sm{need} or later for a GPU that has them")
 
 
 def supported_formats_text(product: str, arch: int) -> str:

@@ -168,7 +168,7 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     for algo in spec.info.layer_algos:
         check_quantized_target(config.target, algo, kv_cache_dtype and kv_cache_dtype.upper(), gpu_arch=gpu_arch,
                                shown_as=f"--quant {quant}")
-    check_lm_head_target(config.target, lm_head, gpu_arch)
+    check_lm_head_target(config.target, lm_head, gpu_arch, "keep the head float (--lm-head float, the default)")
     check_weight_only_compute(config.weight_only_compute, spec.info.layer_algos, f"--quant {quant}")
     if Path(config.model_dir).is_dir():  # a missing one: quantize says so
         config.resolved_max_seq_len(ModelConfig.from_hf_dir(config.model_dir))

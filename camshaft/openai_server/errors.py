@@ -70,9 +70,9 @@ def install(app: FastAPI, metrics: Metrics) -> None:
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         kind = request.headers.get("content-type", "").split(";")[0].strip()
-        if request.method == "POST" and "json" not in kind:  # FastAPI reads a body as JSON only when it says so
+        if request.method == "POST" and kind and "json" not in kind:  # FastAPI reads such a body as no JSON
             message = (f"the request body is read as JSON only with the header Content-Type: application/json "
-                       f"(this request's: {kind or 'none'}); {message}")
+                       f"(this request's: {kind}); {message}")
         return respond(request, APIError(400, message, param=param))
 
     @app.exception_handler(HTTPException)

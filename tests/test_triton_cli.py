@@ -141,11 +141,13 @@ def test_a_model_refuses_config_parameters_it_would_ignore(engine, tmp_path):
     assert "for max_queue_size use camshaft deploy --max-queue (llm_options key max_queue)" in message
 
 
-def test_serve_engine_answers_and_stops_on_sigint(engine):
+def start_serve(engine: Path, *options: str, env: dict | None = None) -> tuple[subprocess.Popen, list[str], list[str]]:
+    """`camshaft serve --engine` on free ports, once it says it is ready: (the process, its ports, its stderr lines
+    so far and to come)."""
     ports = [str(free_port("127.0.0.1")) for _ in range(3)]
-    command = [*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port", ports[1],
-               "--metrics-port", ports[2], "--max-queue", "8", "--name", "llm", "--no-decoupled"]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen([*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port",
+                               ports[1], "--metrics-port", ports[2], *options], stderr=subprocess.PIPE, text=True,
+                              env=env)
     lines: list[str] = []
     ready = threading.Event()
 
@@ -157,8 +159,16 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
         ready.set()
 
     threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(120) or server.poll() is not None:
+        server.kill()
+        server.wait()
+        pytest.fail("camshaft serve did not get ready:\n" + "".join(lines))
+    return server, ports, lines
+
+
+def test_serve_engine_answers_and_stops_on_sigint(engine):
+    server, ports, lines = start_serve(engine, "--max-queue", "8", "--name", "llm", "--no-decoupled")
     try:
-        assert ready.wait(120) and server.poll() is None, "".join(lines)
         url = f"http://127.0.0.1:{ports[0]}/v2/models/llm/generate"
         close = {"Connection": "close"}  # an open keep-alive connection holds Triton's exit for its exit timeout
         answer = requests.post(url, json={"text_input": "hello", "max_tokens": 4}, headers=close, timeout=60)
@@ -186,24 +196,10 @@ def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(en
 
     import psutil
 
-    ports = [str(free_port("127.0.0.1")) for _ in range(3)]
     env = {**os.environ, "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
-    serve = subprocess.Popen([*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port",
-                              ports[1], "--metrics-port", ports[2]], stderr=subprocess.PIPE, text=True, env=env)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in serve.stderr:
-            lines.append(line)
-            if "ready:" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    serve, _, lines = start_serve(engine, env=env)
     triton = []
     try:
-        assert ready.wait(120) and serve.poll() is None, "".join(lines)
         triton = [p for p in psutil.Process(serve.pid).children() if p.name() == "tritonserver"]
         group = [p for p in psutil.process_iter() if _pgid(p.pid) == triton[0].pid]  # tritonserver and its stubs
         serve.kill()
@@ -225,23 +221,9 @@ def test_serve_stops_with_an_error_when_a_models_process_dies(engine):
 
     import psutil
 
-    ports = [str(free_port("127.0.0.1")) for _ in range(3)]
-    serve = subprocess.Popen([*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port",
-                              ports[1], "--metrics-port", ports[2]], stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in serve.stderr:
-            lines.append(line)
-            if "ready:" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    serve, _, lines = start_serve(engine)
     triton = None
     try:
-        assert ready.wait(120) and serve.poll() is None, "".join(lines)
         (triton,) = [p for p in psutil.Process(serve.pid).children() if p.name() == "tritonserver"]
         (stub,) = [p for p in triton.children() if "/tensorrt_llm/1/model.py" in " ".join(p.cmdline())]
         os.kill(stub.pid, signal.SIGKILL)

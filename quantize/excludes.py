@@ -53,7 +53,7 @@ def examples(names: list[str]) -> list[str]:
 def _check_awq_groups(spec: QuantSpec, excluded: set[str], linears: list[str]) -> None:
     """AWQ's export folds the common input scale of the quantized projections that read one layer norm's output into
     that norm (when two or more remain): an excluded q/k/v projection would then read scaled input with its float
-    weights unchanged. Each layer's q, k and v are excluded together or not at all."""
+    weights unchanged. Each layer's q, k and v are excluded all together, all but one, or none."""
     groups: dict[str, list[str]] = {}
     for name in linears:
         parent, _, leaf = name.rpartition(".")
@@ -66,4 +66,3 @@ def _check_awq_groups(spec: QuantSpec, excluded: set[str], linears: list[str]) -
                 f"--exclude keeps {', '.join(out)} float but not the other projections that read the same input: "
                 f"{spec.format} folds their shared scale into the layer norm before them, which the float one reads "
                 f"too; exclude all of {parent}'s q_proj, k_proj and v_proj (e.g. '{parent}.[qkv]_proj') or none")
-

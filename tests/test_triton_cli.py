@@ -244,7 +244,7 @@ def test_a_serve_refused_before_tritonserver_starts_leaves_no_log(engine, tmp_pa
     import socket
     import tempfile
 
-    from camshaft.triton_repo.server import serve
+    from camshaft.triton_repo.serve import serve
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()

@@ -8,7 +8,6 @@ and a readiness poll that fails fast when the process exits (a broken stub makes
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -33,7 +31,6 @@ from camshaft.triton_repo.launch import (
     stop_with,
     tritonserver_root,
 )
-from camshaft.triton_repo.shutdown import stub_watch, wait_until_stopped
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
@@ -178,15 +175,6 @@ class TritonServer:
         self.stop()
 
 
-def _text_model_name(repo: Path) -> str:
-    from camshaft.triton_repo.deploy import MARKER
-
-    try:
-        return json.loads((repo / MARKER).read_text())["name"]
-    except (OSError, ValueError, KeyError):
-        return "ensemble"
-
-
 def _group(pgid: int) -> list[psutil.Process]:
     """The live processes of process group `pgid` (Triton's stubs, also once Triton itself has exited)."""
     members = []
@@ -203,72 +191,3 @@ def _shm_of(processes: list[psutil.Process]) -> set[str]:
         with contextlib.suppress(psutil.Error):
             names |= {Path(m.path).name for m in proc.memory_maps() if SHM_PREFIX in m.path}
     return names
-
-
-def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, grpc_port: int, metrics_port: int,
-          llm_options: dict, log: Callable[[str], None], name: str | None = None, decoupled: bool = True) -> None:
-    """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit.
-    name, decoupled: as deploy_repository takes them, when deploying `engine` (a repository keeps its own)."""
-    from camshaft.triton_repo.deploy import deploy_repository
-
-    tritonserver_root()  # not installed: said before anything is deployed
-    if repo is not None and name is not None and name != _text_model_name(Path(repo)):
-        raise CamshaftError(f"{repo} serves the text model {_text_model_name(Path(repo))!r}, not {name!r}; "
-                            f"drop --name or redeploy with camshaft deploy --name {name}")
-    with tempfile.TemporaryDirectory(prefix="camshaft-repo-") as tmp:
-        if engine is not None:
-            repo = deploy_repository(Path(engine), Path(tmp) / "repo", name=name or "ensemble",
-                                     llm_options=llm_options, decoupled=decoupled)
-            log(f"deployed {engine} to {repo}")
-        elif given := [k for k, v in llm_options.items() if v is not None]:
-            raise CamshaftError(f"{repo} serves the LLM options camshaft deploy wrote into it, so {', '.join(given)} "
-                                "would be ignored; pass them to camshaft deploy instead")
-        handle, name = tempfile.mkstemp(prefix="camshaft-tritonserver-", suffix=".log")  # kept if it fails
-        os.close(handle)
-        log_file = Path(name)
-        try:
-            server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
-                                  metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600, log_file=log_file)
-        except BaseException:
-            log_file.unlink(missing_ok=True)
-            raise
-        log(f"starting tritonserver on {repo} (log: {server.log_file})")
-        stopping: list[float] = []  # when each stop signal came
-
-        def forward(signum, _frame) -> None:
-            stopping.append(time.monotonic())
-            if len(stopping) == 1:
-                log(f"got {signal.Signals(signum).name}: draining (up to {server.exit_timeout_s} s) and stopping; "
-                    "a second one kills it")
-                server.signal(signal.SIGTERM)
-
-        hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)  # nohup: ignored
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, *hangup)}
-        code = 0
-        try:
-            try:
-                server.start()
-            except CamshaftError:
-                if stopping or server.process is None:  # interrupted while loading, or refused before it started
-                    log_file.unlink(missing_ok=True)
-                if stopping:
-                    return
-                raise
-            e = server.endpoints
-            log(f"ready: HTTP http://{e.http}  gRPC {e.grpc}  metrics {e.metrics_url}")
-            models = sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
-            name = _text_model_name(Path(repo))
-            log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/{name}/generate")
-            code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log,
-                                      lost=stub_watch(server.stubs()))
-            if code and not stopping:
-                raise CamshaftError(f"tritonserver exited with code {code}; its log ends:\n{server.log_tail()}")
-        finally:
-            server.stop()
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-        if code:  # killed, or it failed while stopping: its log is what says why
-            log(f"stopped (tritonserver exit code {code}; its log is kept: {log_file})")
-            return
-        log_file.unlink(missing_ok=True)
-        log("stopped")

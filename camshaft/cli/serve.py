@@ -175,7 +175,7 @@ def serve(
         serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
                      api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
     elif api == "triton":
-        from camshaft.triton_repo.server import serve as serve_triton
+        from camshaft.triton_repo.serve import serve as serve_triton
 
         serve_triton(engine=engine, repo=repo, host=host, http_port=port, grpc_port=grpc_port,
                      metrics_port=metrics_port, llm_options=options, log=progress, name=name,

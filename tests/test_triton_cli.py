@@ -188,7 +188,7 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
             server.wait()
 
 
-def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(engine):
+def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(engine, tmp_path):
     """SIGKILL (or the OOM killer) leaves camshaft no chance to stop Triton: the kernel does (PR_SET_PDEATHSIG), so
     no orphan keeps serving and holding the ports. The readiness poll of our own loopback server never goes through
     $http_proxy (here a proxy that refuses everything)."""
@@ -196,7 +196,8 @@ def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(en
 
     import psutil
 
-    env = {**os.environ, "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    env = {**os.environ, "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+           "TMPDIR": str(tmp_path)}  # a killed serve cannot remove its temporary repository: it stays in the test's
     serve, _, lines = start_serve(engine, env=env)
     triton = []
     try:
@@ -214,14 +215,14 @@ def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(en
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-def test_serve_stops_with_an_error_when_a_models_process_dies(engine):
+def test_serve_stops_with_an_error_when_a_models_process_dies(engine, tmp_path):
     """Triton neither restarts a python backend stub that died nor stops answering ready; its requests fail or wait.
     camshaft serve says which model died and exits 1, so a supervisor restarts the server whole."""
     import os
 
     import psutil
 
-    serve, _, lines = start_serve(engine)
+    serve, _, lines = start_serve(engine, env={**os.environ, "TMPDIR": str(tmp_path)})  # its kept log there
     triton = None
     try:
         (triton,) = [p for p in psutil.Process(serve.pid).children() if p.name() == "tritonserver"]

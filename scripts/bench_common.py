@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 import re
@@ -107,3 +108,13 @@ def write_markdown(path: Path, section: str, begin_marker: str, end_marker: str)
 def command_line(argv: list[str]) -> str:
     return show_cmd([sys.executable, str(Path(sys.argv[0]).resolve()), *argv])
 
+
+def cache_keyword(model) -> str:
+    """The name transformers' forward takes the KV cache under: 5.25 renamed `past_key_values` to `cache` (the old
+    name warns); both are accepted."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output, keyword: str):
+    """The KV cache a forward returned, under the name `cache_keyword` gave."""
+    return getattr(output, "cache", None) if keyword == "cache" else output.past_key_values

@@ -3,9 +3,10 @@ padding, each batch generating until its longest request is done."""
 
 from __future__ import annotations
 
-import inspect
 import time
 from pathlib import Path
+
+from bench_common import cache_keyword, returned_cache
 
 PEER = "transformers fp32 (static batches)"
 
@@ -20,11 +21,10 @@ class TransformersPeer:
         torch.set_num_threads(threads)
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        # transformers 5.25 renamed forward's `past_key_values` to `cache`; accept either (as bench_systems does).
-        self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.cache_arg = cache_keyword(self.model)
 
     def _cache(self, out):
-        return getattr(out, "cache", None) if self.cache_arg == "cache" else out.past_key_values
+        return returned_cache(out, self.cache_arg)
 
     def run(self, requests, batch_size: int) -> dict:
         torch, model = self.torch, self.model

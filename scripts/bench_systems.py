@@ -6,7 +6,6 @@ rate is (new_tokens - 1) / (total_s - ttft_s), the definition camshaft's Timings
 
 from __future__ import annotations
 
-import inspect
 import os
 import statistics
 import time
@@ -14,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from bench_common import PAUSE_S, log
+from bench_common import PAUSE_S, cache_keyword, log, returned_cache
 
 CAMSHAFT = "camshaft"
 CAMSHAFT_BATCH = "camshaft on its batch graph"
@@ -52,11 +51,10 @@ class TransformersSystem:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         self.prompt = torch.tensor([prompt], dtype=torch.long)
         self.new_tokens = new_tokens
-        # transformers 5.25 renamed forward's `past_key_values` to `cache` (the old name warns); accept either.
-        self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.cache_arg = cache_keyword(self.model)
 
     def _cache(self, out):
-        return getattr(out, "cache", None) if self.cache_arg == "cache" else out.past_key_values
+        return returned_cache(out, self.cache_arg)
 
     def run(self) -> dict:
         torch, model = self.torch, self.model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -52,6 +53,11 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     # the token model takes one prompt a request under any ensemble's batch bound; the text models batch
     assert f'"{engine.resolve()}"' in configs["tensorrt_llm"] and "max_batch_size: 1024" in configs["tensorrt_llm"]
     assert "max_batch_size: 4" in configs["llm"] and "max_batch_size: 4" in configs["llm_sync"]
+    from camshaft.triton_repo.protocol import TEXT_MODEL_PARAMETERS, TOKEN_MODEL_PARAMETERS
+
+    keys = {name: set(re.findall(r'key: "(\w+)"', text)) for name, text in configs.items()}  # what each model reads
+    assert keys == {"tensorrt_llm": TOKEN_MODEL_PARAMETERS, "llm": TEXT_MODEL_PARAMETERS,
+                    "llm_sync": TEXT_MODEL_PARAMETERS, "tensorrt_llm_bls": TEXT_MODEL_PARAMETERS}
     options = json.loads((repo / MARKER).read_text())["llm_options"]
     assert options == {"kv_cache_memory": 8 * 2**20, "max_queue": 5, "max_num_tokens": 32,
                        "policy": "guaranteed_no_evict"}

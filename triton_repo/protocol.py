@@ -65,6 +65,10 @@ BACKEND_PARAMETERS = {
 
 
 PYTHON_BACKEND_PARAMETERS = {"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS"}  # Triton's python backend reads
+# what camshaft deploy writes into each model's config.pbtxt, and all the model reads
+COMMON_PARAMETERS = {"camshaft_model", "camshaft_path", "engine_dir"}
+TOKEN_MODEL_PARAMETERS = COMMON_PARAMETERS | {"llm_options", "exclude_input_in_output"}
+TEXT_MODEL_PARAMETERS = COMMON_PARAMETERS | {"token_model", "max_requests", "stream_model"}
 
 
 def check_model_parameters(model: str, params: dict[str, str], known: set[str]) -> None:

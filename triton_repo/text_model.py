@@ -26,7 +26,13 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import load_tokenizer
 from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
-from camshaft.triton_repo.protocol import check_model_parameters, check_parameters, one, split_rows
+from camshaft.triton_repo.protocol import (
+    TEXT_MODEL_PARAMETERS,
+    check_model_parameters,
+    check_parameters,
+    one,
+    split_rows,
+)
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN
 from camshaft.triton_repo.text_calls import TextCall, text_response
 from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, error_response, perf_tensors, tensor
@@ -39,8 +45,7 @@ HANDLED_HERE = {"text_input", "stream", "exclude_input_in_output", "embedding_bi
 
 class TextModel:
     def __init__(self, args: dict, params: dict[str, str]) -> None:
-        check_model_parameters(args["model_name"], params, {"camshaft_model", "camshaft_path", "engine_dir",
-                                                            "token_model", "max_requests", "stream_model"})
+        check_model_parameters(args["model_name"], params, TEXT_MODEL_PARAMETERS)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.name = args["model_name"]
         self.tokenizer = load_tokenizer(Path(params["engine_dir"]))

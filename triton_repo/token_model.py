@@ -23,6 +23,7 @@ from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.channel_calls import ChannelCall
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.protocol import (
+    TOKEN_MODEL_PARAMETERS,
     TokenRequest,
     aborted,
     batch_rows,
@@ -49,8 +50,7 @@ DRAIN_S = 60.0  # at unload, the longest the text models' requests in flight may
 
 class TokenModel:
     def __init__(self, args: dict, params: dict[str, str]) -> None:
-        check_model_parameters(args["model_name"], params, {"camshaft_model", "camshaft_path", "engine_dir",
-                                                            "llm_options", "exclude_input_in_output"})
+        check_model_parameters(args["model_name"], params, TOKEN_MODEL_PARAMETERS)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
         self.exclude_default = params.get("exclude_input_in_output", "false") == "true"

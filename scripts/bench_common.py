@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import platform
 import re
@@ -103,6 +104,19 @@ def write_markdown(path: Path, section: str, begin_marker: str, end_marker: str)
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
+
+
+def publish(results: dict, json_path: Path, plot: Path, md: Path, markdown, markers: tuple[str, str],
+            write_md: bool) -> None:
+    """Write the results' JSON, print their BENCHMARKS.md section (`markdown(results, plot path relative to md)`) and
+    replace it in md when write_md is set; the plot is already drawn at `plot`."""
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    section = markdown(results, os.path.relpath(plot.resolve(), md.resolve().parent))
+    print(section)
+    if write_md:
+        write_markdown(md, section, *markers)
+        log(f"updated {rel(md)}")
+    log(f"wrote {rel(json_path)} and {rel(plot)}")
 
 
 def command_line(argv: list[str]) -> str:

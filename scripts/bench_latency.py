@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from bench_builds import ensure_builds, set_ortgenai_threads
-from bench_common import PAUSE_S, REPO, command_line, common_prefix, log, machine_info, rel, stats, write_markdown
+from bench_common import PAUSE_S, REPO, command_line, common_prefix, log, machine_info, publish, rel, stats
 from bench_systems import CAMSHAFT, CamshaftSystem, OrtGenaiSystem, Replicas, TransformersSystem, run_rounds
 
 from camshaft.models import default_model_dir, fetch_model
@@ -368,15 +367,8 @@ def main(argv: list[str] | None = None) -> None:
             "decode_tok_s": "(new_tokens - 1) / (total - ttft)",
         },
     }
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.plot)
-    plot_ref = os.path.relpath(args.plot.resolve(), args.md.resolve().parent)
-    section = markdown(results, plot_ref)
-    print(section)
-    if args.write_md:
-        write_markdown(args.md, section, MD_BEGIN, MD_END)
-        log(f"updated {rel(args.md)}")
-    log(f"wrote {rel(json_path)} and {rel(args.plot)}")
+    publish(results, json_path, args.plot, args.md, markdown, (MD_BEGIN, MD_END), args.write_md)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,13 @@ and with --write-md replaces the section between the throughput markers in BENCH
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import REPO, log, machine_info, rel, show_cmd, write_markdown
+from bench_common import REPO, log, machine_info, publish, rel, show_cmd
 from bench_matmul_peak import best_of, sgemm_peak, streamed_matmul
 from bench_static_peer import PEER, TransformersPeer
 from bench_throughput_md import MD_BEGIN, MD_END, markdown
@@ -248,7 +247,6 @@ def main(argv: list[str] | None = None) -> None:
     json_path = work / "throughput.json"
     if args.plot is None:  # the committed plot changes only with the section that shows it
         args.plot = (REPO / "docs" / "bench" if args.write_md else work) / "throughput.png"
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
 
     from types import SimpleNamespace
 
@@ -260,13 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     plot_sweep(points, args.plot, peers,
                title=f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {m['cpu']} — {args.dataset}, "
                      f"{args.num_requests} requests at C = {args.concurrency}, {args.sweep_num_requests} elsewhere")
-    plot_ref = os.path.relpath(args.plot.resolve(), args.md.resolve().parent)
-    section = markdown(results, plot_ref)
-    print(section)
-    if args.write_md:
-        write_markdown(args.md, section, MD_BEGIN, MD_END)
-        log(f"updated {rel(args.md)}")
-    log(f"wrote {rel(json_path)} and {rel(args.plot)}")
+    publish(results, json_path, args.plot, args.md, markdown, (MD_BEGIN, MD_END), args.write_md)
 
 
 if __name__ == "__main__":

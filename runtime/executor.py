@@ -17,8 +17,9 @@ from camshaft.runtime.engine import Engine
 from camshaft.runtime.llm_options import check_max_queue
 from camshaft.runtime.outputs import IterationStats, Load, RequestOutput, Sink
 from camshaft.runtime.request import Request
-from camshaft.runtime.sampler import SampleResult, sample_batch
+from camshaft.runtime.sampler import SampleResult
 from camshaft.runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
+from camshaft.runtime.step_outcomes import read_step
 
 # A closed-loop client's next request, sent as its last one finishes, joins the next step (measured in the throughput
 # benchmark's joining TTFT); the loop waits at most this long, and only after a step that finished requests.
@@ -193,31 +194,19 @@ class Executor:
                 self._finish(item.request, exc)
             return len(scheduled)
         self.scheduler.computed(scheduled)
-        sampled, rows, at, finished = [], [], 0, 0
-        for item in scheduled:  # each chunk's rows in order: prompt rows (prompt_logprobs), then its sampled row
-            count, request = item.chunk.num_logits, item.request
-            at += count
-            try:
-                if count > int(item.sample):
-                    request.add_prompt_rows(logits[at - count: at - int(item.sample)], item.chunk.start_pos)
-            except Exception as exc:  # this request's error, not the loop's
-                log.error("request %s failed recording prompt log-probs", request.request_id, exc_info=True)
-                self._finish(request, exc)
+        finished = 0
+        for outcome in read_step(scheduled, logits):
+            request = outcome.request
+            if outcome.error is not None:
+                self._finish(request, outcome.error)
                 finished += 1
                 continue
-            if item.drafts:
-                finished += self._sample_drafted(item, logits[at - count: at])
-            elif item.sample:
-                sampled.append(request)
-                rows.append(at - 1)
-        results = sample_batch([r.sampler for r in sampled], logits if len(rows) == at else logits[rows])
-        for request, sample in zip(sampled, results, strict=True):
-            if isinstance(sample, Exception):  # this request's parameters cannot be sampled: it alone ends
-                log.error("sampling request %s failed; it ends with the error", request.request_id, exc_info=sample)
-                self._finish(request, sample)
-                finished += 1
-                continue
-            finished += self._record(request, sample)
+            if outcome.drafted:
+                self.draft_tokens += outcome.drafted
+                self.accepted_draft_tokens += outcome.accepted
+                if not request.finished:
+                    self.scheduler.advance(request, len(outcome.samples))
+            finished += self._deliver_samples(request, outcome.delta, outcome.samples)
         running = len(scheduled)
         self.peak_batch_size = max(self.peak_batch_size, running)
         blocks = self.scheduler.blocks
@@ -230,34 +219,6 @@ class Executor:
             self.stats.append(step)
             self.steps_done += 1
         return finished
-
-    def _sample_drafted(self, item: Scheduled, rows) -> int:
-        """A drafting decode's rows, sampled in turn (request.add_drafted); the cache then holds its token and the
-        drafts taken. Returns 1 if the request finished."""
-        request = item.request
-        accepted = request.accepted_draft_tokens
-        try:
-            deltas, taken = request.add_drafted(rows, item.drafts)
-        except Exception as exc:
-            log.error("request %s failed sampling its drafts; it ends with the error", request.request_id,
-                      exc_info=True)
-            self._finish(request, exc)
-            return 1
-        self.draft_tokens += len(item.drafts)
-        self.accepted_draft_tokens += request.accepted_draft_tokens - accepted
-        if not request.finished:
-            self.scheduler.advance(request, len(taken))
-        return self._deliver_samples(request, "".join(deltas), taken)
-
-    def _record(self, request: Request, sample: SampleResult) -> int:
-        """Add a step's sample to the request and deliver it; 1 if the request finished."""
-        try:
-            delta = request.add_sample(sample)
-        except Exception as exc:
-            log.error("request %s failed after sampling; it ends with the error", request.request_id, exc_info=True)
-            self._finish(request, exc)
-            return 1
-        return self._deliver_samples(request, delta, [sample])
 
     def _deliver_samples(self, request: Request, delta: str, samples: list[SampleResult]) -> int:
         new = (tuple(s.token_id for s in samples), tuple(samples) if request.params.logprobs is not None else ())

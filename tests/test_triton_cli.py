@@ -53,7 +53,7 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     # the token model takes one prompt a request under any ensemble's batch bound; the text models batch
     assert f'"{engine.resolve()}"' in configs["tensorrt_llm"] and "max_batch_size: 1024" in configs["tensorrt_llm"]
     assert "max_batch_size: 4" in configs["llm"] and "max_batch_size: 4" in configs["llm_sync"]
-    from camshaft.triton_repo.protocol import TEXT_MODEL_PARAMETERS, TOKEN_MODEL_PARAMETERS
+    from camshaft.triton_repo.parameters import TEXT_MODEL_PARAMETERS, TOKEN_MODEL_PARAMETERS
 
     keys = {name: set(re.findall(r'key: "(\w+)"', text)) for name, text in configs.items()}  # what each model reads
     assert keys == {"tensorrt_llm": TOKEN_MODEL_PARAMETERS, "llm": TEXT_MODEL_PARAMETERS,

@@ -10,7 +10,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from camshaft.errors import RequestError
-from camshaft.triton_repo.protocol import batch_rows, check_model_parameters, check_parameters, one, token_request
+from camshaft.triton_repo.parameters import check_model_parameters, check_parameters
+from camshaft.triton_repo.protocol import batch_rows, one, token_request
 from camshaft.triton_repo.word_lists import text_embedding_bias
 
 from tiny_models import tokenizer_json

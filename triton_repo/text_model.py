@@ -26,13 +26,8 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import load_tokenizer
 from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
-from camshaft.triton_repo.protocol import (
-    TEXT_MODEL_PARAMETERS,
-    check_model_parameters,
-    check_parameters,
-    one,
-    split_rows,
-)
+from camshaft.triton_repo.parameters import TEXT_MODEL_PARAMETERS, check_model_parameters, check_parameters
+from camshaft.triton_repo.protocol import one, split_rows
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN
 from camshaft.triton_repo.text_calls import TextCall, text_response
 from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, error_response, perf_tensors, tensor

@@ -22,14 +22,12 @@ from camshaft.runtime.outputs import RequestOutput
 from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.channel_calls import ChannelCall
 from camshaft.triton_repo.metrics import Metrics
+from camshaft.triton_repo.parameters import TOKEN_MODEL_PARAMETERS, check_model_parameters, check_parameters
 from camshaft.triton_repo.protocol import (
-    TOKEN_MODEL_PARAMETERS,
     TokenRequest,
     aborted,
     batch_rows,
-    check_model_parameters,
     check_one_response,
-    check_parameters,
     ended_on_end_id,
     one,
     token_request,

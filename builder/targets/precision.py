@@ -67,11 +67,17 @@ def check_precision(product: str, arch: int, quant_algo: str | None = None, dtyp
     names = ", ".join(f"sm{a}" for a in able) or f"sm{need} and later"
     raise BuildConfigError(
         f"sm{arch} ({ARCH_NAMES.get(arch, 'this GPU')}) has no {FEATURE_NAMES[feature]} kernels in {product}, which "
-        f"{what} needs; {product} builds it for {names}. Pass --gpu-arch {f'sm{able[0]}' if able else f'sm{need}'} "
-        "for a GPU that has them, or "
+        f"{what} needs; {product} builds it for {names}: {_other_gpu(product, able[0] if able else need)}, or "
         + (f"choose a format this GPU supports ({supported_formats_text(product, arch)})." if by_format
            else "build float16 (--dtype float16).")
     )
+
+
+def _other_gpu(product: str, arch: int) -> str:
+    """How to target a GPU of architecture `arch` or later instead: tensorrt builds for the GPU it runs on."""
+    if product == "tensorrt":
+        return f"build on a GPU that has them (sm{arch} or later: --target tensorrt builds for the GPU it runs on)"
+    return f"pass --gpu-arch sm{arch} for a GPU that has them"
 
 
 LM_HEAD_FEATURES = {"int8": "int8_weight_only", "int4": "int4_weight_only"}  # --lm-head: a weight-only GEMM
@@ -86,7 +92,7 @@ def check_lm_head(product: str, arch: int, lm_head: str, fix: str) -> None:
     need = MIN_ARCH[product][feature]
     raise BuildConfigError(
         f"sm{arch} ({ARCH_NAMES.get(arch, 'this GPU')}) has no {FEATURE_NAMES[feature]} kernels in {product}, which "
-        f"--lm-head {lm_head} needs; {fix}, or pass --gpu-arch sm{need} or later for a GPU that has them")
+        f"--lm-head {lm_head} needs; {fix}, or {_other_gpu(product, need)}")
 
 
 def supported_formats_text(product: str, arch: int) -> str:

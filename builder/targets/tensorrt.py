@@ -71,19 +71,6 @@ def _input_dims(graph_path: Path) -> dict[str, list[int | str]]:
     return dims
 
 
-def _float_type(graph_path: Path) -> str:
-    """The element type of the graph's first floating-point input (the KV cache's), as a dtype name."""
-    import onnx
-
-    model = onnx.load(str(graph_path), load_external_data=False)
-    names = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-             onnx.TensorProto.BFLOAT16: "bfloat16"}
-    for value in model.graph.input:
-        if value.type.tensor_type.elem_type in names:
-            return names[value.type.tensor_type.elem_type]
-    return "unknown"
-
-
 def _shapes(dims: list[int | str], ranges: dict[str, tuple[int, int, int]], name: str) -> tuple[list[int], ...]:
     out: tuple[list[int], ...] = ([], [], [])
     for d in dims:
@@ -143,7 +130,8 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
         raise BuildConfigError(
             f"{product} {trt.__version__} cannot parse the model graph {graph_path} "
             f"({parser.num_errors} error(s)):\n" + "\n".join(errors or messages or ["  (no details)"])
-            + "\nThis model cannot be built for this target; use the onnxruntime target for it."
+            + "\nWhere the errors name an operator, this model cannot be built for this target: build it for the "
+            "onnxruntime target."
         )
 
     config = builder.create_builder_config()
@@ -166,8 +154,6 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
     plan = builder.build_serialized_network(network, config)
     if plan is None or plan.nbytes == 0:
         detail = "\n".join(f"  {m}" for m in messages[-20:]) or "  (no messages)"
-        if any("Attention" in m for m in messages) and _float_type(graph_path) == "float32":
-            detail += "\nThe graph is float32 and TensorRT has no float32 attention kernel: build it as float16."
         raise BuildConfigError(f"{product} {trt.__version__} failed to build a plan for sm{arch}:\n{detail}")
     _write_atomic(plan_path, memoryview(plan))
     seconds = time.perf_counter() - started

@@ -121,7 +121,8 @@ class FakeCudart:
         self.allocations.pop(ptr)
         return (0,)
 
-    def cudaMemset(self, ptr, value, nbytes):  # noqa: N802
+    def cudaMemsetAsync(self, ptr, value, nbytes, stream):  # noqa: N802
+        assert stream == 7
         ctypes.memset(ptr, value, nbytes)
         return (0,)
 
@@ -141,6 +142,23 @@ class FakeCudart:
         assert stream == 7
         self.streams_destroyed = getattr(self, "streams_destroyed", 0) + 1
         return (0,)
+
+
+class OldDriverCudart(FakeCudart):
+    """CUDA 13's runtime over a driver for CUDA `driver` (12080: 12.8; 0: no driver), as cuda-python reports it."""
+
+    def __init__(self, driver: int) -> None:
+        super().__init__()
+        self.driver = driver
+
+    def cudaGetDeviceCount(self):  # noqa: N802
+        return types.SimpleNamespace(name="cudaErrorInsufficientDriver"), None
+
+    def cudaDriverGetVersion(self):  # noqa: N802
+        return 0, self.driver
+
+    def cudaRuntimeGetVersion(self):  # noqa: N802
+        return 0, 13040
 
 
 def _view(ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -216,7 +234,10 @@ def fake_tensorrt(graph: Path, version: str, aliased: bool = False):
         def __init__(self, level) -> None:
             pass
 
-    return types.SimpleNamespace(__version__=version, Runtime=Runtime, Logger=Logger, nptype=lambda t: t)
+    import tensorrt_rtx
+
+    return types.SimpleNamespace(__version__=version, Runtime=Runtime, Logger=Logger, nptype=lambda t: t,
+                                 ComputeCapability=tensorrt_rtx.ComputeCapability)
 
 
 @pytest.fixture()
@@ -276,25 +297,40 @@ def test_backend_plumbing_against_simulated_cuda_and_tensorrt(simulated):
     trt_backend.close()  # twice: nothing left to free
 
 
-def test_a_failed_allocation_leaves_the_buffers_bound_and_usable(simulated):
-    """Growing a feed's buffer allocates the new one first: when that fails the step fails, and the next step that
-    fits the old buffer runs as if nothing happened (the old one was freed and left bound before)."""
+def test_step_buffers_are_reserved_at_load_before_the_pool_is_sized(simulated, monkeypatch):
+    """Every feed's device buffer and the logits' are allocated at load, at the largest shapes of the plan's profile,
+    before the free memory is measured: no step allocates, so a pool of nearly all the memory left cannot make a long
+    step fail mid-serving. Memory too short for them fails the load, and a refused tensor address fails clearly."""
     rtx_dir, ort_dir, cudart = simulated
-    engine, reference = Engine(rtx_dir, max_sequences=2), Engine(ort_dir, max_sequences=2)
-    ids = np.random.default_rng(1).integers(3, engine.manifest.model.vocab_size, 24).tolist()
-    table = engine.pool.allocate(-(-len(ids) // BLOCK))
-    ref_table = reference.pool.allocate(-(-len(ids) // BLOCK))
-    for key, (start, n) in enumerate(((0, 2), (2, 20), (2, 2), (4, 1))):
-        cudart.out_of_memory = key == 1  # 20 tokens need larger feed buffers than 2 did
-        if cudart.out_of_memory:
-            with pytest.raises(EngineError, match="cudaMalloc"):
-                engine.step([Chunk(ids[start: start + n], start, table)])
-            continue
-        got = engine.step([Chunk(ids[start: start + n], start, table)])
-        expected = reference.step([Chunk(ids[start: start + n], start, ref_table)])
+    events = []
+    malloc, free = cudart.cudaMalloc, cudart.cudaMemGetInfo
+    monkeypatch.setattr(cudart, "cudaMalloc", lambda nbytes: events.append(nbytes) or malloc(nbytes))
+    monkeypatch.setattr(cudart, "cudaMemGetInfo", lambda: events.append("free memory") or free())
+    engine, reference = Engine(rtx_dir, kv_cache_memory=0.5), Engine(ort_dir, max_sequences=4)
+    trt_backend, limits = engine.backend, engine.manifest.limits
+    assert events.index("free memory") == len(trt_backend._buffers)
+    assert set(trt_backend._buffers) == {spec.name for spec in engine.manifest.inputs} | {"logits"}
+    assert trt_backend._buffers["logits"].nbytes == limits.max_num_tokens * engine.manifest.model.vocab_size * 4
+    allocated = len(events)
+    ids = np.random.default_rng(1).integers(3, engine.manifest.model.vocab_size, 60).tolist()
+    engines = {engine: [engine.pool.allocate(-(-60 // BLOCK)) for _ in range(2)],
+               reference: [reference.pool.allocate(-(-60 // BLOCK)) for _ in range(2)]}
+    steps = [[(0, 0, 2, 1), (1, 0, 2, 1)],  # (sequence, start, tokens, logits rows)
+             [(0, 2, 30, 1)],
+             [(0, 32, 28, 28), (1, 2, 1, 1)]]  # 29 tokens and 29 logits rows: the step's whole budget nearly
+    for step in steps:
+        got, expected = (e.step([Chunk(ids[start: start + n], start, tables[seq], num_logits=rows)
+                                 for seq, start, n, rows in step]) for e, tables in engines.items())
+        assert got.shape == expected.shape
         assert float(np.abs(got - expected).max()) <= 2e-2 * float(np.abs(expected).max())
-    bound = engine.backend.context.addresses
-    assert all(bound[name] == buffer.ptr != 0 for name, buffer in engine.backend._buffers.items())
+    assert len(events) == allocated
+    context = trt_backend.context
+    monkeypatch.setattr(context, "set_tensor_address", lambda name, ptr: False)
+    with pytest.raises(EngineError, match="TensorRT refused the device address of KV cache"):
+        engine.step([Chunk(ids[3:4], 3, engines[engine][1])])  # the caches swap after the step
+    cudart.out_of_memory = True
+    with pytest.raises(EngineError, match="cudaMalloc"):
+        Engine(rtx_dir, max_sequences=2)
 
 
 def test_a_fractional_budget_is_of_the_gpu_memory_the_loaded_plan_leaves_and_capped_at_its_pool(simulated,
@@ -358,7 +394,11 @@ def test_wrong_gpu_arch_and_version_and_pool_size(engines, monkeypatch):
     trt = fake_tensorrt(rtx_dir / GRAPH_NAME, tensorrt_rtx.__version__)
     monkeypatch.setattr(backend.TensorRTBackend, "_import", staticmethod(lambda product: trt))
     monkeypatch.setattr(backend, "_cudart", lambda product, arch: FakeCudart(arch=120))
-    with pytest.raises(EngineError, match="built for sm89 but GPU 0 is sm120"):
+    with pytest.raises(EngineError, match="built for sm89 but GPU 0 is sm120; rebuild it with --gpu-arch sm120$"):
+        Engine(rtx_dir)
+    monkeypatch.setattr(backend, "_cudart", lambda product, arch: FakeCudart(arch=90))  # H100: no tensorrt-rtx plan
+    with pytest.raises(EngineError, match="GPU 0 is sm90; tensorrt-rtx .* cannot build for it: rebuild with "
+                                          "--target tensorrt on this GPU"):
         Engine(rtx_dir)
     monkeypatch.setattr(backend, "_cudart", lambda product, arch: FakeCudart(devices=0))
     with pytest.raises(EngineError, match=r"none found \(no CUDA device\)"):
@@ -385,3 +425,26 @@ def test_runs_on_a_gpu_and_matches_onnxruntime(engines):
         chunks = [Chunk(ids[start: start + n], start, table)]
         got, expected = engine.step(chunks), reference.step(chunks)
         assert float(np.abs(got - expected).max()) <= 2e-2 * float(np.abs(expected).max())
+
+
+@needs_rtx
+def test_a_driver_older_than_cuda_python_is_told_apart_from_no_gpu(engines, monkeypatch):
+    """cudaErrorInsufficientDriver means no driver at all or one too old for cuda-python's CUDA: the second is
+    a GPU whose driver needs an update, not a machine to leave, when running an engine or building on the GPU."""
+    from cuda import bindings
+
+    from camshaft.builder.targets.trt_product import supported_archs
+    from camshaft.errors import BuildConfigError
+
+    rtx_dir, _ = engines
+    monkeypatch.setattr(backend, "_cudart", lambda product, arch: OldDriverCudart(12080))
+    with pytest.raises(EngineError, match=r"targets tensorrt-rtx sm89, and the NVIDIA driver here supports CUDA "
+                                          r"12\.8, older than the CUDA 13\.4 cuda-python runs on .*update the driver"):
+        Engine(rtx_dir)
+    monkeypatch.setattr(backend, "_cudart", lambda product, arch: OldDriverCudart(0))
+    with pytest.raises(EngineError, match=r"none found \(cudaErrorInsufficientDriver\)"):
+        Engine(rtx_dir)
+    monkeypatch.setattr(bindings, "runtime", OldDriverCudart(12080))
+    with pytest.raises(BuildConfigError, match=r"the tensorrt target builds plans on the GPU, and the NVIDIA driver "
+                                               r"here supports CUDA 12\.8"):
+        supported_archs(None, "tensorrt")

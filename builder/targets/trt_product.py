@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from camshaft.cuda_gpu import probe_gpu0, rtx_archs
 from camshaft.errors import BuildConfigError, needs_extra
 from camshaft.manifest import TRT_MODULES
 
@@ -35,7 +36,7 @@ def parse_arch(gpu_arch: str) -> int:
 def supported_archs(trt: Any, product: str) -> list[int]:
     """The compute capabilities a plan can be built for with this product, as integers (89 for SM 8.9)."""
     if product == "tensorrt-rtx":
-        return sorted(int(m.value) for n, m in trt.ComputeCapability.__members__.items() if n.startswith("SM"))
+        return rtx_archs(trt)
     return [_local_arch(product)]
 
 
@@ -46,17 +47,16 @@ def _local_arch(product: str) -> int:
         from cuda.bindings import runtime as cudart
     except ImportError as exc:
         raise BuildConfigError(needs_extra(f"the {product} target (cuda-python, to find the GPU)", product)) from exc
-    err, count = cudart.cudaGetDeviceCount()
-    if err != cudart.cudaError_t.cudaSuccess or count == 0:
+    gpu = probe_gpu0(cudart)
+    if gpu.old_driver:
+        raise BuildConfigError(f"the {product} target builds plans on the GPU, and {gpu.old_driver}.")
+    if gpu.arch is None:
         raise BuildConfigError(
             f"the {product} target builds plans on a GPU of the target architecture and this machine has none "
-            f"({getattr(err, 'name', err)}). Build on such a GPU, or use the tensorrt-rtx target, which builds ahead "
-            "of time without a GPU."
+            f"({gpu.reason}). Build on such a GPU, or use the tensorrt-rtx target, which builds ahead of time "
+            "without a GPU."
         )
-    attr = cudart.cudaDeviceAttr
-    _, major = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, 0)
-    _, minor = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, 0)
-    return major * 10 + minor
+    return gpu.arch
 
 
 def check_arch(trt: Any, product: str, gpu_arch: str) -> int:

@@ -5,14 +5,15 @@ refuses cleanly where no GPU or driver exists (tests/test_tensorrt_backend.py); 
 there. Treat its first GPU run as its first test.
 
 Same interface as backends/onnxruntime.py: `step(feeds) -> logits` (float32 [rows, vocab] on the host) for the feeds
-runtime/batch.py builds; `kv_cache_bytes`. Per step: every feed is copied into a device buffer of its own (grown
-as needed), its shape set on the context (`set_input_shape`), the plan enqueued with `execute_async_v3` on one CUDA
-stream, the logits copied back and the stream synchronised.
+runtime/batch.py builds; `kv_cache_bytes`. Per step: every feed is copied into a device buffer of its own (reserved
+at load for the largest shape the plan's profile admits), its shape set on the context (`set_input_shape`), the plan
+enqueued with `execute_async_v3` on one CUDA stream, the logits copied back and the stream synchronised.
 
-KV caches: [num_blocks, block_size, kv_heads*head_dim] in the engine's float type, per layer and K/V. A cache whose
-output the plan aliases to its input (`get_aliased_input_tensor`: TensorRT's KVCacheUpdate) is one device buffer
-bound as both; otherwise the graph's ScatterND writes a whole new cache, so each cache has two buffers, bound as
-input and output, which swap after every step (a step copies every cache: what a fused in-place update would save).
+KV caches: [num_blocks, block_size, kv_heads*head_dim] in the engine's float type, per layer and K/V. The parser
+turns the graph's ScatterND into a Scatter layer that writes a whole new cache, so each cache has two buffers, bound
+as input and output, which swap after every step: a step copies every cache. (TensorRT's in-place KVCacheUpdate takes
+a dense [B, N, S_max, H] cache, not this paged one.) A cache whose output a plan aliases to its input
+(`get_aliased_input_tensor`) would be one buffer bound as both; no plan of camshaft's graphs does.
 The first GPU run must compare logits against the onnxruntime engine (the skipped test does).
 
 The GPU is probed with cuda-python's `cudaGetDeviceCount()` before anything of TensorRT is touched: creating a
@@ -28,8 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from camshaft.cuda_gpu import probe_gpu0, rtx_archs
 from camshaft.errors import EngineError, needs_extra
 from camshaft.manifest import TRT_MODULES, Manifest
+from camshaft.runtime.backends.cuda_buffers import DeviceBuffer, check_cuda, numpy_dtype
 from camshaft.runtime.kv_cache import plan_blocks
 
 
@@ -46,46 +49,15 @@ def probe_gpu(product: str, arch: str) -> tuple[Any, int]:
     """cuda-python's runtime module and the compute capability of GPU 0 (89 for SM 8.9), or an EngineError that
     says why this engine cannot run here. Touches nothing of TensorRT."""
     cudart = _cudart(product, arch)
-    err, count = cudart.cudaGetDeviceCount()
-    if err != cudart.cudaError_t.cudaSuccess or not count:
-        reason = getattr(err, "name", str(err)) if err != cudart.cudaError_t.cudaSuccess else "no CUDA device"
+    gpu = probe_gpu0(cudart)
+    if gpu.old_driver:
+        raise EngineError(f"this engine targets {product} {arch}, and {gpu.old_driver}.")
+    if gpu.arch is None:
         raise EngineError(
-            f"this engine targets {product} {arch} and needs an NVIDIA GPU with a driver; none found ({reason}), "
+            f"this engine targets {product} {arch} and needs an NVIDIA GPU with a driver; none found ({gpu.reason}), "
             "so it cannot run here. Run it on such a GPU, or build an engine for the onnxruntime target."
         )
-    attr = cudart.cudaDeviceAttr
-    _, major = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, 0)
-    _, minor = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, 0)
-    return cudart, major * 10 + minor
-
-
-def _check(cudart: Any, result: tuple, what: str) -> Any:
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise EngineError(f"CUDA {what} failed: {getattr(err, 'name', err)}")
-    return rest[0] if len(rest) == 1 else rest
-
-
-class _DeviceBuffer:
-    def __init__(self, cudart: Any, nbytes: int) -> None:
-        self.cudart = cudart
-        self.nbytes = max(int(nbytes), 1)
-        self.ptr = int(_check(cudart, cudart.cudaMalloc(self.nbytes), f"cudaMalloc({self.nbytes})"))
-
-    def free(self) -> None:
-        if self.ptr:
-            self.cudart.cudaFree(self.ptr)
-            self.ptr = 0
-
-
-def _numpy_dtype(trt, dtype) -> np.dtype:
-    """numpy's view of a TensorRT tensor type; trt.nptype has no bfloat16 (ml_dtypes provides it)."""
-    bf16 = getattr(getattr(trt, "DataType", None), "BF16", None)
-    if bf16 is not None and dtype == bf16:
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(trt.nptype(dtype))
+    return cudart, gpu.arch
 
 
 def check_compatible(manifest: Manifest) -> tuple[Any, int, Any]:
@@ -95,13 +67,15 @@ def check_compatible(manifest: Manifest) -> tuple[Any, int, Any]:
     product, options = manifest.target, manifest.target_options
     arch = str(options.get("gpu_arch", "(unknown architecture)"))
     cudart, local = probe_gpu(product, arch)  # the GPU, through cuda-python only
-    if arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) != local:
-        raise EngineError(
-            f"this engine was built for {arch} but GPU 0 is sm{local}; rebuild it with --gpu-arch sm{local} "
-            f"({product} does not target every architecture: `camshaft build` refuses those it does not, and "
-            "--target tensorrt builds for datacenter GPUs)"
-        )
     trt = TensorRTBackend._import(product)
+    if arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) != local:
+        if product != "tensorrt-rtx":
+            fix = "rebuild it on this GPU (--target tensorrt builds for the GPU it runs on)"
+        elif local in rtx_archs(trt):
+            fix = f"rebuild it with --gpu-arch sm{local}"
+        else:
+            fix = f"{product} {trt.__version__} cannot build for it: rebuild with --target tensorrt on this GPU"
+        raise EngineError(f"this engine was built for {arch} but GPU 0 is sm{local}; {fix}")
     built = str(options.get("version", manifest.tools.get(product, "")))
     if built != trt.__version__:  # a plan runs only on the release that built it
         raise EngineError(
@@ -138,9 +112,16 @@ class TensorRTBackend:
         self.context = self.engine.create_execution_context()
         if self.context is None:
             raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?)")
-        self.stream = _check(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
-        if callable(num_blocks):  # a fraction of the GPU memory the plan and its context leave
-            free, _total = _check(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")
+        self.stream = check_cuda(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
+        self._dtypes = {}
+        for i in range(self.engine.num_io_tensors):
+            name = self.engine.get_tensor_name(i)
+            self._dtypes[name] = numpy_dtype(trt, self.engine.get_tensor_dtype(name))
+        self.vocab_size = manifest.model.vocab_size
+        self._buffers: dict[str, DeviceBuffer] = {}
+        self._reserve_step_buffers(manifest)
+        if callable(num_blocks):  # a fraction of the GPU memory the plan, its context and the step buffers leave
+            free, _total = check_cuda(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")
             num_blocks = num_blocks(int(free))
         most = plan_blocks(manifest)
         if most is not None and num_blocks > most:
@@ -148,35 +129,50 @@ class TensorRTBackend:
                 f"a KV pool of {num_blocks} blocks exceeds the {most} blocks the plan was built for; "
                 "lower max_sequences or kv_cache_memory, or rebuild with a larger --max-batch-size"
             )
-        self._dtypes = {}
-        for i in range(self.engine.num_io_tensors):
-            name = self.engine.get_tensor_name(i)
-            self._dtypes[name] = _numpy_dtype(trt, self.engine.get_tensor_dtype(name))
         # 4. KV caches. An output the plan aliases to its input (TensorRT's KVCacheUpdate) is bound in place; the
         # graph's ScatterND writes a whole new cache, so otherwise each cache gets a second buffer, the output, and
         # the two swap after every step.
         kv = manifest.kv_cache
         self.num_blocks = num_blocks
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
-        self.caches: list[_DeviceBuffer] = []
-        self._spares: list[_DeviceBuffer | None] = []
-        self._buffers: dict[str, _DeviceBuffer] = {}
+        self.caches: list[DeviceBuffer] = []
+        self._spares: list[DeviceBuffer | None] = []
         self._cache_names = list(zip(kv.key_inputs + kv.value_inputs, kv.key_outputs + kv.value_outputs, strict=True))
         aliased = getattr(self.engine, "get_aliased_input_tensor", lambda name: None)
         for input_name, output_name in self._cache_names:
             nbytes = int(np.prod(shape)) * self._dtypes[input_name].itemsize
-            cache = _DeviceBuffer(cudart, nbytes)
-            _check(cudart, cudart.cudaMemset(cache.ptr, 0, nbytes), "cudaMemset")
+            cache = DeviceBuffer(cudart, nbytes)
+            check_cuda(cudart, cudart.cudaMemsetAsync(cache.ptr, 0, nbytes, self.stream), "cudaMemsetAsync")
             self.caches.append(cache)
-            self._spares.append(None if aliased(output_name) == input_name else _DeviceBuffer(cudart, nbytes))
+            self._spares.append(None if aliased(output_name) == input_name else DeviceBuffer(cudart, nbytes))
             self._shape(input_name, shape)
+        check_cuda(cudart, cudart.cudaStreamSynchronize(self.stream), "stream synchronise")
         self._bind_caches()
-        self.vocab_size = manifest.model.vocab_size
+
+    def _reserve_step_buffers(self, manifest: Manifest) -> None:
+        """Every step input's device buffer and the logits' at the largest shape the plan's profile admits, before
+        the KV pool is sized from the memory left: no step allocates (with a pool of nearly all of it, a long step
+        would otherwise fail mid-serving)."""
+        largest = {name: int(hi) for name, (_, _, hi) in manifest.target_options.get("profile", {}).items()}
+        if "N" not in largest:
+            raise EngineError("the manifest records no optimisation profile for this plan; rebuild the engine")
+        for spec in manifest.inputs:
+            if spec.name in self._dtypes:  # TensorRT drops graph inputs nothing consumes
+                count = int(np.prod([largest[d] if isinstance(d, str) else d for d in spec.shape]))
+                self._bind(spec.name, DeviceBuffer(self.cudart, count * self._dtypes[spec.name].itemsize))
+        self._bind("logits", DeviceBuffer(self.cudart, largest["N"] * self.vocab_size * 4))
+
+    def _bind(self, name: str, buffer: DeviceBuffer) -> None:
+        if not self.context.set_tensor_address(name, buffer.ptr):
+            buffer.free()
+            raise EngineError(f"TensorRT refused the device address of tensor {name}; rebuild the engine")
+        self._buffers[name] = buffer
 
     def _bind_caches(self) -> None:
         for (input_name, output_name), cache, spare in zip(self._cache_names, self.caches, self._spares, strict=True):
-            self.context.set_tensor_address(input_name, cache.ptr)
-            self.context.set_tensor_address(output_name, (spare or cache).ptr)
+            for name, ptr in ((input_name, cache.ptr), (output_name, (spare or cache).ptr)):
+                if not self.context.set_tensor_address(name, ptr):
+                    raise EngineError(f"TensorRT refused the device address of KV cache {name}; rebuild the engine")
 
     def _swap_caches(self) -> None:
         """After a step: the outputs hold the updated caches, which the next step reads."""
@@ -202,30 +198,18 @@ class TensorRTBackend:
 
     def _upload(self, name: str, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array, dtype=self._dtypes[name])
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.nbytes < array.nbytes:
-            buffer = self._grow(name, max(array.nbytes * 2, 256))
-        self._shape(name, array.shape)
+        self._shape(name, array.shape)  # within the profile: its buffer holds it (_reserve_step_buffers)
         if array.nbytes:
-            kind = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
-            _check(self.cudart, self.cudart.cudaMemcpyAsync(buffer.ptr, array.ctypes.data, array.nbytes, kind,
-                                                            self.stream), f"upload of {name}")
+            self._copy(self._buffers[name].ptr, array.ctypes.data, array.nbytes, "HostToDevice", f"upload of {name}")
         # The host array must outlive the asynchronous copy: keep it until the step synchronises.
-        self._pinned.append(array)
+        self._uploaded.append(array)
 
-    def _grow(self, name: str, nbytes: int) -> _DeviceBuffer:
-        """A larger device buffer for tensor `name`, bound in place of its old one; the new one is allocated first, so
-        a failed allocation leaves the old buffer bound and usable."""
-        grown = _DeviceBuffer(self.cudart, nbytes)
-        old = self._buffers.get(name)
-        self._buffers[name] = grown
-        self.context.set_tensor_address(name, grown.ptr)
-        if old is not None:
-            old.free()
-        return grown
+    def _copy(self, dst: int, src: int, nbytes: int, kind: str, what: str) -> None:
+        kind = getattr(self.cudart.cudaMemcpyKind, f"cudaMemcpy{kind}")
+        check_cuda(self.cudart, self.cudart.cudaMemcpyAsync(dst, src, nbytes, kind, self.stream), what)
 
     def step(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        self._pinned: list[np.ndarray] = []
+        self._uploaded: list[np.ndarray] = []
         rows = len(feeds["logits_index"])
         if rows == 0:  # the profile's smallest logits batch is one row: compute one, return none
             feeds = {**feeds, "logits_index": np.zeros(1, dtype=np.int64)}
@@ -233,18 +217,12 @@ class TensorRTBackend:
             if name in self._dtypes:  # TensorRT drops graph inputs nothing consumes
                 self._upload(name, array)
         n = max(rows, 1)
-        logits = self._buffers.get("logits")
-        needed = n * self.vocab_size * 4
-        if logits is None or logits.nbytes < needed:
-            logits = self._grow("logits", needed * 2)
         if not self.context.execute_async_v3(int(self.stream)):
             raise EngineError("TensorRT could not enqueue the step")
         out = np.empty((n, self.vocab_size), dtype=np.float32)
-        kind = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        _check(self.cudart, self.cudart.cudaMemcpyAsync(out.ctypes.data, logits.ptr, out.nbytes, kind, self.stream),
-               "logits download")
-        _check(self.cudart, self.cudart.cudaStreamSynchronize(self.stream), "stream synchronise")
-        self._pinned = []
+        self._copy(out.ctypes.data, self._buffers["logits"].ptr, out.nbytes, "DeviceToHost", "logits download")
+        check_cuda(self.cudart, self.cudart.cudaStreamSynchronize(self.stream), "stream synchronise")
+        self._uploaded = []
         self._swap_caches()
         return out[:rows]
 
@@ -264,7 +242,7 @@ class TensorRTBackend:
         self.caches, self._spares, self._buffers = [], [], {}
         self.context = self.engine = self.runtime = None  # in this order: a context before its plan
         if stream is not None:
-            _check(self.cudart, self.cudart.cudaStreamDestroy(stream), "cudaStreamDestroy")
+            check_cuda(self.cudart, self.cudart.cudaStreamDestroy(stream), "cudaStreamDestroy")
 
     def __del__(self) -> None:
         try:

@@ -22,7 +22,7 @@ def benchmark_prompt(vocab_size: int, prompt_len: int, seed: int = 0) -> list[in
 def latency_benchmark(engine_dir: str | Path, prompt_len: int = 64, new_tokens: int = 128, repeats: int = 5,
                       warmup: int = 1, session: Session | None = None,
                       progress: Callable[[str], None] = lambda _: None) -> dict[str, float | str]:
-    for name, value, least in (("prompt_len", prompt_len, 1), ("new_tokens", new_tokens, 1), ("repeats", repeats, 1),
+    for name, value, least in (("prompt_len", prompt_len, 1), ("new_tokens", new_tokens, 2), ("repeats", repeats, 1),
                                ("warmup", warmup, 0)):
         if not is_int_at_least(value, least):
             raise RequestError(f"{name} must be an integer >= {least}, got {value!r}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from camshaft.checks import is_int
 from camshaft.errors import RequestError
 
 _NUMBER = r"[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
@@ -25,6 +26,7 @@ PRESETS = {
     # The throughput target's workload (BENCHMARKS.md)
     "balanced": "synthetic:in=NORMAL(200,50),out=NORMAL(128,32)",
 }
+MAX_LENGTH = 10**9  # tokens: any length or spread beyond it is a typo, not a workload
 SPEC_HELP = ("use a preset (" + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()) + "), synthetic:in=DIST,out=DIST "
              "with DIST one of NORMAL(mean,std), UNIFORM(low,high), CONST(n) or a plain integer, e.g. "
              "synthetic:in=NORMAL(200,50),out=NORMAL(128,32); or jsonl:PATH (or a path ending in .jsonl) with one "
@@ -38,14 +40,14 @@ class Distribution:
     b: float = 0.0
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """n lengths; NORMAL's may be below 1 (load_dataset raises them to 1 and counts them as clipped)."""
         if self.kind == "normal":
             values = rng.normal(self.a, self.b, n)
         elif self.kind == "uniform":
-            values = rng.uniform(self.a, self.b + 1, n)  # integers low..high inclusive after flooring
-            return np.floor(values).astype(np.int64)
+            return rng.integers(int(self.a), int(self.b), n, endpoint=True)
         else:
             values = np.full(n, self.a)
-        return np.rint(values).astype(np.int64)
+        return np.rint(np.clip(values, 0, MAX_LENGTH)).astype(np.int64)
 
     def __str__(self) -> str:
         if self.kind == "const":
@@ -93,13 +95,16 @@ def parse_distribution(text: str, what: str) -> Distribution:
     text = text.strip()
     if re.fullmatch(r"\d+", text):
         value = int(text)
-        if value < 1:
-            raise RequestError(f"{what} length must be >= 1, got {text!r}")
+        if not 1 <= value <= MAX_LENGTH:
+            raise RequestError(f"{what} length must be 1..{MAX_LENGTH:.0e} tokens, got {text!r}")
         return Distribution("const", float(value))
     match = _DIST.match(text)
     if not match:
         raise RequestError(f"cannot read the {what} length distribution {text!r}; {SPEC_HELP}")
     kind, a, b = match.group(1).lower(), float(match.group(2)), match.group(3)
+    if max(a, float(b or 0)) > MAX_LENGTH:
+        raise RequestError(f"the {what} length distribution {text!r} reaches past {MAX_LENGTH:.0e} tokens; give "
+                           "lengths (and spreads) in tokens")
     if kind == "const":
         if b is not None or a < 1:
             raise RequestError(f"CONST takes one value >= 1, got {text!r}")
@@ -109,8 +114,8 @@ def parse_distribution(text: str, what: str) -> Distribution:
     b = float(b)
     if kind == "normal" and (a < 1 or b < 0):
         raise RequestError(f"NORMAL(mean,std) needs mean >= 1 and std >= 0, got {text!r}")
-    if kind == "uniform" and not 1 <= a <= b:
-        raise RequestError(f"UNIFORM(low,high) needs 1 <= low <= high, got {text!r}")
+    if kind == "uniform" and not (1 <= a <= b and a.is_integer() and b.is_integer()):
+        raise RequestError(f"UNIFORM(low,high) takes whole lengths with 1 <= low <= high, got {text!r}")
     return Distribution(kind, a, b)
 
 
@@ -163,10 +168,10 @@ def load_dataset(spec: str | DatasetSpec, num_requests: int, *, max_seq_len: int
     if spec.kind == "jsonl":
         return _load_jsonl(spec.path, num_requests, max_seq_len, vocab_size, tokenizer)
     rng = np.random.default_rng(seed)
-    asked_prompt = np.maximum(spec.prompt_len.sample(rng, num_requests), 1)
-    asked_output = np.maximum(spec.output_len.sample(rng, num_requests), 1)
-    prompt_lens = np.minimum(asked_prompt, max_seq_len - 1)
-    output_lens = np.minimum(asked_output, max_seq_len - prompt_lens)
+    asked_prompt = spec.prompt_len.sample(rng, num_requests)  # a NORMAL draw below 1 runs as 1, counted clipped
+    asked_output = spec.output_len.sample(rng, num_requests)
+    prompt_lens = np.clip(asked_prompt, 1, max_seq_len - 1)
+    output_lens = np.clip(asked_output, 1, max_seq_len - prompt_lens)
     high = min(vocab_size, 30000)
     low = 100 if high > 200 else 0
     return [_request(rng.integers(low, high, int(p)).tolist(), int(o), int(ap), int(ao))
@@ -186,11 +191,14 @@ def read_jsonl_requests(path: Path) -> list[tuple[str | list, int]]:
             continue
         try:
             row = json.loads(line)
-            prompt, max_tokens = row["prompt"], int(row["max_tokens"])
+            prompt, max_tokens = row["prompt"], row["max_tokens"]
         except (ValueError, KeyError, TypeError) as exc:
             raise RequestError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"max_tokens\": n}} ({exc})") from exc
-        if not prompt or max_tokens < 1:
-            raise RequestError(f"{path}:{lineno}: the prompt is empty or max_tokens < 1")
+        if not is_int(max_tokens) or not 1 <= max_tokens <= MAX_LENGTH:
+            raise RequestError(f"{path}:{lineno}: max_tokens must be a whole number of tokens >= 1, got "
+                               f"{max_tokens!r:.40}")
+        if not prompt:
+            raise RequestError(f"{path}:{lineno}: the prompt is empty")
         rows.append((prompt, max_tokens))
     if not rows:
         raise RequestError(f"{path} holds no requests")
@@ -204,7 +212,7 @@ def _load_jsonl(path: Path, num_requests: int, max_seq_len: int, vocab_size: int
             if tokenizer is None:
                 raise RequestError(f"{path}: a text prompt needs the engine's tokenizer")
             ids = tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+        elif isinstance(prompt, list) and all(is_int(t) and 0 <= t < vocab_size for t in prompt):
             ids = list(prompt)
         else:
             raise RequestError(f"{path}: prompt must be text or token ids in [0, {vocab_size}), got {prompt!r:.80}")

@@ -15,18 +15,30 @@ def linear_params(manifest: Manifest) -> tuple[int, int]:
     return per_layer * m.num_layers, m.vocab_size * m.hidden_size
 
 
+def _attended(n: int, window: int | None) -> int:
+    """Keys the first n tokens of a sequence attend to in all: token p attends to min(p, window) of them."""
+    if window is None or n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
 def count_flops(manifest: Manifest, requests: list[BenchRequest], reused: list[int] | None = None) -> dict[str, float]:
     """FLOPs of computing every request once (no preemption recompute): 2 x layer weights x tokens fed
     (prompt + output - 1), 2 x LM-head weights x logits rows (one per output token), and attention
-    4 x heads x head_dim x context per token per layer (QK^T and PV). `reused`: each request's prompt tokens taken
-    from the prefix cache, never computed."""
+    4 x heads x head_dim x context per token per layer (QK^T and PV; a sliding-window layer's context is at most its
+    window). `reused`: each request's prompt tokens taken from the prefix cache, never computed."""
     m = manifest.model
     layers, head = linear_params(manifest)
     reused = reused or [0] * len(requests)
     totals = [len(r.prompt_ids) + r.max_tokens - 1 for r in requests]
     fed = sum(n - k for n, k in zip(totals, reused, strict=True))
     rows = sum(r.max_tokens for r in requests)
-    context = sum((n * (n + 1)) // 2 - (k * (k + 1)) // 2 for n, k in zip(totals, reused, strict=True))
-    attention = 4 * m.num_heads * m.head_dim * m.num_layers * context
+    sliding = sum(kind == "sliding" for kind in m.layer_types)
+    attended = 0
+    for layers_, window in ((m.num_layers - sliding, None), (sliding, m.sliding_window)):
+        if layers_:
+            attended += layers_ * sum(_attended(n, window) - _attended(k, window)
+                                      for n, k in zip(totals, reused, strict=True))
+    attention = 4 * m.num_heads * m.head_dim * attended
     return {"linear": 2.0 * layers * fed, "lm_head": 2.0 * head * rows, "attention": float(attention),
             "tokens_fed": fed}

@@ -26,7 +26,8 @@ DatasetOption = Annotated[str, typer.Option(
 def bench_latency(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens")] = 64,
-    new_tokens: Annotated[int, typer.Option(min=1, help="Generated tokens (greedy, end id ignored)")] = 128,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Generated tokens (greedy, end id ignored; decode speed "
+                                                        "needs 2 or more)")] = 128,
     repeats: Annotated[int, typer.Option(min=1, help="Measured runs (medians are reported)")] = 5,
     warmup: Annotated[int, typer.Option(min=0, help="Unmeasured runs first")] = 1,
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
@@ -64,6 +65,8 @@ def require_outputs(plot: Path | None, output_json: Path | None) -> None:
             continue
         if path.is_dir():
             raise CamshaftError(f"{flag} {path} is a directory; give a file path")
+        if flag == "--plot" and path.suffix.lower() != ".png":
+            raise CamshaftError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
         parent = next((p for p in path.parents if p.exists()), None)
         if parent is None or not writable_dir(parent):
             raise CamshaftError(f"{flag} {path} cannot be written ({parent} is not a writable directory)")

@@ -194,8 +194,10 @@ class Executor:
                 self._finish(item.request, exc)
             return len(scheduled)
         self.scheduler.computed(scheduled)
+        outcomes = read_step(scheduled, logits)
+        self._count_step(scheduled, started)  # before any output goes out: a caller that saw its last one sees this
         finished = 0
-        for outcome in read_step(scheduled, logits):
+        for outcome in outcomes:
             request = outcome.request
             if outcome.error is not None:
                 self._finish(request, outcome.error)
@@ -207,6 +209,9 @@ class Executor:
                 if not request.finished:
                     self.scheduler.advance(request, len(outcome.samples))
             finished += self._deliver_samples(request, outcome.delta, outcome.samples)
+        return finished
+
+    def _count_step(self, scheduled: list[Scheduled], started: float) -> None:
         running = len(scheduled)
         self.peak_batch_size = max(self.peak_batch_size, running)
         blocks = self.scheduler.blocks
@@ -218,7 +223,6 @@ class Executor:
         with self._stats_lock:
             self.stats.append(step)
             self.steps_done += 1
-        return finished
 
     def _deliver_samples(self, request: Request, delta: str, samples: list[SampleResult]) -> int:
         new = (tuple(s.token_id for s in samples), tuple(samples) if request.params.logprobs is not None else ())

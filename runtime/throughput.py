@@ -60,7 +60,7 @@ class RequestRecord:
     max_tokens: int
     submitted: float = 0.0
     token_times: list[float] = field(default_factory=list)
-    in_flight_at_submit: int = 0  # other requests in flight when this one was submitted
+    decoding_at_first_token: int = 0  # other requests decoding in the step that gave this one its first token
     token_ids: list[int] = field(default_factory=list)
 
     @property
@@ -88,7 +88,7 @@ class ThroughputResult:
     ttft_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
-    ttft_joining_ms: dict[str, float]  # requests submitted while concurrency - 1 others were in flight, after the start
+    ttft_joining_ms: dict[str, float]  # requests after the first C whose prefill ran beside C - 1 decoding others
     peak_kv_usage: float
     peak_batch_size: int
     num_steps: int
@@ -111,7 +111,7 @@ class ThroughputResult:
         if with_requests:
             out["requests"] = [{"prompt_tokens": r.prompt_tokens, "output_tokens": len(r.token_times),
                                 "ttft_ms": r.ttft_s * 1000, "e2e_ms": r.e2e_s * 1000,
-                                "in_flight_at_submit": r.in_flight_at_submit} for r in self.records]
+                                "decoding_at_first_token": r.decoding_at_first_token} for r in self.records]
         return out
 
 
@@ -131,26 +131,25 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     records = [RequestRecord(i, len(r.prompt_ids), r.max_tokens) for i, r in enumerate(requests)]
     done: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
     timer = StepTimer(llm)
-    in_flight = 0
     submitted: list = [None] * len(requests)
 
     def submit(index: int) -> None:
-        nonlocal in_flight
         item, record = requests[index], records[index]
         params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
         (request,) = llm._requests(list(item.prompt_ids), params)
         add_sample = request.add_sample
 
-        def timed_add_sample(sample):  # runs on the loop thread as each token is sampled
+        def timed_add_sample(sample):  # runs on the loop thread as each token is sampled, before any is delivered
+            if not record.token_times:
+                record.decoding_at_first_token = sum(
+                    1 for other in executor.scheduler.running if other is not request and other.output_ids)
             record.token_times.append(time.perf_counter())
             return add_sample(sample)
 
         request.add_sample = timed_add_sample
-        record.in_flight_at_submit = in_flight
         record.submitted = time.perf_counter()
         submitted[index] = request
         executor.submit([request], [lambda out, i=index: done.put((i, out)) if out.finished else None])
-        in_flight += 1
 
     started = time.perf_counter()
     try:
@@ -160,7 +159,6 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
             next_index += 1
         for _ in range(len(requests)):
             index, output = done.get()
-            in_flight -= 1
             if output.error is not None:
                 raise output.error
             if keep_token_ids:
@@ -177,7 +175,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     flops = count_flops(llm.engine.manifest, requests, reused)
     total_flop = flops["linear"] + flops["lm_head"] + flops["attention"]
     output_tokens = sum(len(r.token_times) for r in records)
-    joining = [r.ttft_s for r in records[concurrency:] if r.in_flight_at_submit == concurrency - 1]
+    joining = [r.ttft_s for r in records[concurrency:] if r.decoding_at_first_token >= concurrency - 1]
     overhead = {"all_steps": timer.overhead(), f"batch_{concurrency}": timer.overhead(concurrency)}
     return ThroughputResult(
         num_requests=len(requests), concurrency=concurrency, wall_s=wall,

@@ -58,8 +58,20 @@ def clipped_line(clipped: dict | None) -> str | None:
             "--max-seq-len or shorten the dataset's lengths to measure what was asked")
 
 
+def concurrency_note(r: ThroughputResult) -> str | None:
+    """A note when fewer requests than the concurrency ever ran in one step, or None."""
+    if r.peak_batch_size >= r.concurrency:
+        return None
+    why = (f"{r.num_requests} requests in all" if r.num_requests < r.concurrency else
+           "the KV pool or the token budget admitted no more: raise --kv-cache-memory or --max-num-tokens")
+    return f"note: at concurrency {r.concurrency} at most {r.peak_batch_size} requests ran in one step ({why})"
+
+
 def report_lines(results: list[ThroughputResult]) -> list[str]:
-    """The printed report: the LLM's configuration, a clipping warning if any, one line per concurrency."""
+    """The printed report: the LLM's configuration, a clipping warning if any, one line per concurrency (and a note
+    where fewer ran at once)."""
     lines = [config_line(results[0].config)] if results else []
     warning = clipped_line(results[0].clipped) if results else None
-    return lines + ([warning] if warning else []) + [result_line(r) for r in results]
+    for r in results:
+        lines += [result_line(r)] + [note for note in [concurrency_note(r)] if note]
+    return lines[:1] + ([warning] if warning else []) + lines[1:]

@@ -106,11 +106,13 @@ def write_markdown(path: Path, section: str, begin_marker: str, end_marker: str)
     path.write_text(text)
 
 
-def publish(results: dict, json_path: Path, plot: Path, md: Path, markdown, markers: tuple[str, str],
+def publish(results: dict, json_path: Path, plot: Path, draw, md: Path, markdown, markers: tuple[str, str],
             write_md: bool) -> None:
-    """Write the results' JSON, print their BENCHMARKS.md section (`markdown(results, plot path relative to md)`) and
-    replace it in md when write_md is set; the plot is already drawn at `plot`."""
+    """Write the results' JSON (first: a plot that fails loses nothing), draw the plot (`draw(plot)`), print the
+    BENCHMARKS.md section (`markdown(results, plot path relative to md)`) and replace it in md when write_md is
+    set."""
     json_path.write_text(json.dumps(results, indent=2) + "\n")
+    draw(plot)
     section = markdown(results, os.path.relpath(plot.resolve(), md.resolve().parent))
     print(section)
     if write_md:

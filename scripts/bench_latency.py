@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> None:
             "decode_tok_s": "(new_tokens - 1) / (total - ttft)",
         },
     }
-    plot(results, args.plot)
-    publish(results, json_path, args.plot, args.md, markdown, (MD_BEGIN, MD_END), args.write_md)
+    publish(results, json_path, args.plot, lambda path: plot(results, path), args.md, markdown, (MD_BEGIN, MD_END),
+            args.write_md)
 
 
 if __name__ == "__main__":

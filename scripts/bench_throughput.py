@@ -255,10 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     peers = {PEER: [{"concurrency": p["concurrency"], "output_tok_s": p["output_tok_s"],
                      "ttft_p50_ms": p["ttft_ms"]["p50"]} for p in peer]}
     m = results["machine"]
-    plot_sweep(points, args.plot, peers,
-               title=f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {m['cpu']} — {args.dataset}, "
-                     f"{args.num_requests} requests at C = {args.concurrency}, {args.sweep_num_requests} elsewhere")
-    publish(results, json_path, args.plot, args.md, markdown, (MD_BEGIN, MD_END), args.write_md)
+    title = (f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {m['cpu']} — {args.dataset}, "
+             f"{args.num_requests} requests at C = {args.concurrency}, {args.sweep_num_requests} elsewhere")
+    publish(results, json_path, args.plot, lambda path: plot_sweep(points, path, peers, title=title), args.md,
+            markdown, (MD_BEGIN, MD_END), args.write_md)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ def markdown(res: dict, plot_ref: str) -> str:
                    f"— | — |")
     g = target["gflop"]
     ov = target["python_overhead"]
-    ob = ov.get(f"batch_{cfg['concurrency']}", ov["all_steps"])
+    ob = ov.get(f"batch_{cfg['concurrency']}") or {}
+    ob = ob if ob.get("steps") else ov["all_steps"]  # no step ran the whole batch (fewer requests than C)
     ratio = target["output_tok_s"] / peer_t["output_tok_s"]
     out += [
         "",
@@ -132,7 +133,9 @@ def markdown(res: dict, plot_ref: str) -> str:
         "spent outside `Engine.step` (scheduling, sampling, detokenizing, bookkeeping), median over iterations, "
         "timed by wrapping `Engine.step` and the backend call on the benchmark's engine; `Engine.step` itself also "
         "holds Python (`build_step`), so the share outside the model call is given too. Joining requests: those "
-        f"submitted after the start while {cfg['concurrency'] - 1} others were in flight; idle TTFT: p50 at C = 1.",
+        f"after the first {cfg['concurrency']} whose prompt ran in a step beside {cfg['concurrency'] - 1} decoding "
+        "others (not those that replaced requests finishing in the same step: they prefill together); idle TTFT: p50 "
+        "at C = 1.",
         "",
     ]
     if eq:

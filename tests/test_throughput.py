@@ -56,13 +56,50 @@ def test_synthetic_spec_is_seeded_and_clipped():
     ("synthetic:in=5,out=5,in=6", "given twice"),
     ("synthetic:in=5,len=5", "cannot read 'len=5'"),
     ("synthetic:in=UNIFORM(9,3),out=5", "low <= high"),
-    ("synthetic:in=0,out=5", ">= 1"),
+    ("synthetic:in=0,out=5", "1..1e\\+09"),
+    ("synthetic:in=CONST(1e30),out=2", "reaches past 1e\\+09 tokens"),
+    ("synthetic:in=NORMAL(200,1e300),out=2", "reaches past"),
+    ("synthetic:in=100000000000000000000,out=2", "1..1e\\+09"),
+    ("synthetic:in=UNIFORM(1.5,1.6),out=2", "whole lengths"),
     ("sharegpt", "unknown dataset spec"),
     ("jsonl:/nonexistent/file.jsonl", "does not exist"),
 ])
 def test_bad_specs_are_refused_clearly(spec, message):
     with pytest.raises(RequestError, match=message):
         load_dataset(spec, 4, max_seq_len=64, vocab_size=300)
+
+
+def test_normal_draws_below_one_run_as_one_and_count_as_clipped():
+    from camshaft.runtime.bench_data import clipped_requests
+
+    rows = load_dataset("synthetic:in=NORMAL(10,100),out=2", 50, max_seq_len=400, vocab_size=300, seed=0)
+    low = [r for r in rows if r.asked is not None]
+    assert low and all(len(r.prompt_ids) == 1 and r.asked[0] == 0 for r in low)
+    assert clipped_requests(rows, 400)["count"] == len(low)
+
+
+@pytest.mark.parametrize("max_tokens", ["Infinity", "1e400", "2.9", '"7"', "true", "0"])
+def test_jsonl_max_tokens_must_be_a_whole_number(tmp_path, max_tokens):
+    path = tmp_path / "data.jsonl"
+    path.write_text(f'{{"prompt": [5, 6], "max_tokens": {max_tokens}}}\n')
+    with pytest.raises(RequestError, match="data.jsonl:1: max_tokens must be a whole number"):
+        load_dataset(str(path), 1, max_seq_len=64, vocab_size=300)
+    path.write_text('{"prompt": [true, false], "max_tokens": 2}\n')
+    with pytest.raises(RequestError, match="prompt must be text or token ids"):
+        load_dataset(str(path), 1, max_seq_len=64, vocab_size=300)
+
+
+def test_attention_flops_of_sliding_layers_stop_at_the_window(engine_dir):
+    from dataclasses import replace
+
+    manifest = read_manifest(engine_dir)
+    m = manifest.model
+    requests = [BenchRequest(list(range(3, 13)), 3)]  # 12 tokens fed: token p attends to p keys, or the window's
+    full = count_flops(manifest, requests)["attention"]
+    assert full == 4 * m.num_heads * m.head_dim * m.num_layers * sum(range(1, 13))
+    sliding = replace(manifest, model=replace(m, layer_types=("sliding",) + m.layer_types[1:], sliding_window=4))
+    per_layer = 4 * m.num_heads * m.head_dim
+    assert count_flops(sliding, requests)["attention"] == full - per_layer * (sum(range(1, 13)) - (10 + 8 * 4))
 
 
 def test_jsonl_dataset(tmp_path):
@@ -290,3 +327,30 @@ def test_cli_bench_numbers_are_checked(engine_dir, args, message):
     assert result.exit_code != 0
     assert message in result.output + str(result.exception)
     assert result.exception is None or isinstance(result.exception, (RequestError, SystemExit))
+
+
+def test_joining_requests_are_those_whose_prompt_ran_beside_decoding_others(engine_dir):
+    """TTFT "joining a steady batch of C - 1" counts a request only if C - 1 others were decoding in the step of its
+    first token (a client's own count of requests in flight says nothing of what the engine ran)."""
+    with LLM(engine_dir, threads=1) as llm:
+        rng = np.random.default_rng(3)
+        vocab = llm.engine.manifest.model.vocab_size
+        mixed = [BenchRequest(rng.integers(3, vocab, 8).tolist(), n) for n in (2, 120, 2, 2)]
+        steady = run_throughput(llm, mixed, concurrency=2)  # the short ones come and go beside the long one
+        assert steady.records[0].decoding_at_first_token == 0  # (the second may come as the first decodes)
+        assert [r.decoding_at_first_token for r in steady.records[2:]] == [1, 1]
+        assert steady.ttft_joining_ms["count"] == 2
+        alone = run_throughput(llm, mixed, concurrency=1)
+        assert [r.decoding_at_first_token for r in alone.records] == [0] * 4
+
+
+def test_a_concurrency_no_step_reached_is_said(engine_dir):
+    from camshaft.runtime.throughput_report import report_lines
+
+    with LLM(engine_dir, threads=1) as llm:
+        requests = load_dataset("synthetic:in=8,out=3", 2, max_seq_len=MAX_SEQ_LEN,
+                                vocab_size=llm.engine.manifest.model.vocab_size)
+        few = run_throughput(llm, requests, concurrency=8)
+    assert few.peak_batch_size <= 2
+    assert f"note: at concurrency 8 at most {few.peak_batch_size} requests ran in one step (2 requests in all)" in (
+        report_lines([few]))

@@ -48,9 +48,17 @@ class Checkpoint:
                 raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
             self._handles[file] = handle
             for name in handle.keys():
+                if name in self._where:
+                    raise CheckpointError(f"{self.dir}: tensor {name!r} is stored twice, in {self._where[name].name} "
+                                          f"and {file.name}; keep one (transformers would read only one of them)")
                 self._where[name] = file
             self._fp8.update(fp8_tensors(file))
         self.quantization = read_quant_config(self.dir)
+        if self.quant_algos and not any(name.endswith(".weight_scale") for name in self._where):
+            raise CheckpointError(
+                f"{self.dir}/{HF_QUANT_CONFIG} says the layers are {' / '.join(self.quant_algos)}, but no layer has a "
+                "weight_scale: the weights are float. Remove the file to build the float checkpoint, or restore the "
+                "quantized weights")
         self._check_tied_head()
         if self.config.tie_word_embeddings and not self.quantization and EMBED not in self._where \
                 and "lm_head.weight" in self._where:

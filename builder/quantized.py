@@ -162,7 +162,7 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
     # quant_algo null: ModelOpt's export of a checkpoint with float layers and a quantized KV cache
     for name, layer_algo in ([(n, v.get("quant_algo")) for n, v in layers.items()] if algo == MIXED
                              else [(None, algo)] if algo is not None else []):
-        if layer_algo not in READABLE_QUANT_ALGOS:
+        if not isinstance(layer_algo, str) or layer_algo not in READABLE_QUANT_ALGOS:
             where = f"{model_dir} quantizes {name} as" if name else f"{model_dir} is quantized as"
             raise CheckpointError(
                 f"{where} {layer_algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} (and {MIXED} "
@@ -172,7 +172,7 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
         if READABLE_QUANT_ALGOS[layer_algo].blockwise and not isinstance(group, int):
             raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}")
     kv_algo = quant.get("kv_cache_quant_algo")
-    if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:
+    if kv_algo is not None and (not isinstance(kv_algo, str) or kv_algo not in KV_CACHE_ALGOS):
         raise CheckpointError(
             f"{model_dir} quantizes the KV cache as {kv_algo}; camshaft builds {' or '.join(KV_CACHE_ALGOS)} KV "
             "caches"
@@ -180,7 +180,11 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
     record = model_dir / CAMSHAFT_QUANT_RECORD
     if record.is_file():
         try:
-            quant = {**quant, "camshaft": json.loads(record.read_text())}
+            recorded = json.loads(record.read_text())
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{record} is malformed: {exc}") from exc
+        if not isinstance(recorded, dict):
+            raise CheckpointError(f"{record} is malformed: an object of camshaft quantize's settings, not "
+                                  f"{type(recorded).__name__}; quantize the checkpoint again")
+        quant = {**quant, "camshaft": recorded}
     return quant

@@ -9,12 +9,19 @@ from camshaft.errors import CheckpointError
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's safetensors files: the shards its index names, else every *.safetensors file."""
+    """The checkpoint's safetensors files: the shards its index names, else every *.safetensors file (camshaft
+    quantize's side file of KV scales beside model.safetensors)."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = index_map(index)
         files = sorted({model_dir / f for f in weight_map.values()})
+        single = model_dir / "model.safetensors"
+        if single.is_file() and single not in files:  # transformers would read model.safetensors, not the index
+            shards = ", ".join(f.name for f in files[:3]) + (", …" if len(files) > 3 else "")
+            raise CheckpointError(
+                f"{model_dir} holds model.safetensors and an index of other shards ({shards}); transformers reads "
+                "model.safetensors and ignores the index. Remove the one that is stale")
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} names shards that are missing: {', '.join(missing)}")

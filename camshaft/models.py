@@ -80,9 +80,16 @@ def _read_marker(output: Path) -> dict | None:
         return None
 
 
+FETCHED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json")
+
+
 def is_fetched(name: str, output: Path) -> bool:
-    """True when `output` holds a complete fetch of this model's pinned version."""
-    return _read_marker(Path(output)) == _marker_record(known_model(name))
+    """True when `output` holds a complete fetch of this model's pinned version: its marker, and every file the fetch
+    writes (one deleted since is fetched again)."""
+    output = Path(output)
+    return (_read_marker(output) == _marker_record(known_model(name))
+            and all((output / file).is_file() and (output / file).stat().st_size for file in FETCHED_FILES))
 
 
 def _no_progress(message: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from camshaft.errors import FetchError
-from camshaft.models import KNOWN_MODELS, MARKER, default_model_dir, fetch_model
+from camshaft.models import FETCHED_FILES, KNOWN_MODELS, MARKER, default_model_dir, fetch_model
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -43,7 +43,11 @@ def test_models_list_says_where_each_comes_from_and_if_it_is_fetched(monkeypatch
     where = default_model_dir(SMOLLM2)
     where.mkdir(parents=True)
     (where / MARKER).write_text(json.dumps(_marker_record(model)))
+    for file in FETCHED_FILES:
+        (where / file).write_text("x")
     assert f"fetched: {where}" in CliRunner().invoke(app, ["models", "list"]).output
+    (where / "model.safetensors").unlink()  # a marker alone is no fetch: `models fetch` fetches it again
+    assert "not fetched" in CliRunner().invoke(app, ["models", "list"]).output
 
 
 def test_a_cache_that_cannot_be_written_says_what_to_set(monkeypatch, tmp_path):

@@ -63,6 +63,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
         raise RequestError("continue_final_message goes on with the last message's text, and it has none; end the "
                            "messages with the text to continue (e.g. an assistant message begun)")
     tools = options.tools or None
+    messages = [{**m, "tool_calls": template_calls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
     template = tokenizer.get_chat_template(tools=tools)
     if "developer" not in template:  # OpenAI's newer name for the system role, which most templates do not know
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
@@ -160,14 +161,31 @@ def as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
     return [{"role": "system", "content": preamble}, *messages]
 
 
+def template_calls(calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as chat templates expect them: each call's arguments an object (OpenAI
+    sends JSON text, which a template would render as a string, quoted again)."""
+    if not isinstance(calls, list):
+        raise RequestError(f"tool_calls is a list of calls, got {calls!r:.80}")
+    out = []
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function" \
+                or not isinstance(function.get("name"), str):
+            raise RequestError(f"tool call {index} is {call!r:.120}; each is {{'id': ..., 'type': 'function', "
+                               "'function': {'name': ..., 'arguments': JSON text}}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except (ValueError, RecursionError):
+                raise RequestError(f"tool call {index}'s arguments are not JSON: {arguments!r:.80}") from None
+        out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
+    return out
+
+
 def call_text(call: dict[str, Any]) -> str:
-    function = call.get("function", call) if isinstance(call, dict) else {}
+    function = call["function"]  # template_calls' form: arguments an object
     arguments = function.get("arguments", {})
-    if isinstance(arguments, str):  # OpenAI's wire form: JSON text
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass
     return f"<tool_call>{json.dumps({'name': function.get('name'), 'arguments': arguments}, ensure_ascii=False)}" \
            "</tool_call>"
 

@@ -193,6 +193,9 @@ def test_a_template_that_reads_tools_renders_them_itself(engine_dir, tmp_path):
     reference = transformers.AutoTokenizer.from_pretrained(next(copy.rglob("chat_template.jinja")).parent)
     with Session(copy) as session:
         ids = session.encode(messages=history, tools=TOOLS)
+        wire = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [  # OpenAI's form: JSON text
+            {"type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]}]
+        assert session.encode(messages=wire, tools=TOOLS) == ids  # not the text quoted again, as the server does
         with pytest.raises(RequestError, match="None only beside 'tool_calls'"):
             session.encode(messages=[*MESSAGES, {"role": "assistant", "content": None}])
         with pytest.raises(RequestError, match="tools go with chat messages"):

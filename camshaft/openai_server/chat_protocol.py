@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from camshaft.errors import RequestError
+from camshaft.runtime.chat_template import template_calls
 
 
 class ChatMessage(BaseModel):
@@ -25,7 +25,7 @@ class ChatMessage(BaseModel):
         the tool fields, as chat templates expect them (a call's arguments as an object, not JSON text)."""
         message: dict[str, Any] = {"role": self.role, "content": self._text()}
         if self.tool_calls:
-            message["tool_calls"] = [_template_call(i, call) for i, call in enumerate(self.tool_calls)]
+            message["tool_calls"] = template_calls(self.tool_calls)
         message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
         return message
 
@@ -41,21 +41,6 @@ class ChatMessage(BaseModel):
                 raise RequestError("a text content part's text must be a string")
             content = "\n".join(texts)
         return content or ""
-
-
-def _template_call(index: int, call: dict[str, Any]) -> dict[str, Any]:
-    function = call.get("function")
-    if call.get("type", "function") != "function" or not isinstance(function, dict) \
-            or not isinstance(function.get("name"), str):
-        raise RequestError(f"tool call {index} is {call!r:.120}; each is {{'id': ..., 'type': 'function', "
-                           "'function': {'name': ..., 'arguments': JSON text}}")
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except (ValueError, RecursionError):
-            raise RequestError(f"tool call {index}'s arguments are not JSON: {arguments!r:.80}") from None
-    return {**call, "type": "function", "function": {**function, "arguments": arguments}}
 
 
 class TemplateOptions(BaseModel):

@@ -105,10 +105,14 @@ class SequenceEngine:
     def kv_cache_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
-    def start(self, total: int) -> None:
-        """Make room for a sequence of `total` tokens (prompt + max_tokens)."""
+    def check_fits(self, total: int) -> None:
+        """Refuse a sequence of `total` tokens (prompt + max_tokens) the KV budget cannot hold (CapacityError)."""
         if total > self.token_budget:
             raise over_budget(total, self.token_budget, f"{self.token_bytes} bytes a token")
+
+    def start(self, total: int) -> None:
+        """Make room for a sequence of `total` tokens (prompt + max_tokens)."""
+        self.check_fits(total)
         if total > self.capacity:
             self._bind_caches(min(-(-total // GROW) * GROW, self.token_budget))
         self._length = 0
@@ -200,12 +204,14 @@ class BatchGraphSequence:
     def token_budget(self) -> int:
         return self.engine.token_budget
 
-    def start(self, total: int) -> None:
+    def check_fits(self, total: int) -> None:
         pool, block = self.engine.pool, self.engine.block_size
-        need = -(-total // block)
-        if need > pool.capacity:
+        if -(-total // block) > pool.capacity:
             raise over_budget(total, pool.capacity * block, f"{pool.capacity} blocks of {block} tokens")
-        self.blocks = pool.allocate(need)
+
+    def start(self, total: int) -> None:
+        self.check_fits(total)
+        self.blocks = self.engine.pool.allocate(-(-total // self.engine.block_size))
 
     max_rows = MAX_ROWS
 

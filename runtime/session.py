@@ -144,6 +144,9 @@ class Session:
         ids = self.encode(prompt, messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
         request = self._request(ids, self._params(sampling_params, overrides))
+        self._check_open()  # what _run checks again when the first delta is asked for, said here
+        self._check_idle()
+        self.engine.check_fits(len(request.prompt_ids) + request.params.max_tokens)
         return self._run(request)
 
     def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
@@ -175,10 +178,13 @@ class Session:
                              chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message, **overrides)
 
+    def _check_idle(self) -> None:
+        if self._running.locked():
+            raise _busy()
+
     def _run(self, request: Request) -> Generator[str, None, GenerationResult]:
         if not self._running.acquire(blocking=False):
-            raise RequestError("a Session runs one request at a time and another is in progress; finish or close "
-                               "its stream first, or use camshaft.LLM for concurrent requests")
+            raise _busy()
         engine = self.engine
         try:
             self._check_open()
@@ -244,3 +250,8 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise ServerClosedError("this Session is closed; create a new Session to generate")
+
+
+def _busy() -> RequestError:
+    return RequestError("a Session runs one request at a time and another is in progress; finish or close its stream "
+                        "first, or use camshaft.LLM for concurrent requests")

@@ -7,7 +7,7 @@ import pytest
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
-from camshaft.errors import CapacityError, RequestError
+from camshaft.errors import CapacityError, RequestError, ServerClosedError
 from camshaft.runtime import sequence
 from camshaft.runtime.request import new_requests
 from camshaft.runtime.sampler import SampleResult
@@ -284,6 +284,8 @@ def test_one_request_at_a_time(session):
     next(first)
     with pytest.raises(RequestError, match="one request at a time"):
         session.generate("other", max_tokens=3)
+    with pytest.raises(RequestError, match="one request at a time"):
+        session.stream("other", max_tokens=3)  # raised by the call, not by the first next()
     rest = list(first)
     assert len(rest) >= 1
     alone = session.generate("hello", max_tokens=10, ignore_eos=True)
@@ -379,12 +381,14 @@ def test_a_kv_cache_budget_bounds_either_graph(engine_dir, graph):
     session = Session(engine_dir, graph=graph, kv_cache_memory=budget)
     assert len(session.generate(list(range(10, 30)), max_tokens=20, ignore_eos=True).token_ids) == 20
     with pytest.raises(CapacityError):
-        session.generate(list(range(10, 50)), max_tokens=30, ignore_eos=True)
+        session.stream(list(range(10, 50)), max_tokens=30, ignore_eos=True)  # by the call, before the first next()
     assert len(session.generate("x", max_tokens=5, ignore_eos=True).token_ids) == 5  # nothing held after a refusal
     filled = session.generate(list(range(10, 30)), max_tokens=None, ignore_eos=True)
     budget_tokens = 48 if graph == "batch" else 56  # the sequence graph has no null block to set aside
     assert len(filled.token_ids) == budget_tokens - 20  # None: what the budget holds, not max_seq_len (96)
     session.close()
+    with pytest.raises(ServerClosedError, match="this Session is closed"):
+        session.stream("x", max_tokens=2)
 
 
 def test_a_huge_prompt_is_refused_after_tokenizing_a_prefix(engine_dir):

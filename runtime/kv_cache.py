@@ -45,12 +45,13 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
         value, decimal_point = (int(number) if number.isdigit() else float(number)), "." in match.group(1)
     if not unit and 0 < value <= 1 and (decimal_point or value != 1):  # 0.5, 5e-1 and 1.0; "1" is one byte
         return float(value)
-    if not math.isfinite(value) or (not unit and value != int(value)):
+    if isinstance(value, float) and not math.isfinite(value) or (not unit and value != int(value)):
         raise RequestError(f"the memory size {spec!r} is neither a whole number of bytes nor a fraction in (0, 1]; "
                            f"use {MEMORY_HELP}")
     total = int(value * _UNITS[unit or "B"])
-    if total < 1:
-        raise RequestError(f"the memory size {spec!r} is not a positive number of bytes; use {MEMORY_HELP}")
+    if not 1 <= total <= 2**60:
+        raise RequestError(f"the memory size {spec!r} is not a number of bytes a machine holds (1 B to 1 EiB); use "
+                           f"{MEMORY_HELP}")
     return total
 
 

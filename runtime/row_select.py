@@ -10,8 +10,9 @@ _BINS_PER_NAT = 32
 _NUM_BINS = 40 * _BINS_PER_NAT
 
 
-def top_k_indices(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest finite values, largest first (ties: lower index first). Avoids a full partition."""
+def top_k_indices(values: np.ndarray, k: int, keep_ties: bool = False) -> np.ndarray:
+    """Indices of the k largest finite values, largest first (ties: lower index first); keep_ties: also those equal
+    to the k-th (as transformers' and vLLM's top-k filters keep them). Avoids a full partition."""
     finite = np.count_nonzero(values > -np.inf)
     if finite <= k:
         candidates = np.flatnonzero(values > -np.inf)
@@ -30,8 +31,11 @@ def top_k_indices(values: np.ndarray, k: int) -> np.ndarray:
                 far, count = mid, mid_count
             else:
                 near = mid
-        candidates = np.flatnonzero(values >= top - far)
-    return candidates[np.argsort(-values[candidates], kind="stable")][:k]
+        candidates = np.flatnonzero(values >= top - far)  # every value tied with the k-th too
+    ordered = candidates[np.argsort(-values[candidates], kind="stable")]
+    if keep_ties and ordered.size > k:
+        k = int(np.count_nonzero(values[ordered] >= values[ordered[k - 1]]))
+    return ordered[:k]
 
 
 def _search(cumulative: np.ndarray, weights: np.ndarray, target: float) -> int:

@@ -163,7 +163,7 @@ class SequenceSampler:
         weights = np.exp(log_weights, out=rows[2])  # the most likely token has weight 1
         kept = None
         if p.top_k and p.top_k < x.size:
-            kept = top_k_indices(x, p.top_k)
+            kept = top_k_indices(x, p.top_k, keep_ties=True)
             if p.top_p < 1.0:
                 w = weights[kept]
                 mass_before = np.cumsum(w, dtype=np.float64) - w

@@ -28,7 +28,12 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 def _listed(value: object, name: str, example: str) -> tuple:

@@ -62,6 +62,8 @@ def _reference_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) 
     (dict(stop=["x" * 5000]), "at most 64 strings of 4096 characters"),
     (dict(temperature=float("inf")), "temperature must be a finite number"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty must be a finite number"),
+    (dict(temperature=10**400), "temperature must be a finite number"),  # past float's range: not an OverflowError
+    (dict(logit_bias={5: 10**400}), "logit_bias"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"),
     (dict(bad_words=[""]), "bad_words"),
     (dict(bad_words=[f"w{i}" for i in range(1025)]), "bad_words takes at most 1024 words"),
@@ -205,6 +207,22 @@ def test_top_k_indices_match_a_stable_sort():
     values = np.full(100, -np.inf, dtype=np.float32)
     values[[4, 9]] = [1.0, 2.0]
     assert top_k_indices(values, 5).tolist() == [9, 4]
+    tied = np.round(rng.standard_normal(V), 1).astype(np.float32)
+    for k in (1, 7, 300):
+        kth = np.sort(tied)[::-1][k - 1]
+        assert top_k_indices(tied, k, keep_ties=True).tolist() == np.flatnonzero(tied >= kth)[
+            np.argsort(-tied[tied >= kth], kind="stable")].tolist()
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_transformers_does():
+    import torch
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    row = np.array([5.0, 5.0, 5.0, 1.0, 0.0], dtype=np.float32)
+    counts = _sample_counts(row, 3000, temperature=1.0, top_k=2)
+    kept = TopKLogitsWarper(top_k=2)(None, torch.from_numpy(row[None])).isfinite()[0].numpy()
+    assert kept.tolist() == [True, True, True, False, False]
+    _assert_matches(counts, kept / kept.sum())
 
 
 def test_penalties_give_the_defined_logits():

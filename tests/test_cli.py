@@ -81,6 +81,13 @@ def test_run_chat_template_replaces_the_engines(engine, capsys, tmp_path):
     code, templated, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc def", "--max-tokens", "8",
                                   "--chat", "--chat-template", bare)
     assert code == 0 and templated == plain
+    roles = tmp_path / "roles.jinja"
+    roles.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    code, empty_system, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc def", "--max-tokens", "8",
+                                     "--chat", "--chat-template", roles, "--system", "")
+    code, written, _ = camshaft(capsys, "run", "--engine", engine, "--prompt", "[system][user]abc def",
+                                "--max-tokens", "8")
+    assert empty_system == written  # --system "": an empty system turn (not dropped for the template's default)
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}\n{{ m['content'] }")
     code, _, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "hi", "--chat", "--chat-template", broken)

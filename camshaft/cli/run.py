@@ -86,7 +86,8 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
     session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup, chat_template=chat_template)
     messages = None
     if chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}]  # --system "": an empty system turn, not the template's default
     kwargs = {"messages": messages} if chat else {"prompt": prompt}
     if stream:
         deltas = session.stream(sampling_params=params, **kwargs)

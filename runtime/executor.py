@@ -67,13 +67,22 @@ class Executor:
         with self._wake:
             if self._closed:
                 raise ServerClosedError("the batch loop has stopped; create a new LLM (or restart the server)")
+            if not self._thread.is_alive():  # a forked child has the executor but not its thread
+                raise ServerClosedError("the batch loop does not run in this process (an LLM made before a fork?); "
+                                        "create the LLM in the process that uses it")
             if limit is not None and len(self._sinks) + len(group) > batch + limit:
                 raise ServerBusyError(f"server busy: {len(self._sinks)} sequences in flight and the queue holds at "
                                       f"most {limit} beyond a running batch of {batch}; retry later or raise the "
                                       "queue limit")
-            for request, sink in zip(group, sinks, strict=True):
-                self._sinks[request.request_id] = sink
-            self._inbox.append(group)
+            try:
+                for request, sink in zip(group, sinks, strict=True):
+                    self._sinks[request.request_id] = sink
+                self._inbox.append(group)
+            except BaseException:  # Ctrl-C before the group was queued: no sink may wait for it
+                if not self._inbox or self._inbox[-1] is not group:
+                    for request in group:
+                        self._sinks.pop(request.request_id, None)
+                raise
             self._wake.notify()
 
     def check_outputs(self, n: int) -> None:
@@ -253,7 +262,9 @@ class Executor:
     def _deliver(self, sink: Sink, output: RequestOutput) -> None:
         try:
             sink(output)
-        except BaseException:  # the consumer is gone or failed (even SystemExit): abort it, keep the loop
+        except BaseException as exc:  # the consumer is gone or failed (even SystemExit): abort it, keep the loop
+            log.warning("the consumer of request %s failed taking an output (%r); the request is aborted",
+                        output.request_id, exc)
             if not output.finished:
                 self._aborts.append(output.request_id)
 

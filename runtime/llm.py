@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from camshaft.errors import RequestError
+from camshaft.errors import CamshaftError, RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.chat_template import ChatOptions, load_chat_template
@@ -159,25 +159,27 @@ class LLM(ServingAPI):
         for i, (prompt, sp, pr) in enumerate(zip(prompts, params, each, strict=True)):
             try:
                 groups.append(self._requests(prompt, sp, pr))
+                for request in groups[-1]:  # one that can never fit, before any other runs
+                    self.executor.scheduler.check(request)
             except RequestError as exc:  # which of several was refused
                 raise _numbered(exc, what, i, len(prompts)) from None
         done: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         where = {r.request_id: (i, j) for i, group in enumerate(groups) for j, r in enumerate(group)}
         submitted = []
+        enabled = sys.stderr is not None and sys.stderr.isatty() if use_tqdm is None else use_tqdm
         try:
             for group in groups:
                 submitted.extend(r.request_id for r in group)  # first: an interrupt between the two leaks nothing
                 self.executor.submit(group, [_finals(done)] * len(group), bounded=False)
             results: list[list[GenerationResult | None]] = [[None] * len(g) for g in groups]
-            enabled = sys.stderr.isatty() if use_tqdm is None else use_tqdm
             # none made unless shown: even a disabled tqdm starts its monitor thread, which outlives the LLM
             bar = tqdm(total=len(where), desc="generate", unit="req") if enabled else None
             try:
                 for _ in range(len(where)):
                     output = done.get()
-                    if output.error is not None:
-                        raise output.error
                     i, j = where[output.request_id]
+                    if output.error is not None:  # the batch returns whole or raises: the others are cancelled
+                        raise _numbered(output.error, what, i, len(prompts))
                     results[i][j] = output.result
                     if bar is not None:
                         bar.update(1)
@@ -216,9 +218,15 @@ class LLM(ServingAPI):
                               use_tqdm, priority, what="conversation")
 
 
-def _numbered(exc: RequestError, what: str, i: int, count: int) -> RequestError:
-    """The error of item i of several, saying which (one alone needs no number)."""
-    return type(exc)(f"{what} {i}: {exc}") if count > 1 else exc
+def _numbered(exc: BaseException, what: str, i: int, count: int) -> BaseException:
+    """The error of item i of several, saying which (one alone needs no number): camshaft's errors in their message,
+    others in a note."""
+    if count == 1:
+        return exc
+    if isinstance(exc, CamshaftError):
+        return type(exc)(f"{what} {i}: {exc}")
+    exc.add_note(f"({what} {i} of {count})")
+    return exc
 
 
 def _text_of(prompt: Prompt) -> str | None:

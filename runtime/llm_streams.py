@@ -31,6 +31,8 @@ class ServingAPI:
         only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (the
         prompt's id when n is 1, else the prompt's id with "-0" ... "-{n-1}"; abort takes them or the prompt's
         id). Raises RequestError, CapacityError or ServerBusyError at once."""
+        if not callable(sink):
+            raise RequestError(f"sink takes each RequestOutput (a callable), got {sink!r:.80}")
         params = params_list(sampling_params, 1)[0]
         self.executor.check_outputs(params.n)  # before building n requests
         group = self._requests(prompt, params, priority)

@@ -295,3 +295,75 @@ def test_chat_priorities_in_numpy_and_what_stopped_a_request(engine_dir):
         text = llm.tokenizer.decode(result.token_ids[:3])
         by_text = llm.generate(chat.prompt_token_ids, SamplingParams(max_tokens=6, stop=[text[-1]]))
         assert by_text[0].outputs[0].stop_reason == text[-1]
+
+
+def test_a_prompt_failing_in_the_batch_loop_is_named_and_ends_the_call(engine_dir):
+    """generate() returns the whole batch or raises: a request that fails while sampling (its guide and its
+    bad_words leave no token) raises, naming its prompt, and the rest are cancelled."""
+    from camshaft.runtime.guided import GuidedDecodingParams
+
+    bad = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["y", "n"]), bad_words=["y", "n"])
+    params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 4
+    with LLM(engine_dir, threads=1) as llm:
+        with pytest.raises(RequestError, match=r"^prompt 2: "):
+            llm.generate([f"prompt {i}" for i in range(4)], params[:2] + [bad] + params[3:], use_tqdm=False)
+        assert len(llm.generate(["after"], params[0])[0].outputs[0].token_ids) == 8
+
+
+def test_a_request_that_can_never_fit_is_refused_before_any_runs(engine_dir):
+    from camshaft.errors import CapacityError
+
+    manifest = read_manifest(engine_dir)
+    with LLM(engine_dir, threads=1, kv_cache_memory=5 * bytes_per_block(manifest)) as llm:  # 4 usable blocks of 16
+        steps = llm.executor.steps_done
+        fits, never = SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=100, ignore_eos=True)
+        with pytest.raises(CapacityError, match=r"^prompt 30: the request needs \d+ KV blocks"):
+            llm.generate([[5, 6, 7]] * 31, [fits] * 30 + [never], use_tqdm=False)
+        assert llm.executor.steps_done == steps
+
+
+def test_submit_keeps_no_sink_of_a_group_it_did_not_queue(engine_dir):
+    """A group that fails while its sinks are registered (here: one sink short; in life a Ctrl-C) leaves none
+    behind: they would count as requests in flight forever (a busy server with nothing running)."""
+    with LLM(engine_dir, threads=1, max_queue=0) as llm:
+        group = llm._requests([5, 6, 7], SamplingParams(max_tokens=2, n=2))
+        with pytest.raises(ValueError):
+            llm.executor.submit(group, [lambda output: None])
+        assert llm.executor.load().waiting == 0
+        with pytest.raises(RequestError, match="sink takes each RequestOutput"):
+            llm.submit([5, 6], SamplingParams(max_tokens=2), None)
+        assert len(llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=2))) == 4  # not busy
+
+
+def test_an_llm_made_before_a_fork_refuses_in_the_child(engine_dir):
+    import os
+    import time
+
+    from camshaft.errors import ServerClosedError
+
+    with LLM(engine_dir, threads=1) as llm:
+        pid = os.fork()
+        if pid == 0:  # the child: its executor has no batch loop thread
+            try:
+                llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+                os._exit(1)
+            except ServerClosedError as exc:
+                os._exit(0 if "a fork" in str(exc) else 2)
+            except BaseException:
+                os._exit(3)
+        for _ in range(200):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in generate()")
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_generate_without_stderr_shows_no_bar(engine_dir, monkeypatch):
+    with LLM(engine_dir, threads=1) as llm:
+        monkeypatch.setattr(sys, "stderr", None)  # pythonw, some embedded interpreters
+        assert len(llm.generate([[5, 6]] * 2, SamplingParams(max_tokens=2))) == 2

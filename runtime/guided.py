@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from camshaft.errors import RequestError
+from camshaft.runtime.prompt_text import check_unicode
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON laid out as Python's json.dumps writes it, no other whitespace: free whitespace lets small models run on in
@@ -27,6 +28,10 @@ SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depen
 SCHEMA_ONE = ("items", "contains", "additionalProperties", "not", "if", "then", "else", "propertyNames",
               "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+UNIONS = ("anyOf", "oneOf")
+# Keys beside "properties" through which an object may have more: its parent is left open (closed, it would refuse
+# what they allow, as would a "required" name it does not list or an allOf branch that cannot be merged)
+EXTENDING = {"anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "$ref"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,9 @@ class GuidedDecodingParams:
         if self.choice is not None and not (isinstance(self.choice, tuple) and self.choice
                                             and all(isinstance(c, str) and c for c in self.choice)):
             raise RequestError(f"guided choice must be a list of non-empty strings, got {self.choice!r:.100}")
+        for text in (self.regex, self.grammar, *(self.choice or ())):
+            if text is not None:
+                check_unicode(text, f"the guided {given[0]}")
 
     def llguidance_grammar(self) -> str:
         import llguidance
@@ -88,33 +96,47 @@ def _schema_text(schema: object) -> str:
             schema = json.loads(schema)
         if not isinstance(schema, Mapping):
             raise RequestError(f"the guided json schema must be a JSON object, got {schema!r:.100}")
-        return json.dumps(_closed(schema), allow_nan=False)  # property order is output order; NaN is not JSON
+        defs = {f"#/{key}/{name}": sub for key in ("$defs", "definitions") if isinstance(schema.get(key), Mapping)
+                for name, sub in schema[key].items()}
+        return json.dumps(_closed(schema, defs), allow_nan=False)  # property order is output order; NaN is not JSON
     except (ValueError, TypeError, RecursionError) as exc:
         raise RequestError(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
 
 
-def _closed(schema: object, close: bool = True) -> object:
+def _closed(schema: object, defs: Mapping[str, object], close: bool = True) -> object:
     """additionalProperties false wherever an object schema lists properties and says nothing of others; only
     subschemas are visited (never a const, enum, default or example value). The branches of an allOf stay open (each
-    closed alone would forbid the others' properties): their parent is closed over all their properties instead."""
+    closed alone would forbid the others' properties): their parent is closed over all their properties instead. An
+    object that may have more properties another way (EXTENDING, a required name it does not list, an allOf branch
+    with a $ref) stays open, as do the branches of a union beside properties."""
     if not isinstance(schema, Mapping):
         return schema
     out = dict(schema)
     for key in SCHEMA_MAPS:
         if isinstance(out.get(key), Mapping):
-            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+            out[key] = {name: _closed(sub, defs) for name, sub in out[key].items()}
     for key in SCHEMA_ONE:
         if key in out:
-            out[key] = [_closed(sub) for sub in out[key]] if isinstance(out[key], list) else _closed(out[key])
+            out[key] = [_closed(sub, defs) for sub in out[key]] if isinstance(out[key], list) \
+                else _closed(out[key], defs)
+    beside = isinstance(out.get("properties"), Mapping)  # a union's branches add to the parent's properties
+    if isinstance(out.get("allOf"), list):  # a branch that only names a definition: the definition, to be merged
+        out["allOf"] = [defs.get(sub["$ref"], sub) if isinstance(sub, Mapping) and set(sub) == {"$ref"} else sub
+                        for sub in out["allOf"]]
     for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_closed(sub, close=key != "allOf") for sub in out[key]]
+            out[key] = [_closed(sub, defs, close=key != "allOf" and not (beside and key in UNIONS))
+                        for sub in out[key]]
     branches = out.get("allOf") if isinstance(out.get("allOf"), list) else []
     listed = {name: {} for sub in branches if isinstance(sub, Mapping) and isinstance(sub.get("properties"), Mapping)
               for name in sub["properties"]}
-    if listed and all(isinstance(sub, Mapping) and not (OPEN_KEYS | {"$ref"}) & sub.keys() for sub in branches):
+    merged = all(isinstance(sub, Mapping) and not (OPEN_KEYS | {"$ref"}) & sub.keys() for sub in branches)
+    if listed and merged:
         out["properties"] = {**listed, **(out.get("properties") or {})}
-    if close and isinstance(out.get("properties"), Mapping) and not OPEN_KEYS & out.keys():
+    properties = out.get("properties")
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    if close and isinstance(properties, Mapping) and not (OPEN_KEYS | EXTENDING) & out.keys() and merged \
+            and all(name in properties for name in required if isinstance(name, str)):
         out["additionalProperties"] = False
     return out
 

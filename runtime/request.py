@@ -82,8 +82,10 @@ class Request:
         may_stop = len(self.output_ids) > params.min_tokens  # a stop must end past the first min_tokens tokens
         end_id = not params.ignore_eos and token in self.eos_token_ids
         stop_id = may_stop and (end_id or token in params.stop_token_ids)
+        guide = self.sampler.guide
+        guide_end = guide is not None and token in self.eos_token_ids and guide.complete  # even under ignore_eos
         # a stop token's text is left out unless include_stop_str_in_output (vLLM); its id stays in the output
-        delta = "" if stop_id and not params.include_stop_str_in_output else self.text.append(token)
+        delta = "" if (stop_id or guide_end) and not params.include_stop_str_in_output else self.text.append(token)
         word = self._stop_word(token) if may_stop else None
         if self.text.stopped or stop_id or word:
             self.finish_reason = "stop"
@@ -91,7 +93,6 @@ class Request:
             # vLLM's: the stop string, else a stop token id (the end id is tested first: None), else the stop word
             self.stop_reason = (self.text.matched_stop if self.text.matched_stop is not None
                                 else token if stop_id and not end_id else word)
-        guide = self.sampler.guide
         if self.finish_reason is None and guide is not None and guide.complete:  # only an end id could follow
             self.finish_reason = "stop"
             self.stop_token_id = token if token in self.eos_token_ids else None  # an end id the grammar ended on

@@ -139,6 +139,11 @@ def test_large_choices_unlisted_keys_and_an_end_id_the_grammar_ends_on(llm):
                                               guided_decoding=GuidedDecodingParams(choice=["ab", "abcd"])),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids[-1] == eos and out.stop_token_id == eos and out.finish_reason == "stop"
+    shown = llm.generate([5, 6], SamplingParams(max_tokens=10, ignore_eos=True, logit_bias={eos: 100},
+                                                skip_special_tokens=False,
+                                                guided_decoding=GuidedDecodingParams(choice=["ab", "abcd"])),
+                         use_tqdm=False)[0].outputs[0]
+    assert shown.text == out.text and shown.stop_token_id == eos  # the end id's text stays out, as a stop token's
 
 
 def test_closing_object_schemas_touches_subschemas_only_and_keeps_all_of_satisfiable(llm):
@@ -158,6 +163,33 @@ def test_closing_object_schemas_touches_subschemas_only_and_keeps_all_of_satisfi
                                                    "default": [{"properties": {}}]}).json)
     assert nested["items"]["additionalProperties"] is False and nested["default"] == [{"properties": {}}]
     assert GuidedDecodingParams(regex="[0-9]+", json_object=None).json_object is False  # vLLM's default
+
+
+def test_objects_that_may_have_more_properties_are_left_open(llm):
+    """Closed, these would refuse what their schema allows (llguidance: "unsatisfiable"): a union beside a parent's
+    properties (and that union's branches), a required name the parent does not list. An allOf branch that names a
+    definition is that definition, merged as the others are (the parent closed over all their properties)."""
+    ref = {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+           "type": "object", "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"ok": {"type": "boolean"}},
+           "required": ["ok", "id"]}
+    union = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}]}
+    unlisted = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok", "id"]}
+    for schema in (ref, union, unlisted):
+        guided = GuidedDecodingParams(json=schema)
+        rewritten = json.loads(guided.json)
+        assert rewritten.get("additionalProperties") is (False if schema is ref else None)
+        assert all("additionalProperties" not in branch for branch in rewritten.get("anyOf", []))
+        out = llm.generate([5, 6], SamplingParams(max_tokens=3, guided_decoding=guided), use_tqdm=False)[0]
+        assert out.outputs[0].text.startswith("{")  # the grammar compiled: the schema is satisfiable
+    merged = json.loads(GuidedDecodingParams(json=ref).json)
+    assert list(merged["properties"]) == ["id", "ok"] and merged["$defs"]["Base"]["additionalProperties"] is False
+
+
+def test_guide_text_that_is_not_unicode_is_refused():
+    for kwargs in ({"regex": "a\ud800"}, {"choice": ["ok", "\ud800"]}, {"grammar": 'start: "\ud800"'}):
+        with pytest.raises(RequestError, match="is not valid Unicode"):
+            GuidedDecodingParams(**kwargs)
 
 
 def test_bad_grammars_are_refused_before_anything_runs(llm):

@@ -114,6 +114,22 @@ def test_required_calls_follow_the_tools_schemas_streamed_or_not(client):
     assert cut.finish_reason == "length" and cut.message.content is None and cut.message.tool_calls is None
 
 
+def test_required_calls_take_parameters_with_definitions(client, served):
+    """pydantic writes nested models and enums as $defs and $refs: they move to the root of the calls' array schema,
+    where the references now start; two functions defining one name differently are refused."""
+    unit = {"$defs": {"Unit": {"enum": ["c", "f"]}}, "type": "object",
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}
+    tools = [{"type": "function", "function": {"name": "get_unit", "parameters": unit}}]
+    choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=60).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments)["unit"] in ("c", "f") for c in choice.message.tool_calls] == [True]
+    other = {"type": "function", "function": {"name": "other", "parameters": {**unit, "$defs": {"Unit": {}}}}}
+    body = {"model": MODEL, "messages": MESSAGES, "tools": [*tools, other], "tool_choice": "required"}
+    refused = httpx.post(f"{served[0]}/v1/chat/completions", json=body)
+    assert refused.status_code == 400 and "define $defs/Unit unlike another" in refused.json()["error"]["message"]
+
+
 def test_auto_reads_the_models_tool_call_blocks(client, session):
     arguments = r'\{"city": "[a-z]{2,5}", "days": [1-7]\}'
     regex = r'Sure\.<tool_call>\{"name": "get_weather", "arguments": ' + arguments + r'\}</tool_call>'

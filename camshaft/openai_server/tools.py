@@ -43,10 +43,12 @@ class ToolChoice:
         if self.kind == "function":
             return GuidedDecodingParams(json=self._parameters(self.name))
         if self.kind == "required":
+            shared: dict[str, dict[str, Any]] = {}  # each function's $defs, moved to the root its $refs now start at
             calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                       "parameters": self._parameters(f["name"])},
+                                                       "parameters": _hoist_defs(self._parameters(f["name"]),
+                                                                                 f["name"], shared)},
                       "required": ["name", "parameters"]} for f in self._functions()]
-            schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+            schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **shared}
             return GuidedDecodingParams(json=schema if self.parallel else {**schema, "maxItems": 1})
         return None
 
@@ -69,6 +71,23 @@ class ToolChoice:
     def _parameters(self, name: str | None) -> dict[str, Any]:
         function = next(f for f in self._functions() if f["name"] == name)
         return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _hoist_defs(parameters: dict[str, Any], name: str, shared: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The parameters schema without its $defs / definitions, which go into `shared` (the array schema's root, where
+    its "#/$defs/..." references now point); a name two functions define differently is refused."""
+    kept = dict(parameters)
+    for key in ("$defs", "definitions"):
+        defs = kept.get(key)
+        if not isinstance(defs, dict):
+            continue
+        del kept[key]
+        into = shared.setdefault(key, {})
+        for def_name, definition in defs.items():
+            if into.setdefault(def_name, definition) != definition:
+                raise RequestError(f"tool_choice required: function {name}'s parameters define {key}/{def_name} "
+                                   "unlike another function's; rename one of them")
+    return kept
 
 
 def tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool,

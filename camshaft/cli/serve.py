@@ -110,8 +110,8 @@ def serve(
     max_queue: QueueOption = None,
     max_batch_size: BatchOption = None,
     max_num_tokens: TokensOption = None,
-    policy: Annotated[str | None, typer.Option(help="guaranteed_no_evict | max_utilization  [default: "
-                                                    "guaranteed_no_evict]")] = None,
+    policy: Annotated[str | None, typer.Option(help="guaranteed_no_evict | max_utilization (default: "
+                                                    "guaranteed_no_evict)")] = None,
     prompt_lookup: LookupOption = 0,
     api_key: Annotated[str | None, typer.Option(
         envvar="CAMSHAFT_API_KEY", show_envvar=False,

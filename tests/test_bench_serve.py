@@ -89,8 +89,8 @@ def test_jsonl_prompts_are_text_counted_by_the_tokenizer(engine_dir, tmp_path):
 
 
 def test_metrics_follow_from_the_chunk_times():
-    records = [Record(10, 3, sent=0.0, chunk_times=[0.1, 0.2, 0.4], text="abc", output_tokens=3),
-               Record(10, 3, sent=1.0, chunk_times=[1.3, 1.4, 1.5], text="abc", output_tokens=3),
+    records = [Record(10, 3, sent=0.0, chunk_times=[0.1, 0.2, 0.4], text="abc", output_tokens=3, finished=True),
+               Record(10, 3, sent=1.0, chunk_times=[1.3, 1.4, 1.5], text="abc", output_tokens=3, finished=True),
                Record(10, 3, sent=2.0, error="HTTP 503: busy")]
     result = summarize(Target.parse("t=http://h,backend=openai"), 2.0, None, records, 2.0, Goodput(ttft_ms=200))
     assert (result.completed, result.failed, result.errors) == (2, 1, {"HTTP 503: busy": 1})
@@ -169,6 +169,32 @@ def test_an_openai_event_with_empty_text_is_output():
 
     record = asyncio.run(run())
     assert record.ok and len(record.chunk_times) == 2 and record.output_tokens == 2
+
+
+def test_output_is_counted_as_it_came_and_a_cut_stream_fails():
+    """No usage reported: the output events are counted, not max_tokens assumed (a server that stops early would
+    read as fast); a stream that ends without [DONE] was cut short and fails."""
+    import asyncio
+
+    import httpx
+
+    from camshaft.bench_serve.clients import OpenAIClient
+    from camshaft.bench_serve.workload import ServeRequest
+
+    events = "".join(f"data: {json.dumps({'choices': [{'index': 0, 'text': t}]})}\n\n" for t in "abc")
+
+    async def run(body: str) -> Record:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as http:
+            record = Record(3, 32, sent=0.0)
+            await OpenAIClient(Target.parse("t=http://h,backend=openai,model=m"), http)(ServeRequest("hi", 3, 32),
+                                                                                          record)
+            return record
+
+    done, cut = asyncio.run(run(events + "data: [DONE]\n\n")), asyncio.run(run(events))
+    result = summarize(Target.parse("t=http://h,backend=openai"), 1.0, None, [done, cut], 1.0, Goodput())
+    assert result.output_tokens == 3 and result.completed == 1
+    assert result.errors == {"the stream ended before its end marker": 1}
 
 
 def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_path, monkeypatch):

@@ -16,6 +16,8 @@ BACKENDS = ("openai", "triton-generate", "triton-grpc", "llm")
 HTTP_BACKENDS = ("openai", "triton-generate")
 # an OpenAI target's key: camshaft serve's own variable first (a shell may hold a real OpenAI key too), then OpenAI's
 API_KEY_VARIABLES = ("CAMSHAFT_API_KEY", "OPENAI_API_KEY")
+START_TIMEOUT_S = 30.0  # a target's readiness check; a server that accepts and never answers is named, not waited on
+READ_TIMEOUT_S = 600.0  # the longest wait for a request's next piece of output (a loaded server queues)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Record:
     text: str = ""
     output_tokens: int | None = None  # as the server reported it, when it does
     error: str | None = None
+    finished: bool = False  # the stream's end was seen ([DONE], Triton's final response), not just a closed stream
 
     def chunk(self, text: str, *, tokens: int = 0) -> None:
         """A piece of output arrived: text, or tokens whose text is still held back or empty."""
@@ -62,7 +65,16 @@ class Record:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and bool(self.chunk_times)
+        return self.error is None and bool(self.chunk_times) and self.finished
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens: the server's count, else the output events (one token each, as servers stream them)."""
+        return self.output_tokens if self.output_tokens is not None else len(self.chunk_times)
+
+    @property
+    def failure(self) -> str:
+        return self.error or ("no output" if not self.chunk_times else "the stream ended before its end marker")
 
 
 class OpenAIClient:
@@ -75,7 +87,7 @@ class OpenAIClient:
         self.headers = {"Authorization": f"Bearer {os.environ[self.key_from]}"} if self.key_from else {}
 
     async def start(self) -> None:
-        response = await self.http.get(f"{self.target.url}/v1/models", headers=self.headers)
+        response = await self.http.get(f"{self.target.url}/v1/models", headers=self.headers, timeout=START_TIMEOUT_S)
         if response.status_code == 401:
             where = f"{self.target.name} ({self.target.url})"
             raise RequestError(f"target {where} refused the API key from ${self.key_from}; set it to the key the "
@@ -100,6 +112,7 @@ class OpenAIClient:
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    record.finished = True
                     break
                 event = json.loads(data)
                 if "error" in event:  # the server failed the request after the stream started
@@ -121,7 +134,7 @@ class TritonGenerateClient:
         self.target, self.http, self.model = target, http, target.model or "ensemble"
 
     async def start(self) -> None:
-        response = await self.http.get(f"{self.target.url}/v2/models/{self.model}/ready")
+        response = await self.http.get(f"{self.target.url}/v2/models/{self.model}/ready", timeout=START_TIMEOUT_S)
         if response.status_code != 200:
             raise RequestError(f"Triton model {self.model!r} at {self.target.url} is not ready")
 
@@ -144,6 +157,7 @@ class TritonGenerateClient:
                         record.output_tokens = int(count)
                     # the final event ends the request even when its tokens decode to no text
                     record.chunk(event.get("text_output", ""), tokens=int(count or 0))
+            record.finished = True  # Triton closes the event stream after the final response
 
     async def close(self) -> None:
         pass
@@ -168,7 +182,7 @@ class LLMClient:
         async for _, output in self.llm.stream_outputs(request.prompt, params):
             tokens += len(output.token_ids)
             record.chunk(output.delta, tokens=len(output.token_ids))
-        record.output_tokens = tokens
+        record.output_tokens, record.finished = tokens, True
 
     async def close(self) -> None:
         await asyncio.to_thread(self.llm.close)

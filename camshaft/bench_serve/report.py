@@ -103,12 +103,12 @@ def summarize(target: Target, rate: float, concurrency: int | None, records: lis
     ok = [r for r in records if r.ok]
     ttft = [r.chunk_times[0] - r.sent for r in ok]
     e2e = [r.chunk_times[-1] - r.sent for r in ok]
-    tokens = [r.output_tokens if r.output_tokens is not None else r.max_tokens for r in ok]
+    tokens = [r.tokens for r in ok]
     tpot = [(e - t) / (n - 1) for t, e, n in zip(ttft, e2e, tokens, strict=True) if n > 1]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
     good = sum(goodput.met(t * 1000, ((e - t) / (n - 1) if n > 1 else 0.0) * 1000, e * 1000)
                for t, e, n in zip(ttft, e2e, tokens, strict=True))
-    failed = Counter((r.error or "no output") for r in records if not r.ok)
+    failed = Counter(r.failure for r in records if not r.ok)
     return ServeResult(
         target=target.name, backend=target.backend, request_rate=rate, concurrency=concurrency,
         completed=len(ok), failed=sum(failed.values()), wall_s=wall_s, prompt_tokens=sum(r.prompt_tokens for r in ok),

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from camshaft.bench_serve.clients import HTTP_BACKENDS, Record, Target, make_client
+from camshaft.bench_serve.clients import HTTP_BACKENDS, READ_TIMEOUT_S, Record, Target, make_client
 from camshaft.bench_serve.report import Goodput, ServeResult, summarize
 from camshaft.bench_serve.workload import ServeRequest, arrival_times
 from camshaft.errors import CamshaftError, needs_extra
@@ -109,7 +109,7 @@ def _http_client(connections: int):
     except ImportError:
         raise CamshaftError(needs_extra("bench serve's HTTP target (httpx)", "serve")) from None
     limits = httpx.Limits(max_connections=connections)
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
+    return httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=10.0), limits=limits)
 
 
 def bench_serve(targets: list[Target], requests: list[ServeRequest], rates: list[float], *,

@@ -6,6 +6,7 @@ import asyncio
 
 import numpy as np
 
+from camshaft.bench_serve.clients import READ_TIMEOUT_S, START_TIMEOUT_S
 from camshaft.bench_serve.workload import ServeRequest
 from camshaft.errors import RequestError, needs_extra
 
@@ -26,7 +27,8 @@ class TritonGrpcClient:
         self.inputs: dict[str, tuple[str, list[int]]] = {}
 
     async def start(self) -> None:
-        config = (await self.client.get_model_config(self.model, as_json=True))["config"]
+        config = (await self.client.get_model_config(self.model, as_json=True,
+                                                     client_timeout=START_TIMEOUT_S))["config"]
         batched = int(config.get("max_batch_size", 0)) > 0
         for spec in config["input"]:
             dims = [1 if int(d) < 0 else int(d) for d in spec.get("dims", [])]
@@ -53,8 +55,16 @@ class TritonGrpcClient:
             await done.wait()  # keep the stream open until the final response arrived
 
         stream = self.client.stream_infer(requests())
+        responses = stream.__aiter__()
         try:
-            async for result, error in stream:
+            while True:
+                try:
+                    result, error = await asyncio.wait_for(anext(responses), READ_TIMEOUT_S)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    record.error = f"no response for {READ_TIMEOUT_S:.0f} s"
+                    break
                 if error is not None:
                     record.error = str(error)
                     break
@@ -67,6 +77,7 @@ class TritonGrpcClient:
                 # the final response ends the request even when its tokens decode to no text
                 record.chunk(text, tokens=tokens)
                 if result.get_response().parameters["triton_final_response"].bool_param:
+                    record.finished = True
                     break
         finally:
             done.set()

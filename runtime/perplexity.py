@@ -33,10 +33,10 @@ def read_text(path: str | Path) -> str:
     path = Path(path)
     if path.is_dir():
         raise RequestError(f"{path} is a directory; pass a UTF-8 text file with --data")
-    if not path.is_file():
+    if not path.exists():
         raise RequestError(f"{path} does not exist; pass a UTF-8 text file with --data")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # an editor's byte order mark is not text
     except UnicodeDecodeError as exc:
         raise RequestError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); pass a UTF-8 text file "
                            "with --data") from exc

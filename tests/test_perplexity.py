@@ -148,6 +148,23 @@ def test_a_broken_reference_checkpoint_is_refused_not_scored(tiny, tmp_path, cap
     assert "Traceback" not in err
 
 
+def test_the_engine_result_is_printed_before_the_reference_runs(tiny, tmp_path, capsys):
+    """The engine pass can take minutes on a long text: a reference that then fails keeps its printed result."""
+    model, engine = tiny
+    broken = broken_copy(model, tmp_path / "broken", "missing tensor")
+    (tmp_path / "t.txt").write_text(TEXT)
+    code, out, err = camshaft(capsys, "eval", "ppl", "--data", tmp_path / "t.txt", "--engine", engine,
+                              "--model", broken)
+    assert code == 1 and out.startswith("engine       ppl ") and "lacks model.layers.0" in " ".join(err.split())
+
+
+def test_a_byte_order_mark_is_not_scored(tiny, tmp_path):
+    _, engine = tiny
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + TEXT.encode())
+    assert read_text(tmp_path / "bom.txt") == TEXT
+    assert engine_perplexity(engine, read_text(tmp_path / "bom.txt")) == engine_perplexity(engine, TEXT)
+
+
 def test_reference_perplexity_checks_its_inputs_first(tiny, tmp_path, no_model_load):
     _, engine = tiny
     with pytest.raises(RequestError, match="is an engine directory"):

@@ -146,12 +146,12 @@ def eval_ppl(
         typer.echo(f"note: transformers scores windows of {window} tokens, the engine of {engine_window}: the two "
                    "perplexities are not of the same windows", err=True)
     text = read_text(data)
-    results = []
+    runs = []
     if engine is not None:
-        results.append(("engine", engine_perplexity(engine, text)))
+        runs.append(("engine", engine_window, lambda: engine_perplexity(engine, text)))
     if model is not None:
-        results.append(("transformers", reference_perplexity(model, text, window)))
-    for name, r in results:
+        runs.append(("transformers", window, lambda: reference_perplexity(model, text, window)))
+    for name, size, score in runs:  # each printed when done: a failing second run loses nothing of the first
+        r = score()
         windows = f"{r.windows} window{'s' if r.windows != 1 else ''}"
-        of = f" of {engine_window} tokens" if name == "engine" else f" of {window} tokens"
-        typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({r.tokens_scored} tokens, {windows}{of})")
+        typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({r.tokens_scored} tokens, {windows} of {size} tokens)")

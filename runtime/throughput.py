@@ -140,9 +140,9 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         add_sample = request.add_sample
 
         def timed_add_sample(sample):  # runs on the loop thread as each token is sampled, before any is delivered
-            if not record.token_times:
-                record.decoding_at_first_token = sum(
-                    1 for other in executor.scheduler.running if other is not request and other.output_ids)
+            if not record.token_times:  # others that fed an output token this step (not a prompt ending in it)
+                record.decoding_at_first_token = sum(1 for other in executor.scheduler.running
+                                                     if other.num_computed > len(other.prompt_ids))
             record.token_times.append(time.perf_counter())
             return add_sample(sample)
 

@@ -162,12 +162,16 @@ def as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
 
 
 def template_calls(calls: Any) -> list[dict[str, Any]]:
-    """An assistant message's tool calls as chat templates expect them: each call's arguments an object (OpenAI
-    sends JSON text, which a template would render as a string, quoted again)."""
+    """An assistant message's tool calls as chat templates expect them: OpenAI's {'type': 'function', 'function':
+    {...}} (a bare {'name', 'arguments'} call is wrapped so), each call's arguments an object (OpenAI sends JSON
+    text, which a template would render as a string, quoted again). Applied once, by render_chat."""
     if not isinstance(calls, list):
         raise RequestError(f"tool_calls is a list of calls, got {calls!r:.80}")
     out = []
     for index, call in enumerate(calls):
+        if isinstance(call, dict) and "function" not in call and "name" in call:
+            call = {**{k: v for k, v in call.items() if k not in ("name", "arguments")}, "type": "function",
+                    "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or call.get("type", "function") != "function" \
                 or not isinstance(function.get("name"), str):

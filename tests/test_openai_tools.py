@@ -188,6 +188,10 @@ def test_a_conversation_with_calls_and_results_renders_through_the_template(clie
     assert TOOLS_PREAMBLE.split("{")[0] in text and '"name": "get_time"' in text  # SmolLM2-like: no tools in template
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "paris", "days": 1}}</tool_call>' in text
     assert "<|im_start|>tool\nsunny" in text
+    quoted = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [  # arguments that are a JSON string
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '"paris"'}}]}]
+    decoded_once = client.chat.completions.create(model=MODEL, messages=quoted, max_tokens=1)
+    assert decoded_once.usage.prompt_tokens == len(llm.encode(messages=quoted))
     refused = httpx.post(f"{served[0]}/tokenize", json={"prompt": "hi", "tools": TOOLS})
     assert refused.status_code == 400 and "tools go with messages" in refused.json()["error"]["message"]
 
@@ -212,6 +216,9 @@ def test_a_template_that_reads_tools_renders_them_itself(engine_dir, tmp_path):
         wire = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [  # OpenAI's form: JSON text
             {"type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]}]
         assert session.encode(messages=wire, tools=TOOLS) == ids  # not the text quoted again, as the server does
+        bare = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [  # no "function" wrapper
+            {"name": "get_time", "arguments": '{"zone": "utc"}'}]}]
+        assert session.encode(messages=bare, tools=TOOLS) == ids
         with pytest.raises(RequestError, match="None only beside 'tool_calls'"):
             session.encode(messages=[*MESSAGES, {"role": "assistant", "content": None}])
         with pytest.raises(RequestError, match="tools go with chat messages"):

@@ -8,7 +8,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from camshaft.errors import RequestError
-from camshaft.runtime.chat_template import template_calls
 
 
 class ChatMessage(BaseModel):
@@ -22,10 +21,10 @@ class ChatMessage(BaseModel):
 
     def template_dict(self) -> dict[str, Any]:
         """{'role', 'content'} with text content parts joined by newlines (as vLLM and TensorRT-LLM join them), and
-        the tool fields, as chat templates expect them (a call's arguments as an object, not JSON text)."""
+        the tool fields as sent (render_chat makes each call's arguments an object, as chat templates expect)."""
         message: dict[str, Any] = {"role": self.role, "content": self._text()}
         if self.tool_calls:
-            message["tool_calls"] = template_calls(self.tool_calls)
+            message["tool_calls"] = list(self.tool_calls)
         message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
         return message
 

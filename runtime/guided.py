@@ -103,30 +103,33 @@ def _schema_text(schema: object) -> str:
         raise RequestError(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
 
 
-def _closed(schema: object, defs: Mapping[str, object], close: bool = True) -> object:
+def _closed(schema: object, defs: Mapping[str, object], close: bool = True, inlined: frozenset = frozenset()
+            ) -> object:
     """additionalProperties false wherever an object schema lists properties and says nothing of others; only
     subschemas are visited (never a const, enum, default or example value). The branches of an allOf stay open (each
     closed alone would forbid the others' properties): their parent is closed over all their properties instead. An
     object that may have more properties another way (EXTENDING, a required name it does not list, an allOf branch
-    with a $ref) stays open, as do the branches of a union beside properties."""
+    with a $ref) stays open, as do the branches of a union beside properties. A branch that only names a local
+    definition (and a $ref beside properties, as an allOf branch) is that definition's text, once per path, so the
+    definition's own closing does not forbid the parent's properties."""
     if not isinstance(schema, Mapping):
         return schema
     out = dict(schema)
     for key in SCHEMA_MAPS:
         if isinstance(out.get(key), Mapping):
-            out[key] = {name: _closed(sub, defs) for name, sub in out[key].items()}
+            out[key] = {name: _closed(sub, defs, inlined=inlined) for name, sub in out[key].items()}
     for key in SCHEMA_ONE:
         if key in out:
-            out[key] = [_closed(sub, defs) for sub in out[key]] if isinstance(out[key], list) \
-                else _closed(out[key], defs)
+            out[key] = [_closed(sub, defs, inlined=inlined) for sub in out[key]] if isinstance(out[key], list) \
+                else _closed(out[key], defs, inlined=inlined)
     beside = isinstance(out.get("properties"), Mapping)  # a union's branches add to the parent's properties
-    if isinstance(out.get("allOf"), list):  # a branch that only names a definition: the definition, to be merged
-        out["allOf"] = [defs.get(sub["$ref"], sub) if isinstance(sub, Mapping) and set(sub) == {"$ref"} else sub
-                        for sub in out["allOf"]]
+    if beside and out.get("$ref") in defs and out["$ref"] not in inlined:
+        out["allOf"] = [{"$ref": out.pop("$ref")}, *(out.get("allOf") if isinstance(out.get("allOf"), list) else [])]
     for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_closed(sub, defs, close=key != "allOf" and not (beside and key in UNIONS))
-                        for sub in out[key]]
+            keep_open = key == "allOf" or (beside and key in UNIONS)
+            branches = [_definition(sub, defs, inlined) if keep_open else (sub, inlined) for sub in out[key]]
+            out[key] = [_closed(sub, defs, close=not keep_open, inlined=seen) for sub, seen in branches]
     branches = out.get("allOf") if isinstance(out.get("allOf"), list) else []
     listed = {name: {} for sub in branches if isinstance(sub, Mapping) and isinstance(sub.get("properties"), Mapping)
               for name in sub["properties"]}
@@ -139,6 +142,13 @@ def _closed(schema: object, defs: Mapping[str, object], close: bool = True) -> o
             and all(name in properties for name in required if isinstance(name, str)):
         out["additionalProperties"] = False
     return out
+
+
+def _definition(sub: object, defs: Mapping[str, object], inlined: frozenset) -> tuple[object, frozenset]:
+    """A branch that only names a local definition: the definition (not again inside itself), else the branch."""
+    if isinstance(sub, Mapping) and set(sub) == {"$ref"} and sub["$ref"] in defs and sub["$ref"] not in inlined:
+        return defs[sub["$ref"]], inlined | {sub["$ref"]}
+    return sub, inlined
 
 
 class Guides:

@@ -175,15 +175,20 @@ def test_objects_that_may_have_more_properties_are_left_open(llm):
     union = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
              "anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}]}
     unlisted = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok", "id"]}
-    for schema in (ref, union, unlisted):
+    beside = {**{k: v for k, v in ref.items() if k != "allOf"}, "$ref": "#/$defs/Base"}  # a $ref beside properties
+    refs = {**union, "$defs": ref["$defs"], "anyOf": [{"$ref": "#/$defs/Base"}]}  # a union of definitions beside
+    for schema in (ref, union, unlisted, beside, refs):
         guided = GuidedDecodingParams(json=schema)
         rewritten = json.loads(guided.json)
-        assert rewritten.get("additionalProperties") is (False if schema is ref else None)
+        assert rewritten.get("additionalProperties") is (False if schema in (ref, beside) else None)
         assert all("additionalProperties" not in branch for branch in rewritten.get("anyOf", []))
         out = llm.generate([5, 6], SamplingParams(max_tokens=3, guided_decoding=guided), use_tqdm=False)[0]
         assert out.outputs[0].text.startswith("{")  # the grammar compiled: the schema is satisfiable
     merged = json.loads(GuidedDecodingParams(json=ref).json)
     assert list(merged["properties"]) == ["id", "ok"] and merged["$defs"]["Base"]["additionalProperties"] is False
+    looped = {"$defs": {"Self": {"allOf": [{"$ref": "#/$defs/Self"}], "properties": {"a": {}}}},
+              "allOf": [{"$ref": "#/$defs/Self"}], "properties": {"b": {}}}
+    assert json.loads(GuidedDecodingParams(json=looped).json)["allOf"][0]["allOf"] == [{"$ref": "#/$defs/Self"}]
 
 
 def test_guide_text_that_is_not_unicode_is_refused():

@@ -45,7 +45,7 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
         value, decimal_point = (int(number) if number.isdigit() else float(number)), "." in match.group(1)
     if not unit and 0 < value <= 1 and (decimal_point or value != 1):  # 0.5, 5e-1 and 1.0; "1" is one byte
         return float(value)
-    if isinstance(value, float) and not math.isfinite(value) or (not unit and value != int(value)):
+    if not isinstance(value, numbers.Integral) and not math.isfinite(value) or (not unit and value != int(value)):
         raise RequestError(f"the memory size {spec!r} is neither a whole number of bytes nor a fraction in (0, 1]; "
                            f"use {MEMORY_HELP}")
     total = int(value * _UNITS[unit or "B"])

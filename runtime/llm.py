@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from camshaft.errors import CamshaftError, RequestError
+from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.block_manager import BlockCounters
 from camshaft.runtime.chat_template import ChatOptions, load_chat_template
@@ -219,14 +219,9 @@ class LLM(ServingAPI):
 
 
 def _numbered(exc: BaseException, what: str, i: int, count: int) -> BaseException:
-    """The error of item i of several, saying which (one alone needs no number): camshaft's errors in their message,
-    others in a note."""
-    if count == 1:
-        return exc
-    if isinstance(exc, CamshaftError):
-        return type(exc)(f"{what} {i}: {exc}")
-    exc.add_note(f"({what} {i} of {count})")
-    return exc
+    """A request's error (RequestError) of item i of several, saying which (one alone needs no number); other
+    errors (an engine step's, shared by every request in it) as they are."""
+    return type(exc)(f"{what} {i}: {exc}") if count > 1 and isinstance(exc, RequestError) else exc
 
 
 def _text_of(prompt: Prompt) -> str | None:

@@ -78,7 +78,8 @@ def markdown(res: dict, plot_ref: str) -> str:
     g = target["gflop"]
     ov = target["python_overhead"]
     ob = ov.get(f"batch_{cfg['concurrency']}") or {}
-    ob = ob if ob.get("steps") else ov["all_steps"]  # no step ran the whole batch (fewer requests than C)
+    steps_of = f"{ob['steps']} steps" if ob.get("steps") else "all steps (none ran the whole batch)"
+    ob = ob if ob.get("steps") else ov["all_steps"]
     ratio = target["output_tok_s"] / peer_t["output_tok_s"]
     out += [
         "",
@@ -114,7 +115,7 @@ def markdown(res: dict, plot_ref: str) -> str:
     share = 100 * ob["outside_engine_step"]
     out.append(f"| Python overhead per step < 10 % at batch {cfg['concurrency']} | **{share:.1f} %**"
                f" outside `Engine.step` ({100 * ob['outside_model_call']:.1f} % outside the model call), "
-               f"{ob['steps']} steps of {ob['iteration_ms']:.0f} ms | {verdict(ob['outside_engine_step'] < 0.1)} |")
+               f"{steps_of} of {ob['iteration_ms']:.0f} ms | {verdict(ob['outside_engine_step'] < 0.1)} |")
     eq = res.get("greedy_equal")
     out += [
         "",

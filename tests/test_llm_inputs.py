@@ -69,6 +69,7 @@ def test_a_containers_cgroup_bounds_fractions_and_the_pool(tmp_path, monkeypatch
     ("1.5", "neither a whole number"), (1.5, "neither"), (0.0, "a number of bytes a machine holds"),
     (float("nan"), "neither"), (float("inf"), "neither"), (0, "a number of bytes a machine holds"),
     (-5, "1 B to 1 EiB"), ("0", "1 B to 1 EiB"), (10**400, "1 B to 1 EiB"), ("1" + "0" * 400, "1 B to 1 EiB"),
+    (np.float32("nan"), "neither"), (np.float32("inf"), "neither"),
     ("-5", "cannot read"), ("abc", "cannot read"), ("5 parsecs", "cannot read"), ("", "cannot read"),
     (True, "must be"), ([1], "must be"),
 ])

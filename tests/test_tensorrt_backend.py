@@ -328,9 +328,13 @@ def test_step_buffers_are_reserved_at_load_before_the_pool_is_sized(simulated, m
     monkeypatch.setattr(context, "set_tensor_address", lambda name, ptr: False)
     with pytest.raises(EngineError, match="TensorRT refused the device address of KV cache"):
         engine.step([Chunk(ids[3:4], 3, engines[engine][1])])  # the caches swap after the step
-    cudart.out_of_memory = True
-    with pytest.raises(EngineError, match="cudaMalloc"):
+    held = len(cudart.allocations)
+    malloc_calls = len(events)
+    monkeypatch.setattr(cudart, "cudaMalloc", lambda nbytes: (2, 0) if len(events) > malloc_calls + 3 else
+                        events.append(nbytes) or malloc(nbytes))  # the 4th allocation of the next load fails
+    with pytest.raises(EngineError, match="cudaMalloc") as failed:  # its traceback, kept, holds the backend
         Engine(rtx_dir, max_sequences=2)
+    assert failed.value and len(cudart.allocations) == held  # what the failed load had allocated is freed at once
 
 
 def test_a_fractional_budget_is_of_the_gpu_memory_the_loaded_plan_leaves_and_capped_at_its_pool(simulated,

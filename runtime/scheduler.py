@@ -202,7 +202,8 @@ class Scheduler:
         while self.blocks.blocks_for(request.num_computed + tokens) > len(request.blocks):
             while self.blocks.num_free == 0:
                 taken = {id(r) for r in scheduled}
-                victim = max((r for r in self.running if id(r) not in taken), key=queue_key)
+                # ties (n > 1 siblings share their queue order) go to the newest admitted: running is in that order
+                victim = max(reversed([r for r in self.running if id(r) not in taken]), key=queue_key)
                 self.preempt(victim)
                 if victim is request:
                     return False

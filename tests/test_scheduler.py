@@ -139,6 +139,26 @@ def test_max_utilization_preempts_the_newest_and_recomputes_it():
     assert new.output_ids == reference_output(new.prompt_ids, 20)
 
 
+def test_siblings_of_one_prompt_preempt_the_newest_admitted_first():
+    """n > 1 siblings share their prompt's priority and queue order (they join once its first token is out): a full
+    pool preempts the sibling admitted last, not the first sequence with the most output."""
+    scheduler = RecordingScheduler(config(num_blocks=9, block_size=4, policy="max_utilization"))
+    first = make_request("p-0", list(range(1, 9)), 20)
+    scheduler.add(first)
+    for step in range(40):
+        scheduled = scheduler.schedule()
+        scheduler.computed(scheduled)
+        for item in scheduled:
+            if item.sample:
+                item.request.output_ids.append(next_token(item.request))
+        if step == 3:
+            for i in (1, 2):
+                scheduler.add(make_request(f"p-{i}", first.prompt_ids, 20), first.queue_order)
+        if scheduler.preempted:
+            break
+    assert scheduler.preempted[:1] == ["p-2"]
+
+
 def test_priority_orders_admission_and_chooses_the_preempted():
     scheduler = RecordingScheduler(config(num_blocks=9, policy="max_utilization", max_batch_size=2))
     low = make_request("low", [1] * 8, 20, priority=1)  # arrives first

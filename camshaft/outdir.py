@@ -94,6 +94,10 @@ def replace_dir(staging: Path, output: Path) -> None:
         os.replace(staging, kept)  # not a .partial that the caller's cleanup or a later run removes
         raise CamshaftError(f"cannot move the finished output into {output} ({exc.strerror or exc}); it is complete "
                             f"in {kept}{previous}") from exc
+    except BaseException:  # a stop (Ctrl-C, SIGTERM) between the two moves: the previous output goes back
+        if old.exists() and not output.exists():
+            os.replace(old, output)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

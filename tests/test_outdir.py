@@ -200,3 +200,28 @@ def test_a_stop_that_turns_into_another_error_on_its_way_out_still_exits_as_that
         cli.main()
     assert exited.value.code == 128 + getattr(signal, stop)
     assert capsys.readouterr().err.strip() == ("terminated" if stop == "SIGTERM" else "interrupted")
+
+
+def test_a_stop_between_the_two_moves_puts_the_previous_output_back(tmp_path, monkeypatch):
+    """replace_dir moves the old output aside, then the new one in: a Ctrl-C or SIGTERM between the two (the build's
+    cleanup then deletes the new one) leaves the previous output in place, not only a hidden .old copy."""
+    from camshaft.outdir import replace_dir
+
+    output, staging = tmp_path / "engine", tmp_path / ".engine.partial-1"
+    output.mkdir()
+    (output / "manifest.json").write_text("old")
+    staging.mkdir()
+    (staging / "manifest.json").write_text("new")
+    real, moves = os.replace, []
+
+    def interrupted(src, dst):
+        moves.append(dst)
+        if len(moves) == 2:  # the new output's move: the stop lands first
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        replace_dir(staging, output)
+    monkeypatch.setattr(os, "replace", real)
+    assert (output / "manifest.json").read_text() == "old" and not list(tmp_path.glob(".engine.old-*"))

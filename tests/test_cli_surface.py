@@ -194,6 +194,14 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
     assert "runs here   no: " in described.output and "rebuild" in described.output
     assert "NOT as the build wrote them" in described.output
     refused(invoke("inspect", "--engine", tmp_path), "has no manifest.json")  # none at all: the usual error
+    edited = tmp_path / "edited"  # a manifest field changed by hand, its files untouched: the manifest is blamed
+    shutil.copytree(engine, edited)
+    raw = json.loads((edited / "manifest.json").read_text())
+    raw["limits"]["max_batch_size"] += 1
+    (edited / "manifest.json").write_text(json.dumps(raw))
+    described = invoke("inspect", "--engine", edited)
+    assert described.exit_code == 1 and "runs here   no: " in described.output
+    assert "NOT as the build wrote them" not in described.output and "as the build recorded them" in described.output
     older = tmp_path / "older"  # a sequence graph of one logits row, as engines built before prompt lookup
     shutil.copytree(engine, older)
     raw = json.loads((older / "manifest.json").read_text())

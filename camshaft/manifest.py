@@ -174,9 +174,11 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True, check_dig
     if not isinstance(version, int) or isinstance(version, bool):
         raise EngineError(f"{path} is corrupt (format_version {version!r} is not an integer); rebuild the engine")
     if version not in READABLE_FORMAT_VERSIONS:
-        fix = (f"upgrade camshaft to {raw.get('camshaft_version', 'the version that built it')} or later, or rebuild "
-               "the engine with this one" if version > ENGINE_FORMAT_VERSION else
-               "rebuild the engine with this version's `camshaft build`")
+        built_by = raw.get("camshaft_version")
+        newer = built_by if isinstance(built_by, str) and built_by != __version__ else "the version that built it"
+        fix = (f"upgrade camshaft to {newer} (one that reads engine format {version}), or rebuild the engine with "
+               "this one" if version > ENGINE_FORMAT_VERSION else "rebuild the engine with this version's "
+               "`camshaft build`")
         raise EngineError(
             f"{engine_dir} was built by camshaft {raw.get('camshaft_version', '?')} (engine format {version}); "
             f"this is camshaft {__version__} (engine format {ENGINE_FORMAT_VERSION}): {fix}."

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
+import camshaft
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import BuildConfigError, CheckpointError, EngineError
@@ -267,6 +268,11 @@ def test_other_camshaft_engine_format(copy):
     raw["format_version"], raw["camshaft_version"] = 999, "9.9.9"
     (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
     with pytest.raises(EngineError, match=r"built by camshaft 9\.9\.9.*this is camshaft.*upgrade camshaft to 9\.9\.9"):
+        Engine(copy)
+    raw["camshaft_version"] = camshaft.__version__  # a newer format under the same version string: no circular advice
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
+    with pytest.raises(EngineError, match="upgrade camshaft to the version that built it .one that reads engine "
+                                          "format 999."):
         Engine(copy)
     (copy / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion limit
     with pytest.raises(EngineError, match="corrupt .RecursionError"):

@@ -50,8 +50,8 @@ def check_files(engine_dir: Path, sizes: dict[str, int], fingerprints: dict[str,
         if not file.is_file():
             raise EngineError(f"{engine_dir} is missing {name}; rebuild the engine with `camshaft build`")
         if name.endswith(".data") and file.resolve().parent != engine_dir.resolve():
-            raise EngineError(f"{file} links to {file.resolve()}, outside the engine directory, and ONNX Runtime reads "
-                              "weights only from inside it; copy the engine as real files (cp -rL)")
+            raise EngineError(f"{file} links to {file.resolve()}, not a file beside its graph in the engine directory, "
+                              "where ONNX Runtime reads weights from; copy the engine as real files (cp -rL)")
         if file.stat().st_size != size:
             raise EngineError(
                 f"{file} has {file.stat().st_size} bytes but the manifest expects {size}: the file is truncated "

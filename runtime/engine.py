@@ -76,9 +76,13 @@ class Engine:
         else:
             num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))
             check_fits_host(m, num_blocks)
-        self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)
-        self.pool = BlockPool(self.backend.num_blocks)
-        self.tokenizer = load_tokenizer(self.dir, m.files)
+        try:
+            self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)
+            self.pool = BlockPool(self.backend.num_blocks)
+            self.tokenizer = load_tokenizer(self.dir, m.files)
+        except EngineError:  # files of two builds, as a rebuild meanwhile leaves them: "load it again" says that
+            check_unchanged(self.dir, m.build_id)
+            raise
         check_unchanged(self.dir, m.build_id)  # a rebuild that replaced it while it loaded
         config = m.model
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None

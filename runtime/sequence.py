@@ -57,13 +57,17 @@ class SequenceEngine:
         if unknown:
             raise EngineError(f"{self.dir}: the sequence graph takes inputs this camshaft does not produce "
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
-        self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
-                                                          session_options(threads, spin_wait=True), huge_pages)
-        check_signature(GraphIO.of_session(self.session), self.dir, m, self.layout)
-        # its weights are the batch graph's, read by offset: that graph must be of the same build
-        check_build_id(GraphIO.of_file(self.dir / m.artifact).metadata, m.build_id, self.dir / m.artifact)
-        self.binding = self.session.io_binding()
-        self.tokenizer = load_tokenizer(self.dir, m.files)
+        try:
+            self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
+                                                              session_options(threads, spin_wait=True), huge_pages)
+            check_signature(GraphIO.of_session(self.session), self.dir, m, self.layout)
+            # its weights are the batch graph's, read by offset: that graph must be of the same build
+            check_build_id(GraphIO.of_file(self.dir / m.artifact).metadata, m.build_id, self.dir / m.artifact)
+            self.binding = self.session.io_binding()
+            self.tokenizer = load_tokenizer(self.dir, m.files)
+        except EngineError:  # files of two builds, as a rebuild meanwhile leaves them: "load it again" says that
+            check_unchanged(self.dir, m.build_id)
+            raise
         check_unchanged(self.dir, m.build_id)
         self.eos_token_ids = end_ids(m.model, self.tokenizer)
         self.caches: list[np.ndarray] = []

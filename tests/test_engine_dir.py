@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -236,6 +237,15 @@ def test_an_engine_rebuilt_while_it_loads_is_refused(copy, other_build, monkeypa
     monkeypatch.setattr(engine_module, "load_tokenizer", swap_then_load)
     with pytest.raises(EngineError, match="was replaced while it loaded"):
         Engine(copy)
+
+    def rebuilt_then_refuse(engine_dir, files=None):  # a rebuild lands; its files fail the old manifest's checks
+        raw = json.loads((copy / "manifest.json").read_text())
+        (copy / "manifest.json").write_text(json.dumps({**raw, "build_id": "the next build"}))
+        raise EngineError("files of two builds were mixed; rebuild the engine")
+    monkeypatch.setattr(engine_module, "load_tokenizer", rebuilt_then_refuse)
+    again = re.escape("was replaced while it loaded (rebuilt meanwhile?); load it again")
+    with pytest.raises(EngineError, match=again):
+        Engine(copy)  # the engine on disk is whole: it is told to load again, not to rebuild
 
 
 def test_fingerprints_sample_large_files(tmp_path):

@@ -4,10 +4,12 @@ error, never garbage."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from camshaft.errors import EngineError
@@ -66,6 +68,18 @@ def check_files(engine_dir: Path, sizes: dict[str, int], fingerprints: dict[str,
             raise EngineError(f"{file} is not the file this engine was built with (its bytes differ from the "
                               "manifest's fingerprint: copied from another build?); rebuild the engine with "
                               "`camshaft build`")
+
+
+@contextlib.contextmanager
+def unchanged_while_loading(engine_dir: Path, build_id: str) -> Iterator[None]:
+    """Around loading an engine's files: a rebuild that replaced the directory meanwhile is said as that ("load it
+    again"), whether the load then failed on the mixed files or went through."""
+    try:
+        yield
+    except EngineError:
+        check_unchanged(engine_dir, build_id)
+        raise
+    check_unchanged(engine_dir, build_id)
 
 
 def check_unchanged(engine_dir: Path, build_id: str) -> None:

@@ -88,8 +88,12 @@ def is_fetched(name: str, output: Path) -> bool:
     """True when `output` holds a complete fetch of this model's pinned version: its marker, and every file the fetch
     writes (one deleted since is fetched again)."""
     output = Path(output)
-    return (_read_marker(output) == _marker_record(known_model(name))
-            and all((output / file).is_file() and (output / file).stat().st_size for file in FETCHED_FILES))
+    return _read_marker(output) == _marker_record(known_model(name)) and not _missing(output)
+
+
+def _missing(output: Path) -> list[str]:
+    """The files a fetch writes that `output` lacks (or holds empty)."""
+    return [file for file in FETCHED_FILES if not ((output / file).is_file() and (output / file).stat().st_size)]
 
 
 def _no_progress(message: str) -> None:
@@ -220,6 +224,6 @@ def _convert(model: KnownModel, gguf: Path, out: Path, progress: Callable[[str],
     progress(f"saving float32 safetensors to {out.name}")
     fresh.save_pretrained(out)  # transformers 5 always writes safetensors
     tokenizer.save_pretrained(out)
-    if not list(out.glob("*.safetensors")) or not (out / "generation_config.json").exists():
-        raise FetchError(f"saving the converted model to {out} left no safetensors or generation_config.json")
+    if missing := _missing(out):
+        raise FetchError(f"saving the converted model to {out} left no {', '.join(missing)}")
     _readable_as_config(out)

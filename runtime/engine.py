@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from camshaft.engine_files import TOKENIZER_DIR, check_unchanged
+from camshaft.engine_files import TOKENIZER_DIR, unchanged_while_loading
 from camshaft.errors import EngineError
 from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS
 from camshaft.manifest import Manifest, read_manifest
@@ -76,14 +76,10 @@ class Engine:
         else:
             num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))
             check_fits_host(m, num_blocks)
-        try:
+        with unchanged_while_loading(self.dir, m.build_id):
             self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)
             self.pool = BlockPool(self.backend.num_blocks)
             self.tokenizer = load_tokenizer(self.dir, m.files)
-        except EngineError:  # files of two builds, as a rebuild meanwhile leaves them: "load it again" says that
-            check_unchanged(self.dir, m.build_id)
-            raise
-        check_unchanged(self.dir, m.build_id)  # a rebuild that replaced it while it loaded
         config = m.model
         self.sliding_window = config.sliding_window if config.has_sliding_layers else None
         self.eos_token_ids = end_ids(config, self.tokenizer)

@@ -34,11 +34,8 @@ def count_flops(manifest: Manifest, requests: list[BenchRequest], reused: list[i
     fed = sum(n - k for n, k in zip(totals, reused, strict=True))
     rows = sum(r.max_tokens for r in requests)
     sliding = sum(kind == "sliding" for kind in m.layer_types)
-    attended = 0
-    for layers_, window in ((m.num_layers - sliding, None), (sliding, m.sliding_window)):
-        if layers_:
-            attended += layers_ * sum(_attended(n, window) - _attended(k, window)
-                                      for n, k in zip(totals, reused, strict=True))
+    attended = sum(count * sum(_attended(n, window) - _attended(k, window) for n, k in zip(totals, reused, strict=True))
+                   for count, window in ((m.num_layers - sliding, None), (sliding, m.sliding_window)) if count)
     attention = 4 * m.num_heads * m.head_dim * attended
     return {"linear": 2.0 * layers * fed, "lm_head": 2.0 * head * rows, "attention": float(attention),
             "tokens_fed": fed}

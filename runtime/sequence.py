@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from camshaft.engine_files import check_unchanged
+from camshaft.engine_files import unchanged_while_loading
 from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_build_id, sequence_graph_support
 from camshaft.io_signature import SEQUENCE_INPUTS
@@ -57,7 +57,7 @@ class SequenceEngine:
         if unknown:
             raise EngineError(f"{self.dir}: the sequence graph takes inputs this camshaft does not produce "
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
-        try:
+        with unchanged_while_loading(self.dir, m.build_id):
             self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
                                                               session_options(threads, spin_wait=True), huge_pages)
             check_signature(GraphIO.of_session(self.session), self.dir, m, self.layout)
@@ -65,10 +65,6 @@ class SequenceEngine:
             check_build_id(GraphIO.of_file(self.dir / m.artifact).metadata, m.build_id, self.dir / m.artifact)
             self.binding = self.session.io_binding()
             self.tokenizer = load_tokenizer(self.dir, m.files)
-        except EngineError:  # files of two builds, as a rebuild meanwhile leaves them: "load it again" says that
-            check_unchanged(self.dir, m.build_id)
-            raise
-        check_unchanged(self.dir, m.build_id)
         self.eos_token_ids = end_ids(m.model, self.tokenizer)
         self.caches: list[np.ndarray] = []
         # Bound once: a decode step writes its token and lengths into these and rebinds nothing.

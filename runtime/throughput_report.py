@@ -70,8 +70,9 @@ def concurrency_note(r: ThroughputResult) -> str | None:
 def report_lines(results: list[ThroughputResult]) -> list[str]:
     """The printed report: the LLM's configuration, a clipping warning if any, one line per concurrency (and a note
     where fewer ran at once)."""
-    lines = [config_line(results[0].config)] if results else []
-    warning = clipped_line(results[0].clipped) if results else None
+    if not results:
+        return []
+    lines = [config_line(results[0].config), *filter(None, [clipped_line(results[0].clipped)])]
     for r in results:
-        lines += [result_line(r)] + [note for note in [concurrency_note(r)] if note]
-    return lines[:1] + ([warning] if warning else []) + lines[1:]
+        lines += [result_line(r), *filter(None, [concurrency_note(r)])]
+    return lines

@@ -44,9 +44,9 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
         elif given := [k for k, v in llm_options.items() if v is not None]:
             raise CamshaftError(f"{repo} serves the LLM options camshaft deploy wrote into it, so {', '.join(given)} "
                                 "would be ignored; pass them to camshaft deploy instead")
-        handle, name = tempfile.mkstemp(prefix="camshaft-tritonserver-", suffix=".log")  # kept if it fails
+        handle, log_path = tempfile.mkstemp(prefix="camshaft-tritonserver-", suffix=".log")  # kept if it fails
         os.close(handle)
-        log_file = Path(name)
+        log_file = Path(log_path)
         try:
             server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
                                   metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600, log_file=log_file)
@@ -78,8 +78,8 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             e = server.endpoints
             log(f"ready: HTTP http://{e.http}  gRPC {e.grpc}  metrics {e.metrics_url}")
             models = sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
-            name = _text_model_name(Path(repo))
-            log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/{name}/generate")
+            log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/{_text_model_name(Path(repo))}"
+                "/generate")
             code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log,
                                       lost=stub_watch(server.stubs()))
             if code and not stopping:

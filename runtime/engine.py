@@ -13,7 +13,7 @@ from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS
 from camshaft.manifest import Manifest, read_manifest
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
-from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, pool_blocks
+from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, fraction_bytes, pool_blocks
 
 EDITABLE = ("chat_template.jinja", "additional_chat_templates")  # what a user may add or edit after the build
 
@@ -53,10 +53,12 @@ def end_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
 
 class Engine:
     def __init__(self, engine_dir: str | Path, *, max_sequences: int = 1, kv_cache_memory: int | float | None = None,
-                 threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True,
-                 manifest: Manifest | None = None) -> None:
-        """huge_pages: the loaded weights on transparent huge pages (Linux; see runtime/backends/huge_pages.py).
-        manifest: the engine's, when the caller has read it (what it read is what gets checked after loading)."""
+                 most_blocks: int | None = None, threads: int | None = None, spin_wait: bool = True,
+                 huge_pages: bool = True, manifest: Manifest | None = None) -> None:
+        """kv_cache_memory: the pool's budget in bytes, or a fraction (kv_cache.memory_spec) of the memory free once
+        the weights are loaded; most_blocks: a cap on the pool a budget gives. huge_pages: the loaded weights on
+        transparent huge pages (Linux; see runtime/backends/huge_pages.py). manifest: the engine's, when the caller has
+        read it (what it read is what gets checked after loading)."""
         self.dir = Path(engine_dir)
         self.manifest: Manifest = manifest or read_manifest(self.dir)
         m = self.manifest
@@ -70,11 +72,14 @@ class Engine:
             raise EngineError(f"{self.dir}: its manifest's model has {'' if m.model.has_sliding_layers else 'no '}"
                               "sliding-window layers but its graph inputs say otherwise: the manifest was edited or "
                               "belongs to another build; rebuild the engine")
-        if isinstance(kv_cache_memory, float):  # a TensorRT engine's fraction: sized once its plan is on the GPU
-            num_blocks = lambda free: pool_blocks(  # noqa: E731 - called with the GPU's free bytes
-                m, max_sequences, max(1, int(kv_cache_memory * free)), cache_copies(m))
+        copies = cache_copies(m)
+        if isinstance(kv_cache_memory, float):  # sized by the backend once the weights are loaded, of what is free then
+            def num_blocks(free: int) -> int:
+                blocks = pool_blocks(m, max_sequences, fraction_bytes(kv_cache_memory, free), copies, kv_cache_memory)
+                return blocks if most_blocks is None else min(blocks, most_blocks)
         else:
-            num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, cache_copies(m))
+            num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, copies)
+            num_blocks = num_blocks if most_blocks is None else min(num_blocks, most_blocks)
             check_fits_host(m, num_blocks)
         with unchanged_while_loading(self.dir, m.build_id):
             self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)

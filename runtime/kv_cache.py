@@ -21,13 +21,14 @@ def bytes_per_block(manifest: Manifest) -> int:
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _MEMORY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*([A-Za-z]*)")
-MEMORY_HELP = ("bytes, optionally with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory available when "
-               "the engine loads: "
+MEMORY_HELP = ("bytes, optionally with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory available once "
+               "the engine's weights are loaded: "
                "a number between 0 and 1, or 1.0 for all of it (0.3, 5e-1, 1.0)")
 
 
 def memory_spec(spec: str | int | float | None) -> int | float | None:
-    """A KV cache budget as given: int bytes, or a float fraction of the memory available when it is used. A number
+    """A KV cache budget as given: int bytes, or a float fraction of the memory available once the engine is loaded
+    (the engine resolves it: fraction_bytes). A number
     in (0, 1) is a fraction, and so is 1 written with a decimal point ("1.0", 1.0); any other number is bytes
     ("1000000", "1e9", 1000000), also with a unit ("512MiB", "2GB"). None stays None (sized from the engine limits)."""
     if spec is None:
@@ -55,24 +56,23 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
     return total
 
 
-def parse_memory(spec: str | int | float | None, manifest: Manifest | None = None) -> int | float | None:
-    """A KV cache budget in bytes (memory_spec; a fraction of the host memory available now). For a TensorRT engine
-    (`manifest`) a fraction stays a fraction: it is of the GPU memory free once the plan is loaded (its weights and
-    context): Engine hands the backend a sizing that it calls with the free bytes it then measures."""
-    value = memory_spec(spec)
-    if isinstance(value, float) and manifest is not None and manifest.target != "onnxruntime":
-        return value
-    if isinstance(value, float):
-        import psutil
+def fraction_bytes(fraction: float, available: int) -> int:
+    """A fraction of a budget (memory_spec) in bytes of the memory `available` once the engine's weights are loaded
+    (the host's for onnxruntime, the GPU's for TensorRT, as TensorRT-LLM's free_gpu_memory_fraction): measured
+    before, 1.0 would leave the weights no room."""
+    if fraction * available < 1:
+        raise RequestError(f"a KV cache budget of {fraction} of the memory available ({available} bytes) is under "
+                           f"one byte; raise the budget: {MEMORY_HELP}")
+    return int(fraction * available)
 
-        available = psutil.virtual_memory().available
-        left = cgroup_available()
-        available = available if left is None else min(available, left)
-        if value * available < 1:
-            raise RequestError(f"a KV cache budget of {value} of the memory available ({available} bytes) is under "
-                               f"one byte; raise the budget: {MEMORY_HELP}")
-        return int(value * available)
-    return value
+
+def host_available() -> int:
+    """Bytes of host memory available now: the machine's, or what its cgroup's limit leaves (a container's) when
+    less."""
+    import psutil
+
+    available, left = psutil.virtual_memory().available, cgroup_available()
+    return available if left is None else min(available, left)
 
 
 CGROUP = Path("/sys/fs/cgroup")  # a container's own cgroup (v2) where it has one
@@ -135,11 +135,13 @@ def plan_blocks(manifest: Manifest) -> int | None:
 
 
 def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | float | None = None,
-                copies: int = 1) -> int:
-    """Blocks for `max_sequences` full-length sequences, or as many as fit `memory` (see parse_memory) when the
-    backend holds `copies` buffers of each cache, plus the null block."""
-    spec = memory_spec(memory)
-    memory_bytes = parse_memory(spec, manifest)
+                copies: int = 1, fraction: float | None = None) -> int:
+    """Blocks for `max_sequences` full-length sequences, or as many as fit `memory` bytes (memory_spec; a fraction is
+    resolved by the caller: fraction_bytes) when the backend holds `copies` buffers of each cache, plus the null
+    block. `fraction`: the budget as given, where `memory` was resolved from it (for the message)."""
+    memory_bytes = memory_spec(memory)
+    if isinstance(memory_bytes, float):
+        raise TypeError("pool_blocks takes bytes: resolve a fraction with fraction_bytes once the engine is loaded")
     if memory_bytes is not None:
         each = copies * bytes_per_block(manifest)
         blocks = memory_bytes // each
@@ -147,7 +149,7 @@ def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | floa
         if most is not None:  # a TensorRT plan takes at most the pool its profile was built for
             blocks = min(blocks, most)
         if blocks < 2:
-            given = f" ({spec} of the memory available)" if isinstance(spec, float) else ""
+            given = f" ({fraction} of the memory available)" if fraction is not None else ""
             one = "; 1 is one byte: for all of the available memory write 1.0" if memory_bytes == 1 else ""
             raise CapacityError(
                 f"kv_cache_memory {memory_bytes} bytes{given} holds no KV block ({each} bytes each, and one more "

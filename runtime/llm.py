@@ -20,7 +20,7 @@ from camshaft.runtime.chat_template import ChatOptions, load_chat_template
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.executor import Executor
 from camshaft.runtime.guided import Guides
-from camshaft.runtime.kv_cache import parse_memory
+from camshaft.runtime.kv_cache import memory_spec
 from camshaft.runtime.llm_options import (
     check_llm_options,
     check_priority,
@@ -50,10 +50,10 @@ class LLM(ServingAPI):
                  kv_reservation: str = "paged", prompt_lookup: PromptLookup | int | None = None,
                  chat_template: str | Path | None = None) -> None:
         """max_batch_size, max_num_tokens: at most the engine's (the default). kv_cache_memory: the KV pool's budget
-        (kv_cache.parse_memory): bytes, also with a unit ("512MiB", "2GB"), or a fraction of the available memory (a
-        number between 0 and 1, 1.0 for all of it); None: room for max_batch_size full-length sequences. max_queue:
-        requests allowed to wait beyond a full batch before submit raises ServerBusyError (servers; generate()
-        queues all its prompts whatever it is);
+        (kv_cache.memory_spec): bytes, also with a unit ("512MiB", "2GB"), or a fraction of the memory available once
+        the weights are loaded (a number between 0 and 1, 1.0 for all of it); None: room for max_batch_size
+        full-length sequences. max_queue: requests allowed to wait beyond a full batch before submit raises
+        ServerBusyError (servers; generate() queues all its prompts whatever it is);
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
         on transparent huge pages (Linux; see runtime/backends/huge_pages.py); kv_reservation "contiguous" reserves
         max_seq_len tokens of KV blocks per request, as a cache without paging would (for comparisons). prompt_lookup
@@ -68,8 +68,8 @@ class LLM(ServingAPI):
             max_num_tokens=max_num_tokens, max_queue=max_queue))
         lookup = as_prompt_lookup(prompt_lookup)
         template = None if chat_template is None else load_chat_template(chat_template)
-        # bytes, a fraction resolved once, here (a TensorRT engine's: by its backend, once the plan is loaded)
-        self.kv_cache_memory = parse_memory(kv_cache_memory, manifest)
+        # bytes, or a fraction the engine resolves once its weights are loaded
+        self.kv_cache_memory = memory_spec(kv_cache_memory)
         self.engine = engine = Engine(engine_dir, max_sequences=batch, kv_cache_memory=self.kv_cache_memory,
                                       threads=threads, spin_wait=spin_wait, huge_pages=huge_pages, manifest=manifest)
         self.config = SchedulerConfig(

@@ -26,6 +26,7 @@ from camshaft.runtime.backends.onnxruntime import (
 )
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
+from camshaft.runtime.kv_cache import fraction_bytes, host_available
 from camshaft.runtime.prompt_lookup import MAX_DRAFT
 
 GROW = 256
@@ -38,10 +39,11 @@ def over_budget(total: int, holds: int, how: str) -> CapacityError:
 
 
 class SequenceEngine:
-    """`kv_cache_memory` (bytes) bounds the cache: a sequence that would need more is refused at `start`."""
+    """`kv_cache_memory` (bytes, or a fraction of the memory available once the weights are loaded) bounds the cache:
+    a sequence that would need more is refused at `start`."""
 
     def __init__(self, engine_dir: str | Path, *, threads: int | None = None, manifest: Manifest | None = None,
-                 kv_cache_memory: int | None = None, huge_pages: bool = True):
+                 kv_cache_memory: int | float | None = None, huge_pages: bool = True):
         self.dir = Path(engine_dir)
         self.manifest = m = manifest or read_manifest(self.dir)
         if m.sequence_graph is None:
@@ -86,6 +88,8 @@ class SequenceEngine:
         self._length = 0
         self.token_budget = self.limits.max_seq_len  # tokens (prompt + output) one sequence may hold
         self.token_bytes = self.layout.bytes_per_token(np.dtype(np.float32).itemsize)
+        if isinstance(kv_cache_memory, float):
+            kv_cache_memory = fraction_bytes(kv_cache_memory, host_available())
         if kv_cache_memory is not None:
             self.token_budget = min(self.token_budget, kv_cache_memory // self.token_bytes)
             if self.token_budget < 1:

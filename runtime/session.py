@@ -17,7 +17,7 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.chat_template import ChatOptions, load_chat_template
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
-from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, parse_memory, pool_blocks
+from camshaft.runtime.kv_cache import memory_spec, pool_blocks
 from camshaft.runtime.llm_options import check_runtime_options, params_list
 from camshaft.runtime.outputs import GenerationResult
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup, checks_drafts
@@ -36,7 +36,7 @@ class Session:
     """`graph`: "auto" runs the engine's sequence graph where it has one (onnxruntime engines built by this
     camshaft: the fastest for one request), else its batch graph; "sequence" or "batch" insists on one.
     `kv_cache_memory` bounds the KV cache of either graph (bytes, "512MiB", or a fraction of available memory:
-    kv_cache.parse_memory). `huge_pages`: the weights on transparent huge
+    kv_cache.memory_spec). `huge_pages`: the weights on transparent huge
     pages (Linux; see runtime/backends/huge_pages.py). `prompt_lookup` (a PromptLookup, or its num_tokens): decode with
     drafts copied from the prompt and output (runtime/prompt_lookup.py): the same output, faster where text repeats."""
 
@@ -49,7 +49,7 @@ class Session:
         prompt_lookup = as_prompt_lookup(prompt_lookup)
         template = None if chat_template is None else load_chat_template(chat_template)
         manifest = read_manifest(engine_dir)
-        kv_cache_memory = parse_memory(kv_cache_memory, manifest)
+        kv_cache_memory = memory_spec(kv_cache_memory)
         sequence = graph == "sequence" or (graph == "auto" and manifest.sequence_graph is not None)
         if prompt_lookup is not None and sequence and not checks_drafts(manifest):
             raise EngineError(f"{engine_dir}: its sequence graph gives logits for one token a step, so it cannot check "
@@ -60,11 +60,10 @@ class Session:
                 engine_dir, threads=threads, manifest=manifest, kv_cache_memory=kv_cache_memory,
                 huge_pages=huge_pages)
         else:
-            if isinstance(kv_cache_memory, int):  # a bound: one sequence never uses more than a full-length one's
-                most = pool_blocks(manifest, 1) * bytes_per_block(manifest) * cache_copies(manifest)
-                kv_cache_memory = min(kv_cache_memory, most)
+            # a budget bounds the pool: one sequence never uses more than a full-length one's
             self.engine = BatchGraphSequence(Engine(engine_dir, max_sequences=1, kv_cache_memory=kv_cache_memory,
-                                                    threads=threads, huge_pages=huge_pages, manifest=manifest))
+                                                    most_blocks=pool_blocks(manifest, 1), threads=threads,
+                                                    huge_pages=huge_pages, manifest=manifest))
         self.graph = "sequence" if isinstance(self.engine, SequenceEngine) else "batch"
         self.prompt_lookup = prompt_lookup
         self.draft_tokens = self.accepted_draft_tokens = 0  # prompt lookup's drafts, over this Session's requests

@@ -36,7 +36,7 @@ from camshaft.runtime.bench_data import (
     warmup_requests,
 )
 from camshaft.runtime.flops import count_flops
-from camshaft.runtime.kv_cache import bytes_per_block, parse_memory
+from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, memory_spec
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.llm_options import check_llm_options
 from camshaft.runtime.outputs import RequestOutput
@@ -216,8 +216,8 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
                          ) -> list[ThroughputResult]:
     """Load the dataset for the engine and run it once per concurrency, each on a fresh `LLM` (an empty prefix
     cache) after `warmup` short requests with other prompts. policy, max_batch_size, max_num_tokens and
-    kv_cache_memory go to every LLM (a memory fraction is resolved once, before the first), and prompt_lookup (its
-    num_tokens; 0: off); `progress` hears of each level as it starts."""
+    kv_cache_memory go to every LLM (a memory fraction is resolved by the first, its pool kept for the rest), and
+    prompt_lookup (its num_tokens; 0: off); `progress` hears of each level as it starts."""
     levels = [concurrency] if is_int(concurrency) else list(concurrency)
     if not levels or not all(is_int_at_least(c, 1) for c in levels):
         raise RequestError(f"concurrency takes positive integers, got {concurrency!r}")
@@ -226,7 +226,7 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
     spec = parse_dataset_spec(dataset)  # a bad spec or JSONL file is refused before the engine loads
     note = repeat_note(spec, num_requests)
     manifest = read_manifest(Path(engine_dir), check_files=False)  # LLM() below checks the files
-    memory, engine_limits = parse_memory(kv_cache_memory, manifest), manifest.limits
+    memory, engine_limits = memory_spec(kv_cache_memory), manifest.limits
     batch = check_llm_options(engine_limits, policy=policy, max_batch_size=max_batch_size,
                               max_num_tokens=max_num_tokens).max_batch_size
     if max(levels) > batch:  # before any level runs
@@ -241,6 +241,8 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
         with LLM(engine_dir, threads=threads, policy=policy, max_batch_size=max_batch_size,
                  max_num_tokens=max_num_tokens, kv_cache_memory=memory, prompt_lookup=prompt_lookup) as llm:
             limits, model = llm.engine.manifest.limits, llm.engine.manifest.model
+            if isinstance(memory, float):  # the first level's pool, in bytes, for every level
+                memory = llm.engine.pool.num_blocks * bytes_per_block(manifest) * cache_copies(manifest)
             if requests is None:
                 requests = load_dataset(spec, num_requests, max_seq_len=limits.max_seq_len,
                                         vocab_size=model.vocab_size, seed=seed, tokenizer=llm.tokenizer)

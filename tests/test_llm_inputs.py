@@ -16,7 +16,8 @@ from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import RequestError, ServerBusyError
 from camshaft.manifest import read_manifest
-from camshaft.runtime.kv_cache import bytes_per_block, parse_memory
+from camshaft.runtime import kv_cache
+from camshaft.runtime.kv_cache import bytes_per_block, fraction_bytes, host_available, memory_spec
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 
@@ -37,32 +38,30 @@ def engine_dir(tmp_path_factory):
     ("1e9", 10**9), (2e9, 2 * 10**9), ("2.0", 2), ("1", 1), ("1e0", 1), (np.int64(4096), 4096), (None, None),
 ])
 def test_memory_in_bytes(spec, expected):
-    assert parse_memory(spec) == expected
+    assert memory_spec(spec) == expected
 
 
 @pytest.mark.parametrize("spec", [0.25, "0.25", ".25", "5e-1", np.float32(0.25), 1.0, "1.0"])
-def test_memory_fractions_of_available(spec):
-    available = psutil.virtual_memory().available
-    assert parse_memory(spec) == pytest.approx(float(spec) * available, rel=0.2)
+def test_memory_fractions_stay_fractions(spec):
+    assert isinstance(memory_spec(spec), float) and memory_spec(spec) == pytest.approx(float(spec))
+    assert fraction_bytes(memory_spec(spec), 10**9) == int(float(spec) * 10**9)
 
 
 def test_a_containers_cgroup_bounds_fractions_and_the_pool(tmp_path, monkeypatch):
-    from camshaft.runtime import kv_cache
-
     (tmp_path / "memory.max").write_text("1073741824\n")  # a 1 GiB container that holds 600 MiB, 100 of it cache
     (tmp_path / "memory.current").write_text(f"{600 * 2**20}\n")
     (tmp_path / "memory.stat").write_text(f"anon {500 * 2**20}\nfile {100 * 2**20}\ninactive_file {100 * 2**20}\n")
     assert kv_cache.cgroup_available(tmp_path) == 524 * 2**20 and kv_cache.cgroup_limit(tmp_path) == 2**30
     monkeypatch.setattr(kv_cache, "CGROUP", tmp_path)
-    assert parse_memory(0.5) == 262 * 2**20  # half of what the container has left, not of the machine's
+    assert fraction_bytes(0.5, host_available()) == 262 * 2**20  # half of what the container has left, not the host's
     assert kv_cache.host_memory() == 2**30
     (tmp_path / "memory.current").write_text(f"{2**30}\n")  # full: nothing left, not the machine's memory
     (tmp_path / "memory.stat").write_text("inactive_file 0\n")
     with pytest.raises(RequestError, match="under one byte"):
-        parse_memory(0.5)
+        fraction_bytes(0.5, host_available())
     (tmp_path / "memory.max").write_text("max\n")  # no limit: the machine's
     assert kv_cache.cgroup_available(tmp_path) is None
-    assert parse_memory(0.5) == pytest.approx(0.5 * psutil.virtual_memory().available, rel=0.2)
+    assert host_available() == pytest.approx(psutil.virtual_memory().available, rel=0.2)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -75,7 +74,7 @@ def test_a_containers_cgroup_bounds_fractions_and_the_pool(tmp_path, monkeypatch
 ])
 def test_bad_memory_is_a_clear_error(spec, message):
     with pytest.raises(RequestError, match=message) as info:
-        parse_memory(spec)
+        memory_spec(spec)
     assert "1.0 for all of it" in str(info.value)  # the rule, with examples
 
 
@@ -93,6 +92,39 @@ def test_llm_takes_the_budget_in_every_form(engine_dir):
         LLM(engine_dir, kv_cache_memory=1)  # one byte holds no block; the error says how to write a fraction
     with pytest.raises(RequestError, match="1e-12 of the memory available"):
         LLM(engine_dir, kv_cache_memory="1e-12")
+
+
+def test_a_fraction_is_of_the_memory_left_once_the_weights_are_loaded(engine_dir, tmp_path, monkeypatch):
+    """As TensorRT-LLM's free_gpu_memory_fraction: measured before the weights load, 1.0 would give the pool memory
+    the weights then take, and the process would be killed as the pool fills."""
+    from camshaft.runtime import sequence
+    from camshaft.runtime.backends import onnxruntime as backend
+    from camshaft.runtime.session import Session
+
+    block = bytes_per_block(read_manifest(engine_dir))
+    available = {"bytes": 0}
+    real = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=available["bytes"]))
+    monkeypatch.setattr(kv_cache, "CGROUP", tmp_path)  # no container limit
+    load = backend.load_session
+
+    def loading(*args, **kwargs):
+        available["bytes"] = 4 * block  # the weights take all but 4 blocks' worth
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "load_session", loading)
+    monkeypatch.setattr(sequence, "load_session", loading)
+    for graph, tokens in (("batch", 16), ("sequence", 32)):  # the batch graph's pool keeps one block empty
+        available["bytes"] = 100 * block
+        assert Session(engine_dir, kv_cache_memory=0.5, graph=graph).engine.token_budget == tokens
+    available["bytes"] = 100 * block
+    with LLM(engine_dir, kv_cache_memory=1.0) as llm:
+        assert llm.config.num_blocks == 4 and llm.kv_cache_memory == 1.0
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids
+    monkeypatch.setattr(backend, "load_session", load)
+    available["bytes"] = 100 * block
+    session = Session(engine_dir, kv_cache_memory=1.0, graph="batch")
+    assert session.engine.token_budget == 128  # a budget past one full-length sequence is capped to it
 
 
 @pytest.mark.parametrize("option", ["max_batch_size", "max_num_tokens"])

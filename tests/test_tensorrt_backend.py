@@ -342,12 +342,12 @@ def test_a_fractional_budget_is_of_the_gpu_memory_the_loaded_plan_leaves_and_cap
     """A fraction is of the GPU memory free once the plan (its weights) and its context are loaded, as TensorRT-LLM's
     free_gpu_memory_fraction: measured before, 1.0 would leave the weights no room. A budget above the plan's pool
     is capped to it rather than refused."""
-    from camshaft.runtime.kv_cache import bytes_per_block, parse_memory, plan_blocks
+    from camshaft.runtime.kv_cache import bytes_per_block, memory_spec, plan_blocks
     from camshaft.runtime.llm import LLM
 
     rtx_dir, _, cudart = simulated
     manifest = Engine(rtx_dir, max_sequences=1).manifest
-    assert parse_memory(0.5, manifest) == 0.5  # kept a fraction: the backend resolves it
+    assert memory_spec(0.5) == 0.5  # kept a fraction: the backend resolves it
     events = []
     trt = backend.TensorRTBackend._import("tensorrt-rtx")
     deserialize = trt.Runtime.deserialize_cuda_engine

@@ -14,8 +14,8 @@ from camshaft.runtime.llm_options import QUEUE_PER_BATCH
 
 MemoryOption = Annotated[str | None, typer.Option(
     help="KV cache budget: bytes, also with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory "
-         "available when the engine loads: a number between 0 and 1, or 1.0 for all of it (0.3, 1.0); default: "
-         "room for max-batch-size full-length sequences")]
+         "available once the engine's weights are loaded: a number between 0 and 1, or 1.0 for all of it (0.3, "
+         "1.0); default: room for max-batch-size full-length sequences")]
 QueueOption = Annotated[int | None, typer.Option(
     min=0, help=f"Requests that may wait beyond a full batch before new ones are refused as busy (default: "
                 f"{QUEUE_PER_BATCH} x the batch size)")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from camshaft.graph_meta import check_build_id, check_graph_limits
 from camshaft.io_signature import KVCacheLayout, SequenceGraph, TensorSpec
 from camshaft.manifest import Manifest
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
-from camshaft.runtime.kv_cache import CGROUP, SMALLER_POOL
+from camshaft.runtime.kv_cache import CGROUP, SMALLER_POOL, check_fits_host, host_available
 
 # KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8": np.uint8}
@@ -196,11 +197,16 @@ def check_signature(io: GraphIO, engine_dir: Path, manifest: Manifest, layout: K
 
 
 class OnnxRuntimeBackend:
-    def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
-                 spin_wait: bool = True, huge_pages: bool = True) -> None:
+    def __init__(self, engine_dir: Path, manifest: Manifest, num_blocks: int | Callable[[int], int],
+                 threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
+        """num_blocks: the KV pool's, or a sizing called with the host memory available once the weights are
+        loaded."""
         check_compatible(manifest)
         self.session, self.huge_page_bytes = load_session(engine_dir / manifest.artifact,
                                                           session_options(threads, spin_wait), huge_pages)
+        if callable(num_blocks):
+            num_blocks = num_blocks(host_available())
+            check_fits_host(manifest, num_blocks)
         kv = manifest.kv_cache
         shape = (num_blocks, kv.block_size, kv.num_kv_heads * kv.head_dim)
         check_signature(GraphIO.of_session(self.session), engine_dir, manifest, kv)

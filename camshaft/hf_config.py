@@ -67,6 +67,12 @@ def architecture(hf: dict[str, Any], source: str) -> str:
     if arch is None:
         raise UnsupportedModelError(f"{source}: architecture {archs or hf.get('model_type')} is not supported; "
                                     f"supported: {', '.join(ARCHITECTURES)}")
+    model_type = hf.get("model_type")
+    if isinstance(model_type, str) and model_type != arch:  # transformers builds the model model_type names
+        named = next(a for a in archs if ARCHITECTURES.get(a) == arch)
+        raise CheckpointError(f"{source} names {named} but model_type {model_type!r}, which transformers builds "
+                              f"instead (its weights and rules differ); make the two agree (restore config.json from "
+                              f"the original checkpoint)")
     return arch
 
 

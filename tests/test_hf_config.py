@@ -150,6 +150,15 @@ def test_an_unsupported_class_is_not_rescued_by_model_type(configs):
         ModelConfig.from_hf(edited(configs["llama"], architectures=..., model_type="bert"))
 
 
+@pytest.mark.parametrize("name, arch, model_type", [("qwen2-bias", "LlamaForCausalLM", "qwen2"),
+                                                     ("llama", "Qwen2ForCausalLM", "llama"),
+                                                     ("llama", "LlamaForCausalLM", "gemma")])
+def test_a_class_that_disagrees_with_model_type_is_refused(configs, name, arch, model_type):
+    """transformers builds what model_type names: a llama engine of a qwen2 model would drop its q/k/v biases."""
+    with pytest.raises(CheckpointError, match=f"names {arch} but model_type '{model_type}'"):
+        ModelConfig.from_hf(edited(configs[name], architectures=[arch], model_type=model_type))
+
+
 @pytest.mark.parametrize("arch, qkv, o, mlp", [("llama", True, True, True), ("qwen3-qknorm", True, True, False),
                                                ("qwen2-bias", True, False, False), ("mistral-sliding", False, False,
                                                                                     False)])

@@ -22,6 +22,8 @@ from camshaft.runtime.row_select import draw, nucleus, top_k_indices
 from camshaft.runtime.sampling_params import SamplingParams
 
 _TINY = np.finfo(np.float32).tiny
+BROKEN_LOGITS = ("the model's logits are not finite (NaN or infinity): the engine or its weights are broken; rebuild "
+                 "the engine from a checkpoint whose weights are finite")
 
 
 @dataclass(frozen=True)
@@ -148,9 +150,11 @@ class SequenceSampler:
         x = self._process(logits_row, rows[0]) if self._transforms_logits else logits_row
         best = int(np.argmax(x))  # a NaN anywhere is the argmax
         top = float(x[best])
-        if top == -np.inf or np.isnan(top):
-            raise RequestError("every token is banned or the logits are not finite; relax bad_words / min_tokens / "
-                               "stop_token_ids / guided_decoding or check the model output")
+        if np.isnan(top) or not np.isfinite(logits_row[best]):
+            raise RequestError(BROKEN_LOGITS)
+        if top == -np.inf:
+            raise RequestError("every token is banned; relax bad_words / min_tokens / stop_token_ids / "
+                               "guided_decoding")
         if top == np.inf:
             raise RequestError("the penalties pushed a logit to infinity; use a repetition_penalty nearer 1")
         token = best if self.params.greedy else self._sample_filtered(x, top, rows)
@@ -207,9 +211,11 @@ def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> lis
              if s.params.greedy and s.params.logprobs is None and not s._transforms_logits]
     results: list[SampleResult | None] = [None] * len(samplers)
     if plain:
-        tokens = np.argmax(logits, axis=1).tolist()  # all rows: cheaper than gathering the plain ones
-        for i in plain:
-            results[i] = samplers[i]._record(tokens[i], logits[i])
+        tokens = np.argmax(logits, axis=1)  # all rows: cheaper than gathering the plain ones
+        finite = np.isfinite(logits[plain, tokens[plain]])  # a NaN or an infinity is the argmax: refused by sample()
+        for i, ok in zip(plain, finite.tolist(), strict=True):
+            if ok:
+                results[i] = samplers[i]._record(int(tokens[i]), logits[i])
     for i, sampler in enumerate(samplers):
         if results[i] is None:
             try:

@@ -296,6 +296,25 @@ def test_everything_banned_is_a_request_error():
         _sampler(vocab=3, bad_words=[[0], [1], [2]]).sample(np.zeros(3, dtype=np.float32))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("params", [dict(), dict(logprobs=0), dict(temperature=0.7, seed=1)])
+def test_logits_that_are_not_finite_fail_their_row_whatever_the_path(bad, params):
+    """The plain greedy rows' shared argmax took a NaN's or an infinity's index as the token; the sampled path blamed
+    penalties nobody set."""
+    logits = np.zeros((3, 8), dtype=np.float32)
+    logits[:, 3] = 10.0
+    logits[1, 5] = bad
+    results = sample_batch([_sampler(vocab=8, eos=(), **params) for _ in range(3)], logits)
+    assert [r.token_id for r in (results[0], results[2])] == [3, 3]
+    assert isinstance(results[1], RequestError) and "the model's logits are not finite" in str(results[1])
+
+
+def test_penalties_that_overflow_are_named():
+    s = _sampler(vocab=4, eos=(), repetition_penalty=1e-30, temperature=0.5, seed=0, prompt=[1])
+    with pytest.raises(RequestError, match="penalties pushed a logit to infinity"):
+        s.sample(np.array([0.0, 1e10, 0.0, 0.0], dtype=np.float32))
+
+
 @pytest.mark.parametrize("params", [dict(), dict(temperature=0.9, top_k=40, repetition_penalty=1.3, seed=4)])
 def test_logprobs_come_from_the_raw_logits(params):
     rng = np.random.default_rng(2)

@@ -157,6 +157,11 @@ def test_window_stays_short(byte_bpe):
     stream, deltas = _stream(type("T", (), {"backend_tokenizer": spy})(), ids[:20], ids)
     assert "".join(deltas) == byte_bpe.decode(ids)
     assert len(ids) > 1000 and max(spy.sizes) <= 12
+    spy.sizes.clear()  # tokens that add no text (skipped special tokens, e.g. a model repeating its end id)
+    silent = ids[:30] + [byte_bpe.eos_token_id] * 500 + ids[30:60] + [byte_bpe.eos_token_id] * 500
+    stream, deltas = _stream(type("T", (), {"backend_tokenizer": spy})(), ids[:20], silent)
+    assert "".join(deltas) == byte_bpe.decode(silent, skip_special_tokens=True)
+    assert max(spy.sizes) <= 12
 
 
 @pytest.mark.parametrize("seed", range(30))

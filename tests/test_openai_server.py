@@ -271,6 +271,15 @@ def test_streamed_chat_and_completion_concatenate_to_the_text(client, session):
     assert "".join(c.choices[0].text for c in pieces) == expected.text
     assert not any("usage" in c.model_fields_set for c in pieces)  # OpenAI's: no usage field without include_usage
 
+    # vLLM's continuous_usage_stats: the usage so far on every chunk, counting the tokens it carries
+    counted = list(client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=0,
+                                             stream=True, stream_options={"include_usage": True,
+                                                                          "continuous_usage_stats": True}))
+    assert "".join(c.choices[0].text for c in counted if c.choices) == expected.text
+    assert all(c.usage.prompt_tokens == len(expected.prompt_token_ids) for c in counted)
+    so_far = [c.usage.completion_tokens for c in counted]
+    assert so_far == sorted(so_far) and so_far[-2] == so_far[-1] == len(expected.token_ids)
+
 
 def test_n_sampled_outputs_are_reproducible_with_a_seed(client):
     request = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=7, n=3,
@@ -451,6 +460,9 @@ HI = [{"role": "user", "content": "Hi"}]
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "use_beam_search": True}, "use_beam_search"),
     (CHAT, {"model": MODEL, "messages": HI, "prompt_logprobs": 1}, "prompt_logprobs"),
     (CHAT, {"model": MODEL, "messages": HI, "stream": "yes"}, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
+    (CHAT, {"model": MODEL, "messages": []}, "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
 ])
 def test_bad_input_is_an_openai_400(served, path, body, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
@@ -460,6 +472,12 @@ def test_bad_input_is_an_openai_400(served, path, body, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["message"] and error["param"] == param
+
+
+def test_a_wrong_method_keeps_its_allow_header(served):
+    response = HTTP.get(served[0] + "/v1/completions")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_a_json_body_sent_as_a_form_is_told_which_header_it_lacks(served):

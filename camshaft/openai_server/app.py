@@ -5,23 +5,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from camshaft.errors import CamshaftError, CapacityError
+from camshaft.errors import CamshaftError, CapacityError, RequestError
 from camshaft.openai_server import errors
 from camshaft.openai_server.api_key import ApiKey
 from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
 from camshaft.openai_server.chat_protocol import DetokenizeRequest, TokenizeRequest
-from camshaft.openai_server.errors import APIError, from_exception, route_path
+from camshaft.openai_server.errors import APIError, route_path
 from camshaft.openai_server.generation import Generation
 from camshaft.openai_server.metrics import CONTENT_TYPE, Metrics
 from camshaft.openai_server.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
-from camshaft.openai_server.responses import ChatShape, CompletionShape, sse, usage
+from camshaft.openai_server.responses import ChatShape, CompletionShape
+from camshaft.openai_server.streaming import EventStream, events, unless_disconnected
 from camshaft.openai_server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from camshaft.openai_server.tools import tool_choice
 from camshaft.runtime.llm import LLM
@@ -30,37 +30,7 @@ from camshaft.version import __version__
 
 LOG = logging.getLogger("camshaft.openai_server")
 
-T = TypeVar("T")
 _Shape = CompletionShape | ChatShape
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is closed however the response ends (a disconnect cancels it)."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
-    """The result of `work`, or None once the client has gone (work is then cancelled)."""
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        task.cancel()
-    return task.result() if task.done() and not task.cancelled() else None
-
 
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
@@ -96,8 +66,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
     def check(body: CompletionRequest | ChatCompletionRequest) -> None:
         check_model(body.model)
         body.check_supported()
-        if body.model_extra:  # fields camshaft has no use for (user, store, ...), or a typo: said, as vLLM does
-            LOG.warning("fields present in the request but ignored: %s", ", ".join(sorted(body.model_extra)))
+        options = body.stream_options.model_extra if body.stream_options else None
+        ignored = sorted(body.model_extra or ()) + [f"stream_options.{name}" for name in sorted(options or ())]
+        if ignored:  # fields camshaft has no use for (user, store, ...), or a typo: said, as vLLM does
+            LOG.warning("fields present in the request but ignored: %s", ", ".join(ignored))
         if body.n > max_n:
             raise APIError(400, f"n must be at most {max_n} (this server's batch size), got {body.n}", param="n")
 
@@ -114,6 +86,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             ids = await asyncio.to_thread(llm.encode, **prompt)  # a long prompt must not stall the open streams
         except CapacityError as exc:  # far too long: refused after tokenizing a prefix
             raise too_long(f"your request has more input tokens ({exc}).") from None
+        except RequestError as exc:  # empty, no tokens, not Unicode, unusable messages
+            raise APIError(400, str(exc), param=what) from None
         if len(ids) >= max_seq_len:
             raise too_long(f"your request has {len(ids)} input tokens. Please reduce the length of the {what} (the "
                            "output needs room too).")
@@ -122,7 +96,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
                            f"the completion). Please reduce the length of the {what} or completion.")
         return ids
 
-    async def respond(request: Request, stream: bool, include_usage: bool, prompts: list[list[int]],
+    async def respond(request: Request, stream: bool, stream_usage: str | None, prompts: list[list[int]],
                       params: SamplingParams, shape: _Shape, arrival: float, priority: int = 0) -> Response:
         if params.guided_decoding is None:
             generation = Generation(llm, prompts, params, metrics, arrival, priority, shape.shows_output)
@@ -132,9 +106,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         with_logprobs = params.logprobs is not None
         if stream:
             metrics.http(route_path(request), 200)
-            return _EventStream(_events(generation, shape, with_logprobs, include_usage))
+            return EventStream(events(generation, shape, with_logprobs, stream_usage))
         try:
-            results = await _unless_disconnected(request, generation.results())
+            results = await unless_disconnected(request, generation.results())
         finally:
             generation.abort()
         metrics.http(route_path(request), 200 if results is not None else 499)
@@ -211,7 +185,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         shape = CompletionShape(model_name, llm.tokenizer, prompts, params.n, params.skip_special_tokens,
                                 echo="prompt" if max_tokens == 0 else "prompt+output" if body.echo else None,
                                 prompt_texts=texts)
-        return await respond(request, body.stream, body.include_usage, prompts, params, shape, arrival, body.priority)
+        return await respond(request, body.stream, body.stream_usage, prompts, params, shape, arrival, body.priority)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -227,31 +201,13 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             params = replace(params, guided_decoding=guided)
         if tools is not None and tools.kind == "auto" and "skip_special_tokens" not in body.model_fields_set:
             params = replace(params, skip_special_tokens=False)  # some models' <tool_call> tags are special tokens
-        ids = await prompt_ids(max_tokens=body.requested_max_tokens(),
-                               messages=[m.template_dict() for m in body.messages],
+        try:
+            messages = [m.template_dict() for m in body.messages]
+        except RequestError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        ids = await prompt_ids(max_tokens=body.requested_max_tokens(), messages=messages,
                                tools=tools.prompt_tools if tools is not None else None, **body.chat_keywords())
         shape = ChatShape(model_name, llm.tokenizer, tools)
-        return await respond(request, body.stream, body.include_usage, [ids], params, shape, arrival, body.priority)
+        return await respond(request, body.stream, body.stream_usage, [ids], params, shape, arrival, body.priority)
 
     return app
-
-
-async def _events(generation: Generation, shape: _Shape, with_logprobs: bool,
-                  include_usage: bool) -> AsyncIterator[str]:
-    completion_tokens = 0
-    try:
-        opening = shape.opening(generation.num_choices)
-        if opening:
-            yield sse(shape.chunk(opening, with_usage=include_usage))
-        async for index, output in generation:
-            completion_tokens += len(output.token_ids) if shape.shows_output else 0
-            choice = shape.chunk_choice(index, output, with_logprobs)
-            if choice is not None:
-                yield sse(shape.chunk([choice], with_usage=include_usage))
-        if include_usage:
-            yield sse(shape.chunk([], usage(generation.prompt_tokens, completion_tokens)))
-    except Exception as exc:  # the response has started: the error goes in the stream
-        yield sse(from_exception(exc).body())
-    finally:
-        generation.abort()
-    yield sse("[DONE]")

@@ -61,10 +61,10 @@ def route_path(request: Request) -> str:
 
 
 def install(app: FastAPI, metrics: Metrics) -> None:
-    def respond(request: Request, error: APIError) -> JSONResponse:
+    def respond(request: Request, error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.http(route_path(request), error.status)
-        headers = {"Retry-After": "1"} if error.status == 503 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        headers = {**(headers or {}), **({"Retry-After": "1"} if error.status == 503 else {})}
+        return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -78,7 +78,7 @@ def install(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(HTTPException)
     async def http(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return respond(request, APIError(exc.status_code, str(exc.detail), type=kind))
+        return respond(request, APIError(exc.status_code, str(exc.detail), type=kind), exc.headers)  # 405: Allow
 
     @app.exception_handler(APIError)
     @app.exception_handler(RequestError)

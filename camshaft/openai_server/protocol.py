@@ -23,7 +23,10 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="allow")  # said in a warning, as the request's own fields
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: the usage so far on every chunk (with include_usage)
 
 
 class _GenerationRequest(BaseModel):
@@ -74,8 +77,12 @@ class _GenerationRequest(BaseModel):
     prompt_logprobs: StrictInt | None = None
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def stream_usage(self) -> str | None:
+        """None, "final" (include_usage) or "continuous" (and vLLM's continuous_usage_stats)."""
+        options = self.stream_options
+        if options is None or not options.include_usage:
+            return None
+        return "continuous" if options.continuous_usage_stats else "final"
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -31,9 +31,7 @@ class Checkpoint:
     def __init__(self, model_dir: str | Path) -> None:
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
-            raise CheckpointError(f"{self.dir} is a file; --model takes a checkpoint directory (config.json, "
-                                  "safetensors, tokenizer)" if self.dir.exists() else
-                                  missing_checkpoint(self.dir))
+            raise CheckpointError(missing_checkpoint(self.dir))
         self.config = ModelConfig.from_hf_dir(self.dir)
         self.files = weight_files(self.dir)
         self._stack = ExitStack()

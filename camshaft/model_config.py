@@ -172,7 +172,11 @@ def unreadable_quantization(model_dir: Path) -> str | None:
 
 
 def missing_checkpoint(model_dir: Path) -> str:
-    """The message for a --model that does not exist; a model hub id (org/name) is told camshaft reads directories."""
+    """The message for a --model that is not a directory: a file, or nothing (a model hub id, org/name, is told
+    camshaft reads directories)."""
+    if model_dir.exists():
+        return (f"{model_dir} is a file; --model takes a checkpoint directory (config.json, safetensors, "
+                "tokenizer)")
     text = str(model_dir)
     hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/")) \
         and not Path(text.split("/")[0]).exists()  # out/model, with out/ here, is a mistyped local path

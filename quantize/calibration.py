@@ -131,7 +131,10 @@ def _read_file(file: Path, field: str | None, max_chars: int | None) -> Iterator
     try:
         with open(file, encoding="utf-8-sig") as f:  # lines end at \n, \r\n or \r only (not U+2028 in a string)
             if file.suffix.lower() not in JSONL_SUFFIXES:
-                yield f.read(-1 if max_chars is None else max_chars)
+                text = f.read(-1 if max_chars is None else max_chars)
+                if "\x00" in text:
+                    raise QuantizeError(f"calibration file {file} holds NUL bytes: it is binary, not text")
+                yield text
                 return
             for number, line in enumerate(f, 1):
                 if line.strip():

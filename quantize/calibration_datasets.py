@@ -22,7 +22,7 @@ def text_files(path: Path) -> list[Path]:
     """The calibration text files under a directory, by name: text and JSONL, not README files (dataset cards), a
     dataset's own metadata or hidden files and directories (.ipynb_checkpoints, editor copies)."""
     return [p for p in _visible_files(path, TEXT_SUFFIXES + JSONL_SUFFIXES)
-            if p.stem.lower() != "readme" and p.name not in DATASET_METADATA]
+            if p.name.lower().split(".")[0] != "readme" and p.name not in DATASET_METADATA]  # README.en.md too
 
 
 def _visible_files(path: Path, suffixes) -> list[Path]:
@@ -83,7 +83,9 @@ def text_column(data: Any, path: Path, column: str | None) -> str:
         chats = [n for n, f in data.features.items() if is_chat_feature(f)]
     else:  # a csv stream, typed by its first rows (an empty cell reads as NaN)
         rows = _first_rows(data, path)
-        names = list(rows[0]) if rows else []
+        if not rows:
+            raise QuantizeError(f"calibration data {path} is empty (a header, no rows)")
+        names = list(rows[0])
         types = {n: "string" if any(isinstance(r.get(n), str) for r in rows) else None for n in names}
     strings = [n for n, t in types.items() if t in ("string", "large_string")]
     listed = ", ".join(types) or "none"

@@ -80,7 +80,7 @@ def import_modelopt():
     return mtq, export_hf_checkpoint
 
 
-def _written(checkpoint: Path) -> set[str]:
+def written_files(checkpoint: Path) -> set[str]:
     """What `camshaft quantize` wrote into `checkpoint`: none of another tool's checkpoint, all of one camshaft wrote
     before its record listed the files."""
     try:
@@ -117,7 +117,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     check_lm_head_fits(spec, model_config)
     check_sizes(calib_size, calib_seq_len, model_config.max_position_embeddings)
     check_excludes_match(spec, module_names(model_dir))
-    check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError, owned=_written)
+    check_replaceable(output, HF_QUANT_CONFIG, "a quantized checkpoint", QuantizeError, owned=written_files)
     require_tokenizer(model_dir)
     texts, source = load_texts(calib_data, max_chars=calib_size * calib_seq_len * MAX_CHARS_PER_TOKEN)
     mtq, export_hf_checkpoint = import_modelopt()

@@ -316,3 +316,7 @@ def test_a_model_hub_id_is_told_camshaft_reads_directories(capsys, tmp_path, mon
     assert code == 1 and "does not exist" in err and "hub" not in err
     code, _, err = camshaft(capsys, "models", "fetch", "HuggingFaceTB/SmolLM2-135M-Instruct")
     assert code == 1 and "not model hub ids" in " ".join(err.split()) and "smollm2-135m-instruct" in err
+    (tmp_path / "notes.txt").write_text("text")  # a file: said so by every command that takes --model
+    for command in (["build"], ["quantize", "--quant", "int8_wo"]):
+        code, _, err = camshaft(capsys, *command, "--model", "notes.txt", "--output", "engine")
+        assert code == 1 and "notes.txt is a file; --model takes a checkpoint directory" in err, command

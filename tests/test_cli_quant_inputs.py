@@ -49,6 +49,15 @@ def test_an_engine_output_that_cannot_be_replaced_is_refused_before_calibration(
     code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", tmp_path / "f", "--quant", "int8_wo",
                             "--max-seq-len", "4096", "--calib-size", "2", "--calib-seq-len", "32")
     assert code == 1 and "--max-seq-len 4096 exceeds" in one_line(err) and nothing_quantized(tmp_path / "f")
+    kept = tmp_path / "g.ckpt"  # the checkpoint an earlier build --quant kept, with a file of the user's added
+    kept.mkdir()
+    (kept / "hf_quant_config.json").write_text("{}")
+    (kept / "camshaft_quantize.json").write_text('{"files": ["hf_quant_config.json"]}')
+    (kept / "NOTES.txt").write_text("mine")
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", tmp_path / "g", "--quant", "int8_wo",
+                            "--calib-size", "2", "--calib-seq-len", "32")
+    assert code == 1 and "the quantized checkpoint --quant keeps beside --output" in one_line(err)
+    assert "NOTES.txt" in err and (kept / "NOTES.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("option", [("--group-size", "32"), ("--calib-size", "8"), ("--calib-seq-len", "32"),

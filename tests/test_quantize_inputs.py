@@ -108,8 +108,13 @@ def test_user_corpus_formats(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     (tmp_path / "b.jsonl").write_text('{"text": "one"}\n"two"\n\n')
     (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# A dataset card\n")
+    (tmp_path / "README.en.md").write_text("# The card in English\n")
     texts, source = load_texts(tmp_path)
     assert list(texts) == ["plain text", "one", "two"] and source == str(tmp_path)
+    (tmp_path / "nul" / "zeros.txt").parent.mkdir()
+    (tmp_path / "nul" / "zeros.txt").write_bytes(b"\x00" * 4096)  # valid UTF-8, yet no text
+    with pytest.raises(QuantizeError, match="holds NUL bytes: it is binary, not text"):
+        list(load_texts(tmp_path / "nul")[0])
     (tmp_path / "c.jsonl").write_text('{"body": "three"}\n')
     with pytest.raises(QuantizeError, match=r'c.jsonl:1: expected .* "text" string or "messages" list field, found '
                                             r".*c.jsonl:FIELD"):
@@ -209,6 +214,9 @@ def test_dataset_snapshot_directory_reads_its_data_files_not_its_card(datasets, 
         with pytest.raises(QuantizeError, match=f"holds parquet files and text files .{extra}"):
             load_texts(snapshot)
         (snapshot / extra).unlink()
+    (tmp_path / "header.csv").write_text("text\n")
+    with pytest.raises(QuantizeError, match=r"header.csv is empty \(a header, no rows\)"):
+        load_texts(tmp_path / "header.csv")
     (tmp_path / "gaps.csv").write_text("id,text\n1,\n2,hello there\n3,more text\n")  # the first cell is empty
     assert list(load_texts(tmp_path / "gaps.csv")[0]) == ["hello there", "more text"]
     assert list(load_texts(f"{tmp_path / 'gaps.csv'}:text")[0]) == ["hello there", "more text"]

@@ -157,13 +157,15 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     from camshaft.errors import BuildConfigError
     from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig
     from camshaft.outdir import check_replaceable
+    from camshaft.quantize.modelopt_adapter import written_files
     from camshaft.quantize.spec import QuantSpec
 
     spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
     check_replaceable(config.output_dir, MANIFEST_NAME, "an engine", BuildConfigError,
                       owned=engine_entries)
     check_replaceable(quantized_checkpoint(config.output_dir), HF_QUANT_CONFIG, "a quantized checkpoint",
-                      BuildConfigError, flag="the quantized checkpoint --quant keeps beside --output,")
+                      BuildConfigError, flag="the quantized checkpoint --quant keeps beside --output,",
+                      owned=written_files)
     gpu_arch = check_target(config)
     for algo in spec.info.layer_algos:
         check_quantized_target(config.target, algo, kv_cache_dtype and kv_cache_dtype.upper(), gpu_arch=gpu_arch,

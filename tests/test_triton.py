@@ -69,7 +69,9 @@ def stack(tmp_path_factory):
     model = make_tiny_model("llama", root / "hf")
     build_engine(BuildConfig(model, root / "engine", max_seq_len=512, max_num_tokens=128, max_batch_size=BATCH))
     repo = deploy_repository(root / "engine", root / "repo", llm_options={"max_queue": QUEUE})
-    with TritonServer(repo, log_file=root / "tritonserver.log") as server:  # kept for a failed run
+    # a host name, not an address: tritonserver's HTTP server took "localhost" as 255.255.255.255 (nothing answered)
+    with TritonServer(repo, host="localhost",
+                      log_file=root / "tritonserver.log") as server:  # kept for a failed run
         yield Stack(server, Session(root / "engine"))
     stubs = [p for p in psutil.process_iter(["cmdline"]) if str(repo) in " ".join(p.info["cmdline"] or [])]
     assert not stubs, f"processes of the server outlived it: {stubs}"
@@ -222,9 +224,16 @@ def test_text_models_take_a_batch_of_prompts_each_naming_its_batch_index(stack):
                 assert stream or got[row].startswith(prompt)
                 assert_same_text(text, stack.reference(prompt, max_tokens[row]), stack.session.tokenizer)
     client = grpcclient.InferenceServerClient(stack.server.endpoints.grpc)
-    with pytest.raises(InferenceServerException, match="ensemble_sync answers once and cannot take a batch of 3 "
-                                                       "prompts; send a batch of prompts to the decoupled model"):
+    refusal = "ensemble_sync answers once and cannot take a batch of 3 prompts; send a batch of prompts to the " \
+        "decoupled model"
+    with pytest.raises(InferenceServerException, match=refusal) as bad:
         client.infer("ensemble_sync", batch_tensors(grpcclient, **rows))
+    assert bad.value.status() == "StatusCode.INVALID_ARGUMENT"  # infer keeps the model's code (docs/triton.md)
+    client.close()
+    client = httpclient.InferenceServerClient(stack.server.endpoints.http)
+    with pytest.raises(InferenceServerException, match="ensemble_sync answers once") as bad:
+        client.infer("ensemble_sync", batch_tensors(httpclient, **rows))
+    assert bad.value.status() == "400"
     client.close()
 
 
@@ -474,12 +483,15 @@ def test_guided_decoding_on_both_models(stack):
     ({"text_input": "x" * 600, "max_tokens": 4}, "max_seq_len"),
     ({"text_input": "hi", "max_tokens": 4, "beam_width": 4}, "beam search is not supported"),
     ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in"),
+    ({"text_input": "hi", "max_tokens": 4, "top_k": -1}, "top_k must be >= 0"),
+    ({"text_input": "hi", "max_tokens": 3, "min_tokens": 10}, "min_tokens must be between 0 and max_tokens (3)"),
     ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
     ({"text_input": "hi", "max_tokens": 4, "end_id": 10**6}, "end_id 1000000 is outside this model's vocabulary"),
 ])
 def test_bad_requests_get_clear_errors(stack, body, message):
     response = requests.post(f"{stack.http}/ensemble/generate", json=body, timeout=60)
     assert response.status_code == 400 and message in response.json()["error"], response.text
+    assert "runtime_" not in response.text and "request_output_len" not in response.text  # named as sent
     assert stack.server.is_ready()
 
 

@@ -43,6 +43,11 @@ def words(*word_ids: list[int]) -> np.ndarray:
     ({"bad_words_list": words([40, 41], [-3, 5])}, "bad_words_list word 1 holds ids outside"),
     ({"stop_words_list": words(*[[7]] * 1025)}, "stop_words_list holds 1025 words; send at most 1024"),
     ({"runtime_top_p": np.array([[-0.5]], np.float32)}, "runtime_top_p must be in [0, 1]"),
+    ({"runtime_top_p": np.array([[2.0]], np.float32)}, "runtime_top_p must be in (0, 1]"),
+    ({"runtime_top_k": np.array([[-1]], np.int32)}, "runtime_top_k must be >= 0 (0 turns it off), got -1"),
+    ({"request_output_len": np.array([[-1]], np.int32)}, "request_output_len must be at least 1, got -1"),
+    ({"request_output_len": np.array([[3]], np.int32), "min_tokens": np.array([[10]], np.int32)},
+     "min_tokens must be between 0 and request_output_len (3), got 10"),
     ({"end_id": np.array([[-5]], np.int32)}, "end_id must be a token id or -1"),
     ({"num_return_sequences": np.array([[0]], np.int32)}, "num_return_sequences must be at least 1, got 0"),
     ({"stop_words": np.array([[b"\xff\xfe"]], np.object_)}, "stop_words is not UTF-8"),
@@ -113,8 +118,10 @@ def test_text_embedding_bias_adds_each_words_weight_to_its_tokens(tokenizer):
                                            "embedding_bias_weights": np.array([[1.5, -3.0, 0.5]], np.float32)}, VOCAB)
     expected = np.zeros(VOCAB, np.float32)
     for word, weight in (("hello", 1.5), ("hi", -3.0), ("hello", 0.5)):
-        expected[tokenizer.encode(word, add_special_tokens=False)] += weight
+        for token in tokenizer.encode(word, add_special_tokens=False):  # the stock preprocessing model's loop:
+            expected[token] += weight  # hello's two l's add twice
     np.testing.assert_array_equal(bias.reshape(-1), expected)
+    assert bias[0, tokenizer.convert_tokens_to_ids("l")] == 2 * (1.5 + 0.5)
     assert text_embedding_bias(tokenizer, {}, VOCAB) is None
     for weights in ([[-60.0, 1.0, -60.0]], [[np.inf, 1.0, 1.0]]):
         with pytest.raises(RequestError, match=r"embedding_bias_weights give token \d+ a bias of .*\[-100, 100\]"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import importlib.util
+import ipaddress
 import os
 import signal
 import socket
@@ -80,11 +81,27 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def check_port(host: str, port: int) -> None:
-    """Refuse a host and port tritonserver could not listen on, saying why (CamshaftError)."""
+def ipv4_address(host: str) -> str:
+    """The IPv4 address tritonserver is given for `host`: its HTTP and metrics servers take only an address (a name
+    such as localhost binds them to 255.255.255.255, where nothing reaches them), so a name is resolved here."""
     if ":" in host:
         raise CamshaftError(f"--host {host}: tritonserver takes IPv4 addresses here; pass 127.0.0.1 (this machine "
                             "only) or 0.0.0.0 (every interface)")
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else "not a host name"
+        raise CamshaftError(f"--host {host} is no address of this machine ({reason}); pass an address such as "
+                            "127.0.0.1 or 0.0.0.0") from None
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a host and port tritonserver could not listen on, saying why (CamshaftError)."""
+    host = ipv4_address(host)
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing socket in TIME_WAIT is no listener
         try:

@@ -13,6 +13,7 @@ from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.outputs import RequestMetrics, RequestOutput
 from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.triton_repo.tensors import PARAMS_TO_TOKEN, renamed
 from camshaft.triton_repo.word_lists import Values, embedding_bias, utf8_text, vocab_words
 
 
@@ -182,6 +183,8 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
     top_p = one(values, "runtime_top_p")
     if top_p is not None and top_p < 0:
         raise RequestError(f"runtime_top_p must be in [0, 1] (0 turns it off), got {top_p}")
+    if kwargs.get("top_k", 0) < 0:
+        raise RequestError(f"runtime_top_k must be >= 0 (0 turns it off), got {kwargs['top_k']}")
     if top_p is not None and top_p > 0:  # tensorrtllm_backend: 0 turns top-p off
         kwargs["top_p"] = top_p
     # TensorRT-LLM's rule: top_k and top_p both 0 (their defaults) is greedy, whatever the temperature; either one
@@ -212,8 +215,11 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
             stop_ids.append(end_id)
     bad = list(strings(values, "bad_words"))
     bad_ids = vocab_words(values.get("bad_words_list"), "bad_words_list", vocab_size)  # banned as ids, as TRT-LLM
-    return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad),
-                          stop_word_ids=tuple(map(tuple, stop_words)), bad_word_ids=tuple(map(tuple, bad_ids)))
+    try:
+        return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad),
+                              stop_word_ids=tuple(map(tuple, stop_words)), bad_word_ids=tuple(map(tuple, bad_ids)))
+    except RequestError as exc:  # named as the client sent them (the text models rename them back: TOKEN_TO_TEXT)
+        raise RequestError(renamed(str(exc), PARAMS_TO_TOKEN)) from None
 
 
 def ended_on_end_id(output: RequestOutput) -> bool:

@@ -26,6 +26,7 @@ from camshaft.triton_repo.launch import (
     Endpoints,
     check_port,
     free_port,
+    ipv4_address,
     make_backends_dir,
     server_env,
     stop_with,
@@ -46,7 +47,8 @@ class TritonServer:
             raise CamshaftError(f"{repo} is not a model repository (no */config.pbtxt); write one with camshaft deploy")
         check_path(self.repo, "the model repository")
         check_path(Path(tempfile.gettempdir()), "the temporary directory ($TMPDIR)")
-        probe = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        host = ipv4_address(host or "0.0.0.0")
+        probe = "127.0.0.1" if host == "0.0.0.0" else host
         self.endpoints = Endpoints(probe, http_port or free_port(probe), grpc_port or free_port(probe),
                                    metrics_port or free_port(probe))
         self.host, self.exit_timeout_s, self.ready_timeout_s = host, exit_timeout_s, ready_timeout_s

@@ -28,7 +28,7 @@ from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
 from camshaft.triton_repo.parameters import TEXT_MODEL_PARAMETERS, check_model_parameters, check_parameters
 from camshaft.triton_repo.protocol import one, split_rows
-from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN
+from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN, TOKEN_TO_TEXT, renamed
 from camshaft.triton_repo.text_calls import TextCall, text_response
 from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, error_response, perf_tensors, tensor
 from camshaft.triton_repo.word_lists import text_embedding_bias
@@ -145,6 +145,7 @@ class TextModel:
     def _on_executor(self, call: TextCall, message: tuple) -> None:
         if message[0] == "error":
             _, _, code, text = message
+            text = renamed(text, TOKEN_TO_TEXT)  # the token model names its own inputs
             call.ended = True
             self._final(call, pb_utils.InferenceResponse(error=pb_utils.TritonError(text, getattr(pb_utils.TritonError,
                                                                                                   code))))

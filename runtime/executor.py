@@ -101,6 +101,10 @@ class Executor:
         with self._wake:
             self._closed = True
             self._wake.notify()
+        self.join()
+
+    def join(self) -> None:
+        """Wait until the batch loop has ended (closed or failed) and told every request's sink."""
         if threading.current_thread() is not self._thread:  # a sink may drop the last reference to its LLM
             self._thread.join()
 
@@ -164,6 +168,8 @@ class Executor:
                     self._held[first.request_id] = rest
             for request_id in aborts:
                 self._abort(request_id)
+            if self._closed:  # a sink closed the LLM from this thread: its engine is closed too
+                break
             scheduled = scheduler.schedule()
             if scheduled and self._step(scheduled) and not scheduler.waiting and self.admit_window_s > 0:
                 self._admit_window()

@@ -112,6 +112,7 @@ class LLM(ServingAPI):
 
     def close(self) -> None:
         self._finalizer()
+        self.executor.join()  # a second close, on another thread, returns once the first has stopped the loop too
 
     def __enter__(self) -> LLM:
         return self

@@ -57,8 +57,11 @@ class ServingAPI:
         params = params_list(sampling_params, 1)[0]
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        ids = self.submit(prompt, params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output),
-                          priority)
+        def sink(output: RequestOutput) -> None:  # on the batch loop's thread
+            if not loop.is_closed():  # else the request was aborted with its consumer
+                loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+        ids = self.submit(prompt, params, sink, priority)
         index = {request_id: i for i, request_id in enumerate(ids)}
         unfinished = set(ids)
         try:

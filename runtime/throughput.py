@@ -150,7 +150,8 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         request.add_sample = timed_add_sample
         record.submitted = time.perf_counter()
         submitted[index] = request
-        executor.submit([request], [lambda out, i=index: done.put((i, out)) if out.finished else None])
+        executor.submit([request], [lambda out, i=index: done.put((i, out)) if out.finished else None],
+                        bounded=False)  # the concurrency bounds what is in flight, not the LLM's max_queue
 
     started = time.perf_counter()
     try:
@@ -168,6 +169,11 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
                 submit(next_index)
                 next_index += 1
         wall = time.perf_counter() - started
+    except BaseException:  # a failed request or Ctrl-C: the rest stop, not run on in an LLM the caller may keep
+        for request in submitted:
+            if request is not None:
+                executor.abort(request.request_id)
+        raise
     finally:
         timer.restore()
     # what each request's first admission took from the prefix cache (a readmission after preemption takes back the

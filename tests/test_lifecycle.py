@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import queue
 import threading
+import time
 import weakref
 
 import pytest
@@ -101,3 +102,65 @@ def test_a_failed_engine_step_is_logged_and_ends_only_its_requests(engine_dir, c
         assert len(llm.generate([[8, 9, 10]], GREEDY, use_tqdm=False)[0].token_ids) == 6  # the loop carries on
         assert llm.alive
     assert not llm.alive
+
+
+def test_a_second_close_on_another_thread_waits_for_the_loop_to_stop(engine_dir):
+    """The finalizer runs once: a concurrent second close() returned while the first still stopped the loop, before
+    the requests in flight were told (a server's drain and its unload race so)."""
+    llm = LLM(engine_dir)
+    step = llm.engine.step
+    stepping = threading.Event()
+
+    def slow(chunks):
+        stepping.set()
+        time.sleep(0.5)
+        return step(chunks)
+
+    llm.engine.step = slow
+    finals: queue.SimpleQueue = queue.SimpleQueue()
+    llm.submit([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), lambda o: o.finished and finals.put(o))
+    assert stepping.wait(30)
+    first = threading.Thread(target=llm.close)
+    first.start()
+    time.sleep(0.1)
+    llm.close()
+    assert not llm.executor._thread.is_alive() and isinstance(finals.get_nowait().error, ServerClosedError)
+    first.join()
+
+
+def test_closing_from_a_sink_runs_no_step_on_the_closed_engine(engine_dir):
+    llm = LLM(engine_dir)
+    step = llm.engine.step
+    llm.engine.step = lambda chunks: time.sleep(0.02) or step(chunks)  # B still runs when the abort comes
+    finals: queue.SimpleQueue = queue.SimpleQueue()
+    running = threading.Event()
+
+    def close_when_aborted(output):
+        if output.finished:
+            llm.close()  # on the loop's thread, while it handles the abort
+
+    first = llm.submit([5, 6, 7], SamplingParams(max_tokens=25, ignore_eos=True), close_when_aborted)[0]
+    llm.submit([8, 9, 10], SamplingParams(max_tokens=25, ignore_eos=True),
+               lambda o: running.set() if not o.finished else finals.put(o))
+    assert running.wait(30)
+    llm.abort(first)
+    error = finals.get(timeout=30).error
+    assert isinstance(error, ServerClosedError) and "closed before the request finished" in str(error), error
+    llm.executor.join()
+
+
+def test_a_stream_left_under_asyncio_run_is_aborted_without_warnings(engine_dir, caplog):
+    import asyncio
+
+    with LLM(engine_dir) as llm:
+        async def first_delta() -> str:
+            async for delta in llm.stream([5, 6, 7], SamplingParams(n=1, max_tokens=25, ignore_eos=True)):
+                return delta
+
+        with caplog.at_level("WARNING", logger="camshaft"):
+            asyncio.run(first_delta())
+            deadline = time.monotonic() + 30
+            while llm.load().running and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert llm.load().running == 0 and llm.kv_cache.used == 0
+        assert not [r for r in caplog.records if "failed taking an output" in r.getMessage()]

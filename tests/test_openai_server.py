@@ -775,3 +775,34 @@ def test_structured_output_follows_its_schema_regex_or_choice(client, served):
         response = httpx.post(f"{served[0]}/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
+def test_metrics_count_no_refused_sequence_and_count_failed_ones(engine_dir):
+    """A request refused before it ran (busy) counted its submitted prompts as aborted; a sequence the server failed
+    was not counted at all."""
+    from camshaft.errors import ServerBusyError
+    from camshaft.openai_server.generation import Generation
+    from camshaft.openai_server.metrics import Metrics
+
+    def finished(metrics: Metrics, reason: str) -> float:
+        return metrics.registry.get_sample_value("camshaft_request_success_total", {"finish_reason": reason}) or 0
+
+    params = camshaft.SamplingParams(max_tokens=4, ignore_eos=True)
+    with camshaft.LLM(engine_dir, max_batch_size=1, max_queue=0) as llm:
+        metrics = Metrics(llm)
+
+        async def refused_then_failed() -> None:
+            with pytest.raises(ServerBusyError):  # the second prompt: batch 1, no queue
+                Generation(llm, [[5, 6], [7, 8]], params, metrics, time.perf_counter())
+            while llm.load().running or llm.load().waiting:  # the first prompt's sequence, aborted
+                await asyncio.sleep(0.01)
+            step = llm.engine.step
+            llm.engine.step = lambda chunks: (_ for _ in ()).throw(RuntimeError("device lost"))
+            try:
+                with pytest.raises(RuntimeError, match="device lost"):
+                    await Generation(llm, [[5, 6]], params, metrics, time.perf_counter()).results()
+            finally:
+                llm.engine.step = step
+
+        asyncio.run(refused_then_failed())
+        assert (finished(metrics, "abort"), finished(metrics, "error")) == (0, 1)

@@ -31,15 +31,16 @@ class Generation:
         self._last: dict[int, float] = {}
 
         def sink(output: RequestOutput) -> None:  # on the batch loop's thread
-            loop.call_soon_threadsafe(self._outputs.put_nowait, output)
+            if not loop.is_closed():  # else the request was aborted with its reader
+                loop.call_soon_threadsafe(self._outputs.put_nowait, output)
 
         try:
             for p, ids in enumerate(prompts):
                 request_ids = llm.submit(ids, params, sink, priority)
                 self._unfinished.update(request_ids)
                 self._index.update({rid: p * params.n + j for j, rid in enumerate(request_ids)})
-        except BaseException:
-            self.abort()
+        except BaseException:  # refused (busy, too long): the response is an error, its sequences not counted
+            self.abort(count=False)
             raise
         metrics.prompt_tokens.inc(self.prompt_tokens)
 
@@ -50,6 +51,7 @@ class Generation:
             if output.finished:
                 self._unfinished.discard(output.request_id)
             if output.error is not None:
+                self.metrics.finished.labels(finish_reason="error").inc()
                 raise output.error
             index = self._index[output.request_id]
             self._observe(index, output)
@@ -63,11 +65,13 @@ class Generation:
                 results[index] = output.result
         return [results[i] for i in range(self.num_choices)]
 
-    def abort(self) -> None:
-        """Stop what is unfinished (idempotent); the batch loop frees its KV blocks before its next step."""
+    def abort(self, count: bool = True) -> None:
+        """Stop what is unfinished (idempotent); the batch loop frees its KV blocks before its next step. count:
+        each stopped sequence counts as finished for reason abort."""
         for request_id in self._unfinished:
             self.llm.abort(request_id)
-            self.metrics.finished.labels(finish_reason="abort").inc()
+            if count:
+                self.metrics.finished.labels(finish_reason="abort").inc()
         self._unfinished.clear()
 
     def _observe(self, index: int, output: RequestOutput) -> None:

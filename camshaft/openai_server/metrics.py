@@ -50,7 +50,7 @@ class Metrics:
         self.e2e = Histogram("camshaft_e2e_request_latency_seconds", "From request arrival to its last token",
                              buckets=_LATENCY_BUCKETS, registry=registry)
         self.finished = Counter("camshaft_request_success", "Finished sequences by finish reason (abort: the "
-                                "client went away)", ["finish_reason"], registry=registry)
+                                "client went away; error: the server failed it)", ["finish_reason"], registry=registry)
         self.prompt_tokens = Counter("camshaft_prompt_tokens", "Prompt tokens of admitted requests",
                                      registry=registry)
         self.generation_tokens = Counter("camshaft_generation_tokens", "Generated tokens", registry=registry)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from camshaft.errors import CamshaftError, FetchError, needs_extra
-from camshaft.outdir import staging_dir
+from camshaft.outdir import staging_dir, writable_dir
 
 MARKER = ".camshaft-fetch.json"
 
@@ -118,9 +118,11 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         work = staging_dir(output)  # also removes what fetches killed outright (SIGKILL, OOM) left
-    except (OSError, CamshaftError) as exc:
-        raise FetchError(f"cannot write into {output.parent} ({getattr(exc, 'strerror', None) or exc}); pass "
-                         "--output DIR, or set CAMSHAFT_CACHE to a directory you can write to") from exc
+    except CamshaftError as exc:
+        raise FetchError(f"{exc}; or set CAMSHAFT_CACHE to a directory you can write to") from exc
+    except OSError as exc:
+        raise FetchError(f"cannot write into {output.parent} ({exc.strerror or exc}); pass --output DIR, or set "
+                         "CAMSHAFT_CACHE to a directory you can write to") from exc
     try:
         gguf = _download_gguf(model, work / "download", progress)
         checkpoint = work / "checkpoint"
@@ -136,7 +138,13 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
 
 
 def _check_output_replaceable(output: Path) -> None:
-    """Refuse to overwrite a directory that camshaft did not write (an older fetch of ours may be replaced)."""
+    """Refuse an output under a file or in a directory this process cannot write, and a directory that camshaft did
+    not write (an older fetch of ours may be replaced)."""
+    parent = next((p for p in output.parents if p.exists()), output)
+    if not writable_dir(parent):
+        what = "is a file" if parent.exists() and not parent.is_dir() else "is not a directory you can write to"
+        raise FetchError(f"cannot write into {output}: {parent} {what}; pass --output DIR, or set CAMSHAFT_CACHE to "
+                         "a directory you can write to")
     if not output.exists():
         return
     if not output.is_dir():

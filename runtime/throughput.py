@@ -215,7 +215,11 @@ def llm_config(llm: LLM) -> dict[str, str | int]:
             "kv_pool_bytes": c.num_blocks * bytes_per_block(llm.engine.manifest)}
 
 
-def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int, concurrency: int | list[int], *,
+DEFAULT_CONCURRENCY = 32  # the issue's workload; an engine of a smaller batch runs at its batch size
+
+
+def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int,
+                         concurrency: int | list[int] | None = None, *,
                          seed: int = 0, threads: int | None = None, warmup: int = 2,
                          policy: str = "guaranteed_no_evict", max_batch_size: int | None = None,
                          max_num_tokens: int | None = None, kv_cache_memory: int | float | str | None = None,
@@ -224,9 +228,10 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
     """Load the dataset for the engine and run it once per concurrency, each on a fresh `LLM` (an empty prefix
     cache) after `warmup` short requests with other prompts. policy, max_batch_size, max_num_tokens and
     kv_cache_memory go to every LLM (a memory fraction is resolved by the first, its pool kept for the rest), and
-    prompt_lookup (its num_tokens; 0: off); `progress` hears of each level as it starts."""
-    levels = [concurrency] if is_int(concurrency) else list(concurrency)
-    if not levels or not all(is_int_at_least(c, 1) for c in levels):
+    prompt_lookup (its num_tokens; 0: off); `progress` hears of each level as it starts. concurrency None: the batch
+    size, at most DEFAULT_CONCURRENCY."""
+    levels = [] if concurrency is None else [concurrency] if is_int(concurrency) else list(concurrency)
+    if concurrency is not None and (not levels or not all(is_int_at_least(c, 1) for c in levels)):
         raise RequestError(f"concurrency takes positive integers, got {concurrency!r}")
     if not is_int_at_least(num_requests, 1):
         raise RequestError(f"num_requests must be an integer >= 1, got {num_requests!r}")
@@ -236,6 +241,7 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
     memory, engine_limits = memory_spec(kv_cache_memory), manifest.limits
     batch = check_llm_options(engine_limits, policy=policy, max_batch_size=max_batch_size,
                               max_num_tokens=max_num_tokens).max_batch_size
+    levels = levels or [min(DEFAULT_CONCURRENCY, batch)]
     if max(levels) > batch:  # before any level runs
         raise RequestError(f"concurrency {max(levels)} exceeds the batch size {batch}; requests beyond it would only "
                            "queue: lower --concurrency or raise --max-batch-size (at most the engine's "

@@ -100,6 +100,9 @@ def test_sampling_flags_at_temperature_zero_are_named_as_doing_nothing(engine, c
     code, same, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "6", "--top-k",
                                "5", "--seed", "3")
     assert code == 0 and same == greedy and "--top-k, --seed change nothing at --temperature 0" in err
+    assert "--temperature 0 (greedy decoding); add --temperature above 0 to sample" in err  # one line in a log
+    code, _, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--top-p", "0")
+    assert code == 1 and "--top-p must be in (0, 1]" in err and "note:" not in err  # refused, not called unused
 
 
 def test_run_reads_the_prompt_from_stdin(engine, capsys, monkeypatch):

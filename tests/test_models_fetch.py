@@ -55,6 +55,11 @@ def test_a_cache_that_cannot_be_written_says_what_to_set(monkeypatch, tmp_path):
     monkeypatch.setenv("CAMSHAFT_CACHE", str(tmp_path / "afile"))
     with pytest.raises(FetchError, match="cannot write into .*set CAMSHAFT_CACHE to a directory you can write to"):
         fetch_model(SMOLLM2, default_model_dir(SMOLLM2))
+    with pytest.raises(FetchError, match=r"afile/sub: .*afile is a file; pass --output DIR"):  # not "File exists"
+        fetch_model(SMOLLM2, tmp_path / "afile" / "sub")
+    with pytest.raises(FetchError, match=r"cannot write into /proc/camshaft-model: /proc is not a directory you can "
+                                         r"write to; pass --output DIR, or set CAMSHAFT_CACHE"):
+        fetch_model(SMOLLM2, Path("/proc/camshaft-model"))
 
 
 def test_refuses_to_overwrite_a_foreign_directory(tmp_path):

@@ -245,13 +245,27 @@ def test_cli_reports_clipping_and_prints_no_nan(engine_dir, tmp_path):
                                       "synthetic:in=CONST(5000),out=CONST(5)", "--num-requests", "1",
                                       "--concurrency", "1", "--threads", "1", "--output-json", str(out)])
     assert result.exit_code == 0, result.output
-    assert f"1 of 1 requests did not fit the engine's max_seq_len {MAX_SEQ_LEN}" in result.output
+    assert f"1 of 1 requests did not fit the engine's max_seq_len {MAX_SEQ_LEN}" in result.stderr
+    assert "warning" not in result.stdout and "GFLOP/s" in result.stdout  # stdout: the results alone
     assert f"prompt tokens 5000 -> {MAX_SEQ_LEN - 1}, output tokens 5 -> 1" in result.output
     assert "ITL p50/p90/p99 —/—/— ms" in result.output and "nan" not in result.output
     data = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
     (run,) = data["results"]
     assert run["clipped"]["count"] == 1 and run["clipped"]["prompt_tokens"] == {"asked": 5000, "run": MAX_SEQ_LEN - 1}
     assert run["itl_ms"]["p50"] is None and run["ttft_ms"]["p50"] > 0
+
+
+def test_cli_bench_throughput_runs_at_the_batch_size_by_default(engine_dir):
+    """The default concurrency (32) refused every engine of a smaller batch before any work."""
+    from typer.testing import CliRunner
+
+    from camshaft.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "throughput", "--engine", str(engine_dir), "--dataset",
+                                      "synthetic:in=8,out=2", "--num-requests", "2", "--threads", "1",
+                                      "--max-batch-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert "concurrency 2 (1/1): 2 requests" in result.stderr
 
 
 def test_cli_bench_throughput_sets_the_llm_like_serve(engine_dir, tmp_path):

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
-from camshaft.cli import bench_app, flag_names, progress
+from camshaft.cli import bench_app, err, flag_names, progress
 from camshaft.cli.serve import LLM_FLAGS, BatchOption, LookupOption, MemoryOption, PolicyOption, TokensOption
 from camshaft.errors import CamshaftError
 from camshaft.outdir import writable_dir
@@ -83,8 +84,9 @@ def bench_throughput(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     dataset: DatasetOption = "balanced",
     num_requests: Annotated[int, typer.Option(min=1, help="Requests to run")] = 64,
-    concurrency: Annotated[str, typer.Option(
-        help="Most requests in flight; a comma-separated list sweeps, e.g. 1,8,32")] = "32",
+    concurrency: Annotated[str | None, typer.Option(
+        help="Most requests in flight; a comma-separated list sweeps, e.g. 1,8,32 (default: the batch size, at most "
+             "32)")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the synthetic lengths and prompt ids")] = 0,
     threads: Annotated[int | None, typer.Option(min=1, help="Engine threads (default: the backend's)")] = None,
     policy: PolicyOption = "guaranteed_no_evict",
@@ -106,18 +108,21 @@ def bench_throughput(
 
     require_outputs(plot, output_json)
     try:
-        levels = [int(x) for x in concurrency.split(",") if x.strip()]
+        levels = None if concurrency is None else [int(x) for x in concurrency.split(",") if x.strip()]
     except ValueError:
         levels = []
-    if not levels or min(levels) < 1:
+    if levels is not None and (not levels or min(levels) < 1):
         raise RequestError(f"--concurrency takes positive integers, comma-separated to sweep; got {concurrency!r}")
     options = {"policy": policy, "kv_cache_memory": kv_cache_memory, "max_batch_size": max_batch_size,
                "max_num_tokens": max_num_tokens, "prompt_lookup": prompt_lookup}
     with flag_names(*LLM_FLAGS):
         results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads,
                                        progress=progress, **options)
-    for line in report_lines(results):
-        typer.echo(line)
+    for line in report_lines(results):  # warnings and notes to stderr: stdout holds the results alone
+        if line.startswith(("warning:", "note:")):
+            err.print(escape(line), soft_wrap=True)
+        else:
+            typer.echo(line)
     if output_json:
         write_json(output_json, {"engine": str(engine), "dataset": dataset,
                                  "dataset_spec": str(parse_dataset_spec(dataset)), "num_requests": num_requests,

@@ -43,16 +43,16 @@ def run(
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
     if chat_template is not None and not chat:
         raise RequestError("--chat-template renders --chat messages; add --chat (or drop --chat-template)")
-    unused = [flag for flag, given in (("--top-p", top_p != 1.0), ("--top-k", top_k not in (0, -1)),
-                                       ("--seed", seed is not None)) if given]
-    if temperature == 0 and unused:
-        verb = "changes" if len(unused) == 1 else "change"
-        err.print(f"[yellow]note:[/yellow] {', '.join(unused)} {verb} nothing at --temperature 0 (greedy decoding); "
-                  "add --temperature above 0 to sample")
     if prompt == "-":
         prompt = _stdin_text()
     with flag_names("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_lookup"):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        unused = [flag for flag, given in (("--top-p", top_p != 1.0), ("--top-k", top_k not in (0, -1)),
+                                           ("--seed", seed is not None)) if given]
+        if temperature == 0 and unused:  # said once the values are known to be valid
+            verb = "changes" if len(unused) == 1 else "change"
+            err.print(f"[yellow]note:[/yellow] {', '.join(unused)} {verb} nothing at --temperature 0 (greedy "
+                      "decoding); add --temperature above 0 to sample", soft_wrap=True)
         _run(engine, prompt, chat, system, params, stream, prompt_lookup, chat_template)
 
 

@@ -63,7 +63,7 @@ def test_a_tool_call_parser_is_for_the_openai_api_and_known(engine):
             "--chat-template renders chat messages for the OpenAI API")
 
 
-def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path):
+def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path, monkeypatch):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     refused(invoke("deploy", "--engine", engine, "--repo", not_a_dir), f"--repo {not_a_dir} exists")
@@ -75,6 +75,9 @@ def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path):
     assert not (tmp_path / "repo").exists()
     result = invoke("deploy", "--engine", engine, "--repo", tmp_path / "repo", "--kv-cache-memory", "0.5")
     assert result.exit_code == 0, result.output  # a fraction is resolved where the engine loads
+    monkeypatch.chdir(tmp_path)
+    result = invoke("deploy", "--engine", engine, "--repo", "relative")
+    assert result.exit_code == 0 and result.stdout == f"{tmp_path / 'relative'}\n"  # absolute, as build prints
 
 
 def test_bench_refuses_unwritable_outputs_before_running(engine, tmp_path):

@@ -85,10 +85,10 @@ def deploy(
     """Write a Triton model repository that serves an engine with in-flight batching."""
     from camshaft.triton_repo.deploy import deploy_repository
 
-    deploy_repository(engine, repo, name=name, llm_options=_llm_options(
+    written = deploy_repository(engine, repo, name=name, llm_options=_llm_options(
         engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens, prompt_lookup, loads_here=False),
         decoupled=not no_decoupled)
-    typer.echo(str(repo))
+    typer.echo(str(written.absolute()))  # as build and quantize print theirs
 
 
 @app.command()

@@ -9,20 +9,16 @@ TTFT = submitted -> first token sampled, inter-token latencies (ITL) = gaps betw
 sampled (`Request.add_sample`), since text deltas skip tokens that end mid-character.
 
 Also: output tok/s and requests/s over the whole run, peak KV usage and step count (executor counters), achieved
-GFLOP/s and the Python scheduling overhead of the batch loop (runtime/step_timer.py). Printing and JSON:
+GFLOP/s and the Python scheduling overhead of the batch loop (runtime/step_timer.py). The results, printing and JSON:
 runtime/throughput_report.py.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import RequestError
@@ -42,78 +38,7 @@ from camshaft.runtime.llm_options import check_llm_options
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.step_timer import StepTimer
-from camshaft.runtime.throughput_report import json_ready
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan}
-    arr = np.asarray(values, dtype=np.float64)
-    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(arr.mean())}
-
-
-@dataclass
-class RequestRecord:
-    index: int
-    prompt_tokens: int
-    max_tokens: int
-    submitted: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    decoding_at_first_token: int = 0  # other requests decoding in the step that gave this one its first token
-    token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def ttft_s(self) -> float:
-        return self.token_times[0] - self.submitted
-
-    @property
-    def e2e_s(self) -> float:
-        return self.token_times[-1] - self.submitted
-
-    @property
-    def itl_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
-
-
-@dataclass
-class ThroughputResult:
-    num_requests: int
-    concurrency: int
-    wall_s: float
-    output_tokens: int
-    prompt_tokens: int
-    output_tok_s: float
-    requests_s: float
-    ttft_ms: dict[str, float]
-    itl_ms: dict[str, float]
-    e2e_ms: dict[str, float]
-    ttft_joining_ms: dict[str, float]  # requests after the first C whose prefill ran beside C - 1 decoding others
-    peak_kv_usage: float
-    peak_batch_size: int
-    num_steps: int
-    gflop: dict[str, float]
-    gflop_s: float
-    gflop_s_linear: float
-    python_overhead: dict[str, dict[str, float]]  # "all_steps" and "batch_C": StepTimer.overhead() of those steps
-    preemptions: int
-    prefix_reuse_hits: int  # KV blocks taken from the prefix cache (0 unless prompts repeat or preempted requests
-    # find their own blocks again)
-    draft_tokens: int  # prompt lookup's drafts fed to the engine, and those taken (0 without prompt_lookup)
-    accepted_draft_tokens: int
-    config: dict[str, str | int]  # the LLM's: policy, max_batch_size, max_num_tokens, kv_pool_blocks, kv_pool_bytes
-    clipped: dict | None = None  # requests cut to fit max_seq_len (bench_data.clipped_requests)
-    records: list[RequestRecord] = field(repr=False, default_factory=list)
-
-    def to_dict(self, with_requests: bool = False) -> dict:
-        """Plain JSON values: a percentile without data (nan) is None."""
-        out = json_ready(asdict(self))
-        out.pop("records")
-        if with_requests:
-            out["requests"] = [{"prompt_tokens": r.prompt_tokens, "output_tokens": len(r.token_times),
-                                "ttft_ms": r.ttft_s * 1000, "e2e_ms": r.e2e_s * 1000,
-                                "decoding_at_first_token": r.decoding_at_first_token} for r in self.records]
-        return out
+from camshaft.runtime.throughput_report import RequestRecord, ThroughputResult, percentiles
 
 
 def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from camshaft.runtime.throughput import ThroughputResult
+from camshaft.runtime.throughput_report import ThroughputResult
 
 
 def plot_sweep(results: list[ThroughputResult], path: str | Path, peers: dict[str, list[dict]] | None = None,

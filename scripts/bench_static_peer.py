@@ -65,7 +65,7 @@ class TransformersPeer:
                     itl.extend(b - a for a, b in zip(ts, ts[1:], strict=False))
                     tokens.append(o)
         wall = time.perf_counter() - started
-        from camshaft.runtime.throughput import percentiles
+        from camshaft.runtime.throughput_report import percentiles
 
         output_tokens = sum(len(t) for t in tokens)
         return {"concurrency": batch_size, "wall_s": wall, "output_tokens": output_tokens,

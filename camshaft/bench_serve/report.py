@@ -10,9 +10,8 @@ from pathlib import Path
 
 from camshaft.bench_serve.clients import Record, Target
 from camshaft.errors import RequestError
-from camshaft.runtime.throughput import percentiles
 from camshaft.runtime.throughput_plot import save_figure
-from camshaft.runtime.throughput_report import fmt, json_ready
+from camshaft.runtime.throughput_report import fmt, json_ready, percentiles
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ class TextStream:
                  skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         backend = tokenizer.backend_tokenizer
         self._decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        # tokens the decode skips: kept out of the window, which would otherwise grow with each (a repeated end id)
+        self._skipped = {i for i, t in backend.get_added_tokens_decoder().items() if t.special} \
+            if skip_special_tokens else set()
         self._stops = tuple(s for s in stop if s)
         self._include_stop = include_stop
         context = list(prompt_ids[-_PROMPT_CONTEXT:])
@@ -34,7 +37,7 @@ class TextStream:
         self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = self._window_text = self._decode(context)  # window: ids[prefix_offset:]
+        self._prefix_text = self._decode(context)
         self._pending = ""  # decoded text not emitted yet: it may begin a stop string
         self._text = ""  # emitted text
         self._matched: str | None = None
@@ -62,20 +65,18 @@ class TextStream:
         if self._done:
             return ""
         self._appended += 1
-        self._ids.append(token_id)
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        if new_text == self._window_text and not new_text.endswith("\ufffd"):
-            del self._ids[-1]  # adds no text (a skipped special token): kept out of the window, which would only grow
+        if token_id in self._skipped:
             self._mark_boundary(0)
             return ""
-        self._window_text = new_text
+        self._ids.append(token_id)
+        new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
             self._mark_boundary(0)
             return ""  # nothing new yet, or a character still incomplete
         delta = new_text[len(self._prefix_text) :]
         self._mark_boundary(len(delta))
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = self._window_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         if self._prefix_offset > _TRIM_AFTER:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset

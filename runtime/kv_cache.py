@@ -60,6 +60,9 @@ def fraction_bytes(fraction: float, available: int) -> int:
     """A fraction of a budget (memory_spec) in bytes of the memory `available` once the engine's weights are loaded
     (the host's for onnxruntime, the GPU's for TensorRT, as TensorRT-LLM's free_gpu_memory_fraction): measured
     before, 1.0 would leave the weights no room."""
+    if available <= 0:
+        raise CapacityError("no memory is available for the KV cache once the engine is loaded; free some (or give "
+                            "the container more), or give a budget in bytes: " + MEMORY_HELP)
     if fraction * available < 1:
         raise RequestError(f"a KV cache budget of {fraction} of the memory available ({available} bytes) is under "
                            f"one byte; raise the budget: {MEMORY_HELP}")

@@ -88,12 +88,14 @@ class SequenceEngine:
         self._length = 0
         self.token_budget = self.limits.max_seq_len  # tokens (prompt + output) one sequence may hold
         self.token_bytes = self.layout.bytes_per_token(np.dtype(np.float32).itemsize)
-        if isinstance(kv_cache_memory, float):
-            kv_cache_memory = fraction_bytes(kv_cache_memory, host_available())
+        fraction = kv_cache_memory if isinstance(kv_cache_memory, float) else None
+        if fraction is not None:
+            kv_cache_memory = fraction_bytes(fraction, host_available())
         if kv_cache_memory is not None:
             self.token_budget = min(self.token_budget, kv_cache_memory // self.token_bytes)
             if self.token_budget < 1:
-                raise CapacityError(f"a KV cache budget of {kv_cache_memory} bytes holds no token "
+                given = f" ({fraction} of the memory available)" if fraction is not None else ""
+                raise CapacityError(f"a KV cache budget of {kv_cache_memory} bytes{given} holds no token "
                                     f"({self.token_bytes} bytes each); raise the budget")
 
     @property

@@ -142,6 +142,17 @@ def test_prompt_context_keeps_sentencepiece_leading_space():
     assert "".join(deltas) == " world again"
 
 
+def test_spaces_that_decode_to_nothing_alone_are_kept():
+    """Decoders that strip a text's first space decode a lone "▁" to nothing after a prompt of special tokens; the
+    spaces are still the output's (only skipped special tokens may leave the window)."""
+    tokenizer = _trained_bpe(pre_tokenizers.Metaspace(), decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]))
+    space = tokenizer.convert_tokens_to_ids("▁")
+    ids = [space, space] + tokenizer.encode("Hello world", add_special_tokens=False)
+    _, deltas = _stream(tokenizer, [tokenizer.bos_token_id], ids)
+    assert "".join(deltas) == tokenizer.decode(ids) and "".join(deltas).startswith("  ")
+
+
 def test_window_stays_short(byte_bpe):
     """Each step decodes a few tokens, not the whole output."""
     class Spy:
@@ -151,6 +162,9 @@ def test_window_stays_short(byte_bpe):
         def decode(self, ids, skip_special_tokens=True):
             self.sizes.append(len(ids))
             return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        def get_added_tokens_decoder(self):
+            return self.inner.get_added_tokens_decoder()
 
     spy = Spy(byte_bpe.backend_tokenizer)
     ids = byte_bpe.encode(TEXT * 40, add_special_tokens=False)

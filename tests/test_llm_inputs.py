@@ -14,7 +14,7 @@ import pytest
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
-from camshaft.errors import RequestError, ServerBusyError
+from camshaft.errors import CapacityError, RequestError, ServerBusyError
 from camshaft.manifest import read_manifest
 from camshaft.runtime import kv_cache
 from camshaft.runtime.kv_cache import bytes_per_block, fraction_bytes, host_available, memory_spec
@@ -57,8 +57,11 @@ def test_a_containers_cgroup_bounds_fractions_and_the_pool(tmp_path, monkeypatch
     assert kv_cache.host_memory() == 2**30
     (tmp_path / "memory.current").write_text(f"{2**30}\n")  # full: nothing left, not the machine's memory
     (tmp_path / "memory.stat").write_text("inactive_file 0\n")
-    with pytest.raises(RequestError, match="under one byte"):
+    with pytest.raises(CapacityError, match="no memory is available for the KV cache"):  # no fraction can help
         fraction_bytes(0.5, host_available())
+    with pytest.raises(RequestError, match="a KV cache budget of 1e-12 of the memory available .100 bytes. is under "
+                                           "one byte"):
+        fraction_bytes(1e-12, 100)
     (tmp_path / "memory.max").write_text("max\n")  # no limit: the machine's
     assert kv_cache.cgroup_available(tmp_path) is None
     assert host_available() == pytest.approx(psutil.virtual_memory().available, rel=0.2)
@@ -125,6 +128,9 @@ def test_a_fraction_is_of_the_memory_left_once_the_weights_are_loaded(engine_dir
     available["bytes"] = 100 * block
     session = Session(engine_dir, kv_cache_memory=1.0, graph="batch")
     assert session.engine.token_budget == 128  # a budget past one full-length sequence is capped to it
+    monkeypatch.setattr(sequence, "host_available", lambda: 10 * block)
+    with pytest.raises(CapacityError, match=r"bytes \(0.001 of the memory available\) holds no token"):
+        Session(engine_dir, kv_cache_memory=0.001, graph="sequence")
 
 
 @pytest.mark.parametrize("option", ["max_batch_size", "max_num_tokens"])

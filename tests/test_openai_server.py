@@ -292,6 +292,13 @@ def test_n_sampled_outputs_are_reproducible_with_a_seed(client):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert [streamed[i] for i in range(3)] == [c.text for c in full.choices]
+    counts: dict[int, int] = {}  # continuous_usage_stats: each choice's own count, as vLLM's
+    for chunk in client.completions.create(**request, stream=True,
+                                           stream_options={"include_usage": True, "continuous_usage_stats": True}):
+        for c in chunk.choices:
+            assert chunk.usage.completion_tokens > counts.get(c.index, 0)
+            counts[c.index] = chunk.usage.completion_tokens
+    assert counts == {0: 8, 1: 8, 2: 8} and chunk.usage.completion_tokens == 24  # the last: the request's
 
 
 def _stop_case(session: Session) -> tuple[str, str]:

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from camshaft.errors import RequestError
 from camshaft.triton_repo.parameters import check_model_parameters, check_parameters
-from camshaft.triton_repo.protocol import batch_rows, one, token_request
+from camshaft.triton_repo.protocol import batch_rows, one, token_error_status, token_request
 from camshaft.triton_repo.word_lists import text_embedding_bias
 
 from tiny_models import tokenizer_json
@@ -43,7 +43,7 @@ def words(*word_ids: list[int]) -> np.ndarray:
     ({"bad_words_list": words([40, 41], [-3, 5])}, "bad_words_list word 1 holds ids outside"),
     ({"stop_words_list": words(*[[7]] * 1025)}, "stop_words_list holds 1025 words; send at most 1024"),
     ({"runtime_top_p": np.array([[-0.5]], np.float32)}, "runtime_top_p must be in [0, 1]"),
-    ({"runtime_top_p": np.array([[2.0]], np.float32)}, "runtime_top_p must be in (0, 1]"),
+    ({"runtime_top_p": np.array([[2.0]], np.float32)}, "runtime_top_p must be in [0, 1] (0 turns it off), got 2.0"),
     ({"runtime_top_k": np.array([[-1]], np.int32)}, "runtime_top_k must be >= 0 (0 turns it off), got -1"),
     ({"request_output_len": np.array([[-1]], np.int32)}, "request_output_len must be at least 1, got -1"),
     ({"request_output_len": np.array([[3]], np.int32), "min_tokens": np.array([[10]], np.int32)},
@@ -53,8 +53,21 @@ def words(*word_ids: list[int]) -> np.ndarray:
     ({"stop_words": np.array([[b"\xff\xfe"]], np.object_)}, "stop_words is not UTF-8"),
 ])
 def test_bad_tensors_are_refused_naming_them(tensors, message):
-    with pytest.raises(RequestError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(RequestError) as refused:
         request(**tensors)
+    assert message in token_error_status(refused.value)[1]  # as the token model answers
+
+
+def test_the_token_model_names_its_own_inputs_in_every_request_error():
+    from camshaft.errors import CapacityError, ServerBusyError
+
+    too_long = CapacityError("prompt (3 tokens) + max_tokens (1000) exceeds the engine's max_seq_len (128); pass "
+                             "max_tokens <= 125 or shorten the prompt")  # the scheduler's, at submit
+    assert token_error_status(too_long) == ("INVALID_ARG", "prompt (3 tokens) + request_output_len (1000) exceeds the "
+                                            "engine's max_seq_len (128); pass request_output_len <= 125 or shorten "
+                                            "the prompt")
+    busy = ServerBusyError("server busy: top_p")  # not a request error: as it is
+    assert token_error_status(busy) == ("UNAVAILABLE", "server busy: top_p")
 
 
 def test_valid_word_lists_become_id_sequences(tokenizer):

@@ -22,7 +22,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
 from camshaft.errors import ServerClosedError
-from camshaft.triton_repo.protocol import error_status
+from camshaft.triton_repo.protocol import token_error_status
 
 Send = Callable[[tuple], None]
 
@@ -93,7 +93,7 @@ class ChannelServer:
                     try:
                         ids = self.submit(send, call_id, rest[0])
                     except Exception as exc:
-                        send(("error", call_id, *error_status(exc)))
+                        send(("error", call_id, *token_error_status(exc)))
                         continue
                     with lock:
                         if call_id in owned:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.request import sequence_of
 from camshaft.triton_repo.channel import Send
-from camshaft.triton_repo.protocol import TokenRequest, aborted, ended_on_end_id, error_status, perf_metrics
+from camshaft.triton_repo.protocol import TokenRequest, aborted, ended_on_end_id, perf_metrics, token_error_status
 
 if TYPE_CHECKING:
     from camshaft.runtime.llm import LLM
@@ -39,7 +39,7 @@ class ChannelCall:
             self.failed = True
             self.count_finished(False)
             self.llm.abort(prompt_id)
-            self.send(("error", self.call_id, *error_status(output.error)))
+            self.send(("error", self.call_id, *token_error_status(output.error)))
             return
         self.ended += output.finished
         if output.finished and self.ended == n:

@@ -29,14 +29,23 @@ class TokenRequest:
     perf_metrics: bool = False
 
 
-def error_status(exc: BaseException) -> tuple[str, str]:
-    """(TritonError code name, message) of an exception a model answers with."""
+def error_status(exc: BaseException, names: dict[str, str] | None = None) -> tuple[str, str]:
+    """(TritonError code name, message) of an exception a model answers with; `names`: the inputs a request error
+    names as the model takes them (token_error_status)."""
     message = str(exc) or repr(exc)
+    if names and isinstance(exc, RequestError):
+        message = renamed(message, names)
     if isinstance(exc, ServerClosedError):  # the batch loop stopped: nothing this server can do until a restart
         return "UNAVAILABLE", message if "restart the server" in message else f"{message}; restart the server"
     if isinstance(exc, ServerBusyError):
         return "UNAVAILABLE", message
     return ("INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"), message
+
+
+def token_error_status(exc: BaseException) -> tuple[str, str]:
+    """error_status for the token model: SamplingParams' names (max_tokens, top_p, ...) as its clients send them
+    (request_output_len, runtime_top_p, ...; the text models rename them back: text_model.TOKEN_TO_TEXT)."""
+    return error_status(exc, PARAMS_TO_TOKEN)
 
 
 def one(values: Values, name: str):
@@ -181,7 +190,7 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
     if kwargs.get("n", 1) < 1:
         raise RequestError(f"num_return_sequences must be at least 1, got {kwargs['n']}")
     top_p = one(values, "runtime_top_p")
-    if top_p is not None and top_p < 0:
+    if top_p is not None and not 0 <= top_p <= 1:
         raise RequestError(f"runtime_top_p must be in [0, 1] (0 turns it off), got {top_p}")
     if kwargs.get("top_k", 0) < 0:
         raise RequestError(f"runtime_top_k must be >= 0 (0 turns it off), got {kwargs['top_k']}")
@@ -215,11 +224,8 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
             stop_ids.append(end_id)
     bad = list(strings(values, "bad_words"))
     bad_ids = vocab_words(values.get("bad_words_list"), "bad_words_list", vocab_size)  # banned as ids, as TRT-LLM
-    try:
-        return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad),
-                              stop_word_ids=tuple(map(tuple, stop_words)), bad_word_ids=tuple(map(tuple, bad_ids)))
-    except RequestError as exc:  # named as the client sent them (the text models rename them back: TOKEN_TO_TEXT)
-        raise RequestError(renamed(str(exc), PARAMS_TO_TOKEN)) from None
+    return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad),
+                          stop_word_ids=tuple(map(tuple, stop_words)), bad_word_ids=tuple(map(tuple, bad_ids)))
 
 
 def ended_on_end_id(output: RequestOutput) -> bool:

@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.runtime.request import sequence_of
-from camshaft.triton_repo.protocol import TokenRequest, error_status, perf_metrics
+from camshaft.triton_repo.protocol import TokenRequest, error_status, perf_metrics, token_error_status
 from camshaft.triton_repo.tensors import PERF_OUTPUTS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -29,8 +29,9 @@ def merge(outputs: list[RequestOutput]) -> RequestOutput:
                          last.result, last.error)
 
 
-def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
-    code, message = error_status(exc)
+def error_response(exc: BaseException, token_model: bool = False) -> pb_utils.InferenceResponse:
+    """token_model: the error names the token model's inputs (protocol.token_error_status)."""
+    code, message = (token_error_status if token_model else error_status)(exc)
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
 
 

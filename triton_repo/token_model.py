@@ -69,7 +69,7 @@ class TokenModel:
                 self._start(request, sender)
             except Exception as exc:
                 self.metrics.count("camshaft_requests_refused_total")
-                self.outputs.put((sender, error_response(exc)))
+                self.outputs.put((sender, error_response(exc, token_model=True)))
         return None
 
     def _start(self, request, sender) -> None:
@@ -202,7 +202,7 @@ class TokenModel:
                 first = self._end(job)
             if first:
                 self.llm.abort(job.request_ids)
-                job.sender.send(error_response(output.error), flags=FINAL)
+                job.sender.send(error_response(output.error, token_model=True), flags=FINAL)
             return
         now = time.monotonic()
         if not output.finished and now - job.checked >= CANCEL_CHECK_S:

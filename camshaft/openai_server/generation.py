@@ -22,7 +22,8 @@ class Generation:
         """shows_output False: the output is not shown (echo scoring the prompt alone), nor counted. loop: the
         event loop that reads the outputs (given when this is made on another thread)."""
         self.llm, self.metrics, self.arrival, self._counted = llm, metrics, arrival, shows_output
-        self.prompt_tokens = sum(len(ids) for ids in prompts)
+        self._prompt_lengths, self._n = [len(ids) for ids in prompts], params.n
+        self.prompt_tokens = sum(self._prompt_lengths)
         self.num_choices = len(prompts) * params.n
         loop = loop or asyncio.get_running_loop()
         self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -56,6 +57,10 @@ class Generation:
             index = self._index[output.request_id]
             self._observe(index, output)
             yield index, output
+
+    def choice_prompt_tokens(self, index: int) -> int:
+        """The prompt tokens of choice `index`'s prompt."""
+        return self._prompt_lengths[index // self._n]
 
     async def results(self) -> list[GenerationResult]:
         """Every choice's final result, in choice order."""

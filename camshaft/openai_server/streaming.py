@@ -48,22 +48,24 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
 async def events(generation: Generation, shape: CompletionShape | ChatShape, with_logprobs: bool,
                   stream_usage: str | None) -> AsyncIterator[str]:
     """stream_usage (protocol's): None, "final" (a last chunk with the usage, null on the others) or "continuous"
-    (vLLM's continuous_usage_stats: the usage so far on every chunk too)."""
-    completion_tokens = 0
-
-    def so_far() -> dict | None:
-        return usage(generation.prompt_tokens, completion_tokens) if stream_usage == "continuous" else None
-
+    (vLLM's continuous_usage_stats: each chunk also carries its choice's usage so far: that choice's prompt and
+    output tokens)."""
+    continuous, with_usage = stream_usage == "continuous", stream_usage is not None
+    completion_tokens, per_choice = 0, [0] * generation.num_choices
     try:
-        opening = shape.opening(generation.num_choices)
+        opening = shape.opening(generation.num_choices)  # chat's: one prompt, no output yet
         if opening:
-            yield sse(shape.chunk(opening, so_far(), with_usage=stream_usage is not None))
+            yield sse(shape.chunk(opening, usage(generation.prompt_tokens, 0) if continuous else None,
+                                  with_usage=with_usage))
         async for index, output in generation:
-            completion_tokens += len(output.token_ids) if shape.shows_output else 0
+            tokens = len(output.token_ids) if shape.shows_output else 0
+            completion_tokens += tokens
+            per_choice[index] += tokens
             choice = shape.chunk_choice(index, output, with_logprobs)
             if choice is not None:
-                yield sse(shape.chunk([choice], so_far(), with_usage=stream_usage is not None))
-        if stream_usage is not None:
+                so_far = usage(generation.choice_prompt_tokens(index), per_choice[index]) if continuous else None
+                yield sse(shape.chunk([choice], so_far, with_usage=with_usage))
+        if with_usage:
             yield sse(shape.chunk([], usage(generation.prompt_tokens, completion_tokens)))
     except Exception as exc:  # the response has started: the error goes in the stream
         yield sse(from_exception(exc).body())

@@ -26,7 +26,8 @@ TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, 
 @dataclass(frozen=True, eq=False)
 class ChatOptions:
     """How a conversation renders: the functions the model may call (`tools`, OpenAI's form), more variables the
-    template reads (`chat_template_kwargs`, vLLM's: e.g. Qwen3's enable_thinking), and how it ends:
+    template reads (`chat_template_kwargs`, vLLM's: e.g. Qwen3's enable_thinking, or a RAG template's `documents`,
+    a list of objects such as {"title", "text"}), and how it ends:
     the assistant's turn opened (`add_generation_prompt`, the default) or the last message left open for the model
     to go on with (`continue_final_message`, e.g. an assistant reply begun by the caller)."""
 
@@ -64,7 +65,12 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
                            "messages with the text to continue (e.g. an assistant message begun)")
     tools = options.tools or None
     messages = [{**m, "tool_calls": template_calls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
-    template = tokenizer.get_chat_template(tools=tools)
+    try:
+        template = tokenizer.get_chat_template(tools=tools)
+    except ValueError as exc:  # several named templates, none "default" (nor "tool_use" with tools)
+        named = ", ".join(sorted(tokenizer.chat_template)) if isinstance(tokenizer.chat_template, dict) else "?"
+        raise RequestError(f"this engine's tokenizer has several chat templates ({named}) and none for this chat "
+                           f"({exc}); give one (chat_template=, --chat-template FILE)") from exc
     if "developer" not in template:  # OpenAI's newer name for the system role, which most templates do not know
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     if not reads_tools(template):
@@ -85,11 +91,15 @@ def check_template_kwargs(kwargs: dict[str, Any] | None, tokenizer) -> dict[str,
         raise RequestError(f"chat_template_kwargs is an object of template variable names to values, got "
                            f"{kwargs!r:.80}")
     own = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-           if p.kind is not p.VAR_KEYWORD}
+           if p.kind is not p.VAR_KEYWORD} - {"documents"}  # RAG templates' documents: passed on, as vLLM's
     taken = sorted((own | {"messages", "conversations"}) & kwargs.keys())
     if taken:
         raise RequestError(f"chat_template_kwargs cannot set {', '.join(taken)}: they are not template variables "
                            "(messages and tools have their own fields); leave them out")
+    documents = kwargs.get("documents")
+    if documents is not None and not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
+        raise RequestError(f"documents is a list of objects (e.g. {{\"title\": ..., \"text\": ...}}), got "
+                           f"{documents!r:.80}")
     return kwargs
 
 

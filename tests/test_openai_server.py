@@ -813,3 +813,30 @@ def test_metrics_count_no_refused_sequence_and_count_failed_ones(engine_dir):
 
         asyncio.run(refused_then_failed())
         assert (finished(metrics, "abort"), finished(metrics, "error")) == (0, 1)
+
+
+def test_documents_reach_a_rag_template_from_the_python_api_and_the_server(engine_dir):
+    """transformers passes apply_chat_template's documents to the template (Command-R's, Granite's); they were
+    refused in chat_template_kwargs and dropped as a body field."""
+    from fastapi.testclient import TestClient
+
+    from camshaft.openai_server.app import create_app
+
+    template = ("{% for d in documents or [] %}<doc>{{ d.title }}: {{ d.text }}</doc>{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    docs = [{"title": "geo", "text": "Paris is in France"}]
+    messages = [{"role": "user", "content": "Where is Paris?"}]
+    with camshaft.LLM(engine_dir, chat_template=template) as llm:
+        text = llm.tokenizer.apply_chat_template(messages, documents=docs, tokenize=False)
+        assert "<doc>geo: Paris is in France</doc>" in text
+        expected = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert llm.encode(messages=messages, chat_template_kwargs={"documents": docs}) == expected
+        with TestClient(create_app(llm, MODEL)) as http:
+            for extra in ({"documents": docs}, {"chat_template_kwargs": {"documents": docs}}):
+                body = http.post("/tokenize", json={"messages": messages, **extra}).json()
+                assert body["tokens"] == expected, body
+            twice = http.post("/tokenize", json={"messages": messages, "documents": docs,
+                                                  "chat_template_kwargs": {"documents": docs}})
+            assert twice.status_code == 400 and "documents are given twice" in twice.json()["error"]["message"]
+            bad = http.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"documents": "x"}})
+            assert bad.status_code == 400 and "documents is a list of objects" in bad.json()["error"]["message"]

@@ -16,7 +16,7 @@ from test_openai_server import MODEL, running_server, tiny_engine
 from camshaft.errors import RequestError
 from camshaft.openai_server.tool_call_json import Llama3JsonReader, MistralReader
 from camshaft.openai_server.tool_calls import HermesReader
-from camshaft.runtime.chat_template import TOOLS_PREAMBLE
+from camshaft.runtime.chat_template import TOOLS_PREAMBLE, ChatOptions
 from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.session import Session
 
@@ -337,3 +337,15 @@ def _read(reader, pieces: list[str]) -> tuple[str, list[dict]]:
         content, calls = content + text, calls + more
     text, more = reader.finish()
     return content + text, calls + more
+
+
+def test_several_named_templates_and_none_for_the_chat_is_a_clear_error(engine_dir):
+    """transformers' ValueError (several templates, no "default") was a traceback (a 500 on the server)."""
+    from camshaft.runtime.chat_template import render_chat
+
+    with Session(engine_dir) as session:
+        tokenizer = session.tokenizer
+        tokenizer.chat_template = {"rag": "{{ messages[0].content }}", "tool_use": "{{ tools }}"}
+        with pytest.raises(RequestError, match=r"several chat templates \(rag, tool_use\) and none for this chat"):
+            render_chat(tokenizer, MESSAGES)
+        assert render_chat(tokenizer, MESSAGES, ChatOptions(tools=TOOLS))  # tools: the tool_use template

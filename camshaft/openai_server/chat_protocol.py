@@ -48,6 +48,7 @@ class TemplateOptions(BaseModel):
 
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: a RAG template's documents
     chat_template: Any = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -58,8 +59,13 @@ class TemplateOptions(BaseModel):
                                "--chat-template) renders every chat; leave it out")
 
     def chat_keywords(self) -> dict[str, Any]:
-        """The template options as LLM.encode takes them."""
-        return {"chat_template_kwargs": self.chat_template_kwargs, "add_generation_prompt": self.add_generation_prompt,
+        """The template options as LLM.encode takes them (documents among the template's variables)."""
+        kwargs = self.chat_template_kwargs
+        if self.documents is not None:
+            if isinstance(kwargs, dict) and "documents" in kwargs:
+                raise RequestError("documents are given twice (as a field and in chat_template_kwargs); send one")
+            kwargs = {**(kwargs if isinstance(kwargs, dict) else {}), "documents": self.documents}
+        return {"chat_template_kwargs": kwargs, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
 
@@ -78,7 +84,7 @@ class TokenizeRequest(TemplateOptions):
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send one of prompt (text) or messages (chat)")
-        chat_only = [name for name in ("tools", "chat_template_kwargs", "continue_final_message")
+        chat_only = [name for name in ("tools", "chat_template_kwargs", "documents", "continue_final_message")
                      if getattr(self, name)]
         chat_only += [] if self.add_generation_prompt else ["add_generation_prompt"]
         if self.prompt is not None and chat_only:

@@ -273,6 +273,17 @@ def test_the_hermes_reader_gives_the_same_message_however_the_text_is_split():
     first_only = _read(HermesReader({"get_weather", "get_time"}, parallel=False), [text])[1]
     assert [c["function"]["name"] for c in first_only] == ["get_weather"]
     assert _read(HermesReader({"f"}), ["a <tool_", "call x"]) == ("a <tool_call x", [])
+    array = ('<tool_call>[{"name": "get_time", "arguments": {"zone": "utc"}}, {"name": "get_weather", "arguments": '
+             '{"city": "oslo"}}]</tool_call>')  # SmolLM2's trained form: a list of calls in one block
+    for size in (1, 7, len(array)):
+        content, calls = _read(HermesReader({"get_weather", "get_time"}),
+                               [array[i:i + size] for i in range(0, len(array), size)])
+        assert content == "" and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+        assert len({c["id"] for c in calls}) == 2
+    assert [c["function"]["name"] for c in _read(HermesReader({"get_weather", "get_time"}, parallel=False),
+                                                 [array])[1]] == ["get_time"]
+    unknown = '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "nope", "arguments": {}}]</tool_call>'
+    assert _read(HermesReader({"get_time"}), [unknown]) == (unknown, [])  # a list with a stranger stays content
 
 
 def test_the_json_readers_read_llama_and_mistral_calls_however_the_text_is_split():

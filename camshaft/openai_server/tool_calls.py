@@ -159,13 +159,18 @@ class HermesReader(_Reader):
         return piece
 
     def _block(self, body: str, closed: bool) -> Piece:
-        parts = call_parts(loads(body), self._names)
-        if parts is None:
+        """One call's object, or a list of them (SmolLM2's trained form: `<tool_call>[{...}, {...}]</tool_call>`)."""
+        value = loads(body)
+        found = [call_parts(v, self._names) for v in (value if isinstance(value, list) and value else [value])]
+        if any(parts is None for parts in found):
             return self._content(OPEN + body + (CLOSE if closed else "")), []
-        if self.calls and not self._parallel:
-            return "", []
-        self.calls += 1
-        return "", [whole_call(self.calls - 1, *parts)]
+        calls = []
+        for parts in found:
+            if self.calls and not self._parallel:
+                break
+            self.calls += 1
+            calls.append(whole_call(self.calls - 1, *parts))
+        return "", calls
 
     def _content(self, text: str) -> str:
         """Content as it comes, less its leading whitespace and any whitespace at its end so far (held back until

@@ -69,8 +69,9 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                   "tied_embeddings": c.tie_word_embeddings, "sliding_window": c.sliding_window,
                   "rope": {"type": c.rope.type, "theta": c.rope.theta, "factor": c.rope.factor}},
         "dtype": m.dtype,
-        "quantization": {k: quant.get(k) for k in ("format", "group_size", "kv_cache_dtype", "lowering", "activations",
-                                                    "dequantized_linear_layers") if quant.get(k)} or None,
+        "quantization": {k: quant.get(k) for k in ("format", "group_size", "kv_cache_dtype", "kv_cache_affine",
+                                                    "lowering", "activations", "dequantized_linear_layers")
+                         if quant.get(k)} or None,
         "lm_head": quant.get("lm_head"),
         "target": m.target,
         "device": TARGET_DEVICES.get(m.target, m.target),

@@ -132,6 +132,9 @@ def test_engine_logits_match_fake_quant_kv_cache(kv_engine, prompt):
     expected = {"int8": "int8", "fp8": "float8"}[kv_dtype]
     assert q["kv_cache_dtype"] == expected and engine.manifest.kv_cache.dtype == expected
     assert q["kv_cache_affine"] is True
+    from camshaft.runtime.engine_info import engine_info
+
+    assert engine_info(engine_dir)["quantization"]["kv_cache_affine"] is True  # inspect tells it from a plain cache
     tokens, blocks = prompt[0].tolist(), engine.pool.allocate(PROMPT_LEN // BLOCK + 1)
     first = engine.step([Chunk(tokens[:FIRST_CHUNK], 0, blocks[: FIRST_CHUNK // BLOCK], FIRST_CHUNK)])
     second = engine.step([Chunk(tokens[FIRST_CHUNK:PROMPT_LEN], FIRST_CHUNK, blocks[:-1], PROMPT_LEN - FIRST_CHUNK)])

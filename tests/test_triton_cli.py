@@ -360,3 +360,27 @@ def test_a_stop_lets_text_model_requests_in_flight_finish(tmp_path):
         outputs, error, _ = stream.collect()
     assert error is None
     assert int(outputs[-1]["num_output_tokens"].reshape(-1)[0]) == 4000
+
+
+def test_a_repository_checks_its_engine_before_serving(engine, tmp_path):
+    """An engine moved away failed all four models' loads, telling the user to rebuild; one rebuilt since the deploy
+    ran with the old build's batch and queue sizes, silently. A symlinked engine path is kept, so a blue/green link
+    flipped to another build is what a redeploy of the link serves."""
+    from camshaft.triton_repo.deploy import check_deployed_engine
+    from camshaft.triton_repo.serve import serve
+
+    copy = tmp_path / "v1"
+    shutil.copytree(engine, copy)
+    (tmp_path / "current").symlink_to(copy)
+    repo = deploy_repository(tmp_path / "current", tmp_path / "repo")
+    assert json.loads((repo / MARKER).read_text())["engine_dir"] == str(tmp_path / "current")
+    assert check_deployed_engine(repo) is None
+    model = make_tiny_model("llama", tmp_path / "hf")
+    build_engine(BuildConfig(model, copy, max_seq_len=128, max_batch_size=2))  # rebuilt in place: a new build id
+    assert "was rebuilt since" in check_deployed_engine(repo)
+    shutil.rmtree(copy)
+    logged: list[str] = []
+    with pytest.raises(CamshaftError, match=r"serves the engine .*current, which cannot be loaded .*deploy it again"):
+        serve(engine=None, repo=repo, host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0, llm_options={},
+              log=logged.append)
+    assert not any("starting tritonserver" in line for line in logged)  # refused before the server started

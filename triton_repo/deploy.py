@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -91,11 +92,32 @@ def check_path(path: Path, what: str) -> None:
                             "from (its stubs crash); use a path without spaces")
 
 
+def check_deployed_engine(repo: Path) -> str | None:
+    """The engine a repository serves, checked before a server loads it: a missing or broken engine is refused
+    (CamshaftError) saying to deploy again; returns a warning when it was rebuilt since the deploy (the repository's
+    batch and queue sizes were derived from the old build), else None."""
+    try:
+        record = json.loads((repo / MARKER).read_text())
+        engine = Path(record["engine_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not written by camshaft deploy, or by an older one: its models say what they lack
+    try:
+        manifest = read_manifest(engine, check_files=False)
+    except CamshaftError as exc:
+        raise CamshaftError(f"{repo} serves the engine {engine}, which cannot be loaded ({exc}); deploy it again: "
+                            f"camshaft deploy --engine ENGINE --repo {repo}") from None
+    built = record.get("build_id")
+    if built and manifest.build_id != built:
+        return (f"{engine} was rebuilt since {repo} was deployed; its batch and queue sizes are the old build's: "
+                f"camshaft deploy --engine {engine} --repo {repo} to match the new one")
+    return None
+
+
 def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None,
                       decoupled: bool = True) -> Path:
     """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments; decoupled: the
     models' transaction policy (`<name>_sync` is never decoupled)."""
-    engine, repo = Path(engine).resolve(), Path(repo)
+    engine, repo = Path(os.path.abspath(engine)), Path(repo)  # a symlink kept: engines/current -> v2 is followed
     manifest = read_manifest(engine)  # refuses a missing or broken engine directory
     check_path(repo, "--repo")
     taken = (TOKEN_MODEL, BLS_MODEL)
@@ -136,7 +158,8 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
             (staging / model / "config.pbtxt").write_text(config)
             shutil.copyfile(SHIM, staging / model / "1" / "model.py")
         (staging / MARKER).write_text(json.dumps({
-            "engine_dir": str(engine), "name": name, "llm_options": options, "decoupled": decoupled,
+            "engine_dir": str(engine), "build_id": manifest.build_id, "name": name, "llm_options": options,
+            "decoupled": decoupled,
             "camshaft_version": __version__, "files": _file_hashes(staging, models)},
             indent=2) + "\n")
         replace_dir(staging, repo)

@@ -30,9 +30,11 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
           llm_options: dict, log: Callable[[str], None], name: str | None = None, decoupled: bool = True) -> None:
     """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit.
     name, decoupled: as deploy_repository takes them, when deploying `engine` (a repository keeps its own)."""
-    from camshaft.triton_repo.deploy import deploy_repository
+    from camshaft.triton_repo.deploy import check_deployed_engine, deploy_repository
 
     tritonserver_root()  # not installed: said before anything is deployed
+    if repo is not None and (warning := check_deployed_engine(Path(repo))):
+        log(f"warning: {warning}")
     if repo is not None and name is not None and name != _text_model_name(Path(repo)):
         raise CamshaftError(f"{repo} serves the text model {_text_model_name(Path(repo))!r}, not {name!r}; "
                             f"drop --name or redeploy with camshaft deploy --name {name}")

@@ -43,8 +43,8 @@ class TextModel:
         check_model_parameters(args["model_name"], params, TEXT_MODEL_PARAMETERS)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.name = args["model_name"]
+        manifest = read_manifest(Path(params["engine_dir"]))  # a missing engine said as such, before its tokenizer
         self.tokenizer = load_tokenizer(Path(params["engine_dir"]))
-        manifest = read_manifest(Path(params["engine_dir"]))
         self.max_seq_len, self.vocab_size = manifest.limits.max_seq_len, manifest.model.vocab_size
         self.max_requests = int(params.get("max_requests") or 256)  # what the executor admits (batch + queue)
         self.stream_model = params.get("stream_model", "")  # the decoupled text model; "" when none is

@@ -15,6 +15,7 @@ from pathlib import Path
 from camshaft.errors import EngineError
 
 MANIFEST_NAME = "manifest.json"
+REPOSITORY_MARKER = "camshaft_repository.json"  # a Triton model repository camshaft deploy wrote
 TOKENIZER_DIR = "tokenizer"
 BUILD_OUTPUTS = ("model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data", "model.plan", "graph.onnx",
                  "graph.onnx.data")

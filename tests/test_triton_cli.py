@@ -375,6 +375,12 @@ def test_a_repository_checks_its_engine_before_serving(engine, tmp_path):
     repo = deploy_repository(tmp_path / "current", tmp_path / "repo")
     assert json.loads((repo / MARKER).read_text())["engine_dir"] == str(tmp_path / "current")
     assert check_deployed_engine(repo) is None
+    from camshaft.errors import EngineError
+    from camshaft.manifest import read_manifest
+
+    with pytest.raises(EngineError, match=r"is a Triton model repository \(camshaft deploy\), not an engine; it serves "
+                                          r".*current: pass that engine directory"):
+        read_manifest(repo)  # camshaft run --engine REPO
     model = make_tiny_model("llama", tmp_path / "hf")
     build_engine(BuildConfig(model, copy, max_seq_len=128, max_batch_size=2))  # rebuilt in place: a new build id
     assert "was rebuilt since" in check_deployed_engine(repo)

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import camshaft
+from camshaft.engine_files import REPOSITORY_MARKER
 from camshaft.errors import CamshaftError
 from camshaft.manifest import read_manifest
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
@@ -24,7 +25,7 @@ from camshaft.runtime.llm_options import QUEUE_PER_BATCH
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, TOKEN_OUTPUTS, config_block
 from camshaft.version import __version__
 
-MARKER = "camshaft_repository.json"
+MARKER = REPOSITORY_MARKER
 TOKEN_MODEL = "tensorrt_llm"
 BLS_MODEL = "tensorrt_llm_bls"  # tensorrtllm_backend's text model beside the ensemble: the same text model here
 SHIM = Path(__file__).with_name("model_shim.py")

@@ -72,6 +72,14 @@ def test_synthetic_prompts_encode_to_about_the_requested_length(engine_dir):
         load_requests("prefill-heavy", 2, None)
 
 
+
+def test_a_deployed_repository_gives_its_engines_tokenizer(engine_dir, tmp_path):
+    from camshaft.triton_repo.deploy import deploy_repository
+
+    repo = deploy_repository(engine_dir, tmp_path / "repo")  # bench serve --tokenizer REPO, as its target serves
+    assert load_tokenizer(repo).get_vocab() == load_tokenizer(engine_dir).get_vocab()
+
+
 def test_jsonl_prompts_are_text_counted_by_the_tokenizer(engine_dir, tmp_path):
     tokenizer = load_tokenizer(engine_dir)
     path = tmp_path / "prompts.jsonl"

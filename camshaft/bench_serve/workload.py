@@ -18,13 +18,20 @@ class ServeRequest:
 
 
 def load_tokenizer(path: str | Path):
-    """The tokenizer of an engine directory or a Hugging Face checkpoint directory (local files only)."""
+    """The tokenizer of an engine directory, a Triton repository camshaft deployed (its engine's) or a Hugging Face
+    checkpoint directory (local files only)."""
+    import json
+
     from transformers import PreTrainedTokenizerFast
 
-    from camshaft.engine_files import TOKENIZER_DIR
+    from camshaft.engine_files import REPOSITORY_MARKER, TOKENIZER_DIR
 
     path = Path(path)
-    for where in (path / TOKENIZER_DIR, path):
+    try:
+        served = [Path(json.loads((path / REPOSITORY_MARKER).read_text())["engine_dir"]) / TOKENIZER_DIR]
+    except (OSError, ValueError, KeyError, TypeError):
+        served = []
+    for where in (path / TOKENIZER_DIR, path, *served):
         if (where / "tokenizer.json").is_file():
             return PreTrainedTokenizerFast.from_pretrained(str(where))
     raise RequestError(f"{path} holds no tokenizer.json; pass an engine or checkpoint directory as --tokenizer")

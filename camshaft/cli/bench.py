@@ -138,8 +138,9 @@ def bench_serve(
         "B one of openai, triton-generate, triton-grpc, llm (URL: an engine directory, run in-process); M: the "
         "served model name, when it is not the server's only one")],
     dataset: DatasetOption = "prefill-heavy",
-    tokenizer: Annotated[Path | None, typer.Option(help="Engine or checkpoint directory whose tokenizer sizes the "
-                                                        "synthetic prompts (default: an llm target's engine)")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="Engine, deployed Triton repository or checkpoint directory "
+                                                        "whose tokenizer sizes the synthetic prompts (default: an llm "
+                                                        "target's engine)")] = None,
     num_requests: Annotated[int, typer.Option(min=1, help="Requests per run")] = 64,
     request_rate: Annotated[str, typer.Option(help="Requests/s of the Poisson arrivals, or inf; a comma-separated "
                                                    "list sweeps, e.g. 1,2,4,inf")] = "inf",

@@ -26,9 +26,11 @@ class TextStream:
                  skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         backend = tokenizer.backend_tokenizer
         self._decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        # tokens the decode skips: kept out of the window, which would otherwise grow with each (a repeated end id)
+        # tokens the decode skips: kept out of the window, which would otherwise grow with each (a repeated end id;
+        # ids past the tokenizer's vocabulary, which an engine's padded embedding may sample)
         self._skipped = {i for i, t in backend.get_added_tokens_decoder().items() if t.special} \
             if skip_special_tokens else set()
+        self._known = backend.get_vocab_size(with_added_tokens=True)
         self._stops = tuple(s for s in stop if s)
         self._include_stop = include_stop
         context = list(prompt_ids[-_PROMPT_CONTEXT:])
@@ -65,7 +67,7 @@ class TextStream:
         if self._done:
             return ""
         self._appended += 1
-        if token_id in self._skipped:
+        if token_id in self._skipped or token_id >= self._known:
             self._mark_boundary(0)
             return ""
         self._ids.append(token_id)

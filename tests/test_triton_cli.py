@@ -51,7 +51,7 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     assert all((repo / name / "1" / "model.py").is_file() for name in configs)
     assert "decoupled: true" in configs["llm"] and "decoupled: false" in configs["llm_sync"]
     # the token model takes one prompt a request under any ensemble's batch bound; the text models batch
-    assert f'"{engine.resolve()}"' in configs["tensorrt_llm"] and "max_batch_size: 1024" in configs["tensorrt_llm"]
+    assert f'"{engine.absolute()}"' in configs["tensorrt_llm"] and "max_batch_size: 1024" in configs["tensorrt_llm"]
     assert "max_batch_size: 4" in configs["llm"] and "max_batch_size: 4" in configs["llm_sync"]
     from camshaft.triton_repo.parameters import TEXT_MODEL_PARAMETERS, TOKEN_MODEL_PARAMETERS
 
@@ -372,7 +372,8 @@ def test_a_repository_checks_its_engine_before_serving(engine, tmp_path):
     copy = tmp_path / "v1"
     shutil.copytree(engine, copy)
     (tmp_path / "current").symlink_to(copy)
-    repo = deploy_repository(tmp_path / "current", tmp_path / "repo")
+    repo = deploy_repository(tmp_path / "current", tmp_path / "repo", name="llm", decoupled=False,
+                             llm_options={"kv_cache_memory": 2**20})
     assert json.loads((repo / MARKER).read_text())["engine_dir"] == str(tmp_path / "current")
     assert check_deployed_engine(repo) is None
     from camshaft.errors import EngineError
@@ -383,10 +384,13 @@ def test_a_repository_checks_its_engine_before_serving(engine, tmp_path):
         read_manifest(repo)  # camshaft run --engine REPO
     model = make_tiny_model("llama", tmp_path / "hf")
     build_engine(BuildConfig(model, copy, max_seq_len=128, max_batch_size=2))  # rebuilt in place: a new build id
-    assert "was rebuilt since" in check_deployed_engine(repo)
+    again = f"camshaft deploy --engine {tmp_path / 'current'} --repo {repo} --kv-cache-memory 1048576 --name llm " \
+        "--no-decoupled"  # the deploy that wrote it, not the defaults
+    assert "was rebuilt since" in check_deployed_engine(repo) and again in check_deployed_engine(repo)
     shutil.rmtree(copy)
     logged: list[str] = []
-    with pytest.raises(CamshaftError, match=r"serves the engine .*current, which cannot be loaded .*deploy it again"):
+    with pytest.raises(CamshaftError, match=r"serves the engine .*current, which cannot be loaded .*deploy it again: "
+                                            r"camshaft deploy --engine ENGINE --repo .* --name llm"):
         serve(engine=None, repo=repo, host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0, llm_options={},
               log=logged.append)
     assert not any("starting tritonserver" in line for line in logged)  # refused before the server started

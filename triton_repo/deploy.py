@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -31,6 +31,7 @@ BLS_MODEL = "tensorrt_llm_bls"  # tensorrtllm_backend's text model beside the en
 SHIM = Path(__file__).with_name("model_shim.py")
 TOKEN_MODEL_BATCH = 1024  # Triton's bound on a request's batch dimension (prompts a request)
 LLM_OPTIONS = ("kv_cache_memory", "max_queue", "max_batch_size", "policy", "max_num_tokens", "threads", "prompt_lookup")
+DEPLOY_FLAGS = ("kv_cache_memory", "max_batch_size", "policy", "max_num_tokens", "prompt_lookup")  # and max_queue
 
 
 def _parameters(values: dict[str, str]) -> str:
@@ -102,23 +103,37 @@ def check_deployed_engine(repo: Path) -> str | None:
         engine = Path(record["engine_dir"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # not written by camshaft deploy, or by an older one: its models say what they lack
+    again = _deploy_again(record, repo)
     try:
         manifest = read_manifest(engine, check_files=False)
     except CamshaftError as exc:
         raise CamshaftError(f"{repo} serves the engine {engine}, which cannot be loaded ({exc}); deploy it again: "
-                            f"camshaft deploy --engine ENGINE --repo {repo}") from None
+                            f"{again.replace(shlex.quote(str(engine)), 'ENGINE')}") from None
     built = record.get("build_id")
     if built and manifest.build_id != built:
         return (f"{engine} was rebuilt since {repo} was deployed; its batch and queue sizes are the old build's: "
-                f"camshaft deploy --engine {engine} --repo {repo} to match the new one")
+                f"{again} to match the new one")
     return None
+
+
+def _deploy_again(record: dict, repo: Path) -> str:
+    """The deploy command that wrote `record` (name, decoupled, the options given; a queue size deploy derived from
+    the batch size is left to derive again)."""
+    options = record.get("llm_options") if isinstance(record.get("llm_options"), dict) else {}
+    flags = [f"--{key.replace('_', '-')} {shlex.quote(str(options[key]))}" for key in DEPLOY_FLAGS
+             if options.get(key) is not None]
+    name = record.get("name")
+    flags += [f"--name {shlex.quote(name)}"] if isinstance(name, str) and name != "ensemble" else []
+    flags += ["--no-decoupled"] if record.get("decoupled") is False else []
+    return " ".join(["camshaft deploy --engine", shlex.quote(str(record["engine_dir"])), "--repo",
+                     shlex.quote(str(repo)), *flags]) + " (and --max-queue N if you gave one)"
 
 
 def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_options: dict | None = None,
                       decoupled: bool = True) -> Path:
     """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments; decoupled: the
     models' transaction policy (`<name>_sync` is never decoupled)."""
-    engine, repo = Path(os.path.abspath(engine)), Path(repo)  # a symlink kept: engines/current -> v2 is followed
+    engine, repo = Path(engine).absolute(), Path(repo)  # a symlink kept: engines/current -> v2 is followed
     manifest = read_manifest(engine)  # refuses a missing or broken engine directory
     check_path(repo, "--repo")
     taken = (TOKEN_MODEL, BLS_MODEL)

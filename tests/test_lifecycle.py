@@ -120,9 +120,16 @@ def test_a_second_close_on_another_thread_waits_for_the_loop_to_stop(engine_dir)
     finals: queue.SimpleQueue = queue.SimpleQueue()
     llm.submit([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), lambda o: o.finished and finals.put(o))
     assert stepping.wait(30)
+    closing, close = threading.Event(), llm.executor.close
+
+    def close_signalled() -> None:
+        closing.set()
+        close()
+
+    llm.executor.close = close_signalled  # the first close is inside the finalizer when the second comes
     first = threading.Thread(target=llm.close)
     first.start()
-    time.sleep(0.1)
+    assert closing.wait(30)
     llm.close()
     assert not llm.executor._thread.is_alive() and isinstance(finals.get_nowait().error, ServerClosedError)
     first.join()

@@ -26,13 +26,37 @@ def tiny(tmp_path_factory):
     return model, engine
 
 
+def independent_perplexity(model_dir, text: str, window: int) -> tuple[float, int]:
+    """transformers' own loss over non-overlapping windows, none of camshaft's windowing or log-softmax."""
+    import math
+
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = tokenizer(text)["input_ids"]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids), window):
+            part = torch.tensor([ids[start:start + window]])
+            if part.shape[1] < 2:
+                continue
+            loss = reference(part, labels=part).loss  # mean over the window's shifted targets
+            total, count = total + float(loss) * (part.shape[1] - 1), count + part.shape[1] - 1
+    return math.exp(total / count), count
+
+
 def test_engine_perplexity_equals_transformers(tiny):
     model, engine = tiny
     ours = engine_perplexity(engine, TEXT)
     theirs = reference_perplexity(model, TEXT, window=128)
     assert ours.windows == theirs.windows > 1  # the text spans several windows, each in several chunks
     assert ours.tokens_scored == theirs.tokens_scored
-    assert abs(ours.perplexity - theirs.perplexity) / theirs.perplexity < 1e-4
+    expected, scored = independent_perplexity(model, TEXT, 128)  # the shared scoring code checked too
+    assert ours.tokens_scored == scored
+    for result in (ours, theirs):
+        assert abs(result.perplexity - expected) / expected < 1e-4, (result.perplexity, expected)
 
 
 def test_the_cli_scores_engine_and_reference_on_the_same_windows(tiny, tmp_path, capsys):
@@ -44,6 +68,8 @@ def test_the_cli_scores_engine_and_reference_on_the_same_windows(tiny, tmp_path,
     assert code == 0 and len(lines) == 2, out
     engine_ppl, reference_ppl = (float(line.split()[2]) for line in lines)
     assert abs(engine_ppl - reference_ppl) / reference_ppl < 1e-4 and lines[0].split("(")[1] == lines[1].split("(")[1]
+    expected = independent_perplexity(model, TEXT, 128)[0]  # the engine's max_seq_len: both scored its windows
+    assert abs(engine_ppl - expected) / expected < 1e-3  # as printed, to 4 decimals
     assert re.search(r"tokens, \d+ windows? of \d+ tokens\)$", lines[0]), lines[0]  # the window size shown
     code, _, err = camshaft(capsys, "eval", "ppl", "--engine", engine, "--model", model, "--data",
                             tmp_path / "text.txt", "--window", "64")

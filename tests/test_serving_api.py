@@ -145,14 +145,14 @@ def test_results_read_as_vllms_and_a_closed_async_stream_aborts_at_once(engine_d
             llm.chat([[{"role": "user", "content": "hi"}], ["x"]])
 
         step = llm.engine.step
-        llm.engine.step = lambda chunks: time.sleep(0.01) or step(chunks)  # 200 tokens take 2 s or more
+        llm.engine.step = lambda chunks: time.sleep(0.02) or step(chunks)  # 200 tokens take 4 s or more
 
         async def first_delta_then_close() -> None:
             stream = llm.stream("hello", SamplingParams(max_tokens=200, ignore_eos=True))
             async for _ in stream:
                 break
             await stream.aclose()
-            deadline = time.monotonic() + 0.5  # blocking: the event loop does not turn
+            deadline = time.monotonic() + 2.0  # blocking: the event loop does not turn; well before 200 tokens
             while llm.load().kv_blocks_used and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert llm.load().kv_blocks_used == 0 and llm.load().running == 0

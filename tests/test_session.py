@@ -293,7 +293,7 @@ def test_one_request_at_a_time(session):
     abandoned = session.stream("hello", max_tokens=10, ignore_eos=True)
     next(abandoned)
     abandoned.close()  # closing a stream frees the session
-    assert session.generate("other", max_tokens=3).finish_reason in ("length", "stop")
+    assert session.generate("other", max_tokens=3, ignore_eos=True).finish_reason == "length"  # it runs again
     if session.graph == "batch":
         pool = session.engine.engine.pool
         assert pool.num_free == pool.capacity

@@ -87,8 +87,10 @@ def test_abort_and_a_closed_connection_free_the_request(channel):
     wait_idle(llm)
     client.send(("submit", "gone", {"prompt": [5, 6], "max_tokens": 4000}))
     assert arrived.get(timeout=60)[:2] == ("out", "gone")
+    steps = llm.executor.steps_done
     client.close()  # a text model that went away: the server aborts what it left running
     wait_idle(llm)
+    assert llm.executor.steps_done - steps < 2000  # aborted, not run to its 4000 tokens (one step a token)
 
 
 def test_a_refused_request_comes_back_as_an_error_with_its_code(channel):

@@ -6,20 +6,19 @@ test_triton_load_smollm2.py); state is read from its Prometheus metrics."""
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import requests
 from test_triton import (
     PROMPTS,
     Stack,
     Stream,
+    assert_nothing_outlives,
     assert_same_ids,
     assert_same_text,
     batch_tensors,
@@ -53,15 +52,10 @@ def serving(engine: Path, root: Path) -> Iterator[Stack]:
             yield Stack(server, session)
     finally:
         session.engine.close()
-    stubs = [p for p in psutil.process_iter(["cmdline"]) if str(repo) in " ".join(p.info["cmdline"] or [])]
-    assert not stubs, f"processes of the server outlived it: {stubs}"
-    assert server.shm_regions and not any(Path("/dev/shm", name).exists() for name in server.shm_regions)
     # Every test above ends with the executor idle (all requests finished or aborted, each with its final flag).
     # Triton then unloads the models and their stubs remove their memory, except in the python backend's known
     # shutdown hang (docs/triton.md, Troubleshooting; ~1 run in 10 of this module): stop() cleaned up after it.
-    if server.leaked_shm:
-        warnings.warn(f"tritonserver did not unload cleanly (the python backend's shutdown hang); stop() removed "
-                      f"{server.leaked_shm} and its stubs; log: {root / 'tritonserver.log'}", stacklevel=1)
+    assert_nothing_outlives(server, repo)
 
 
 @pytest.fixture(scope="module")

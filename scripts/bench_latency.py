@@ -4,8 +4,8 @@
 Systems: camshaft's Session on an onnxruntime fp32 engine, transformers fp32 (a manual KV-cached greedy loop), and
 onnxruntime-genai fp32 (a model made by its own builder). Every system gets the same prompt ids
 (`benchmark_prompt`), generates the same number of tokens greedily with the end id ignored, and runs on the same
-number of threads, each in a process of its own. Rounds are interleaved (each round runs every system once, in a
-rotating order) and medians are
+number of threads, each in a process of its own. Rounds are interleaved (each round runs every system once, in
+its own seeded order) and medians are
 reported, with camshaft/peer ratios taken within each round, so the noise of a shared machine mostly cancels.
 
 Also measured: the camshaft build (wall time, peak RSS, engine size), the onnxruntime-genai build for comparison,
@@ -203,7 +203,8 @@ def markdown(results: dict, plot_ref: str) -> str:
         f"one runs; where a process lands in memory moves its speed by a few per cent for its whole life), {PAUSE_S} s "
         "after the previous run (so no worker thread of the previous system still spins on the cores). "
         f"One warm-up run each, then {cfg['rounds']} round(s); each round runs every system once (each of its "
-        "processes in turn; their mean time), in rotating order. "
+        "processes in turn; their mean time), each round in its own seeded order (a rotation would give every "
+        "system the same predecessor). "
         "Medians, (min–max) over rounds. TTFT = prompt in → first token out; decode tok/s = "
         f"({cfg['new_tokens']} − 1) / (time after the first token). transformers runs a KV-cached greedy loop "
         "(`model(...)` + argmax per token); onnxruntime-genai runs `append_tokens` then `generate_next_token` "

@@ -49,6 +49,7 @@ class LlamaCppSystem:
         ids: list[int] = []
         start = time.perf_counter()
         first = start
+        self.llm.reset()  # generate(reset=True) keeps a matching prefix: the prompt would not be evaluated again
         for token in self.llm.generate(self.prompt, top_k=1, temp=0.0, reset=True):
             if not ids:
                 first = time.perf_counter()

@@ -7,6 +7,7 @@ rate is (new_tokens - 1) / (total_s - ttft_s), the definition camshaft's Timings
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -184,7 +185,8 @@ def summarize_run(run: dict, prompt_len: int) -> dict:
 
 
 def run_rounds(systems: list, rounds: int, prompt_len: int) -> tuple[dict, dict]:
-    """Warm each system once, then `rounds` rounds in rotating order. Returns per-system runs and token ids."""
+    """Warm each system once, then `rounds` rounds, each in its own seeded order (a rotation would give each system
+    the same predecessor every round). Returns per-system runs and token ids."""
     for system in systems:
         log(f"warm-up: {system.name}")
         system.run()
@@ -192,8 +194,7 @@ def run_rounds(systems: list, rounds: int, prompt_len: int) -> tuple[dict, dict]
     tokens: dict[str, list[int]] = {}
     loads = [os.getloadavg()[0]]
     for r in range(rounds):
-        shift = r % len(systems)
-        order = systems[shift:] + systems[:shift]
+        order = random.Random(r).sample(systems, len(systems))  # each round its own order and predecessors
         for system in order:
             time.sleep(PAUSE_S)
             run = system.run()

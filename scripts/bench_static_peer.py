@@ -19,6 +19,7 @@ class TransformersPeer:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
+        self.name = PEER
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         self.cache_arg = cache_keyword(self.model)

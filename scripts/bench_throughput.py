@@ -30,6 +30,7 @@ import numpy as np
 from bench_common import REPO, log, machine_info, publish, rel, show_cmd
 from bench_matmul_peak import best_of, sgemm_peak, streamed_matmul
 from bench_static_peer import PEER, TransformersPeer
+from bench_systems import Isolated
 from bench_throughput_md import MD_BEGIN, MD_END, markdown
 
 from camshaft.models import default_model_dir, fetch_model
@@ -197,8 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     streamed = streamed_matmul(args.threads, 4 * linear_params(manifest)[0], rows=args.concurrency)
     log(f"  {args.concurrency}-row products over the model's layer weight bytes, streamed: {streamed}")
 
-    log("transformers peer")
-    peer_system = TransformersPeer(model_dir, args.threads)
+    log("transformers peer (in a process of its own, as camshaft's LLM had this one)")
+    peer_system = Isolated(TransformersPeer, model_dir, args.threads)
     peer_system.run(warmup_requests(requests, manifest.model.vocab_size), 4)
     peer, equal = [], None
     for c in args.peer_levels:
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                 n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
                 prefix += n
             equal = {"requests": len(same), "equal": sum(same), "prefix_share": prefix / sum(map(len, tokens))}
+    peer_system.close()
 
     layers, head = linear_params(manifest)
     prompt_lens = [len(r.prompt_ids) for r in requests]

@@ -53,9 +53,9 @@ def markdown(res: dict, plot_ref: str) -> str:
         f"{cfg['max_num_tokens']} tokens a step, KV blocks of {cfg['kv_block_size']}), a closed-loop client that "
         "submits the first C requests at once and the next whenever one finishes. transformers: the same prompt ids, "
         "static batches of C requests in arrival order, left padding, each batch decoding until its longest request "
-        "is done (a KV-cached `model(...)` + argmax loop). TTFT counts from a request's submission (transformers: "
-        "from its batch's start) to its first token; ITL = gaps between a request's tokens; E2E = submission to "
-        "last token. Output tok/s = all requests' output tokens / wall time of the run.",
+        "is done (a KV-cached `model(...)` + argmax loop), in a process of its own. TTFT counts from a request's "
+        "submission (transformers: from its batch's start) to its first token; ITL = gaps between a request's "
+        "tokens; E2E = submission to last token. Output tok/s = all requests' output tokens / wall time of the run.",
         "",
         f"Sweep points other than C = {cfg['concurrency']} run the first {cfg['sweep_num_requests']} requests of the "
         "same dataset (to bound the run time); the target point runs all of them.",

@@ -24,6 +24,16 @@ WHOLE_BELOW = 1 << 22  # smaller files (graphs, tokenizer) are hashed whole
 MAX_SAMPLES = 4096  # a larger one: samples every max(1 MiB, size / 4096) bytes, ~1 % of a 500 MB file
 
 
+def deployed_record(repo: Path) -> dict | None:
+    """What `camshaft deploy` recorded in a Triton repository (engine_dir, name, ...), or None where it wrote none
+    (not a repository of camshaft's, or an unreadable record)."""
+    try:
+        record = json.loads((Path(repo) / REPOSITORY_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("engine_dir"), str) else None
+
+
 def fingerprint(path: Path) -> str:
     """sha256 of the size and of the whole file, or of evenly spaced samples and the tail of a large one."""
     size = path.stat().st_size

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from camshaft.checks import check_positive_ints
-from camshaft.engine_files import MANIFEST_NAME, REPOSITORY_MARKER, check_unchanged, write_atomic
+from camshaft.engine_files import MANIFEST_NAME, REPOSITORY_MARKER, check_unchanged, deployed_record, write_atomic
 from camshaft.engine_files import check_files as _check_files
 from camshaft.errors import CamshaftError, EngineError
 from camshaft.io_signature import CACHE_NAMES, KVCacheLayout, SequenceGraph, TensorSpec, tensor_specs
@@ -153,10 +153,7 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True, check_dig
         raise EngineError(f"{engine_dir} is a Hugging Face checkpoint, not an engine; build one from it with "
                           f"`camshaft build --model {shlex.quote(str(engine_dir))} --output ENGINE_DIR` and pass that")
     if not path.is_file() and (engine_dir / REPOSITORY_MARKER).is_file():
-        try:
-            served = json.loads((engine_dir / REPOSITORY_MARKER).read_text())["engine_dir"]
-        except (OSError, ValueError, KeyError, TypeError):
-            served = "its engine"
+        served = (deployed_record(engine_dir) or {}).get("engine_dir", "its engine")
         raise EngineError(f"{engine_dir} is a Triton model repository (camshaft deploy), not an engine; it serves "
                           f"{served}: pass that engine directory (or serve the repository: camshaft serve --repo)")
     if not path.is_file():

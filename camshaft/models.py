@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from camshaft.errors import CamshaftError, FetchError, needs_extra
-from camshaft.outdir import staging_dir, writable_dir
+from camshaft.outdir import staging_dir, unwritable
 
 MARKER = ".camshaft-fetch.json"
 
@@ -140,11 +140,9 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
 def _check_output_replaceable(output: Path) -> None:
     """Refuse an output under a file or in a directory this process cannot write, and a directory that camshaft did
     not write (an older fetch of ours may be replaced)."""
-    parent = next((p for p in output.parents if p.exists()), output)
-    if not writable_dir(parent):
-        what = "is a file" if parent.exists() and not parent.is_dir() else "is not a directory you can write to"
-        raise FetchError(f"cannot write into {output}: {parent} {what}; pass --output DIR, or set CAMSHAFT_CACHE to "
-                         "a directory you can write to")
+    if why := unwritable(output):
+        raise FetchError(f"cannot write into {output}: {why}; pass --output DIR, or set CAMSHAFT_CACHE to a "
+                         "directory you can write to")
     if not output.exists():
         return
     if not output.is_dir():

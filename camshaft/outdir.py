@@ -26,6 +26,17 @@ def writable_dir(path: Path) -> bool:
     return True
 
 
+def unwritable(output: Path) -> str | None:
+    """Why `output` cannot be written (its nearest existing ancestor, where it is built beside itself in a new
+    sibling, is a file or not writable), or None."""
+    parent = next((p for p in output.parents if p.exists()), output)
+    if writable_dir(parent):
+        return None
+    what = ("is not a directory you can write to" if parent.is_dir() else "is a file" if parent.exists()
+            else "no longer exists")
+    return f"{parent} {what}"
+
+
 def check_replaceable(output: Path, marker: str, kind: str, error: type[Exception], flag: str = "--output",
                       owned: Callable[[Path], set[str]] | None = None) -> None:
     """Refuse an output (given as `flag`) that exists and is neither empty nor a `kind` (recognised by its `marker`
@@ -33,11 +44,8 @@ def check_replaceable(output: Path, marker: str, kind: str, error: type[Exceptio
     mount point, which cannot be swapped for the new directory, is refused too, and so is a path under a file or in a
     directory this process cannot write."""
     output = Path(os.path.abspath(output))  # "." has a parent to build beside
-    parent = next((p for p in output.parents if p.exists()), output)  # built beside itself, in a new sibling
-    if not writable_dir(parent):
-        what = ("is not a directory you can write to" if parent.is_dir() else "is a file" if parent.exists()
-                else "no longer exists")
-        raise error(f"{flag} {output} cannot be written: {parent} {what}; choose a path in a writable directory")
+    if why := unwritable(output):
+        raise error(f"{flag} {output} cannot be written: {why}; choose a path in a writable directory")
     if output.is_symlink():
         raise error(f"{flag} {output} is a symlink (to {os.readlink(output)}); the output replaces it with a "
                     "directory: pass the directory itself, or a new path")

@@ -74,12 +74,10 @@ class Engine:
                               "belongs to another build; rebuild the engine")
         copies = cache_copies(m)
         if isinstance(kv_cache_memory, float):  # sized by the backend once the weights are loaded, of what is free then
-            def num_blocks(free: int) -> int:
-                blocks = pool_blocks(m, max_sequences, fraction_bytes(kv_cache_memory, free), copies, kv_cache_memory)
-                return blocks if most_blocks is None else min(blocks, most_blocks)
+            num_blocks = lambda free: pool_blocks(  # noqa: E731 - called with the free bytes it measures
+                m, max_sequences, fraction_bytes(kv_cache_memory, free), copies, kv_cache_memory, most_blocks)
         else:
-            num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, copies)
-            num_blocks = num_blocks if most_blocks is None else min(num_blocks, most_blocks)
+            num_blocks = pool_blocks(m, max_sequences, kv_cache_memory, copies, most=most_blocks)
             check_fits_host(m, num_blocks)
         with unchanged_while_loading(self.dir, m.build_id):
             self.backend = self._backend(num_blocks, threads, spin_wait, huge_pages)

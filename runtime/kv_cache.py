@@ -138,19 +138,19 @@ def plan_blocks(manifest: Manifest) -> int | None:
 
 
 def pool_blocks(manifest: Manifest, max_sequences: int, memory: str | int | float | None = None,
-                copies: int = 1, fraction: float | None = None) -> int:
+                copies: int = 1, fraction: float | None = None, most: int | None = None) -> int:
     """Blocks for `max_sequences` full-length sequences, or as many as fit `memory` bytes (memory_spec; a fraction is
     resolved by the caller: fraction_bytes) when the backend holds `copies` buffers of each cache, plus the null
-    block. `fraction`: the budget as given, where `memory` was resolved from it (for the message)."""
+    block. `fraction`: the budget as given, where `memory` was resolved from it (for the message); `most`: a cap on
+    the blocks a budget gives (a Session's: one full-length sequence)."""
     memory_bytes = memory_spec(memory)
     if isinstance(memory_bytes, float):
         raise TypeError("pool_blocks takes bytes: resolve a fraction with fraction_bytes once the engine is loaded")
     if memory_bytes is not None:
         each = copies * bytes_per_block(manifest)
         blocks = memory_bytes // each
-        most = plan_blocks(manifest)
-        if most is not None:  # a TensorRT plan takes at most the pool its profile was built for
-            blocks = min(blocks, most)
+        caps = [c for c in (plan_blocks(manifest), most) if c is not None]  # a TensorRT plan's profile, the caller's
+        blocks = min([blocks, *caps])
         if blocks < 2:
             given = f" ({fraction} of the memory available)" if fraction is not None else ""
             one = "; 1 is one byte: for all of the available memory write 1.0" if memory_bytes == 1 else ""

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 import camshaft
-from camshaft.engine_files import REPOSITORY_MARKER
+from camshaft.engine_files import REPOSITORY_MARKER, deployed_record
 from camshaft.errors import CamshaftError
 from camshaft.manifest import read_manifest
 from camshaft.outdir import check_replaceable, replace_dir, staging_dir
@@ -98,11 +98,10 @@ def check_deployed_engine(repo: Path) -> str | None:
     """The engine a repository serves, checked before a server loads it: a missing or broken engine is refused
     (CamshaftError) saying to deploy again; returns a warning when it was rebuilt since the deploy (the repository's
     batch and queue sizes were derived from the old build), else None."""
-    try:
-        record = json.loads((repo / MARKER).read_text())
-        engine = Path(record["engine_dir"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # not written by camshaft deploy, or by an older one: its models say what they lack
+    record = deployed_record(repo)
+    if record is None:
+        return None  # not written by camshaft deploy: its models say what they lack
+    engine = Path(record["engine_dir"])
     again = _deploy_again(record, repo)
     try:
         manifest = read_manifest(engine, check_files=False)

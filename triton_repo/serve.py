@@ -3,7 +3,6 @@ on it, and its life until a stop signal: drained, stopped, its log kept when it 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import tempfile
@@ -11,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from camshaft.engine_files import deployed_record
 from camshaft.errors import CamshaftError
 from camshaft.triton_repo.launch import tritonserver_root
 from camshaft.triton_repo.server import TritonServer
@@ -18,12 +18,8 @@ from camshaft.triton_repo.shutdown import stub_watch, wait_until_stopped
 
 
 def _text_model_name(repo: Path) -> str:
-    from camshaft.triton_repo.deploy import MARKER
-
-    try:
-        return json.loads((repo / MARKER).read_text())["name"]
-    except (OSError, ValueError, KeyError):
-        return "ensemble"
+    name = (deployed_record(repo) or {}).get("name")
+    return name if isinstance(name, str) else "ensemble"
 
 
 def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, grpc_port: int, metrics_port: int,

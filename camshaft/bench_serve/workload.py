@@ -20,17 +20,13 @@ class ServeRequest:
 def load_tokenizer(path: str | Path):
     """The tokenizer of an engine directory, a Triton repository camshaft deployed (its engine's) or a Hugging Face
     checkpoint directory (local files only)."""
-    import json
-
     from transformers import PreTrainedTokenizerFast
 
-    from camshaft.engine_files import REPOSITORY_MARKER, TOKENIZER_DIR
+    from camshaft.engine_files import TOKENIZER_DIR, deployed_record
 
     path = Path(path)
-    try:
-        served = [Path(json.loads((path / REPOSITORY_MARKER).read_text())["engine_dir"]) / TOKENIZER_DIR]
-    except (OSError, ValueError, KeyError, TypeError):
-        served = []
+    record = deployed_record(path)
+    served = [Path(record["engine_dir"]) / TOKENIZER_DIR] if record else []
     for where in (path / TOKENIZER_DIR, path, *served):
         if (where / "tokenizer.json").is_file():
             return PreTrainedTokenizerFast.from_pretrained(str(where))

@@ -4,7 +4,8 @@ One rule per step: every running request advances its computed tokens toward its
 far) under a token budget and a batch limit. Decodes (one token to go) come first so a long prompt, fed in
 chunks with whatever budget is left, never stalls them; waiting requests are admitted by priority (lower first),
 then first come, first served, while KV blocks allow. Under max_utilization a full pool preempts the lowest-priority,
-newest running request. The scheduler owns the block manager.
+newest running request, and a waiting request short of blocks or a batch slot preempts running requests of lower
+priority. The scheduler owns the block manager.
 
 `kv_reservation`: "paged" takes blocks as a request grows; "contiguous" reserves max_seq_len tokens of blocks per
 request at admission, as a cache with one contiguous region per request would (the memory benchmark's baseline).
@@ -109,6 +110,7 @@ class Scheduler:
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_tokens
         scheduled: list[Scheduled] = []
+        self._preempt_for_priority()
         preemptions_before = self.num_preemptions
         decodes = sorted((r for r in self.running if r.num_tokens - r.num_computed == 1), key=queue_key)
         # drafts only in a step of decodes alone: beside a prompt chunk they would be padded to its length
@@ -150,6 +152,18 @@ class Scheduler:
             budget -= len(scheduled[-1].chunk.token_ids)
         return budget
 
+    def _preempt_for_priority(self) -> None:
+        """max_utilization: the first waiting request, short of a batch slot or of blocks, preempts running
+        requests of a lower priority (a higher value), the newest first, until it fits (as vLLM's priority policy)."""
+        if self.config.policy != "max_utilization" or not self.waiting:
+            return
+        request = self.waiting[0]
+        while True:
+            lower = [r for r in self.running if r.priority > request.priority]
+            if not lower or (len(self.running) < self.config.max_batch_size and self._fits(request)):
+                return
+            self.preempt(max(reversed(lower), key=queue_key))
+
     def _chunk(self, request: Request, take: int) -> Scheduled:
         start = request.num_computed
         done = start + take == request.num_tokens
@@ -179,13 +193,20 @@ class Scheduler:
         return Scheduled(request, Chunk(tokens, request.num_computed, request.blocks, len(tokens)), decode=True,
                          drafts=tuple(drafts))
 
+    def _admission(self, request: Request) -> tuple[list[int], int]:
+        """The cached blocks a request would reuse and the blocks it needs at admission."""
+        reused = [] if request.wants_prompt_rows else self.blocks.cached_prefix(request.all_ids)  # no logits there
+        if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
+            return reused, self._total_blocks(request)
+        return reused, self.blocks.blocks_for(request.num_tokens)
+
+    def _fits(self, request: Request) -> bool:
+        reused, wanted = self._admission(request)
+        return self.blocks.fits(wanted - len(reused), reused)
+
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids
-        reused = [] if request.wants_prompt_rows else self.blocks.cached_prefix(tokens)  # reused rows give no logits
-        if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
-            wanted = self._total_blocks(request)
-        else:
-            wanted = self.blocks.blocks_for(len(tokens))
+        reused, wanted = self._admission(request)
         if not self.blocks.fits(wanted - len(reused), reused):
             return False
         request.blocks = self.blocks.take_cached(reused) + self.blocks.allocate(wanted - len(reused))

@@ -284,6 +284,21 @@ def test_priorities_order_the_queue(engine_dir):
             llm.generate([[10], [11], [12]], params, priority=[0], use_tqdm=False)
 
 
+def test_an_urgent_request_preempts_a_running_one_under_max_utilization(engine_dir):
+    """One running slot, busy with a long priority-1 request: a priority-0 arrival preempts it (the only way it
+    could be preempted: the pool has room) and the preempted request still gives exactly what it gives alone
+    (greedy; it recomputes its prompt and output when readmitted)."""
+    long_params = SamplingParams(max_tokens=300, ignore_eos=True)
+    with LLM(engine_dir, max_batch_size=1) as llm:
+        alone = llm.generate([[3, 4, 5]], long_params, use_tqdm=False)[0].outputs[0].text
+    with LLM(engine_dir, max_batch_size=1, policy="max_utilization") as llm:
+        blocker = llm.stream_sync([3, 4, 5], long_params, priority=1)
+        first = next(blocker)
+        urgent = llm.generate([[10, 11]], SamplingParams(max_tokens=4, ignore_eos=True), priority=0, use_tqdm=False)
+        assert len(urgent[0].outputs[0].token_ids) == 4 and llm.executor.scheduler.num_preemptions == 1
+        assert first + "".join(blocker) == alone
+
+
 @pytest.mark.parametrize("reservation", ["paged", "contiguous"])
 def test_paging_admits_more_than_a_contiguous_reservation(engine_dir, reservation):
     """The same pool (128 usable blocks = two max_seq_len sequences) and workload: a contiguous reservation runs

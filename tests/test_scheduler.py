@@ -40,29 +40,34 @@ def run(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000) 
     steps = []
     while scheduler.has_work:
         assert len(steps) < max_steps, "the scheduler stopped making progress"
-        scheduled = scheduler.schedule()
-        steps.append(scheduled)
-        config = scheduler.config
-        assert sum(s.num_tokens for s in scheduled) <= config.max_num_tokens
-        assert len(scheduler.running) <= config.max_batch_size
-        slots = [(item.chunk.block_table[p // config.block_size], p % config.block_size) for item in scheduled
-                 for p in range(item.chunk.start_pos, item.chunk.start_pos + item.num_tokens)]
-        assert len(slots) == len(set(slots)), "two tokens of one step write the same KV slot"
-        assert all(item.request in scheduler.running for item in scheduled)
-        for item in scheduled:
-            table = item.chunk.block_table
-            assert len(table) * config.block_size >= item.chunk.start_pos + item.num_tokens
-            assert item.chunk.token_ids == item.request.all_ids[item.chunk.start_pos: item.chunk.start_pos
-                                                                 + item.num_tokens]
-        scheduler.computed(scheduled)
-        for item in scheduled:
-            request = item.request
-            if item.chunk.num_logits:
-                request.output_ids.append(next_token(request))
-                if len(request.output_ids) == request.params.max_tokens:
-                    request.finish_reason = "length"
-                    scheduler.finish(request)
+        steps.append(step(scheduler))
     return steps
+
+
+def step(scheduler: Scheduler) -> list:
+    """One checked step: schedule, the fake engine's tokens, finished requests released."""
+    scheduled = scheduler.schedule()
+    config = scheduler.config
+    assert sum(s.num_tokens for s in scheduled) <= config.max_num_tokens
+    assert len(scheduler.running) <= config.max_batch_size
+    slots = [(item.chunk.block_table[p // config.block_size], p % config.block_size) for item in scheduled
+             for p in range(item.chunk.start_pos, item.chunk.start_pos + item.num_tokens)]
+    assert len(slots) == len(set(slots)), "two tokens of one step write the same KV slot"
+    assert all(item.request in scheduler.running for item in scheduled)
+    for item in scheduled:
+        table = item.chunk.block_table
+        assert len(table) * config.block_size >= item.chunk.start_pos + item.num_tokens
+        assert item.chunk.token_ids == item.request.all_ids[item.chunk.start_pos: item.chunk.start_pos
+                                                             + item.num_tokens]
+    scheduler.computed(scheduled)
+    for item in scheduled:
+        request = item.request
+        if item.chunk.num_logits:
+            request.output_ids.append(next_token(request))
+            if len(request.output_ids) == request.params.max_tokens:
+                request.finish_reason = "length"
+                scheduler.finish(request)
+    return scheduled
 
 
 def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
@@ -205,6 +210,53 @@ def test_a_higher_priority_arrival_is_not_held_behind_a_running_prompt():
     run(scheduler, [])
     for request in (low, high):
         assert request.output_ids == reference_output(request.prompt_ids, 4)
+
+
+@pytest.mark.parametrize("short_of", ["slot", "blocks"])
+def test_a_waiting_request_preempts_lower_priority_running_ones_under_max_utilization(short_of):
+    """A high-priority arrival short of a batch slot or of KV blocks preempts the lower-priority running requests,
+    the newest first, until it fits (as vLLM's priority policy)."""
+    # blocks: 10 usable blocks of 4; after a step old holds 4 and new 5 (its prompt), high needs 3
+    scheduler = RecordingScheduler(config(num_blocks=65 if short_of == "slot" else 11, policy="max_utilization",
+                                          max_batch_size=2 if short_of == "slot" else 6))
+    old, new = make_request("old", [1] * 15, 6, priority=1), make_request("new", [2] * 19, 20, priority=1)
+    for request in (old, new):
+        scheduler.add(request)
+    step(scheduler)
+    high = make_request("high", [3] * 10, 3, priority=0)
+    scheduler.add(high)
+    step(scheduler)
+    assert scheduler.preempted == ["new"]  # the newest of the lower priority, and only as many as needed
+    assert scheduler.running == [old, high]
+    run(scheduler, [])
+    for request in (old, new, high):
+        assert request.output_ids == reference_output(request.prompt_ids, request.params.max_tokens)
+
+
+def test_guaranteed_no_evict_keeps_running_requests_whatever_the_waiting_priority():
+    scheduler = RecordingScheduler(config(max_batch_size=2))
+    low = [make_request(f"low{i}", [1 + i] * 5, 8, priority=1) for i in range(2)]
+    for request in low:
+        scheduler.add(request)
+    step(scheduler)
+    high = make_request("high", [3] * 5, 2, priority=0)
+    scheduler.add(high)
+    step(scheduler)
+    assert scheduler.running == low and scheduler.preempted == []
+    run(scheduler, [])
+    assert high.output_ids == reference_output(high.prompt_ids, 2) and scheduler.preempted == []
+
+
+def test_equal_priority_never_preempts_to_admit():
+    scheduler = RecordingScheduler(config(max_batch_size=1, policy="max_utilization"))
+    first, second = make_request("first", [1] * 5, 4), make_request("second", [2] * 5, 4)
+    scheduler.add(first)
+    step(scheduler)
+    scheduler.add(second)
+    step(scheduler)
+    assert scheduler.running == [first] and scheduler.preempted == []
+    run(scheduler, [])
+    assert first.output_ids == reference_output(first.prompt_ids, 4) and scheduler.preempted == []
 
 
 @pytest.mark.parametrize("reservation", ["paged", "contiguous"])

@@ -140,3 +140,22 @@ def test_unbuildable_arch_fails_before_any_work(tmp_path):
     with pytest.raises(BuildConfigError, match="sm90"):
         build_engine(BuildConfig(model, tmp_path / "engine", target="tensorrt-rtx", gpu_arch="sm90"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+
+
+def test_a_plan_that_does_not_load_keeps_tensorrts_reason() -> None:
+    """The runtime's logger keeps what TensorRT said about a plan it could not load, which the backend's load error
+    quotes (a damaged plan: reading one needs no GPU), and leaves out TensorRT's note on a second logger."""
+    from collections import deque
+
+    import tensorrt_rtx
+
+    from camshaft.trt_logger import capturing_logger
+
+    for _ in range(2):  # the second runtime of the process hears its own error too
+        messages: deque[str] = deque(maxlen=10)
+        runtime = tensorrt_rtx.Runtime(capturing_logger(tensorrt_rtx, messages))
+        assert runtime.deserialize_cuda_engine(b"not a plan" * 100) is None
+        assert any("magic" in m.lower() for m in messages), list(messages)
+        assert not any("logger passed into" in m for m in messages)

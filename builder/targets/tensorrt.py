@@ -19,11 +19,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from camshaft.builder.targets.trt_product import check_arch, import_product
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import BuildLimits
+from camshaft.trt_logger import capturing_logger
 
 Progress = Callable[[str], None]
 
@@ -88,21 +88,6 @@ def _shapes(dims: list[int | str], ranges: dict[str, tuple[int, int, int]], name
     return out
 
 
-def _logger(trt: Any, progress: Progress, messages: list[str]) -> Any:
-    severity = trt.ILogger.Severity
-
-    class Logger(trt.ILogger):
-        def log(self, level: Any, msg: str) -> None:
-            if level in (severity.INTERNAL_ERROR, severity.ERROR):
-                messages.append(msg)
-                progress(f"TensorRT error: {msg}")
-            elif level == severity.WARNING and "Int64 binding" not in msg:
-                messages.append(msg)
-
-    logger = Logger()
-    return logger
-
-
 def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str, limits: BuildLimits,
                num_blocks_max: int, progress: Progress = lambda _: None) -> dict[str, object]:
     """Compile an ONNX graph (with external data beside it) into a TensorRT plan written atomically at plan_path."""
@@ -116,7 +101,7 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
     started = time.perf_counter()
 
     messages: list[str] = []
-    logger = _logger(trt, progress, messages)
+    logger = capturing_logger(trt, messages, progress)
     builder = trt.Builder(logger)
     flag = trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED
     network = builder.create_network(1 << int(flag))

@@ -23,6 +23,7 @@ TensorRT runtime on a machine without a driver can crash the process instead of 
 from __future__ import annotations
 
 import importlib
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from camshaft.errors import EngineError, needs_extra
 from camshaft.manifest import TRT_MODULES, Manifest
 from camshaft.runtime.backends.cuda_buffers import DeviceBuffer, check_cuda, numpy_dtype
 from camshaft.runtime.kv_cache import plan_blocks
+from camshaft.trt_logger import capturing_logger
 
 
 def _cudart(product: str, arch: str) -> Any:
@@ -105,17 +107,20 @@ class TensorRTBackend:
               local: int) -> None:
         cudart, product = self.cudart, manifest.target
         # 3. The plan.
-        self.logger = trt.Logger(trt.Logger.WARNING)
-        self.runtime = trt.Runtime(self.logger)
         plan_path = engine_dir / manifest.artifact
         try:
             plan = plan_path.read_bytes()
         except OSError as exc:
             raise EngineError(f"{plan_path} could not be read ({exc}); rebuild the engine") from exc
+        messages: deque[str] = deque(maxlen=10)  # the runtime keeps its logger as long as the plan lives
+        self.logger = capturing_logger(trt, messages)
+        self.runtime = trt.Runtime(self.logger)
         self.engine = self.runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
-            raise EngineError(
-                f"{product} {trt.__version__} could not load {plan_path} on sm{local}; rebuild the engine")
+            said = "\n".join(f"  {m}" for m in messages) or "  (no messages)"
+            raise EngineError(f"{product} {trt.__version__} could not load {plan_path} on sm{local}: a plan built by "
+                              f"this release for this GPU loads unless the file is damaged or the CUDA driver is too "
+                              f"old for {product}; update the driver or rebuild the engine. {product} said:\n{said}")
         self.context = self.engine.create_execution_context()
         if self.context is None:
             raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?)")

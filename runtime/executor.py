@@ -259,7 +259,11 @@ class Executor:
                 new: tuple[tuple[int, ...], tuple[SampleResult, ...]] = ((), ())) -> None:
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
-        self._release_held(request)
+        if error is None:
+            self._release_held(request)
+        else:  # the n outputs share the prompt that failed (an abort of one output leaves the others running)
+            for sibling in self._held.pop(request.request_id, []):
+                self._finish(sibling, error)
         with self._wake:
             sink = self._sinks.pop(request.request_id)
         self._deliver(sink, RequestOutput(request.request_id, delta, *new, None if error else request.result(), error,

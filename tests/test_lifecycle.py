@@ -60,6 +60,20 @@ def test_a_consumer_raising_system_exit_cannot_stop_the_loop(engine_dir):
         assert done.get(timeout=30).error is None
 
 
+def test_n_outputs_held_for_a_first_sequence_that_fails_end_with_its_error(engine_dir):
+    """n = 3: outputs 2 and 3 wait for the first's prompt blocks; when the first fails, they end with its error
+    rather than run the failing prompt again each."""
+    with LLM(engine_dir) as llm:
+        vocab = llm.engine.manifest.model.vocab_size
+        params = SamplingParams(n=3, max_tokens=4, temperature=0.7, bad_word_ids=[[i] for i in range(vocab)])
+        finals: queue.SimpleQueue = queue.SimpleQueue()
+        llm.submit([5, 6, 7], params, lambda o: o.finished and finals.put(o))
+        outputs = [finals.get(timeout=30) for _ in range(3)]
+        assert all("every token is banned" in str(o.error) for o in outputs)
+        assert llm.executor.steps_done == 1  # the first's prompt only
+        assert llm.executor.scheduler.blocks.num_used == 0
+
+
 def test_offline_generate_is_not_bounded_by_a_servers_queue(engine_dir):
     with LLM(engine_dir, max_batch_size=2, max_queue=1) as llm:
         outputs = llm.generate([[20 + i, 21, 22] for i in range(8)], GREEDY, use_tqdm=False)

@@ -20,6 +20,7 @@ from camshaft.runtime.engine import Engine
 from camshaft.weight_files import weight_files
 
 REFERENCE_WINDOW = 1024  # tokens a transformers window scores (--window)
+NLL_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -95,29 +96,41 @@ def windows(ids: list[int], size: int) -> list[list[int]]:
     return [ids[i: i + size] for i in range(0, len(ids), size) if len(ids[i: i + size]) >= 2]
 
 
+def check_vocab(ids: list[int], vocab_size: int, model: str) -> None:
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"the text encodes to token id {bad}, outside {model}'s vocabulary (0..{vocab_size - 1}): "
+                           "its tokenizer has tokens the model has no embedding for; score a text without them")
+
+
 def _nll(logits: np.ndarray, targets: list[int]) -> float:
-    x = logits.astype(np.float64)
-    top = x.max(-1, keepdims=True)
-    logz = np.log(np.exp(x - top).sum(-1)) + top[:, 0]
-    return float((logz - x[np.arange(len(targets)), targets]).sum())
+    """Summed negative log-likelihood of `targets` under the rows of `logits`, a block of rows at a time (a large
+    vocabulary's window in float64 at once would take gigabytes)."""
+    total = 0.0
+    for i in range(0, len(targets), NLL_ROWS):
+        x = logits[i: i + NLL_ROWS].astype(np.float64)
+        top = x.max(-1, keepdims=True)
+        logz = np.log(np.exp(x - top).sum(-1)) + top[:, 0]
+        total += float((logz - x[np.arange(len(x)), targets[i: i + NLL_ROWS]]).sum())
+    return total
 
 
 def engine_perplexity(engine_dir: str | Path, text: str) -> PerplexityResult:
     engine = Engine(engine_dir, max_sequences=1)
     ids = engine.tokenizer(text)["input_ids"]
+    check_vocab(ids, engine.manifest.model.vocab_size, "the engine")
     limits = engine.limits
     total, count, parts = 0.0, 0, windows(ids, limits.max_seq_len)
     for window in parts:
         blocks = engine.pool.allocate(-(-len(window) // engine.block_size))
         try:
-            rows = []
-            for start in range(0, len(window), limits.max_num_tokens):
+            for start in range(0, len(window), limits.max_num_tokens):  # each piece scored as it comes
                 piece = window[start: start + limits.max_num_tokens]
-                rows.append(engine.step([Chunk(piece, start, blocks, num_logits=len(piece))]))
+                logits = engine.step([Chunk(piece, start, blocks, num_logits=len(piece))])
+                targets = window[start + 1: start + len(piece) + 1]  # the window's last row predicts nothing
+                total += _nll(logits[: len(targets)], targets)
         finally:
             engine.pool.free(blocks)
-        logits = np.concatenate(rows)[:-1]
-        total += _nll(logits, window[1:])
         count += len(window) - 1
     return PerplexityResult(math.exp(total / count), count, len(parts))
 
@@ -140,6 +153,7 @@ def reference_perplexity(model_dir: str | Path, text: str, window: int) -> Perpl
             from exc
     model = load_float_model(path, f"--model {path}", "score")
     ids = tokenizer(text)["input_ids"]
+    check_vocab(ids, model.config.vocab_size, "--model")
     total, count, parts = 0.0, 0, windows(ids, window)
     with torch.no_grad():
         for part in parts:

@@ -217,3 +217,26 @@ def test_the_reference_window_defaults_to_what_the_model_holds(tiny, tmp_path):
     assert reference_window(model, 100) == 100
     (tmp_path / "config.json").write_text("{}")
     assert reference_window(tmp_path, None) == REFERENCE_WINDOW
+
+
+def test_a_token_outside_the_models_vocabulary_is_refused(tiny, tmp_path):
+    """A tokenizer with tokens past the model's vocabulary (the build allows it; prompts holding them are refused):
+    a text holding one is refused on both sides, not sent to a Gather out of bounds."""
+    import shutil
+
+    import transformers
+
+    model, _ = tiny
+    extra = tmp_path / "hf"
+    shutil.copytree(model, extra)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(extra))
+    tokenizer.add_tokens([f"<x{i}>" for i in range(200)])  # past the tiny model's 384
+    tokenizer.save_pretrained(str(extra))
+    engine = tmp_path / "engine"
+    build_engine(BuildConfig(extra, engine, max_seq_len=64, max_num_tokens=32, kv_block_size=16))
+    text = "hello <x199> world"
+    assert max(tokenizer(text)["input_ids"]) >= 384
+    with pytest.raises(RequestError, match="outside the engine's vocabulary"):
+        engine_perplexity(engine, text)
+    with pytest.raises(RequestError, match="outside --model's vocabulary"):
+        reference_perplexity(extra, text, 64)

@@ -154,4 +154,5 @@ def eval_ppl(
     for name, size, score in runs:  # each printed when done: a failing second run loses nothing of the first
         r = score()
         windows = f"{r.windows} window{'s' if r.windows != 1 else ''}"
-        typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({r.tokens_scored} tokens, {windows} of {size} tokens)")
+        scored = f"{r.tokens_scored} token{'s' if r.tokens_scored != 1 else ''}"
+        typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({scored}, {windows} of {size} tokens)")

@@ -35,6 +35,7 @@ from camshaft.bench_serve.report import ServeResult, plot
 from camshaft.bench_serve.run import bench_serve
 from camshaft.bench_serve.workload import load_requests, load_tokenizer
 from camshaft.models import default_model_dir, fetch_model
+from camshaft.runtime.throughput_report import fmt
 
 REPO = Path(__file__).resolve().parent.parent
 CAMSHAFT = str(Path(sys.executable).parent / "camshaft")
@@ -78,15 +79,24 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _num(value: float | None, digits: int, scale: float = 1.0) -> str:
+    """A number of the JSON results; None (no completed request had one) as the reports' dash."""
+    return fmt(None if value is None else value / scale, f".{digits}f")
+
+
 def _row(r: dict, base: dict | None) -> str:
-    ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}×" if base and base['output_tok_s'] > 0 else "—"
+    ratio = _ratio(r["output_tok_s"], base["output_tok_s"]) if base else "—"
     limit = r["concurrency"] or "∞"
     return (f"| {r['target']} | {limit} | {r['request_rate']} | {r['completed']}/{r['completed'] + r['failed']} | "
-            f"{r['output_tok_s']:.1f} | {ratio} | {r['requests_s']:.2f} | "
-            + " / ".join(f"{r['ttft_ms'][p]:.0f}" for p in ("p50", "p90", "p99")) + " | "
-            + " / ".join(f"{r['tpot_ms'][p]:.1f}" for p in ("p50", "p90", "p99")) + " | "
-            + " / ".join(f"{r['itl_ms'][p]:.1f}" for p in ("p50", "p90", "p99")) + " | "
-            + " / ".join(f"{r['e2e_ms'][p] / 1000:.2f}" for p in ("p50", "p90", "p99")) + " |")
+            f"{_num(r['output_tok_s'], 1)} | {ratio} | {_num(r['requests_s'], 2)} | "
+            + " / ".join(_num(r["ttft_ms"][p], 0) for p in ("p50", "p90", "p99")) + " | "
+            + " / ".join(_num(r["tpot_ms"][p], 1) for p in ("p50", "p90", "p99")) + " | "
+            + " / ".join(_num(r["itl_ms"][p], 1) for p in ("p50", "p90", "p99")) + " | "
+            + " / ".join(_num(r["e2e_ms"][p], 2, 1000) for p in ("p50", "p90", "p99")) + " |")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}×" if a is not None and b else "—"
 
 
 def _point(r: dict) -> tuple:
@@ -100,9 +110,7 @@ def _baselines(results: list[dict]) -> dict[tuple, dict]:
 
 def summary(results: list[dict]) -> str:
     """One line per server: its output tok/s and p50 TTFT against `llm` at each point of the sweep."""
-    def ratio(a: float, b: float) -> str:
-        return f"{a / b:.2f}×" if b > 0 else "—"
-
+    ratio = _ratio
     base = _baselines(results)
     if not base:
         return "No `llm` run to compare with."
@@ -183,7 +191,8 @@ def main() -> None:
         load_before = os.getloadavg()[0]
         for seed, (name, (dataset, count, rates, limits)) in enumerate(plan.items()):
             requests = load_requests(dataset, count, tokenizer, seed=seed, max_seq_len=1024)
-            results: list[ServeResult] = bench_serve(targets, requests, rates, concurrencies=limits)
+            results: list[ServeResult] = bench_serve(targets, requests, rates, concurrencies=limits,
+                                                     tokenizer=tokenizer)
             runs[name] = {"dataset": dataset, "num_prompts": count, "results": [r.to_dict() for r in results]}
             (work / f"serve-{name}.json").write_text(json.dumps(runs[name], indent=2) + "\n")
             plot(results, REPO / "docs" / "bench" / f"serve-{name}.png",

@@ -206,6 +206,48 @@ def test_output_is_counted_as_it_came_and_a_cut_stream_fails():
     assert result.errors == {"the stream ended before its end marker": 1}
 
 
+def stream_record(body: str) -> Record:
+    """What OpenAIClient makes of a server-sent-event body."""
+    import asyncio
+
+    import httpx
+
+    from camshaft.bench_serve.clients import OpenAIClient
+    from camshaft.bench_serve.workload import ServeRequest
+
+    async def run() -> Record:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as http:
+            record = Record(3, 32, sent=0.0)
+            await OpenAIClient(Target.parse("t=http://h,backend=openai,model=m"), http)(ServeRequest("hi", 3, 32),
+                                                                                          record)
+            return record
+
+    return asyncio.run(run())
+
+
+def test_without_usage_the_tokenizer_counts_chunks_of_several_tokens(engine_dir):
+    """A server that sends no usage and several tokens a chunk: the text's tokens count (as vLLM's benchmark
+    does), not the chunks."""
+    from camshaft.bench_serve.run import count_output_tokens
+
+    tokenizer = load_tokenizer(engine_dir)
+    chunks = ["abcd", "efgh", "ijkl"]
+    body = "".join(f"data: {json.dumps({'choices': [{'index': 0, 'text': t}]})}\n\n" for t in chunks)
+    record = stream_record(body + f"data: {json.dumps({'choices': [{'index': 0, 'text': ''}]})}\n\ndata: [DONE]\n\n")
+    assert record.ok and record.tokens == 4  # the chunks, the empty finishing one included
+    count_output_tokens([record], tokenizer)
+    assert record.tokens == len(tokenizer("abcdefghijkl", add_special_tokens=False)["input_ids"]) == 12
+
+
+def test_a_mid_stream_error_as_a_string_is_reported():
+    """TGI streams {"error": "...", "error_type": ...}: its message is the failure, not an AttributeError."""
+    event = {"error": "Input validation error: too long", "error_type": "validation"}
+    record = stream_record(f"data: {json.dumps({'choices': [{'index': 0, 'text': 'a'}]})}\n\n"
+                           f"data: {json.dumps(event)}\n\n")
+    assert not record.ok and record.failure == "Input validation error: too long"
+
+
 def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_path, monkeypatch):
     import sys
 

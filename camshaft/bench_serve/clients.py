@@ -69,7 +69,8 @@ class Record:
 
     @property
     def tokens(self) -> int:
-        """Output tokens: the server's count, else the output events (one token each, as servers stream them)."""
+        """Output tokens: the server's count, else (`count_output_tokens`) the tokenizer's count of the text, else the
+        output events (one token each)."""
         return self.output_tokens if self.output_tokens is not None else len(self.chunk_times)
 
     @property
@@ -116,7 +117,8 @@ class OpenAIClient:
                     break
                 event = json.loads(data)
                 if "error" in event:  # the server failed the request after the stream started
-                    record.error = str(event["error"].get("message", event["error"]))
+                    error = event["error"]  # OpenAI's {"message": ...}; TGI's a string
+                    record.error = str(error.get("message", error) if isinstance(error, dict) else error)
                     return
                 if event.get("usage"):
                     record.output_tokens = event["usage"]["completion_tokens"]

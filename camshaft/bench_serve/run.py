@@ -33,6 +33,16 @@ def salted(requests: list[ServeRequest], salt: str, tokenizer=None) -> list[Serv
     return out
 
 
+def count_output_tokens(records: list[Record], tokenizer) -> None:
+    """A server that sends no usage counts: the output text's tokens (as vLLM's benchmark), not its stream events,
+    which may carry several tokens each."""
+    if tokenizer is None:
+        return
+    for record in records:
+        if record.output_tokens is None and record.ok:
+            record.output_tokens = len(tokenizer(record.text, add_special_tokens=False)["input_ids"])
+
+
 async def _drive(client, requests: list[ServeRequest], arrivals: list[float], concurrency: int | None,
                  progress: Callable[[str], None] = lambda _: None) -> tuple[list[Record], float]:
     limit = asyncio.Semaphore(concurrency or len(requests))
@@ -47,7 +57,7 @@ async def _drive(client, requests: list[ServeRequest], arrivals: list[float], co
             try:
                 await client(request, record)
             except Exception as exc:  # a failed request is a result, not a crash of the benchmark
-                record.error = f"{type(exc).__name__}: {exc}"
+                record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             finally:
                 nonlocal finished
                 finished += 1
@@ -94,6 +104,7 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
                     progress(f"{target.name}: {len(batch)} requests, rate {rate:g}/s, concurrency "
                              f"{concurrency or 'unlimited'}")
                     records, wall = await _drive(client, batch, arrivals, concurrency, progress)
+                    count_output_tokens(records, tokenizer)
                     result = summarize(target, rate, concurrency, records, wall, goodput)
                     log(result.line())
                     results.append(result)

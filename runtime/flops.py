@@ -26,7 +26,8 @@ def count_flops(manifest: Manifest, requests: list[BenchRequest], reused: list[i
     """FLOPs of computing every request once (no preemption recompute): 2 x layer weights x tokens fed
     (prompt + output - 1), 2 x LM-head weights x logits rows (one per output token), and attention
     4 x heads x head_dim x context per token per layer (QK^T and PV; a sliding-window layer's context is at most its
-    window). `reused`: each request's prompt tokens taken from the prefix cache, never computed."""
+    window). `reused`: each request's prompt tokens taken from the prefix cache, never computed. Prompt lookup's
+    drafts that were fed and rejected are not counted: GFLOP/s counts useful work only."""
     m = manifest.model
     layers, head = linear_params(manifest)
     reused = reused or [0] * len(requests)

@@ -70,6 +70,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
                 record.decoding_at_first_token = sum(1 for other in executor.scheduler.running
                                                      if other.num_computed > len(other.prompt_ids))
             record.token_times.append(time.perf_counter())
+            record.token_steps.append(executor.steps_done)  # counted once the step's samples are all taken
             return add_sample(sample)
 
         request.add_sample = timed_add_sample

@@ -39,6 +39,7 @@ class RequestRecord:
     max_tokens: int
     submitted: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)  # the engine step that gave each token
     decoding_at_first_token: int = 0  # other requests decoding in the step that gave this one its first token
     token_ids: list[int] = field(default_factory=list)
 
@@ -52,7 +53,11 @@ class RequestRecord:
 
     @property
     def itl_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+        """Gaps between the steps that gave tokens: the tokens of one step (accepted drafts) arrive together, as a
+        streamed chunk does (vLLM's serving benchmark counts chunks so)."""
+        times = self.token_times if not self.token_steps else [
+            t for i, t in enumerate(self.token_times) if i == 0 or self.token_steps[i] != self.token_steps[i - 1]]
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
 @dataclass

@@ -115,9 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=32, help="the target point (compared with the peer)")
     p.add_argument("--sweep", default="1,8,32", help="camshaft concurrencies for the plot")
-    p.add_argument("--sweep-num-requests", type=int, default=16,
-                   help="requests at sweep points other than --concurrency (the first ones of the dataset)")
-    p.add_argument("--peer-sweep", default="32", help="transformers batch sizes (each runs --num-requests)")
+    p.add_argument("--peer-sweep", default="32", help="transformers batch sizes (each runs the requests camshaft "
+                   "runs at that concurrency)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-seq-len", type=int, default=1024)
@@ -132,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.levels = sorted({int(x) for x in args.sweep.split(",") if x.strip()} | {args.concurrency})
     args.peer_levels = sorted({int(x) for x in args.peer_sweep.split(",") if x.strip()} | {args.concurrency})
     return args
+
+
+def level_requests(requests: list, c: int, args: argparse.Namespace) -> list:
+    """The requests a sweep level runs: the first ones of the dataset, as many per slot as the target point has
+    (--num-requests / --concurrency), so every level sees the same mix of first batch, joining and draining."""
+    return requests[:max(c, round(c * args.num_requests / args.concurrency))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                                         vocab_size=manifest.model.vocab_size, seed=args.seed,
                                         tokenizer=llm.tokenizer)
             run_throughput(llm, warmup_requests(requests, manifest.model.vocab_size), 4)
-            subset = requests if c == args.concurrency else requests[:args.sweep_num_requests]
+            subset = level_requests(requests, c, args)
             log(f"camshaft: {len(subset)} requests, concurrency {c}")
             r = run_throughput(llm, subset, c, keep_token_ids=c == args.concurrency)
         if c == args.concurrency:
@@ -203,10 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     peer_system.run(warmup_requests(requests, manifest.model.vocab_size), 4)
     peer, equal = [], None
     for c in args.peer_levels:
-        log(f"transformers: {len(requests)} requests, static batches of {c}")
-        p = peer_system.run(requests, c)
+        subset = level_requests(requests, c, args)
+        log(f"transformers: {len(subset)} requests, static batches of {c}")
+        p = peer_system.run(subset, c)
         peer_tokens = p.pop("token_ids")
-        p["num_requests"] = len(requests)
+        p["num_requests"] = len(subset)
         peer.append(p)
         log(f"  {p['output_tok_s']:.1f} out tok/s, TTFT p50 {p['ttft_ms']['p50']:.0f} ms, {p['wall_s']:.0f} s")
         if c == args.concurrency and tokens is not None:
@@ -229,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(),
         "config": {"dataset": args.dataset, "seed": args.seed, "num_requests": args.num_requests,
                    "concurrency": args.concurrency, "levels": args.levels, "peer_levels": args.peer_levels,
-                   "sweep_num_requests": args.sweep_num_requests, "threads": args.threads,
+                   "requests_per_slot": args.num_requests / args.concurrency, "threads": args.threads,
                    "max_seq_len": args.max_seq_len, "max_num_tokens": args.max_num_tokens,
                    "kv_block_size": manifest.limits.kv_block_size,
                    "max_batch_size": manifest.limits.max_batch_size, "engine_dir": rel(engine_dir),
@@ -258,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
                      "ttft_p50_ms": p["ttft_ms"]["p50"]} for p in peer]}
     m = results["machine"]
     title = (f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {m['cpu']} — {args.dataset}, "
-             f"{args.num_requests} requests at C = {args.concurrency}, {args.sweep_num_requests} elsewhere")
+             f"{args.num_requests / args.concurrency:g} requests per slot ({args.num_requests} at C = "
+             f"{args.concurrency})")
     publish(results, json_path, args.plot, lambda path: plot_sweep(points, path, peers, title=title), args.md,
             markdown, (MD_BEGIN, MD_END), args.write_md)
 

@@ -54,11 +54,16 @@ def markdown(res: dict, plot_ref: str) -> str:
         "submits the first C requests at once and the next whenever one finishes. transformers: the same prompt ids, "
         "static batches of C requests in arrival order, left padding, each batch decoding until its longest request "
         "is done (a KV-cached `model(...)` + argmax loop), in a process of its own. TTFT counts from a request's "
-        "submission (transformers: from its batch's start) to its first token; ITL = gaps between a request's "
-        "tokens; E2E = submission to last token. Output tok/s = all requests' output tokens / wall time of the run.",
+        "submission (transformers: from its batch's start) to its first token; ITL = gaps between the steps that "
+        "gave a request tokens; E2E = submission to last token. Output tok/s = all requests' output tokens / wall "
+        "time of the run. Percentiles interpolate linearly between the nearest samples (numpy's default, as vLLM's "
+        "benchmarks).",
         "",
-        f"Sweep points other than C = {cfg['concurrency']} run the first {cfg['sweep_num_requests']} requests of the "
-        "same dataset (to bound the run time); the target point runs all of them.",
+        (f"Sweep points other than C = {cfg['concurrency']} run the first {cfg['sweep_num_requests']} requests of the "
+         "same dataset (to bound the run time); the target point runs all of them." if "sweep_num_requests" in cfg else
+         f"Every level runs the first {cfg['requests_per_slot']:g} × C requests of the same dataset, as many per slot "
+         f"as the target point (C = {cfg['concurrency']}), so each sees the same mix of a first batch, requests "
+         "joining a running one and a draining end; transformers runs the same requests at its levels."),
         "",
         "| system | C | requests | output tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
         "| E2E p50 / p90 / p99 s | peak KV | GFLOP/s | loop overhead |",

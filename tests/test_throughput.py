@@ -317,6 +317,18 @@ def test_cli_bench_throughput_measures_prompt_lookup(engine_dir, tmp_path):
     assert ", prompt lookup 4" in result.output
 
 
+def test_itl_counts_the_steps_that_gave_tokens_not_accepted_drafts(engine_dir):
+    """With prompt lookup a step may give a request several tokens: they arrive together (one streamed chunk), so
+    the inter-token latencies are the gaps between those steps, not microsecond gaps inside one."""
+    requests = [BenchRequest(list(range(3, 40)) * 3, 30) for _ in range(2)]
+    with LLM(engine_dir, prompt_lookup=4) as llm:
+        result = run_throughput(llm, requests, concurrency=1)
+    assert result.accepted_draft_tokens > 0
+    for record in result.records:
+        assert len(record.token_steps) == len(record.token_times) == 30
+        assert len(record.itl_s) == len(set(record.token_steps)) - 1 < 29
+
+
 @pytest.mark.parametrize("args, message", [
     (["throughput", "--num-requests", "0"], "--num-requests"),
     (["throughput", "--concurrency", "-2"], "positive integers"),

@@ -128,7 +128,7 @@ def bench_throughput(
                                  "dataset_spec": str(parse_dataset_spec(dataset)), "num_requests": num_requests,
                                  "seed": seed, "options": options, "results": [r.to_dict(True) for r in results]})
     if plot:
-        plot_sweep(results, plot)
+        plot_sweep(results, plot, title=f"{Path(engine).resolve().name}: {dataset}, {num_requests} requests")
 
 
 @bench_app.command("serve")

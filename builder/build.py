@@ -168,8 +168,8 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         try:
             tok_dir = staging / TOKENIZER_DIR  # first: a tokenizer that cannot load fails before any long work
             tok_dir.mkdir()
-            for file in tokenizer_files:
-                shutil.copy2(file, tok_dir / file.name)
+            for file in tokenizer_files:  # not the checkpoint's modes: the engine's files are made as its graph's
+                shutil.copyfile(file, tok_dir / file.name)
             save_tokenizer(checkpoint.dir, tok_dir, model.vocab_size, progress)
             progress("writing model graph")
             for_ort = config.target == "onnxruntime"

@@ -190,14 +190,19 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True, check_dig
     if not raw.get("complete", False):
         raise EngineError(f"{engine_dir}: the build never finished; rebuild it with `camshaft build`")
     digest = raw.pop("digest", None)  # engines of formats 1-3 have none
-    try:
-        manifest = Manifest.from_dict(raw)
-    except (KeyError, TypeError, ValueError, AttributeError, CamshaftError) as exc:
-        raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {exc}); rebuild the engine") from exc
     if check_digest and (digest is not None or version >= 4) and digest != manifest_digest(raw):
         raise EngineError(f"{path} was changed after the build (its digest no longer matches its contents): the "
                           "build writes the manifest to describe its graphs, and an edited one no longer does; undo "
                           "the edit, or rebuild the engine with `camshaft build` and the options wanted")
+    try:
+        manifest = Manifest.from_dict(raw)
+    except (KeyError, TypeError, ValueError, AttributeError, CamshaftError) as exc:
+        built_by = raw.get("camshaft_version")
+        if isinstance(built_by, str) and built_by != __version__:  # an intact manifest another version wrote
+            raise EngineError(f"{path} was written by camshaft {built_by}, and this camshaft {__version__} cannot "
+                              f"read it ({type(exc).__name__}: {exc}); use camshaft {built_by}, or rebuild the "
+                              "engine with this one") from exc
+        raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {exc}); rebuild the engine") from exc
     if not check_files:
         return manifest
     try:

@@ -446,6 +446,22 @@ def test_a_hand_edited_manifest_is_refused_by_its_digest(copy, edit):
     Engine(copy).close()
 
 
+def test_a_field_this_version_does_not_know_names_the_version_that_wrote_it(copy):
+    """An intact manifest another camshaft wrote, with a field this one lacks: which camshaft wrote it, not
+    "corrupt"; the same field added by hand: an edit, as the digest says."""
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["limits"]["newer_limit"] = 1
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match="was changed after the build"):
+        Engine(copy)
+    del raw["digest"]
+    raw["camshaft_version"] = "9.0.0"
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
+    with pytest.raises(EngineError, match=r"written by camshaft 9\.0\.0, and this camshaft .* cannot read it "
+                                          r"\(TypeError: .*newer_limit.*use camshaft 9\.0\.0, or rebuild"):
+        Engine(copy)
+
+
 def _edited(copy, edit) -> None:
     raw = json.loads((copy / "manifest.json").read_text())
     edit(raw)
@@ -536,3 +552,31 @@ def test_graphs_of_another_build_relisted_in_the_manifest_are_refused(copy, othe
         Session(copy, graph="batch")
     with pytest.raises(EngineError, match="files of two builds were mixed"):
         Session(copy)  # the sequence graph: its own file is this build's, the weights it reads are not
+
+
+def test_weights_that_do_not_fit_in_memory_are_not_a_corrupt_engine(built, monkeypatch):
+    """onnxruntime's std::bad_alloc while loading (a memory limit: ulimit -v, a container) says so, not "rebuild"."""
+    import onnxruntime as ort
+
+    from camshaft.errors import CapacityError
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Exception during initialization: "
+                           "std::bad_alloc")
+
+    monkeypatch.setattr(ort, "InferenceSession", out_of_memory)
+    with pytest.raises(CapacityError, match=r"model\.onnx \(\d+ MiB of graph and weights\) does not fit this "
+                                            r"process's memory .*std::bad_alloc.*free memory"):
+        Engine(built[1])
+
+
+def test_a_private_checkpoint_gives_an_engine_other_users_can_read(tmp_path):
+    """The checkpoint's file modes are not copied: a server running as another user reads the engine's tokenizer
+    as it reads its graph."""
+    model = make_tiny_model("llama", tmp_path / "hf")
+    for file in model.iterdir():
+        file.chmod(0o600)
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=32))
+    graph_mode = (tmp_path / "engine" / "model.onnx").stat().st_mode & 0o777
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "engine" / "tokenizer").iterdir()}
+    assert modes and set(modes.values()) == {graph_mode}, modes

@@ -86,6 +86,12 @@ def load_session(path: Path, options: ort.SessionOptions, huge_pages: bool) -> t
         return load_in_huge_pages(lambda: ort.InferenceSession(str(path), options,
                                                                providers=["CPUExecutionProvider"]), huge_pages)
     except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
+        if isinstance(exc, MemoryError) or any(s in str(exc) for s in ("bad_alloc", "Failed to allocate")):
+            data = path.with_name(path.name + ".data")
+            size = path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+            raise CapacityError(f"{path} ({size / 2**20:.0f} MiB of graph and weights) does not fit this process's "
+                                f"memory ({str(exc)[-120:]}); free memory, raise the process's limit, or build a "
+                                "smaller (quantized) engine") from exc
         raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
 
 

@@ -85,12 +85,16 @@ def staging_dir(output: Path, flag: str = "--output") -> Path:
 
 
 def replace_dir(staging: Path, output: Path) -> None:
+    """Move a finished staging directory into place, its files on disk first (after a power loss the output is the
+    old one or the whole new one, never one whose files the page cache still held)."""
     output = Path(os.path.abspath(output))
     old = output.parent / f".{output.name}.old-{os.getpid()}"
+    sync_tree(staging)
     try:
         if output.exists():
             os.replace(output, old)
         os.replace(staging, output)
+        _fsync(output.parent)
     except OSError as exc:
         previous = ""
         if old.exists() and not output.exists():
@@ -107,6 +111,26 @@ def replace_dir(staging: Path, output: Path) -> None:
             os.replace(old, output)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (symlinks are not followed)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if not os.path.islink(os.path.join(folder, name)):
+                _fsync(Path(folder) / name)
+        _fsync(Path(folder))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # a file system that cannot sync this (some cannot a directory) has nothing to lose here
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

@@ -225,3 +225,33 @@ def test_a_stop_between_the_two_moves_puts_the_previous_output_back(tmp_path, mo
         replace_dir(staging, output)
     monkeypatch.setattr(os, "replace", real)
     assert (output / "manifest.json").read_text() == "old" and not list(tmp_path.glob(".engine.old-*"))
+
+
+def test_every_file_of_a_finished_output_is_on_disk_before_it_is_moved_into_place(tmp_path, monkeypatch):
+    """After a power loss the output is the old one or the whole new one: each file (the weights too, not only the
+    manifest) and each directory is synced before the move, and the parent after it."""
+    import camshaft.outdir as outdir
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+    moved = []
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        moved.append((str(src), len(synced)))
+        os.rename(src, dst)
+
+    staging = tmp_path / ".out.partial-1"
+    (staging / "tokenizer").mkdir(parents=True)
+    for name in ("model.onnx", "model.onnx.data", "tokenizer/tokenizer.json"):
+        (staging / name).write_bytes(b"x" * 10)
+    monkeypatch.setattr(outdir.os, "fsync", fsync)
+    monkeypatch.setattr(outdir.os, "replace", replace)
+    outdir.replace_dir(staging, tmp_path / "out")
+    before_move = set(synced[:moved[0][1]])
+    assert {str(staging / n) for n in ("model.onnx", "model.onnx.data", "tokenizer/tokenizer.json", "tokenizer")} \
+        | {str(staging)} <= before_move
+    assert synced[-1] == str(tmp_path) and (tmp_path / "out" / "model.onnx.data").read_bytes() == b"x" * 10

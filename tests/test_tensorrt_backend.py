@@ -228,16 +228,10 @@ def fake_tensorrt(graph: Path, version: str, aliased: bool = False):
             self.plan = Plan()
             return self.plan
 
-    class Logger:
-        WARNING = 2
-
-        def __init__(self, level) -> None:
-            pass
-
     import tensorrt_rtx
 
-    return types.SimpleNamespace(__version__=version, Runtime=Runtime, Logger=Logger, nptype=lambda t: t,
-                                 ComputeCapability=tensorrt_rtx.ComputeCapability)
+    return types.SimpleNamespace(__version__=version, Runtime=Runtime, ILogger=tensorrt_rtx.ILogger,
+                                 nptype=lambda t: t, ComputeCapability=tensorrt_rtx.ComputeCapability)
 
 
 @pytest.fixture()

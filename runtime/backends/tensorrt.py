@@ -23,6 +23,7 @@ TensorRT runtime on a machine without a driver can crash the process instead of 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,8 @@ from camshaft.manifest import TRT_MODULES, Manifest
 from camshaft.runtime.backends.cuda_buffers import DeviceBuffer, check_cuda, numpy_dtype
 from camshaft.runtime.kv_cache import plan_blocks
 from camshaft.trt_logger import capturing_logger
+
+log = logging.getLogger(__name__)
 
 
 def _cudart(product: str, arch: str) -> Any:
@@ -112,18 +115,19 @@ class TensorRTBackend:
             plan = plan_path.read_bytes()
         except OSError as exc:
             raise EngineError(f"{plan_path} could not be read ({exc}); rebuild the engine") from exc
-        messages: deque[str] = deque(maxlen=10)  # the runtime keeps its logger as long as the plan lives
-        self.logger = capturing_logger(trt, messages)
+        self.messages: deque[str] = deque(maxlen=10)  # TensorRT's latest errors and warnings, for our errors
+        self.logger = capturing_logger(trt, self.messages, log.error)  # errors are logged as they come, too
         self.runtime = trt.Runtime(self.logger)
         self.engine = self.runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
-            said = "\n".join(f"  {m}" for m in messages) or "  (no messages)"
+            said = "\n".join(f"  {m}" for m in self.messages) or "  (no messages)"
             raise EngineError(f"{product} {trt.__version__} could not load {plan_path} on sm{local}: a plan built by "
                               f"this release for this GPU loads unless the file is damaged or the CUDA driver is too "
                               f"old for {product}; update the driver or rebuild the engine. {product} said:\n{said}")
         self.context = self.engine.create_execution_context()
         if self.context is None:
-            raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?)")
+            raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?)"
+                              + "".join(f"\n  {m}" for m in self.messages))
         self.stream = check_cuda(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
         self._dtypes = {}
         for i in range(self.engine.num_io_tensors):
@@ -230,7 +234,7 @@ class TensorRTBackend:
                 self._upload(name, array)
         n = max(rows, 1)
         if not self.context.execute_async_v3(int(self.stream)):
-            raise EngineError("TensorRT could not enqueue the step")
+            raise EngineError("TensorRT could not enqueue the step" + "".join(f"\n  {m}" for m in self.messages))
         out = np.empty((n, self.vocab_size), dtype=np.float32)
         self._copy(out.ctypes.data, self._buffers["logits"].ptr, out.nbytes, "DeviceToHost", "logits download")
         check_cuda(self.cudart, self.cudart.cudaStreamSynchronize(self.stream), "stream synchronise")

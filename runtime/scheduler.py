@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from camshaft.checks import check_positive_ints
@@ -158,11 +159,22 @@ class Scheduler:
         if self.config.policy != "max_utilization" or not self.waiting:
             return
         request = self.waiting[0]
+        lower = [r for r in self.running if r.priority > request.priority]
+        if not lower or not self._fits_without(request, lower):
+            return  # nothing to take, or all of it would not make room: no work is thrown away for nothing
         while True:
             lower = [r for r in self.running if r.priority > request.priority]
             if not lower or (len(self.running) < self.config.max_batch_size and self._fits(request)):
                 return
             self.preempt(max(reversed(lower), key=queue_key))
+
+    def _fits_without(self, request: Request, others: list[Request]) -> bool:
+        """Whether `request` would fit once `others` were preempted (their blocks no one else holds freed)."""
+        reused, wanted = self._admission(request)
+        holders = Counter(block for other in others for block in other.blocks)
+        freed = sum(1 for block, n in holders.items() if self.blocks.blocks[block].ref_count == n)
+        idle = sum(1 for block in reused if self.blocks.blocks[block].ref_count == 0)
+        return wanted - len(reused) + idle <= self.blocks.num_free + freed
 
     def _chunk(self, request: Request, take: int) -> Scheduled:
         start = request.num_computed

@@ -233,6 +233,23 @@ def test_a_waiting_request_preempts_lower_priority_running_ones_under_max_utiliz
         assert request.output_ids == reference_output(request.prompt_ids, request.params.max_tokens)
 
 
+def test_no_running_request_is_preempted_for_a_waiting_one_that_would_not_fit_anyway():
+    """Blocks held by a higher-priority request keep the waiting one out even with every lower one preempted: those
+    keep running rather than lose their work for nothing."""
+    scheduler = RecordingScheduler(config(num_blocks=11, policy="max_utilization", max_num_tokens=64))
+    top = make_request("top", [1] * 23, 8, priority=0)  # 6 of the 10 usable blocks, the next token's room too
+    lows = [make_request("low1", [2] * 7, 8, priority=2), make_request("low2", [3] * 3, 8, priority=2)]  # 2 + 1
+    for request in (top, *lows):
+        scheduler.add(request)
+    step(scheduler)
+    scheduler.add(make_request("mid", [4] * 32, 2, priority=1))  # 8 blocks: 1 free + 3 of the low ones is not enough
+    step(scheduler)
+    assert scheduler.preempted == [] and scheduler.running == [top, *lows]
+    run(scheduler, [])
+    for request in (top, *lows):
+        assert request.output_ids == reference_output(request.prompt_ids, 8)
+
+
 def test_guaranteed_no_evict_keeps_running_requests_whatever_the_waiting_priority():
     scheduler = RecordingScheduler(config(max_batch_size=2))
     low = [make_request(f"low{i}", [1 + i] * 5, 8, priority=1) for i in range(2)]

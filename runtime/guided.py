@@ -20,8 +20,10 @@ from camshaft.runtime.prompt_text import check_unicode
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON laid out as Python's json.dumps writes it, no other whitespace: free whitespace lets small models run on in
-# blanks until max_tokens (a schema's own top-level "x-guidance" settings override what they name)
+# blanks until max_tokens (a schema's own top-level "x-guidance" settings override what they name; naming any of
+# LAYOUT_KEYS replaces the layout)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+LAYOUT_KEYS = {*COMPACT, "whitespace_pattern"}
 OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
 # Where JSON Schema holds subschemas: maps of them, one, and lists of them ("items" may be either)
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -78,8 +80,9 @@ class GuidedDecodingParams:
 
         if self.json is not None or self.json_object:
             schema = json.loads(self.json) if self.json is not None else {"type": "object"}
-            given = schema.get("x-guidance")  # the schema's own settings change only what they name
-            schema["x-guidance"] = {**COMPACT, **given} if isinstance(given, Mapping) else given or COMPACT
+            given = schema.get("x-guidance")  # the schema's own settings: any layout key replaces the whole layout
+            layout = {} if isinstance(given, Mapping) and LAYOUT_KEYS & given.keys() else COMPACT
+            schema["x-guidance"] = {**layout, **given} if isinstance(given, Mapping) else given or COMPACT
             return llguidance.grammar_from("json_schema", json.dumps(schema))
         if self.regex is not None:
             return llguidance.grammar_from("regex", self.regex)
@@ -108,14 +111,14 @@ def _schema_text(schema: object) -> str:
         raise RequestError(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
 
 
-def _closed(schema: object, defs: Mapping[str, object], close: bool = True, inlined: frozenset = frozenset()
-            ) -> object:
+def _closed(schema: object, defs: Mapping[str, object], close: bool = True, inlined: frozenset = frozenset(),
+            extended: bool = False) -> object:
     """additionalProperties false wherever an object schema lists properties and says nothing of others; only
     subschemas are visited (never a const, enum, default or example value). The branches of an allOf stay open (each
     closed alone would forbid the others' properties): their parent is closed over all their properties instead. An
     object that may have more properties another way (EXTENDING, a required name that neither it nor an allOf branch
     lists, an allOf branch with one of EXTENDING) stays open, as do the branches of a union beside properties or in an
-    open object. A branch that only names a local
+    allOf branch whose siblings add properties (`extended`). A branch that only names a local
     definition (and a $ref beside properties, as an allOf branch) is that definition's text, once per path, so the
     definition's own closing does not forbid the parent's properties."""
     if not isinstance(schema, Mapping):
@@ -133,9 +136,12 @@ def _closed(schema: object, defs: Mapping[str, object], close: bool = True, inli
         out["allOf"] = [{"$ref": out.pop("$ref")}, *(out.get("allOf") if isinstance(out.get("allOf"), list) else [])]
     for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            keep_open = key == "allOf" or ((beside or not close) and key in UNIONS)  # an open object's unions too
+            keep_open = key == "allOf" or ((beside or extended) and key in UNIONS)
             branches = [_definition(sub, defs, inlined) if keep_open else (sub, inlined) for sub in out[key]]
-            out[key] = [_closed(sub, defs, close=not keep_open, inlined=seen) for sub, seen in branches]
+            out[key] = [_closed(sub, defs, close=not keep_open, inlined=seen,
+                                extended=keep_open and (key in UNIONS or beside or extended
+                                                        or _others_add(out[key], i)))
+                        for i, (sub, seen) in enumerate(branches)]
     branches = out.get("allOf") if isinstance(out.get("allOf"), list) else []
     listed = {name: {} for sub in branches if isinstance(sub, Mapping) and isinstance(sub.get("properties"), Mapping)
               for name in sub["properties"]}
@@ -149,6 +155,12 @@ def _closed(schema: object, defs: Mapping[str, object], close: bool = True, inli
             and all(name in properties for name in required if isinstance(name, str)):
         out["additionalProperties"] = False
     return out
+
+
+def _others_add(branches: list, index: int) -> bool:
+    """Whether an allOf's other branches may add properties to the object (its unions' branches then stay open)."""
+    return any(isinstance(sub, Mapping) and ({"properties", "required"} | EXTENDING) & sub.keys()
+               for i, sub in enumerate(branches) if i != index)
 
 
 def _definition(sub: object, defs: Mapping[str, object], inlined: frozenset) -> tuple[object, frozenset]:

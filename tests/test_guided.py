@@ -209,6 +209,18 @@ def test_all_of_branches_that_extend_the_object_leave_it_open(llm):
     assert json.loads(GuidedDecodingParams(json=union).json)["allOf"][0] == union["allOf"][0]
 
 
+def test_a_union_in_an_all_of_branch_alone_stays_closed():
+    """Nothing else adds properties to the object: the union's branches stay closed, as before allOf branches
+    could extend each other."""
+    a = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    b = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    rewritten = json.loads(GuidedDecodingParams(json={"type": "object", "allOf": [{"anyOf": [a, b]}]}).json)
+    assert [branch["additionalProperties"] for branch in rewritten["allOf"][0]["anyOf"]] == [False, False]
+    union = {"$defs": {"U": {"oneOf": [a, b]}}, "allOf": [{"$ref": "#/$defs/U"}]}
+    rewritten = json.loads(GuidedDecodingParams(json=union).json)
+    assert [branch["additionalProperties"] for branch in rewritten["allOf"][0]["oneOf"]] == [False, False]
+
+
 def test_a_schemas_own_guidance_settings_keep_the_compact_layout(llm):
     """x-guidance options (here llguidance's coerce_one_of, for a oneOf it cannot prove disjoint) change what they
     name only: the JSON keeps the compact layout."""
@@ -223,6 +235,10 @@ def test_a_schemas_own_guidance_settings_keep_the_compact_layout(llm):
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, guided_decoding=guided)
         text = llm.generate([5, 6], params, use_tqdm=False)[0].outputs[0].text
         assert re.fullmatch(r'\{"v": [0-9]\}', text), text
+    for given in ({"coerce_one_of": True, "whitespace_flexible": True}, {"whitespace_pattern": "[ ]*"}):
+        # naming any layout setting replaces the compact layout, whose other keys would override it
+        grammar = GuidedDecodingParams(json={**schema, "x-guidance": given}).llguidance_grammar()
+        assert json.loads(grammar)["grammars"][0]["json_schema"]["x-guidance"] == given
 
 
 def test_guide_text_that_is_not_unicode_is_refused():

@@ -161,7 +161,8 @@ def _check_output_replaceable(output: Path) -> None:
     if why := unwritable(output):
         raise FetchError(f"cannot write into {output}: {why}; pass --output DIR, or set CAMSHAFT_CACHE to a "
                          "directory you can write to")
-    check_replaceable(output, MARKER, "a camshaft model fetch", FetchError, owned=_fetched_names)
+    check_replaceable(output, MARKER, "a camshaft model fetch", FetchError, flag="the model directory",
+                      owned=_fetched_names)
 
 
 def _move_into_place(checkpoint: Path, output: Path, work: Path) -> None:

@@ -61,7 +61,8 @@ def markdown(res: dict, plot_ref: str) -> str:
         "",
         (f"Sweep points other than C = {cfg['concurrency']} run the first {cfg['sweep_num_requests']} requests of the "
          "same dataset (to bound the run time); the target point runs all of them." if "sweep_num_requests" in cfg else
-         f"Every level runs the first {cfg['requests_per_slot']:g} × C requests of the same dataset, as many per slot "
+         f"Every level runs the first {cfg['requests_per_slot']:g} × C requests of the same dataset (at most all of "
+         "them), as many per slot "
          f"as the target point (C = {cfg['concurrency']}), so each sees the same mix of a first batch, requests "
          "joining a running one and a draining end; transformers runs the same requests at its levels."),
         "",

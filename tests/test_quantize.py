@@ -374,3 +374,31 @@ def test_mixed_precision_checkpoint_builds_and_matches_its_fake_quant_model(tiny
     int8_blocks = np.abs(results["auto"] - ref["logits"]).max()
     print(f"mixed: |int8-compute engine - fake-quant| {int8_blocks:.3g}, |fake-quant - fp32| {quant_effect:.3g}")
     assert 0 < int8_blocks < 0.5 * quant_effect
+
+
+def test_a_checkpoints_quantized_head_built_float_is_reported(quantized, tmp_path):
+    """ModelOpt excludes lm_head by default; a checkpoint that quantized it anyway (fp8 tensors, not in
+    exclude_modules) gets a float head from the dequantized weight, and the build and the manifest say so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    fmt, result, _, _ = quantized
+    if fmt != "fp8":
+        pytest.skip("one format is enough")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(result.output, ckpt)
+    tensors = load_file(ckpt / "model.safetensors")
+    head = tensors["lm_head.weight"].float()
+    scale = head.abs().max() / 448
+    tensors["lm_head.weight"] = (head / scale).to(torch.float8_e4m3fn)
+    tensors["lm_head.weight_scale"], tensors["lm_head.input_scale"] = scale, torch.tensor(0.05)
+    save_file(tensors, ckpt / "model.safetensors")
+    config = json.loads((ckpt / "hf_quant_config.json").read_text())
+    config["quantization"]["exclude_modules"] = [m for m in config["quantization"]["exclude_modules"] if m != "lm_head"]
+    (ckpt / "hf_quant_config.json").write_text(json.dumps(config))
+    said: list[str] = []
+    build_engine(BuildConfig(ckpt, tmp_path / "engine", max_seq_len=64), progress=said.append)
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())["quantization"]
+    assert manifest["dequantized_linear_layers"] == ["lm_head"] and "lm_head" not in manifest["float_modules"]
+    assert any("1 quantized layer(s) no kernel of this target takes" in line and "lm_head" in line for line in said)

@@ -81,6 +81,8 @@ class Head:
         linears, c = self.linears, self.c
         g = linears.g
         if self.dtype == "float":
+            if linears.quantized("lm_head", c.vocab_size, c.hidden_size) is not None:  # not in exclude_modules
+                linears.dequantized.append("lm_head")  # its dequantized weight (or the tied table) is the head
             if c.tie_word_embeddings:
                 return g.op("Gemm", [x, self.table()], transB=1)
             return g.op("MatMul", [x, g.weight("lm_head", linears.float_weight("lm_head.weight",

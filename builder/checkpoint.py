@@ -123,7 +123,13 @@ class Checkpoint:
         `self_attn.k_proj.k_scale` (ModelOpt's unified export) or `self_attn.k_scale` (vLLM's convention)."""
         p = f"model.layers.{layer}.self_attn"
         names = [(f"{p}.{kind}_proj.{kind}_scale", f"{p}.{kind}_scale") for kind in "kv"]
-        k, v = (self._scalar(next((n for n in pair if n in self._where), pair[0])) for pair in names)
+        missing = [pair for pair in names if not any(n in self._where for n in pair)]
+        if missing:
+            raise CheckpointError(
+                f"{self.dir} quantizes the KV cache (kv_cache_quant_algo in {HF_QUANT_CONFIG}) but holds no "
+                f"{missing[0][0]} (nor {missing[0][1]}): its scales come from calibration; quantize with `camshaft "
+                "quantize --kv-cache-dtype ...`, or remove kv_cache_quant_algo to build a float cache")
+        k, v = (self._scalar(next(n for n in pair if n in self._where)) for pair in names)
         return k, v
 
     def kv_biases(self, layer: int) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -168,6 +168,9 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
                 f"{where} {layer_algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} (and {MIXED} "
                 f"checkpoints of those) (`camshaft quantize --quant {'|'.join(FORMATS)}`)"
             )
+        if (layers[name] if name else quant).get("has_zero_point", quant.get("has_zero_point")):
+            raise CheckpointError(f"{path} stores {name or layer_algo} with zero points (has_zero_point true: "
+                                  "asymmetric int4); camshaft builds symmetric ones, as ModelOpt exports them")
         group = (layers[name] if name else quant).get("group_size", quant.get("group_size"))
         if READABLE_QUANT_ALGOS[layer_algo].blockwise and not isinstance(group, int):
             raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}")

@@ -413,6 +413,10 @@ def test_unsupported_quantized_checkpoint_is_refused_by_the_builder(tiny, tmp_pa
     config.write_text(json.dumps({**raw, "quantization": {"quant_algo": "MIXED_PRECISION"}}))
     with pytest.raises(CheckpointError, match="MIXED_PRECISION but has no quantized_layers"):
         Checkpoint(tmp_path / "fp8")
+    zero_points = {"quant_algo": "W4A16_AWQ", "group_size": 32, "has_zero_point": True}  # TensorRT-LLM allows it
+    config.write_text(json.dumps({**raw, "quantization": zero_points}))
+    with pytest.raises(CheckpointError, match=r"stores W4A16_AWQ with zero points \(has_zero_point true"):
+        Checkpoint(tmp_path / "fp8")
 
 
 @pytest.mark.parametrize("group", [0, 48])

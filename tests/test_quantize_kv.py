@@ -29,7 +29,7 @@ from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
 from camshaft.builder.graph.kv_quant import KVQuantizer, e4m3_values
 from camshaft.builder.graph.ops import GraphWriter
-from camshaft.errors import CapacityError, EngineError
+from camshaft.errors import CapacityError, CheckpointError, EngineError
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import QuantSpec
 from camshaft.runtime.batch import Chunk
@@ -240,6 +240,27 @@ def test_kv_scales_under_vllm_names(kv_engine, tmp_path):
                for k, v in tensors.items()}, ckpt / KV_SCALES_FILE)
     with Checkpoint(ckpt) as renamed:
         assert [s for layer in range(2) for s in renamed.kv_scales(layer)] == ref["scales"]
+
+
+def test_kv_scales_missing_say_what_the_cache_needs(kv_engine, tmp_path):
+    """A KV cache quantized by hf_quant_config.json without its scales: which tensor, and the two ways out."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from camshaft.quantize.kv_scales import KV_SCALES_FILE
+
+    kv_dtype, engine_dir, _ = kv_engine
+    if kv_dtype != "int8":
+        pytest.skip("the INT8 scales sit in their own small file")
+    ckpt = shutil.copytree(engine_dir.parent / "ckpt", tmp_path / "ckpt")
+    tensors = load_file(ckpt / KV_SCALES_FILE)
+    save_file({k: v for k, v in tensors.items() if "layers.1.self_attn.v" not in k}, ckpt / KV_SCALES_FILE)
+    with Checkpoint(ckpt) as scaled, pytest.raises(CheckpointError, match=(
+            r"quantizes the KV cache \(kv_cache_quant_algo in hf_quant_config.json\) but holds no "
+            r"model\.layers\.1\.self_attn\.v_proj\.v_scale \(nor model\.layers\.1\.self_attn\.v_scale\).*remove "
+            r"kv_cache_quant_algo")):
+        scaled.kv_scales(1)
 
 
 def test_a_quantized_kv_cache_keeps_the_session_on_the_batch_graph(kv_engine):

@@ -18,7 +18,8 @@ from camshaft.runtime.llm_options import check_max_queue
 from camshaft.runtime.outputs import IterationStats, Load, RequestOutput, Sink
 from camshaft.runtime.request import Request
 from camshaft.runtime.sampler import SampleResult
-from camshaft.runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
+from camshaft.runtime.scheduler import Scheduled, Scheduler
+from camshaft.runtime.scheduler_config import SchedulerConfig
 from camshaft.runtime.step_outcomes import read_step
 
 # A closed-loop client's next request, sent as its last one finishes, joins the next step (measured in the throughput

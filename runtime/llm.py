@@ -35,7 +35,7 @@ from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup
 from camshaft.runtime.prompts import Prompt, PromptEncoder
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams
-from camshaft.runtime.scheduler import SchedulerConfig
+from camshaft.runtime.scheduler_config import SchedulerConfig
 
 
 class LLM(ServingAPI):

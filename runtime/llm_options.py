@@ -13,7 +13,7 @@ from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import RequestError
 from camshaft.manifest import BuildLimits
 from camshaft.runtime.sampling_params import SamplingParams
-from camshaft.runtime.scheduler import POLICIES, RESERVATIONS
+from camshaft.runtime.scheduler_config import POLICIES, RESERVATIONS
 
 QUEUE_PER_BATCH = 4  # servers' default max_queue: this many x the batch size may wait beyond a full batch
 

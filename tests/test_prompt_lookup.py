@@ -224,7 +224,8 @@ def test_drafts_take_only_blocks_no_decode_of_the_step_needs():
     """One decode's drafts may not take the last free block that a later decode needs for its own token: that
     decode would be preempted (and recomputed) for a guess."""
     from camshaft.runtime.request import Request
-    from camshaft.runtime.scheduler import Scheduler, SchedulerConfig
+    from camshaft.runtime.scheduler import Scheduler
+    from camshaft.runtime.scheduler_config import SchedulerConfig
 
     for lookup in (None, PromptLookup(num_tokens=4)):
         scheduler = Scheduler(SchedulerConfig(num_blocks=6, block_size=8, max_batch_size=4, max_num_tokens=64,

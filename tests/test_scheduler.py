@@ -10,7 +10,8 @@ from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime.block_manager import BlockManager
 from camshaft.runtime.request import Request
 from camshaft.runtime.sampling_params import SamplingParams
-from camshaft.runtime.scheduler import Scheduler, SchedulerConfig
+from camshaft.runtime.scheduler import Scheduler
+from camshaft.runtime.scheduler_config import SchedulerConfig
 
 
 def make_request(name: str, prompt: list[int], max_tokens: int, priority: int = 0) -> Request:

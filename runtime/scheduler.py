@@ -146,8 +146,8 @@ class Scheduler:
         reused, wanted = self._admission(request)
         holders = Counter(block for other in others for block in other.blocks)
         freed = sum(1 for block, n in holders.items() if self.blocks.blocks[block].ref_count == n)
-        idle = sum(1 for block in reused if self.blocks.blocks[block].ref_count == 0)
-        return wanted - len(reused) + idle <= self.blocks.num_free + freed
+        idle = sum(1 for block in reused if self.blocks.blocks[block].ref_count == holders.get(block, 0))
+        return wanted - len(reused) + idle <= self.blocks.num_free + freed  # an idle reused block is taken back
 
     def _chunk(self, request: Request, take: int) -> Scheduled:
         start = request.num_computed

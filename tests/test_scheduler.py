@@ -251,6 +251,21 @@ def test_no_running_request_is_preempted_for_a_waiting_one_that_would_not_fit_an
         assert request.output_ids == reference_output(request.prompt_ids, 8)
 
 
+def test_blocks_a_waiting_request_would_reuse_from_its_victim_are_not_counted_twice():
+    """The waiting request shares the lower one's cached prompt prefix: preempting it frees those blocks only for the
+    waiting request to take them back, so they make no room; with too little room, nothing is preempted."""
+    scheduler = RecordingScheduler(config(num_blocks=11, policy="max_utilization", max_num_tokens=64))
+    top = make_request("top", [7] * 19, 8, priority=0)  # 5 of the 10 usable blocks
+    prefix = list(range(100, 116))  # 4 full blocks
+    low = make_request("low", prefix, 8, priority=1)
+    for request in (top, low):
+        scheduler.add(request)
+    step(scheduler)
+    scheduler.add(make_request("high", prefix + [1] * 8, 2, priority=0))  # 6 blocks: 4 of them low's prefix
+    step(scheduler)
+    assert scheduler.preempted == [] and scheduler.running == [top, low]
+
+
 def test_guaranteed_no_evict_keeps_running_requests_whatever_the_waiting_priority():
     scheduler = RecordingScheduler(config(max_batch_size=2))
     low = [make_request(f"low{i}", [1 + i] * 5, 8, priority=1) for i in range(2)]

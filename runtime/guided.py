@@ -20,10 +20,10 @@ from camshaft.runtime.prompt_text import check_unicode
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON laid out as Python's json.dumps writes it, no other whitespace: free whitespace lets small models run on in
-# blanks until max_tokens (a schema's own top-level "x-guidance" settings override what they name; naming any of
-# LAYOUT_KEYS replaces the layout)
+# blanks until max_tokens (a schema's own top-level "x-guidance" settings override what they name; naming one of
+# WHITESPACE_KEYS replaces the whole layout, whose separators would still bind)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-LAYOUT_KEYS = {*COMPACT, "whitespace_pattern"}
+WHITESPACE_KEYS = {"whitespace_flexible", "whitespace_pattern"}
 OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
 # Where JSON Schema holds subschemas: maps of them, one, and lists of them ("items" may be either)
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -80,8 +80,8 @@ class GuidedDecodingParams:
 
         if self.json is not None or self.json_object:
             schema = json.loads(self.json) if self.json is not None else {"type": "object"}
-            given = schema.get("x-guidance")  # the schema's own settings: any layout key replaces the whole layout
-            layout = {} if isinstance(given, Mapping) and LAYOUT_KEYS & given.keys() else COMPACT
+            given = schema.get("x-guidance")  # the schema's own settings; asking for free whitespace drops compact's
+            layout = {} if isinstance(given, Mapping) and WHITESPACE_KEYS & given.keys() else COMPACT
             schema["x-guidance"] = {**layout, **given} if isinstance(given, Mapping) else given or COMPACT
             return llguidance.grammar_from("json_schema", json.dumps(schema))
         if self.regex is not None:
@@ -145,7 +145,7 @@ def _closed(schema: object, defs: Mapping[str, object], close: bool = True, inli
     branches = out.get("allOf") if isinstance(out.get("allOf"), list) else []
     listed = {name: {} for sub in branches if isinstance(sub, Mapping) and isinstance(sub.get("properties"), Mapping)
               for name in sub["properties"]}
-    merged = all(isinstance(sub, Mapping) and not (OPEN_KEYS | EXTENDING) & sub.keys() for sub in branches)
+    merged = all(isinstance(sub, Mapping) and not (OPEN_KEYS | EXTENDING | {"allOf"}) & sub.keys() for sub in branches)
     if listed and merged:
         out["properties"] = {**listed, **(out.get("properties") or {})}
     properties = out.get("properties")

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from camshaft.errors import RequestError
-from camshaft.runtime.guided import GuidedDecodingParams
+from camshaft.runtime.guided import COMPACT, GuidedDecodingParams
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
@@ -207,6 +207,8 @@ def test_all_of_branches_that_extend_the_object_leave_it_open(llm):
         out = llm.generate([5, 6], SamplingParams(max_tokens=4, guided_decoding=guided), use_tqdm=False)[0]
         assert out.outputs[0].text.startswith("{")  # the grammar compiled: the schema is satisfiable
     assert json.loads(GuidedDecodingParams(json=union).json)["allOf"][0] == union["allOf"][0]
+    nested = {"allOf": [{"allOf": [{"required": ["a"]}]}, {"properties": {"b": {}}, "required": ["b"]}]}
+    assert "additionalProperties" not in json.loads(GuidedDecodingParams(json=nested).json)  # a's from the inner allOf
 
 
 def test_a_union_in_an_all_of_branch_alone_stays_closed():
@@ -235,10 +237,12 @@ def test_a_schemas_own_guidance_settings_keep_the_compact_layout(llm):
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, guided_decoding=guided)
         text = llm.generate([5, 6], params, use_tqdm=False)[0].outputs[0].text
         assert re.fullmatch(r'\{"v": [0-9]\}', text), text
-    for given in ({"coerce_one_of": True, "whitespace_flexible": True}, {"whitespace_pattern": "[ ]*"}):
-        # naming any layout setting replaces the compact layout, whose other keys would override it
+    for given, wanted in (({"coerce_one_of": True, "whitespace_flexible": True}, None),
+                          ({"whitespace_pattern": "[ ]*"}, None),
+                          ({"item_separator": ","}, {**COMPACT, "item_separator": ","})):
+        # free whitespace replaces the compact layout (whose separators would still bind); a separator alone does not
         grammar = GuidedDecodingParams(json={**schema, "x-guidance": given}).llguidance_grammar()
-        assert json.loads(grammar)["grammars"][0]["json_schema"]["x-guidance"] == given
+        assert json.loads(grammar)["grammars"][0]["json_schema"]["x-guidance"] == (wanted or given)
 
 
 def test_guide_text_that_is_not_unicode_is_refused():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -94,7 +95,6 @@ def replace_dir(staging: Path, output: Path) -> None:
         if output.exists():
             os.replace(output, old)
         os.replace(staging, output)
-        _fsync(output.parent)
     except OSError as exc:
         previous = ""
         if old.exists() and not output.exists():
@@ -110,14 +110,18 @@ def replace_dir(staging: Path, output: Path) -> None:
         if old.exists() and not output.exists():
             os.replace(old, output)
         raise
+    try:  # the move itself on disk; a parent this user may write but not read cannot be synced, and is not an error
+        _fsync(output.parent)
+    except OSError:
+        pass
     shutil.rmtree(old, ignore_errors=True)
 
 
 def sync_tree(root: Path) -> None:
-    """fsync every file and directory under `root` (symlinks are not followed)."""
+    """fsync every regular file and directory under `root` (not symlinks, FIFOs or sockets)."""
     for folder, _, files in os.walk(root):
         for name in files:
-            if not os.path.islink(os.path.join(folder, name)):
+            if stat.S_ISREG(os.lstat(os.path.join(folder, name)).st_mode):
                 _fsync(Path(folder) / name)
         _fsync(Path(folder))
 

@@ -255,3 +255,24 @@ def test_every_file_of_a_finished_output_is_on_disk_before_it_is_moved_into_plac
     assert {str(staging / n) for n in ("model.onnx", "model.onnx.data", "tokenizer/tokenizer.json", "tokenizer")} \
         | {str(staging)} <= before_move
     assert synced[-1] == str(tmp_path) and (tmp_path / "out" / "model.onnx.data").read_bytes() == b"x" * 10
+
+
+def test_syncing_skips_special_files_and_a_parent_it_cannot_read(tmp_path, monkeypatch):
+    """A FIFO in the tree is not opened (it would block); a parent directory that cannot be synced after the move
+    (one this user may write but not read) leaves the output in place, no error."""
+    import camshaft.outdir as outdir
+
+    staging = tmp_path / ".out.partial-1"
+    staging.mkdir()
+    (staging / "model.onnx").write_bytes(b"x")
+    os.mkfifo(staging / "pipe")
+    real = outdir._fsync
+
+    def parent_refused(path):
+        if path == tmp_path:
+            raise PermissionError(13, "Permission denied")
+        real(path)
+
+    monkeypatch.setattr(outdir, "_fsync", parent_refused)
+    outdir.replace_dir(staging, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (tmp_path / "out" / "model.onnx").is_file()

@@ -42,7 +42,10 @@ def channel(engine_dir, tmp_path):
             return llm.submit(values["prompt"], SamplingParams(max_tokens=values["max_tokens"], ignore_eos=True),
                               sink)
 
-        server = ChannelServer(tmp_path / "private" / "executor.sock", submit, llm.abort)
+        def check(values):
+            SamplingParams(max_tokens=values["max_tokens"])  # what the token model checks before any row runs
+
+        server = ChannelServer(tmp_path / "private" / "executor.sock", submit, llm.abort, check=check)
         arrived: queue.Queue = queue.Queue()
         client = ChannelClient(server.path, arrived.put)
         try:
@@ -107,6 +110,27 @@ def test_a_refused_request_comes_back_as_an_error_with_its_code(channel):
     assert message[0] == "error" and message[2] == "UNAVAILABLE" and "busy" in message[3], message
     for call_id in running:
         client.send(("abort", call_id))
+    wait_idle(llm)
+
+
+def test_a_batch_with_one_bad_prompt_runs_none_of_them(channel):
+    """("submit_all", ...): every prompt is checked before any runs; the bad one's error names it, as a stock
+    backend refuses the whole batch."""
+    llm, client, arrived = channel
+    steps = llm.executor.steps_done
+    client.send(("submit_all", "b0", [("b0", {"prompt": [5, 6], "max_tokens": 4}),
+                                      ("b1", {"prompt": [7, 8], "max_tokens": 0})]))
+    kind, call_id, code, message = arrived.get(timeout=60)
+    assert (kind, call_id, code) == ("error", "b1", "INVALID_ARG") and "at least 1, got 0" in message
+    assert llm.executor.steps_done == steps and llm.load().running == 0
+    client.send(("submit_all", "c0", [("c0", {"prompt": [5, 6], "max_tokens": 3}),
+                                      ("c1", {"prompt": [7, 8], "max_tokens": 2})]))
+    got = {}
+    while len(got) < 2:
+        message = arrived.get(timeout=60)
+        if message[2]["last"]:
+            got[message[1]] = message[2]["finish_reason"]
+    assert got == {"c0": "length", "c1": "length"}
     wait_idle(llm)
 
 

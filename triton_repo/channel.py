@@ -46,7 +46,7 @@ class ChannelServer:
 
     def __init__(self, path: Path, submit: Callable[[Send, str, dict], list[str]],
                  abort: Callable[[str], None], refused: Callable[[], None] = lambda: None,
-                 drain: Callable[[], None] = lambda: None) -> None:
+                 drain: Callable[[], None] = lambda: None, check: Callable[[dict], None] = lambda _: None) -> None:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         info = path.parent.stat()
         if info.st_uid != os.getuid() or info.st_mode & 0o077:
@@ -54,6 +54,7 @@ class ChannelServer:
                                     "to the executor); remove it and restart the server")
         path.unlink(missing_ok=True)
         self.path, self.submit, self.abort, self.refused, self.drain = path, submit, abort, refused, drain
+        self.check = check
         self.listener = Listener(str(path), family="AF_UNIX")
         self.connections: list[Connection] = []
         # per connection: its calls not yet ended (call id -> request ids), its outgoing queue and writer thread
@@ -83,21 +84,38 @@ class ChannelServer:
                     owned.pop(message[1], None)
             outgoing.put(message)
 
+        def submit_one(call_id: str, values: dict) -> None:
+            with lock:
+                owned[call_id] = []
+            try:
+                ids = self.submit(send, call_id, values)
+            except Exception as exc:
+                send(("error", call_id, *token_error_status(exc)))
+                return
+            with lock:
+                if call_id in owned:
+                    owned[call_id] = ids
+
         writer.start()
         try:
             while True:
                 kind, call_id, *rest = connection.recv()
-                if kind == "submit":
-                    with lock:
-                        owned[call_id] = []
+                if kind == "submit_all":  # a batch's prompts: all checked before any runs
+                    batch = rest[0]
                     try:
-                        ids = self.submit(send, call_id, rest[0])
+                        for checked_id, values in batch:
+                            call_id = checked_id
+                            self.check(values)
                     except Exception as exc:
+                        with lock:
+                            owned[call_id] = []
+                        self.refused()
                         send(("error", call_id, *token_error_status(exc)))
                         continue
-                    with lock:
-                        if call_id in owned:
-                            owned[call_id] = ids
+                    for call_id, values in batch:
+                        submit_one(call_id, values)
+                elif kind == "submit":
+                    submit_one(call_id, rest[0])
                 elif kind == "refused":
                     self.refused()
                 elif kind == "drain":  # the launcher, at shutdown: end every request in flight now

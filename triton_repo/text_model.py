@@ -93,9 +93,12 @@ class TextModel:
             for call, values in zip(calls, rows, strict=True):
                 self._read(call, values)
             inputs = [self._token_inputs(values, call.text) for call, values in zip(calls, rows, strict=True)]
-            for call, token_inputs in zip(calls, inputs, strict=True):
-                self.channel.send(("submit", call.id, token_inputs))
+            for call in calls:
                 self.calls[call.id] = call
+            if len(calls) == 1:
+                self.channel.send(("submit", first.id, inputs[0]))
+            else:  # checked whole by the token model before any prompt runs, as a stock backend refuses a batch
+                self.channel.send(("submit_all", first.id, [(c.id, i) for c, i in zip(calls, inputs, strict=True)]))
         except Exception as exc:  # the prompts submitted before are stopped, unless the channel is gone
             self._final(first, error_response(exc), abort=not isinstance(exc, ServerClosedError))
             if not isinstance(exc, ServerClosedError):  # counted with the token model's refusals

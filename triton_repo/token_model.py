@@ -60,7 +60,8 @@ class TokenModel:
         self.responder.start()
         self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort,
                                      lambda: self.metrics.count("camshaft_requests_refused_total"),
-                                     drain=self.llm.close)  # each request in flight gets a final error response
+                                     drain=self.llm.close,  # each request in flight gets a final error response
+                                     check=self._channel_request)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -228,10 +229,7 @@ class TokenModel:
     def _from_channel(self, send: Send, call_id: str, values: dict) -> list[str]:
         """A text model's request: outputs go back over the channel as plain values (see channel_calls.py)."""
         try:
-            spec = token_request(values, eos_token_ids=self.llm.engine.eos_token_ids,
-                                 vocab_size=self.llm.engine.manifest.model.vocab_size,
-                                 exclude_default=self.exclude_default)
-            self._check_sequences([spec])
+            spec = self._channel_request(values)
             sink = ChannelCall(spec, send, call_id, self.llm, self.metrics, self._count_finished)
             ids = self.llm.submit(spec.prompt_ids, spec.params, sink)
         except Exception:
@@ -239,6 +237,12 @@ class TokenModel:
             raise
         self.metrics.count("camshaft_requests_total")
         return ids
+
+    def _channel_request(self, values: dict) -> TokenRequest:
+        spec = token_request(values, eos_token_ids=self.llm.engine.eos_token_ids,
+                             vocab_size=self.llm.engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
+        self._check_sequences([spec])
+        return spec
 
     def _in_flight(self) -> int:
         load = self.llm.load()

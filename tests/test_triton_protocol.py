@@ -89,6 +89,13 @@ def test_invalid_utf8_text_is_refused():
 def test_min_length_is_the_older_name_of_min_tokens():
     assert request(min_length=np.array([[3]], np.int32)).params.min_tokens == 3
     assert request(min_length=np.array([[3]], np.int32), min_tokens=np.array([[2]], np.int32)).params.min_tokens == 2
+    with pytest.raises(RequestError, match=r"^min_length must be between 0 and max_tokens"):  # the name it was sent as
+        request(min_length=np.array([[-2]], np.int32))
+
+
+def test_beam_search_refusal_names_what_a_triton_client_can_send_instead():
+    with pytest.raises(RequestError, match=r"beam_width 2: beam search is not supported .*num_return_sequences > 1"):
+        request(beam_width=np.array([[2]], np.int32))
 
 
 @pytest.mark.parametrize(("tensors", "temperature", "top_k", "top_p"), [

@@ -189,6 +189,10 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
             kwargs[target] = value
     if kwargs.get("n", 1) < 1:
         raise RequestError(f"num_return_sequences must be at least 1, got {kwargs['n']}")
+    if kwargs.get("beam_width", 1) > 1:
+        raise RequestError(f"beam_width {kwargs['beam_width']}: beam search is not supported by camshaft; send "
+                           "beam_width 1 (several outputs of one prompt: num_return_sequences > 1, with top_k or "
+                           "top_p to sample them)")
     top_p = one(values, "runtime_top_p")
     if top_p is not None and not 0 <= top_p <= 1:
         raise RequestError(f"runtime_top_p must be in [0, 1] (0 turns it off), got {top_p}")
@@ -206,7 +210,8 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
     kwargs["seed"] = int(seed) if seed is not None else 0
     kwargs["logit_bias"] = embedding_bias(values.get("embedding_bias"), vocab_size)
     kwargs["guided_decoding"] = guided(one(values, "guided_decoding_guide_type"), one(values, "guided_decoding_guide"))
-    if "min_tokens" not in kwargs and one(values, "min_length") is not None:  # older tensorrtllm_backend clients
+    min_length = "min_tokens" not in kwargs and one(values, "min_length") is not None  # older backend clients
+    if min_length:
         kwargs["min_tokens"] = one(values, "min_length")
     if one(values, "return_log_probs"):
         kwargs["logprobs"] = 0
@@ -224,8 +229,13 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
             stop_ids.append(end_id)
     bad = list(strings(values, "bad_words"))
     bad_ids = vocab_words(values.get("bad_words_list"), "bad_words_list", vocab_size)  # banned as ids, as TRT-LLM
-    return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad),
-                          stop_word_ids=tuple(map(tuple, stop_words)), bad_word_ids=tuple(map(tuple, bad_ids)))
+    try:
+        return SamplingParams(**kwargs, stop=tuple(stop), stop_token_ids=tuple(stop_ids), bad_words=tuple(bad),
+                              stop_word_ids=tuple(map(tuple, stop_words)), bad_word_ids=tuple(map(tuple, bad_ids)))
+    except RequestError as exc:  # named as the client sent it
+        if min_length:
+            raise RequestError(renamed(str(exc), {"min_tokens": "min_length"})) from None
+        raise
 
 
 def ended_on_end_id(output: RequestOutput) -> bool:

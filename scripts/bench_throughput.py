@@ -133,10 +133,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+MIN_LEVEL_REQUESTS = 8
+
+
 def level_requests(requests: list, c: int, args: argparse.Namespace) -> list:
     """The requests a sweep level runs: the first ones of the dataset, as many per slot as the target point has
-    (--num-requests / --concurrency), so every level sees the same mix of first batch, joining and draining."""
-    return requests[:max(c, round(c * args.num_requests / args.concurrency))]
+    (--num-requests / --concurrency), so every level sees the same mix of first batch, joining and draining; at least
+    MIN_LEVEL_REQUESTS (C = 1's p50 TTFT is the idle TTFT the joining target compares with)."""
+    return requests[:max(c, MIN_LEVEL_REQUESTS, round(c * args.num_requests / args.concurrency))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(),
         "config": {"dataset": args.dataset, "seed": args.seed, "num_requests": args.num_requests,
                    "concurrency": args.concurrency, "levels": args.levels, "peer_levels": args.peer_levels,
-                   "requests_per_slot": args.num_requests / args.concurrency, "threads": args.threads,
+                   "requests_per_slot": args.num_requests / args.concurrency,
+                   "min_level_requests": MIN_LEVEL_REQUESTS, "threads": args.threads,
                    "max_seq_len": args.max_seq_len, "max_num_tokens": args.max_num_tokens,
                    "kv_block_size": manifest.limits.kv_block_size,
                    "max_batch_size": manifest.limits.max_batch_size, "engine_dir": rel(engine_dir),

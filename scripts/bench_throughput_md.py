@@ -61,10 +61,10 @@ def markdown(res: dict, plot_ref: str) -> str:
         "",
         (f"Sweep points other than C = {cfg['concurrency']} run the first {cfg['sweep_num_requests']} requests of the "
          "same dataset (to bound the run time); the target point runs all of them." if "sweep_num_requests" in cfg else
-         f"Every level runs the first {cfg['requests_per_slot']:g} × C requests of the same dataset (at most all of "
-         "them), as many per slot "
-         f"as the target point (C = {cfg['concurrency']}), so each sees the same mix of a first batch, requests "
-         "joining a running one and a draining end; transformers runs the same requests at its levels."),
+         f"Every level runs the first {cfg['requests_per_slot']:g} × C requests of the same dataset (at least "
+         f"{cfg.get('min_level_requests', 1)}, at most all of them), as many per slot as the target point (C = "
+         f"{cfg['concurrency']}), so each sees the same mix of a first batch, requests joining a running one and a "
+         "draining end; transformers runs the same requests at its levels."),
         "",
         "| system | C | requests | output tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
         "| E2E p50 / p90 / p99 s | peak KV | GFLOP/s | loop overhead |",

@@ -60,10 +60,16 @@ class Executor:
         its full blocks are cached and reuse them. Raises at once: CapacityError for a request that can never fit,
         RequestError for more outputs than max_batch_size + max_queue, ServerBusyError while the queue is full.
         `bounded` False: past max_queue (offline work that waits its turn)."""
-        if bounded:
-            self.check_outputs(len(group))
-        for request in group:
-            self.scheduler.check(request)
+        self.submit_groups([group], [sinks], bounded)
+
+    def submit_groups(self, groups: list[list[Request]], sinks: list[list[Sink]], bounded: bool = True) -> None:
+        """Queue several prompts' groups (as submit) all at once, or none of them: every check comes first."""
+        for group in groups:
+            if bounded:
+                self.check_outputs(len(group))
+            for request in group:
+                self.scheduler.check(request)
+        total = sum(len(group) for group in groups)
         batch, limit = self.scheduler.config.max_batch_size, self.max_queue if bounded else None
         with self._wake:
             if self._closed:
@@ -71,17 +77,18 @@ class Executor:
             if not self._thread.is_alive():  # a forked child has the executor but not its thread
                 raise ServerClosedError("the batch loop does not run in this process (an LLM made before a fork?); "
                                         "create the LLM in the process that uses it")
-            if limit is not None and len(self._sinks) + len(group) > batch + limit:
+            if limit is not None and len(self._sinks) + total > batch + limit:
                 raise ServerBusyError(f"server busy: {len(self._sinks)} sequences in flight and the queue holds at "
                                       f"most {limit} beyond a running batch of {batch}; retry later or raise the "
                                       "queue limit")
             try:
-                for request, sink in zip(group, sinks, strict=True):
-                    self._sinks[request.request_id] = sink
-                self._inbox.append(group)
-            except BaseException:  # Ctrl-C before the group was queued: no sink may wait for it
-                if not self._inbox or self._inbox[-1] is not group:
-                    for request in group:
+                for group, group_sinks in zip(groups, sinks, strict=True):
+                    for request, sink in zip(group, group_sinks, strict=True):
+                        self._sinks[request.request_id] = sink
+                self._inbox.extend(groups)
+            except BaseException:  # Ctrl-C before the groups were queued: no sink may wait for them
+                if not self._inbox or self._inbox[-1] is not groups[-1]:
+                    for request in (r for group in groups for r in group):
                         self._sinks.pop(request.request_id, None)
                 raise
             self._wake.notify()

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import queue
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 
 from camshaft.errors import RequestError
 from camshaft.runtime.executor import Executor
@@ -31,13 +31,22 @@ class ServingAPI:
         only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (the
         prompt's id when n is 1, else the prompt's id with "-0" ... "-{n-1}"; abort takes them or the prompt's
         id). Raises RequestError, CapacityError or ServerBusyError at once."""
-        if not callable(sink):
-            raise RequestError(f"sink takes each RequestOutput (a callable), got {sink!r:.80}")
-        params = params_list(sampling_params, 1)[0]
-        self.executor.check_outputs(params.n)  # before building n requests
-        group = self._requests(prompt, params, priority)
-        self.executor.submit(group, [sink] * len(group))
-        return [r.request_id for r in group]
+        return self.submit_batch([(prompt, sampling_params, sink)], priority)[0]
+
+    def submit_batch(self, items: Sequence[tuple[Prompt, SamplingParams, Sink]], priority: int = 0
+                     ) -> list[list[str]]:
+        """Queue several (prompt, sampling_params, sink) at once, as submit each, or none: every prompt is checked
+        and its requests built before any is queued, so one bad prompt refuses them all. Returns each one's ids."""
+        groups, sinks = [], []
+        for prompt, sampling_params, sink in items:
+            if not callable(sink):
+                raise RequestError(f"sink takes each RequestOutput (a callable), got {sink!r:.80}")
+            params = params_list(sampling_params, 1)[0]
+            self.executor.check_outputs(params.n)  # before building n requests
+            groups.append(self._requests(prompt, params, priority))
+            sinks.append([sink] * len(groups[-1]))
+        self.executor.submit_groups(groups, sinks)
+        return [[r.request_id for r in group] for group in groups]
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or all n of a prompt, by the prompt's id; or each of several ids) and free its KV blocks

@@ -158,3 +158,22 @@ def test_results_read_as_vllms_and_a_closed_async_stream_aborts_at_once(engine_d
             assert llm.load().kv_blocks_used == 0 and llm.load().running == 0
 
         asyncio.run(first_delta_then_close())
+
+
+def test_submit_batch_queues_every_prompt_or_none(engine_dir):
+    """One prompt the executor refuses (longer than the engine allows) refuses the batch before any prompt runs;
+    a good batch runs each prompt as submit would."""
+    from camshaft.errors import CapacityError
+
+    with LLM(engine_dir) as llm:
+        finals: queue.SimpleQueue = queue.SimpleQueue()
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        too_long = SamplingParams(max_tokens=llm.config.max_seq_len, ignore_eos=True)
+        with pytest.raises(CapacityError, match="max_seq_len"):
+            llm.submit_batch([([5, 6], params, finals.put), ([7, 8], too_long, finals.put)])
+        assert llm.executor.steps_done == 0 and llm.load().running == llm.load().waiting == 0 and finals.empty()
+        ids = llm.submit_batch([([5, 6], params, lambda o: o.finished and finals.put(o)),
+                                ([7, 8], params, lambda o: o.finished and finals.put(o))])
+        outputs = {o.request_id: o for o in (finals.get(timeout=30) for _ in ids)}
+        assert sorted(outputs) == sorted(i for group in ids for i in group)
+        assert all(len(o.result.token_ids) == 4 for o in outputs.values())

@@ -42,10 +42,19 @@ def channel(engine_dir, tmp_path):
             return llm.submit(values["prompt"], SamplingParams(max_tokens=values["max_tokens"], ignore_eos=True),
                               sink)
 
-        def check(values):
-            SamplingParams(max_tokens=values["max_tokens"])  # what the token model checks before any row runs
+        def submit_all(send, calls):  # as the token model: every prompt checked before any is queued
+            return llm.submit_batch([(values["prompt"], SamplingParams(max_tokens=values["max_tokens"],
+                                                                       ignore_eos=True), sink_for(send, call_id))
+                                     for call_id, values in calls])
 
-        server = ChannelServer(tmp_path / "private" / "executor.sock", submit, llm.abort, check=check)
+        def sink_for(send, call_id):
+            def sink(output):
+                reason = output.result.finish_reason if output.finished else None
+                send(("out", call_id, {"ids": list(output.token_ids), "finish_reason": reason,
+                                       "last": output.finished}))
+            return sink
+
+        server = ChannelServer(tmp_path / "private" / "executor.sock", submit, llm.abort, submit_all=submit_all)
         arrived: queue.Queue = queue.Queue()
         client = ChannelClient(server.path, arrived.put)
         try:
@@ -118,11 +127,11 @@ def test_a_batch_with_one_bad_prompt_runs_none_of_them(channel):
     backend refuses the whole batch."""
     llm, client, arrived = channel
     steps = llm.executor.steps_done
-    client.send(("submit_all", "b0", [("b0", {"prompt": [5, 6], "max_tokens": 4}),
-                                      ("b1", {"prompt": [7, 8], "max_tokens": 0})]))
-    kind, call_id, code, message = arrived.get(timeout=60)
-    assert (kind, call_id, code) == ("error", "b1", "INVALID_ARG") and "at least 1, got 0" in message
-    assert llm.executor.steps_done == steps and llm.load().running == 0
+    for bad in ({"prompt": [7, 8], "max_tokens": 0}, {"prompt": [7] * 4095, "max_tokens": 4}):  # params; too long
+        client.send(("submit_all", "b0", [("b0", {"prompt": [5, 6], "max_tokens": 4}), ("b1", bad)]))
+        kind, call_id, code, message = arrived.get(timeout=60)
+        assert (kind, call_id, code) == ("error", "b0", "INVALID_ARG") and "request_output_len" in message, message
+        assert llm.executor.steps_done == steps and llm.load().running == llm.load().waiting == 0
     client.send(("submit_all", "c0", [("c0", {"prompt": [5, 6], "max_tokens": 3}),
                                       ("c1", {"prompt": [7, 8], "max_tokens": 2})]))
     got = {}

@@ -4,9 +4,10 @@ Triton's BLS was the first way, and Triton 2.51's python backend does not surviv
 decoupled BLS streams from the text model, a stub crashed (heap corruption) or lost responses within a few storms
 (its IPC thread builds the tensors of decoupled BLS responses; BLS responses are the only difference from token-model
 clients, which ran 40 storms clean). So the token model listens on `channel_path()`, in a directory only this user
-can enter, and each text model instance keeps one connection: it sends ("submit", call id, token inputs) and
-("abort", call id) and receives ("out", call id, payload) until a payload says it is the last, or ("error", call id,
-code, message). The engine is still loaded once, and every request shares its one running batch.
+can enter, and each text model instance keeps one connection: it sends ("submit", call id, token inputs) (a batch:
+("submit_all", first call id, [(call id, token inputs), ...]), queued whole or refused whole) and ("abort", call id)
+and receives ("out", call id, payload) until a payload says it is the last, or ("error", call id, code, message).
+The engine is still loaded once, and every request shares its one running batch.
 """
 
 from __future__ import annotations
@@ -40,13 +41,16 @@ def channel_path(token_model: str, server_pid: int | None = None) -> Path:
 
 class ChannelServer:
     """Token-model side. submit(send, call_id, values) returns the executor's request ids (it raises to refuse);
-    abort(request_id) stops one; refused() counts a request the text model refused itself (("refused", call id)).
+    submit_all(send, [(call_id, values), ...]) queues a batch's prompts together or raises having queued none (its
+    error goes to the first call); abort(request_id) stops one; refused() counts a request the text model refused
+    itself (("refused", call id)).
     A connection that closes aborts its unfinished requests; ("drain", "") (the launcher, at shutdown) calls
     drain()."""
 
     def __init__(self, path: Path, submit: Callable[[Send, str, dict], list[str]],
                  abort: Callable[[str], None], refused: Callable[[], None] = lambda: None,
-                 drain: Callable[[], None] = lambda: None, check: Callable[[dict], None] = lambda _: None) -> None:
+                 drain: Callable[[], None] = lambda: None,
+                 submit_all: Callable[[Send, list[tuple[str, dict]]], list[list[str]]] | None = None) -> None:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         info = path.parent.stat()
         if info.st_uid != os.getuid() or info.st_mode & 0o077:
@@ -54,7 +58,7 @@ class ChannelServer:
                                     "to the executor); remove it and restart the server")
         path.unlink(missing_ok=True)
         self.path, self.submit, self.abort, self.refused, self.drain = path, submit, abort, refused, drain
-        self.check = check
+        self.submit_all = submit_all or (lambda send, calls: [submit(send, c, v) for c, v in calls])
         self.listener = Listener(str(path), family="AF_UNIX")
         self.connections: list[Connection] = []
         # per connection: its calls not yet ended (call id -> request ids), its outgoing queue and writer thread
@@ -100,20 +104,22 @@ class ChannelServer:
         try:
             while True:
                 kind, call_id, *rest = connection.recv()
-                if kind == "submit_all":  # a batch's prompts: all checked before any runs
+                if kind == "submit_all":  # a batch's prompts: all queued together, or none (one error, the first's)
                     batch = rest[0]
+                    with lock:
+                        owned.update({one: [] for one, _ in batch})
                     try:
-                        for checked_id, values in batch:
-                            call_id = checked_id
-                            self.check(values)
+                        all_ids = self.submit_all(send, batch)
                     except Exception as exc:
                         with lock:
-                            owned[call_id] = []
-                        self.refused()
-                        send(("error", call_id, *token_error_status(exc)))
+                            for one, _ in batch[1:]:
+                                owned.pop(one, None)
+                        send(("error", batch[0][0], *token_error_status(exc)))
                         continue
-                    for call_id, values in batch:
-                        submit_one(call_id, values)
+                    with lock:
+                        for (one, _), ids in zip(batch, all_ids, strict=True):
+                            if one in owned:
+                                owned[one] = ids
                 elif kind == "submit":
                     submit_one(call_id, rest[0])
                 elif kind == "refused":

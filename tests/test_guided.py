@@ -239,7 +239,8 @@ def test_a_schemas_own_guidance_settings_keep_the_compact_layout(llm):
         assert re.fullmatch(r'\{"v": [0-9]\}', text), text
     for given, wanted in (({"coerce_one_of": True, "whitespace_flexible": True}, None),
                           ({"whitespace_pattern": "[ ]*"}, None),
-                          ({"item_separator": ","}, {**COMPACT, "item_separator": ","})):
+                          ({"item_separator": ","}, {**COMPACT, "item_separator": ","}),
+                          ({"whitespace_flexible": False}, COMPACT)):
         # free whitespace replaces the compact layout (whose separators would still bind); a separator alone does not
         grammar = GuidedDecodingParams(json={**schema, "x-guidance": given}).llguidance_grammar()
         assert json.loads(grammar)["grammars"][0]["json_schema"]["x-guidance"] == (wanted or given)

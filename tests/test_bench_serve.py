@@ -155,57 +155,6 @@ def test_an_openai_target_sends_the_api_key_from_the_environment(monkeypatch):
     assert asyncio.run(start("t=http://h,backend=openai,model=m")) == "m"
 
 
-def test_an_openai_event_with_empty_text_is_output():
-    """A server holding back bytes that are not yet UTF-8 sends a chunk with empty text: a token still arrived."""
-    import asyncio
-
-    import httpx
-
-    from camshaft.bench_serve.clients import OpenAIClient
-    from camshaft.bench_serve.workload import ServeRequest
-
-    events = [{"choices": [{"index": 0, "text": ""}]}, {"choices": [{"index": 0, "text": "", "finish_reason":
-              "length"}]}, {"choices": [], "usage": {"completion_tokens": 2}}]
-    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-
-    async def run() -> Record:
-        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
-        async with httpx.AsyncClient(transport=transport) as http:
-            client = OpenAIClient(Target.parse("t=http://h,backend=openai,model=m"), http)
-            record = Record(3, 2)
-            await client(ServeRequest("hi", 3, 2), record)
-            return record
-
-    record = asyncio.run(run())
-    assert record.ok and len(record.chunk_times) == 2 and record.output_tokens == 2
-
-
-def test_output_is_counted_as_it_came_and_a_cut_stream_fails():
-    """No usage reported: the output events are counted, not max_tokens assumed (a server that stops early would
-    read as fast); a stream that ends without [DONE] was cut short and fails."""
-    import asyncio
-
-    import httpx
-
-    from camshaft.bench_serve.clients import OpenAIClient
-    from camshaft.bench_serve.workload import ServeRequest
-
-    events = "".join(f"data: {json.dumps({'choices': [{'index': 0, 'text': t}]})}\n\n" for t in "abc")
-
-    async def run(body: str) -> Record:
-        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
-        async with httpx.AsyncClient(transport=transport) as http:
-            record = Record(3, 32, sent=0.0)
-            await OpenAIClient(Target.parse("t=http://h,backend=openai,model=m"), http)(ServeRequest("hi", 3, 32),
-                                                                                          record)
-            return record
-
-    done, cut = asyncio.run(run(events + "data: [DONE]\n\n")), asyncio.run(run(events))
-    result = summarize(Target.parse("t=http://h,backend=openai"), 1.0, None, [done, cut], 1.0, Goodput())
-    assert result.output_tokens == 3 and result.completed == 1
-    assert result.errors == {"the stream ended before its end marker": 1}
-
-
 def stream_record(body: str) -> Record:
     """What OpenAIClient makes of a server-sent-event body."""
     import asyncio
@@ -224,6 +173,24 @@ def stream_record(body: str) -> Record:
             return record
 
     return asyncio.run(run())
+
+
+def test_an_openai_event_with_empty_text_is_output():
+    """A server holding back bytes that are not yet UTF-8 sends a chunk with empty text: a token still arrived."""
+    events = [{"choices": [{"index": 0, "text": ""}]}, {"choices": [{"index": 0, "text": "", "finish_reason":
+              "length"}]}, {"choices": [], "usage": {"completion_tokens": 2}}]
+    record = stream_record("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n")
+    assert record.ok and len(record.chunk_times) == 2 and record.output_tokens == 2
+
+
+def test_output_is_counted_as_it_came_and_a_cut_stream_fails():
+    """No usage reported: the output events are counted, not max_tokens assumed (a server that stops early would
+    read as fast); a stream that ends without [DONE] was cut short and fails."""
+    events = "".join(f"data: {json.dumps({'choices': [{'index': 0, 'text': t}]})}\n\n" for t in "abc")
+    done, cut = stream_record(events + "data: [DONE]\n\n"), stream_record(events)
+    result = summarize(Target.parse("t=http://h,backend=openai"), 1.0, None, [done, cut], 1.0, Goodput())
+    assert result.output_tokens == 3 and result.completed == 1
+    assert result.errors == {"the stream ended before its end marker": 1}
 
 
 def test_without_usage_the_tokenizer_counts_chunks_of_several_tokens(engine_dir):

@@ -16,6 +16,7 @@ compared with the fake-quant model run with the engine's K/V at those elements.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -223,39 +224,33 @@ def test_int8_kv_scales_join_a_sharded_checkpoint(tmp_path):
     assert scheme == {"dynamic": False, "num_bits": 8, "type": "int"}
 
 
-def test_kv_scales_under_vllm_names(kv_engine, tmp_path):
-    """A checkpoint naming its scales self_attn.k_scale / v_scale (vLLM's convention) reads the same."""
+def with_kv_scales(kv_engine, tmp_path, edit) -> Path:
+    """A copy of the int8 KV checkpoint whose scales file (its own small file) holds edit(its tensors)."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
     from camshaft.quantize.kv_scales import KV_SCALES_FILE
 
-    kv_dtype, engine_dir, ref = kv_engine
-    if kv_dtype != "int8":
-        pytest.skip("the INT8 scales sit in their own small file, easy to rename")
-    ckpt = shutil.copytree(engine_dir.parent / "ckpt", tmp_path / "ckpt")
-    tensors = load_file(ckpt / KV_SCALES_FILE)
-    save_file({k.replace(".k_proj.k_scale", ".k_scale").replace(".v_proj.v_scale", ".v_scale"): v
-               for k, v in tensors.items()}, ckpt / KV_SCALES_FILE)
+    if kv_engine[0] != "int8":
+        pytest.skip("the INT8 scales sit in their own small file, easy to edit")
+    ckpt = shutil.copytree(kv_engine[1].parent / "ckpt", tmp_path / "ckpt")
+    save_file(edit(load_file(ckpt / KV_SCALES_FILE)), ckpt / KV_SCALES_FILE)
+    return ckpt
+
+
+def test_kv_scales_under_vllm_names(kv_engine, tmp_path):
+    """A checkpoint naming its scales self_attn.k_scale / v_scale (vLLM's convention) reads the same."""
+    ckpt = with_kv_scales(kv_engine, tmp_path, lambda tensors: {
+        k.replace(".k_proj.k_scale", ".k_scale").replace(".v_proj.v_scale", ".v_scale"): v for k, v in tensors.items()})
     with Checkpoint(ckpt) as renamed:
-        assert [s for layer in range(2) for s in renamed.kv_scales(layer)] == ref["scales"]
+        assert [s for layer in range(2) for s in renamed.kv_scales(layer)] == kv_engine[2]["scales"]
 
 
 def test_kv_scales_missing_say_what_the_cache_needs(kv_engine, tmp_path):
     """A KV cache quantized by hf_quant_config.json without its scales: which tensor, and the two ways out."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    from camshaft.quantize.kv_scales import KV_SCALES_FILE
-
-    kv_dtype, engine_dir, _ = kv_engine
-    if kv_dtype != "int8":
-        pytest.skip("the INT8 scales sit in their own small file")
-    ckpt = shutil.copytree(engine_dir.parent / "ckpt", tmp_path / "ckpt")
-    tensors = load_file(ckpt / KV_SCALES_FILE)
-    save_file({k: v for k, v in tensors.items() if "layers.1.self_attn.v" not in k}, ckpt / KV_SCALES_FILE)
+    ckpt = with_kv_scales(kv_engine, tmp_path, lambda tensors: {
+        k: v for k, v in tensors.items() if "layers.1.self_attn.v" not in k})
     with Checkpoint(ckpt) as scaled, pytest.raises(CheckpointError, match=(
             r"quantizes the KV cache \(kv_cache_quant_algo in hf_quant_config.json\) but holds no "
             r"model\.layers\.1\.self_attn\.v_proj\.v_scale \(nor model\.layers\.1\.self_attn\.v_scale\).*remove "

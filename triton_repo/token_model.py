@@ -97,23 +97,21 @@ class TokenModel:
         with self.lock:  # registered before it can finish: the responder forgets it only once it is registered
             if client_id:
                 self.by_client_id[client_id] = job
-        ids: list[str] = []
         try:  # not under the lock: submit may compile a guided grammar, and the responder needs the lock
             ids = [i for group in self.llm.submit_batch([  # every row checked before any is queued
                 (row.spec.prompt_ids, row.spec.params, lambda out, row=row: self.outputs.put((row, out)))
                 for row in job.rows]) for i in group]
-        except BaseException:
-            self.llm.abort(ids)  # the prompts submitted before one was refused: the request fails as a whole
+        except BaseException:  # no row was queued: the request fails as a whole
             with self.lock:
                 first = self._end(job)
                 if first:
                     job.counted = True  # its outputs are dropped; execute() counts it as refused
                 self._forget(job)
-            if not first:  # an earlier prompt's error ended it: its final response went, counted as finished
+            if not first:  # something else ended it meanwhile (a stop request): its final response went
                 self.metrics.count("camshaft_requests_total")
                 return
             raise
-        with self.lock:  # an error or a cancel may have ended the job before its later prompts were submitted
+        with self.lock:  # an error, a cancel or a stop request may have ended the job while its rows were queued
             job.request_ids, stop = ids, job.stop_requested or job.failed or job.cancelled
         if stop:
             self.llm.abort(ids)

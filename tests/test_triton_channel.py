@@ -33,16 +33,7 @@ def channel(engine_dir, tmp_path):
     """A channel server in front of an LLM (as the token model sets it up) and a client."""
     with LLM(engine_dir, max_queue=2) as llm:
 
-        def submit(send, call_id, values):
-            def sink(output):
-                reason = output.result.finish_reason if output.finished else None
-                send(("out", call_id, {"ids": list(output.token_ids), "finish_reason": reason,
-                                       "last": output.finished}))
-
-            return llm.submit(values["prompt"], SamplingParams(max_tokens=values["max_tokens"], ignore_eos=True),
-                              sink)
-
-        def submit_all(send, calls):  # as the token model: every prompt checked before any is queued
+        def submit(send, calls):  # as the token model: every prompt checked before any is queued
             return llm.submit_batch([(values["prompt"], SamplingParams(max_tokens=values["max_tokens"],
                                                                        ignore_eos=True), sink_for(send, call_id))
                                      for call_id, values in calls])
@@ -54,7 +45,7 @@ def channel(engine_dir, tmp_path):
                                        "last": output.finished}))
             return sink
 
-        server = ChannelServer(tmp_path / "private" / "executor.sock", submit, llm.abort, submit_all=submit_all)
+        server = ChannelServer(tmp_path / "private" / "executor.sock", submit, llm.abort)
         arrived: queue.Queue = queue.Queue()
         client = ChannelClient(server.path, arrived.put)
         try:

@@ -48,7 +48,7 @@ def test_a_second_signal_kills_at_once():
 def test_the_drain_message_reaches_the_token_model(tmp_path, monkeypatch):
     drained = threading.Event()
     path = tmp_path / "sockets" / "tensorrt_llm.sock"
-    server = ChannelServer(path, lambda send, call_id, values: [], lambda request_id: None, drain=drained.set)
+    server = ChannelServer(path, lambda send, calls: [[] for _ in calls], lambda request_id: None, drain=drained.set)
     monkeypatch.setattr(shutdown, "channel_path", lambda model, pid: path)
     try:
         assert shutdown.drain(12345)

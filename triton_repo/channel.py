@@ -40,17 +40,15 @@ def channel_path(token_model: str, server_pid: int | None = None) -> Path:
 
 
 class ChannelServer:
-    """Token-model side. submit(send, call_id, values) returns the executor's request ids (it raises to refuse);
-    submit_all(send, [(call_id, values), ...]) queues a batch's prompts together or raises having queued none (its
-    error goes to the first call); abort(request_id) stops one; refused() counts a request the text model refused
-    itself (("refused", call id)).
+    """Token-model side. submit(send, [(call_id, values), ...]) queues one prompt or a batch's together and returns
+    each one's executor request ids, or raises having queued none (the error goes to the first call);
+    abort(request_id) stops one; refused() counts a request the text model refused itself (("refused", call id)).
     A connection that closes aborts its unfinished requests; ("drain", "") (the launcher, at shutdown) calls
     drain()."""
 
-    def __init__(self, path: Path, submit: Callable[[Send, str, dict], list[str]],
+    def __init__(self, path: Path, submit: Callable[[Send, list[tuple[str, dict]]], list[list[str]]],
                  abort: Callable[[str], None], refused: Callable[[], None] = lambda: None,
-                 drain: Callable[[], None] = lambda: None,
-                 submit_all: Callable[[Send, list[tuple[str, dict]]], list[list[str]]] | None = None) -> None:
+                 drain: Callable[[], None] = lambda: None) -> None:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         info = path.parent.stat()
         if info.st_uid != os.getuid() or info.st_mode & 0o077:
@@ -58,7 +56,6 @@ class ChannelServer:
                                     "to the executor); remove it and restart the server")
         path.unlink(missing_ok=True)
         self.path, self.submit, self.abort, self.refused, self.drain = path, submit, abort, refused, drain
-        self.submit_all = submit_all or (lambda send, calls: [submit(send, c, v) for c, v in calls])
         self.listener = Listener(str(path), family="AF_UNIX")
         self.connections: list[Connection] = []
         # per connection: its calls not yet ended (call id -> request ids), its outgoing queue and writer thread
@@ -88,40 +85,26 @@ class ChannelServer:
                     owned.pop(message[1], None)
             outgoing.put(message)
 
-        def submit_one(call_id: str, values: dict) -> None:
-            with lock:
-                owned[call_id] = []
-            try:
-                ids = self.submit(send, call_id, values)
-            except Exception as exc:
-                send(("error", call_id, *token_error_status(exc)))
-                return
-            with lock:
-                if call_id in owned:
-                    owned[call_id] = ids
-
         writer.start()
         try:
             while True:
                 kind, call_id, *rest = connection.recv()
-                if kind == "submit_all":  # a batch's prompts: all queued together, or none (one error, the first's)
-                    batch = rest[0]
+                if kind in ("submit", "submit_all"):  # one prompt, or a batch's: queued together or none
+                    batch = [(call_id, rest[0])] if kind == "submit" else rest[0]
                     with lock:
                         owned.update({one: [] for one, _ in batch})
                     try:
-                        all_ids = self.submit_all(send, batch)
+                        all_ids = self.submit(send, batch)
                     except Exception as exc:
                         with lock:
                             for one, _ in batch[1:]:
                                 owned.pop(one, None)
-                        send(("error", batch[0][0], *token_error_status(exc)))
+                        send(("error", batch[0][0], *token_error_status(exc)))  # pops the first
                         continue
                     with lock:
                         for (one, _), ids in zip(batch, all_ids, strict=True):
-                            if one in owned:
+                            if one in owned:  # not already ended
                                 owned[one] = ids
-                elif kind == "submit":
-                    submit_one(call_id, rest[0])
                 elif kind == "refused":
                     self.refused()
                 elif kind == "drain":  # the launcher, at shutdown: end every request in flight now

@@ -60,8 +60,7 @@ class TokenModel:
         self.responder.start()
         self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort,
                                      lambda: self.metrics.count("camshaft_requests_refused_total"),
-                                     drain=self.llm.close,  # each request in flight gets a final error response
-                                     submit_all=self._from_channel_batch)
+                                     drain=self.llm.close)  # each request in flight gets a final error response
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -224,22 +223,14 @@ class TokenModel:
             job.sender.send(response(row, sequence, ids, sequence.logprobs, output.result.text, output),
                             flags=FINAL if last else 0)
 
-    def _from_channel(self, send: Send, call_id: str, values: dict) -> list[str]:
-        """A text model's request: outputs go back over the channel as plain values (see channel_calls.py)."""
+    def _from_channel(self, send: Send, calls: list[tuple[str, dict]]) -> list[list[str]]:
+        """A text model's prompt, or its batch's, all checked and queued together or none (one refusal counted);
+        outputs go back over the channel as plain values (see channel_calls.py)."""
         try:
-            spec = self._channel_request(values)
-            sink = ChannelCall(spec, send, call_id, self.llm, self.metrics, self._count_finished)
-            ids = self.llm.submit(spec.prompt_ids, spec.params, sink)
-        except Exception:
-            self.metrics.count("camshaft_requests_refused_total")
-            raise
-        self.metrics.count("camshaft_requests_total")
-        return ids
-
-    def _from_channel_batch(self, send: Send, calls: list[tuple[str, dict]]) -> list[list[str]]:
-        """A text model's batch of prompts: all checked and queued together, or none (one refusal counted)."""
-        try:
-            specs = [self._channel_request(values) for _, values in calls]
+            engine = self.llm.engine
+            specs = [token_request(values, eos_token_ids=engine.eos_token_ids,
+                                   vocab_size=engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
+                     for _, values in calls]
             self._check_sequences(specs)
             ids = self.llm.submit_batch([(spec.prompt_ids, spec.params,
                                           ChannelCall(spec, send, call_id, self.llm, self.metrics,
@@ -248,15 +239,8 @@ class TokenModel:
         except Exception:
             self.metrics.count("camshaft_requests_refused_total")
             raise
-        for _ in calls:
-            self.metrics.count("camshaft_requests_total")
+        self.metrics.count("camshaft_requests_total", len(calls))
         return ids
-
-    def _channel_request(self, values: dict) -> TokenRequest:
-        spec = token_request(values, eos_token_ids=self.llm.engine.eos_token_ids,
-                             vocab_size=self.llm.engine.manifest.model.vocab_size, exclude_default=self.exclude_default)
-        self._check_sequences([spec])
-        return spec
 
     def _in_flight(self) -> int:
         load = self.llm.load()

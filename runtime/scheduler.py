@@ -128,26 +128,29 @@ class Scheduler:
 
     def _preempt_for_priority(self) -> None:
         """max_utilization: the first waiting request, short of a batch slot or of blocks, preempts running
-        requests of a lower priority (a higher value), the newest first, until it fits (as vLLM's priority policy)."""
+        requests of a lower priority (a higher value), the newest first, until it fits (as vLLM's priority policy);
+        none when all of theirs would not make room."""
         if self.config.policy != "max_utilization" or not self.waiting:
             return
         request = self.waiting[0]
         lower = [r for r in self.running if r.priority > request.priority]
-        if not lower or not self._fits_without(request, lower):
-            return  # nothing to take, or all of it would not make room: no work is thrown away for nothing
-        while True:
-            lower = [r for r in self.running if r.priority > request.priority]
-            if not lower or (len(self.running) < self.config.max_batch_size and self._fits(request)):
-                return
+        if not lower:
+            return
+        reused, wanted = self._admission(request)  # preempting frees blocks, and keeps the cached prefix cached
+        if not self._room_after(lower, reused, wanted):
+            return
+        while lower and not (len(self.running) < self.config.max_batch_size
+                             and self.blocks.fits(wanted - len(reused), reused)):
             self.preempt(max(reversed(lower), key=queue_key))
+            lower = [r for r in self.running if r.priority > request.priority]
 
-    def _fits_without(self, request: Request, others: list[Request]) -> bool:
-        """Whether `request` would fit once `others` were preempted (their blocks no one else holds freed)."""
-        reused, wanted = self._admission(request)
+    def _room_after(self, others: list[Request], reused: list[int], wanted: int) -> bool:
+        """Whether `wanted` blocks, `reused` of them cached, would fit once `others` were preempted (their blocks no
+        one else holds freed; an idle reused block is taken back, not room)."""
         holders = Counter(block for other in others for block in other.blocks)
         freed = sum(1 for block, n in holders.items() if self.blocks.blocks[block].ref_count == n)
         idle = sum(1 for block in reused if self.blocks.blocks[block].ref_count == holders.get(block, 0))
-        return wanted - len(reused) + idle <= self.blocks.num_free + freed  # an idle reused block is taken back
+        return wanted - len(reused) + idle <= self.blocks.num_free + freed
 
     def _chunk(self, request: Request, take: int) -> Scheduled:
         start = request.num_computed
@@ -184,10 +187,6 @@ class Scheduler:
         if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
             return reused, self._total_blocks(request)
         return reused, self.blocks.blocks_for(request.num_tokens)
-
-    def _fits(self, request: Request) -> bool:
-        reused, wanted = self._admission(request)
-        return self.blocks.fits(wanted - len(reused), reused)
 
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids

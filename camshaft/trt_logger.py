@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableSequence
+from collections.abc import Callable, Iterable, MutableSequence
 from typing import Any
 
 NOISE = ("Int64 binding", "logger passed into")  # warnings about camshaft's own choices, not about the model
@@ -23,3 +23,8 @@ def capturing_logger(trt: Any, messages: MutableSequence[str], on_error: Callabl
                 messages.append(msg)
 
     return Logger()
+
+
+def quoted(messages: Iterable[str]) -> str:
+    """What TensorRT said, one indented line a message, for an error to end with."""
+    return "\n".join(f"  {m}" for m in messages) or "  (no messages)"

@@ -23,7 +23,7 @@ from pathlib import Path
 from camshaft.builder.targets.trt_product import check_arch, import_product
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import BuildLimits
-from camshaft.trt_logger import capturing_logger
+from camshaft.trt_logger import capturing_logger, quoted
 
 Progress = Callable[[str], None]
 
@@ -138,7 +138,7 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
     progress(f"building the {product} plan for sm{arch}")
     plan = builder.build_serialized_network(network, config)
     if plan is None or plan.nbytes == 0:
-        detail = "\n".join(f"  {m}" for m in messages[-20:]) or "  (no messages)"
+        detail = quoted(messages[-20:])
         raise BuildConfigError(f"{product} {trt.__version__} failed to build a plan for sm{arch}:\n{detail}")
     _write_atomic(plan_path, memoryview(plan))
     seconds = time.perf_counter() - started

@@ -36,7 +36,7 @@ from camshaft.errors import EngineError, needs_extra
 from camshaft.manifest import TRT_MODULES, Manifest
 from camshaft.runtime.backends.cuda_buffers import DeviceBuffer, check_cuda, numpy_dtype
 from camshaft.runtime.kv_cache import plan_blocks
-from camshaft.trt_logger import capturing_logger
+from camshaft.trt_logger import capturing_logger, quoted
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +120,14 @@ class TensorRTBackend:
         self.runtime = trt.Runtime(self.logger)
         self.engine = self.runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
-            said = "\n".join(f"  {m}" for m in self.messages) or "  (no messages)"
             raise EngineError(f"{product} {trt.__version__} could not load {plan_path} on sm{local}: a plan built by "
                               f"this release for this GPU loads unless the file is damaged or the CUDA driver is too "
-                              f"old for {product}; update the driver or rebuild the engine. {product} said:\n{said}")
+                              f"old for {product}; update the driver or rebuild the engine. {product} said:\n"
+                              + quoted(self.messages))
         self.context = self.engine.create_execution_context()
         if self.context is None:
-            raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?)"
-                              + "".join(f"\n  {m}" for m in self.messages))
+            raise EngineError(f"{product} could not create an execution context for {plan_path} (GPU memory?); "
+                              f"{product} said:\n" + quoted(self.messages))
         self.stream = check_cuda(cudart, cudart.cudaStreamCreate(), "cudaStreamCreate")
         self._dtypes = {}
         for i in range(self.engine.num_io_tensors):
@@ -234,7 +234,7 @@ class TensorRTBackend:
                 self._upload(name, array)
         n = max(rows, 1)
         if not self.context.execute_async_v3(int(self.stream)):
-            raise EngineError("TensorRT could not enqueue the step" + "".join(f"\n  {m}" for m in self.messages))
+            raise EngineError("TensorRT could not enqueue the step; it said:\n" + quoted(self.messages))
         out = np.empty((n, self.vocab_size), dtype=np.float32)
         self._copy(out.ctypes.data, self._buffers["logits"].ptr, out.nbytes, "DeviceToHost", "logits download")
         check_cuda(self.cudart, self.cudart.cudaStreamSynchronize(self.stream), "stream synchronise")

@@ -35,7 +35,7 @@ from camshaft.bench_serve.report import ServeResult, plot
 from camshaft.bench_serve.run import bench_serve
 from camshaft.bench_serve.workload import load_requests, load_tokenizer
 from camshaft.models import default_model_dir, fetch_model
-from camshaft.runtime.throughput_report import fmt
+from camshaft.runtime.throughput_report import fmt, fmt_percentiles
 
 REPO = Path(__file__).resolve().parent.parent
 CAMSHAFT = str(Path(sys.executable).parent / "camshaft")
@@ -79,20 +79,14 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _num(value: float | None, digits: int, scale: float = 1.0) -> str:
-    """A number of the JSON results; None (no completed request had one) as the reports' dash."""
-    return fmt(None if value is None else value / scale, f".{digits}f")
-
-
 def _row(r: dict, base: dict | None) -> str:
     ratio = _ratio(r["output_tok_s"], base["output_tok_s"]) if base else "—"
     limit = r["concurrency"] or "∞"
+    e2e_s = {k: None if v is None else v / 1000 for k, v in r["e2e_ms"].items()}
     return (f"| {r['target']} | {limit} | {r['request_rate']} | {r['completed']}/{r['completed'] + r['failed']} | "
-            f"{_num(r['output_tok_s'], 1)} | {ratio} | {_num(r['requests_s'], 2)} | "
-            + " / ".join(_num(r["ttft_ms"][p], 0) for p in ("p50", "p90", "p99")) + " | "
-            + " / ".join(_num(r["tpot_ms"][p], 1) for p in ("p50", "p90", "p99")) + " | "
-            + " / ".join(_num(r["itl_ms"][p], 1) for p in ("p50", "p90", "p99")) + " | "
-            + " / ".join(_num(r["e2e_ms"][p], 2, 1000) for p in ("p50", "p90", "p99")) + " |")
+            f"{fmt(r['output_tok_s'], '.1f')} | {ratio} | {fmt(r['requests_s'], '.2f')} | "
+            f"{fmt_percentiles(r['ttft_ms'], '.0f', ' / ')} | {fmt_percentiles(r['tpot_ms'], '.1f', ' / ')} | "
+            f"{fmt_percentiles(r['itl_ms'], '.1f', ' / ')} | {fmt_percentiles(e2e_s, '.2f', ' / ')} |")
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -110,7 +104,6 @@ def _baselines(results: list[dict]) -> dict[tuple, dict]:
 
 def summary(results: list[dict]) -> str:
     """One line per server: its output tok/s and p50 TTFT against `llm` at each point of the sweep."""
-    ratio = _ratio
     base = _baselines(results)
     if not base:
         return "No `llm` run to compare with."
@@ -119,9 +112,9 @@ def summary(results: list[dict]) -> str:
     lines = []
     for target in dict.fromkeys(r["target"] for r in results if r["target"] != "llm"):
         rows = {_point(r): r for r in results if r["target"] == target}
-        tok = " / ".join(ratio(rows[p]["output_tok_s"], b["output_tok_s"]) if p in rows else "—"
+        tok = " / ".join(_ratio(rows[p]["output_tok_s"], b["output_tok_s"]) if p in rows else "—"
                          for p, b in base.items())
-        ttft = " / ".join(ratio(rows[p]["ttft_ms"]["p50"], b["ttft_ms"]["p50"]) if p in rows else "—"
+        ttft = " / ".join(_ratio(rows[p]["ttft_ms"]["p50"], b["ttft_ms"]["p50"]) if p in rows else "—"
                           for p, b in base.items())
         lines.append(f"{target}: output tok/s {tok}, p50 TTFT {ttft}")
     return (f"Against `llm` ({names}; tok/s above 1× is faster, TTFT above 1× is slower): " + "; ".join(lines) + ".")

@@ -33,7 +33,7 @@ from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import BUILD_ID_KEY, graph_limits
 from camshaft.io_signature import TensorSpec
 from camshaft.manifest import MANIFEST_NAME, BuildLimits, Manifest
-from camshaft.outdir import check_replaceable, replace_dir, staging_dir
+from camshaft.outdir import check_replaceable, replace_dir, staged
 from camshaft.version import __version__
 
 GRAPH_NAME = "graph.onnx"
@@ -164,8 +164,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
         )
         dtype = config.resolved_dtype(checkpoint.float_dtype, parse_arch(gpu_arch) if gpu_arch else None)
         tokenizer_files = checkpoint.tokenizer_files()  # before any long work: a checkpoint without one fails now
-        staging = staging_dir(output)
-        try:
+        with staged(output) as staging:
             tok_dir = staging / TOKENIZER_DIR  # first: a tokenizer that cannot load fails before any long work
             tok_dir.mkdir()
             for file in tokenizer_files:  # not the checkpoint's modes: the engine's files are made as its graph's
@@ -213,9 +212,6 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             )
             manifest.write(staging)
             replace_dir(staging, output)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
     progress(f"engine written to {output}")
     return manifest
 

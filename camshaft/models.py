@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from camshaft.errors import CamshaftError, FetchError, needs_extra
-from camshaft.outdir import check_replaceable, staging_dir, unwritable
+from camshaft.errors import FetchError, needs_extra
+from camshaft.outdir import check_replaceable, staged, unwritable
 
 MARKER = ".camshaft-fetch.json"
 
@@ -134,21 +133,18 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        work = staging_dir(output)  # also removes what fetches killed outright (SIGKILL, OOM) left
-    except CamshaftError as exc:
-        raise FetchError(f"{exc}; or set CAMSHAFT_CACHE to a directory you can write to") from exc
     except OSError as exc:
         raise FetchError(f"cannot write into {output.parent} ({exc.strerror or exc}); pass --output DIR, or set "
                          "CAMSHAFT_CACHE to a directory you can write to") from exc
-    try:
+    # the staging directory also sweeps what fetches killed outright (SIGKILL, OOM) left
+    with staged(output, "the model directory", FetchError,
+                "pass --output DIR, or set CAMSHAFT_CACHE to a directory you can write to") as work:
         gguf = _download_gguf(model, work / "download", progress)
         checkpoint = work / "checkpoint"
         _convert(model, gguf, checkpoint, progress)
         files = {p.name: p.stat().st_size for p in sorted(checkpoint.iterdir())}
         (checkpoint / MARKER).write_text(json.dumps({**_marker_record(model), "files": files}, indent=2) + "\n")
         _move_into_place(checkpoint, output, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     if not is_fetched(name, output):  # lost a race to a different fetch; should not happen
         raise FetchError(f"{output} was changed by another process during the fetch; run the fetch again")
     progress(f"{name} ready in {output}")

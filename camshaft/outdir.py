@@ -7,7 +7,8 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from camshaft.errors import CamshaftError
@@ -67,22 +68,38 @@ def check_replaceable(output: Path, marker: str, kind: str, error: type[Exceptio
                     "delete; move them out, or choose another directory")
 
 
-def staging_dir(output: Path, flag: str = "--output") -> Path:
+def staging_dir(output: Path, flag: str = "--output", error: type[CamshaftError] = CamshaftError,
+                advice: str = "choose a directory you can write to") -> Path:
     """A fresh sibling of `output` to write into; `replace_dir` moves it into place. Siblings left by runs that were
-    killed (their process is gone) are removed first."""
+    killed (their process is gone) are removed first. Writers use `staged`, which also removes it."""
     output = Path(os.path.abspath(output))
     for stale in output.parent.glob(f".{output.name}.*-*") if output.parent.is_dir() else ():
         kind, _, pid = stale.name.rpartition("-")
         if kind.endswith((".partial", ".old")) and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
-    staging = output.parent / f".{output.name}.partial-{os.getpid()}"
+    staging = _staging_path(output)
     try:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     except OSError as exc:
-        raise CamshaftError(f"cannot write beside {flag} {output} ({exc.strerror or exc}); choose a directory you "
-                            "can write to") from exc
+        raise error(f"cannot write beside {flag} {output} ({exc.strerror or exc}); {advice}") from exc
     return staging
+
+
+@contextmanager
+def staged(output: Path, flag: str = "--output", error: type[CamshaftError] = CamshaftError,
+           advice: str = "choose a directory you can write to") -> Iterator[Path]:
+    """`staging_dir` for a block that ends with `replace_dir`: whatever is left of the staging directory when the
+    block ends is removed, after an error or a stop (Ctrl-C, SIGTERM) too, one landing as the directory is made
+    included."""
+    try:
+        yield staging_dir(output, flag, error, advice)
+    finally:
+        shutil.rmtree(_staging_path(Path(os.path.abspath(output))), ignore_errors=True)
+
+
+def _staging_path(output: Path) -> Path:
+    return output.parent / f".{output.name}.partial-{os.getpid()}"
 
 
 def replace_dir(staging: Path, output: Path) -> None:

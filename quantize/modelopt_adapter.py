@@ -27,7 +27,7 @@ from camshaft.model_config import (
     require_tokenizer,
     unreadable_quantization,
 )
-from camshaft.outdir import check_replaceable, replace_dir, staging_dir
+from camshaft.outdir import check_replaceable, replace_dir, staged
 from camshaft.quantize.calibration import (
     DEFAULT_CALIB_SEQ_LEN,
     DEFAULT_CALIB_SIZE,
@@ -163,8 +163,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
 
     t = time.perf_counter()
     progress(f"exporting unified HF checkpoint to {output}")
-    staging = staging_dir(output)
-    try:
+    with staged(output) as staging:
         with torch.no_grad():
             export_hf_checkpoint(model, export_dir=str(staging))
         if not (staging / HF_QUANT_CONFIG).is_file():
@@ -194,9 +193,6 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         }
         (staging / CAMSHAFT_QUANT_RECORD).write_text(json.dumps(record, indent=2))
         replace_dir(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     progress(f"quantized checkpoint written to {output} in {timings['total']} s")
     return QuantizeResult(output, spec, group_size, calib.num_samples, calib.seq_len, source, timings)
 

@@ -276,3 +276,31 @@ def test_syncing_skips_special_files_and_a_parent_it_cannot_read(tmp_path, monke
     monkeypatch.setattr(outdir, "_fsync", parent_refused)
     outdir.replace_dir(staging, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (tmp_path / "out" / "model.onnx").is_file()
+
+
+def test_a_stop_landing_as_the_staging_directory_is_made_leaves_nothing(built, tmp_path, monkeypatch):
+    """A SIGTERM just after the build made its staging directory, before it began writing, left the directory
+    behind (seen in CI); the same for deploy and a model fetch, which stage their output the same way."""
+    from pathlib import Path
+
+    from camshaft.models import fetch_model
+    from camshaft.triton_repo.deploy import deploy_repository
+
+    model, engine = built
+    made = Path.mkdir
+
+    def stopped_as_made(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        if ".partial-" in self.name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", stopped_as_made)
+    writers = {
+        "engine": lambda: build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64)),
+        "repo": lambda: deploy_repository(engine, tmp_path / "repo"),
+        "model": lambda: fetch_model("smollm2-135m-instruct", tmp_path / "model"),
+    }
+    for name, write in writers.items():
+        with pytest.raises(KeyboardInterrupt):
+            write()
+        assert list(tmp_path.iterdir()) == [], name

@@ -20,7 +20,7 @@ import camshaft
 from camshaft.engine_files import REPOSITORY_MARKER, deployed_record
 from camshaft.errors import CamshaftError
 from camshaft.manifest import read_manifest
-from camshaft.outdir import check_replaceable, replace_dir, staging_dir
+from camshaft.outdir import check_replaceable, replace_dir, staged
 from camshaft.runtime.llm_options import QUEUE_PER_BATCH
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, TOKEN_OUTPUTS, config_block
 from camshaft.version import __version__
@@ -166,8 +166,7 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
         raise CamshaftError(f"--repo {repo} holds {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} "
                             "since camshaft deploy wrote it, which deploying again would lose; move them aside (or "
                             "remove the repository if they are not wanted) and deploy again")
-    staging = staging_dir(repo, flag="--repo")
-    try:
+    with staged(repo, flag="--repo") as staging:
         for model, config in models.items():
             (staging / model / "1").mkdir(parents=True)
             (staging / model / "config.pbtxt").write_text(config)
@@ -178,7 +177,4 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
             "camshaft_version": __version__, "files": _file_hashes(staging, models)},
             indent=2) + "\n")
         replace_dir(staging, repo)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return repo

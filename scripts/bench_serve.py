@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,16 +35,11 @@ from camshaft.bench_serve.run import bench_serve
 from camshaft.bench_serve.workload import load_requests, load_tokenizer
 from camshaft.models import default_model_dir, fetch_model
 from camshaft.runtime.throughput_report import fmt, fmt_percentiles
+from camshaft.triton_repo.launch import free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 CAMSHAFT = str(Path(sys.executable).parent / "camshaft")
 BEGIN, END = "<!-- serve:begin -->", "<!-- serve:end -->"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build(engine: Path, model: Path) -> None:
@@ -166,7 +160,7 @@ def main() -> None:
     model = fetch_model("smollm2-135m-instruct", default_model_dir("smollm2-135m-instruct"))
     engine = work / "serve-engine"
     build(engine, model)
-    oa, http, grpc, metrics = free_port(), free_port(), free_port(), free_port()
+    oa, http, grpc, metrics = free_ports("127.0.0.1", 4)
     servers = [start([CAMSHAFT, "serve", "--api", "openai", "--engine", str(engine), "--port", str(oa)],
                      f"http://127.0.0.1:{oa}/health", work / "serve-openai.log")]
     try:

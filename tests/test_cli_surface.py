@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from camshaft.cli import app
 from camshaft.errors import CamshaftError, RequestError
-from camshaft.triton_repo.server import free_port
+from camshaft.triton_repo.launch import free_port
 
 from tiny_models import stamped, tiny_engine
 

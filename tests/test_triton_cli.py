@@ -23,8 +23,9 @@ from camshaft.errors import CamshaftError, RequestError, ServerClosedError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.triton_repo.deploy import MARKER, deploy_repository
+from camshaft.triton_repo.launch import free_port, free_ports
 from camshaft.triton_repo.protocol import error_status
-from camshaft.triton_repo.server import TritonServer, free_port
+from camshaft.triton_repo.server import TritonServer
 
 from tiny_models import make_tiny_model
 
@@ -150,7 +151,7 @@ def test_a_model_refuses_config_parameters_it_would_ignore(engine, tmp_path):
 def start_serve(engine: Path, *options: str, env: dict | None = None) -> tuple[subprocess.Popen, list[str], list[str]]:
     """`camshaft serve --engine` on free ports, once it says it is ready: (the process, its ports, its stderr lines
     so far and to come)."""
-    ports = [str(free_port("127.0.0.1")) for _ in range(3)]
+    ports = [str(port) for port in free_ports("127.0.0.1", 3)]
     server = subprocess.Popen([*CAMSHAFT, "serve", "--engine", str(engine), "--port", ports[0], "--grpc-port",
                                ports[1], "--metrics-port", ports[2], *options], stderr=subprocess.PIPE, text=True,
                               env=env)
@@ -278,6 +279,33 @@ def test_an_address_tritonserver_cannot_listen_on_is_said_as_it_is(host, message
 
     with pytest.raises(CamshaftError, match=message):
         check_port(host, free_port("127.0.0.1"))
+
+
+def test_picked_ports_differ_even_where_the_system_hands_a_freed_port_out_again(engine, tmp_path, monkeypatch):
+    """tritonserver refused to start (seen in CI: HTTP and metrics "at the same address and port") when the ports,
+    each picked by binding port 0 and closing, came back equal; here binding port 0 takes the lowest free port, as
+    a system that reuses a freed port at once would."""
+    import socket
+
+    base = free_port("127.0.0.1")
+    bind = socket.socket.bind
+
+    def lowest_free(self, address):
+        if address[1] != 0:
+            return bind(self, address)
+        for port in range(base, base + 50):
+            with contextlib.suppress(OSError):
+                return bind(self, (address[0], port))
+        raise OSError("no free port near the test's")
+
+    repo = deploy_repository(engine, tmp_path / "repo")
+    monkeypatch.setattr(socket.socket, "bind", lowest_free)
+    for given in ({}, {"grpc_port": base}, {"http_port": base + 1}):
+        ends = TritonServer(repo, **given).endpoints
+        ports = [ends.http_port, ends.grpc_port, ends.metrics_port]
+        assert len(set(ports)) == 3, (given, ports)
+        for name, port in given.items():
+            assert getattr(ends, name) == port
 
 
 def test_a_stopped_batch_loop_is_unavailable_and_says_restart(engine):

@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,9 +76,25 @@ def server_env() -> dict[str, str]:
 
 
 def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(host, 1)[0]
+
+
+def free_ports(host: str, count: int, taken: Iterable[int] = ()) -> list[int]:
+    """`count` different free ports, none of those `taken`: each is held until all are chosen (the system may hand
+    out a port it just freed again, and tritonserver refuses HTTP and metrics on one port)."""
+    held: list[socket.socket] = []
+    try:
+        while len(held) < count:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind((host, 0))
+        ports = [sock.getsockname()[1] for sock in held]
+        if clash := set(ports) & set(taken):  # keep the clashing ones bound while their replacements are chosen
+            return [p for p in ports if p not in clash] + free_ports(host, len(clash), [*taken, *ports])
+        return ports
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def ipv4_address(host: str) -> str:

@@ -25,7 +25,7 @@ from camshaft.triton_repo.deploy import TOKEN_MODEL, check_path
 from camshaft.triton_repo.launch import (
     Endpoints,
     check_port,
-    free_port,
+    free_ports,
     ipv4_address,
     make_backends_dir,
     server_env,
@@ -49,8 +49,9 @@ class TritonServer:
         check_path(Path(tempfile.gettempdir()), "the temporary directory ($TMPDIR)")
         host = ipv4_address(host or "0.0.0.0")
         probe = "127.0.0.1" if host == "0.0.0.0" else host
-        self.endpoints = Endpoints(probe, http_port or free_port(probe), grpc_port or free_port(probe),
-                                   metrics_port or free_port(probe))
+        given = [http_port, grpc_port, metrics_port]
+        picked = iter(free_ports(probe, given.count(0), taken=[p for p in given if p]))
+        self.endpoints = Endpoints(probe, *(port or next(picked) for port in given))
         self.host, self.exit_timeout_s, self.ready_timeout_s = host, exit_timeout_s, ready_timeout_s
         self._tmp = tempfile.TemporaryDirectory(prefix="camshaft-triton-")
         self.log_file = Path(log_file) if log_file else Path(self._tmp.name) / "tritonserver.log"

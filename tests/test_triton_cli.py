@@ -248,6 +248,34 @@ def test_serve_stops_with_an_error_when_a_models_process_dies(engine, tmp_path):
                 os.killpg(triton.pid, signal.SIGKILL)
 
 
+def test_a_stub_that_dies_as_serve_says_ready_is_still_seen(engine, tmp_path):
+    """serve listed the stubs to watch after saying "ready": one that died in between (as the test above
+    killed it, twice in five runs here) was never watched, and serve ran on with a model that answers nothing."""
+    import os
+
+    import psutil
+
+    from camshaft.triton_repo.serve import serve
+
+    def kill_stub_when_ready(line: str) -> None:
+        if line.startswith("ready:"):
+            (triton,) = [p for p in psutil.Process().children() if p.name() == "tritonserver"]
+            (stub,) = [p for p in triton.children() if "/tensorrt_llm/1/model.py" in " ".join(p.cmdline())]
+            stub.kill()
+            deadline = time.monotonic() + 10
+            while stub.is_running() and stub.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    rescue = threading.Timer(60, os.kill, (os.getpid(), signal.SIGTERM))  # the old code ran on until stopped
+    rescue.start()
+    try:
+        with pytest.raises(CamshaftError, match=r"the process serving the model\(s\) tensorrt_llm died"):
+            serve(engine=None, repo=deploy_repository(engine, tmp_path / "repo"), host="127.0.0.1", http_port=0,
+                  grpc_port=0, metrics_port=0, llm_options={}, log=kill_stub_when_ready)
+    finally:
+        rescue.cancel()
+
+
 def test_a_serve_refused_before_tritonserver_starts_leaves_no_log(engine, tmp_path, monkeypatch):
     import socket
     import tempfile

@@ -73,13 +73,13 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
                 if stopping:
                     return
                 raise
+            lost = stub_watch(server.stubs())  # before "ready": a stub that dies once it is said is watched
             e = server.endpoints
             log(f"ready: HTTP http://{e.http}  gRPC {e.grpc}  metrics {e.metrics_url}")
             models = sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
             log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/{_text_model_name(Path(repo))}"
                 "/generate")
-            code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log,
-                                      lost=stub_watch(server.stubs()))
+            code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log, lost=lost)
             if code and not stopping:
                 raise CamshaftError(f"tritonserver exited with code {code}; its log ends:\n{server.log_tail()}")
         finally:

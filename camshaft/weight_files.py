@@ -72,6 +72,32 @@ def matrix_names(model_dir: Path) -> list[str]:
     return names
 
 
+def refuse_stored_codes(model_dir: Path, error: type[Exception], advice: str) -> None:
+    """Refuse, before loading anything, a checkpoint without hf_quant_config.json whose weights are integer or fp8
+    codes: transformers reads them as floats, the raw codes, without a word."""
+    if found := _stored_codes(model_dir):
+        file, name, dtype = found
+        dtype = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(dtype, dtype.replace("I", "int")
+                                                                             .replace("U", "uint"))
+        raise error(f"{file.name}: tensor {name!r} holds {dtype} codes, but {model_dir} does not say how to dequantize "
+                    f"them (it has no hf_quant_config.json); {advice}")
+
+
+def _stored_codes(model_dir: Path) -> tuple[Path, str, str] | None:
+    from safetensors import SafetensorError, safe_open
+
+    for file in weight_files(model_dir):
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                for key in handle.keys():
+                    dtype = handle.get_slice(key).get_dtype()
+                    if key.endswith((".weight", ".qweight")) and dtype.startswith(("I", "U", "F8")):
+                        return file, key, dtype
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
+    return None
+
+
 SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 EMBED = "model.embed_tokens.weight"
 

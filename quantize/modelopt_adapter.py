@@ -48,7 +48,7 @@ from camshaft.quantize.spec import (
     modelopt_config,
     resolve_group_size,
 )
-from camshaft.weight_files import stored_float_dtype
+from camshaft.weight_files import refuse_stored_codes, stored_float_dtype
 
 Progress = Callable[[str], None]
 
@@ -111,6 +111,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     if (model_dir / HF_QUANT_CONFIG).is_file() or method is not None:
         where = HF_QUANT_CONFIG if method is None else f"config.json's quantization_config, quant_method {method}"
         raise QuantizeError(f"{model_dir} is already quantized ({where}); quantize the original checkpoint")
+    refuse_stored_codes(model_dir, QuantizeError, "quantize the original float checkpoint")
     model_config = ModelConfig.from_hf_dir(model_dir)
     source_dtype = stored_float_dtype(model_dir)  # the export is float32: builds take the model's own type from this
     group_size = resolve_group_size(spec, model_config)

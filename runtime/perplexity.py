@@ -17,7 +17,7 @@ from camshaft.manifest import MANIFEST_NAME
 from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig, require_tokenizer
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
-from camshaft.weight_files import weight_files
+from camshaft.weight_files import refuse_stored_codes
 
 REFERENCE_WINDOW = 1024  # tokens a transformers window scores (--window)
 NLL_ROWS = 64
@@ -69,7 +69,7 @@ def check_reference_model(model_dir: str | Path) -> None:
         raise RequestError(f"--model {path} has no config.json; pass a Hugging Face checkpoint directory")
     require_tokenizer(path, RequestError, f"--model {path}")
     ModelConfig.from_hf_dir(path)  # an architecture, or config values, camshaft could not build: refused as build does
-    weight_files(path)  # safetensors only: pickle weights are never loaded
+    refuse_stored_codes(path, RequestError, "pass the float checkpoint to --model")  # safetensors only, too
 
 
 def reference_window(model_dir: str | Path, window: int | None, given: str = "--window") -> int:

@@ -395,6 +395,20 @@ def test_quantized_weights_without_their_config_are_refused(tiny, tmp_path):
     save_file(tensors, weights)
     with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' holds int8 codes"):
         build_engine(BuildConfig(damaged, tmp_path / "engine", max_seq_len=64, kv_block_size=4))
+    # the codes beside the original config.json, nothing saying they are quantized: transformers reads them as floats
+    stripped = tmp_path / "stripped"
+    shutil.copytree(tiny, stripped)
+    [float_weights] = stripped.glob("*.safetensors")
+    float_weights.unlink()
+    shutil.copyfile(weights, stripped / weights.name)
+    with pytest.raises(QuantizeError, match=r"tensor 'model.layers.\d+\..*weight' holds int8 codes, but .* does not "
+                                            r"say how to dequantize them .*; quantize the original float checkpoint"):
+        quantize_checkpoint(stripped, tmp_path / "again", QuantSpec("fp8"), **CALIB)
+    from camshaft.errors import RequestError
+    from camshaft.runtime.perplexity import check_reference_model
+
+    with pytest.raises(RequestError, match="holds int8 codes, .*; pass the float checkpoint to --model"):
+        check_reference_model(stripped)
 
 
 def test_unsupported_quantized_checkpoint_is_refused_by_the_builder(tiny, tmp_path):

@@ -71,6 +71,10 @@ class Executor:
                 self.scheduler.check(request)
         total = sum(len(group) for group in groups)
         batch, limit = self.scheduler.config.max_batch_size, self.max_queue if bounded else None
+        if len(groups) > 1 and limit is not None and total > batch + limit:
+            raise RequestError(f"{len(groups)} prompts ({total} outputs) can never be queued at once: at most "
+                               f"{batch + limit} requests fit in flight (max_batch_size {batch} + max_queue {limit}); "
+                               "send fewer prompts at a time or raise max_queue")
         with self._wake:
             if self._closed:
                 raise ServerClosedError("the batch loop has stopped; create a new LLM (or restart the server)")

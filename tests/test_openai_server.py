@@ -785,9 +785,12 @@ def test_structured_output_follows_its_schema_regex_or_choice(client, served):
 
 
 def test_metrics_count_no_refused_sequence_and_count_failed_ones(engine_dir):
-    """A request refused before it ran (busy) counted its submitted prompts as aborted; a sequence the server failed
-    was not counted at all."""
-    from camshaft.errors import ServerBusyError
+    """A request refused before it ran (busy) counted its submitted prompts as aborted, and its own first prompt as
+    load in the busy message; a sequence the server failed was not counted at all. A request's prompts are queued
+    all or none; more than could ever be in flight at once is a bad request, not a busy server."""
+    import threading
+
+    from camshaft.errors import RequestError, ServerBusyError
     from camshaft.openai_server.generation import Generation
     from camshaft.openai_server.metrics import Metrics
 
@@ -795,16 +798,23 @@ def test_metrics_count_no_refused_sequence_and_count_failed_ones(engine_dir):
         return metrics.registry.get_sample_value("camshaft_request_success_total", {"finish_reason": reason}) or 0
 
     params = camshaft.SamplingParams(max_tokens=4, ignore_eos=True)
-    with camshaft.LLM(engine_dir, max_batch_size=1, max_queue=0) as llm:
+    with camshaft.LLM(engine_dir, max_batch_size=1, max_queue=1) as llm:
         metrics = Metrics(llm)
+        step, gate = llm.engine.step, threading.Event()
+        llm.engine.step = lambda chunks: (gate.wait(60), step(chunks))[1]  # the running request holds the batch
 
         async def refused_then_failed() -> None:
-            with pytest.raises(ServerBusyError):  # the second prompt: batch 1, no queue
+            occupant = llm.submit([3, 4], params, lambda output: None)
+            with pytest.raises(ServerBusyError, match="server busy: 1 sequences in flight"):
                 Generation(llm, [[5, 6], [7, 8]], params, metrics, time.perf_counter())
-            while llm.load().running or llm.load().waiting:  # the first prompt's sequence, aborted
-                await asyncio.sleep(0.01)
-            step = llm.engine.step
+            with pytest.raises(RequestError, match="3 prompts .3 outputs. can never be queued at once: at most 2"):
+                Generation(llm, [[5, 6], [7, 8], [9, 10]], params, metrics, time.perf_counter())
+            assert llm.load().running + llm.load().waiting == 1  # nothing of the refused requests was queued
+            llm.abort(occupant)
             llm.engine.step = lambda chunks: (_ for _ in ()).throw(RuntimeError("device lost"))
+            gate.set()
+            while llm.load().running or llm.load().waiting:
+                await asyncio.sleep(0.01)
             try:
                 with pytest.raises(RuntimeError, match="device lost"):
                     await Generation(llm, [[5, 6]], params, metrics, time.perf_counter()).results()

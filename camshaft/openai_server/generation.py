@@ -35,14 +35,11 @@ class Generation:
             if not loop.is_closed():  # else the request was aborted with its reader
                 loop.call_soon_threadsafe(self._outputs.put_nowait, output)
 
-        try:
-            for p, ids in enumerate(prompts):
-                request_ids = llm.submit(ids, params, sink, priority)
-                self._unfinished.update(request_ids)
-                self._index.update({rid: p * params.n + j for j, rid in enumerate(request_ids)})
-        except BaseException:  # refused (busy, too long): the response is an error, its sequences not counted
-            self.abort(count=False)
-            raise
+        # all prompts queued or none: refused (busy, too long), the response is an error and nothing ran
+        submitted = llm.submit_batch([(ids, params, sink) for ids in prompts], priority)
+        for p, request_ids in enumerate(submitted):
+            self._unfinished.update(request_ids)
+            self._index.update({rid: p * params.n + j for j, rid in enumerate(request_ids)})
         metrics.prompt_tokens.inc(self.prompt_tokens)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -158,7 +158,7 @@ def broken_copy(model, out, case: str):
 
 @pytest.mark.parametrize("case, expected", [
     ("missing tensor", "lacks model.layers.0.mlp.down_proj.weight; transformers would score random weights"),
-    ("truncated weights", "transformers cannot load it"),
+    ("truncated weights", "broken/model.safetensors could not be read as safetensors"),
     ("unsupported architecture", "architecture ['GPT2LMHeadModel'] is not supported"),
     ("pickle weights", "holds only pickle weights"),
 ])

@@ -387,6 +387,43 @@ def test_echo_returns_the_prompt_and_its_log_probs_as_transformers_computes_them
     assert response.status_code == 400 and "0 only with echo" in response.text, response.text
 
 
+def test_echoed_text_offsets_index_the_prompt_as_sent(client, served):
+    """A chat-formatted prompt sent as text keeps its special tokens' text in the echo: their characters count in
+    text_offset (they counted none, so every later offset was short of where its token is)."""
+    prompt = "<|im_start|>ab"
+    for skip in (True, False):
+        echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                           logprobs=0, extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+        choice = echoed.choices[0]
+        assert choice.text.startswith(prompt) and choice.logprobs.tokens[:3] == ["<|im_start|>", "a", "b"]
+        offsets = choice.logprobs.text_offset
+        assert offsets[:3] == [0, 12, 13] and offsets[3] == len(prompt), (skip, offsets)
+        spelled = zip(offsets[:3], choice.logprobs.tokens[:3], strict=True)
+        assert all(choice.text[at:].startswith(token) for at, token in spelled)
+
+
+def test_a_bos_the_tokenizer_adds_takes_no_characters_of_the_echoed_prompt():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from camshaft.openai_server.responses import CompletionShape
+    from camshaft.runtime.sampler import SampleResult
+
+    vocab = {t: i for i, t in enumerate(["<s>", "<unk>", "a", "b"])}
+    word = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    word.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    word.decoder = decoders.Fuse()
+    word.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word, bos_token="<s>", unk_token="<unk>")
+    ids = tokenizer("ab")["input_ids"]
+    assert ids == [0, 2, 3]
+    for skip in (True, False):
+        shape = CompletionShape("m", tokenizer, [ids], 1, skip_special_tokens=skip, echo="prompt",
+                                prompt_texts=["ab"])
+        text, logprobs = shape._echoed(0, ids, [None, SampleResult(2, -1.0), SampleResult(3, -1.0)], True)
+        assert text == "ab" and logprobs["text_offset"] == [0, 0, 1], (skip, logprobs)
+
+
 def _streamed(client, **request) -> tuple[dict[int, dict], dict]:
     """Each choice's streamed chunks joined (text, log-prob lists, finish reason) and the usage."""
     choices: dict[int, dict] = {}

@@ -126,8 +126,20 @@ class CompletionShape(_Shape):
         """The prompt as sent and, with logprobs, its entries (counted from its start), when echo asks for them."""
         if not self.echo:
             return "", None
+        sent = self._prompt_texts[index // self._n]
+        if not with_logprobs:
+            return sent, None
         prompt = [SampleResult(prompt_ids[0]), *(prompt_logprobs or [])[1:]]
-        return self._prompt_texts[index // self._n], self._entries(self._stream([]), prompt) if with_logprobs else None
+        # offsets into the text as sent: special tokens written in it count their characters, one the tokenizer
+        # added (BOS) none; the detokenizing that gives back the text as sent tells which
+        first = None
+        for skip in (self._skip_special, not self._skip_special):
+            stream = TextStream(self._tokenizer, [], skip_special_tokens=skip)
+            entries = self._entries(stream, prompt)
+            if stream.text == sent:
+                return sent, entries
+            first = first or entries
+        return sent, first
 
     def _output_logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...],
                          with_logprobs: bool) -> dict | None:

@@ -114,6 +114,12 @@ def test_http_metrics_label_routes_not_raw_paths(served):
     assert not [k for k in http if "a1" in k or "b2" in k or "path-" in k]
     assert http['camshaft_http_requests_total{path="/v1/models/{model:path}",status="404"}'] >= 2
     assert http['camshaft_http_requests_total{path="other",status="404"}'] >= 2
+    counted = {path: f'camshaft_http_requests_total{{path="{path}",status="200"}}'
+               for path in ("/v1/models", "/v1/models/{model:path}")}
+    before = {path: http.get(name, 0.0) for path, name in counted.items()}
+    assert HTTP.get(url + "/v1/models").status_code == 200 and HTTP.get(url + f"/v1/models/{MODEL}").status_code == 200
+    after = scrape(url)
+    assert {path: after.get(name, 0.0) - before[path] for path, name in counted.items()} == dict.fromkeys(counted, 1)
 
 
 def test_greedy_completion_equals_session_with_usage(client, session):

@@ -125,14 +125,16 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        metrics.http(route_path(request), 200)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model:path}")  # a served name may hold slashes (org/model)
-    async def model(model: str) -> dict:
+    async def model(model: str, request: Request) -> dict:
         if model != model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
+        metrics.http(route_path(request), 200)
         return model_card()
 
     @app.get("/metrics")

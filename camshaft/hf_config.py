@@ -16,12 +16,13 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")  # dynamic: default up to max_position_embeddings
 ATTENTION_FACTORS = (1e-6, 1e6)  # the range of yarn's factor on cos/sin that float32 tables hold
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # transformers' config defaults
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others: hidden / heads)
+KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}  # their configs' num_key_value_heads when config.json has none
 _REQUIRED = object()
 _KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
 
@@ -99,7 +100,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         intermediate_size=f.get("intermediate_size", "int", least=1),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=f.get("num_key_value_heads", "int", heads, least=1),
+        num_kv_heads=kv_heads(f, arch, heads, source),
         head_dim=f.get("head_dim", "int", QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // heads, least=1),
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-6, least=0),
         max_position_embeddings=positions,
@@ -114,6 +115,18 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         bos_token_id=special_id(gen, hf, "bos_token_id", source, vocab),
         eos_token_ids=eos_ids(gen, hf, source, vocab),
     )
+
+
+def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:
+    """num_key_value_heads as transformers reads it: null means one per attention head, and an absent one Llama's
+    heads but Mistral's 8 and Qwen's 32 (its config class's default)."""
+    if "num_key_value_heads" in f.data or arch not in KV_HEADS:
+        return f.get("num_key_value_heads", "int", heads, least=1)
+    if heads % KV_HEADS[arch]:
+        raise CheckpointError(f"{source} has no num_key_value_heads, so transformers takes {KV_HEADS[arch]} (its "
+                              f"{arch} default), which does not divide num_attention_heads={heads}; add the "
+                              "checkpoint's num_key_value_heads to config.json")
+    return KV_HEADS[arch]
 
 
 def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> dict[str, Any]:
@@ -145,6 +158,11 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> d
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(f"{source}: rope scaling {rope_type!r} is not supported (supported: "
                                     f"{', '.join(ROPE_TYPES)})")
+    partial = (p if p.data.get("partial_rotary_factor") is not None else f).get("partial_rotary_factor", "number", 1.0)
+    if partial != 1:
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor={partial} (rotary embedding over part of each "
+                                    "head) is not supported: camshaft rotates whole heads, and transformers' "
+                                    f"{hf.get('model_type', 'model')} ignores the factor or fails on it")
     low, high = p.get("low_freq_factor", "number", 1.0, least=0), p.get("high_freq_factor", "number", 4.0, least=0)
     if rope_type == "llama3" and not low < high:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")

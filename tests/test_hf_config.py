@@ -111,9 +111,9 @@ def test_yarn_frequencies_and_scale_are_transformers(configs, scaling, top):
     inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen2Config(**hf))
     assert np.array_equal(inverse_frequencies(ours.rope, ours.head_dim), inv_freq.numpy())
     assert ours.rope.attention_factor == pytest.approx(scale, rel=1e-12)
-    with pytest.raises(UnsupportedModelError, match="rope scaling 'dynamic' is not supported .supported: default, "
-                                                    "linear, llama3, yarn"):
-        ModelConfig.from_hf(edited(hf, rope_parameters=..., rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    with pytest.raises(UnsupportedModelError, match="rope scaling 'longrope' is not supported .supported: default, "
+                                                    "dynamic, linear, llama3, yarn"):
+        ModelConfig.from_hf(edited(hf, rope_parameters=..., rope_scaling={"rope_type": "longrope", "factor": 2.0}))
     if top.get("max_position_embeddings", 0) is ...:
         assert ours.max_position_embeddings == 32768 == ours.rope.original_max_position_embeddings
     tiny_factor = ModelConfig.from_hf(edited(hf, rope_parameters=..., rope_scaling={**scaling, "factor": 1e-50}))
@@ -134,6 +134,55 @@ def test_qwen_windows_default_as_transformers_does(configs, changes):
     assert ours.sliding_window == reference.sliding_window
     names = {"full_attention": "full", "sliding_attention": "sliding"}
     assert ours.layer_types == tuple(names[t] for t in reference.layer_types)
+
+
+def test_dynamic_rope_is_transformers_within_the_models_context(configs):
+    """Dynamic NTK scaling changes the frequencies only past max_position_embeddings, which a build cannot reach:
+    older Llama fine-tunes that carry it build (they were refused)."""
+    import numpy as np
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from camshaft.builder.graph.rope import inverse_frequencies
+
+    hf = edited(configs["llama"], rope_parameters=..., rope_theta=1e4, max_position_embeddings=64,
+                rope_scaling={"type": "dynamic", "factor": 4.0})
+    ours = ModelConfig.from_hf(hf)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["dynamic"](transformers.LlamaConfig(**hf))
+    assert np.array_equal(inverse_frequencies(ours.rope, ours.head_dim), inv_freq.numpy()) and scale == 1.0
+    assert ours.rope.type == "dynamic" and ours.context_length == 64
+
+
+@pytest.mark.parametrize("where", ["top", "rope"])
+def test_partial_rotary_is_refused_not_built_whole(configs, where):
+    hf = edited(configs["llama"], rope_parameters=..., rope_scaling={"rope_type": "linear", "factor": 2.0,
+                                                                     **({"partial_rotary_factor": 0.5}
+                                                                        if where == "rope" else {})})
+    hf = edited(hf, partial_rotary_factor=0.5) if where == "top" else hf
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5 .rotary embedding over part of each "
+                                                    "head. is not supported"):
+        ModelConfig.from_hf(hf)
+    assert ModelConfig.from_hf(edited(hf, partial_rotary_factor=1.0) if where == "top" else edited(
+        hf, rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 1})).rope.type == "linear"
+
+
+@pytest.mark.parametrize("name, config_class", [("llama", transformers.LlamaConfig),
+                                                ("mistral-sliding", transformers.MistralConfig),
+                                                ("qwen2-bias", transformers.Qwen2Config),
+                                                ("qwen3-qknorm", transformers.Qwen3Config)])
+def test_kv_heads_default_as_transformers_does(configs, name, config_class):
+    """Without num_key_value_heads Mistral has 8 and Qwen 32 (their config defaults), not one per head: such a
+    checkpoint's k_proj was refused as a wrong shape."""
+    for heads in (32, 64):
+        hf = edited(configs[name], num_attention_heads=heads, hidden_size=heads * 4, head_dim=4,
+                    num_key_value_heads=...)
+        assert ModelConfig.from_hf(hf).num_kv_heads == config_class(**hf).num_key_value_heads
+    if name != "llama":
+        with pytest.raises(CheckpointError, match="has no num_key_value_heads, so transformers takes .* which does "
+                                                  "not divide num_attention_heads=12"):
+            ModelConfig.from_hf(edited(configs[name], num_attention_heads=12, hidden_size=48, head_dim=4,
+                                       num_key_value_heads=...))
+    null = edited(configs[name], num_attention_heads=16, hidden_size=64, head_dim=4, num_key_value_heads=None)
+    assert ModelConfig.from_hf(null).num_kv_heads == 16
 
 
 def test_head_dim_defaults_as_transformers_does(configs):

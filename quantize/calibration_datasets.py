@@ -50,11 +50,22 @@ def open_dataset(path: Path) -> tuple[Any, str] | None:
         raise QuantizeError(f"{path} holds {' and '.join(kinds)} files; pass a directory (or file) of one kind")
     if not files:
         return None
+    if kinds == ["parquet"] and not _parquet_rows(files, path):  # datasets' stream fails on it with Arrow's internals
+        raise QuantizeError(f"calibration data {path} is empty (parquet with no rows)")
     try:
         data = _datasets().load_dataset(kinds[0], data_files=[str(f) for f in files], split="train", streaming=True)
     except Exception as exc:  # datasets raises many types for unreadable files
         raise QuantizeError(f"{path}: the {kinds[0]} files could not be read as a dataset: {exc}") from exc
     return data, str(path) if path.is_file() else f"{path}, {len(files)} {kinds[0]} file(s)"
+
+
+def _parquet_rows(files: list[Path], path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        return sum(pq.read_metadata(f).num_rows for f in files)
+    except Exception as exc:  # pyarrow: many types
+        raise QuantizeError(f"{path}: the parquet files could not be read as a dataset: {exc}") from exc
 
 
 def _load_from_disk(path: Path) -> tuple[Any, str]:

@@ -200,6 +200,13 @@ def test_dataset_snapshot_directory_reads_its_data_files_not_its_card(datasets, 
                                             r"one with --calib-data .*qa.csv:COLUMN"):
         load_texts(tmp_path / "qa.csv")
     assert list(load_texts(f"{tmp_path / 'qa.csv'}:a")[0]) == ["y"]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none.parquet")  # pandas' too
+    # datasets' stream failed on it: "BatchSize must be greater than 0, got 0"
+    with pytest.raises(QuantizeError, match="calibration data .*none.parquet is empty .parquet with no rows."):
+        load_texts(tmp_path / "none.parquet")
     datasets.Dataset.from_dict({"text": [" "]}).to_parquet(snapshot / "data" / "train-2.parquet")
     (snapshot / "data" / "extra.csv").write_text("content\nd\n")
     with pytest.raises(QuantizeError, match="holds csv and parquet files; pass a directory .or file. of one kind"):

@@ -79,7 +79,7 @@ def idle(server: TritonServer, timeout: float = 30.0) -> bool:
         text = requests.get(server.endpoints.metrics_url, timeout=10).text
         values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("camshaft_")}
-        if values["camshaft_requests_running"] + values["camshaft_requests_waiting"] == 0 and \
+        if values["camshaft_num_requests_running"] + values["camshaft_num_requests_waiting"] == 0 and \
                 values["camshaft_kv_cache_blocks_used"] == 0:
             return True
         time.sleep(0.1)

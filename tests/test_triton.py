@@ -315,7 +315,7 @@ def test_a_short_sync_request_is_answered_while_long_ones_run(stack):
 
     with ThreadPoolExecutor(9) as pool:
         long = [pool.submit(infer, 480) for _ in range(8)]  # a batch of 8 runs ~1 s: seen in 0.2 s metrics
-        stack.wait_metrics(lambda m: m["camshaft_requests_running"] >= 3, "three long requests running")
+        stack.wait_metrics(lambda m: m["camshaft_num_requests_running"] >= 3, "three long requests running")
         assert pool.submit(infer, 1).result(timeout=120)
         assert not any(f.done() for f in long)
         assert all(f.result(timeout=300) for f in long)
@@ -445,7 +445,7 @@ def test_num_return_sequences_as_llm_n(stack):
     assert len({tuple(e) for e in expected}) > 1
     common = dict(input_ids=prompt, request_output_len=8, runtime_top_k=50, num_return_sequences=3, end_id=-1,
                   exclude_input_in_output=True)
-    before = stack.wait_metrics(lambda m: m["camshaft_requests_running"] == m["camshaft_requests_waiting"] == 0
+    before = stack.wait_metrics(lambda m: m["camshaft_num_requests_running"] == m["camshaft_num_requests_waiting"] == 0
                                 and m["camshaft_requests_total"] == m["camshaft_requests_finished_total"],
                                 "every earlier request counted as finished")
     for streaming in (False, True):
@@ -468,8 +468,25 @@ def test_num_return_sequences_as_llm_n(stack):
     # counted once a request, not once a sequence (which would count 8 finished for these 3 requests)
     stack.wait_metrics(lambda m: m["camshaft_requests_total"] - before["camshaft_requests_total"] >= 3
                        and m["camshaft_requests_total"] == m["camshaft_requests_finished_total"]
-                       and m["camshaft_requests_running"] == 0,
+                       and m["camshaft_num_requests_running"] == 0,
                        f"every request counted as finished once (from {before})")
+
+
+def test_metrics_the_openai_server_also_has_carry_its_names(stack):
+    """One name per concept under camshaft_: Triton's running / waiting / generated-token metrics had names of their
+    own, so a dashboard made for one server read nothing on the other."""
+    from camshaft.openai_server.metrics import Metrics
+    from camshaft.runtime.llm import LLM
+
+    with LLM(stack.session.engine.dir, spin_wait=False) as llm:
+        rendered = Metrics(llm).render().decode()
+    openai_names = {line.split("{")[0].split(" ")[0] for line in rendered.splitlines() if line.startswith("camshaft_")}
+    shared = {"camshaft_num_requests_running", "camshaft_num_requests_waiting", "camshaft_kv_cache_usage_ratio",
+              "camshaft_kv_cache_blocks_used", "camshaft_kv_cache_blocks_total", "camshaft_generation_tokens_total",
+              "camshaft_prefix_cache_hit_blocks_total", "camshaft_preemptions_total",
+              "camshaft_spec_decode_num_draft_tokens_total", "camshaft_spec_decode_num_accepted_tokens_total"}
+    assert shared <= openai_names, shared - openai_names
+    assert shared <= set(stack.metrics()), shared - set(stack.metrics())
 
 
 def test_guided_decoding_on_both_models(stack):

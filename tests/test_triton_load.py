@@ -68,7 +68,7 @@ def stack(tmp_path_factory):
 
 
 def idle(values: dict[str, float]) -> bool:
-    return (values["camshaft_requests_running"] == 0 and values["camshaft_requests_waiting"] == 0
+    return (values["camshaft_num_requests_running"] == 0 and values["camshaft_num_requests_waiting"] == 0
             and values["camshaft_kv_cache_blocks_used"] == 0)
 
 
@@ -206,17 +206,17 @@ def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
                for _ in range(BATCH + QUEUE)]
     try:
         full = stack.wait_metrics(
-            lambda m: m["camshaft_requests_running"] + m["camshaft_requests_waiting"] == BATCH + QUEUE,
+            lambda m: m["camshaft_num_requests_running"] + m["camshaft_num_requests_waiting"] == BATCH + QUEUE,
             f"{BATCH} running and {QUEUE} waiting requests")
         for _ in range(100):  # one scrape that caught no update half-way (the running requests grow their blocks)
             full, (requests_, blocks) = stack.metrics(), trtllm_metrics(stack)
-            consistent = (requests_["waiting"] == full["camshaft_requests_waiting"]
+            consistent = (requests_["waiting"] == full["camshaft_num_requests_waiting"]
                           and blocks["used"] == full["camshaft_kv_cache_blocks_used"])
             if consistent:
                 break
         assert consistent, (full, requests_, blocks)
         assert requests_["max"] == BATCH and requests_["waiting"] > 0  # as an endpoint picker reads it
-        assert requests_["scheduled"] == requests_["active"] == full["camshaft_requests_running"] > 0
+        assert requests_["scheduled"] == requests_["active"] == full["camshaft_num_requests_running"] > 0
         assert blocks["max"] == full["camshaft_kv_cache_blocks_total"] == blocks["used"] + blocks["free"]
         assert blocks["fraction"] == pytest.approx(blocks["used"] / blocks["max"]) and blocks["used"] > 0
         assert blocks["tokens_per"] == stack.session.engine.manifest.limits.kv_block_size

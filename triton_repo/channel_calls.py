@@ -29,7 +29,7 @@ class ChannelCall:
 
     def __call__(self, output: RequestOutput) -> None:
         spec, n = self.spec, self.spec.params.n
-        self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
+        self.metrics.count("camshaft_generation_tokens_total", len(output.token_ids))
         if self.failed:  # the call has ended with an error: its other sequences' outputs are dropped
             return
         keep = len(output.token_ids) - int(ended_on_end_id(output))  # as the token model's own responses count

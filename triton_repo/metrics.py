@@ -12,23 +12,26 @@ GAUGES = {
     "camshaft_kv_cache_blocks_used": "KV cache blocks in use",
     "camshaft_kv_cache_blocks_total": "KV cache blocks in the pool",
     "camshaft_kv_cache_usage_ratio": "Fraction of the KV cache pool in use",
-    "camshaft_requests_running": "Requests in the running batch",
-    "camshaft_requests_waiting": "Requests queued for the running batch",
+    "camshaft_num_requests_running": "Requests in the running batch",
+    "camshaft_num_requests_waiting": "Requests queued for the running batch",
     "camshaft_peak_batch_size": "Largest running batch of one engine step since start",
     "camshaft_tokens_per_second": "Generated tokens per second over the last second",
     "camshaft_stoppable_requests": "Unfinished requests with a client request id (which a stop request reaches)",
 }
 COUNTERS = {
-    "camshaft_generated_tokens_total": "Tokens generated",
+    "camshaft_generation_tokens_total": "Tokens generated",
     "camshaft_requests_total": "Requests accepted by the executor",
     "camshaft_requests_refused_total": "Requests refused (invalid, too long, or the queue full)",
     "camshaft_requests_finished_total": "Requests finished, aborted ones included",
     "camshaft_requests_aborted_total": "Requests aborted (cancelled, client gone, or a stop request)",
     "camshaft_spec_decode_num_draft_tokens_total": "Prompt lookup's draft tokens fed to the engine",
     "camshaft_spec_decode_num_accepted_tokens_total": "Draft tokens equal to the sampled token",
+    "camshaft_prefix_cache_hit_blocks_total": "KV blocks reused from the prefix cache",
+    "camshaft_preemptions_total": "Sequences preempted to free KV blocks",
 }
 FROM_LOAD = {"camshaft_spec_decode_num_draft_tokens_total": "draft_tokens",  # counted by the batch loop itself
-             "camshaft_spec_decode_num_accepted_tokens_total": "accepted_draft_tokens"}
+             "camshaft_spec_decode_num_accepted_tokens_total": "accepted_draft_tokens",
+             "camshaft_prefix_cache_hit_blocks_total": "prefix_hits", "camshaft_preemptions_total": "preemptions"}
 
 # TensorRT-LLM's triton backend families, under its names and labels: what endpoint pickers (the Gateway API
 # inference extension, llm-d) scrape from a "triton-tensorrt-llm" server
@@ -76,8 +79,8 @@ class Metrics:
                 self._sent[name] = value
         values = {"camshaft_kv_cache_blocks_used": load.kv_blocks_used,
                   "camshaft_kv_cache_blocks_total": load.kv_blocks_total,
-                  "camshaft_kv_cache_usage_ratio": load.kv_usage, "camshaft_requests_running": load.running,
-                  "camshaft_requests_waiting": load.waiting,
+                  "camshaft_kv_cache_usage_ratio": load.kv_usage, "camshaft_num_requests_running": load.running,
+                  "camshaft_num_requests_waiting": load.waiting,
                   "camshaft_peak_batch_size": self.llm.executor.peak_batch_size,
                   "camshaft_stoppable_requests": self.stoppable()}
         step = self.llm.executor.last_stats()
@@ -101,7 +104,7 @@ class Metrics:
         if self._window and now - self._window[-1][0] < self.period_s:
             return
         with self._lock:
-            self._window.append((now, self._counts["camshaft_generated_tokens_total"]))
+            self._window.append((now, self._counts["camshaft_generation_tokens_total"]))
         self._window = [(t, n) for t, n in self._window if now - t <= 1.0 + self.period_s]
         (t0, n0), (t1, n1) = self._window[0], self._window[-1]
         try:

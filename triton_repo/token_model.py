@@ -186,7 +186,7 @@ class TokenModel:
 
     def _deliver(self, row: Row, output: RequestOutput) -> None:
         job = row.job
-        self.metrics.count("camshaft_generated_tokens_total", len(output.token_ids))
+        self.metrics.count("camshaft_generation_tokens_total", len(output.token_ids))
         last = output.finished and job.finished + 1 == job.sequences_total  # this output ends the job
         if job.failed:
             return

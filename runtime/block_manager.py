@@ -35,7 +35,7 @@ class BlockCounters:
     used: int
     free: int  # never used plus cached-but-unreferenced (evictable)
     cached: int
-    reuse_hits: int
+    prefix_hits: int
     evictions: int
 
 
@@ -48,7 +48,7 @@ class BlockManager:
         self._empty = list(range(num_blocks - 1, NULL_BLOCK, -1))  # never hashed, popped from the end
         self._evictable: OrderedDict[int, None] = OrderedDict()  # hashed, unreferenced; oldest first
         self._by_hash: dict[bytes, int] = {}
-        self.reuse_hits = 0
+        self.prefix_hits = 0
         self.evictions = 0
 
     @property
@@ -66,7 +66,7 @@ class BlockManager:
     def counters(self) -> BlockCounters:
         """A snapshot other threads may take while the batch loop runs: free is read once, so used + free = total."""
         free = self.num_free
-        return BlockCounters(self.capacity, self.capacity - free, free, len(self._by_hash), self.reuse_hits,
+        return BlockCounters(self.capacity, self.capacity - free, free, len(self._by_hash), self.prefix_hits,
                              self.evictions)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -94,7 +94,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._evictable[block_id]
             block.ref_count += 1
-        self.reuse_hits += len(reused)
+        self.prefix_hits += len(reused)
         return list(reused)
 
     def allocate(self, count: int) -> list[int]:

@@ -131,7 +131,7 @@ class Executor:
             in_flight = len(self._sinks)
         running = len(scheduler.running)
         counters = scheduler.blocks.counters()
-        return Load(running, max(0, in_flight - running), counters.used, counters.total, counters.reuse_hits,
+        return Load(running, max(0, in_flight - running), counters.used, counters.total, counters.prefix_hits,
                     scheduler.num_preemptions, self.draft_tokens, self.accepted_draft_tokens)
 
     def snapshot_stats(self) -> list[IterationStats]:

@@ -51,7 +51,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     executor = llm.executor
     steps_before = executor.steps_done
     preempt_before = executor.scheduler.num_preemptions
-    hits_before = llm.kv_cache.reuse_hits
+    hits_before = llm.kv_cache.prefix_hits
     drafts_before = executor.draft_tokens, executor.accepted_draft_tokens
     executor.peak_batch_size, executor.peak_kv_usage = 0, 0.0
     records = [RequestRecord(i, len(r.prompt_ids), r.max_tokens) for i, r in enumerate(requests)]
@@ -123,7 +123,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         gflop={k: v / 1e9 for k, v in flops.items() if k != "tokens_fed"} | {"tokens_fed": flops["tokens_fed"]},
         gflop_s=total_flop / wall / 1e9, gflop_s_linear=(flops["linear"] + flops["lm_head"]) / wall / 1e9,
         python_overhead=overhead, preemptions=executor.scheduler.num_preemptions - preempt_before,
-        prefix_reuse_hits=llm.kv_cache.reuse_hits - hits_before, config=llm_config(llm),
+        prefix_hits=llm.kv_cache.prefix_hits - hits_before, config=llm_config(llm),
         draft_tokens=executor.draft_tokens - drafts_before[0],
         accepted_draft_tokens=executor.accepted_draft_tokens - drafts_before[1],
         clipped=clipped_requests(requests, llm.config.max_seq_len), records=records)

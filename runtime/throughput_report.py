@@ -81,7 +81,7 @@ class ThroughputResult:
     gflop_s_linear: float
     python_overhead: dict[str, dict[str, float]]  # "all_steps" and "batch_C": StepTimer.overhead() of those steps
     preemptions: int
-    prefix_reuse_hits: int  # KV blocks taken from the prefix cache (0 unless prompts repeat or preempted requests
+    prefix_hits: int  # KV blocks taken from the prefix cache (0 unless prompts repeat or preempted requests
     # find their own blocks again)
     draft_tokens: int  # prompt lookup's drafts fed to the engine, and those taken (0 without prompt_lookup)
     accepted_draft_tokens: int

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             log(clipped_line(r.clipped))
         log(f"  {r.output_tok_s:.1f} out tok/s, TTFT p50 {r.ttft_ms['p50']:.0f} ms, {r.gflop_s:.1f} GFLOP/s, "
             f"overhead {100 * r.python_overhead['all_steps']['outside_engine_step']:.1f} %, "
-            f"prefix hits {r.prefix_reuse_hits}, {r.wall_s:.0f} s")
+            f"prefix hits {r.prefix_hits}, {r.wall_s:.0f} s")
 
     memory = None
     if args.memory_pool_seqs:

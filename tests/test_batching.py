@@ -109,7 +109,7 @@ def test_shared_prefix_feeds_only_new_tokens(engine_dir):
         assert fed[0] == ([9, 10, 11], 256)
         assert sum(len(tokens) for tokens, _ in fed) == 3 + 19  # the new prompt tokens, then one per decode
         assert result.token_ids == expected
-        assert llm.kv_cache.reuse_hits == 256 // BLOCK and llm.kv_cache.used == 0
+        assert llm.kv_cache.prefix_hits == 256 // BLOCK and llm.kv_cache.used == 0
         assert "".join(llm.stream_sync(second, params)) == result.text
     metrics = result.outputs[0].metrics  # the request's own count (TensorRT-LLM's perf metrics)
     assert (metrics.kv_blocks_reused, metrics.kv_blocks_new) == (256 // BLOCK, 1)  # the prompt's 259 tokens
@@ -124,7 +124,7 @@ def test_n_outputs_share_the_prompt_blocks(engine_dir):
         steps = record_steps(llm)
         output = llm.generate(prompt, params, use_tqdm=False)[0]
         assert len(output.outputs) == 3 and len({tuple(o.token_ids) for o in output.outputs}) == 3
-        assert llm.executor.scheduler.blocks.reuse_hits == 2 * 6
+        assert llm.executor.scheduler.blocks.prefix_hits == 2 * 6
         assert sorted((o.metrics.kv_blocks_reused, o.metrics.kv_blocks_new) for o in output.outputs) == [
             (0, 7), (6, 1), (6, 1)]
         prompt_tokens_fed = sum(len(tokens) for step in steps for tokens, _ in step if len(tokens) > 1)
@@ -227,7 +227,7 @@ def test_shared_prefixes_in_one_batch_on_a_sliding_window_model(tmp_path):
     expected = [session.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
     with LLM(engine, policy="max_utilization", kv_cache_memory=pool_budget(engine, 40)) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
-        assert llm.kv_cache.reuse_hits > 0 and llm.kv_cache.used == 0
+        assert llm.kv_cache.prefix_hits > 0 and llm.kv_cache.used == 0
         assert llm.executor.scheduler.num_preemptions > 0
 
 

@@ -272,7 +272,7 @@ def test_a_jsonl_dataset_shorter_than_the_run_repeats_with_a_note(engine_dir, tm
                             "--num-requests", "3", "--concurrency", "1", "--output-json", str(out))
     assert code == 0 and "holds 1 request(s); 3 requests repeat them" in " ".join(err.split()), err
     (run,) = json.loads(out.read_text())["results"]
-    assert run["prefix_reuse_hits"] > 0
+    assert run["prefix_hits"] > 0
     assert run["gflop"]["tokens_fed"] < run["prompt_tokens"] + 3 * (4 - 1)  # the reused prompt blocks not counted
     code, _, err = camshaft(capsys, "bench", "throughput", "--engine", str(engine_dir), "--dataset",
                             f"jsonl:{tmp_path / 'missing.jsonl'}", "--num-requests", "1", "--concurrency", "1")

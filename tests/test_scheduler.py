@@ -315,7 +315,7 @@ def test_prefix_blocks_are_reused_and_only_new_tokens_scheduled():
     scheduler.add(second)
     scheduled = scheduler.schedule()
     assert scheduled[0].chunk.start_pos == 24 and scheduled[0].chunk.token_ids == [5, 6, 7]
-    assert scheduler.blocks.reuse_hits == 6
+    assert scheduler.blocks.prefix_hits == 6
     assert second.blocks[:6] == first_blocks(scheduler, prefix)
 
 

@@ -138,7 +138,7 @@ def test_flops_leave_out_only_what_the_prefix_cache_saved(engine_dir):
     with LLM(engine_dir, threads=1) as llm:
         repeated = run_throughput(llm, [requests[0]] * 3, concurrency=1)
     # the 2nd and 3rd take 2 of the 1st's 3 prompt blocks (the last prompt token is always computed: its logits)
-    assert repeated.prefix_reuse_hits == 2 * 2
+    assert repeated.prefix_hits == 2 * 2
     assert repeated.gflop["tokens_fed"] == 3 * (48 + 40 - 1) - 2 * 32
 
 

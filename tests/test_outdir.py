@@ -179,6 +179,35 @@ def test_a_build_stopped_with_a_signal_says_so_and_leaves_nothing_behind(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+def test_timeouts_second_sigterm_does_not_cut_the_unwinding_short(monkeypatch, capsys):
+    """GNU timeout sends its SIGTERM to the process and again to its group: the second landed in the cleanup the
+    first started (a build's staging directory being removed) and cut it short."""
+    import os
+    import signal
+
+    import camshaft.cli as cli
+
+    cleaned = []
+
+    def stopped_then_stopped_again_while_cleaning_up():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("the first SIGTERM did not stop the command")
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # to the process group, a moment later
+            cleaned.append(True)
+
+    monkeypatch.setattr(cli, "app", stopped_then_stopped_again_while_cleaning_up)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.main()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 128 + signal.SIGTERM and cleaned == [True]
+    assert capsys.readouterr().err.strip() == "terminated"
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
 def test_a_stop_that_turns_into_another_error_on_its_way_out_still_exits_as_that_stop(monkeypatch, capsys, stop):
     """A signal landing inside Python's import locks surfaces as their KeyError (seen in CI: a SIGTERM during a

@@ -195,6 +195,24 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
             server.wait()
 
 
+def test_timeouts_sigterm_sent_twice_is_one_stop(engine):
+    """GNU timeout sends its SIGTERM to serve and again to its process group: the second, just after the first, was
+    taken for "a second signal" and killed tritonserver instead of draining it (seen once in seven runs)."""
+    server, _, lines = start_serve(engine)
+    try:
+        server.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not any("got SIGTERM" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.send_signal(signal.SIGTERM)  # the same stop, to the group
+        assert server.wait(60) == 0, "".join(lines)
+        assert not any("killing" in line for line in lines) and lines[-1].strip().endswith("stopped"), "".join(lines)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
 def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(engine, tmp_path):
     """SIGKILL (or the OOM killer) leaves camshaft no chance to stop Triton: the kernel does (PR_SET_PDEATHSIG), so
     no orphan keeps serving and holding the ports. The readiness poll of our own loopback server never goes through

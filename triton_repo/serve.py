@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from camshaft.engine_files import deployed_record
 from camshaft.errors import CamshaftError
+from camshaft.stop_signals import Stops
 from camshaft.triton_repo.launch import tritonserver_root
 from camshaft.triton_repo.server import TritonServer
 from camshaft.triton_repo.shutdown import stub_watch, wait_until_stopped
@@ -52,11 +52,11 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             log_file.unlink(missing_ok=True)
             raise
         log(f"starting tritonserver on {repo} (log: {server.log_file})")
-        stopping: list[float] = []  # when each stop signal came
+        stops = Stops()
+        stopping = stops.times  # when each stop signal came
 
         def forward(signum, _frame) -> None:
-            stopping.append(time.monotonic())
-            if len(stopping) == 1:
+            if stops.add(signum) and len(stopping) == 1:
                 log(f"got {signal.Signals(signum).name}: draining (up to {server.exit_timeout_s} s) and stopping; "
                     "a second one kills it")
                 server.signal(signal.SIGTERM)

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from camshaft.errors import CamshaftError, RequestError
+from camshaft.stop_signals import Stops
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
                   help="Build, quantize, serve and benchmark LLM inference engines.")
@@ -98,7 +99,13 @@ def _stopped(exc: BaseException | None) -> int | None:
 
 def main() -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # docker stop, a scheduler's eviction, `timeout`
-        signal.signal(signal.SIGTERM, _terminated)
+        stops = Stops()  # `timeout`'s second SIGTERM must not cut short the unwinding of its first
+
+        def terminated(signum: int, frame: object) -> None:
+            if stops.add(signum):
+                _terminated(signum, frame)
+
+        signal.signal(signal.SIGTERM, terminated)
     try:
         app()
     except BaseException as exc:

@@ -12,6 +12,7 @@ import uvicorn
 from camshaft.errors import CamshaftError
 from camshaft.openai_server.app import create_app
 from camshaft.runtime.llm import LLM
+from camshaft.stop_signals import Stops
 
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish before they are cut
 
@@ -44,9 +45,12 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
                                api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
     thread = threading.Thread(target=server.run, name="camshaft-openai-http")
 
+    stops = Stops()
+
     def stop(signum: int, frame: object) -> None:
-        server.force_exit = server.should_exit
-        server.should_exit = True
+        if stops.add(signum):
+            server.force_exit = server.should_exit
+            server.should_exit = True
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

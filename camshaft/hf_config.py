@@ -114,6 +114,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         layer_types=layer_types,
         bos_token_id=special_id(gen, hf, "bos_token_id", source, vocab),
         eos_token_ids=eos_ids(gen, hf, source, vocab),
+        sampling_defaults=sampling_defaults(gen, source),
     )
 
 
@@ -231,6 +232,25 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
         first_sliding = f.get("max_window_layers", "int", QWEN_DEFAULT_WINDOW_LAYERS, least=0)
         return window, tuple("full" if i < first_sliding else "sliding" for i in range(layers))
     return window, ("sliding",) * layers
+
+
+SAMPLING_DEFAULTS = {  # generation_config.json's sampling keys vLLM takes as a request's defaults, and their range
+    "temperature": ("number", 0.0, math.inf), "top_p": ("number", 1e-9, 1.0), "top_k": ("int", -1, math.inf),
+    "min_p": ("number", 0.0, 1.0), "repetition_penalty": ("number", 1e-9, math.inf)}
+
+
+def sampling_defaults(gen: dict[str, Any], source: str) -> tuple[tuple[str, float], ...]:
+    """The sampling values the model's creator recommends (generation_config.json), for what a request leaves out."""
+    where = Fields(gen, str(Path(source).with_name("generation_config.json")))
+    found = []
+    for key, (kind, low, high) in SAMPLING_DEFAULTS.items():
+        value = where.get(key, kind, None)
+        if value is not None and not low <= value <= high:
+            raise CheckpointError(f"{where.source}: {key} must lie in [{low:g}, {high:g}], not {value!r}; fix it or "
+                                  "remove it (it is the default sampling of requests that do not set it)")
+        if value is not None:
+            found.append((key, value))
+    return tuple(found)
 
 
 def _where(gen: dict[str, Any], key: str, source: str) -> str:

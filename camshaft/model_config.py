@@ -79,6 +79,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sampling_defaults: tuple[tuple[str, float], ...] = ()  # generation_config.json's (temperature, top_p, ...)
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -121,6 +122,7 @@ class ModelConfig:
         data["rope"] = RopeConfig(**data["rope"])
         data["layer_types"] = tuple(data["layer_types"])
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        data["sampling_defaults"] = tuple((key, value) for key, value in data.get("sampling_defaults", ()))
         return cls(**data)
 
     @classmethod

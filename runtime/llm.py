@@ -34,7 +34,7 @@ from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, Pro
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup
 from camshaft.runtime.prompts import Prompt, PromptEncoder
 from camshaft.runtime.request import Request, new_requests
-from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.sampling_params import SamplingParams, model_defaults
 from camshaft.runtime.scheduler_config import SchedulerConfig
 
 
@@ -138,6 +138,9 @@ class LLM(ServingAPI):
         return new_requests(str(next(self._ids)), ids, params, self.tokenizer, self.engine.eos_token_ids,
                             self.engine.manifest.model.vocab_size, priority, self._guides)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        return model_defaults(self.engine.manifest.model)
+
     def get_tokenizer(self):
         """The engine's tokenizer (vLLM's accessor; also `llm.tokenizer`)."""
         return self.tokenizer
@@ -154,7 +157,7 @@ class LLM(ServingAPI):
 
     def _generate(self, prompts: list, texts: list[str | None], sampling_params, use_tqdm: bool | None,
                   priority: int | Sequence[int] | None, what: str = "prompt") -> list[PromptOutput]:
-        params = params_list(sampling_params, len(prompts))
+        params = params_list(sampling_params, len(prompts), self.get_default_sampling_params())
         each = priorities(priority, len(prompts))
         groups = []
         for i, (prompt, sp, pr) in enumerate(zip(prompts, params, each, strict=True)):

@@ -100,10 +100,11 @@ def prompt_list(prompts: object) -> list:
     return list(prompts)
 
 
-def params_list(params: object, count: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt from None (the defaults), one for all, or one each."""
+def params_list(params: object, count: int, default: SamplingParams | None = None) -> list[SamplingParams]:
+    """One SamplingParams per prompt from None (`default`: the model's, else SamplingParams()), one for all, or
+    one each."""
     if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
+        return [params or default or SamplingParams()] * count
     if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
         raise RequestError(f"sampling_params must be a SamplingParams or one per prompt, got {params!r:.80}")
     params = list(params)

@@ -26,6 +26,11 @@ class ServingAPI:
     def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
         raise NotImplementedError
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What sampling_params None means (vLLM's accessor): the model's generation_config.json sampling, else
+        greedy."""
+        raise NotImplementedError
+
     def submit(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, priority: int = 0) -> list[str]:
         """Queue one prompt's n requests; `sink` gets every RequestOutput on the batch loop's thread and must
         only hand it over. `priority`: lower is admitted first (and preempted last). Returns the request ids (the
@@ -41,7 +46,7 @@ class ServingAPI:
         for prompt, sampling_params, sink in items:
             if not callable(sink):
                 raise RequestError(f"sink takes each RequestOutput (a callable), got {sink!r:.80}")
-            params = params_list(sampling_params, 1)[0]
+            params = params_list(sampling_params, 1, self.get_default_sampling_params())[0]
             self.executor.check_outputs(params.n)  # before building n requests
             groups.append(self._requests(prompt, params, priority))
             sinks.append([sink] * len(groups[-1]))
@@ -63,7 +68,7 @@ class ServingAPI:
                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) pairs for the prompt's n outputs as the batch loop produces them, each ending with a
         finished output; errors are raised; closing or cancelling the consumer aborts what is unfinished."""
-        params = params_list(sampling_params, 1)[0]
+        params = params_list(sampling_params, 1, self.get_default_sampling_params())[0]
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         def sink(output: RequestOutput) -> None:  # on the batch loop's thread
@@ -111,7 +116,7 @@ class ServingAPI:
     async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                      priority: int = 0) -> AsyncIterator[str]:
         """`async for delta in llm.stream(prompt)`; cancelling the consumer aborts the request."""
-        params = params_list(sampling_params, 1)[0]
+        params = params_list(sampling_params, 1, self.get_default_sampling_params())[0]
         if params.n != 1:
             raise RequestError("streaming text gives one output; use n=1 (or stream_outputs for several)")
         async with contextlib.aclosing(self.stream_outputs(prompt, params, priority)) as outputs:
@@ -120,7 +125,7 @@ class ServingAPI:
                     yield output.delta
 
     def _single(self, prompt: Prompt, params: SamplingParams | None, priority: int) -> Request:
-        params = params_list(params, 1)[0]
+        params = params_list(params, 1, self.get_default_sampling_params())[0]
         if params.n != 1:
             raise RequestError("streaming gives one output; use n=1 (or generate() for several outputs)")
         return self._requests(prompt, params, priority)[0]

@@ -11,6 +11,7 @@ import numpy as np
 
 from camshaft.checks import is_int
 from camshaft.errors import CapacityError, RequestError
+from camshaft.model_config import ModelConfig
 from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.prompt_text import check_unicode
 
@@ -195,3 +196,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         """The output is the argmax of the processed logits (no randomness)."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+def model_defaults(model: ModelConfig) -> SamplingParams:
+    """SamplingParams with the sampling the model's generation_config.json recommends (vLLM's default), else
+    camshaft's (greedy)."""
+    try:
+        return SamplingParams(**dict(model.sampling_defaults))
+    except RequestError as exc:
+        raise RequestError(f"the engine's sampling defaults (from generation_config.json) are invalid: {exc}; "
+                           "rebuild the engine from a corrected checkpoint") from exc

@@ -23,7 +23,7 @@ from camshaft.runtime.outputs import GenerationResult
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup, checks_drafts
 from camshaft.runtime.prompts import Prompt, PromptEncoder
 from camshaft.runtime.request import Request, new_requests
-from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.sampling_params import SamplingParams, model_defaults
 from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
 
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
@@ -119,7 +119,7 @@ class Session:
             hint = " (the SamplingParams keyword is sampling_params)" if "params" in unknown else ""
             raise RequestError(f"unknown sampling parameter(s) {sorted(unknown)}{hint}; known: "
                                f"{sorted(_PARAM_NAMES)}")
-        params = replace(params_list(params, 1)[0], **overrides)
+        params = replace(params_list(params, 1, model_defaults(self.manifest.model))[0], **overrides)
         if params.n > 1:
             raise RequestError(f"a Session gives one output per request (n={params.n}); for several outputs of one "
                                "prompt use camshaft.LLM(engine_dir).generate(prompt, SamplingParams(n=...))")

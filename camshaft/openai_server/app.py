@@ -43,6 +43,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
     metrics = Metrics(llm)
     errors.install(app, metrics)
     max_seq_len, max_n = llm.config.max_seq_len, llm.config.max_batch_size
+    sampling_defaults = llm.engine.manifest.model.sampling_defaults
     routes = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models"}
 
     def refused(path: str, status: int) -> None:
@@ -179,7 +180,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
                            param="prompt")
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
         prompts = [await prompt_ids(prompt=p, max_tokens=max_tokens) for p in body.prompts()]
-        params = body.sampling_params(max_tokens or 1, body.logprobs)  # echo with max_tokens 0: one token, dropped
+        # echo with max_tokens 0: one token, dropped
+        params = body.sampling_params(max_tokens or 1, body.logprobs, sampling_defaults)
         if body.echo and body.logprobs is not None:
             params = replace(params, prompt_logprobs=body.logprobs)
         texts = [p if isinstance(p, str) else llm.tokenizer.decode(p, skip_special_tokens=params.skip_special_tokens)
@@ -194,7 +196,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         arrival = time.perf_counter()
         check(body)
         tools = tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser)
-        params = body.sampling_params(body.requested_max_tokens(), body.logprobs_count())  # None: all that is left
+        params = body.sampling_params(body.requested_max_tokens(), body.logprobs_count(),  # None: all that is left
+                                      sampling_defaults)
         guided = tools.guided() if tools is not None else None
         if guided is not None:
             if params.guided_decoding is not None:

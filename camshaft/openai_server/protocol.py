@@ -94,11 +94,17 @@ class _GenerationRequest(BaseModel):
             raise RequestError("prompt_logprobs is not returned by this server; for the prompt's log-probs send "
                                "/v1/completions echo: true with logprobs")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        model_defaults: tuple[tuple[str, float], ...] = ()) -> SamplingParams:
+        """model_defaults: the model's generation_config.json sampling, for the fields the request leaves out."""
+        sent = {key: getattr(self, key) for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+                if key in self.model_fields_set}
+        chosen = {"temperature": DEFAULT_TEMPERATURE} | dict(model_defaults) | sent
         return SamplingParams(
-            max_tokens=max_tokens, min_tokens=self.min_tokens,
-            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
-            top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=chosen["temperature"],
+            top_k=chosen.get("top_k", self.top_k), top_p=chosen.get("top_p", self.top_p),
+            min_p=chosen.get("min_p", self.min_p),
+            repetition_penalty=chosen.get("repetition_penalty", self.repetition_penalty),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, ignore_eos=self.ignore_eos,
             logprobs=logprobs, n=self.n, include_stop_str_in_output=self.include_stop_str_in_output,

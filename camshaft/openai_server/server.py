@@ -63,6 +63,9 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
                 log(f"OpenAI API for model {model_name!r} at http://{host}:{port}/v1 "
                     f"(health: /health, metrics: /metrics{'; an API key required' if api_key else ''}); Ctrl-C "
                     "stops it")
+                if defaults := llm.engine.manifest.model.sampling_defaults:
+                    log("requests that leave them out sample as the model's generation_config.json says: "
+                        + ", ".join(f"{key}={value:g}" for key, value in defaults))
     finally:
         server.should_exit = True
         thread.join()

@@ -1,0 +1,67 @@
+"""The sampling a model's generation_config.json recommends (Qwen2.5's temperature 0.7, top_p 0.8, top_k 20, ...)
+is what a request that leaves those fields out gets, as in vLLM: through the OpenAI server, LLM and Session."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import CheckpointError
+from camshaft.model_config import ModelConfig
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.session import Session
+
+from tiny_models import make_tiny_model
+
+RECOMMENDED = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(an engine whose generation_config.json asks for greedy output, one that recommends Qwen's sampling)."""
+    built = {}
+    for name, sampling in (("greedy", {"temperature": 0.0}), ("qwen", RECOMMENDED)):
+        root = tmp_path_factory.mktemp(name)
+        model = make_tiny_model("llama", root / "hf")
+        generation = json.loads((model / "generation_config.json").read_text())
+        (model / "generation_config.json").write_text(json.dumps(generation | sampling))
+        build_engine(BuildConfig(model, root / "engine", max_seq_len=64))
+        built[name] = root / "engine"
+    return built
+
+
+def test_the_models_recommendation_is_the_default_of_the_python_api(engines):
+    with LLM(engines["qwen"]) as llm:
+        expected = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+        assert llm.get_default_sampling_params() == expected
+        seeded = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, seed=5, max_tokens=12)
+        given = llm.generate([3, 4, 5], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    session = Session(engines["qwen"])
+    assert session.generate([3, 4, 5], seed=5, max_tokens=12).token_ids == given
+    assert session.generate([3, 4, 5], seed=5, max_tokens=12, temperature=0).token_ids == \
+        session.generate([3, 4, 5], SamplingParams(max_tokens=12)).token_ids  # explicit params: as given
+
+
+def test_an_openai_request_without_temperature_samples_as_the_model_recommends(engines):
+    from fastapi.testclient import TestClient
+
+    from camshaft.openai_server.app import create_app
+
+    with LLM(engines["greedy"], spin_wait=False) as llm, TestClient(create_app(llm, "m")) as http:
+        body = {"model": "m", "prompt": [3, 4, 5], "max_tokens": 8, "seed": 3, "ignore_eos": True}
+        texts = {temperature: http.post("/v1/completions", json=body | (
+            {} if temperature is None else {"temperature": temperature})).json()["choices"][0]["text"]
+                 for temperature in (None, 0.0, 1.0)}
+    assert texts[None] == texts[0.0]  # the model's temperature 0, not OpenAI's 1
+    assert texts[1.0] != texts[0.0]
+
+
+def test_a_recommendation_out_of_range_is_refused_at_build(tmp_path):
+    model = make_tiny_model("llama", tmp_path / "hf")
+    (model / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(CheckpointError, match=r"generation_config.json: top_p must lie in \[1e-09, 1\], not 1.5"):
+        ModelConfig.from_hf_dir(model)

@@ -34,8 +34,8 @@ class TextStream:
         self._stops = tuple(s for s in stop if s)
         self._include_stop = include_stop
         context = list(prompt_ids[-_PROMPT_CONTEXT:])
-        if self._decode(context).endswith("\ufffd"):  # prompt cut inside a character: context would garble output
-            context = []
+        while context and self._decode(context).endswith("\ufffd"):  # a prompt cut inside a character: its tail
+            context.pop()  # would garble the output, the tokens before it still keep a leading space
         self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(context)

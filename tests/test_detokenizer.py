@@ -142,6 +142,22 @@ def test_prompt_context_keeps_sentencepiece_leading_space():
     assert "".join(deltas) == " world again"
 
 
+def test_a_prompt_ending_inside_a_character_still_keeps_the_leading_space():
+    """The prompt's context was dropped whole when it ended inside a character (a byte-fallback token), and a
+    SentencePiece decoder then stripped the first word's space."""
+    from tokenizers import models, normalizers
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "▁", "H", "i", "▁there", "!", "<0xC3>", "<0xA9>"])}
+    spm = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    spm.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=spm, unk_token="<unk>")
+    for prompt in ([2, 3], [2, 3, vocab["<0xC3>"]]):
+        _, deltas = _stream(tokenizer, prompt, [vocab["▁there"], vocab["!"]])
+        assert "".join(deltas) == " there!", prompt
+
+
 def test_spaces_that_decode_to_nothing_alone_are_kept():
     """Decoders that strip a text's first space decode a lone "▁" to nothing after a prompt of special tokens; the
     spaces are still the output's (only skipped special tokens may leave the window)."""

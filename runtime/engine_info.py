@@ -67,7 +67,8 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                   "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
                   "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
                   "tied_embeddings": c.tie_word_embeddings, "sliding_window": c.sliding_window,
-                  "rope": {"type": c.rope.type, "theta": c.rope.theta, "factor": c.rope.factor}},
+                  "rope": {"type": c.rope.type, "theta": c.rope.theta, "factor": c.rope.factor},
+                  "sampling_defaults": dict(c.sampling_defaults)},
         "dtype": m.dtype,
         "quantization": {k: quant.get(k) for k in ("format", "group_size", "kv_cache_dtype", "kv_cache_affine",
                                                     "lowering", "activations", "dequantized_linear_layers")
@@ -138,7 +139,8 @@ def info_lines(info: dict[str, Any]) -> list[str]:
         + ((", sizes and fingerprints as the build recorded them" if info["fingerprinted"] else
             f", sizes as the build recorded them (format {info['format_version']} records no fingerprints)")
            if info["files_as_built"] else ", NOT as the build wrote them (below)"),
-        f"tokenizer   end ids {info['eos_token_ids']}, chat template {'yes' if info['chat_template'] else 'no'}",
+        f"tokenizer   end ids {info['eos_token_ids']}, chat template {'yes' if info['chat_template'] else 'no'}"
+        + "".join(f", {k} {v:g}" for k, v in md["sampling_defaults"].items()),
         "tools       " + ", ".join(f"{k} {v}" for k, v in info["tools"].items()),
         f"runs here   {'yes' if info['runs_here'] else 'no: ' + info['runs_here_reason']}",
     ]

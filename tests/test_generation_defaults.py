@@ -46,6 +46,14 @@ def test_the_models_recommendation_is_the_default_of_the_python_api(engines):
         session.generate([3, 4, 5], SamplingParams(max_tokens=12)).token_ids  # explicit params: as given
 
 
+def test_inspect_shows_the_recommendation(engines):
+    from camshaft.runtime.engine_info import engine_info, info_lines
+
+    info = engine_info(engines["qwen"])
+    assert info["model"]["sampling_defaults"] == {k: v for k, v in RECOMMENDED.items() if k != "do_sample"}
+    assert "temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05" in "\n".join(info_lines(info))
+
+
 def test_an_openai_request_without_temperature_samples_as_the_model_recommends(engines):
     from fastapi.testclient import TestClient
 

@@ -157,6 +157,8 @@ def test_none_leaves_the_tools_out_and_auto_needs_a_parser(client, served, engin
     none = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
                                           temperature=0, max_tokens=8)
     assert none.usage.prompt_tokens == len(session.encode(messages=MESSAGES))
+    counted = httpx.post(f"{served[0]}/tokenize", json={"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"})
+    assert counted.json()["count"] == none.usage.prompt_tokens  # the tools were counted in
     assert none.choices[0].message.content == session.chat(MESSAGES, temperature=0, max_tokens=8).text
     with running_server(engine_dir, max_batch_size=2) as (url, _):
         response = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
@@ -194,6 +196,18 @@ def test_a_conversation_with_calls_and_results_renders_through_the_template(clie
     assert decoded_once.usage.prompt_tokens == len(llm.encode(messages=quoted))
     refused = httpx.post(f"{served[0]}/tokenize", json={"prompt": "hi", "tools": TOOLS})
     assert refused.status_code == 400 and "tools go with messages" in refused.json()["error"]["message"]
+
+
+def test_an_assistants_earlier_reasoning_reaches_the_template():
+    """Qwen3's template renders the reasoning of the turns since the last user message (a tool loop): it was
+    dropped. vLLM passes reasoning (and reasoning_content) under both names."""
+    from camshaft.openai_server.chat_protocol import ChatMessage
+
+    for key in ("reasoning_content", "reasoning"):
+        message = ChatMessage(role="assistant", content=None, tool_calls=[{"id": "c", "type": "function"}],
+                              **{key: "I should call the tool"}).template_dict()
+        assert message["reasoning_content"] == message["reasoning"] == "I should call the tool"
+    assert "reasoning_content" not in ChatMessage(role="user", content="hi").template_dict()
 
 
 def test_a_template_that_reads_tools_renders_them_itself(engine_dir, tmp_path):

@@ -147,7 +147,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         check_model(body.model)
         body.check_supported()
         prompt = {"prompt": body.prompt} if body.prompt is not None else \
-            {"messages": [m.template_dict() for m in body.messages or []], "tools": body.tools or None,
+            {"messages": [m.template_dict() for m in body.messages or []], "tools": body.prompt_tools(),
              **body.chat_keywords()}
         ids = await asyncio.to_thread(llm.encode, **prompt, for_generation=False)  # counted however long
         metrics.http(route_path(request), 200)

@@ -18,14 +18,20 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant's earlier thinking (Qwen3's template reads it)
+    reasoning: str | None = None  # vLLM's newer name for it
 
     def template_dict(self) -> dict[str, Any]:
-        """{'role', 'content'} with text content parts joined by newlines (as vLLM and TensorRT-LLM join them), and
-        the tool fields as sent (render_chat makes each call's arguments an object, as chat templates expect)."""
+        """{'role', 'content'} with text content parts joined by newlines (as vLLM and TensorRT-LLM join them), the
+        tool fields as sent (render_chat makes each call's arguments an object, as chat templates expect), and an
+        assistant's reasoning under both its names, as vLLM passes it."""
         message: dict[str, Any] = {"role": self.role, "content": self._text()}
         if self.tool_calls:
             message["tool_calls"] = list(self.tool_calls)
         message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None and self.role == "assistant":
+            message |= {"reasoning_content": thinking, "reasoning": thinking}
         return message
 
     def _text(self) -> str:
@@ -80,6 +86,10 @@ class TokenizeRequest(TemplateOptions):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+    tool_choice: Any = None  # "none" leaves the tools out of the prompt, as in a chat request
+
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        return None if self.tool_choice == "none" else self.tools or None
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -277,7 +277,7 @@ def test_the_hermes_reader_gives_the_same_message_however_the_text_is_split():
             '</tool_call>\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>\n'
             '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}')  # unclosed: the end id came first
     whole = _read(HermesReader({"get_weather", "get_time"}), [text])
-    assert whole[0] == 'Checking.\n\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
+    assert whole[0] == 'Checking.\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'  # the call's gap once
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole[1]] == \
         [("get_weather", {"city": "rome", "days": 2}), ("get_time", {"zone": "utc"})]
     for size in (1, 2, 3, 5, 11):
@@ -287,6 +287,9 @@ def test_the_hermes_reader_gives_the_same_message_however_the_text_is_split():
     first_only = _read(HermesReader({"get_weather", "get_time"}, parallel=False), [text])[1]
     assert [c["function"]["name"] for c in first_only] == ["get_weather"]
     assert _read(HermesReader({"f"}), ["a <tool_", "call x"]) == ("a <tool_call x", [])
+    between = 'A <tool_call>{"name": "f", "arguments": {}}</tool_call> B'  # one space left, not both
+    assert [_read(HermesReader({"f"}), [between[i:i + 3] for i in range(0, len(between), 3)])[0],
+            _read(HermesReader({"f"}), [between])[0]] == ["A B", "A B"]
     array = ('<tool_call>[{"name": "get_time", "arguments": {"zone": "utc"}}, {"name": "get_weather", "arguments": '
              '{"city": "oslo"}}]</tool_call>')  # SmolLM2's trained form: a list of calls in one block
     for size in (1, 7, len(array)):

@@ -170,6 +170,7 @@ class HermesReader(_Reader):
                 break
             self.calls += 1
             calls.append(whole_call(self.calls - 1, *parts))
+        self._space = ""  # the space before the block: the text after it brings its own ("A <call> B" is "A B")
         return "", calls
 
     def _content(self, text: str) -> str:

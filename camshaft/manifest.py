@@ -14,9 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from camshaft.checks import check_positive_ints
-from camshaft.engine_files import MANIFEST_NAME, REPOSITORY_MARKER, check_unchanged, deployed_record, write_atomic
+from camshaft.engine_files import (
+    MANIFEST_NAME,
+    REPOSITORY_MARKER,
+    TOKENIZER_DIR,
+    check_unchanged,
+    deployed_record,
+    write_atomic,
+)
 from camshaft.engine_files import check_files as _check_files
 from camshaft.errors import CamshaftError, EngineError
+from camshaft.hf_config import sampling_defaults
 from camshaft.io_signature import CACHE_NAMES, KVCacheLayout, SequenceGraph, TensorSpec, tensor_specs
 from camshaft.model_config import ModelConfig
 from camshaft.version import ENGINE_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, __version__
@@ -194,6 +202,8 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True, check_dig
         raise EngineError(f"{path} was changed after the build (its digest no longer matches its contents): the "
                           "build writes the manifest to describe its graphs, and an edited one no longer does; undo "
                           "the edit, or rebuild the engine with `camshaft build` and the options wanted")
+    if isinstance(raw.get("model"), dict) and "sampling_defaults" not in raw["model"]:  # built before it was kept
+        raw["model"]["sampling_defaults"] = _tokenizer_sampling_defaults(engine_dir)
     try:
         manifest = Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError, CamshaftError) as exc:
@@ -212,3 +222,13 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True, check_dig
         raise
     return manifest
 
+
+
+def _tokenizer_sampling_defaults(engine_dir: Path) -> tuple[tuple[str, float], ...]:
+    """An engine built before the manifest kept the model's recommended sampling: its copy of
+    generation_config.json says it (nothing where a value is out of range, which builds now refuse)."""
+    path = engine_dir / TOKENIZER_DIR / "generation_config.json"
+    try:
+        return sampling_defaults(json.loads(path.read_text()), str(path))
+    except (OSError, ValueError, CamshaftError):
+        return ()

@@ -15,7 +15,7 @@ from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
 
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, stamped
 
 RECOMMENDED = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
 
@@ -66,6 +66,19 @@ def test_an_openai_request_without_temperature_samples_as_the_model_recommends(e
                  for temperature in (None, 0.0, 1.0)}
     assert texts[None] == texts[0.0]  # the model's temperature 0, not OpenAI's 1
     assert texts[1.0] != texts[0.0]
+
+
+def test_an_engine_built_before_the_manifest_kept_them_reads_its_generation_config(engines, tmp_path):
+    import shutil
+
+    from camshaft.manifest import read_manifest
+
+    old = tmp_path / "old"
+    shutil.copytree(engines["qwen"], old)
+    raw = json.loads((old / "manifest.json").read_text())
+    del raw["model"]["sampling_defaults"], raw["digest"]
+    (old / "manifest.json").write_text(json.dumps(stamped(raw)))
+    assert read_manifest(old).model.sampling_defaults == read_manifest(engines["qwen"]).model.sampling_defaults != ()
 
 
 def test_a_recommendation_out_of_range_is_refused_at_build(tmp_path):

@@ -428,6 +428,13 @@ def test_a_bos_the_tokenizer_adds_takes_no_characters_of_the_echoed_prompt():
                                 prompt_texts=["ab"])
         text, logprobs = shape._echoed(0, ids, [None, SampleResult(2, -1.0), SampleResult(3, -1.0)], True)
         assert text == "ab" and logprobs["text_offset"] == [0, 0, 1], (skip, logprobs)
+    ids = tokenizer("a<s>b")["input_ids"]  # a BOS added, and one written in the text (Llama 3's raw chat prompts)
+    assert ids == [0, 2, 0, 3]
+    for skip in (True, False):
+        shape = CompletionShape("m", tokenizer, [ids], 1, skip_special_tokens=skip, echo="prompt",
+                                prompt_texts=["a<s>b"])
+        samples = [None, *(SampleResult(t, -1.0) for t in ids[1:])]
+        assert shape._echoed(0, ids, samples, True)[1]["text_offset"] == [0, 0, 1, 4], skip
 
 
 def _streamed(client, **request) -> tuple[dict[int, dict], dict]:

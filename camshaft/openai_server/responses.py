@@ -130,16 +130,19 @@ class CompletionShape(_Shape):
         if not with_logprobs:
             return sent, None
         prompt = [SampleResult(prompt_ids[0]), *(prompt_logprobs or [])[1:]]
-        # offsets into the text as sent: special tokens written in it count their characters, one the tokenizer
-        # added (BOS) none; the detokenizing that gives back the text as sent tells which
-        first = None
+        # offsets into the text as sent: special tokens written in it count their characters, those the tokenizer
+        # added before it (BOS) none; the detokenizing that gives back the text as sent tells which
+        first = shifted = None
         for skip in (self._skip_special, not self._skip_special):
             stream = TextStream(self._tokenizer, [], skip_special_tokens=skip)
             entries = self._entries(stream, prompt)
             if stream.text == sent:
                 return sent, entries
+            added = len(stream.text) - len(sent)
+            if not skip and added > 0 and stream.text.endswith(sent):
+                shifted = entries | {"text_offset": [max(0, at - added) for at in entries["text_offset"]]}
             first = first or entries
-        return sent, first
+        return sent, shifted or first
 
     def _output_logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...],
                          with_logprobs: bool) -> dict | None:

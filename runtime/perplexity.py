@@ -14,7 +14,7 @@ import numpy as np
 from camshaft.errors import CheckpointError, RequestError, needs_extra
 from camshaft.float_model import load_float_model
 from camshaft.manifest import MANIFEST_NAME
-from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig, require_tokenizer
+from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig, require_tokenizer, unreadable_quantization
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
 from camshaft.weight_files import refuse_stored_codes
@@ -69,6 +69,9 @@ def check_reference_model(model_dir: str | Path) -> None:
         raise RequestError(f"--model {path} has no config.json; pass a Hugging Face checkpoint directory")
     require_tokenizer(path, RequestError, f"--model {path}")
     ModelConfig.from_hf_dir(path)  # an architecture, or config values, camshaft could not build: refused as build does
+    if method := unreadable_quantization(path):
+        raise RequestError(f"--model {path} is quantized (config.json's quantization_config, quant_method {method}), "
+                           "which camshaft does not score as the float reference; pass the float checkpoint")
     refuse_stored_codes(path, RequestError, "pass the float checkpoint to --model")  # safetensors only, too
 
 

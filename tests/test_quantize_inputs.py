@@ -394,6 +394,11 @@ def test_quantized_weights_without_their_config_are_refused(tiny, tmp_path):
         Checkpoint(bare)
     with pytest.raises(QuantizeError, match="already quantized .config.json's quantization_config"):
         quantize_checkpoint(bare, tmp_path / "again", QuantSpec("int8_wo"), **CALIB)
+    from camshaft.errors import RequestError
+    from camshaft.runtime.perplexity import check_reference_model
+
+    with pytest.raises(RequestError, match="is quantized .config.json's quantization_config, quant_method gptq."):
+        check_reference_model(bare)  # not "has no hf_quant_config.json", as if nothing said how
     damaged = tmp_path / "damaged"
     shutil.copytree(tmp_path / "q", damaged)
     [weights] = damaged.glob("*.safetensors")
@@ -411,9 +416,6 @@ def test_quantized_weights_without_their_config_are_refused(tiny, tmp_path):
     with pytest.raises(QuantizeError, match=r"tensor 'model.layers.\d+\..*weight' holds int8 codes, but .* does not "
                                             r"say how to dequantize them .*; quantize the original float checkpoint"):
         quantize_checkpoint(stripped, tmp_path / "again", QuantSpec("fp8"), **CALIB)
-    from camshaft.errors import RequestError
-    from camshaft.runtime.perplexity import check_reference_model
-
     with pytest.raises(RequestError, match="holds int8 codes, .*; pass the float checkpoint to --model"):
         check_reference_model(stripped)
 

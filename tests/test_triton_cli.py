@@ -352,6 +352,7 @@ def test_picked_ports_differ_even_where_the_system_hands_a_freed_port_out_again(
         assert len(set(ports)) == 3, (given, ports)
         for name, port in given.items():
             assert getattr(ends, name) == port
+    assert len({*vars(TritonServer(repo, http_port=None).endpoints).values()}) == 4  # None is 0, as it was
 
 
 def test_a_stopped_batch_loop_is_unavailable_and_says_restart(engine):

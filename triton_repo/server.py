@@ -50,7 +50,7 @@ class TritonServer:
         host = ipv4_address(host or "0.0.0.0")
         probe = "127.0.0.1" if host == "0.0.0.0" else host
         given = [http_port, grpc_port, metrics_port]
-        picked = iter(free_ports(probe, given.count(0), taken=[p for p in given if p]))
+        picked = iter(free_ports(probe, sum(not p for p in given), taken=[p for p in given if p]))
         self.endpoints = Endpoints(probe, *(port or next(picked) for port in given))
         self.host, self.exit_timeout_s, self.ready_timeout_s = host, exit_timeout_s, ready_timeout_s
         self._tmp = tempfile.TemporaryDirectory(prefix="camshaft-triton-")

@@ -6,6 +6,7 @@ A template that reads `tools` renders them its own way (Qwen2.5's, Llama 3.1's, 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import re
@@ -73,13 +74,23 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
                            f"({exc}); give one (chat_template=, --chat-template FILE)") from exc
     if "developer" not in template:  # OpenAI's newer name for the system role, which most templates do not know
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    described = None  # the tools in the first message, for a template refusing an added system turn (Mistral's)
     if not reads_tools(template):
-        messages, tools = as_text(messages, tools, calls_as_text="tool_calls" not in template), None
+        calls_as_text = "tool_calls" not in template
+        if tools and messages and messages[0]["role"] != "system":
+            described = as_text(messages, tools, calls_as_text, system=False)
+        messages, tools = as_text(messages, tools, calls_as_text), None
+
+    def apply(conversation: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                             add_generation_prompt=options.add_generation_prompt,
+                                             continue_final_message=options.continue_final_message, **template_kwargs)
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=options.add_generation_prompt,
-                                             continue_final_message=options.continue_final_message, tokenize=False,
-                                             **template_kwargs)
+        return apply(messages)
     except Exception as exc:  # the template's own errors (raise_exception, a division by zero, ...) and jinja's
+        if described is not None:
+            with contextlib.suppress(Exception):
+                return apply(described)
         raise RequestError(f"this model's chat template refused the messages: {exc}") from exc
 
 
@@ -153,10 +164,10 @@ def reads_tools(template: str) -> bool:
 
 
 def as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            calls_as_text: bool = True) -> list[dict[str, Any]]:
+            calls_as_text: bool = True, system: bool = True) -> list[dict[str, Any]]:
     """For a template that reads no tools: the functions described in the system message (one is added first where
-    none is), and, unless it renders `tool_calls` itself, earlier calls written into their assistant messages as the
-    `<tool_call>` blocks the description asks for."""
+    none is; `system` False: in front of the first message instead), and, unless it renders `tool_calls` itself,
+    earlier calls written into their assistant messages as the `<tool_call>` blocks the description asks for."""
     if calls_as_text:
         messages = [{k: v for k, v in m.items() if k != "tool_calls"}
                     | {"content": (m.get("content") or "") + "".join(map(call_text, m["tool_calls"]))}
@@ -168,6 +179,9 @@ def as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
     if messages and messages[0]["role"] == "system":
         first = messages[0]
         return [{**first, "content": f"{first['content']}\n\n{preamble}"}, *messages[1:]]
+    if not system and messages:
+        first = messages[0]
+        return [{**first, "content": f"{preamble}\n\n{first.get('content') or ''}"}, *messages[1:]]
     return [{"role": "system", "content": preamble}, *messages]
 
 

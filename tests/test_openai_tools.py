@@ -377,3 +377,21 @@ def test_several_named_templates_and_none_for_the_chat_is_a_clear_error(engine_d
         with pytest.raises(RequestError, match=r"several chat templates \(rag, tool_use\) and none for this chat"):
             render_chat(tokenizer, MESSAGES)
         assert render_chat(tokenizer, MESSAGES, ChatOptions(tools=TOOLS))  # tools: the tool_use template
+
+
+def test_tools_reach_a_template_that_refuses_a_system_turn(engine_dir):
+    """Mistral v0.1's template raises on any system message: the one camshaft added to describe the tools made every
+    request with tools fail. The description then goes in front of the first message."""
+    from camshaft.runtime.chat_template import render_chat
+
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('Conversation roles must "
+                 "alternate user/assistant/user/assistant/...') }}{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                 "{% endfor %}")
+    with Session(engine_dir) as session:
+        tokenizer = session.tokenizer
+        tokenizer.chat_template = no_system
+        text = render_chat(tokenizer, MESSAGES, ChatOptions(tools=TOOLS))
+        assert text.startswith("[user] " + TOOLS_PREAMBLE.split("{")[0]) and text.endswith(
+            MESSAGES[0]["content"] + "\n") and '"name": "get_weather"' in text
+        with pytest.raises(RequestError, match="chat template refused the messages: Conversation roles must"):
+            render_chat(tokenizer, [{"role": "system", "content": "be brief"}, *MESSAGES], ChatOptions(tools=TOOLS))

@@ -756,6 +756,26 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
     assert 'path="/tokenize",status="200"' in HTTP.get(url + "/metrics").text
 
 
+def test_chat_echo_begins_the_reply_with_the_begun_assistant_message(served, session):
+    """vLLM's chat echo: a client continuing an assistant message gets it back whole; it was ignored."""
+    import json
+
+    url, _ = served
+    begun = [{"role": "user", "content": PROMPTS[1]}, {"role": "assistant", "content": "The"}]
+    body = {"messages": begun, "max_tokens": 4, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True, "echo": True}
+    continued = session.generate(session.encode(messages=begun, add_generation_prompt=False,
+                                                continue_final_message=True), max_tokens=4).text
+    whole = HTTP.post(url + "/v1/chat/completions", json=body).json()
+    assert whole["choices"][0]["message"]["content"] == "The" + continued
+    events = HTTP.post(url + "/v1/chat/completions", json=body | {"stream": True}).text.splitlines()
+    deltas = [json.loads(e[6:])["choices"] for e in events if e.startswith("data: {")]
+    assert "".join(c[0]["delta"].get("content") or "" for c in deltas if c) == "The" + continued
+    asked = HTTP.post(url + "/v1/chat/completions", json={**body, "messages": begun[:1], "continue_final_message":
+                                                          False, "add_generation_prompt": True}).json()
+    assert not asked["choices"][0]["message"]["content"].startswith(PROMPTS[1])  # a user's last message: no echo
+
+
 def test_a_chat_template_and_its_kwargs_shape_the_chat_prompt(engine_dir, tmp_path):
     """--chat-template's file replaces the engine's template for chat requests and /tokenize alike; a request's
     chat_template_kwargs reach it as variables (vLLM's, e.g. Qwen3's enable_thinking)."""

@@ -212,7 +212,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             raise APIError(400, str(exc), param="messages") from None
         ids = await prompt_ids(max_tokens=body.requested_max_tokens(), messages=messages,
                                tools=tools.prompt_tools if tools is not None else None, **body.chat_keywords())
-        shape = ChatShape(model_name, llm.tokenizer, tools)
+        shape = ChatShape(model_name, llm.tokenizer, tools, echo=body.echoed(messages))
         return await respond(request, body.stream, body.stream_usage, [ids], params, shape, arrival, body.priority)
 
     return app

@@ -183,6 +183,11 @@ class ChatCompletionRequest(_GenerationRequest, TemplateOptions):
     max_completion_tokens: StrictInt | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
+    echo: StrictBool = False  # vLLM's: the reply begins with the last message's text when that is the assistant's
+
+    def echoed(self, messages: list[dict[str, Any]]) -> str:
+        last = messages[-1] if messages else {}
+        return last.get("content") or "" if self.echo and last.get("role") == "assistant" else ""
 
     def check_supported(self) -> None:
         super().check_supported()

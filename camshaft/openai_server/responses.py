@@ -185,11 +185,13 @@ class ChatShape(_Shape):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl"
 
-    def __init__(self, model: str, tokenizer, tools: ToolChoice | None = None) -> None:
-        """tools: the request's function calling (its output read into tool calls), or None."""
+    def __init__(self, model: str, tokenizer, tools: ToolChoice | None = None, echo: str = "") -> None:
+        """tools: the request's function calling (its output read into tool calls), or None. echo: text each
+        choice's content begins with (vLLM's echo of a begun assistant message)."""
         super().__init__(model, tokenizer)
         self._tools = tools if tools is not None and tools.kind != "none" else None
         self._readers: dict[int, Any] = {}
+        self._echo = echo
 
     def logprobs(self, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         def entry(token_id: int, logprob: float | None) -> dict:
@@ -209,14 +211,16 @@ class ChatShape(_Shape):
             if calls + more:
                 message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls + more]
             reason = self._tools.finish_reason(reader, reason)
+        if self._echo:
+            message["content"] = self._echo + (message["content"] or "")
         return {"index": index, "message": message,
                 "logprobs": self.logprobs(result.logprobs or []) if with_logprobs else None,
                 "finish_reason": reason, "stop_reason": stop_reason(result)}
 
     def opening(self, num_choices: int) -> list[dict]:
         """The assistant role first, as OpenAI streams it."""
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(num_choices)]
+        return [{"index": i, "delta": {"role": "assistant", "content": self._echo}, "logprobs": None,
+                 "finish_reason": None} for i in range(num_choices)]
 
     def chunk_choice(self, index: int, output: RequestOutput, with_logprobs: bool) -> dict | None:
         content, calls = output.delta, []

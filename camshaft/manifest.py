@@ -10,7 +10,7 @@ import hashlib
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from camshaft.checks import check_positive_ints
@@ -88,6 +88,11 @@ class Manifest:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in self.files.values()) \
                 or not isinstance(self.complete, bool):
             raise ValueError("files maps names to sizes in bytes, complete is true or false")
+        outside = [name for name in self.files if not name or PurePosixPath(name).is_absolute()
+                   or ".." in PurePosixPath(name).parts]
+        if outside:
+            raise ValueError(f"files names {outside[0]!r}, outside the engine directory: its files are named relative "
+                             "to it")
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is none of {', '.join(ENGINE_DTYPES)}")
         for name in ("quantization", "target_options", "tools", "fingerprints"):

@@ -151,6 +151,22 @@ def test_a_manifest_with_wrong_values_is_corrupt(copy, case):
     assert needle in str(info.value) and "rebuild" in str(info.value)
 
 
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_a_manifest_naming_files_outside_its_engine_is_refused(copy, tmp_path, where):
+    """The graph and any file the manifest lists were joined to the engine directory unchecked: an absolute path or
+    ../ loaded (or fingerprinted) files from elsewhere."""
+    outside = tmp_path / "outside"
+    shutil.copytree(copy, outside)
+    raw = json.loads((copy / "manifest.json").read_text())
+    name = str(outside / "model.onnx") if where == "absolute" else "../outside/model.onnx"
+    raw["files"][name] = raw["files"].pop("model.onnx")
+    raw["fingerprints"][name] = raw["fingerprints"].pop("model.onnx")
+    raw["artifact"] = name
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
+    with pytest.raises(EngineError, match="corrupt .*outside the engine directory"):
+        Engine(copy)
+
+
 def test_a_manifest_pointing_the_sequence_graph_at_the_batch_graph_is_refused(copy):
     raw = json.loads((copy / "manifest.json").read_text())
     raw["sequence_graph"]["artifact"] = "model.onnx"

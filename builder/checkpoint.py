@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from camshaft.builder.checkpoint_sizes import check_sizes
 from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8 are part of this module's API)
     FP8,
     KV_CACHE_ALGOS,
@@ -58,6 +59,7 @@ class Checkpoint:
                 "weight_scale: the weights are float. Remove the file to build the float checkpoint, or restore the "
                 "quantized weights")
         self._check_tied_head()
+        check_sizes(self)
         if self.config.tie_word_embeddings and not self.quantization and EMBED not in self._where \
                 and "lm_head.weight" in self._where:
             self._where[EMBED] = self._where["lm_head.weight"]  # a tied model saved as its head, as transformers ties
@@ -207,6 +209,15 @@ class Checkpoint:
             raise CheckpointError(
                 f"{prefix}.weight_scale has shape {tuple(scale.shape)}, expected {expected['weight_scale'][0]}"
             )
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape as its file's header gives it, nothing read."""
+        if name in self._fp8:
+            return tuple(self._fp8[name][0])
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name]
 
     def _raw(self, name: str) -> np.ndarray:
         file = self._where.get(name)

@@ -23,6 +23,7 @@ DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_wind
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others: hidden / heads)
 KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}  # their configs' num_key_value_heads when config.json has none
+MAX_LAYERS = 4096
 _REQUIRED = object()
 _KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
 
@@ -86,6 +87,9 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
     hidden, heads = f.get("hidden_size", "int", least=1), f.get("num_attention_heads", "int", least=1)
     layers = f.get("num_hidden_layers", "int", least=1)
+    if layers > MAX_LAYERS:  # its per-layer tables would fill the memory before the weights are looked at
+        raise CheckpointError(f"{source}: num_hidden_layers={layers} is beyond any model's ({MAX_LAYERS} at most); "
+                              "restore it from the original checkpoint")
     # Biases as transformers builds each architecture: Mistral has none and Qwen2 q/k/v only, whatever
     # attention_bias / mlp_bias say; Llama and Qwen3 follow attention_bias, and only Llama mlp_bias.
     bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3")

@@ -428,6 +428,30 @@ def test_sharded_checkpoint_builds_the_same_engine(built, tmp_path):
         build_engine(BuildConfig(sharded, tmp_path / "engine2", max_seq_len=64))
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"head_dim": 10**8}, r"'model.layers.0.self_attn.q_proj.weight' has shape .*, expected .*from config.json"),
+    ({"num_attention_heads": 10**7, "num_key_value_heads": 10**7, "head_dim": 16}, r"q_proj.weight' has shape"),
+    ({"num_hidden_layers": 10**9, "layer_types": None}, r"num_hidden_layers=1000000000 is beyond any model.s"),
+    ({"num_hidden_layers": 7, "layer_types": None}, r"says num_hidden_layers=7, but the weights hold 2 layers"),
+])
+def test_config_sizes_the_weights_deny_are_refused_before_anything_is_made_of_them(built, tmp_path, changes, message):
+    """A head_dim of 10**8 allocated 95 GiB of rotary tables, 10**9 layers an 8 GB tuple, before a weight was read."""
+    import resource
+
+    model, _ = built
+    shutil.copytree(model, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config | changes))
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, limit[1]))  # a MemoryError, not a machine out of memory
+    try:
+        with pytest.raises(CheckpointError, match=message):
+            build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+    assert not (tmp_path / "engine").exists()
+
+
 def test_remote_code_checkpoints_are_refused(built, tmp_path):
     model, _ = built
     shutil.copytree(model, tmp_path / "ckpt")

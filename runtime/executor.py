@@ -97,6 +97,13 @@ class Executor:
                 raise
             self._wake.notify()
 
+    def check_may_wait(self, what: str) -> None:
+        """Refuse a call that waits for the batch loop made on the loop's own thread (from a sink): it would wait
+        for itself forever."""
+        if threading.current_thread() is self._thread:
+            raise RequestError(f"{what} waits for the batch loop, and this is the loop's thread (a sink): a sink only "
+                               "hands outputs over; submit() from it, or wait on another thread")
+
     def check_outputs(self, n: int) -> None:
         """Refuse n outputs of one prompt that could never be in flight at once (RequestError)."""
         batch, limit = self.scheduler.config.max_batch_size, self.max_queue

@@ -189,9 +189,9 @@ class Guides:
                     tokenizer, vocab_size, eos = self._source
                     self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
                 except Exception as exc:  # remembered: every later request would pay for the same failure
-                    self._tokenizer = RequestError(f"guided decoding cannot read this engine's tokenizer ({exc})")
-            if isinstance(self._tokenizer, RequestError):
-                raise self._tokenizer
+                    self._tokenizer = f"guided decoding cannot read this engine's tokenizer ({exc})"
+            if isinstance(self._tokenizer, str):  # a new error each time: one raised again grows its traceback
+                raise RequestError(self._tokenizer)
         return Guide(params, self._tokenizer)
 
 

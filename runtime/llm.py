@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import sys
 import weakref
@@ -87,7 +88,7 @@ class LLM(ServingAPI):
         self._ids = itertools.count()
         # closed when dropped without close(), and at interpreter exit: the loop thread would otherwise keep the
         # engine alive, or still be inside onnxruntime as the process ends
-        self._finalizer = weakref.finalize(self, _shutdown, self.executor, engine)
+        self._finalizer = weakref.finalize(self, _shutdown, self.executor, engine, os.getpid())
 
     @property
     def stats(self) -> list[IterationStats]:
@@ -157,6 +158,7 @@ class LLM(ServingAPI):
 
     def _generate(self, prompts: list, texts: list[str | None], sampling_params, use_tqdm: bool | None,
                   priority: int | Sequence[int] | None, what: str = "prompt") -> list[PromptOutput]:
+        self.executor.check_may_wait("generate()")
         params = params_list(sampling_params, len(prompts), self.get_default_sampling_params())
         each = priorities(priority, len(prompts))
         groups = []
@@ -238,6 +240,8 @@ def _finals(done: queue.SimpleQueue):
     return lambda output: done.put(output) if output.finished else None
 
 
-def _shutdown(executor: Executor, engine: Engine) -> None:
+def _shutdown(executor: Executor, engine: Engine, pid: int) -> None:
+    if os.getpid() != pid:  # a forked child's copy: destroying the parent's ONNX Runtime session there hangs
+        return
     executor.close()
     engine.close()

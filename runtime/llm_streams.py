@@ -72,8 +72,11 @@ class ServingAPI:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         def sink(output: RequestOutput) -> None:  # on the batch loop's thread
-            if not loop.is_closed():  # else the request was aborted with its consumer
-                loop.call_soon_threadsafe(outputs.put_nowait, output)
+            if loop.is_closed():  # the consumer's loop went, without closing it (else it aborted the request)
+                if not output.finished:
+                    self.executor.abort(output.request_id)
+                return
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
 
         ids = self.submit(prompt, params, sink, priority)
         index = {request_id: i for i, request_id in enumerate(ids)}
@@ -94,6 +97,7 @@ class ServingAPI:
                     priority: int = 0) -> Iterator[str]:
         """Text deltas of one request as the batch loop produces them; closing the iterator aborts the request.
         Bad input raises here; the request is queued when iteration starts (ServerBusyError then)."""
+        self.executor.check_may_wait("stream_sync()")
         request = self._single(prompt, sampling_params, priority)
         self.executor.scheduler.check(request)
         return self._deltas(request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -156,11 +157,12 @@ class Session:
         generator = self.stream(prompt, sampling_params, messages=messages, tools=tools,
                                 chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
                                 continue_final_message=continue_final_message, **overrides)
-        try:
-            while True:
-                next(generator)
-        except StopIteration as stop:
-            return stop.value
+        with contextlib.closing(generator):  # a stop landing here still ends the request (the Session not busy)
+            try:
+                while True:
+                    next(generator)
+            except StopIteration as stop:
+                return stop.value
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
              tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
@@ -191,6 +193,8 @@ class Session:
             engine.start(len(request.prompt_ids) + request.params.max_tokens)
         except BaseException:
             self._running.release()
+            if self._closed:  # a close() that found the lock taken left the engine to this request
+                self._release_engine_if_idle()
             raise
         request.admitted_at = time.perf_counter()
         try:

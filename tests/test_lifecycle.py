@@ -185,3 +185,80 @@ def test_a_stream_left_under_asyncio_run_is_aborted_without_warnings(engine_dir,
                 time.sleep(0.01)
         assert llm.load().running == 0 and llm.kv_cache.used == 0
         assert not [r for r in caplog.records if "failed taking an output" in r.getMessage()]
+
+
+def test_waiting_for_the_loop_from_its_own_thread_is_refused_not_a_hang(engine_dir):
+    """generate() inside a sink waited for the batch loop on the loop's thread: a silent, permanent hang."""
+    caught: queue.SimpleQueue = queue.SimpleQueue()
+    llm = LLM(engine_dir)
+
+    def sink(output):
+        if output.finished:
+            for call in (lambda: llm.generate([5, 6], GREEDY), lambda: llm.stream_sync([5, 6], GREEDY)):
+                try:
+                    call()
+                except RequestError as exc:
+                    caught.put(str(exc))
+
+    llm.submit([3, 4], GREEDY, sink)
+    try:
+        messages = [caught.get(timeout=30), caught.get(timeout=30)]
+    except queue.Empty:  # the loop waits for itself: this LLM can never close, its daemon thread is left behind
+        pytest.fail("generate() in a sink hung the batch loop")
+    with llm:
+        assert [m.split(" waits")[0] for m in messages] == ["generate()", "stream_sync()"]
+        assert "this is the loop's thread (a sink)" in messages[0]
+        assert llm.generate([5, 6], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
+def test_a_stream_whose_event_loop_closes_is_aborted(engine_dir):
+    """An event loop closed by hand, its stream not closed: the request decoded on to max_tokens, read by no one."""
+    import asyncio
+
+    with LLM(engine_dir) as llm:
+        step = llm.engine.step
+        llm.engine.step = lambda chunks: (time.sleep(0.01), step(chunks))[1]
+        loop = asyncio.new_event_loop()
+        stream = llm.stream_outputs([3, 4], SamplingParams(max_tokens=28, ignore_eos=True))
+        loop.run_until_complete(stream.__anext__())
+        loop.close()
+        deadline = time.monotonic() + 5
+        while llm.load().running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert llm.load().running == 0 and llm.executor.steps_done < 20  # aborted, not decoded to the end
+
+
+def test_a_tokenizer_guided_decoding_cannot_read_raises_a_fresh_error_each_time(engine_dir, monkeypatch):
+    """One stored exception raised again for every request grew its traceback (and the frames it holds) without
+    bound in a long-running server."""
+    import llguidance.hf
+
+    from camshaft.runtime.guided import GuidedDecodingParams
+
+    def unreadable(*args, **kwargs):
+        raise ValueError("no byte tokens")
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", unreadable)
+    with LLM(engine_dir) as llm:
+        errors = []
+        for _ in range(3):
+            with pytest.raises(RequestError, match="guided decoding cannot read this engine's tokenizer") as refused:
+                llm.generate([3, 4], SamplingParams(max_tokens=2, guided_decoding=GuidedDecodingParams(
+                    choice=["a", "b"])), use_tqdm=False)
+            errors.append(refused.value)
+        assert len({id(e) for e in errors}) == 3
+
+
+def test_a_close_racing_a_starting_request_still_releases_the_engine(engine_dir, monkeypatch):
+    session = Session(engine_dir)
+    check_open = session._check_open
+
+    def closed_meanwhile():
+        if session._running.locked():  # the request's own check: another thread's close() lands just before it
+            session.close()
+        check_open()
+
+    monkeypatch.setattr(session, "_check_open", closed_meanwhile)
+    with pytest.raises(ServerClosedError):
+        session.generate([3, 4], GREEDY)
+    assert session.engine.session is None  # released, not left loaded until the Session is collected

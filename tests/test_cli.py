@@ -263,6 +263,33 @@ def test_counted_progress_is_shown_at_each_quarter_in_a_log(capsys):
     assert [line.split()[-1] for line in lines] == ["8/30", "16/30", "24/30", "30/30", "compiling"]
 
 
+def test_counted_progress_on_a_terminal_clears_each_line_it_overwrites(monkeypatch):
+    """The clear-to-end escape went through rich, which styled its "[": a bold "[K" ended every layer line."""
+    import io
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=screen, force_terminal=True, width=40))
+    cli.progress("sequence graph: layer 29/30")
+    cli.progress("sequence graph: layer 30/30")
+    shown = screen.getvalue()
+    assert shown.count("\x1b[K") == 2 and shown.endswith("30\x1b[0m\x1b[K\n") and "\x1b[K\r" in shown
+    assert "[K" not in shown.replace("\x1b[K", "")
+
+
+def test_a_full_stdout_says_so_without_pointing_at_a_directory(tiny, capsys, monkeypatch):
+    import errno
+    from importlib import import_module
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(import_module("camshaft.builder.build"), "build_engine", full)
+    root, model = tiny
+    code, _, err = camshaft(capsys, "build", "--model", model, "--output", root / "full")
+    assert code == 1 and "No space left on device (writing the output)" in err and "there" not in err
+
+
 def test_a_full_disk_is_one_line_not_a_traceback(tiny, capsys, monkeypatch):
     import errno
     from importlib import import_module

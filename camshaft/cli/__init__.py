@@ -41,6 +41,7 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
     """Build, quantize, serve and benchmark LLM inference engines."""
 
 
+CLEAR_TO_END = "\x1b[K"
 _COUNTED = re.compile(r".*\blayer (\d+)/(\d+)$")  # a step of the builders' loop over layers
 
 
@@ -52,8 +53,10 @@ def progress(message: str) -> None:
         err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
         return
     done, total = int(counted.group(1)), int(counted.group(2))
-    if err.is_terminal:
-        err.print(f"[dim]·[/dim] {escape(message)}\x1b[K", end="\n" if done >= total else "\r", soft_wrap=True)
+    if err.is_terminal:  # the line-clearing escape written as it is: rich would style its "[" as markup
+        err.print(f"[dim]·[/dim] {escape(message)}", end="", soft_wrap=True)
+        err.file.write(CLEAR_TO_END + ("\n" if done >= total else "\r"))
+        err.file.flush()
     elif done >= total or done % max(1, -(-total // 4)) == 0:
         err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
 
@@ -79,7 +82,14 @@ class _Terminated(SystemExit):
     """SIGTERM's exit: it unwinds like Ctrl-C, so half-written outputs are removed on the way out."""
 
 
+def _end_progress_line() -> None:
+    """A progress line left open (a layer count ends in a carriage return) is cleared before the next message."""
+    if err.is_terminal:
+        err.file.write("\r" + CLEAR_TO_END)
+
+
 def _terminated(signum: int, _frame: object) -> None:
+    _end_progress_line()
     err.print("terminated")
     raise _Terminated(128 + signum)
 
@@ -110,6 +120,7 @@ def main() -> None:
         app()
     except BaseException as exc:
         stop = _stopped(exc)
+        _end_progress_line()
         if stop is not None:
             if stop == 130:
                 err.print("interrupted")
@@ -118,8 +129,9 @@ def main() -> None:
             err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
             sys.exit(1)
         if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRORS:  # the machine's, not ours: a full disk, ...
-            where = f": {exc.filename}" if exc.filename else ""
-            hint = "; free some space there or choose another directory" if exc.errno == errno.ENOSPC else ""
+            where = f": {exc.filename}" if exc.filename else " (writing the output)"
+            hint = "; free some space there or choose another directory" \
+                if exc.errno == errno.ENOSPC and exc.filename else ""
             err.print(f"[bold red]error:[/bold red] {escape((exc.strerror or str(exc)) + where + hint)}",
                       soft_wrap=True)
             sys.exit(1)

@@ -149,8 +149,8 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
     try:
         raw = json.loads(path.read_text())
         quant = {**raw["quantization"], "producer": raw.get("producer")}
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path} is malformed: {exc}") from exc
+    except (ValueError, RecursionError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is malformed: {str(exc)[:200]}") from exc
     algo = quant.get("quant_algo")
     layers = quant.get("quantized_layers")
     if algo == MIXED and not (isinstance(layers, dict) and layers
@@ -184,8 +184,8 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
     if record.is_file():
         try:
             recorded = json.loads(record.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{record} is malformed: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise CheckpointError(f"{record} is malformed: {str(exc)[:200]}") from exc
         if not isinstance(recorded, dict):
             raise CheckpointError(f"{record} is malformed: an object of camshaft quantize's settings, not "
                                   f"{type(recorded).__name__}; quantize the checkpoint again")

@@ -29,7 +29,7 @@ def deployed_record(repo: Path) -> dict | None:
     (not a repository of camshaft's, or an unreadable record)."""
     try:
         record = json.loads((Path(repo) / REPOSITORY_MARKER).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) and isinstance(record.get("engine_dir"), str) else None
 
@@ -100,7 +100,7 @@ def check_unchanged(engine_dir: Path, build_id: str) -> None:
         return
     try:
         now = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("build_id")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, RecursionError, AttributeError):
         now = None
     if now != build_id:
         raise EngineError(f"{engine_dir} was replaced while it loaded (rebuilt meanwhile?); load it again")
@@ -110,7 +110,7 @@ def engine_entries(engine_dir: Path) -> set[str]:
     """The names a build writes into an engine directory (what rebuilding it may replace)."""
     try:
         files = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, RecursionError, AttributeError):
         files = {}
     return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in files)}
 

@@ -179,7 +179,7 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True, check_dig
     except FileNotFoundError as exc:
         raise EngineError(f"{path} disappeared while it was read (a rebuild replacing the engine?); load it "
                           "again") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep, a number too long
         raise EngineError(f"{path} is corrupt ({type(exc).__name__}: {str(exc)[:200]}); rebuild the engine with "
                           "`camshaft build`") from exc
     except OSError as exc:
@@ -235,5 +235,5 @@ def _tokenizer_sampling_defaults(engine_dir: Path) -> tuple[tuple[str, float], .
     path = engine_dir / TOKENIZER_DIR / "generation_config.json"
     try:
         return sampling_defaults(json.loads(path.read_text()), str(path))
-    except (OSError, ValueError, CamshaftError):
+    except (OSError, ValueError, RecursionError, CamshaftError):
         return ()

@@ -147,7 +147,7 @@ class ModelConfig:
 def read_json_object(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep, a number too long
         raise CheckpointError(f"{path} is not valid JSON ({exc}); restore it from the original checkpoint") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object; restore it from the original "

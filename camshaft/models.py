@@ -75,7 +75,7 @@ def _marker_record(model: KnownModel) -> dict:
 def _read_marker(output: Path) -> dict | None:
     try:
         return json.loads((output / MARKER).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 

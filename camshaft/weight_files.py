@@ -43,8 +43,8 @@ def index_map(index: Path) -> dict[str, str]:
     """model.safetensors.index.json's weight_map: tensor name -> a shard file in the index's directory."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{index} is malformed: {exc!r}") from exc
+    except (ValueError, RecursionError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is malformed: {exc!r:.200}") from exc
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: weight_map must be an object of tensor names to shard files, got "
                               f"{weight_map!r:.80}")

@@ -148,7 +148,7 @@ def _jsonl_text(line: str, file: Path, number: int, field: str | None) -> Sample
     messages field of an object without a text field)."""
     try:
         item = json.loads(line)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:
         raise QuantizeError(f"{file}:{number} is not valid JSON ({exc}); expected one JSON object a line") from exc
     if isinstance(item, str):
         return item

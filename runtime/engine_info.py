@@ -102,7 +102,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
 def _tokenizer_config(engine_dir: Path) -> dict[str, Any]:
     try:
         config = json.loads((engine_dir / TOKENIZER_DIR / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return config if isinstance(config, dict) else {}
 

@@ -81,7 +81,7 @@ def reference_window(model_dir: str | Path, window: int | None, given: str = "--
     window came from, for the message."""
     try:
         positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, RecursionError, AttributeError):
         positions = None
     if not isinstance(positions, int) or isinstance(positions, bool) or positions < 2:
         return REFERENCE_WINDOW if window is None else window

@@ -452,6 +452,29 @@ def test_config_sizes_the_weights_deny_are_refused_before_anything_is_made_of_th
     assert not (tmp_path / "engine").exists()
 
 
+@pytest.mark.parametrize("file, text, error", [
+    ("config.json", "[" * 100_000, CheckpointError),  # nested past Python's recursion limit
+    ("config.json", '{"hidden_size": ' + "9" * 5000 + "}", CheckpointError),  # past Python's digits limit
+    ("generation_config.json", "[" * 100_000, CheckpointError),
+    ("hf_quant_config.json", b"\xff\xfe\x00binary", CheckpointError),
+    ("model.safetensors.index.json", "[" * 100_000, CheckpointError),
+])
+def test_a_damaged_json_file_is_one_clear_error_not_a_traceback(built, tmp_path, file, text, error):
+    model, _ = built
+    shutil.copytree(model, tmp_path / "ckpt")
+    target = tmp_path / "ckpt" / file
+    target.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(error, match=file.replace(".", "[.]")):
+        build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine"))
+
+
+def test_a_manifest_with_a_number_past_pythons_limit_is_corrupt(copy):
+    text = (copy / "manifest.json").read_text().replace('"max_batch_size": ', '"max_batch_size": ' + "9" * 5000, 1)
+    (copy / "manifest.json").write_text(text)
+    with pytest.raises(EngineError, match="is corrupt .ValueError"):
+        Engine(copy)
+
+
 def test_remote_code_checkpoints_are_refused(built, tmp_path):
     model, _ = built
     shutil.copytree(model, tmp_path / "ckpt")

@@ -470,3 +470,15 @@ def test_a_repository_checks_its_engine_before_serving(engine, tmp_path):
         serve(engine=None, repo=repo, host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0, llm_options={},
               log=logged.append)
     assert not any("starting tritonserver" in line for line in logged)  # refused before the server started
+
+
+def test_an_edited_repository_record_never_names_a_path_outside_it(engine, tmp_path):
+    """The record's model name was joined to the repository unchecked and walked: "../.." listed the grandparent's
+    files as the repository's (and "/" would walk the whole file system)."""
+    from camshaft.triton_repo.deploy import _changed_files, _entries
+
+    repo = deploy_repository(engine, tmp_path / "a" / "b" / "repo")
+    record = json.loads((repo / MARKER).read_text())
+    (repo / MARKER).write_text(json.dumps({**record, "name": "../.."}))
+    assert "../.." not in _entries(repo)
+    assert not [path for path in _changed_files(repo) if ".." in path], _changed_files(repo)

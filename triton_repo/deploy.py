@@ -28,6 +28,7 @@ from camshaft.version import __version__
 MARKER = REPOSITORY_MARKER
 TOKEN_MODEL = "tensorrt_llm"
 BLS_MODEL = "tensorrt_llm_bls"  # tensorrtllm_backend's text model beside the ensemble: the same text model here
+MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # what Triton takes as a model name (a directory)
 SHIM = Path(__file__).with_name("model_shim.py")
 TOKEN_MODEL_BATCH = 1024  # Triton's bound on a request's batch dimension (prompts a request)
 LLM_OPTIONS = ("kv_cache_memory", "max_queue", "max_batch_size", "policy", "max_num_tokens", "threads", "prompt_lookup")
@@ -53,9 +54,11 @@ def _entries(repo: Path) -> set[str]:
     """The names deploy wrote into `repo`: its marker and the model directories."""
     try:
         name = json.loads((repo / MARKER).read_text())["name"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
         return {MARKER, TOKEN_MODEL, BLS_MODEL}
-    return {MARKER, TOKEN_MODEL, BLS_MODEL, str(name), f"{name}_sync"}
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):  # an edited record: never a path out of `repo`
+        return {MARKER, TOKEN_MODEL, BLS_MODEL}
+    return {MARKER, TOKEN_MODEL, BLS_MODEL, name, f"{name}_sync"}
 
 
 def _model_files(repo: Path, models) -> list[str]:
@@ -79,7 +82,7 @@ def _changed_files(repo: Path) -> list[str]:
     none for a repository of a camshaft that recorded no hashes. Only the files deploy wrote are read."""
     try:
         written = json.loads((repo / MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
         return []
     now = _model_files(repo, [m for m in _entries(repo) - {MARKER} if (repo / m).is_dir()])
     return ([f"{path} (edited)" for path in now if path in written and _sha256(repo / path) != written[path]]
@@ -136,7 +139,7 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     manifest = read_manifest(engine)  # refuses a missing or broken engine directory
     check_path(repo, "--repo")
     taken = (TOKEN_MODEL, BLS_MODEL)
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or {name, f"{name}_sync"} & {*taken, MARKER}:
+    if not MODEL_NAME.fullmatch(name) or {name, f"{name}_sync"} & {*taken, MARKER}:
         raise CamshaftError(f"--name {name!r} must be a plain model name (letters, digits, _ . -) "
                             f"other than {', '.join(taken)} and {MARKER}")
     options = {k: v for k, v in (llm_options or {}).items() if v is not None}

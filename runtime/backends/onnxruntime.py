@@ -227,8 +227,10 @@ class OnnxRuntimeBackend:
             self.binding.bind_ortvalue_output(output_name, value)
             self.caches.append(cache)
         self.vocab_size = manifest.model.vocab_size
-        # Logits land in a buffer of ours (rows for a full batch), so no per-step output list is built.
-        self._logits = np.empty((manifest.limits.max_batch_size, self.vocab_size), dtype=np.float32)
+        # Logits land in a buffer of ours (rows for a full batch: a step has no more rows than tokens), so no per-step
+        # output list is built; steps with more rows (drafts, prompt log-probs) take ONNX Runtime's
+        rows = min(manifest.limits.max_batch_size, manifest.limits.max_num_tokens)
+        self._logits = np.empty((rows, self.vocab_size), dtype=np.float32)
 
     def close(self) -> None:
         self.binding = self.session = None

@@ -482,3 +482,16 @@ def test_an_edited_repository_record_never_names_a_path_outside_it(engine, tmp_p
     (repo / MARKER).write_text(json.dumps({**record, "name": "../.."}))
     assert "../.." not in _entries(repo)
     assert not [path for path in _changed_files(repo) if ".." in path], _changed_files(repo)
+
+
+def test_a_config_pbtxt_pointed_at_another_engine_is_said_before_serving(engine, tmp_path):
+    """serve --repo checked the engine the deploy record names while Triton loads the one config.pbtxt names."""
+    from camshaft.triton_repo.deploy import TOKEN_MODEL, check_deployed_engine
+
+    repo = deploy_repository(engine, tmp_path / "repo")
+    assert check_deployed_engine(repo) is None
+    config = repo / TOKEN_MODEL / "config.pbtxt"
+    other = tmp_path / "other engine"
+    config.write_text(config.read_text().replace(json.dumps(str(engine)), json.dumps(str(other))))
+    warning = check_deployed_engine(repo)
+    assert warning is not None and f"serves the engine {other}, not the {engine} camshaft deploy recorded" in warning

@@ -105,6 +105,10 @@ def check_deployed_engine(repo: Path) -> str | None:
     if record is None:
         return None  # not written by camshaft deploy: its models say what they lack
     engine = Path(record["engine_dir"])
+    loaded = _served_engine(repo)
+    if loaded is not None and loaded != engine:  # config.pbtxt edited by hand: Triton loads what it says
+        return (f"{repo}/{TOKEN_MODEL}/config.pbtxt serves the engine {loaded}, not the {engine} camshaft deploy "
+                "recorded; it is not checked before loading")
     again = _deploy_again(record, repo)
     try:
         manifest = read_manifest(engine, check_files=False)
@@ -116,6 +120,19 @@ def check_deployed_engine(repo: Path) -> str | None:
         return (f"{engine} was rebuilt since {repo} was deployed; its batch and queue sizes are the old build's: "
                 f"{again} to match the new one")
     return None
+
+
+def _served_engine(repo: Path) -> Path | None:
+    """The engine_dir the token model's config.pbtxt gives it (as deploy writes the parameter), or None."""
+    try:
+        text = (repo / TOKEN_MODEL / "config.pbtxt").read_text()
+    except (OSError, ValueError):
+        return None
+    found = re.search(r'key: "engine_dir"\s*value \{ string_value: ("(?:[^"\\]|\\.)*") \}', text)
+    try:
+        return Path(json.loads(found.group(1))) if found else None
+    except ValueError:
+        return None
 
 
 def _deploy_again(record: dict, repo: Path) -> str:

@@ -89,6 +89,10 @@ def test_bad_calibration_data_is_refused_before_loading(tiny, tmp_path, no_model
     bad.write_text('{"text": "fine"}\n{"nope": 1}\n')
     with pytest.raises(QuantizeError, match=r"bad.jsonl:2"):
         quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data=bad, **CALIB)
+    for line in ("[" * 100_000, "9" * 5000):  # nested past the recursion limit; a number past Python's digits limit
+        bad.write_text('{"text": "fine"}\n' + line + "\n")
+        with pytest.raises(QuantizeError, match=r"bad.jsonl:2 is not valid JSON"):
+            quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data=bad, **CALIB)
     with pytest.raises(QuantizeError, match="--calib-size"):
         quantize_checkpoint(tiny, tmp_path / "o", spec, calib_size=0)
     (tmp_path / "notempty").mkdir()

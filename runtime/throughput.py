@@ -35,7 +35,8 @@ from camshaft.runtime.flops import count_flops
 from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, memory_spec
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.llm_options import check_llm_options
-from camshaft.runtime.outputs import RequestOutput
+from camshaft.runtime.outputs import RequestOutput, Sink
+from camshaft.runtime.request import Request
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.step_timer import StepTimer
 from camshaft.runtime.throughput_report import RequestRecord, ThroughputResult, percentiles
@@ -59,7 +60,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     timer = StepTimer(llm)
     submitted: list = [None] * len(requests)
 
-    def submit(index: int) -> None:
+    def prepared(index: int) -> tuple[Request, Sink]:
         item, record = requests[index], records[index]
         params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
         (request,) = llm._requests(list(item.prompt_ids), params)
@@ -74,17 +75,19 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
             return add_sample(sample)
 
         request.add_sample = timed_add_sample
-        record.submitted = time.perf_counter()
         submitted[index] = request
-        executor.submit([request], [lambda out, i=index: done.put((i, out)) if out.finished else None],
-                        bounded=False)  # the concurrency bounds what is in flight, not the LLM's max_queue
+        return request, lambda out, i=index: done.put((i, out)) if out.finished else None
+
+    def submit(indices: range) -> None:  # the concurrency bounds what is in flight, not the LLM's max_queue
+        batch = [prepared(index) for index in indices]
+        for index in indices:
+            records[index].submitted = time.perf_counter()
+        executor.submit_groups([[request] for request, _ in batch], [[sink] for _, sink in batch], bounded=False)
 
     started = time.perf_counter()
     try:
-        next_index = 0
-        while next_index < min(concurrency, len(requests)):
-            submit(next_index)
-            next_index += 1
+        next_index = min(concurrency, len(requests))
+        submit(range(next_index))  # the first C at once: they meet the loop together, whatever its timing
         for _ in range(len(requests)):
             index, output = done.get()
             if output.error is not None:
@@ -92,7 +95,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
             if keep_token_ids:
                 records[index].token_ids = list(output.result.token_ids)
             if next_index < len(requests):
-                submit(next_index)
+                submit(range(next_index, next_index + 1))
                 next_index += 1
         wall = time.perf_counter() - started
     except BaseException:  # a failed request or Ctrl-C: the rest stop, not run on in an LLM the caller may keep

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--draft", type=int, action="append", help="camshaft drafts a step (repeatable; default 4)")
-    p.add_argument("--engine", type=Path, help="camshaft engine (default: WORK_DIR/engine-fp32, built if missing)")
+    p.add_argument("--engine", type=Path, help="camshaft engine (default: WORK_DIR/engine-fp32, which the latency "
+                   "benchmark builds)")
     p.add_argument("--ortgenai", type=Path, help="onnxruntime-genai fp32 model (default: WORK_DIR/ortgenai-fp32)")
     p.add_argument("--write-md", action="store_true")
     args = p.parse_args(argv)

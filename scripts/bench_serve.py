@@ -8,8 +8,9 @@ like the public cross-engine benchmarks: prefill-heavy (~460 prompt tokens, 16 o
 (all requests sent at once), and decode-heavy (~460 in, 256 out) at Poisson rates up to all-at-once under a
 concurrency cap of 32. Targets take turns at each point so machine noise hits them alike.
 
-Writes out/bench/serve-*.json and docs/bench/serve-*.png; with --write-md replaces the serve section of
-BENCHMARKS.md. Needs the `bench` and `serve` extras.
+Writes out/bench/serve-*.json and plots beside them; with --write-md the plots go to docs/bench/serve-*.png and
+the serve section of BENCHMARKS.md is replaced (the committed plots change only with the section that shows them).
+Needs the `bench` and `serve` extras.
 
     .venv/bin/python scripts/bench_serve.py --write-md
 """
@@ -182,7 +183,7 @@ def main() -> None:
                                                      tokenizer=tokenizer)
             runs[name] = {"dataset": dataset, "num_prompts": count, "results": [r.to_dict() for r in results]}
             (work / f"serve-{name}.json").write_text(json.dumps(runs[name], indent=2) + "\n")
-            plot(results, REPO / "docs" / "bench" / f"serve-{name}.png",
+            plot(results, (REPO / "docs" / "bench" if args.write_md else work) / f"serve-{name}.png",
                  title=f"SmolLM2-135M fp32, CPU: {dataset}, {count} prompts")
     finally:
         for proc in servers:

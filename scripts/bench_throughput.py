@@ -70,8 +70,9 @@ def ensure_engine(model_dir: Path, engine_dir: Path, args) -> None:
 
 def admitted_at_once(engine_dir: Path, requests, pool_tokens: int, threads: int, policy: str,
                      reservation: str = "paged") -> dict:
-    """Submit all requests to an LLM whose KV pool holds `pool_tokens` tokens; once the scheduler has admitted all
-    it can (a step with no prefill while requests still wait), record the most requests running at once; abort.
+    """Submit all requests at once to an LLM whose KV pool holds `pool_tokens` tokens; once the scheduler has
+    admitted all it can (two steps with no prefill: every admitted request decodes), record the most requests
+    running at once; abort.
     reservation "contiguous": each request holds max_seq_len tokens of the pool, as without paging."""
     from camshaft.manifest import read_manifest
     from camshaft.runtime.kv_cache import bytes_per_block
@@ -82,18 +83,18 @@ def admitted_at_once(engine_dir: Path, requests, pool_tokens: int, threads: int,
     block = manifest.limits.kv_block_size
     budget = bytes_per_block(manifest) * (pool_tokens // block + 1)  # + the null block
     with LLM(engine_dir, threads=threads, kv_cache_memory=budget, policy=policy, kv_reservation=reservation) as llm:
-        ids = []
-        for r in requests:
-            (request,) = llm._requests(list(r.prompt_ids),
-                                       SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
-            llm.executor.submit([request], [lambda out: None])
-            ids.append(request.request_id)
+        built = [llm._requests(list(r.prompt_ids), SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+                                                                   ignore_eos=True))[0] for r in requests]
+        ids = [request.request_id for request in built]
+        llm.executor.submit_groups([[request] for request in built], [[lambda out: None]] * len(built), bounded=False)
         deadline = time.perf_counter() + 600
         while time.perf_counter() < deadline:
             stats = llm.stats
-            if len(stats) > 8 and all(s.num_prefill_tokens == 0 for s in stats[-4:]):
+            load = llm.load()
+            if len(stats) >= 2 and all(s.num_prefill_tokens == 0 for s in stats[-2:]) or \
+                    stats and not (load.running or load.waiting):
                 break
-            time.sleep(0.2)
+            time.sleep(0.05)
         stats = llm.stats
         for request_id in ids:
             llm.executor.abort(request_id)

@@ -58,7 +58,7 @@ def profile(engine_dir: Path, batch: int, context: int, steps: int, threads: int
     sequences = []
     for _ in range(batch):
         blocks = engine.pool.allocate(-(-(context + steps) // engine.block_size))
-        ids = rng.integers(100, 30000, context).tolist()
+        ids = rng.integers(0, engine.manifest.model.vocab_size, context).tolist()
         for start in range(0, context, budget):
             engine.step([Chunk(ids[start:start + budget], start, blocks, num_logits=1)])
         sequences.append([blocks, context])

@@ -380,3 +380,20 @@ def test_a_concurrency_no_step_reached_is_said(engine_dir):
     assert few.peak_batch_size <= 2
     assert f"note: at concurrency 8 at most {few.peak_batch_size} requests ran in one step (2 requests in all)" in (
         report_lines([few]))
+
+
+def test_the_first_c_requests_meet_the_loop_together(engine_dir):
+    """They were submitted one by one to the running loop: a step could start with the first alone (the note "at
+    concurrency 8 at most 1 requests ran in one step" came and went from run to run)."""
+    import time
+
+    with LLM(engine_dir) as llm:
+        make = llm._requests
+
+        def slowly(*args, **kwargs):  # building a request takes a while: the loop runs a step meanwhile
+            time.sleep(0.05)
+            return make(*args, **kwargs)
+
+        llm._requests = slowly
+        result = run_throughput(llm, [BenchRequest([3, 4, 5], 1), BenchRequest([6, 7, 8], 1)], concurrency=2)
+    assert result.peak_batch_size == 2

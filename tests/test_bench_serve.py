@@ -295,6 +295,11 @@ def test_bench_serve_reads_triton_token_counts(engine_dir, tmp_path):
             "--target", f"grpc={e.grpc},backend=triton-grpc", "--dataset", "synthetic:in=20,out=6",
             "--num-requests", "6", "--request-rate", "inf", "--concurrency", "3", "--output-json", str(out),
             "--tokenizer", str(engine_dir / "tokenizer")])
+        wrong = CliRunner().invoke(app, [
+            "bench", "serve", "--target", f"grpc={e.grpc},backend=triton-grpc,model=nope", "--dataset",
+            "synthetic:in=20,out=6", "--num-requests", "1", "--tokenizer", str(engine_dir / "tokenizer")])
     assert result.exit_code == 0, result.output
+    said = str(wrong.exception)  # the model is named, not the server blamed as down
+    assert wrong.exit_code == 1 and "serves no model 'nope'" in said and "is the server up" not in said, said
     for r in json.loads(out.read_text())["results"]:
         assert (r["completed"], r["failed"], r["output_tokens"]) == (6, 0, 36), (r["target"], r["errors"])

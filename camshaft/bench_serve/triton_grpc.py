@@ -27,8 +27,16 @@ class TritonGrpcClient:
         self.inputs: dict[str, tuple[str, list[int]]] = {}
 
     async def start(self) -> None:
-        config = (await self.client.get_model_config(self.model, as_json=True,
-                                                     client_timeout=START_TIMEOUT_S))["config"]
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            config = (await self.client.get_model_config(self.model, as_json=True,
+                                                         client_timeout=START_TIMEOUT_S))["config"]
+        except InferenceServerException as exc:
+            if "NOT_FOUND" not in str(exc.status()):  # the server is there; the model is not
+                raise
+            raise RequestError(f"Triton at {self.target.url} serves no model {self.model!r}; set model= to one it "
+                               "serves (camshaft deploy's text model: ensemble, or its --name)") from None
         batched = int(config.get("max_batch_size", 0)) > 0
         for spec in config["input"]:
             dims = [1 if int(d) < 0 else int(d) for d in spec.get("dims", [])]

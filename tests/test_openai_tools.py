@@ -287,9 +287,11 @@ def test_the_hermes_reader_gives_the_same_message_however_the_text_is_split():
     first_only = _read(HermesReader({"get_weather", "get_time"}, parallel=False), [text])[1]
     assert [c["function"]["name"] for c in first_only] == ["get_weather"]
     assert _read(HermesReader({"f"}), ["a <tool_", "call x"]) == ("a <tool_call x", [])
-    between = 'A <tool_call>{"name": "f", "arguments": {}}</tool_call> B'  # one space left, not both
-    assert [_read(HermesReader({"f"}), [between[i:i + 3] for i in range(0, len(between), 3)])[0],
-            _read(HermesReader({"f"}), [between])[0]] == ["A B", "A B"]
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    for text, content in ((f"A {call} B", "A B"), (f"A\n\n{call}B", "A\n\nB"), (f"A {call}B", "A B"),
+                          (f"A {call}\nB", "A\nB")):  # one separator left, never none
+        for size in (1, 3, len(text)):
+            assert _read(HermesReader({"f"}), [text[i:i + size] for i in range(0, len(text), size)])[0] == content
     array = ('<tool_call>[{"name": "get_time", "arguments": {"zone": "utc"}}, {"name": "get_weather", "arguments": '
              '{"city": "oslo"}}]</tool_call>')  # SmolLM2's trained form: a list of calls in one block
     for size in (1, 7, len(array)):
@@ -395,3 +397,23 @@ def test_tools_reach_a_template_that_refuses_a_system_turn(engine_dir):
             MESSAGES[0]["content"] + "\n") and '"name": "get_weather"' in text
         with pytest.raises(RequestError, match="chat template refused the messages: Conversation roles must"):
             render_chat(tokenizer, [{"role": "system", "content": "be brief"}, *MESSAGES], ChatOptions(tools=TOOLS))
+
+
+def test_chat_echo_keeps_the_continuations_leading_space_when_tools_are_read(served):
+    """The auto reader strips what begins the content: behind the echo, a continuation's space went with it
+    ("The answer is42 apples")."""
+    from types import SimpleNamespace
+
+    from camshaft.openai_server.responses import ChatShape
+    from camshaft.openai_server.tools import tool_choice
+
+    tools = tool_choice(TOOLS, None, True, "hermes")
+    shape = ChatShape(MODEL, served[1].tokenizer, tools, echo="The answer is")
+    result = SimpleNamespace(text=" 42 apples", finish_reason="stop", stop_reason=None, logprobs=None)
+    assert shape.choice(0, result, False)["message"]["content"] == "The answer is 42 apples"
+    streamed = [shape.opening(1)[0]["delta"].get("content") or ""]
+    for delta, finished in ((" 42", False), (" apples", True)):
+        output = SimpleNamespace(delta=delta, finished=finished, result=result if finished else None, logprobs=())
+        chunk = shape.chunk_choice(0, output, False)
+        streamed.append(chunk["delta"].get("content", "") if chunk else "")
+    assert "".join(streamed) == "The answer is 42 apples"

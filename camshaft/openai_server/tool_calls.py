@@ -128,6 +128,7 @@ class HermesReader(_Reader):
         super().__init__()
         self._names, self._parallel = names, parallel
         self._held, self._space, self._in_call, self._sent_content = "", "", False, False
+        self._after_call = False  # the space held before a call goes if the text after it brings its own
 
     def feed(self, delta: str) -> Piece:
         self._held += delta
@@ -170,12 +171,16 @@ class HermesReader(_Reader):
                 break
             self.calls += 1
             calls.append(whole_call(self.calls - 1, *parts))
-        self._space = ""  # the space before the block: the text after it brings its own ("A <call> B" is "A B")
+        self._after_call = True
         return "", calls
 
     def _content(self, text: str) -> str:
         """Content as it comes, less its leading whitespace and any whitespace at its end so far (held back until
         more content follows it: a response's content is stripped)."""
+        if self._after_call and text:  # "A <call> B" is "A B", "A <call>B" stays "A B"
+            self._after_call = False
+            if text[0].isspace():
+                self._space = ""
         self._space += text
         body = self._space.rstrip()
         if not body:

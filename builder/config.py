@@ -10,6 +10,8 @@ from camshaft.errors import BuildConfigError
 from camshaft.manifest import ENGINE_DTYPES, TARGETS
 from camshaft.model_config import ModelConfig
 
+MOST_SEQUENCES = 2**14  # max_batch_size
+MOST_STEP_TOKENS = 2**18  # max_num_tokens
 DTYPES = ("auto", *ENGINE_DTYPES)
 # What each target builds; auto: the checkpoint's own type where the target builds it for the GPU (bfloat16: sm80+,
 # targets/precision.py), else the first.
@@ -52,6 +54,10 @@ class BuildConfig:
         for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "max_seq_len"):  # numpy's: Python's
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
+        for name, most in (("max_batch_size", MOST_SEQUENCES), ("max_num_tokens", MOST_STEP_TOKENS)):
+            if getattr(self, name) > most:  # tables and buffers are sized by them before anything runs
+                raise BuildConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} is beyond what a CPU or GPU "
+                                       f"step runs ({most} at most); pass a smaller value")
         if self.kv_block_size & (self.kv_block_size - 1):
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
         if self.gpu_arch is not None and not self.target.startswith("tensorrt"):

@@ -476,22 +476,20 @@ def test_a_manifest_with_a_number_past_pythons_limit_is_corrupt(copy):
 
 
 def test_a_huge_build_batch_does_not_size_the_logits_buffer(built, tmp_path):
-    """The logits buffer took the build's max_batch_size rows: --max-batch-size 100000000 (accepted) then asked for
-    143 GiB at load, whatever batch the LLM ran."""
-    import resource
-
+    """The logits buffer took the build's max_batch_size rows: --max-batch-size 100000000 (then accepted) asked for
+    143 GiB at load, whatever batch the LLM ran. It grows to the rows steps have; absurd limits are refused."""
     from camshaft.runtime.llm import LLM
     from camshaft.runtime.sampling_params import SamplingParams
 
     model, _ = built
-    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64, max_batch_size=10**8, max_num_tokens=64))
-    limit = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, limit[1]))
-    try:
-        with LLM(tmp_path / "engine", max_batch_size=4, kv_cache_memory=2**20) as llm:
-            assert llm.generate([3, 4], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, limit)
+    for flag, value in (("max_batch_size", 10**8), ("max_num_tokens", 10**8)):
+        with pytest.raises(BuildConfigError, match=f"--{flag.replace('_', '-')} {value} is beyond what"):
+            BuildConfig(model, tmp_path / "engine", **{flag: value})
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64, max_batch_size=2**14, max_num_tokens=64))
+    with LLM(tmp_path / "engine", max_batch_size=4, kv_cache_memory=2**20) as llm:
+        outputs = llm.generate([[3, 4], [5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert all(o.outputs[0].token_ids for o in outputs)
+        assert len(llm.engine.backend._logits) == 2  # the most rows a step had, not 16384
 
 
 def test_remote_code_checkpoints_are_refused(built, tmp_path):

@@ -227,10 +227,11 @@ class OnnxRuntimeBackend:
             self.binding.bind_ortvalue_output(output_name, value)
             self.caches.append(cache)
         self.vocab_size = manifest.model.vocab_size
-        # Logits land in a buffer of ours (rows for a full batch: a step has no more rows than tokens), so no per-step
-        # output list is built; steps with more rows (drafts, prompt log-probs) take ONNX Runtime's
-        rows = min(manifest.limits.max_batch_size, manifest.limits.max_num_tokens)
-        self._logits = np.empty((rows, self.vocab_size), dtype=np.float32)
+        # Logits land in a buffer of ours, so no per-step output list is built: it grows to the most rows a step has
+        # had, up to a full batch (a step has no more rows than tokens); steps with more rows (drafts, prompt
+        # log-probs) take ONNX Runtime's
+        self._logits_rows = min(manifest.limits.max_batch_size, manifest.limits.max_num_tokens)
+        self._logits = np.empty((0, self.vocab_size), dtype=np.float32)
 
     def close(self) -> None:
         self.binding = self.session = None
@@ -240,6 +241,8 @@ class OnnxRuntimeBackend:
         for name, array in feeds.items():
             self.binding.bind_cpu_input(name, array)
         rows = len(feeds["logits_index"])
+        if len(self._logits) < rows <= self._logits_rows:
+            self._logits = np.empty((rows, self.vocab_size), dtype=np.float32)
         if rows <= len(self._logits):
             out = self._logits[:rows]
             self.binding.bind_output("logits", "cpu", 0, np.float32, out.shape, out.ctypes.data)

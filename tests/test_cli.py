@@ -276,6 +276,13 @@ def test_counted_progress_on_a_terminal_clears_each_line_it_overwrites(monkeypat
     shown = screen.getvalue()
     assert shown.count("\x1b[K") == 2 and shown.endswith("30\x1b[0m\x1b[K\n") and "\x1b[K\r" in shown
     assert "[K" not in shown.replace("\x1b[K", "")
+    screen.truncate(0), screen.seek(0)
+    cli._end_progress_line()  # no line open (a streamed reply's last line may be there): nothing erased
+    assert screen.getvalue() == ""
+    cli.progress("layer 3/30")
+    cli._end_progress_line()  # before "interrupted" or an error: the open line cleared, once
+    cli._end_progress_line()
+    assert screen.getvalue().endswith("\r\x1b[K") and screen.getvalue().count("\r\x1b[K") == 1
 
 
 def test_a_full_stdout_says_so_without_pointing_at_a_directory(tiny, capsys, monkeypatch):

@@ -45,11 +45,19 @@ CLEAR_TO_END = "\x1b[K"
 _COUNTED = re.compile(r".*\blayer (\d+)/(\d+)$")  # a step of the builders' loop over layers
 
 
+class _Line:
+    open = False  # a layer step was last on the terminal, its line not ended (the next overwrites it)
+
+
+_LINE = _Line()
+
+
 def progress(message: str) -> None:
     """One line per message; a layer step (`... layer 3/30`) overwrites the previous one on a terminal and is shown
     at each quarter in a log."""
     counted = _COUNTED.match(message)
     if counted is None:
+        _end_progress_line()
         err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
         return
     done, total = int(counted.group(1)), int(counted.group(2))
@@ -57,6 +65,7 @@ def progress(message: str) -> None:
         err.print(f"[dim]·[/dim] {escape(message)}", end="", soft_wrap=True)
         err.file.write(CLEAR_TO_END + ("\n" if done >= total else "\r"))
         err.file.flush()
+        _LINE.open = done < total
     elif done >= total or done % max(1, -(-total // 4)) == 0:
         err.print(f"[dim]·[/dim] {escape(message)}", soft_wrap=True)
 
@@ -83,9 +92,11 @@ class _Terminated(SystemExit):
 
 
 def _end_progress_line() -> None:
-    """A progress line left open (a layer count ends in a carriage return) is cleared before the next message."""
-    if err.is_terminal:
+    """A layer step's line left open is cleared before the next message (and nothing else is: a streamed reply's
+    last line may be on the terminal too)."""
+    if _LINE.open:
         err.file.write("\r" + CLEAR_TO_END)
+        _LINE.open = False
 
 
 def _terminated(signum: int, _frame: object) -> None:
@@ -129,7 +140,8 @@ def main() -> None:
             err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
             sys.exit(1)
         if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRORS:  # the machine's, not ours: a full disk, ...
-            where = f": {exc.filename}" if exc.filename else " (writing the output)"
+            writing = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # with no file named: the output, stdout
+            where = f": {exc.filename}" if exc.filename else " (writing the output)" if writing else ""
             hint = "; free some space there or choose another directory" \
                 if exc.errno == errno.ENOSPC and exc.filename else ""
             err.print(f"[bold red]error:[/bold red] {escape((exc.strerror or str(exc)) + where + hint)}",

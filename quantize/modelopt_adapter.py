@@ -85,7 +85,7 @@ def written_files(checkpoint: Path) -> set[str]:
     before its record listed the files."""
     try:
         record = json.loads((checkpoint / CAMSHAFT_QUANT_RECORD).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return set()
     files = record.get("files") if isinstance(record, dict) else None
     return {CAMSHAFT_QUANT_RECORD, *files} if isinstance(files, list) else set(os.listdir(checkpoint))

@@ -192,8 +192,9 @@ def read_jsonl_requests(path: Path) -> list[tuple[str | list, int]]:
         try:
             row = json.loads(line)
             prompt, max_tokens = row["prompt"], row["max_tokens"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RequestError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"max_tokens\": n}} ({exc})") from exc
+        except (ValueError, RecursionError, KeyError, TypeError) as exc:
+            raise RequestError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"max_tokens\": n}} "
+                               f"({str(exc)[:200]})") from exc
         if not is_int(max_tokens) or not 1 <= max_tokens <= MAX_LENGTH:
             raise RequestError(f"{path}:{lineno}: max_tokens must be a whole number of tokens >= 1, got "
                                f"{max_tokens!r:.40}")

@@ -87,6 +87,9 @@ def test_jsonl_max_tokens_must_be_a_whole_number(tmp_path, max_tokens):
     path.write_text('{"prompt": [true, false], "max_tokens": 2}\n')
     with pytest.raises(RequestError, match="prompt must be text or token ids"):
         load_dataset(str(path), 1, max_seq_len=64, vocab_size=300)
+    path.write_text("[" * 100_000 + "\n")  # nested past the recursion limit: a line that is not a request
+    with pytest.raises(RequestError, match="data.jsonl:1: expected"):
+        load_dataset(str(path), 1, max_seq_len=64, vocab_size=300)
 
 
 def test_attention_flops_of_sliding_layers_stop_at_the_window(engine_dir):

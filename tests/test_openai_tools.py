@@ -407,13 +407,21 @@ def test_chat_echo_keeps_the_continuations_leading_space_when_tools_are_read(ser
     from camshaft.openai_server.responses import ChatShape
     from camshaft.openai_server.tools import tool_choice
 
-    tools = tool_choice(TOOLS, None, True, "hermes")
-    shape = ChatShape(MODEL, served[1].tokenizer, tools, echo="The answer is")
-    result = SimpleNamespace(text=" 42 apples", finish_reason="stop", stop_reason=None, logprobs=None)
-    assert shape.choice(0, result, False)["message"]["content"] == "The answer is 42 apples"
-    streamed = [shape.opening(1)[0]["delta"].get("content") or ""]
-    for delta, finished in ((" 42", False), (" apples", True)):
-        output = SimpleNamespace(delta=delta, finished=finished, result=result if finished else None, logprobs=())
-        chunk = shape.chunk_choice(0, output, False)
-        streamed.append(chunk["delta"].get("content", "") if chunk else "")
-    assert "".join(streamed) == "The answer is 42 apples"
+    for parser in ("hermes", "llama3_json", "mistral"):
+        tools = tool_choice(TOOLS, None, True, parser)
+        shape = ChatShape(MODEL, served[1].tokenizer, tools, echo="The answer is")
+        result = SimpleNamespace(text=" 42 apples", finish_reason="stop", stop_reason=None, logprobs=None)
+        assert shape.choice(0, result, False)["message"]["content"] == "The answer is 42 apples", parser
+        streamed = [shape.opening(1)[0]["delta"].get("content") or ""]
+        for delta, finished in ((" 42", False), (" apples", True)):
+            output = SimpleNamespace(delta=delta, finished=finished, result=result if finished else None, logprobs=())
+            chunk = shape.chunk_choice(0, output, False)
+            streamed.append(chunk["delta"].get("content", "") if chunk else "")
+        assert "".join(streamed) == "The answer is 42 apples", parser
+    # the echo is not read as the answer's start: a call written after it is still a call (llama3_json decides
+    # calls or content by the answer's first characters), and the echo stays as written
+    shape = ChatShape(MODEL, served[1].tokenizer, tool_choice(TOOLS, None, True, "llama3_json"), echo="  Let me\n")
+    call = '{"name": "get_weather", "parameters": {"city": "paris", "days": 1}}'
+    message = shape.choice(0, SimpleNamespace(text=call, finish_reason="stop", stop_reason=None, logprobs=None),
+                           False)["message"]
+    assert message["content"] == "  Let me\n" and message["tool_calls"][0]["function"]["name"] == "get_weather"

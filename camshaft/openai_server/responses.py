@@ -191,10 +191,7 @@ class ChatShape(_Shape):
         super().__init__(model, tokenizer)
         self._tools = tools if tools is not None and tools.kind != "none" else None
         self._readers: dict[int, Any] = {}
-        # an auto reader reads the echo as the start of the content (it strips what begins the content: a
-        # continuation's leading space must stay inside it); otherwise the echo is put in front
-        self._read_echo = echo if self._tools is not None and self._tools.kind == "auto" else ""
-        self._echo = "" if self._read_echo else echo
+        self._echo = echo
 
     def logprobs(self, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         def entry(token_id: int, logprob: float | None) -> dict:
@@ -208,8 +205,8 @@ class ChatShape(_Shape):
     def choice(self, index: int, result: GenerationResult, with_logprobs: bool) -> dict:
         message, reason = {"role": "assistant", "content": result.text}, finish_reason(result.finish_reason)
         if self._tools is not None:
-            reader = self._tools.reader()
-            (content, calls), (rest, more) = reader.feed(self._read_echo + result.text), reader.finish()
+            reader = self._tools.reader(continuing=bool(self._echo))  # after the echo: the content's start kept
+            (content, calls), (rest, more) = reader.feed(result.text), reader.finish()
             message = {"role": "assistant", "content": content + rest or None}
             if calls + more:
                 message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls + more]
@@ -229,9 +226,9 @@ class ChatShape(_Shape):
         content, calls = output.delta, []
         reason = finish_reason(output.result.finish_reason) if output.result else None
         if self._tools is not None:
-            first = index not in self._readers
-            reader = self._readers.setdefault(index, self._tools.reader()) if first else self._readers[index]
-            content, calls = reader.feed((self._read_echo if first else "") + output.delta)
+            reader = self._readers.get(index) or self._readers.setdefault(
+                index, self._tools.reader(continuing=bool(self._echo)))
+            content, calls = reader.feed(output.delta)
             if output.finished:
                 rest, more = reader.finish()
                 content, calls = content + rest, calls + more

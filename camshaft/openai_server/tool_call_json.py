@@ -112,8 +112,8 @@ class _JsonCalls:
 
 
 class Llama3JsonReader(_Reader):
-    def __init__(self, names: set[str], parallel: bool = True) -> None:
-        super().__init__()
+    def __init__(self, names: set[str], parallel: bool = True, continuing: bool = False) -> None:
+        super().__init__(continuing)
         self._calls = _JsonCalls(self, names, parallel)
         self._head, self._mode = "", ""  # mode: "" until the answer's first characters decide, "calls", "content"
         self._tag = ""
@@ -131,19 +131,19 @@ class Llama3JsonReader(_Reader):
             self._mode, self._tag = "calls", PYTHON_TAG if start.startswith(PYTHON_TAG) else ""
             return "", self._calls.feed(start.removeprefix(PYTHON_TAG))
         self._mode = "content"
-        return start, []
+        return self._head if self.continuing else start, []
 
     def finish(self) -> Piece:
         if self._mode == "calls":
             return self._calls.rest(self._tag), []
-        return ("", []) if self._mode else (self._head.strip(), [])
+        return ("", []) if self._mode else (self._head.rstrip() if self.continuing else self._head.strip(), [])
 
 
 class MistralReader(_Reader):
-    def __init__(self, names: set[str], parallel: bool = True) -> None:
-        super().__init__()
+    def __init__(self, names: set[str], parallel: bool = True, continuing: bool = False) -> None:
+        super().__init__(continuing)
         self._calls = _JsonCalls(self, names, parallel)
-        self._held, self._in_calls, self._sent = "", False, False
+        self._held, self._in_calls, self._sent = "", False, continuing
 
     def feed(self, delta: str) -> Piece:
         if self._in_calls:

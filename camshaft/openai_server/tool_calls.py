@@ -48,8 +48,10 @@ def loads(text: str) -> Any:
 
 
 class _Reader:
-    def __init__(self) -> None:
+    def __init__(self, continuing: bool = False) -> None:
+        """continuing: the content goes on from text already shown (chat echo), so its start is not stripped."""
         self.calls = 0
+        self.continuing = continuing
 
     def feed(self, delta: str) -> Piece:
         raise NotImplementedError
@@ -124,10 +126,10 @@ class HermesReader(_Reader):
     begin a block is held back; content is stripped; a block that is not a call of a known function goes out as the
     text it was."""
 
-    def __init__(self, names: set[str], parallel: bool = True) -> None:
-        super().__init__()
+    def __init__(self, names: set[str], parallel: bool = True, continuing: bool = False) -> None:
+        super().__init__(continuing)
         self._names, self._parallel = names, parallel
-        self._held, self._space, self._in_call, self._sent_content = "", "", False, False
+        self._held, self._space, self._in_call, self._sent_content = "", "", False, continuing
         self._after_call = False  # the space held before a call goes if the text after it brings its own
 
     def feed(self, delta: str) -> Piece:

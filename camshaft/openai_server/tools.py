@@ -52,13 +52,14 @@ class ToolChoice:
             return GuidedDecodingParams(json=schema if self.parallel else {**schema, "maxItems": 1})
         return None
 
-    def reader(self) -> _Reader | None:
+    def reader(self, continuing: bool = False) -> _Reader | None:
+        """continuing: the content goes on from text already shown (chat echo): an auto reader strips not its start."""
         if self.kind == "function":
             return NamedReader(self.name)
         if self.kind == "required":
             return ArrayReader()
         if self.kind == "auto":
-            return AUTO_READERS[self.parser]({f["name"] for f in self._functions()}, self.parallel)
+            return AUTO_READERS[self.parser]({f["name"] for f in self._functions()}, self.parallel, continuing)
         return None
 
     def finish_reason(self, reader: _Reader, reason: str) -> str:

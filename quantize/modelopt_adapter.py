@@ -88,6 +88,8 @@ def written_files(checkpoint: Path) -> set[str]:
     except (OSError, ValueError, RecursionError):
         return set()
     files = record.get("files") if isinstance(record, dict) else None
+    if isinstance(files, list) and not all(isinstance(name, str) for name in files):
+        return set()  # a damaged record: none of the files is known to be ours
     return {CAMSHAFT_QUANT_RECORD, *files} if isinstance(files, list) else set(os.listdir(checkpoint))
 
 

@@ -470,8 +470,11 @@ def test_excluded_layers_stay_float(tiny, tmp_path):
     with pytest.raises(QuantizeError, match="also holds README.md, which camshaft did not write"):
         quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)
     assert (tmp_path / "ckpt" / "README.md").read_text() == "model card"
-    (tmp_path / "ckpt" / "camshaft_quantize.json").unlink()  # another tool's quantized checkpoint: none of it ours
     (tmp_path / "ckpt" / "README.md").unlink()
+    (tmp_path / "ckpt" / "camshaft_quantize.json").write_text('{"files": [["a"]]}')  # damaged: none of it ours
+    with pytest.raises(QuantizeError, match="also holds camshaft_quantize.json, chat_template.jinja, config.json"):
+        quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)  # (it was a TypeError traceback)
+    (tmp_path / "ckpt" / "camshaft_quantize.json").unlink()  # another tool's quantized checkpoint: none of it ours
     with pytest.raises(QuantizeError, match="also holds chat_template.jinja, config.json"):
         quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)
 

@@ -228,7 +228,6 @@ def read_manifest(engine_dir: str | Path, *, check_files: bool = True, check_dig
     return manifest
 
 
-
 def _tokenizer_sampling_defaults(engine_dir: Path) -> tuple[tuple[str, float], ...]:
     """An engine built before the manifest kept the model's recommended sampling: its copy of
     generation_config.json says it (nothing where a value is out of range, which builds now refuse)."""

@@ -266,7 +266,7 @@ def test_serve_stops_with_an_error_when_a_models_process_dies(engine, tmp_path):
                 os.killpg(triton.pid, signal.SIGKILL)
 
 
-def test_a_stub_that_dies_as_serve_says_ready_is_still_seen(engine, tmp_path):
+def test_a_stub_that_dies_as_serve_says_ready_is_still_seen(engine, tmp_path, monkeypatch):
     """serve listed the stubs to watch after saying "ready": one that died in between (as the test above
     killed it, twice in five runs here) was never watched, and serve ran on with a model that answers nothing."""
     import os
@@ -284,6 +284,9 @@ def test_a_stub_that_dies_as_serve_says_ready_is_still_seen(engine, tmp_path):
             while stub.is_running() and stub.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
                 time.sleep(0.05)
 
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the log serve keeps of a failed server: the test's
     rescue = threading.Timer(60, os.kill, (os.getpid(), signal.SIGTERM))  # the old code ran on until stopped
     rescue.start()
     try:

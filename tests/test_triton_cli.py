@@ -287,6 +287,7 @@ def test_a_stub_that_dies_as_serve_says_ready_is_still_seen(engine, tmp_path, mo
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the log serve keeps of a failed server: the test's
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # and the stubs', where their channel's socket is (as serve's)
     rescue = threading.Timer(60, os.kill, (os.getpid(), signal.SIGTERM))  # the old code ran on until stopped
     rescue.start()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from camshaft.errors import CheckpointError
@@ -55,47 +56,38 @@ def index_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def matrix_names(model_dir: Path) -> list[str]:
-    """Names (without `.weight`) of the checkpoint's 2-D weights other than embeddings: its linear layers, read from
-    the safetensors headers without loading a tensor."""
+def headers(model_dir: Path) -> Iterator[tuple[Path, str, str, list[int]]]:
+    """(file, tensor name, safetensors dtype, shape) of every tensor of the checkpoint, from the safetensors headers
+    without loading a tensor."""
     from safetensors import SafetensorError, safe_open
 
-    names = []
     for file in weight_files(model_dir):
         try:
             with safe_open(str(file), framework="numpy") as handle:
                 for key in handle.keys():
-                    if key.endswith(".weight") and "embed" not in key and len(handle.get_slice(key).get_shape()) == 2:
-                        names.append(key[: -len(".weight")])
+                    tensor = handle.get_slice(key)
+                    yield file, key, tensor.get_dtype(), tensor.get_shape()
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
-    return names
+
+
+def matrix_names(model_dir: Path) -> list[str]:
+    """Names (without `.weight`) of the checkpoint's 2-D weights other than embeddings: its linear layers."""
+    return [name[: -len(".weight")] for _, name, _, shape in headers(model_dir)
+            if name.endswith(".weight") and "embed" not in name and len(shape) == 2]
 
 
 def refuse_stored_codes(model_dir: Path, error: type[Exception], advice: str) -> None:
     """Refuse, before loading anything, a checkpoint without hf_quant_config.json whose weights are integer or fp8
     codes: transformers reads them as floats, the raw codes, without a word."""
-    if found := _stored_codes(model_dir):
+    found = next(((file, name, dtype) for file, name, dtype, _ in headers(model_dir)
+                  if name.endswith((".weight", ".qweight")) and dtype.startswith(("I", "U", "F8"))), None)
+    if found:
         file, name, dtype = found
         dtype = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(dtype, dtype.replace("I", "int")
                                                                              .replace("U", "uint"))
         raise error(f"{file.name}: tensor {name!r} holds {dtype} codes, but {model_dir} does not say how to dequantize "
                     f"them (it has no hf_quant_config.json); {advice}")
-
-
-def _stored_codes(model_dir: Path) -> tuple[Path, str, str] | None:
-    from safetensors import SafetensorError, safe_open
-
-    for file in weight_files(model_dir):
-        try:
-            with safe_open(str(file), framework="numpy") as handle:
-                for key in handle.keys():
-                    dtype = handle.get_slice(key).get_dtype()
-                    if key.endswith((".weight", ".qweight")) and dtype.startswith(("I", "U", "F8")):
-                        return file, key, dtype
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
-    return None
 
 
 SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -105,15 +97,6 @@ EMBED = "model.embed_tokens.weight"
 def stored_float_dtype(model_dir: Path) -> str | None:
     """The float type a checkpoint stores its embedding in (its own precision; a tied model saved as its head: the
     head's), from the safetensors headers; None where that is not float or not there."""
-    from safetensors import SafetensorError, safe_open
-
-    found: dict[str, str] = {}
-    for file in weight_files(model_dir):  # each file opened once
-        try:
-            with safe_open(str(file), framework="numpy") as handle:
-                found |= {name: handle.get_slice(name).get_dtype() for name in (EMBED, "lm_head.weight")
-                          if name in handle.keys()}
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
+    found = {name: dtype for _, name, dtype, _ in headers(model_dir) if name in (EMBED, "lm_head.weight")}
     stored = found.get(EMBED, found.get("lm_head.weight"))
     return SAFETENSORS_FLOATS.get(stored) if stored else None

@@ -64,17 +64,16 @@ class Executor:
 
     def submit_groups(self, groups: list[list[Request]], sinks: list[list[Sink]], bounded: bool = True) -> None:
         """Queue several prompts' groups (as submit) all at once, or none of them: every check comes first."""
+        total = sum(len(group) for group in groups)
         for group in groups:
             if bounded:
                 self.check_outputs(len(group))
             for request in group:
                 self.scheduler.check(request)
-        total = sum(len(group) for group in groups)
+        if bounded and len(groups) > 1:
+            self._check_fits(total, f"{len(groups)} prompts ({total} outputs) can never be queued at once",
+                             "send fewer prompts at a time")
         batch, limit = self.scheduler.config.max_batch_size, self.max_queue if bounded else None
-        if len(groups) > 1 and limit is not None and total > batch + limit:
-            raise RequestError(f"{len(groups)} prompts ({total} outputs) can never be queued at once: at most "
-                               f"{batch + limit} requests fit in flight (max_batch_size {batch} + max_queue {limit}); "
-                               "send fewer prompts at a time or raise max_queue")
         with self._wake:
             if self._closed:
                 raise ServerClosedError("the batch loop has stopped; create a new LLM (or restart the server)")
@@ -106,10 +105,13 @@ class Executor:
 
     def check_outputs(self, n: int) -> None:
         """Refuse n outputs of one prompt that could never be in flight at once (RequestError)."""
+        self._check_fits(n, f"n={n} outputs can never be queued", "lower n")
+
+    def _check_fits(self, requests: int, what: str, advice: str) -> None:
         batch, limit = self.scheduler.config.max_batch_size, self.max_queue
-        if limit is not None and n > batch + limit:
-            raise RequestError(f"n={n} outputs can never be queued: at most {batch + limit} requests fit in "
-                               f"flight (max_batch_size {batch} + max_queue {limit}); lower n or raise max_queue")
+        if limit is not None and requests > batch + limit:
+            raise RequestError(f"{what}: at most {batch + limit} requests fit in flight (max_batch_size {batch} + "
+                               f"max_queue {limit}); {advice} or raise max_queue")
 
     def abort(self, request_id: str) -> None:
         with self._wake:

@@ -82,15 +82,14 @@ def free_port(host: str) -> int:
 def free_ports(host: str, count: int, taken: Iterable[int] = ()) -> list[int]:
     """`count` different free ports, none of those `taken`: each is held until all are chosen (the system may hand
     out a port it just freed again, and tritonserver refuses HTTP and metrics on one port)."""
-    held: list[socket.socket] = []
+    taken, held, ports = set(taken), [], []
     try:
-        while len(held) < count:
+        while len(ports) < count:  # a port of `taken` stays bound too, so the system does not hand it out again
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             held.append(sock)
             sock.bind((host, 0))
-        ports = [sock.getsockname()[1] for sock in held]
-        if clash := set(ports) & set(taken):  # keep the clashing ones bound while their replacements are chosen
-            return [p for p in ports if p not in clash] + free_ports(host, len(clash), [*taken, *ports])
+            if sock.getsockname()[1] not in taken:
+                ports.append(sock.getsockname()[1])
         return ports
     finally:
         for sock in held:

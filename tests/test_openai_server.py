@@ -847,6 +847,8 @@ def test_structured_output_follows_its_schema_regex_or_choice(client, served):
                           ({"response_format": {"type": "json_schema"}}, "response_format json_schema needs"),
                           ({"response_format": {"type": "json_schema", "json_schema": "abc"}},
                            "response_format json_schema needs"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}}},
+                           "its schema a JSON object, got '{}'"),
                           ({"guided_json": "[" * 100_000}, "the guided json schema is not JSON"),
                           ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs takes one of")):
         response = httpx.post(f"{served[0]}/v1/chat/completions", json={

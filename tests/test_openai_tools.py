@@ -9,6 +9,8 @@ import json
 import re
 
 import httpx
+import llguidance
+import llguidance.hf
 import openai
 import pytest
 from test_openai_server import MODEL, running_server, tiny_engine
@@ -16,6 +18,7 @@ from test_openai_server import MODEL, running_server, tiny_engine
 from camshaft.errors import RequestError
 from camshaft.openai_server.tool_call_json import Llama3JsonReader, MistralReader
 from camshaft.openai_server.tool_calls import HermesReader
+from camshaft.openai_server.tools import tool_choice
 from camshaft.runtime.chat_template import TOOLS_PREAMBLE, ChatOptions
 from camshaft.runtime.guided import GuidedDecodingParams
 from camshaft.runtime.session import Session
@@ -128,6 +131,35 @@ def test_required_calls_take_parameters_with_definitions(client, served):
     body = {"model": MODEL, "messages": MESSAGES, "tools": [*tools, other], "tool_choice": "required"}
     refused = httpx.post(f"{served[0]}/v1/chat/completions", json=body)
     assert refused.status_code == 400 and "define $defs/Unit unlike another" in refused.json()["error"]["message"]
+
+
+def test_required_calls_keep_a_schemas_references_to_itself(served):
+    """A function's parameters sit inside the calls' array schema: "#" (a recursive schema) and "#/properties/..."
+    still mean the parameters, as with a named tool_choice (they meant the array of calls, or nothing)."""
+    llm = served[1]
+    vocab = llm.engine.manifest.model.vocab_size
+    tokenizer = llguidance.hf.from_tokenizer(llm.tokenizer, n_vocab=vocab, eos_token=list(llm.engine.eos_token_ids))
+
+    def allows(tools: list[dict], text: str) -> bool:
+        grammar = tool_choice(tools, "required", True, None).guided().llguidance_grammar()
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(llm.tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.is_accepting()
+
+    tree = {"type": "object", "properties": {"name": {"type": "string"},
+                                             "children": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["name", "children"]}
+    same = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+            "required": ["a", "b"]}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}},
+             {"type": "function", "function": {"name": "same", "parameters": same}}]
+    leaf = '{"name": "b", "children": []}'
+    assert allows(tools, '[{"name": "tree", "parameters": {"name": "a", "children": [' + leaf + ']}}]')
+    assert not allows(tools, '[{"name": "tree", "parameters": {"name": "a", "children": [[{"name": "tree", '
+                             '"parameters": ' + leaf + '}]]}}]')
+    assert allows(tools, '[{"name": "same", "parameters": {"a": 1, "b": 2}}]')
+    assert not allows(tools, '[{"name": "same", "parameters": {"a": 1, "b": "x"}}]')
 
 
 def test_auto_reads_the_models_tool_call_blocks(client, session):

@@ -121,8 +121,9 @@ class _GenerationRequest(BaseModel):
             given["response_format"] = GuidedDecodingParams(json_object=True)
         elif kind == "json_schema":
             schema = spec.get("schema") if isinstance(spec, dict) else None
-            if schema is None:
-                raise RequestError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+            if not isinstance(schema, dict):  # a schema sent as its JSON text would be read as "any JSON string"
+                raise RequestError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}'
+                                   + ("" if schema is None else f", its schema a JSON object, got {schema!r:.60}"))
             given["response_format"] = GuidedDecodingParams(json=schema)
         elif kind != "text":
             raise RequestError(f"response_format type {kind!r:.40} is not supported; use text, json_object or "

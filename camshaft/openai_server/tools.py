@@ -20,9 +20,10 @@ from camshaft.errors import RequestError
 from camshaft.openai_server.tool_call_json import Llama3JsonReader, MistralReader
 from camshaft.openai_server.tool_calls import ArrayReader, HermesReader, NamedReader
 from camshaft.runtime.chat_template import check_tools
-from camshaft.runtime.guided import GuidedDecodingParams
+from camshaft.runtime.guided import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_ONE, GuidedDecodingParams
 
 _Reader = NamedReader | ArrayReader | HermesReader | Llama3JsonReader | MistralReader
+DEFS_REFS = ("#/$defs/", "#/definitions/")
 AUTO_READERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "mistral": MistralReader}
 
 
@@ -44,10 +45,10 @@ class ToolChoice:
             return GuidedDecodingParams(json=self._parameters(self.name))
         if self.kind == "required":
             shared: dict[str, dict[str, Any]] = {}  # each function's $defs, moved to the root its $refs now start at
-            calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                       "parameters": _hoist_defs(self._parameters(f["name"]),
-                                                                                 f["name"], shared)},
-                      "required": ["name", "parameters"]} for f in self._functions()]
+            calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": _hoist_defs(
+                          _rebased(self._parameters(f["name"]), f"#/items/anyOf/{i}/properties/parameters"),
+                          f["name"], shared)},
+                      "required": ["name", "parameters"]} for i, f in enumerate(self._functions())]
             schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **shared}
             return GuidedDecodingParams(json=schema if self.parallel else {**schema, "maxItems": 1})
         return None
@@ -72,6 +73,25 @@ class ToolChoice:
     def _parameters(self, name: str | None) -> dict[str, Any]:
         function = next(f for f in self._functions() if f["name"] == name)
         return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """The schema with its references to itself ("#", "#/properties/...") made to point at `root`, where it now sits
+    inside the calls' array schema; references into its $defs / definitions stay, as those move to the new root."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not ref.startswith(DEFS_REFS):
+        out["$ref"] = root + ref[1:]
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _rebased(sub, root) for name, sub in out[key].items()}
+    for key in (*SCHEMA_ONE, *SCHEMA_LISTS):
+        if key in out:
+            out[key] = [_rebased(sub, root) for sub in out[key]] if isinstance(out[key], list) \
+                else _rebased(out[key], root)
+    return out
 
 
 def _hoist_defs(parameters: dict[str, Any], name: str, shared: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -141,7 +141,7 @@ def llm_config(llm: LLM) -> dict[str, str | int]:
     return {"policy": c.policy, "max_batch_size": c.max_batch_size, "max_num_tokens": c.max_num_tokens,
             "prompt_lookup": c.prompt_lookup.num_tokens if c.prompt_lookup else 0,
             "kv_pool_blocks": c.num_blocks - 1,  # usable; the bytes include the null block (the memory taken)
-            "kv_pool_bytes": c.num_blocks * bytes_per_block(llm.engine.manifest)}
+            "kv_pool_bytes": c.num_blocks * bytes_per_block(llm.engine.manifest) * cache_copies(llm.engine.manifest)}
 
 
 DEFAULT_CONCURRENCY = 32  # the workload; an engine of a smaller batch runs at its batch size

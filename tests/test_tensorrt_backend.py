@@ -367,6 +367,11 @@ def test_a_kv_budget_counts_both_buffers_of_each_cache(simulated):
     budget = 10 * 2 * bytes_per_block(manifest)  # room for 10 blocks of every cache, twice
     engine = Engine(rtx_dir, kv_cache_memory=budget)
     assert engine.pool.num_blocks == 10 and engine.backend.kv_cache_bytes <= budget
+    from camshaft.runtime.llm import LLM
+    from camshaft.runtime.throughput import llm_config
+
+    with LLM(rtx_dir, kv_cache_memory=budget) as llm:  # what bench throughput reports as the pool's memory
+        assert llm_config(llm)["kv_pool_bytes"] == budget
 
 
 def test_a_cache_the_plan_aliases_is_bound_in_place(engines, monkeypatch):

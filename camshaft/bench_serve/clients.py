@@ -103,8 +103,9 @@ class OpenAIClient:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
                 "min_tokens": request.max_tokens, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True},
-                # what the other targets run: none of the model's recommended sampling (a server may apply it)
-                "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+                # what the other targets run: none of the model's recommended sampling (a server may apply it);
+                # greedy ignores top_k and min_p, which servers spell differently (vLLM < 0.9 refuses top_k 0)
+                "top_p": 1.0, "repetition_penalty": 1.0}
         async with self.http.stream("POST", f"{self.target.url}/v1/completions", json=body,
                                     headers=self.headers) as response:
             if response.status_code != 200:

@@ -165,6 +165,8 @@ class Checkpoint:
             if not isinstance(block, int) or isinstance(block, bool) or block < 1 or in_dim % block:
                 raise CheckpointError(f"hf_quant_config.json's group_size for {prefix} is {block!r}: int4 weights "
                                       f"need a positive group size that divides their {in_dim} inputs")
+            if packed.dtype == np.int8:  # older ModelOpt exports wrote the same bytes as int8
+                packed = packed.view(np.uint8)
             expected = {"weight": ((out_dim // 2, in_dim), np.uint8), "weight_scale": ((out_dim, in_dim // block),)}
             self._check_quantized(prefix, packed, scale, expected)
             # ModelOpt packs output rows 2j (low nibble) and 2j+1 (high nibble) into one byte.
@@ -181,6 +183,7 @@ class Checkpoint:
             values, scale = packed, np.broadcast_to(scale.reshape(-1, 1), (out_dim, 1)).astype(np.float32)
         else:
             block = in_dim
+            scale = scale.reshape(-1) if scale.size == out_dim else scale  # [out] or [out, 1], as fp8's
             expected = {"weight": ((out_dim, in_dim), np.int8), "weight_scale": ((out_dim,),)}
             self._check_quantized(prefix, packed, scale, expected)
             values, scale = packed, scale.reshape(out_dim, 1)

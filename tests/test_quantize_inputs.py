@@ -456,6 +456,42 @@ def test_an_int4_group_size_that_cannot_be_right_is_a_clear_error(tiny, tmp_path
         build_engine(BuildConfig(tmp_path / "q", tmp_path / "engine", max_seq_len=64, kv_block_size=4))
 
 
+def test_int4_weights_stored_as_int8_read_as_the_same_nibbles(tiny, tmp_path):
+    """ModelOpt before its uint8 view wrote packed int4 weights as int8 (the same bytes); int8's sign must not leak
+    into the high nibble."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    quantize_checkpoint(tiny, tmp_path / "q", QuantSpec("int4_wo", group_size=32), **CALIB)
+    (weights,) = (tmp_path / "q").glob("*.safetensors")
+    tensors = load_file(weights)
+    packed = [name for name, t in tensors.items() if t.dtype == np.uint8]
+    assert packed and any((tensors[name] >= 128).any() for name in packed)  # high nibbles of negative values
+    save_file({name: t.view(np.int8) if name in packed else t for name, t in tensors.items()}, weights)
+    model = ModelConfig.from_hf_dir(tiny)
+    prefix, out_dim, in_dim = "model.layers.0.mlp.up_proj", model.intermediate_size, model.hidden_size
+    signed = Checkpoint(tmp_path / "q").quantized_linear(prefix, out_dim, in_dim)
+    save_file(tensors, weights)
+    unsigned = Checkpoint(tmp_path / "q").quantized_linear(prefix, out_dim, in_dim)
+    assert np.array_equal(signed.values, unsigned.values) and (signed.values[1::2] < 0).any()  # high nibbles
+
+
+def test_int8_weight_scales_of_one_column_are_read_as_fp8s_are(tiny, tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    quantize_checkpoint(tiny, tmp_path / "q", QuantSpec("int8_wo"), **CALIB)
+    (weights,) = (tmp_path / "q").glob("*.safetensors")
+    tensors = load_file(weights)
+    model = ModelConfig.from_hf_dir(tiny)
+    prefix, out_dim, in_dim = "model.layers.0.mlp.up_proj", model.intermediate_size, model.hidden_size
+    flat = Checkpoint(tmp_path / "q").quantized_linear(prefix, out_dim, in_dim)
+    save_file({name: t.reshape(-1, 1) if name.endswith(".weight_scale") else t for name, t in tensors.items()},
+              weights)
+    column = Checkpoint(tmp_path / "q").quantized_linear(prefix, out_dim, in_dim)
+    assert np.array_equal(column.scales, flat.scales) and np.array_equal(column.values, flat.values)
+
+
 def test_excluded_layers_stay_float(tiny, tmp_path):
     spec = QuantSpec("int4_wo", exclude=("*.mlp.down_proj", "model.layers.1.self_attn.k_proj"))
     quantize_checkpoint(tiny, tmp_path / "ckpt", spec, **CALIB)

@@ -134,10 +134,7 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
     path = model_dir / HF_QUANT_CONFIG
     method = unreadable_quantization(model_dir)
     if method == "modelopt":
-        raise CheckpointError(
-            f"{model_dir} is a ModelOpt checkpoint (config.json's quantization_config) without its {HF_QUANT_CONFIG}, "
-            "which says how each layer is stored: copy that file from where the checkpoint came from (ModelOpt's "
-            "export writes it beside config.json), or quantize the float checkpoint with `camshaft quantize`")
+        return _checked(model_dir, model_dir / "config.json", _from_config_json(model_dir))
     if method is not None:
         raise CheckpointError(
             f"{model_dir}/config.json says the weights are quantized (quant_method {method}), but there is no "
@@ -151,6 +148,31 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
         quant = {**raw["quantization"], "producer": raw.get("producer")}
     except (ValueError, RecursionError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path} is malformed: {str(exc)[:200]}") from exc
+    return _checked(model_dir, path, quant)
+
+
+def _from_config_json(model_dir: Path) -> dict[str, Any]:
+    """hf_quant_config.json's section from config.json's quantization_config, which ModelOpt writes from it
+    (`convert_hf_quant_config_format`, as vLLM reads it): the same quant_algo, quantized_layers and producer,
+    exclude_modules as "ignore", the KV cache's algorithm as a scheme, group sizes only in config_groups (none for
+    int4 AWQ: refused below)."""
+    config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    scheme = config.get("kv_cache_scheme")
+    kv = {("float", 8): "FP8", ("int", 8): "INT8"}.get((scheme.get("type"), scheme.get("num_bits")), str(scheme)) \
+        if isinstance(scheme, dict) else scheme
+    groups = config.get("config_groups") if isinstance(config.get("config_groups"), dict) else {}
+    sizes = {g["weights"].get("group_size") for g in groups.values()
+             if isinstance(g, dict) and isinstance(g.get("weights"), dict)} - {None}
+    quant = {"quant_algo": config.get("quant_algo"), "kv_cache_quant_algo": kv, "producer": config.get("producer"),
+             "exclude_modules": config.get("ignore") or [], "source": "config.json"}
+    if "quantized_layers" in config:
+        quant["quantized_layers"] = config["quantized_layers"]
+    if len(sizes) == 1:
+        quant["group_size"] = sizes.pop()
+    return quant
+
+
+def _checked(model_dir: Path, path: Path, quant: dict[str, Any]) -> dict[str, Any]:
     algo = quant.get("quant_algo")
     layers = quant.get("quantized_layers")
     if algo == MIXED and not (isinstance(layers, dict) and layers
@@ -173,7 +195,9 @@ def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
                                   "asymmetric int4); camshaft builds symmetric ones, as ModelOpt exports them")
         group = (layers[name] if name else quant).get("group_size", quant.get("group_size"))
         if READABLE_QUANT_ALGOS[layer_algo].blockwise and not isinstance(group, int):
-            raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}")
+            raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}" + (
+                f" (ModelOpt writes it to {HF_QUANT_CONFIG} only): copy that file from where the checkpoint came "
+                "from" if quant.get("source") == "config.json" else ""))
     kv_algo = quant.get("kv_cache_quant_algo")
     if kv_algo is not None and (not isinstance(kv_algo, str) or kv_algo not in KV_CACHE_ALGOS):
         raise CheckpointError(

@@ -387,10 +387,12 @@ def test_quantized_weights_without_their_config_are_refused(tiny, tmp_path):
     shutil.copytree(tmp_path / "q", bare)
     (bare / "hf_quant_config.json").unlink()
     config = json.loads((bare / "config.json").read_text())
-    config.setdefault("quantization_config", {"quant_method": "modelopt"})
+    assert config["quantization_config"]["quant_method"] == "modelopt"  # what ModelOpt writes there is enough
+    assert Checkpoint(bare).quantization["quant_algo"] == Checkpoint(tmp_path / "q").quantization["quant_algo"]
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "W4A16_AWQ"}  # no group size there
     (bare / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="is a ModelOpt checkpoint .* without its hf_quant_config.json.*copy "
-                                              "that file from where the checkpoint came from"):
+    with pytest.raises(CheckpointError, match=r"config.json has no integer group_size for W4A16_AWQ \(ModelOpt "
+                                              r"writes it to hf_quant_config.json only\): copy that file"):
         Checkpoint(bare)
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (bare / "config.json").write_text(json.dumps(config))
@@ -454,6 +456,32 @@ def test_an_int4_group_size_that_cannot_be_right_is_a_clear_error(tiny, tmp_path
     config.write_text(json.dumps({**raw, "quantization": {**raw["quantization"], "group_size": group}}))
     with pytest.raises(CheckpointError, match=f"group_size for .* is {group!r}: int4 weights need a positive"):
         build_engine(BuildConfig(tmp_path / "q", tmp_path / "engine", max_seq_len=64, kv_block_size=4))
+
+
+def test_a_modelopt_checkpoint_with_config_json_alone_builds_as_with_hf_quant_config(tiny, tmp_path):
+    """ModelOpt writes its quantization to config.json too (as vLLM reads it); a copy without hf_quant_config.json
+    builds the same engine: layers, the KV cache's format (written there as a scheme), excluded modules."""
+    import shutil
+
+    from camshaft.manifest import read_manifest
+    from camshaft.runtime.sampling_params import SamplingParams
+    from camshaft.runtime.session import Session
+
+    spec = QuantSpec("fp8", kv_cache_dtype="fp8", exclude=("*.mlp.down_proj",))
+    quantize_checkpoint(tiny, tmp_path / "q", spec, **CALIB)
+    shutil.copytree(tmp_path / "q", tmp_path / "bare")
+    (tmp_path / "bare" / "hf_quant_config.json").unlink()
+    outputs, manifests = [], []
+    for name in ("q", "bare"):
+        engine = tmp_path / f"{name}-engine"
+        build_engine(BuildConfig(tmp_path / name, engine, max_seq_len=64, kv_block_size=4))
+        manifests.append(read_manifest(engine).quantization)
+        with Session(engine) as session:
+            out = session.generate([5, 9, 17, 33], SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True))
+        outputs.append((out.token_ids, out.logprobs))
+    assert manifests[0] == manifests[1] and manifests[0]["kv_cache_dtype"] == "float8"
+    assert "model.layers.0.mlp.down_proj" in manifests[0]["float_modules"]
+    assert outputs[0] == outputs[1]
 
 
 def test_int4_weights_stored_as_int8_read_as_the_same_nibbles(tiny, tmp_path):

@@ -32,8 +32,11 @@ def probe_gpu0(cudart: Any) -> GpuProbe:
                 f"{_cuda_version(runtime)} or later"))
         return GpuProbe(None, reason)
     attr = cudart.cudaDeviceAttr
-    _, major = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, 0)
-    _, minor = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, 0)
+    (err, major), (err_minor, minor) = (cudart.cudaDeviceGetAttribute(a, 0) for a in (
+        attr.cudaDevAttrComputeCapabilityMajor, attr.cudaDevAttrComputeCapabilityMinor))
+    if err != success or err_minor != success:
+        failed = err if err != success else err_minor
+        return GpuProbe(None, f"GPU 0's compute capability: {getattr(failed, 'name', failed)}")
     return GpuProbe(major * 10 + minor)
 
 

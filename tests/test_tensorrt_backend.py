@@ -329,6 +329,10 @@ def test_step_buffers_are_reserved_at_load_before_the_pool_is_sized(simulated, m
     with pytest.raises(EngineError, match="cudaMalloc") as failed:  # its traceback, kept, holds the backend
         Engine(rtx_dir, max_sequences=2)
     assert failed.value and len(cudart.allocations) == held  # what the failed load had allocated is freed at once
+    monkeypatch.setattr(cudart, "cudaStreamDestroy", lambda stream: (700,))  # the context broken: cleanup fails too
+    with pytest.raises(EngineError, match="cudaMalloc") as failed:  # the load's own error, not the cleanup's
+        Engine(rtx_dir, max_sequences=2)
+    assert any("cudaStreamDestroy" in note for note in failed.value.__notes__)
 
 
 def test_a_fractional_budget_is_of_the_gpu_memory_the_loaded_plan_leaves_and_capped_at_its_pool(simulated,
@@ -451,3 +455,13 @@ def test_a_driver_older_than_cuda_python_is_told_apart_from_no_gpu(engines, monk
     with pytest.raises(BuildConfigError, match=r"the tensorrt target builds plans on the GPU, and the NVIDIA driver "
                                                r"here supports CUDA 12\.8"):
         supported_archs(None, "tensorrt")
+
+
+def test_a_gpu_whose_compute_capability_cannot_be_read_is_no_usable_gpu():
+    from camshaft.cuda_gpu import probe_gpu0
+
+    cudart = FakeCudart()
+    assert probe_gpu0(cudart).arch == 89
+    cudart.cudaDeviceGetAttribute = lambda attr, device: (3, None) if attr == "minor" else (0, 8)
+    probe = probe_gpu0(cudart)  # a TypeError (None arithmetic) before
+    assert probe.arch is None and probe.reason == "GPU 0's compute capability: 3"

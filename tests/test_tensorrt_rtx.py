@@ -159,3 +159,14 @@ def test_a_plan_that_does_not_load_keeps_tensorrts_reason() -> None:
         assert runtime.deserialize_cuda_engine(b"not a plan" * 100) is None
         assert any("magic" in m.lower() for m in messages), list(messages)
         assert not any("logger passed into" in m for m in messages)
+
+
+def test_the_profile_holds_no_more_rows_than_a_step_has_tokens() -> None:
+    """Each row of a step (a decoding sequence, a prefill chunk) takes one token of max_num_tokens at least: a larger
+    batch limit would tune kernels and size the context's memory for steps that never come."""
+    from camshaft.builder.targets.tensorrt import profile_ranges
+
+    few = profile_ranges(BuildLimits(max_batch_size=8, max_seq_len=64, max_num_tokens=4, kv_block_size=8), 16)
+    assert (few["Bd"], few["Bp"], few["N"], few["T"]) == ((1, 4, 4), (1, 1, 4), (1, 4, 4), (1, 4, 4))
+    many = profile_ranges(LIMITS, NUM_BLOCKS)
+    assert (many["Bd"], many["Bp"], many["N"]) == ((1, 4, 4), (1, 1, 4), (1, 4, 32))

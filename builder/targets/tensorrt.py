@@ -38,14 +38,15 @@ def profile_ranges(limits: BuildLimits, num_blocks_max: int) -> dict[str, tuple[
     """
     if num_blocks_max < 2:
         raise BuildConfigError(f"num_blocks_max must be at least 2 (block 0 is the null block), not {num_blocks_max}")
-    tokens, batch, bs = limits.max_num_tokens, limits.max_batch_size, limits.kv_block_size
+    tokens, bs = limits.max_num_tokens, limits.kv_block_size
+    batch = min(limits.max_batch_size, tokens)  # a step's rows: each takes a token of its budget
     blocks = limits.max_blocks_per_seq
     query = min(tokens, limits.max_seq_len)
     decode_blocks = max(1, blocks // 2)
     prefill_blocks = min(blocks, -(-query // bs))
     return {
         "T": (1, tokens, tokens),
-        "N": (1, min(batch, tokens), tokens),
+        "N": (1, batch, tokens),
         "Bd": (1, batch, batch),
         "NBd": (1, decode_blocks, blocks),
         "Ld": (bs, decode_blocks * bs, blocks * bs),

@@ -102,8 +102,11 @@ class TensorRTBackend:
         self.cudart, local, trt = check_compatible(manifest)
         try:
             self._load(engine_dir, manifest, num_blocks, trt, local)
-        except BaseException:
-            self.close()  # what the failed load made on the GPU: the plan, its context, the stream, the buffers
+        except BaseException as failure:
+            try:
+                self.close()  # what the failed load made on the GPU: the plan, its context, the stream, the buffers
+            except Exception as cleanup:  # a CUDA context already broken: the load's own error is the one to see
+                failure.add_note(f"(freeing what the load had made failed too: {cleanup})")
             raise
 
     def _load(self, engine_dir: Path, manifest: Manifest, num_blocks: int | Callable[[int], int], trt: Any,

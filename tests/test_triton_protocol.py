@@ -51,6 +51,8 @@ def words(*word_ids: list[int]) -> np.ndarray:
     ({"end_id": np.array([[-5]], np.int32)}, "end_id must be a token id or -1"),
     ({"num_return_sequences": np.array([[0]], np.int32)}, "num_return_sequences must be at least 1, got 0"),
     ({"stop_words": np.array([[b"\xff\xfe"]], np.object_)}, "stop_words is not UTF-8"),
+    ({"stop_words": np.array([[f"w{i}".encode() for i in range(65)]], np.object_)},
+     "stop_words takes at most 64 strings"),  # SamplingParams' own name for them is stop
 ])
 def test_bad_tensors_are_refused_naming_them(tensors, message):
     with pytest.raises(RequestError) as refused:
@@ -79,6 +81,20 @@ def test_valid_word_lists_become_id_sequences(tokenizer):
     assert params.stop_token_ids == ()
     assert params.bad_word_ids == (tuple(hi),) and params.bad_words == ()  # banned as ids, as TensorRT-LLM does
     assert params.ignore_eos
+
+
+def test_end_id_replaces_every_end_id_of_an_engine_with_several():
+    """TensorRT-LLM stops on the end_id it is sent alone: one of several end ids (Llama 3 Instruct's) is no
+    exception; sent the engine's only end id, nothing changes."""
+    def sent(end_id: int, eos: tuple[int, ...]):
+        values = {"input_ids": np.array([[5, 6]], np.int32), "request_output_len": np.array([[4]], np.int32),
+                  "end_id": np.array([[end_id]], np.int32)}
+        return token_request(values, eos_token_ids=eos, exclude_default=False, vocab_size=VOCAB).params
+
+    several = sent(7, (2, 7))
+    assert several.ignore_eos and several.stop_token_ids == (7,)
+    only = sent(2, (2,))
+    assert not only.ignore_eos and only.stop_token_ids == ()
 
 
 def test_invalid_utf8_text_is_refused():

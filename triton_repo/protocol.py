@@ -220,7 +220,9 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
     end_id = one(values, "end_id")
     if end_id is not None and end_id < -1:
         raise RequestError(f"end_id must be a token id or -1 (never stop on an end id), got {end_id}")
-    if end_id is not None and end_id not in eos_token_ids:  # end_id replaces the engine's eos; -1: never stop
+    # end_id replaces the engine's end ids (TensorRT-LLM stops on it alone, also where the model has several); -1:
+    # never stop on one
+    if end_id is not None and (end_id not in eos_token_ids or len(eos_token_ids) > 1):
         kwargs["ignore_eos"] = True
         if end_id >= vocab_size:
             raise RequestError(f"end_id {end_id} is outside this model's vocabulary [0, {vocab_size}); pass a "

@@ -47,15 +47,17 @@ TEXT_TO_TOKEN = {text: token for text, token, _ in SAMPLING} | {"max_tokens": "r
 # SamplingParams' names of what the token model takes under another, and the text models' names of the token model's
 PARAMS_TO_TOKEN = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "max_tokens": "request_output_len",
                    "bad_word_ids": "bad_words_list", "stop_word_ids": "stop_words_list", "logit_bias": "embedding_bias",
-                   "n": "num_return_sequences"}
+                   "n": "num_return_sequences", "stop": "stop_words"}
 TOKEN_TO_TEXT = {token: text for text, token in TEXT_TO_TOKEN.items() if token != text}
+OPENING_ONLY = ("n", "stop")  # also plain words: renamed only where they open the message
 
 
 def renamed(message: str, names: dict[str, str]) -> str:
-    """An error message with the input names in `names` (whole words; "n" only where it opens the message) renamed."""
-    words = [name for name in names if name != "n"]
+    """An error message with the input names in `names` renamed (whole words; OPENING_ONLY where they open it)."""
+    words = [name for name in names if name not in OPENING_ONLY]
     message = re.sub(rf"\b({'|'.join(map(re.escape, words))})\b", lambda m: names[m[1]], message)
-    return names["n"] + message[1:] if "n" in names and message.startswith("n ") else message
+    opening = next((name for name in OPENING_ONLY if name in names and message.startswith(f"{name} ")), None)
+    return names[opening] + message[len(opening):] if opening else message
 
 TOKEN_INPUTS = (
     _s("input_ids", "INT32", (-1,)),  # optional only for `stop` requests; checked by the model

@@ -166,7 +166,7 @@ class Scheduler:
     def _drafts(self, request: Request, room: int) -> list[int]:
         """Prompt lookup's drafts for a decode, within `room` more tokens of the step's budget and the blocks it
         holds or that are free (drafts never preempt); their blocks are taken."""
-        if request.params.prompt_logprobs is not None:
+        if request.wants_prompt_rows:  # a decode of a prompt whose rows are not all recorded yet (it has none)
             return []
         fit = (len(request.blocks) + self.blocks.num_free) * self.config.block_size - request.num_computed - 1
         limit = min(room, fit, request.params.max_tokens - len(request.output_ids) - 1)

@@ -206,6 +206,20 @@ def test_in_flight_batching_drafts_only_while_few_requests_run(engine_dir):
         PromptLookup(max_running=0)
 
 
+def test_a_request_asking_for_prompt_logprobs_drafts_once_they_are_recorded(engine_dir):
+    from camshaft.runtime.llm import LLM
+
+    params = SamplingParams(max_tokens=30, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    with LLM(engine_dir) as plain:
+        expected = plain.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    with LLM(engine_dir, prompt_lookup=4) as drafting:
+        got = drafting.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+        assert drafting.executor.accepted_draft_tokens > 0
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    (a,), (b,) = got.outputs, expected.outputs
+    assert a.prompt_logprobs == b.prompt_logprobs and a.prompt_logprobs and a.logprobs == b.logprobs
+
+
 def test_a_prompts_one_token_tail_is_fed_without_drafts(engine_dir):
     """A prompt of max_num_tokens + 1 tokens ends on a one-token chunk, scheduled beside decodes: it has no output
     yet to draft after (the batch loop failed on it)."""

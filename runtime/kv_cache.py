@@ -78,31 +78,67 @@ def host_available() -> int:
     return available if left is None else min(available, left)
 
 
-CGROUP = Path("/sys/fs/cgroup")  # a container's own cgroup (v2) where it has one
+CGROUP = Path("/sys/fs/cgroup")  # where the cgroup hierarchies are mounted (v2 at the root, v1 per controller)
+SELF_CGROUP = Path("/proc/self/cgroup")
+V1_NO_LIMIT = 2**62  # cgroup v1 writes "no limit" as the largest page multiple of a 64-bit long
 
 
-def cgroup_limit(root: Path | None = None) -> int | None:
+def _memory_cgroups(root: Path, self_cgroup: Path) -> list[tuple[Path, bool]]:
+    """The cgroups whose memory limit binds this process, (directory, v1), innermost first: its own (from
+    /proc/self/cgroup) and their ancestors under the mount; the mount's root itself where the process's path is not
+    there (a container's cgroup namespace mounts its own cgroup as the root)."""
     try:
-        limit = ((root or CGROUP) / "memory.max").read_text().strip()
+        lines = self_cgroup.read_text().splitlines()
     except OSError:
-        return None
-    return int(limit) if limit.isdigit() else None
+        lines = ["0::/"]
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3 or (parts[1] and "memory" not in parts[1].split(",")):
+            continue
+        v1 = bool(parts[1])
+        base = root / "memory" if v1 else root
+        own = base / parts[2].lstrip("/")
+        found += [(d, v1) for d in ([own, *own.parents[:len(own.relative_to(base).parts)]] if own.is_dir()
+                                    else [base])]
+    return found
 
 
-def cgroup_available(root: Path | None = None) -> int | None:
-    """Bytes the cgroup's limit leaves: the limit less what it holds, its reclaimable file cache not counted; None
-    without a limit."""
-    root = root or CGROUP
-    limit = cgroup_limit(root)
-    if limit is None:
+def _cgroup_memory(root: Path | None, self_cgroup: Path | None) -> list[tuple[int, int | None]]:
+    """(limit, bytes it leaves or None if unreadable) of each limited cgroup binding this process."""
+    found = []
+    for directory, v1 in _memory_cgroups(root or CGROUP, self_cgroup or SELF_CGROUP):
+        names = (("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file") if v1
+                 else ("memory.max", "memory.current", "inactive_file"))
+        try:
+            limit = (directory / names[0]).read_text().strip()
+        except OSError:
+            continue
+        if not limit.isdigit() or (v1 and int(limit) >= V1_NO_LIMIT):
+            continue
+        try:
+            used = int((directory / names[1]).read_text())
+            stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines()
+                        if line.count(" ") == 1)
+            left = max(0, int(limit) - used + int(stat.get(names[2], "0")))  # reclaimable file cache not counted
+        except (OSError, ValueError):
+            left = None
+        found.append((int(limit), left))
+    return found
+
+
+def cgroup_limit(root: Path | None = None, self_cgroup: Path | None = None) -> int | None:
+    """The lowest memory limit of the cgroups (v2 or v1) this process is in; None without one."""
+    return min((limit for limit, _ in _cgroup_memory(root, self_cgroup)), default=None)
+
+
+def cgroup_available(root: Path | None = None, self_cgroup: Path | None = None) -> int | None:
+    """Bytes the cgroups' limits leave: each limit less what its cgroup holds, its reclaimable file cache not
+    counted, the least of them; None without a limit (or where what a limited one holds cannot be read)."""
+    found = _cgroup_memory(root, self_cgroup)
+    if not found or any(left is None for _, left in found):
         return None
-    try:
-        current = int((root / "memory.current").read_text())
-        stat = dict(line.split() for line in (root / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
-    except (OSError, ValueError):
-        return None
-    reclaimable = int(stat.get("inactive_file", "0"))
-    return max(0, limit - current + reclaimable)
+    return min(left for _, left in found)
 
 
 def host_memory() -> int:

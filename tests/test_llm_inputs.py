@@ -67,6 +67,32 @@ def test_a_containers_cgroup_bounds_fractions_and_the_pool(tmp_path, monkeypatch
     assert host_available() == pytest.approx(psutil.virtual_memory().available, rel=0.2)
 
 
+def test_cgroup_v1_and_unnamespaced_v2_limits_bound_the_pool_too(tmp_path):
+    """A container on a cgroup v1 host (docker --memory) and a systemd service or job under cgroup v2 without its own
+    namespace (MemoryMax=): the limit is in the process's own cgroup (/proc/self/cgroup) or an ancestor, not at the
+    mount's root. Those were read as no limit: a fraction of the host's memory, a pool the kernel kills."""
+    own = tmp_path / "cgroup"
+    own.write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n")
+    v1 = tmp_path / "memory" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")  # the host's: no limit
+    (v1 / "memory.limit_in_bytes").write_text(f"{2**32}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    (v1 / "memory.stat").write_text(f"inactive_file 5\ntotal_inactive_file {2**28}\n")
+    assert kv_cache.cgroup_limit(tmp_path, own) == 2**32
+    assert kv_cache.cgroup_available(tmp_path, own) == 2**32 - 2**30 + 2**28
+    own.write_text("0::/system.slice/camshaft.service\n")
+    service = tmp_path / "system.slice" / "camshaft.service"
+    service.mkdir(parents=True)
+    (service / "memory.max").write_text("max\n")
+    (service / "memory.current").write_text(f"{2**29}\n")
+    (service / "memory.stat").write_text("inactive_file 0\n")
+    assert kv_cache.cgroup_limit(tmp_path, own) is None
+    for name, text in (("memory.max", f"{2**31}\n"), ("memory.current", f"{2**30}\n"), ("memory.stat", "x 1\n")):
+        (tmp_path / "system.slice" / name).write_text(text)  # the slice's limit binds the service in it
+    assert kv_cache.cgroup_limit(tmp_path, own) == 2**31 and kv_cache.cgroup_available(tmp_path, own) == 2**30
+
+
 @pytest.mark.parametrize("spec, message", [
     ("1.5", "neither a whole number"), (1.5, "neither"), (0.0, "a number of bytes a machine holds"),
     (float("nan"), "neither"), (float("inf"), "neither"), (0, "a number of bytes a machine holds"),

@@ -63,6 +63,19 @@ def test_a_tool_call_parser_is_for_the_openai_api_and_known(engine):
             "--chat-template renders chat messages for the OpenAI API")
 
 
+def test_the_default_pool_is_checked_against_the_memory_there_is_too(engine, tmp_path, monkeypatch):
+    """Unset, the pool holds max_batch_size full-length sequences: deploy warned and serve refused only a budget in
+    bytes; the default one was found too large by the model's process, after tritonserver had started."""
+    from camshaft.runtime import kv_cache
+
+    (tmp_path / "memory.max").write_text("4096\n")  # a container of 4 KiB: the tiny engine's default pool is more
+    monkeypatch.setattr(kv_cache, "CGROUP", tmp_path)
+    warned = invoke("deploy", "--engine", engine, "--repo", tmp_path / "repo")
+    assert warned.exit_code == 0 and "warning: the KV cache pool" in warned.output
+    assert "--kv-cache-memory" in warned.output and "kv_cache_memory" not in warned.output
+    refused(invoke("serve", "--engine", engine, "--api", "openai"), "is larger than this machine's 0.0 GiB")
+
+
 def test_deploy_names_its_own_flag_and_checks_a_byte_budget(engine, tmp_path, monkeypatch):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

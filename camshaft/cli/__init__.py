@@ -74,13 +74,17 @@ def progress(message: str) -> None:
 def flag_names(*names: str) -> Iterator[None]:
     """A RequestError raised inside names the flags the user typed (--max-batch-size), not the Python parameters
     (max_batch_size) the API it came from names."""
-    pattern = re.compile(r"(?<![-\w])(" + "|".join(map(re.escape, names)) + r")\b")
     try:
         yield
     except RequestError as exc:
-        message = pattern.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(exc))
-        message = re.sub(r"(--[\w-]+) / \1\b", r"\1", message)  # "kv_cache_memory / --kv-cache-memory", rewritten
-        raise type(exc)(message) from exc
+        raise type(exc)(flagged(str(exc), *names)) from exc
+
+
+def flagged(message: str, *names: str) -> str:
+    """`message` with the Python parameter `names` in it written as the flags the user typed."""
+    pattern = re.compile(r"(?<![-\w])(" + "|".join(map(re.escape, names)) + r")\b")
+    message = pattern.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+    return re.sub(r"(--[\w-]+) / \1\b", r"\1", message)  # "kv_cache_memory / --kv-cache-memory", rewritten
 
 
 _MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EMFILE,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from camshaft.cli import app, flag_names, progress
+from camshaft.cli import app, flag_names, flagged, progress
 from camshaft.errors import CamshaftError, needs_extra
 from camshaft.openai_server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from camshaft.runtime.llm_options import QUEUE_PER_BATCH
@@ -42,8 +42,8 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
                  ) -> dict:
     """The keyword arguments of camshaft.runtime.llm.LLM that servers take, checked now against the engine;
     max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available where
-    the engine loads. A pool in bytes larger than this machine's memory is refused when the engine `loads_here`,
-    else (deploy: a repository may be served elsewhere) said in a warning."""
+    the engine loads. A pool in bytes (or the default one) larger than this machine's memory is refused when the
+    engine `loads_here`, else (deploy: a repository may be served elsewhere) said in a warning."""
     from camshaft.errors import CapacityError
     from camshaft.manifest import read_manifest
     from camshaft.runtime.kv_cache import cache_copies, check_fits_host, memory_spec, pool_blocks
@@ -54,14 +54,16 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
         limits = check_llm_options(manifest.limits, policy=policy, max_batch_size=max_batch_size,
                                    max_num_tokens=max_num_tokens, max_queue=max_queue)
         memory = memory_spec(kv_cache_memory)
-        if isinstance(memory, int):  # bytes: checked now; a fraction depends on the machine that loads the engine
+        if not isinstance(memory, float):  # bytes, or the default pool: checked now; a fraction depends on the
+            # machine that loads the engine
             blocks = pool_blocks(manifest, limits.max_batch_size, memory, cache_copies(manifest))
             try:
                 check_fits_host(manifest, blocks)
             except CapacityError as exc:
                 if loads_here:
                     raise
-                typer.echo(f"warning: {exc}; the machine that serves this repository needs that much", err=True)
+                typer.echo(f"warning: {flagged(str(exc), *LLM_FLAGS)}; the machine that serves this repository "
+                           "needs that much", err=True)
     return {"kv_cache_memory": memory,
             "max_queue": QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue,
             "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy,

@@ -12,7 +12,7 @@ from camshaft.errors import EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.manifest import Manifest, read_manifest
 from camshaft.runtime.engine import check_tokenizer_files
-from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, pool_blocks
+from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, host_memory, pool_blocks
 
 TARGET_DEVICES = {"onnxruntime": "CPU", "tensorrt": "datacenter NVIDIA GPU", "tensorrt-rtx": "NVIDIA RTX GPU"}
 
@@ -50,7 +50,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         except EngineError:
             m, files_ok = read_manifest(engine_dir, check_files=False, check_digest=False), False
     c, limits, kv = m.model, m.limits, m.kv_cache
-    per_block = bytes_per_block(m)
+    per_block = bytes_per_block(m) * cache_copies(m)  # the memory a block takes (TensorRT: two buffers a cache)
     quant = m.quantization or {}
     sequence = m.sequence_graph
     if sequence is None and m.target == "onnxruntime":
@@ -85,7 +85,8 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                    "max_num_tokens": limits.max_num_tokens, "kv_block_size": limits.kv_block_size},
         "kv_cache": {"dtype": kv.dtype, "bytes_per_token": per_block // limits.kv_block_size,
                      "bytes_per_sequence": per_block * limits.max_blocks_per_seq,
-                     "default_pool_bytes": pool_blocks(m, limits.max_batch_size) * per_block * cache_copies(m)},
+                     "default_pool_bytes": pool_blocks(m, limits.max_batch_size) * per_block,
+                     "host_memory": host_memory() if m.target == "onnxruntime" else None},
         "files": len(m.files),
         "bytes_listed": sum(m.files.values()),
         "files_as_built": files_ok,
@@ -134,7 +135,9 @@ def info_lines(info: dict[str, Any]) -> list[str]:
         f"limits      max_batch_size {lim['max_batch_size']}, max_seq_len {lim['max_seq_len']}, max_num_tokens "
         f"{lim['max_num_tokens']}, KV blocks of {lim['kv_block_size']} tokens",
         f"KV cache    {kv['dtype']}, {kv['bytes_per_token']} bytes a token ({_size(kv['bytes_per_sequence'])} a full "
-        f"sequence); default pool {_size(kv['default_pool_bytes'])} (max_batch_size full sequences)",
+        f"sequence); default pool {_size(kv['default_pool_bytes'])} (max_batch_size full sequences)"
+        + (f", more than this machine's {_size(kv['host_memory'])}: pass a smaller kv_cache_memory or max_batch_size"
+           if kv["host_memory"] is not None and kv["default_pool_bytes"] > kv["host_memory"] else ""),
         f"files       {info['files']}, {_size(info['bytes_listed'])}"
         + ((", sizes and fingerprints as the build recorded them" if info["fingerprinted"] else
             f", sizes as the build recorded them (format {info['format_version']} records no fingerprints)")

@@ -200,6 +200,14 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
                                                                                       "chat_template.jinja"))
     text = invoke("inspect", "--engine", engine)
     assert "runs here   yes" in text.output and f"{c.num_layers} layers" in text.output
+    assert info["kv_cache"]["host_memory"] > info["kv_cache"]["default_pool_bytes"] and "more than" not in text.output
+    from camshaft.runtime import kv_cache
+
+    with pytest.MonkeyPatch.context() as patch:  # a container of 4 KiB: its default pool would not fit
+        (tmp_path / "memory.max").write_text("4096\n")
+        patch.setattr(kv_cache, "CGROUP", tmp_path)
+        small = invoke("inspect", "--engine", engine).output
+    assert "more than this machine's 4.0 KiB: pass a smaller kv_cache_memory or max_batch_size" in small
     assert info["fingerprinted"] and "sizes and fingerprints as the build recorded them" in text.output
     assert info["model"]["rope"]["type"] == "default" and ", rope " not in text.output
     broken = tmp_path / "broken"

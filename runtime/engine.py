@@ -47,8 +47,11 @@ def load_tokenizer(engine_dir: Path, files: Iterable[str] | None = None):
 
 
 def end_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
-    """The model's end ids (generation config), else the tokenizer's eos."""
-    return tuple(config.eos_token_ids) or tuple([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    """The model's end ids (generation config) and the tokenizer's eos, as vLLM and TGI stop on both (a fine-tune's
+    config may keep its base's <|endoftext|> while its chat template ends turns with the tokenizer's <|im_end|>)."""
+    eos = tokenizer.eos_token_id
+    extra = (eos,) if isinstance(eos, int) and 0 <= eos < config.vocab_size and eos not in config.eos_token_ids else ()
+    return (*config.eos_token_ids, *extra)
 
 
 class Engine:

@@ -68,6 +68,22 @@ def test_a_llama_class_tokenizer_encodes_as_transformers_does(tiny, tmp_path):
         assert session.encode(messages=messages) == expected
 
 
+def test_the_tokenizers_eos_ends_generation_beside_the_configs_end_ids(tiny, tmp_path):
+    """A fine-tune whose config keeps its base's end id while its tokenizer (and chat template) ends turns with
+    another: vLLM and TGI stop on both; camshaft ran on past the tokenizer's to max_tokens."""
+    from camshaft.runtime.sampling_params import SamplingParams
+
+    model = copy_of(tiny, tmp_path)
+    for name in ("config.json", "generation_config.json"):
+        data = json.loads((model / name).read_text())
+        (model / name).write_text(json.dumps({**data, "eos_token_id": 1}))
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64, kv_block_size=4))
+    with Session(tmp_path / "engine") as session:
+        assert session.engine.eos_token_ids == (1, 2)  # the config's, then the tokenizer's <|im_end|>
+        ended = session.generate([5, 6, 7], SamplingParams(max_tokens=8, logit_bias={2: 100.0}))
+    assert ended.token_ids == [2] and ended.finish_reason == "stop"
+
+
 def test_a_tokenizer_that_cannot_load_is_refused_before_the_graph(tiny, tmp_path, monkeypatch):
     from camshaft.builder import build
 

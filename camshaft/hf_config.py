@@ -56,10 +56,16 @@ class Fields:
 
 
 def architecture(hf: dict[str, Any], source: str) -> str:
-    if hf.get("auto_map"):
+    auto_map = hf.get("auto_map")
+    models = sorted(k for k in auto_map if k.startswith("AutoModel")) if isinstance(auto_map, dict) else auto_map
+    if models:  # custom model code; an auto_map of tokenizer or config classes alone changes no weights' meaning
+        native = [a for a in (hf.get("architectures") or []) if isinstance(a, str) and a in ARCHITECTURES]
+        also = (f" Its architectures name {native[0]}, which camshaft builds natively (as transformers loads it "
+                "without trust_remote_code): if that is the model, remove auto_map from config.json to build it."
+                if native else f" Use a checkpoint of a supported architecture: {', '.join(ARCHITECTURES)}")
         raise UnsupportedModelError(
-            f"{source} asks for custom modelling code (auto_map / trust_remote_code); camshaft never runs code from a "
-            f"checkpoint. Use a checkpoint of a supported architecture: {', '.join(ARCHITECTURES)}")
+            f"{source} asks for custom modelling code (auto_map {models!r:.120} / trust_remote_code); camshaft never "
+            f"runs code from a checkpoint.{also}")
     archs = hf.get("architectures") or []
     if not isinstance(archs, list):
         raise CheckpointError(f"{source}: architectures must be a list of class names, not {archs!r}")

@@ -498,8 +498,13 @@ def test_remote_code_checkpoints_are_refused(built, tmp_path):
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="never runs code from a checkpoint"):
+    with pytest.raises(CheckpointError, match=f"never runs code from a checkpoint. Its architectures name "
+                                              f"{config['architectures'][0]}, which camshaft builds natively"):
         build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine"))
+    config["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoTokenizer": [None, "tok.Tok"]}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))  # no model code: native weights
+    build_engine(BuildConfig(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=64))
+    assert (tmp_path / "engine" / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("edit", [

@@ -44,16 +44,8 @@ def server(engine_dir):
          str(engine_dir), "--port", str(port), "--max-queue", "64"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert process.poll() is None, process.communicate()[1]
-        try:
-            return HTTP.get(url + "/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_until(up, timeout=60)
+        wait_until(lambda: _up(process, url), timeout=60)
         yield process, url
     finally:
         if process.poll() is None:
@@ -136,3 +128,55 @@ def test_healthy_after_load_then_sigterm_stops_cleanly(server, engine_dir):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr and "stopped" in stderr
+
+
+def test_requests_still_running_when_the_stop_window_ends_get_openais_error_shape(tmp_path):
+    """SIGTERM gives open requests GRACEFUL_SHUTDOWN_S to finish; those still running then end as "server stopped":
+    a stream's error event and [DONE], a 503 in OpenAI's shape (uvicorn cut streams mid-chunk and answered a plain
+    "Internal Server Error", logging a traceback for each)."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path / "hf", max_position_embeddings=32768)
+    build_engine(BuildConfig(model, tmp_path / MODEL, max_seq_len=32768, max_num_tokens=256, max_batch_size=4))
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from camshaft.cli import main; main()", "serve", "--api", "openai", "--engine",
+         str(tmp_path / MODEL), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 30000, "ignore_eos": True}
+
+    async def stream(client: httpx.AsyncClient) -> list[str]:
+        async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as response:
+            return [line async for line in response.aiter_lines() if line.startswith("data:")]
+
+    async def run() -> tuple[list[list[str]], httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            tasks = [asyncio.create_task(stream(client)) for _ in range(3)]
+            whole = asyncio.create_task(client.post(url + "/v1/completions", json=body))
+            while metric(url, "camshaft_num_requests_running") < 4:
+                await asyncio.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks), await whole
+
+    try:
+        wait_until(lambda: _up(process, url), timeout=60)
+        streams, whole = asyncio.run(run())
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    for events in streams:
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][5:])["error"]["code"] == "server_stopped"
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == "server_stopped"
+    assert process.returncode == 0 and "Traceback" not in stderr and "stopped" in stderr
+
+
+def _up(process: subprocess.Popen, url: str) -> bool:
+    assert process.poll() is None, process.communicate()[1]
+    try:
+        return HTTP.get(url + "/health").status_code == 200
+    except httpx.TransportError:
+        return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from camshaft.openai_server.app import create_app
 from camshaft.runtime.llm import LLM
 from camshaft.stop_signals import Stops
 
-GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish before they are cut
+GRACEFUL_SHUTDOWN_S = 5  # open requests get this long to finish; then those left end as "server stopped" (a 503, or
+FLUSH_S = 2  # a stream's error event and [DONE]), with this long to send that before uvicorn cuts what remains
 
 
 def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_level: str = "info",
@@ -27,7 +29,7 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
     try:
         app = create_app(llm, model_name or Path(engine).resolve().name, api_key, tool_call_parser)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + FLUSH_S, lifespan="off")
         return uvicorn.Server(config), llm
     except BaseException:
         llm.close()
@@ -58,6 +60,8 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
         announced = False
         while thread.is_alive():
             thread.join(0.2)
+            if stops.times and time.monotonic() - stops.times[0] > GRACEFUL_SHUTDOWN_S and llm.alive:
+                llm.close()  # what still runs ends with ServerClosedError: each handler answers it in OpenAI's shape
             if server.started and not announced:
                 announced = True
                 log(f"OpenAI API for model {model_name!r} at http://{host}:{port}/v1 "

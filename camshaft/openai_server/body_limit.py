@@ -1,5 +1,6 @@
 """Request bodies are read whole, within a size and a time limit, before the app sees them: a body too large is a 413
-and one that trickles in too slowly a 408, both as OpenAI-style errors, instead of memory or a connection held."""
+and one that trickles in too slowly a 408, both as OpenAI-style errors, instead of memory or a connection held (the
+header phase before it has no limit here: docs/openai.md)."""
 
 from __future__ import annotations
 

@@ -128,6 +128,7 @@ def test_healthy_after_load_then_sigterm_stops_cleanly(server, engine_dir):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr and "stopped" in stderr
+    assert "KV cache: 2048 blocks of 32 tokens (" in stderr and "16 sequences of 4096 tokens at once" in stderr
 
 
 def test_requests_still_running_when_the_stop_window_ends_get_openais_error_shape(tmp_path):

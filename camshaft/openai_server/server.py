@@ -12,6 +12,7 @@ import uvicorn
 
 from camshaft.errors import CamshaftError
 from camshaft.openai_server.app import create_app
+from camshaft.runtime.kv_cache import bytes_per_block, cache_copies
 from camshaft.runtime.llm import LLM
 from camshaft.stop_signals import Stops
 
@@ -34,6 +35,16 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
     except BaseException:
         llm.close()
         raise
+
+
+def pool_line(llm: LLM) -> str:
+    """What the KV pool holds, as vLLM says at start ("# blocks", the largest concurrency at full length)."""
+    manifest = llm.engine.manifest
+    limits, blocks = manifest.limits, llm.config.num_blocks - 1  # usable: block 0 is the null block
+    size = llm.config.num_blocks * bytes_per_block(manifest) * cache_copies(manifest)
+    return (f"KV cache: {blocks} blocks of {limits.kv_block_size} tokens ({size / 2**30:.2f} GiB): "
+            f"{blocks // limits.max_blocks_per_seq} sequences of {limits.max_seq_len} tokens at once, more when "
+            "shorter")
 
 
 def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None],
@@ -67,6 +78,7 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
                 log(f"OpenAI API for model {model_name!r} at http://{host}:{port}/v1 "
                     f"(health: /health, metrics: /metrics{'; an API key required' if api_key else ''}); Ctrl-C "
                     "stops it")
+                log(pool_line(llm))
                 if defaults := llm.engine.manifest.model.sampling_defaults:
                     log("requests that leave them out sample as the model's generation_config.json says: "
                         + ", ".join(f"{key}={value:g}" for key, value in defaults))

@@ -47,6 +47,7 @@ SEQUENCE_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("seqlens_k", "int32", (1,)),
     TensorSpec("total_sequence_length", "int32", ()),
     TensorSpec("num_logits", "int64", (1,)),
+    TensorSpec("greedy", "bool", ()),  # a float head's greedy shortcut (builder/graph/screen.py); older engines lack it
 )
 
 
@@ -112,6 +113,11 @@ class SequenceGraph(CacheTensors):
     def checks_drafts(self) -> bool:
         """Whether it returns logits for several last tokens (`num_logits`): engines built before have one row."""
         return any(spec.name == "num_logits" for spec in self.inputs)
+
+    @property
+    def screens_greedy(self) -> bool:
+        """Whether a greedy step may take the float head's certified shortcut (the `greedy` input)."""
+        return any(spec.name == "greedy" for spec in self.inputs)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SequenceGraph:

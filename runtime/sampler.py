@@ -110,6 +110,11 @@ class SequenceSampler:
         self._early_stop_ids = np.array(sorted(early_stops), dtype=np.int64)
 
     @property
+    def plain_greedy(self) -> bool:
+        """The next token is the raw logits' argmax and nothing else of them is read (no log-probs)."""
+        return self.params.greedy and self.params.logprobs is None and not self._transforms_logits
+
+    @property
     def _transforms_logits(self) -> bool:
         return bool(self._seen is not None or self._output_counts is not None or self._always_banned.size
                     or self._bias.size or self.guide is not None
@@ -207,8 +212,7 @@ def logprob_of(raw_row: np.ndarray, token: int, alternatives: int) -> SampleResu
 def sample_batch(samplers: Sequence[SequenceSampler], logits: np.ndarray) -> list[SampleResult | Exception]:
     """Sample row i of logits [batch, vocab] with samplers[i]; plain greedy rows share one vectorised argmax. A row
     that cannot be sampled gets its exception in its place, so one request's error never stops the others."""
-    plain = [i for i, s in enumerate(samplers)
-             if s.params.greedy and s.params.logprobs is None and not s._transforms_logits]
+    plain = [i for i, s in enumerate(samplers) if s.plain_greedy]
     results: list[SampleResult | None] = [None] * len(samplers)
     if plain:
         tokens = np.argmax(logits, axis=1)  # all rows: cheaper than gathering the plain ones

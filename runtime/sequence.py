@@ -83,6 +83,10 @@ class SequenceEngine:
         if self.max_rows > 1:
             self._values.append(ort.OrtValue.ortvalue_from_numpy(self._rows_wanted))
             self.binding.bind_ortvalue_input("num_logits", self._values[-1])
+        self._greedy = np.zeros((), dtype=np.bool_)  # a float head's certified greedy shortcut (screen.py), per step
+        if self.layout.screens_greedy:
+            self._values.append(ort.OrtValue.ortvalue_from_numpy(self._greedy))
+            self.binding.bind_ortvalue_input("greedy", self._values[-1])
         self._all_logits = np.empty((self.max_rows, m.model.vocab_size), dtype=np.float32)
         self._bind_logits(1)
         self._length = 0
@@ -182,6 +186,11 @@ class SequenceEngine:
         self._seqlens[0] = total - 1
         self._total[()] = total
 
+    def screen(self, greedy: bool) -> None:
+        """Whether the next steps' logits only need their argmax (plain greedy, nothing transforming the logits): a
+        float head then gives the best rows' logits and −inf elsewhere (builder/graph/screen.py), the same argmax."""
+        self._greedy[()] = greedy
+
     def finish(self) -> None:
         self._length = 0
 
@@ -229,6 +238,9 @@ class BatchGraphSequence:
     def feed_rows(self, tokens: list[int], start: int, rows: int) -> np.ndarray:
         """As SequenceEngine.feed_rows (the paged cache's positions from `start` on are written again)."""
         return self.engine.step([Chunk(tokens, start, self.blocks, num_logits=rows)])
+
+    def screen(self, greedy: bool) -> None:
+        """The batch graph has no shortcut: its logits are whole."""
 
     def finish(self) -> None:
         self.engine.pool.free(self.blocks)

@@ -201,6 +201,7 @@ class Session:
             budget = engine.limits.max_num_tokens
             prompt = request.prompt_ids
             logits = None
+            engine.screen(request.sampler.plain_greedy)
             while request.num_computed < len(prompt):
                 start = request.num_computed
                 piece = prompt[start: start + budget]
@@ -216,6 +217,7 @@ class Session:
                 if request.finished:
                     return request.result()
                 self._check_open()
+                engine.screen(request.sampler.plain_greedy)  # min_tokens' ban ends: from then on it may
                 logits = engine.feed([request.output_ids[-1]], request.num_computed, copy=False)
                 request.num_computed += 1
         finally:
@@ -248,6 +250,7 @@ class Session:
             limit = min(largest, request.params.max_tokens - len(request.output_ids) - 1)
             drafts = self.prompt_lookup.propose(context[:request.num_tokens], limit)
             fed_at, tokens = request.num_computed, [request.output_ids[-1], *drafts]
+            self.engine.screen(request.sampler.plain_greedy)
             rows = self.engine.feed_rows(tokens, fed_at, len(tokens))
 
     def _check_open(self) -> None:

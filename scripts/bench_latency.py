@@ -89,6 +89,7 @@ def decode_breakdown(camshaft: CamshaftSystem, repeats: int, reference_ids: list
         engine.start(len(prompt) + new_tokens)
         try:
             sampler = SequenceSampler(params, prompt, engine.eos_token_ids, [], session.manifest.model.vocab_size)
+            engine.screen(sampler.plain_greedy)  # as the Session does: a float head's greedy shortcut
             text = TextStream(session.tokenizer, prompt)
             token = sampler.sample(engine.feed(prompt, 0)).token_id
             ids = [token]

@@ -58,24 +58,28 @@ def test_manifest_records_the_contract(built):
     assert set(m.fingerprints) == set(m.files) and len(m.build_id) == 32 and m.format_version == ENGINE_FORMAT_VERSION
     seq = m.sequence_graph
     assert seq.artifact == "sequence.onnx" and [t.name for t in seq.inputs] == [
-        "input_ids", "seqlens_k", "total_sequence_length", "num_logits"]
+        "input_ids", "seqlens_k", "total_sequence_length", "num_logits", "greedy"]
     assert len(seq.key_inputs) == len(seq.value_outputs) == m.model.num_layers
     assert seq.bytes_per_token(4) == 2 * m.model.num_layers * m.model.num_kv_heads * m.model.head_dim * 4
 
 
 def test_the_sequence_graph_stores_no_weight_twice(built):
     """A float engine's sequence graph reads every weight from the batch graph's data file (gate/up joined by a
-    Concat folded at load), so the engine is no larger than its batch graph."""
+    Concat folded at load), so the engine is no larger than its batch graph but for the head's int8 screen."""
     _, engine = built
     graph = onnx.load(engine / "sequence.onnx", load_external_data=False).graph
     external = {t.name: {e.key: e.value for e in t.external_data} for t in graph.initializer
                 if t.data_location == onnx.TensorProto.EXTERNAL}
     shared = [n for n, e in external.items() if e["location"] == "model.onnx.data"]
-    own = [e for e in external.values() if e["location"] == "sequence.onnx.data"]
+    screen = {n: int(e["length"]) for n, e in external.items() if n.startswith("lm_head.screen_")}
+    own = [e for n, e in external.items() if e["location"] == "sequence.onnx.data" and n not in screen]
     assert len(shared) > 10 and "embed_tokens" in shared
+    c = read_manifest(engine).model
+    assert screen["lm_head.screen_codes"] == c.vocab_size * c.hidden_size  # int8: a quarter of the float head
     # only tensors the batch artifact keeps inside its proto (ORT saves those under 1 KB inline) have a copy
     assert all(int(e["length"]) < 1024 for e in own)
-    assert (engine / "sequence.onnx.data").stat().st_size < 1024 * len(own) + 64
+    assert (engine / "sequence.onnx.data").stat().st_size < 1024 * len(own) + sum(screen.values()) + 64 * (
+        len(screen) + 1)
     assert sum(node.op_type == "Concat" for node in graph.node) >= read_manifest(engine).model.num_layers
 
 
@@ -561,6 +565,9 @@ def _edited(copy, edit) -> None:
     (lambda m: m["sequence_graph"].update(inputs=[s for s in m["sequence_graph"]["inputs"]
                                                   if s["name"] != "num_logits"]), Session,
      "inputs differ from its manifest's .*num_logits"),
+    (lambda m: m["sequence_graph"].update(inputs=[s for s in m["sequence_graph"]["inputs"]
+                                                  if s["name"] != "greedy"]), Session,
+     "inputs differ from its manifest's .*greedy"),
     (lambda m: m["model"].update(layer_types=["sliding"] * len(m["model"]["layer_types"]), sliding_window=4), Engine,
      "has sliding-window layers but its graph inputs say otherwise"),
     (lambda m: m["model"].update(eos_token_ids=["2"]), Engine, "end and bos ids .* must be token ids"),

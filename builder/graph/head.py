@@ -51,6 +51,7 @@ class Head:
         self.record: dict = {"dtype": "float"}
         self.shares_embedding = config.tie_word_embeddings and lm_head != "float" and not linears.qdq
         self._table: str | None = None  # the float embedding table, once written
+        self._float_head: str | None = None  # an untied float head's weight, once written
         self._quantized: QuantizedLinear | None = None
         self._tensors: tuple[str, str] | None = None  # the head's MatMulNBits tensors, once written
         self._scales: np.ndarray | None = None  # their scales, flat
@@ -81,12 +82,12 @@ class Head:
         linears, c = self.linears, self.c
         g = linears.g
         if self.dtype == "float":
-            if linears.quantized("lm_head", c.vocab_size, c.hidden_size) is not None:  # not in exclude_modules
+            if linears.quantized("lm_head", c.vocab_size, c.hidden_size) is not None \
+                    and "lm_head" not in linears.dequantized:  # not in exclude_modules
                 linears.dequantized.append("lm_head")  # its dequantized weight (or the tied table) is the head
             if c.tie_word_embeddings:
                 return g.op("Gemm", [x, self.table()], transB=1)
-            return g.op("MatMul", [x, g.weight("lm_head", linears.float_weight("lm_head.weight",
-                                                                             (c.vocab_size, c.hidden_size)))])
+            return g.op("MatMul", [x, self.float_head()])
         fmt = LM_HEAD_FORMATS[self.dtype]
         q = self.quantized()
         if linears.qdq:
@@ -111,6 +112,21 @@ class Head:
                        "float_channels": list(self.channels),
                        "embedding": "the head's tensors (GatherBlockQuantized)" if self.shares_embedding else "float"}
         return y
+
+    def float_head(self) -> str:
+        """An untied float head's weight [hidden, vocab] (MatMul's layout), once written."""
+        if self._float_head is None:
+            c = self.c
+            weight = self.linears.float_weight("lm_head.weight", (c.vocab_size, c.hidden_size))
+            self._float_head = self.linears.g.weight("lm_head", weight)
+        return self._float_head
+
+    def float_rows(self, ids: str) -> str:
+        """A float head's rows `ids` [N, K] as [N, K, hidden], read from the tensor the head itself reads."""
+        g = self.linears.g
+        if self.c.tie_word_embeddings:
+            return g.op("Gather", [self.table(), ids], axis=0)
+        return g.op("Transpose", [g.op("Gather", [self.float_head(), ids], axis=1)], perm=[1, 2, 0])
 
     def table(self) -> str:
         if self._table is None:

@@ -104,16 +104,20 @@ class GraphWriter:
 
     def branch(self, cond: str, lower: Callable[[], str], otherwise: str, elem_type: int) -> str:
         """An If on `cond`: the nodes `lower` writes run only when it holds; else the value `otherwise`."""
+        return self.branches(cond, lower, lambda: self.op("Identity", [otherwise]), elem_type)
+
+    def branches(self, cond: str, lower: Callable[[], str], otherwise: Callable[[], str], elem_type: int) -> str:
+        """An If on `cond`: the nodes `lower` writes run when it holds, those `otherwise` writes when not."""
+        then, other = (self._subgraph(write, name, elem_type) for write, name in ((lower, "then"), (otherwise, "else")))
+        return self.op("If", [cond], then_branch=then, else_branch=other)
+
+    def _subgraph(self, write: Callable[[], str], name: str, elem_type: int) -> onnx.GraphProto:
         outer, self.nodes = self.nodes, []
         try:
-            out = lower()
+            out = write()
         finally:
             inner, self.nodes = self.nodes, outer
-        then = helper.make_graph(inner, self._name("then"), [], [helper.make_tensor_value_info(out, elem_type, None)])
-        other_out = self._name("otherwise")
-        other = helper.make_graph([helper.make_node("Identity", [otherwise], [other_out])], self._name("else"), [],
-                                  [helper.make_tensor_value_info(other_out, elem_type, None)])
-        return self.op("If", [cond], then_branch=then, else_branch=other)
+        return helper.make_graph(inner, self._name(name), [], [helper.make_tensor_value_info(out, elem_type, None)])
 
     def op_to(self, op_type: str, inputs: list[str], output: str, **attrs) -> str:
         self.nodes.append(helper.make_node(op_type, inputs, [output], name=self._name(op_type), **attrs))

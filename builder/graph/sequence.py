@@ -26,15 +26,18 @@ from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.layer_ops import LayerOps
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter
+from camshaft.builder.graph.screen import screened_logits, screened_rows
 from camshaft.io_signature import SEQUENCE_INPUTS, SequenceGraph
 from camshaft.manifest import BuildLimits
 from camshaft.model_config import ModelConfig
 
 
-def sequence_layout(config: ModelConfig, artifact: str) -> SequenceGraph:
+def sequence_layout(config: ModelConfig, artifact: str, lm_head: str = "float") -> SequenceGraph:
     names = SequenceGraph.names(config.num_layers, "past_key_{}", "past_value_{}", "present_key_{}",
                                 "present_value_{}")
-    return SequenceGraph(config.num_kv_heads, config.head_dim, **names, artifact=artifact, inputs=SEQUENCE_INPUTS)
+    screens = lm_head == "float" and screened_rows(config.vocab_size) > 0  # screen.py: a float head's greedy steps
+    inputs = SEQUENCE_INPUTS if screens else tuple(s for s in SEQUENCE_INPUTS if s.name != "greedy")
+    return SequenceGraph(config.num_kv_heads, config.head_dim, **names, artifact=artifact, inputs=inputs)
 
 
 class SequenceLowering(LayerOps):
@@ -81,7 +84,12 @@ class SequenceLowering(LayerOps):
             following = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < c.num_layers else "model.norm.weight"
             x, residual = self.skip_norm(down, residual, following)
         rows = g.op("Slice", [x, g.op("Neg", ["num_logits"]), g.ints([np.iinfo(np.int64).max]), g.ints([1])])
-        logits = self.head.lower(g.op("Squeeze", [rows, g.ints([0])]))  # the last num_logits tokens': [N, vocab]
+        last = g.op("Squeeze", [rows, g.ints([0])])  # the last num_logits tokens' hidden states: [N, hidden]
+        if kv.screens_greedy:
+            logits = screened_logits(g, last, self.head.weight().astype(np.float32), self.head.float_rows, "greedy",
+                                     lambda: self.head.lower(last))
+        else:
+            logits = self.head.lower(last)
         g.op_to("Identity", [logits], "logits")
         g.output("logits", TensorProto.FLOAT, ["N", c.vocab_size])
         for name in kv.key_outputs + kv.value_outputs:

@@ -18,8 +18,8 @@ def bytes_per_block(manifest: Manifest) -> int:
     return manifest.kv_cache.bytes_per_block(itemsize)
 
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50, "EIB": 2**60}
 _MEMORY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*([A-Za-z]*)")
 MEMORY_HELP = ("bytes, optionally with a unit (1000000, 1e9, 512MiB, 2GB), or a fraction of the memory available once "
                "the engine's weights are loaded: "

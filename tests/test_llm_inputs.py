@@ -35,7 +35,8 @@ def engine_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("spec, expected", [
     (4096, 4096), ("4096", 4096), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 KiB", 1536), ("64kb", 64_000),
-    ("1e9", 10**9), (2e9, 2 * 10**9), ("2.0", 2), ("1", 1), ("1e0", 1), (np.int64(4096), 4096), (None, None),
+    ("1e9", 10**9), (2e9, 2 * 10**9), ("1EiB", 2**60), ("2PB", 2 * 10**15), ("2.0", 2), ("1", 1), ("1e0", 1),
+    (np.int64(4096), 4096), (None, None),
 ])
 def test_memory_in_bytes(spec, expected):
     assert memory_spec(spec) == expected

@@ -11,7 +11,7 @@ from camshaft.engine_files import TOKENIZER_DIR
 from camshaft.errors import EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.manifest import Manifest, read_manifest
-from camshaft.runtime.engine import check_tokenizer_files
+from camshaft.runtime.engine import check_tokenizer_files, end_ids, load_tokenizer
 from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, host_memory, pool_blocks
 
 TARGET_DEVICES = {"onnxruntime": "CPU", "tensorrt": "datacenter NVIDIA GPU", "tensorrt-rtx": "NVIDIA RTX GPU"}
@@ -91,13 +91,21 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "bytes_listed": sum(m.files.values()),
         "files_as_built": files_ok,
         "fingerprinted": bool(m.fingerprints),
-        "eos_token_ids": list(c.eos_token_ids),
+        "eos_token_ids": _end_ids(engine_dir, m) if reason is None else list(c.eos_token_ids),
         "chat_template": (engine_dir / TOKENIZER_DIR / "chat_template.jinja").is_file()
         or _tokenizer_config(engine_dir).get("chat_template") is not None,
         "tools": dict(m.tools),
         "runs_here": reason is None,
         "runs_here_reason": reason,
     }
+
+
+def _end_ids(engine_dir: Path, manifest: Manifest) -> list[int]:
+    """The ids generation ends on: the model's and its tokenizer's eos (runtime/engine.py end_ids)."""
+    try:
+        return list(end_ids(manifest.model, load_tokenizer(engine_dir)))
+    except EngineError:
+        return list(manifest.model.eos_token_ids)
 
 
 def _tokenizer_config(engine_dir: Path) -> dict[str, Any]:

@@ -82,6 +82,9 @@ def test_the_tokenizers_eos_ends_generation_beside_the_configs_end_ids(tiny, tmp
         assert session.engine.eos_token_ids == (1, 2)  # the config's, then the tokenizer's <|im_end|>
         ended = session.generate([5, 6, 7], SamplingParams(max_tokens=8, logit_bias={2: 100.0}))
     assert ended.token_ids == [2] and ended.finish_reason == "stop"
+    from camshaft.runtime.engine_info import engine_info
+
+    assert engine_info(tmp_path / "engine")["eos_token_ids"] == [1, 2]  # what inspect says it ends on
 
 
 def test_a_tokenizer_that_cannot_load_is_refused_before_the_graph(tiny, tmp_path, monkeypatch):

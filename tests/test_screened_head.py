@@ -5,6 +5,7 @@ head's best rows (its logits, −inf elsewhere: the same argmax); an uncertain s
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -54,6 +55,25 @@ def test_a_certified_greedy_step_gives_the_float_heads_best_rows(engine_dir):
         assert np.abs(screened[kept] - whole[kept]).max() <= 1e-5 * np.abs(whole).max()
         assert all(whole[r][kept[r]].max() == whole[r].max() for r in range(rows))  # no row left out is better
     engine.close()
+
+
+def test_the_screen_multiplies_uint8_by_uint8():
+    """uint8 x int8 products sum pairs in int16 with saturation on x86 CPUs without VNNI (ONNX Runtime's AVX2
+    kernel): the bound would not hold there. uint8 x uint8 (zero points 128) is exact everywhere."""
+    from onnx import TensorProto
+
+    from camshaft.builder.graph.ops import GraphWriter
+    from camshaft.builder.graph.screen import screened_logits
+
+    head = np.random.default_rng(0).standard_normal((256, 32)).astype(np.float32)
+    with open(os.devnull, "wb") as data:
+        g = GraphWriter(data, "screen.data")
+        screened_logits(g, "x", head, lambda ids: g.op("Identity", [ids]), "greedy", lambda: g.op("Identity", ["x"]))
+    codes = next(t for t in g.initializers if t.name == "lm_head.screen_codes")
+    assert codes.data_type == TensorProto.UINT8
+    nodes = [n for top in g.nodes for attr in top.attribute if attr.g.node for n in attr.g.node]
+    (product,) = [n for n in nodes if n.op_type == "MatMulInteger"]
+    assert product.input[1] == codes.name and len(product.input) == 4  # both zero points given
 
 
 def test_session_outputs_are_the_float_heads_whatever_reads_the_logits(engine_dir):

@@ -36,15 +36,10 @@ def screened_logits(g: GraphWriter, x: str, head: np.ndarray, rows_of: str, gree
     matrix [vocab, hidden] and `rows_of(ids)` gathers its rows [N, K, hidden] in float."""
     vocab = head.shape[0]
     k = screened_rows(vocab)
-    scale = np.abs(head).max(axis=1) / 127
-    scale[scale == 0] = 1
-    codes = np.clip(np.rint(head / scale[:, None]), -127, 127).astype(np.int8)
-    rounded = codes.astype(np.float32) * scale[:, None].astype(np.float32)
-    error_norm = np.linalg.norm(head.astype(np.float64) - rounded, axis=1)
-    rounded_norm = np.linalg.norm(rounded.astype(np.float64), axis=1)
+    scale, codes, error_norm, rounded_norm = _rounded_head(head)
 
     def screen() -> str:
-        table = g.weight("lm_head.screen_codes", np.ascontiguousarray(codes.T))  # [hidden, vocab] int8
+        table = g.weight("lm_head.screen_codes", np.ascontiguousarray(codes.T))  # [hidden, vocab]
         codes_x, scales_x, rest = [], [], x
         for _ in range(2):  # x, then what its rounding left: a hidden state's outliers set a coarse first scale
             step = g.op("Max", [g.op("Div", [g.op("ReduceMax", [g.op("Abs", [rest])], keepdims=0),
@@ -54,15 +49,16 @@ def screened_logits(g: GraphWriter, x: str, head: np.ndarray, rows_of: str, gree
                                 to=TensorProto.UINT8))
             scales_x.append(step)
             rest = g.op("Sub", [rest, g.op("Mul", [level, step])])
-        both = g.op("MatMulInteger", [g.op("Concat", codes_x, axis=0), table, g.const(np.uint8(128), "zero128")])
+        zero = g.const(np.uint8(128), "zero128")
+        both = g.op("MatMulInteger", [g.op("Concat", codes_x, axis=0), table, zero, zero])
         first, second = g.op("Split", [g.op("Cast", [both], to=TensorProto.FLOAT)], n_out=2, axis=0, num_outputs=2)
         approx = g.op("Mul", [g.op("Add", [g.op("Mul", [first, scales_x[0]]), g.op("Mul", [second, scales_x[1]])]),
-                              g.weight("lm_head.screen_scales", scale.astype(np.float32))])
+                              g.weight("lm_head.screen_scales", scale)])
         norms = g.op("ReduceL2", [x, g.ints([1])], keepdims=1)  # [N, 1]
         off = g.op("ReduceL2", [rest, g.ints([1])], keepdims=1)
         upper = g.op("Add", [approx, g.op("Add", [
-            g.op("Mul", [norms, g.weight("lm_head.screen_error_norms", error_norm.astype(np.float32))]),
-            g.op("Mul", [off, g.weight("lm_head.screen_row_norms", rounded_norm.astype(np.float32))])])])
+            g.op("Mul", [norms, g.weight("lm_head.screen_error_norms", error_norm)]),
+            g.op("Mul", [off, g.weight("lm_head.screen_row_norms", rounded_norm)])])])
         bounds, ids = g.op("TopK", [upper, g.ints([k + 1])], n_out=2, axis=-1)
         ids = g.op("Slice", [ids, g.ints([0]), g.ints([k]), g.ints([1])])
         others = g.op("Slice", [bounds, g.ints([k]), g.ints([k + 1]), g.ints([1])])  # the best row left out
@@ -79,6 +75,34 @@ def screened_logits(g: GraphWriter, x: str, head: np.ndarray, rows_of: str, gree
         return g.branch(doubt, full, sparse, TensorProto.FLOAT)
 
     return g.branches(greedy, screen, full, TensorProto.FLOAT)
+
+
+def _rounded_head(head: np.ndarray, chunk: int = 8192) -> tuple[np.ndarray, ...]:
+    """Per row of the head: its int8 scale s, its codes q + 128 as uint8 (zero point 128: a uint8 x uint8 product is
+    exact on every CPU, where uint8 x int8 sums pairs in int16 with saturation on x86 without VNNI, which would break
+    the bound), and the norms of the rounding error w − s·q and of s·q; in chunks of rows (a large vocabulary's
+    float64 temporaries stay small)."""
+    vocab = head.shape[0]
+    scale = np.empty(vocab, np.float32)
+    codes = np.empty(head.shape, np.uint8)
+    error_norm, rounded_norm = np.empty(vocab, np.float32), np.empty(vocab, np.float32)
+    for start in range(0, vocab, chunk):
+        rows = head[start: start + chunk].astype(np.float32)
+        s = np.abs(rows).max(axis=1) / 127
+        s[s == 0] = 1
+        q = np.clip(np.rint(rows / s[:, None]), -127, 127)
+        rounded = q * s[:, None]
+        scale[start: start + chunk] = s
+        codes[start: start + chunk] = (q + 128).astype(np.uint8)
+        error_norm[start: start + chunk] = _up(np.linalg.norm(rows.astype(np.float64) - rounded, axis=1))
+        rounded_norm[start: start + chunk] = _up(np.linalg.norm(rounded.astype(np.float64), axis=1))
+    return scale, codes, error_norm, rounded_norm
+
+
+def _up(values: np.ndarray) -> np.ndarray:
+    """float32 values no smaller than `values` (float64): a bound stays a bound."""
+    low = values.astype(np.float32)
+    return np.where(low < values, np.nextafter(low, np.float32(np.inf)), low)
 
 
 def _tensor(array: np.ndarray):

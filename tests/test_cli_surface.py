@@ -69,7 +69,9 @@ def test_the_default_pool_is_checked_against_the_memory_there_is_too(engine, tmp
     from camshaft.runtime import kv_cache
 
     (tmp_path / "memory.max").write_text("4096\n")  # a container of 4 KiB: the tiny engine's default pool is more
+    (tmp_path / "self").write_text("0::/\n")
     monkeypatch.setattr(kv_cache, "CGROUP", tmp_path)
+    monkeypatch.setattr(kv_cache, "SELF_CGROUP", tmp_path / "self")
     warned = invoke("deploy", "--engine", engine, "--repo", tmp_path / "repo")
     assert warned.exit_code == 0 and "warning: the KV cache pool" in warned.output
     assert "--kv-cache-memory" in warned.output and "kv_cache_memory" not in warned.output
@@ -205,9 +207,12 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
 
     with pytest.MonkeyPatch.context() as patch:  # a container of 4 KiB: its default pool would not fit
         (tmp_path / "memory.max").write_text("4096\n")
+        (tmp_path / "self").write_text("0::/\n")
         patch.setattr(kv_cache, "CGROUP", tmp_path)
+        patch.setattr(kv_cache, "SELF_CGROUP", tmp_path / "self")
         small = invoke("inspect", "--engine", engine).output
-    assert "more than this machine's 4.0 KiB: pass a smaller kv_cache_memory or max_batch_size" in small
+    assert "more than this machine's 4.0 KiB: run or serve it with a smaller --kv-cache-memory or --max-batch-size" \
+        in " ".join(small.split())
     assert info["fingerprinted"] and "sizes and fingerprints as the build recorded them" in text.output
     assert info["model"]["rope"]["type"] == "default" and ", rope " not in text.output
     broken = tmp_path / "broken"

@@ -52,6 +52,8 @@ def test_a_containers_cgroup_bounds_fractions_and_the_pool(tmp_path, monkeypatch
     (tmp_path / "memory.max").write_text("1073741824\n")  # a 1 GiB container that holds 600 MiB, 100 of it cache
     (tmp_path / "memory.current").write_text(f"{600 * 2**20}\n")
     (tmp_path / "memory.stat").write_text(f"anon {500 * 2**20}\nfile {100 * 2**20}\ninactive_file {100 * 2**20}\n")
+    (tmp_path / "self").write_text("0::/\n")  # the process's own cgroup: the mount's root (a v2 container's)
+    monkeypatch.setattr(kv_cache, "SELF_CGROUP", tmp_path / "self")
     assert kv_cache.cgroup_available(tmp_path) == 524 * 2**20 and kv_cache.cgroup_limit(tmp_path) == 2**30
     monkeypatch.setattr(kv_cache, "CGROUP", tmp_path)
     assert fraction_bytes(0.5, host_available()) == 262 * 2**20  # half of what the container has left, not the host's

@@ -120,7 +120,7 @@ def _nll(logits: np.ndarray, targets: list[int]) -> float:
 
 def engine_perplexity(engine_dir: str | Path, text: str) -> PerplexityResult:
     engine = Engine(engine_dir, max_sequences=1)
-    ids = engine.tokenizer(text)["input_ids"]
+    ids = engine.tokenizer(text, verbose=False)["input_ids"]  # windowed below: no "indexing errors" warning
     check_vocab(ids, engine.manifest.model.vocab_size, "the engine")
     limits = engine.limits
     total, count, parts = 0.0, 0, windows(ids, limits.max_seq_len)
@@ -155,7 +155,7 @@ def reference_perplexity(model_dir: str | Path, text: str, window: int) -> Perpl
         raise CheckpointError(f"--model {path}: transformers cannot load its tokenizer: {str(exc).strip()[:400]}") \
             from exc
     model = load_float_model(path, f"--model {path}", "score")
-    ids = tokenizer(text)["input_ids"]
+    ids = tokenizer(text, verbose=False)["input_ids"]
     check_vocab(ids, model.config.vocab_size, "--model")
     total, count, parts = 0.0, 0, windows(ids, window)
     with torch.no_grad():

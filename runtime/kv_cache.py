@@ -161,6 +161,11 @@ def check_fits_host(manifest: Manifest, num_blocks: int) -> None:
                             f"machine's {limit / 2**30:.1f} GiB of memory; {SMALLER_POOL}")
 
 
+def pool_bytes(manifest: Manifest, num_blocks: int) -> int:
+    """The memory a pool of `num_blocks` blocks takes, every buffer of each cache counted (cache_copies)."""
+    return num_blocks * bytes_per_block(manifest) * cache_copies(manifest)
+
+
 def cache_copies(manifest: Manifest) -> int:
     """Buffers a backend holds of each cache: the TensorRT backend two where the plan writes a new cache rather than
     updating its input in place (backends/tensorrt.py), so a memory budget is counted for both."""

@@ -32,7 +32,7 @@ from camshaft.runtime.bench_data import (
     warmup_requests,
 )
 from camshaft.runtime.flops import count_flops
-from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, memory_spec
+from camshaft.runtime.kv_cache import memory_spec, pool_bytes
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.llm_options import check_llm_options
 from camshaft.runtime.outputs import RequestOutput, Sink
@@ -141,7 +141,7 @@ def llm_config(llm: LLM) -> dict[str, str | int]:
     return {"policy": c.policy, "max_batch_size": c.max_batch_size, "max_num_tokens": c.max_num_tokens,
             "prompt_lookup": c.prompt_lookup.num_tokens if c.prompt_lookup else 0,
             "kv_pool_blocks": c.num_blocks - 1,  # usable; the bytes include the null block (the memory taken)
-            "kv_pool_bytes": c.num_blocks * bytes_per_block(llm.engine.manifest) * cache_copies(llm.engine.manifest)}
+            "kv_pool_bytes": pool_bytes(llm.engine.manifest, c.num_blocks)}
 
 
 DEFAULT_CONCURRENCY = 32  # the workload; an engine of a smaller batch runs at its batch size
@@ -184,7 +184,7 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
                  max_num_tokens=max_num_tokens, kv_cache_memory=memory, prompt_lookup=prompt_lookup) as llm:
             limits, model = llm.engine.manifest.limits, llm.engine.manifest.model
             if isinstance(memory, float):  # the first level's pool, in bytes, for every level
-                memory = llm.engine.pool.num_blocks * bytes_per_block(manifest) * cache_copies(manifest)
+                memory = pool_bytes(manifest, llm.engine.pool.num_blocks)
             if requests is None:
                 requests = load_dataset(spec, num_requests, max_seq_len=limits.max_seq_len,
                                         vocab_size=model.vocab_size, seed=seed, tokenizer=llm.tokenizer)

@@ -12,7 +12,7 @@ import uvicorn
 
 from camshaft.errors import CamshaftError
 from camshaft.openai_server.app import create_app
-from camshaft.runtime.kv_cache import bytes_per_block, cache_copies
+from camshaft.runtime.kv_cache import pool_bytes
 from camshaft.runtime.llm import LLM
 from camshaft.stop_signals import Stops
 
@@ -41,7 +41,7 @@ def pool_line(llm: LLM) -> str:
     """What the KV pool holds, as vLLM says at start ("# blocks", the largest concurrency at full length)."""
     manifest = llm.engine.manifest
     limits, blocks = manifest.limits, llm.config.num_blocks - 1  # usable: block 0 is the null block
-    size = llm.config.num_blocks * bytes_per_block(manifest) * cache_copies(manifest)
+    size = pool_bytes(manifest, llm.config.num_blocks)
     return (f"KV cache: {blocks} blocks of {limits.kv_block_size} tokens ({size / 2**30:.2f} GiB): "
             f"{blocks // limits.max_blocks_per_seq} sequences of {limits.max_seq_len} tokens at once, more when "
             "shorter")

@@ -16,8 +16,10 @@ head's argmax either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
 from camshaft.builder.graph.ops import GraphWriter
 
@@ -31,7 +33,8 @@ def screened_rows(vocab_size: int) -> int:
     return rows if rows >= 16 else 0
 
 
-def screened_logits(g: GraphWriter, x: str, head: np.ndarray, rows_of: str, greedy: str, full) -> str:
+def screened_logits(g: GraphWriter, x: str, head: np.ndarray, rows_of: Callable[[str], str], greedy: str,
+                    full: Callable[[], str]) -> str:
     """Logits [N, vocab] of the hidden states `x` [N, hidden]: `full()` writes the float head's nodes; `head` is its
     matrix [vocab, hidden] and `rows_of(ids)` gathers its rows [N, K, hidden] in float."""
     vocab = head.shape[0]
@@ -69,7 +72,7 @@ def screened_logits(g: GraphWriter, x: str, head: np.ndarray, rows_of: str, gree
         certain = g.op("ReduceMin", [g.op("Cast", [g.op("Greater", [best, g.op("Add", [
             margin, g.const(np.float32(MARGIN), "margin")])])], to=TensorProto.INT32)], keepdims=0)
         blank = g.op("ConstantOfShape", [g.op("Shape", [approx])],
-                     value=_tensor(np.array([-np.inf], dtype=np.float32)))
+                     value=numpy_helper.from_array(np.array([-np.inf], dtype=np.float32)))
         sparse = g.op("ScatterElements", [blank, ids, exact], axis=1)
         doubt = g.op("Not", [g.op("Cast", [certain], to=TensorProto.BOOL)])
         return g.branch(doubt, full, sparse, TensorProto.FLOAT)
@@ -103,9 +106,3 @@ def _up(values: np.ndarray) -> np.ndarray:
     """float32 values no smaller than `values` (float64): a bound stays a bound."""
     low = values.astype(np.float32)
     return np.where(low < values, np.nextafter(low, np.float32(np.inf)), low)
-
-
-def _tensor(array: np.ndarray):
-    from onnx import numpy_helper
-
-    return numpy_helper.from_array(array)

@@ -86,7 +86,7 @@ class SequenceLowering(LayerOps):
         rows = g.op("Slice", [x, g.op("Neg", ["num_logits"]), g.ints([np.iinfo(np.int64).max]), g.ints([1])])
         last = g.op("Squeeze", [rows, g.ints([0])])  # the last num_logits tokens' hidden states: [N, hidden]
         if kv.screens_greedy:
-            logits = screened_logits(g, last, self.head.weight().astype(np.float32), self.head.float_rows, "greedy",
+            logits = screened_logits(g, last, self.head.weight(), self.head.float_rows, "greedy",
                                      lambda: self.head.lower(last))
         else:
             logits = self.head.lower(last)

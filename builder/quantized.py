@@ -172,14 +172,20 @@ def _from_config_json(model_dir: Path) -> dict[str, Any]:
     return quant
 
 
+def _copy_back(quant: dict[str, Any], written: str) -> str:
+    """For what config.json's quantization_config lacks: where it is, and what to do."""
+    if quant.get("source") != "config.json":
+        return ""
+    return f" ({written} to {HF_QUANT_CONFIG} only): copy that file from where the checkpoint came from"
+
+
 def _checked(model_dir: Path, path: Path, quant: dict[str, Any]) -> dict[str, Any]:
     algo = quant.get("quant_algo")
     layers = quant.get("quantized_layers")
     if algo == MIXED and not (isinstance(layers, dict) and layers
                               and all(isinstance(v, dict) for v in layers.values())):
-        raise CheckpointError(f"{path} is {MIXED} but has no quantized_layers {{layer: {{quant_algo: ...}}}}" + (
-            f" (older ModelOpt versions write them to {HF_QUANT_CONFIG} only): copy that file from where the "
-            "checkpoint came from" if quant.get("source") == "config.json" else ""))
+        raise CheckpointError(f"{path} is {MIXED} but has no quantized_layers {{layer: {{quant_algo: ...}}}}"
+                              + _copy_back(quant, "older ModelOpt versions write them"))
     if algo is None and quant.get("kv_cache_quant_algo") is None:
         raise CheckpointError(f"{path} quantizes nothing (quant_algo and kv_cache_quant_algo are null); remove it to "
                               "build the float checkpoint")
@@ -197,9 +203,8 @@ def _checked(model_dir: Path, path: Path, quant: dict[str, Any]) -> dict[str, An
                                   "asymmetric int4); camshaft builds symmetric ones, as ModelOpt exports them")
         group = (layers[name] if name else quant).get("group_size", quant.get("group_size"))
         if READABLE_QUANT_ALGOS[layer_algo].blockwise and not isinstance(group, int):
-            raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}" + (
-                f" (ModelOpt writes it to {HF_QUANT_CONFIG} only): copy that file from where the checkpoint came "
-                "from" if quant.get("source") == "config.json" else ""))
+            raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}"
+                                  + _copy_back(quant, "ModelOpt writes it"))
     kv_algo = quant.get("kv_cache_quant_algo")
     if kv_algo is not None and (not isinstance(kv_algo, str) or kv_algo not in KV_CACHE_ALGOS):
         raise CheckpointError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import queue
@@ -140,6 +141,10 @@ class LLM(ServingAPI):
                             self.engine.manifest.model.vocab_size, priority, self._guides)
 
     def get_default_sampling_params(self) -> SamplingParams:
+        return self._default_params
+
+    @functools.cached_property
+    def _default_params(self) -> SamplingParams:  # frozen: one for every request that leaves its params out
         return model_defaults(self.engine.manifest.model)
 
     def get_tokenizer(self):

@@ -113,6 +113,11 @@ class ModelConfig:
     def has_sliding_layers(self) -> bool:
         return "sliding" in self.layer_types
 
+    @property
+    def attention_window(self) -> int | None:
+        """How far back every layer attends (sliding_window when all layers slide; None: some reads everything)."""
+        return self.sliding_window if self.layer_types and set(self.layer_types) == {"sliding"} else None
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

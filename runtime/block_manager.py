@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +85,24 @@ class BlockManager:
             found.append(block_id)
         return found
 
+    def cached_window(self, token_ids: list[int], behind: Callable[[int], int]) -> tuple[int, list[int]]:
+        """As cached_prefix for a sliding window: the longest run of full blocks whose last ones, from
+        `behind(tokens)` on, are cached (the window never reads those before). Returns (skipped, their blocks)."""
+        size, prefix_hash, found = self.block_size, b"", []
+        for start in range(0, len(token_ids) - 1 - size + 1, size):
+            prefix_hash = chain_hash(prefix_hash, token_ids[start: start + size])
+            found.append(self._by_hash.get(prefix_hash))
+        run = 0  # cached blocks ending at each index, in a row
+        runs = []
+        for block_id in found:
+            run = run + 1 if block_id is not None else 0
+            runs.append(run)
+        for count in range(len(found), 0, -1):
+            skipped = behind(count * size)
+            if runs[count - 1] >= count - skipped:
+                return skipped, found[skipped:count]
+        return 0, []
+
     def fits(self, new_blocks: int, reused: list[int]) -> bool:
         idle_reused = sum(1 for b in reused if self.blocks[b].ref_count == 0)
         return new_blocks + idle_reused <= self.num_free
@@ -115,8 +134,11 @@ class BlockManager:
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; the last owner's release makes it free (or cached, if hashed).
-        Tail blocks go first so that a prefix's later blocks are evicted before its earlier ones."""
+        Tail blocks go first so that a prefix's later blocks are evicted before its earlier ones; a table's null
+        entries (released) are skipped."""
         for block_id in reversed(block_ids):
+            if block_id == NULL_BLOCK:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -125,6 +147,11 @@ class BlockManager:
                 else:
                     block.hash = None
                     self._empty.append(block_id)
+
+    def release(self, block_table: list[int], start: int, stop: int) -> None:
+        """Free the table's entries start..stop-1 (a sliding window has passed them); they become the null block."""
+        self.free(block_table[start:stop])
+        block_table[start:stop] = [NULL_BLOCK] * (stop - start)
 
     def register_full(self, block_table: list[int], token_ids: list[int], before: int, after: int) -> None:
         """Hash the blocks that became full when the computed tokens went from `before` to `after`."""

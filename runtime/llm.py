@@ -77,15 +77,17 @@ class LLM(ServingAPI):
         self.config = SchedulerConfig(
             num_blocks=engine.pool.num_blocks, block_size=engine.block_size, max_batch_size=batch,
             max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy, kv_reservation=kv_reservation,
-            prompt_lookup=lookup)
+            prompt_lookup=lookup, sliding_window=manifest.model.attention_window)
         self.tokenizer = engine.tokenizer
         if template is not None:
             self.tokenizer.chat_template = template
         self.prompts = PromptEncoder(self.tokenizer, limits.max_seq_len, manifest.model.vocab_size)
         self._guides = Guides(self.tokenizer, manifest.model.vocab_size, engine.eos_token_ids)
         self.executor = Executor(engine, self.config, max_queue=max_queue)
-        # what one request may hold of the pool (a contiguous reservation takes max_seq_len whatever it asks for)
-        self._kv_tokens = engine.token_budget if kv_reservation == "paged" else None
+        # what one request may hold of the pool (a contiguous reservation takes max_seq_len whatever it asks for; a
+        # request that releases what its sliding window passed holds its window)
+        self._kv_tokens = engine.token_budget if kv_reservation == "paged" and not self.config.takes_blocks_lazily \
+            else None
         self._ids = itertools.count()
         # closed when dropped without close(), and at interpreter exit: the loop thread would otherwise keep the
         # engine alive, or still be inside onnxruntime as the process ends

@@ -24,7 +24,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     samples: list[SampleResult] = field(default_factory=list)
     prompt_samples: list[SampleResult] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs)
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # the block table: position p's K/V is in blocks[p // size]
+    released_blocks: int = 0  # table entries before this one are the null block (behind a sliding window)
     stop_words: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)  # stop_word_ids by their last id
     num_computed: int = 0
     priority: int = 0  # lower runs first (vLLM's meaning); ties: first come, first served

@@ -9,6 +9,8 @@ priority. The scheduler owns the block manager.
 
 `kv_reservation`: "paged" takes blocks as a request grows; "contiguous" reserves max_seq_len tokens of blocks per
 request at admission, as a cache with one contiguous region per request would (the memory benchmark's baseline).
+When every layer of the model slides, paged requests give back the blocks their window has passed (null entries
+in their tables) and, under max_utilization, take blocks for a chunk at a time (SchedulerConfig.releases_blocks).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from camshaft.errors import CapacityError
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.block_manager import BlockManager
+from camshaft.runtime.kv_cache import NULL_BLOCK
 from camshaft.runtime.request import Request
 from camshaft.runtime.scheduler_config import SchedulerConfig
 
@@ -75,6 +78,8 @@ class Scheduler:
             raise CapacityError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) "
                                 f"exceeds the engine's max_seq_len ({limit}); lower max_tokens or shorten the prompt")
         need = self._total_blocks(request)
+        if self.config.takes_blocks_lazily:  # it never holds more than its window's blocks
+            need = min(need, self.config.window_blocks)
         if need > self.blocks.capacity:
             fix = ("lower max_tokens" if self.config.kv_reservation == "paged" else
                    "use kv_reservation='paged' (a contiguous reservation holds max_seq_len tokens per request)")
@@ -103,11 +108,14 @@ class Scheduler:
         admit = self.num_preemptions == preemptions_before  # after a preemption, admitting would only thrash
         prefills = sorted((r for r in self.running if r.num_tokens - r.num_computed > 1), key=queue_key)
         for request in prefills:  # a waiting request of higher priority takes the budget before a running prompt
+            admit = admit and self.num_preemptions == preemptions_before
             if admit:
                 budget = self._admit_waiting(scheduled, budget, before=queue_key(request))
-            if budget:
-                scheduled.append(self._chunk(request, min(request.num_tokens - request.num_computed, budget)))
-                budget -= len(scheduled[-1].chunk.token_ids)
+            take = min(request.num_tokens - request.num_computed, budget)
+            # only a sliding window's prompt grows here (it holds its next chunk's blocks, not the whole prompt's)
+            if take and self._grow(request, take, [item.request for item in scheduled]):
+                scheduled.append(self._chunk(request, take))
+                budget -= take
         if admit:
             self._admit_waiting(scheduled, budget)
         return scheduled
@@ -136,7 +144,7 @@ class Scheduler:
         lower = [r for r in self.running if r.priority > request.priority]
         if not lower:
             return
-        reused, wanted = self._admission(request)  # preempting frees blocks, and keeps the cached prefix cached
+        reused, wanted, _ = self._admission(request)  # preempting frees blocks, and keeps the cached prefix cached
         if not self._room_after(lower, reused, wanted):
             return
         while lower and not (len(self.running) < self.config.max_batch_size
@@ -147,7 +155,7 @@ class Scheduler:
     def _room_after(self, others: list[Request], reused: list[int], wanted: int) -> bool:
         """Whether `wanted` blocks, `reused` of them cached, would fit once `others` were preempted (their blocks no
         one else holds freed; an idle reused block is taken back, not room)."""
-        holders = Counter(block for other in others for block in other.blocks)
+        holders = Counter(block for other in others for block in other.blocks if block != NULL_BLOCK)
         freed = sum(1 for block, n in holders.items() if self.blocks.blocks[block].ref_count == n)
         idle = sum(1 for block in reused if self.blocks.blocks[block].ref_count == holders.get(block, 0))
         return wanted - len(reused) + idle <= self.blocks.num_free + freed
@@ -181,25 +189,48 @@ class Scheduler:
         return Scheduled(request, Chunk(tokens, request.num_computed, request.blocks, len(tokens)), decode=True,
                          drafts=tuple(drafts))
 
-    def _admission(self, request: Request) -> tuple[list[int], int]:
-        """The cached blocks a request would reuse and the blocks it needs at admission."""
-        reused = [] if request.wants_prompt_rows else self.blocks.cached_prefix(request.all_ids)  # no logits there
+    def _admission(self, request: Request) -> tuple[list[int], int, int]:
+        """The cached blocks a request would take, the blocks it holds at admission (those included), and the
+        cached blocks before them that a sliding window will not read (null entries of its table)."""
+        skipped, reused = 0, []
+        if request.wants_prompt_rows:  # no reuse: the prompt's rows have no logits cached
+            pass
+        elif self.config.releases_blocks:
+            skipped, reused = self.blocks.cached_window(request.all_ids, self.config.blocks_behind)
+        else:
+            reused = self.blocks.cached_prefix(request.all_ids)
         if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
-            return reused, self._total_blocks(request)
-        return reused, self.blocks.blocks_for(request.num_tokens)
+            return reused, self._total_blocks(request) - skipped, skipped
+        if not self.config.takes_blocks_lazily:
+            return reused, self.blocks.blocks_for(request.num_tokens), 0
+        ahead = min(request.num_tokens, (skipped + len(reused)) * self.config.block_size + self.config.max_num_tokens)
+        return reused, self.blocks.blocks_for(ahead) - skipped, skipped
 
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids
-        reused, wanted = self._admission(request)
+        reused, wanted, skipped = self._admission(request)
         if not self.blocks.fits(wanted - len(reused), reused):
             return False
-        request.blocks = self.blocks.take_cached(reused) + self.blocks.allocate(wanted - len(reused))
-        request.num_computed = len(reused) * self.config.block_size
-        request.kv_blocks_reused += len(reused)  # RequestMetrics: the prompt's blocks, as TensorRT-LLM counts them
+        request.blocks = [NULL_BLOCK] * skipped + self.blocks.take_cached(reused) + self.blocks.allocate(
+            wanted - len(reused))
+        request.released_blocks = skipped
+        cached = skipped + len(reused)
+        request.num_computed = cached * self.config.block_size
+        request.kv_blocks_reused += cached  # RequestMetrics: the prompt's blocks, as TensorRT-LLM counts them
         if request.first_reused_blocks is None:
-            request.first_reused_blocks = len(reused)
-        request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - len(reused)
+            request.first_reused_blocks = cached
+        request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - cached
+        self._slide(request)
         return True
+
+    def _slide(self, request: Request) -> None:
+        """Release the request's blocks that its sliding window has passed (paged reservation only)."""
+        if not self.config.releases_blocks:
+            return
+        behind = self.config.blocks_behind(request.num_computed)
+        if behind > request.released_blocks:
+            self.blocks.release(request.blocks, request.released_blocks, behind)
+            request.released_blocks = behind
 
     def _grow(self, request: Request, tokens: int, scheduled: list[Request]) -> bool:
         """Make room for the request's next `tokens` tokens, preempting the lowest-priority, newest running requests
@@ -220,7 +251,7 @@ class Scheduler:
         recomputes prompt + output when readmitted."""
         self.running.remove(request)
         self.blocks.free(request.blocks)
-        request.blocks = []
+        request.blocks, request.released_blocks = [], 0
         request.num_computed = 0
         self._enqueue(request)
         self.num_preemptions += 1
@@ -239,6 +270,7 @@ class Scheduler:
         request.num_computed += tokens
         if before // self.config.block_size != request.num_computed // self.config.block_size:
             self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed)
+        self._slide(request)
 
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request's blocks at once (a waiting request just leaves the queue)."""
@@ -247,7 +279,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free(request.blocks)
-        request.blocks = []
+        request.blocks, request.released_blocks = [], 0
 
 
 def queue_key(request: Request) -> tuple[int, int]:

@@ -23,6 +23,7 @@ class SchedulerConfig:
     policy: str = "guaranteed_no_evict"
     kv_reservation: str = "paged"
     prompt_lookup: PromptLookup | None = None  # decodes also feed drafts (runtime/prompt_lookup.py)
+    sliding_window: int | None = None  # every layer attends to this many latest tokens: blocks behind are released
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("num_blocks", "block_size", "max_batch_size", "max_num_tokens", "max_seq_len"),
@@ -32,5 +33,30 @@ class SchedulerConfig:
         if self.kv_reservation not in RESERVATIONS:
             raise RequestError(f"unknown KV reservation {self.kv_reservation!r}; use one of {RESERVATIONS}")
         check_prompt_lookup(self.prompt_lookup)
+        if self.sliding_window is not None:
+            check_positive_ints(self, ("sliding_window",), RequestError)
         if self.num_blocks < 2:
             raise CapacityError(f"a KV pool needs at least 2 blocks (one is the null block), got {self.num_blocks}")
+
+    @property
+    def window_blocks(self) -> int | None:
+        """Blocks one request holds at most under max_utilization when every layer slides: its window (or the last
+        full block, which chains the next one's hash) and a step's tokens, whatever its length. None: no window."""
+        if self.sliding_window is None:
+            return None
+        return -(-(max(self.sliding_window, self.block_size) + self.max_num_tokens) // self.block_size) + 2
+
+    @property
+    def releases_blocks(self) -> bool:
+        """Every layer slides and blocks are paged: a request gives back the blocks its window has passed."""
+        return self.sliding_window is not None and self.kv_reservation == "paged"
+
+    @property
+    def takes_blocks_lazily(self) -> bool:
+        """Under max_utilization such a request also takes blocks for its next chunk only, as it goes."""
+        return self.releases_blocks and self.policy == "max_utilization"
+
+    def blocks_behind(self, position: int) -> int:
+        """Block-table entries no query at `position` or later reads (wholly before the sliding window); the last
+        full block stays, as the next block's hash chains to it."""
+        return max(0, min((position - self.sliding_window + 1) // self.block_size, position // self.block_size - 1))

@@ -1,0 +1,182 @@
+"""Sliding-window models: blocks behind every layer's window go back to the pool as a request moves on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_batching import pool_budget
+from test_scheduler import config, make_request, reference_output, step
+
+from camshaft.builder.build import build_engine
+from camshaft.builder.config import BuildConfig
+from camshaft.errors import CapacityError
+from camshaft.model_config import ModelConfig
+from camshaft.runtime.kv_cache import NULL_BLOCK
+from camshaft.runtime.llm import LLM
+from camshaft.runtime.sampling_params import SamplingParams
+from camshaft.runtime.scheduler import Scheduler
+from camshaft.runtime.session import Session
+
+from tiny_models import make_tiny_model
+
+
+def checked_step(scheduler: Scheduler) -> list:
+    return complete(scheduler, checked_schedule(scheduler))
+
+
+def checked_schedule(scheduler: Scheduler) -> list:
+    """A step whose every query finds the keys its window reads in real blocks, and whose requests hold no more
+    than the window allows (max_utilization)."""
+    size, window = scheduler.config.block_size, scheduler.config.sliding_window
+    for request in scheduler.running:
+        held = [b for b in request.blocks if b != NULL_BLOCK]
+        if scheduler.config.policy == "max_utilization":
+            assert len(held) <= scheduler.config.window_blocks
+    scheduled = scheduler.schedule()
+    for item in scheduled:
+        table, start = item.chunk.block_table, item.chunk.start_pos
+        for pos in range(start, start + item.num_tokens):
+            reads = {table[k // size] for k in range(max(0, pos - window + 1), pos + 1)}
+            assert NULL_BLOCK not in reads, f"position {pos} reads a released block"
+    return scheduled
+
+
+def complete(scheduler: Scheduler, scheduled: list) -> list:
+    """The checked step of test_scheduler on what was scheduled."""
+    scheduler.schedule = lambda: scheduled  # step() schedules: hand it this step's
+    try:
+        return step(scheduler)
+    finally:
+        del scheduler.schedule
+
+
+def run_checked(scheduler: Scheduler, requests: list, max_steps: int = 20_000) -> list[list]:
+    for request in requests:
+        scheduler.add(request)
+    steps = []
+    while scheduler.has_work:
+        assert len(steps) < max_steps, "the scheduler stopped making progress"
+        steps.append(checked_step(scheduler))
+    return steps
+
+
+@pytest.mark.parametrize("window", [3, 9, 30])
+def test_requests_longer_than_the_pool_finish_holding_only_their_window(window):
+    cfg = config(policy="max_utilization", sliding_window=window, num_blocks=40, max_seq_len=400, max_num_tokens=16)
+    assert cfg.window_blocks < 39
+    scheduler = Scheduler(cfg)
+    rng = random.Random(window)
+    requests = [make_request(f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(1, 150))], rng.randint(160, 220))
+                for i in range(8)]
+    assert all(scheduler.blocks.blocks_for(len(r.prompt_ids) + r.params.max_tokens) > 39 for r in requests)
+    steps = run_checked(scheduler, requests)
+    for request in requests:
+        assert request.output_ids == reference_output(request.prompt_ids, request.params.max_tokens)
+    assert scheduler.blocks.num_used == 0 and scheduler.blocks.num_free == 39
+    assert max(len(s) for s in steps) > 1
+
+
+def test_without_a_window_such_a_request_is_refused():
+    request = make_request("long", list(range(1, 150)), 220)
+    with pytest.raises(CapacityError, match="KV blocks"):
+        Scheduler(config(policy="max_utilization", num_blocks=40, max_seq_len=400)).add(request)
+    Scheduler(config(policy="max_utilization", num_blocks=40, max_seq_len=400, sliding_window=9)).add(request)
+
+
+def test_guaranteed_no_evict_gives_passed_blocks_back_early():
+    scheduler = Scheduler(config(sliding_window=5, num_blocks=80, max_seq_len=400, max_num_tokens=16))
+    request = make_request("r", list(range(1, 60)), 100)
+    scheduler.add(request)
+    reserved = scheduler.blocks.blocks_for(159)
+    free_at_start = scheduler.blocks.capacity - reserved
+    while not request.finished:
+        checked_step(scheduler)
+        if request.num_computed > 100 and not request.finished:
+            held = sum(1 for b in request.blocks if b != NULL_BLOCK)
+            assert held < reserved // 2 and scheduler.blocks.num_free > free_at_start
+    assert request.output_ids == reference_output(request.prompt_ids, 100)
+    assert scheduler.blocks.num_free == scheduler.blocks.capacity
+
+
+def test_a_shared_prefix_is_reused_from_where_the_window_starts():
+    scheduler = Scheduler(config(policy="max_utilization", sliding_window=6, num_blocks=60, max_seq_len=400))
+    prefix = [random.Random(3).randrange(1000) for _ in range(80)]
+    first = make_request("first", prefix + [5, 6], 4)
+    run_checked(scheduler, [first])
+    second = make_request("second", prefix + [7, 8, 9], 30)
+    scheduler.add(second)
+    (item,) = checked_schedule(scheduler)
+    assert item.chunk.start_pos == 80  # the prefix's 20 full blocks were cached
+    assert item.chunk.block_table[:18] == [NULL_BLOCK] * 18  # those behind the window were never taken back
+    assert NULL_BLOCK not in item.chunk.block_table[18:]
+    complete(scheduler, [item])
+    while not second.finished:
+        checked_step(scheduler)
+    assert second.output_ids == reference_output(second.prompt_ids, 30)
+    assert scheduler.blocks.num_used == 0
+
+
+def test_a_prefix_whose_early_blocks_were_evicted_is_still_reused_for_its_window():
+    scheduler = Scheduler(config(policy="max_utilization", sliding_window=6, num_blocks=60, max_seq_len=400))
+    prefix = [random.Random(4).randrange(1000) for _ in range(80)]
+    run_checked(scheduler, [make_request("first", prefix + [5, 6], 4)])
+    manager = scheduler.blocks
+    held = manager.allocate(len(manager._empty) + 12)  # evicts the 12 least recently used: the prefix's first
+    assert manager.evictions == 12 and manager.cached_prefix(prefix + [7]) == []
+    manager.free(held)
+    second = make_request("second", prefix + [7, 8, 9], 30)
+    scheduler.add(second)
+    (item,) = checked_step(scheduler)
+    assert item.chunk.start_pos == 80 and scheduler.blocks.prefix_hits == 2
+    while not second.finished:
+        checked_step(scheduler)
+    assert second.output_ids == reference_output(second.prompt_ids, 30)
+
+
+def test_preempted_sliding_requests_recompute_the_same_tokens():
+    cfg = config(policy="max_utilization", sliding_window=7, num_blocks=14, max_seq_len=400, max_num_tokens=12,
+                 max_batch_size=5)
+    scheduler = Scheduler(cfg)
+    rng = random.Random(5)
+    requests = [make_request(f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(5, 40))], rng.randint(20, 90))
+                for i in range(10)]
+    run_checked(scheduler, requests)
+    assert scheduler.num_preemptions > 0
+    for request in requests:
+        assert request.output_ids == reference_output(request.prompt_ids, request.params.max_tokens)
+    assert scheduler.blocks.num_free == scheduler.blocks.capacity
+
+
+def test_an_engine_runs_requests_longer_than_its_pool_as_one_at_a_time(tmp_path):
+    """The real graph: released blocks are read as the null block and masked; outputs equal the sequence graph's,
+    where prompt + output of every request exceeds the whole pool."""
+    model = make_tiny_model("mistral-sliding", tmp_path / "hf")  # every layer slides, window 7
+    engine = tmp_path / "engine"
+    build_engine(BuildConfig(model, engine, max_seq_len=256, max_num_tokens=32, kv_block_size=8, max_batch_size=4))
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(40, 110))] for _ in range(6)]
+    params = [SamplingParams(max_tokens=rng.randint(100, 140), ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(max_tokens=120, temperature=0.9, seed=7, ignore_eos=True)
+    session = Session(engine)
+    expected = [session.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    with LLM(engine, policy="max_utilization", kv_cache_memory=pool_budget(engine, 14)) as llm:
+        assert llm.config.sliding_window == 7 and llm.config.window_blocks <= 14
+        assert all(len(p) + sp.max_tokens > 14 * 8 for p, sp in zip(prompts, params, strict=True))
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        assert llm.kv_cache.used == 0 and llm.executor.peak_batch_size > 1
+        (whole,) = llm.generate([prompts[0]], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+        assert len(whole.token_ids) == 256 - len(prompts[0])  # all max_seq_len leaves, not what the pool holds
+
+
+@pytest.mark.parametrize(("extra", "window"), [({"model_type": "mistral", "sliding_window": 64}, 64),
+                                               ({"model_type": "qwen2", "use_sliding_window": True,
+                                                 "sliding_window": 64, "max_window_layers": 0}, 64),
+                                               ({"model_type": "qwen2", "use_sliding_window": True,
+                                                 "sliding_window": 64, "max_window_layers": 1}, None),
+                                               ({"model_type": "mistral", "sliding_window": None}, None)])
+def test_only_a_model_whose_every_layer_slides_releases_blocks(extra, window):
+    hf = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+          "architectures": [{"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[extra["model_type"]]]}
+    assert ModelConfig.from_hf(hf | extra).attention_window == window

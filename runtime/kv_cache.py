@@ -83,31 +83,32 @@ SELF_CGROUP = Path("/proc/self/cgroup")
 V1_NO_LIMIT = 2**62  # cgroup v1 writes "no limit" as the largest page multiple of a 64-bit long
 
 
-def _memory_cgroups(root: Path, self_cgroup: Path) -> list[tuple[Path, bool]]:
-    """The cgroups whose memory limit binds this process, (directory, v1), innermost first: its own (from
-    /proc/self/cgroup) and their ancestors under the mount; the mount's root itself where the process's path is not
-    there (a container's cgroup namespace mounts its own cgroup as the root)."""
+def own_cgroups(controller: str, root: Path, self_cgroup: Path) -> list[tuple[Path, bool]]:
+    """The cgroups whose `controller` ("memory", "cpu") limits bind this process, (directory, v1), innermost first:
+    its own (from /proc/self/cgroup) and their ancestors under the mount; the mount's root itself where the process's
+    path is not there (a container's cgroup namespace mounts its own cgroup as the root); both roots where
+    /proc/self/cgroup names none."""
     try:
         lines = self_cgroup.read_text().splitlines()
     except OSError:
-        lines = ["0::/"]
+        lines = []
     found = []
     for line in lines:
         parts = line.split(":", 2)
-        if len(parts) != 3 or (parts[1] and "memory" not in parts[1].split(",")):
+        if len(parts) != 3 or (parts[1] and controller not in parts[1].split(",")):
             continue
         v1 = bool(parts[1])
-        base = root / "memory" if v1 else root
+        base = root / controller if v1 else root
         own = base / parts[2].lstrip("/")
         found += [(d, v1) for d in ([own, *own.parents[:len(own.relative_to(base).parts)]] if own.is_dir()
                                     else [base])]
-    return found
+    return found or [(root, False), (root / controller, True)]
 
 
 def _cgroup_memory(root: Path | None, self_cgroup: Path | None) -> list[tuple[int, int | None]]:
     """(limit, bytes it leaves or None if unreadable) of each limited cgroup binding this process."""
     found = []
-    for directory, v1 in _memory_cgroups(root or CGROUP, self_cgroup or SELF_CGROUP):
+    for directory, v1 in own_cgroups("memory", root or CGROUP, self_cgroup or SELF_CGROUP):
         names = (("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file") if v1
                  else ("memory.max", "memory.current", "inactive_file"))
         try:

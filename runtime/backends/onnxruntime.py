@@ -17,7 +17,7 @@ from camshaft.graph_meta import check_build_id, check_graph_limits
 from camshaft.io_signature import KVCacheLayout, SequenceGraph, TensorSpec
 from camshaft.manifest import Manifest
 from camshaft.runtime.backends.huge_pages import load_in_huge_pages
-from camshaft.runtime.kv_cache import CGROUP, SMALLER_POOL, check_fits_host, host_available
+from camshaft.runtime.kv_cache import CGROUP, SELF_CGROUP, SMALLER_POOL, check_fits_host, host_available, own_cgroups
 
 # KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8": np.uint8}
@@ -25,11 +25,11 @@ ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16
              "int8": "tensor(int8)", "float8": "tensor(uint8)"}
 
 
-def physical_cores(cgroup: Path = CGROUP) -> int:
+def physical_cores(cgroup: Path = CGROUP, self_cgroup: Path | None = None) -> int:
     """The cores this process may keep busy: its CPU affinity, the machine's physical cores and a container's CPU
     quota (a `--cpus=2` container on a 16-core host gets 2 threads, not 16 fighting over 2 cores' time)."""
     available = len(os.sched_getaffinity(0))
-    quota = cpu_quota_cores(cgroup)
+    quota = cpu_quota_cores(cgroup, self_cgroup)
     if quota is not None:
         available = min(available, quota)
     try:
@@ -40,16 +40,22 @@ def physical_cores(cgroup: Path = CGROUP) -> int:
         return max(1, available)
 
 
-def cpu_quota_cores(cgroup: Path = CGROUP) -> int | None:
-    """A cgroup's CPU quota in whole cores, rounded up (v2 cpu.max, else v1 cpu.cfs_quota_us); None without one."""
+def cpu_quota_cores(cgroup: Path = CGROUP, self_cgroup: Path | None = None) -> int | None:
+    """The tightest CPU quota of the cgroups binding this process (its own and their ancestors, as the memory
+    limit's: v2 cpu.max, v1 cpu.cfs_quota_us), in whole cores rounded up; None without one."""
+    quotas = [_quota_cores(d, v1) for d, v1 in own_cgroups("cpu", cgroup, self_cgroup or SELF_CGROUP)]
+    return min((q for q in quotas if q is not None), default=None)
+
+
+def _quota_cores(directory: Path, v1: bool) -> int | None:
     try:
-        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        if v1:
+            quota = (directory / "cpu.cfs_quota_us").read_text().strip()
+            period = (directory / "cpu.cfs_period_us").read_text().strip()
+        else:
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
-        try:
-            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
-            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
-        except OSError:
-            return None
+        return None
     if not (quota.isdigit() and period.isdigit()) or int(period) == 0:
         return None  # "max" (v2) or -1 (v1): no quota
     return max(1, -(-int(quota) // int(period)))

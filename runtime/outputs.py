@@ -40,7 +40,7 @@ class RequestMetrics:
     first_token_time: float | None
     last_token_time: float | None
     kv_blocks_reused: int = 0  # taken from the prefix cache
-    kv_blocks_new: int = 0  # allocated for the rest of the prompt
+    kv_blocks_new: int = 0  # computed for the rest of the prompt (a sliding window's: blocks behind it skipped)
     draft_tokens: int = 0  # prompt lookup's drafts fed to the engine
     accepted_draft_tokens: int = 0  # drafts equal to the token sampled in their place
 

@@ -39,7 +39,7 @@ class Request:
     last_token_at: float | None = None
     finished_at: float | None = None
     kv_blocks_reused: int = 0  # RequestMetrics' counts (summed over admissions)
-    first_reused_blocks: int | None = None  # prompt blocks the first admission took from the prefix cache
+    first_reused_blocks: int | None = None  # prompt blocks the first admission did not compute (prefix cache)
     kv_blocks_new: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0

@@ -108,6 +108,8 @@ class Scheduler:
         admit = self.num_preemptions == preemptions_before  # after a preemption, admitting would only thrash
         prefills = sorted((r for r in self.running if r.num_tokens - r.num_computed > 1), key=queue_key)
         for request in prefills:  # a waiting request of higher priority takes the budget before a running prompt
+            if request not in self.running:  # preempted by an earlier prompt's growth in this step
+                continue
             admit = admit and self.num_preemptions == preemptions_before
             if admit:
                 budget = self._admit_waiting(scheduled, budget, before=queue_key(request))
@@ -216,8 +218,8 @@ class Scheduler:
         request.released_blocks = skipped
         cached = skipped + len(reused)
         request.num_computed = cached * self.config.block_size
-        request.kv_blocks_reused += cached  # RequestMetrics: the prompt's blocks, as TensorRT-LLM counts them
-        if request.first_reused_blocks is None:
+        request.kv_blocks_reused += len(reused)  # RequestMetrics: the prompt's blocks, as TensorRT-LLM counts them
+        if request.first_reused_blocks is None:  # the tokens it did not compute (skipped ones too)
             request.first_reused_blocks = cached
         request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - cached
         self._slide(request)

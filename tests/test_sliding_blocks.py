@@ -129,9 +129,50 @@ def test_a_prefix_whose_early_blocks_were_evicted_is_still_reused_for_its_window
     scheduler.add(second)
     (item,) = checked_step(scheduler)
     assert item.chunk.start_pos == 80 and scheduler.blocks.prefix_hits == 2
+    assert second.kv_blocks_reused == 2 and second.first_reused_blocks == 20  # taken / not computed
     while not second.finished:
         checked_step(scheduler)
     assert second.output_ids == reference_output(second.prompt_ids, 30)
+
+
+def test_a_prompt_preempted_by_an_earlier_prompts_growth_waits_out_the_step():
+    """A higher-priority prompt growing its next chunk preempts a running prompt: that one is not scheduled in
+    the same step from the waiting queue (its blocks would leak at readmission)."""
+    scheduler = Scheduler(config(policy="max_utilization", sliding_window=1, num_blocks=6, max_num_tokens=7,
+                                 max_seq_len=400, max_batch_size=4))
+    low, high = make_request("low", list(range(1, 11)), 3, priority=1), make_request("high", list(range(500, 513)), 3)
+    scheduler.add(low)
+    checked_step(scheduler)
+    scheduler.add(high)
+    while scheduler.has_work:
+        scheduled = checked_schedule(scheduler)
+        assert all(item.request in scheduler.running for item in scheduled)
+        complete(scheduler, scheduled)
+    assert scheduler.num_preemptions > 0
+    for request in (low, high):
+        assert request.output_ids == reference_output(request.prompt_ids, 3)
+    assert scheduler.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_priorities_and_tight_pools_lose_no_block(seed):
+    rng = random.Random(seed)
+    scheduler = Scheduler(config(policy="max_utilization", sliding_window=rng.randint(1, 9), block_size=4,
+                                 num_blocks=rng.randint(6, 12), max_num_tokens=7, max_seq_len=400))
+    requests = [make_request(f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(2, 40))], rng.randint(1, 30),
+                             priority=rng.randint(0, 2)) for i in range(12)]
+    arrivals = sorted(rng.randrange(40) for _ in requests)
+    t = 0
+    while t < 20_000 and (requests or scheduler.has_work):
+        while requests and arrivals[0] <= t:
+            scheduler.add(requests.pop(0))
+            arrivals.pop(0)
+        if scheduler.has_work:
+            scheduled = checked_schedule(scheduler)
+            assert all(item.request in scheduler.running for item in scheduled)
+            complete(scheduler, scheduled)
+        t += 1
+    assert not scheduler.has_work and scheduler.blocks.num_used == 0
 
 
 def test_preempted_sliding_requests_recompute_the_same_tokens():
@@ -167,6 +208,10 @@ def test_an_engine_runs_requests_longer_than_its_pool_as_one_at_a_time(tmp_path)
         assert llm.kv_cache.used == 0 and llm.executor.peak_batch_size > 1
         (whole,) = llm.generate([prompts[0]], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
         assert len(whole.token_ids) == 256 - len(prompts[0])  # all max_seq_len leaves, not what the pool holds
+    with LLM(engine, policy="max_utilization", kv_cache_memory=pool_budget(engine, 5)) as llm:  # under its window
+        assert llm.config.window_blocks > 5
+        (held,) = llm.generate([prompts[0][:10]], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+        assert len(held.token_ids) == 5 * 8 - 10  # what the pool holds of one request, as without a window
 
 
 @pytest.mark.parametrize(("extra", "window"), [({"model_type": "mistral", "sliding_window": 64}, 64),

@@ -86,3 +86,23 @@ def test_a_recommendation_out_of_range_is_refused_at_build(tmp_path):
     (model / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
     with pytest.raises(CheckpointError, match=r"generation_config.json: top_p must lie in \[1e-09, 1\], not 1.5"):
         ModelConfig.from_hf_dir(model)
+
+
+def test_camshaft_run_samples_as_the_model_recommends_unless_told(engines, capsys):
+    from camshaft.cli import app
+
+    def run(*flags: str) -> tuple[str, str]:
+        try:
+            app(["run", "--engine", str(engines["qwen"]), "--prompt", "abc", "--max-tokens", "12", *flags])
+        except SystemExit as exc:
+            assert exc.code in (0, None)
+        out, err = capsys.readouterr()
+        return out.strip(), " ".join(err.split())
+
+    session = Session(engines["qwen"])
+    sampled, err = run("--seed", "5")
+    assert sampled == session.generate("abc", seed=5, max_tokens=12).text.strip()
+    assert "generation_config.json recommends: temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05" in err
+    greedy, err = run("--temperature", "0")
+    assert greedy == session.generate("abc", temperature=0, max_tokens=12).text.strip() != sampled
+    assert "temperature 0.7" not in err and "top_p 0.8, top_k 20" in err

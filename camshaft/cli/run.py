@@ -25,10 +25,11 @@ def run(
         help="A Jinja chat template (a file, or the template itself) used in place of the engine's (with --chat)")]
     = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate")] = 128,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much "
-                                              "probability (1 = off)")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="0 or -1 = off")] = 0,
+    temperature: Annotated[float | None, typer.Option(
+        help="0 = greedy (default: what the model's generation_config.json recommends, else 0)")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much "
+                                                     "probability (1 = off; default: the model's, else 1)")] = None,
+    top_k: Annotated[int | None, typer.Option(help="0 or -1 = off (default: the model's, else 0)")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the sampling (default: a fresh one)")] = None,
     stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
     prompt_lookup: Annotated[int, typer.Option(
@@ -36,8 +37,11 @@ def run(
                             "(prompt lookup decoding: the same output, faster where text repeats); 0 = off")] = 0,
 ) -> None:
     """Generate text from a prompt."""
+    from dataclasses import replace
+
     from camshaft.errors import RequestError
-    from camshaft.runtime.sampling_params import SamplingParams
+    from camshaft.manifest import read_manifest
+    from camshaft.runtime.sampling_params import model_defaults
 
     if system is not None and not chat:
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
@@ -45,14 +49,22 @@ def run(
         raise RequestError("--chat-template renders --chat messages; add --chat (or drop --chat-template)")
     if prompt == "-":
         prompt = _stdin_text()
+    given = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed))
+             if v is not None}
     with flag_names("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_lookup"):
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        unused = [flag for flag, given in (("--top-p", top_p != 1.0), ("--top-k", top_k not in (0, -1)),
-                                           ("--seed", seed is not None)) if given]
-        if temperature == 0 and unused:  # said once the values are known to be valid
+        model = read_manifest(engine, check_files=False).model  # its recommended sampling, as Session and serve
+        params = replace(model_defaults(model), max_tokens=max_tokens, **given)
+        unused = [flag for flag, sent in (("--top-p", top_p not in (None, 1.0)),
+                                          ("--top-k", top_k not in (None, 0, -1)), ("--seed", seed is not None))
+                  if sent]
+        if params.temperature == 0 and unused:  # said once the values are known to be valid
             verb = "changes" if len(unused) == 1 else "change"
             err.print(f"[yellow]note:[/yellow] {', '.join(unused)} {verb} nothing at --temperature 0 (greedy "
                       "decoding); add --temperature above 0 to sample", soft_wrap=True)
+        taken = [f"{k} {v:g}" for k, v in model.sampling_defaults if k not in given]
+        if taken:
+            err.print(f"[dim]sampling as the model's generation_config.json recommends: {', '.join(taken)} "
+                      "(--temperature 0 for greedy decoding)[/dim]", soft_wrap=True)
         _run(engine, prompt, chat, system, params, stream, prompt_lookup, chat_template)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from camshaft.builder.checkpoint_sizes import check_sizes
+from camshaft.builder.checkpoint_sizes import check_sizes, fused_rows
 from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8 are part of this module's API)
     FP8,
     KV_CACHE_ALGOS,
@@ -22,6 +22,7 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
     read_quant_config,
 )
 from camshaft.errors import CheckpointError
+from camshaft.hf_config import FUSED_ARCHITECTURES
 from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig, missing_checkpoint, require_tokenizer
 from camshaft.weight_files import EMBED, index_map, stored_float_dtype, weight_files
 
@@ -40,6 +41,7 @@ class Checkpoint:
         self._aliases: dict[str, str] = {}  # a name read as another tensor
         self._handles = {}
         self._fp8: dict[str, tuple[tuple[int, ...], int, int]] = {}  # name → shape, start, end (safetensors F8_E4M3)
+        self._rows: dict[str, tuple[str, int, int]] = {}  # a layer's weight stored as rows of a fused one (Phi-3)
         for file in self.files:
             try:
                 handle = self._stack.enter_context(safe_open(str(file), framework="numpy"))
@@ -59,6 +61,9 @@ class Checkpoint:
                 f"{self.dir}/{self._quant_file} says the layers are {' / '.join(self.quant_algos)}, but no layer has a "
                 f"weight_scale: the weights are float. Remove {remove} to build the float checkpoint, or restore the "
                 "quantized weights")
+        if self.config.architecture in FUSED_ARCHITECTURES:
+            self._rows = fused_rows(self)
+            self._where.update({name: self._where[fused] for name, (fused, _, _) in self._rows.items()})
         self._check_tied_head()
         check_sizes(self)
         if self.config.tie_word_embeddings and not self.quantization and EMBED not in self._where \
@@ -228,6 +233,9 @@ class Checkpoint:
         """A tensor's shape as its file's header gives it, nothing read."""
         if name in self._fp8:
             return tuple(self._fp8[name][0])
+        if name in self._rows:
+            fused, start, end = self._rows[name]
+            return (end - start, *self.stored_shape(fused)[1:])
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
     def file_of(self, name: str) -> Path:
@@ -241,6 +249,9 @@ class Checkpoint:
         try:
             if stored in self._fp8:
                 return read_fp8(file, *self._fp8[stored])
+            if stored in self._rows:
+                fused, start, end = self._rows[stored]
+                return self._handles[file].get_slice(fused)[start:end]
             return self._handles[file].get_tensor(stored)
         except (SafetensorError, OSError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{file.name}: tensor {name!r} could not be read: {exc}") from exc

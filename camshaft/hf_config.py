@@ -15,10 +15,13 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # Llama's layers with q/k/v and gate/up stored fused (builder/checkpoint.py splits them)
 }
+FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")  # dynamic: default up to max_position_embeddings
 ATTENTION_FACTORS = (1e-6, 1e6)  # the range of yarn's factor on cos/sin that float32 tables hold
-MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # transformers' config defaults
+# transformers' config defaults
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others: hidden / heads)
@@ -103,6 +106,10 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
     positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=1)
+    rope = rope_fields(hf, f, source, positions)
+    if arch == "phi3" and rope["type"] != "default":  # transformers reads Phi-3's su / yarn / longrope as longrope
+        raise UnsupportedModelError(f"{source}: Phi-3's long-context rope (longrope, the 128k variants) is not "
+                                    "supported; the 4k-context Phi-3 models (no rope_scaling) build")
     return dict(
         architecture=arch,
         vocab_size=vocab,
@@ -114,7 +121,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         head_dim=f.get("head_dim", "int", QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // heads, least=1),
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-6, least=0),
         max_position_embeddings=positions,
-        rope=rope_fields(hf, f, source, positions),
+        rope=rope,
         tie_word_embeddings=f.get("tie_word_embeddings", "bool", False),
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
@@ -172,8 +179,7 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> d
     partial = (p if p.data.get("partial_rotary_factor") is not None else f).get("partial_rotary_factor", "number", 1.0)
     if partial != 1:
         raise UnsupportedModelError(f"{source}: partial_rotary_factor={partial} (rotary embedding over part of each "
-                                    "head) is not supported: camshaft rotates whole heads, and transformers' "
-                                    f"{hf.get('model_type', 'model')} ignores the factor or fails on it")
+                                    "head) is not supported: camshaft rotates whole heads")
     low, high = p.get("low_freq_factor", "number", 1.0, least=0), p.get("high_freq_factor", "number", 4.0, least=0)
     if rope_type == "llama3" and not low < high:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
@@ -224,6 +230,8 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
     config.json says otherwise; layers from max_window_layers on slide)."""
     if arch == "llama":
         window = None
+    elif arch == "phi3":  # slides where config.json sets a window (Phi-3-mini-4k: 2047), on every layer
+        window = f.get("sliding_window", "int", None, least=1)
     elif arch == "mistral" or f.get("use_sliding_window", "bool", False):
         window = f.get("sliding_window", "int", DEFAULT_WINDOW if "sliding_window" not in f.data else None, least=1)
     else:

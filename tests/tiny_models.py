@@ -33,6 +33,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-mqa-headdim": ("LlamaConfig", dict(num_key_value_heads=1, head_dim=24, attention_bias=True)),
     "mistral-sliding": ("MistralConfig", dict(sliding_window=7, num_key_value_heads=2, head_dim=16)),
     "qwen2-bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "phi3-fused": ("Phi3Config", dict(pad_token_id=0, sliding_window=40)),  # q/k/v and gate/up stored fused
     "qwen3-qknorm": ("Qwen3Config", dict(head_dim=32, num_key_value_heads=4)),
     "qwen2-yarn": ("Qwen2Config", dict(  # long-context Qwen2.5: YaRN past 64 of the tests' positions
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64,

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from camshaft.builder.checkpoint_sizes import check_sizes, fused_rows
+from camshaft.builder.checkpoint_sizes import check_sizes, fused_parts
 from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8 are part of this module's API)
     FP8,
     KV_CACHE_ALGOS,
@@ -61,9 +61,13 @@ class Checkpoint:
                 f"{self.dir}/{self._quant_file} says the layers are {' / '.join(self.quant_algos)}, but no layer has a "
                 f"weight_scale: the weights are float. Remove {remove} to build the float checkpoint, or restore the "
                 "quantized weights")
+        self._modules: dict[str, str] = {}  # a layer read from a fused one → that one's module name
         if self.config.architecture in FUSED_ARCHITECTURES:
-            self._rows = fused_rows(self)
-            self._where.update({name: self._where[fused] for name, (fused, _, _) in self._rows.items()})
+            parts = fused_parts(self)
+            self._rows, self._modules = parts.rows, parts.modules
+            self._aliases.update(parts.shared)
+            self._where.update({name: self._where[fused] for name, (fused, _, _) in parts.rows.items()})
+            self._where.update({name: self._where[fused] for name, fused in parts.shared.items()})
         self._check_tied_head()
         check_sizes(self)
         if self.config.tie_word_embeddings and not self.quantization and EMBED not in self._where \
@@ -94,7 +98,9 @@ class Checkpoint:
         """What hf_quant_config.json says of linear layer `prefix`: its own entry in a MIXED_PRECISION checkpoint
         (empty for a float layer), else the checkpoint's section."""
         quant = self.quantization or {}
-        return (quant["quantized_layers"].get(prefix) or {}) if quant.get("quant_algo") == MIXED else quant
+        if quant.get("quant_algo") != MIXED:
+            return quant
+        return quant["quantized_layers"].get(self._modules.get(prefix, prefix)) or {}
 
     def layer_algo(self, prefix: str) -> str | None:
         """The quant_algo of linear layer `prefix`; None if it is float."""
@@ -231,11 +237,12 @@ class Checkpoint:
 
     def stored_shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape as its file's header gives it, nothing read."""
-        if name in self._fp8:
-            return tuple(self._fp8[name][0])
         if name in self._rows:
             fused, start, end = self._rows[name]
             return (end - start, *self.stored_shape(fused)[1:])
+        name = self._aliases.get(name, name)
+        if name in self._fp8:
+            return tuple(self._fp8[name][0])
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
     def file_of(self, name: str) -> Path:
@@ -245,13 +252,13 @@ class Checkpoint:
         file = self._where.get(name)
         if file is None:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}{self._hint(name)}")
-        stored = self._aliases.get(name, name)
+        stored, start, end = self._rows.get(name, (self._aliases.get(name, name), None, None))
         try:
             if stored in self._fp8:
-                return read_fp8(file, *self._fp8[stored])
-            if stored in self._rows:
-                fused, start, end = self._rows[stored]
-                return self._handles[file].get_slice(fused)[start:end]
+                whole = read_fp8(file, *self._fp8[stored])
+                return whole if start is None else whole[start:end]
+            if start is not None:
+                return self._handles[file].get_slice(stored)[start:end]
             return self._handles[file].get_tensor(stored)
         except (SafetensorError, OSError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{file.name}: tensor {name!r} could not be read: {exc}") from exc

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from camshaft.errors import CheckpointError
@@ -31,29 +32,54 @@ def check_sizes(checkpoint: Checkpoint) -> None:
                                   "checkpoint's config.json")
 
 
-def fused_rows(checkpoint: Checkpoint) -> dict[str, tuple[str, int, int]]:
-    """Phi-3 stores each layer's q/k/v and gate/up projections as one matrix each: the separate weights every other
-    architecture has, as (fused tensor, first row, end row) by name (transformers splits them the same way)."""
+@dataclass(frozen=True)
+class FusedParts:
+    """Phi-3's fused q/k/v and gate/up matrices read as the separate layers every other architecture has."""
+
+    rows: dict[str, tuple[str, int, int]]  # a part's tensor → (fused tensor, first row, end row)
+    shared: dict[str, str]  # a part's tensor → the fused tensor it reads whole (a scale of the whole matrix)
+    modules: dict[str, str]  # a part's module → the fused module (what hf_quant_config.json's layers name)
+
+
+SPLIT = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+SCALES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
+
+
+def fused_parts(checkpoint: Checkpoint) -> FusedParts:
+    """Each layer's fused matrices split by rows as transformers splits them (q, k, v; gate, up), quantized ones
+    too: int4 weights by their packed rows (two output rows a byte), per-row scales by rows, the rest shared."""
     c = checkpoint.config
-    if checkpoint.quantization is not None:
-        raise CheckpointError(f"{checkpoint.dir}: a quantized {c.architecture} checkpoint (its fused qkv_proj and "
-                              "gate_up_proj quantized as one) is not supported yet; build the float checkpoint")
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    parts = {"self_attn.qkv_proj": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
-             "mlp.gate_up_proj": (("mlp.gate_proj", c.intermediate_size), ("mlp.up_proj", c.intermediate_size))}
-    rows: dict[str, tuple[str, int, int]] = {}
+    sizes = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (c.intermediate_size, c.intermediate_size)}
+    parts = FusedParts({}, {}, {})
     for layer in range(c.num_layers):
-        for fused, split in parts.items():
-            name = f"model.layers.{layer}.{fused}.weight"
-            if name not in checkpoint:
+        for fused, names in SPLIT.items():
+            prefix, rows = f"model.layers.{layer}.{fused}", sizes[fused]
+            weight, total = f"{prefix}.weight", sum(rows)
+            if weight not in checkpoint:
                 continue  # its parts are missing: said where they are read
-            total, shape = sum(n for _, n in split), checkpoint.stored_shape(name)
-            if shape != (total, c.hidden_size):
-                raise CheckpointError(f"{checkpoint.file_of(name).name}: tensor {name!r} has shape {shape}, expected "
-                                      f"{(total, c.hidden_size)} from config.json; restore the checkpoint's "
-                                      "config.json")
+            shape = checkpoint.stored_shape(weight)
+            packed = checkpoint.quantization is not None and shape == (total // 2, c.hidden_size) \
+                and not any(n % 2 for n in rows)
+            if shape != (total, c.hidden_size) and not packed:
+                raise CheckpointError(f"{checkpoint.file_of(weight).name}: tensor {weight!r} has shape {shape}, "
+                                      f"expected {(total, c.hidden_size)} from config.json; restore the "
+                                      "checkpoint's config.json")
             start = 0
-            for part, n in split:
-                rows[f"model.layers.{layer}.{part}.weight"] = (name, start, start + n)
+            for part, n in zip(names, rows, strict=True):
+                own = f"model.layers.{layer}.{part}"
+                parts.modules[own] = prefix
+                parts.rows[f"{own}.weight"] = (weight, start // 2, (start + n) // 2) if packed else \
+                    (weight, start, start + n)
+                for scale in SCALES:
+                    name = f"{prefix}.{scale}"
+                    if name not in checkpoint:
+                        continue
+                    per_row = scale == "weight_scale" and checkpoint.stored_shape(name)[:1] == (total,)
+                    if per_row:
+                        parts.rows[f"{own}.{scale}"] = (name, start, start + n)
+                    else:
+                        parts.shared[f"{own}.{scale}"] = name
                 start += n
-    return rows
+    return parts

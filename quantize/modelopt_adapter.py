@@ -18,7 +18,6 @@ from typing import Any
 
 from camshaft.errors import CheckpointError, needs_extra
 from camshaft.float_model import load_float_model
-from camshaft.hf_config import FUSED_ARCHITECTURES
 from camshaft.model_config import (
     CAMSHAFT_QUANT_RECORD,
     HF_QUANT_CONFIG,
@@ -116,9 +115,6 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         raise QuantizeError(f"{model_dir} is already quantized ({where}); quantize the original checkpoint")
     refuse_stored_codes(model_dir, QuantizeError, "quantize the original float checkpoint")
     model_config = ModelConfig.from_hf_dir(model_dir)
-    if model_config.architecture in FUSED_ARCHITECTURES:
-        raise QuantizeError(f"{model_dir}: quantizing {model_config.architecture} (q/k/v and gate/up stored fused, "
-                            "which ModelOpt quantizes as one) is not supported yet; build the float checkpoint")
     source_dtype = stored_float_dtype(model_dir)  # the export is float32: builds take the model's own type from this
     group_size = resolve_group_size(spec, model_config)
     check_lm_head_fits(spec, model_config)

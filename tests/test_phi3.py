@@ -1,5 +1,5 @@
-"""Phi-3: Llama's layers with q/k/v and gate/up each stored as one matrix (numerics in test_parity.py's variant
-"phi3-fused"); what it does not support yet is refused before any work, saying so."""
+"""Phi-3: Llama's layers with q/k/v and gate/up each stored as one matrix, float (numerics also in test_parity.py's
+variant "phi3-fused") and quantized by ModelOpt as one; what it does not support is refused, saying so."""
 
 from __future__ import annotations
 
@@ -79,10 +79,41 @@ def test_a_fused_matrix_of_the_wrong_size_names_itself(phi3, tmp_path):
         build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
 
 
-def test_quantizing_phi3_is_refused_before_calibrating(phi3, tmp_path):
-    from camshaft.quantize.modelopt_adapter import quantize_checkpoint
-    from camshaft.quantize.spec import QuantizeError, QuantSpec
+@pytest.mark.parametrize("fmt", ["fp8", "int8_sq", "int4_awq"])
+def test_a_quantized_phi3_engine_matches_modelopts_fake_quant_model(phi3, tmp_path, fmt):
+    """ModelOpt quantizes the fused matrices as one (one input scale, per-row weight scales over all of q/k/v): the
+    engine reads their rows per part and gives the fake-quant model's logits (test_quantize.py's bar)."""
+    import numpy as np
+    import torch
+    import transformers
 
-    with pytest.raises(QuantizeError, match="quantizing phi3 .* is not supported yet; build the float checkpoint"):
-        quantize_checkpoint(phi3, tmp_path / "q", QuantSpec("fp8"))
-    assert not (tmp_path / "q").exists()
+    from camshaft.quantize.modelopt_adapter import quantize_checkpoint
+    from camshaft.quantize.spec import QuantSpec
+    from camshaft.runtime.batch import Chunk
+    from camshaft.runtime.engine import Engine
+
+    pytest.importorskip("modelopt.torch.quantization")
+    prompt = torch.randint(3, 384, (1, 48), generator=torch.Generator().manual_seed(0))
+    ref = {}
+
+    def capture(model):
+        with torch.no_grad():
+            ref["logits"] = model(prompt).logits[0].numpy().copy()
+
+    quantize_checkpoint(phi3, tmp_path / "q", QuantSpec(fmt), on_quantized=capture, calib_size=4, calib_seq_len=64)
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
+    build_engine(BuildConfig(tmp_path / "q", tmp_path / "engine", max_seq_len=64, kv_block_size=4))
+    engine = Engine(tmp_path / "engine", max_sequences=1)
+    assert engine.manifest.quantization["quantized_linear_layers"] == 2 * 7  # q k v o gate up down, 2 layers
+    logits = engine.step([Chunk(prompt[0].tolist(), 0, engine.pool.allocate(12), 48)])
+    with torch.no_grad():
+        fp32 = transformers.AutoModelForCausalLM.from_pretrained(phi3).eval()(prompt).logits[0].numpy()
+    assert np.abs(ref["logits"] - fp32).max() > 1e-3  # the quantization is real
+    bar = 0.1 * np.abs(ref["logits"] - fp32).max()
+    assert np.abs(logits - ref["logits"]).max() <= bar
+    from camshaft.runtime.sequence import SequenceEngine
+
+    sequence = SequenceEngine(tmp_path / "engine")  # the Session's graph, from the same checkpoint reading
+    sequence.start(48)
+    assert np.abs(sequence.feed(prompt[0].tolist(), 0) - ref["logits"][-1]).max() <= bar
+    sequence.close()

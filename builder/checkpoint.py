@@ -251,7 +251,7 @@ class Checkpoint:
     def _raw(self, name: str) -> np.ndarray:
         file = self._where.get(name)
         if file is None:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}{self._hint(name)}")
+            raise self.missing(name)
         stored, start, end = self._rows.get(name, (self._aliases.get(name, name), None, None))
         try:
             if stored in self._fp8:
@@ -262,6 +262,9 @@ class Checkpoint:
             return self._handles[file].get_tensor(stored)
         except (SafetensorError, OSError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{file.name}: tensor {name!r} could not be read: {exc}") from exc
+
+    def missing(self, name: str) -> CheckpointError:
+        return CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}{self._hint(name)}")
 
     def _hint(self, name: str) -> str:
         """Where the index says a missing tensor is, or what a missing head may mean."""

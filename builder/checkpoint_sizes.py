@@ -58,10 +58,18 @@ def fused_parts(checkpoint: Checkpoint) -> FusedParts:
             prefix, rows = f"model.layers.{layer}.{fused}", sizes[fused]
             weight, total = f"{prefix}.weight", sum(rows)
             if weight not in checkpoint:
-                continue  # its parts are missing: said where they are read
+                apart = [f"model.layers.{layer}.{n}.weight" for n in names]
+                if any(name in checkpoint for name in apart):  # transformers would leave qkv_proj random
+                    raise CheckpointError(f"{checkpoint.dir}: layer {layer} stores {', '.join(apart)} apart, but "
+                                          f"{c.architecture} reads one {weight}, as transformers does; fuse them "
+                                          "(rows in that order) or restore the checkpoint")
+                raise checkpoint.missing(weight)
             shape = checkpoint.stored_shape(weight)
-            packed = checkpoint.quantization is not None and shape == (total // 2, c.hidden_size) \
-                and not any(n % 2 for n in rows)
+            packed = checkpoint.quantization is not None and shape == (total // 2, c.hidden_size)
+            if packed and any(n % 2 for n in rows):
+                raise CheckpointError(f"{checkpoint.file_of(weight).name}: {weight} packs two output rows a byte, "
+                                      f"but its parts' rows {rows} are not all even: a byte would hold two parts; "
+                                      "camshaft cannot split it (quantize the float checkpoint with camshaft)")
             if shape != (total, c.hidden_size) and not packed:
                 raise CheckpointError(f"{checkpoint.file_of(weight).name}: tensor {weight!r} has shape {shape}, "
                                       f"expected {(total, c.hidden_size)} from config.json; restore the "

@@ -61,6 +61,8 @@ class Fields:
 def architecture(hf: dict[str, Any], source: str) -> str:
     auto_map = hf.get("auto_map")
     models = sorted(k for k in auto_map if k.startswith("AutoModel")) if isinstance(auto_map, dict) else auto_map
+    if models and _native_port(auto_map, models, hf.get("architectures")):
+        models = []
     if models:  # custom model code; an auto_map of tokenizer or config classes alone changes no weights' meaning
         native = [a for a in (hf.get("architectures") or []) if isinstance(a, str) and a in ARCHITECTURES]
         also = (f" Its architectures name {native[0]}, which camshaft builds natively (as transformers loads it "
@@ -87,6 +89,16 @@ def architecture(hf: dict[str, Any], source: str) -> str:
     return arch
 
 
+def _native_port(auto_map: Any, models: list[str], archs: Any) -> bool:
+    """An auto_map whose model classes are the very native class the architectures name (Phi-3's
+    modeling_phi3.Phi3ForCausalLM, written before transformers took the model in): transformers then runs its own."""
+    if not isinstance(auto_map, dict) or not isinstance(archs, list):
+        return False
+    names = [auto_map[k] for k in models]
+    classes = {n.rsplit(".", 1)[-1] for n in names if isinstance(n, str)}
+    return len(classes) == len(names) and all(c in ARCHITECTURES and c in archs for c in classes)
+
+
 def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[str, Any]:
     """The keyword arguments of ModelConfig, but `rope` as a dict of RopeConfig's."""
     arch = architecture(hf, source)
@@ -106,10 +118,8 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
     positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=1)
-    rope = rope_fields(hf, f, source, positions)
-    if arch == "phi3" and rope["type"] != "default":  # transformers reads Phi-3's su / yarn / longrope as longrope
-        raise UnsupportedModelError(f"{source}: Phi-3's long-context rope (longrope, the 128k variants) is not "
-                                    "supported; the 4k-context Phi-3 models (no rope_scaling) build")
+    if arch == "phi3":
+        check_phi3_rope(hf, source)
     return dict(
         architecture=arch,
         vocab_size=vocab,
@@ -119,9 +129,9 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         num_heads=heads,
         num_kv_heads=kv_heads(f, arch, heads, source),
         head_dim=f.get("head_dim", "int", QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // heads, least=1),
-        rms_norm_eps=f.get("rms_norm_eps", "number", 1e-6, least=0),
+        rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch == "phi3" else 1e-6, least=0),  # their defaults
         max_position_embeddings=positions,
-        rope=rope,
+        rope=rope_fields(hf, f, source, positions),
         tie_word_embeddings=f.get("tie_word_embeddings", "bool", False),
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
@@ -133,6 +143,16 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         eos_token_ids=eos_ids(gen, hf, source, vocab),
         sampling_defaults=sampling_defaults(gen, source),
     )
+
+
+def check_phi3_rope(hf: dict[str, Any], source: str) -> None:
+    """transformers reads any rope type of a Phi-3 config but the default (su, yarn, longrope) as longrope."""
+    for key in ("rope_scaling", "rope_parameters"):
+        section = hf.get(key)
+        kind = section.get("rope_type", section.get("type", "default")) if isinstance(section, dict) else "default"
+        if kind != "default":
+            raise UnsupportedModelError(f"{source}: Phi-3's long-context rope ({key} {kind!r}, read as longrope: the "
+                                        "128k variants) is not supported; the 4k-context Phi-3 models build")
 
 
 def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:
@@ -237,7 +257,7 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
     else:
         window = None
     names = {"full_attention": "full", "sliding_attention": "sliding"}
-    if f.data.get("layer_types"):
+    if f.data.get("layer_types") and arch != "phi3":  # Phi-3 slides every layer or none, whatever it lists
         try:
             types = tuple(names[t] for t in f.data["layer_types"])
         except (KeyError, TypeError) as exc:

@@ -99,6 +99,8 @@ def own_cgroups(controller: str, root: Path, self_cgroup: Path) -> list[tuple[Pa
             continue
         v1 = bool(parts[1])
         base = root / controller if v1 else root
+        if v1 and not base.is_dir():  # the hierarchy mounted by its joined name alone ("cpu,cpuacct")
+            base = root / parts[1]
         own = base / parts[2].lstrip("/")
         found += [(d, v1) for d in ([own, *own.parents[:len(own.relative_to(base).parts)]] if own.is_dir()
                                     else [base])]

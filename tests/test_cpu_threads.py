@@ -45,6 +45,9 @@ def test_cpu_quota_in_whole_cores(tmp_path, files, cores):
     ({"self": "11:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n", "cpu/docker/abc/cpu.cfs_quota_us": "200000\n",
       "cpu/docker/abc/cpu.cfs_period_us": "100000\n", "cpu/cpu.cfs_quota_us": "-1\n",
       "cpu/cpu.cfs_period_us": "100000\n"}, 2),
+    # the v1 hierarchy mounted by its joined name only, no "cpu" link to it
+    ({"self": "4:cpu,cpuacct:/docker/abc\n", "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n",
+      "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 2),
 ])
 def test_the_quota_of_the_process_own_cgroup_and_its_ancestors_counts(tmp_path, files, cores):
     assert cpu_quota_cores(write(tmp_path, files), tmp_path / "self") == cores

@@ -105,4 +105,5 @@ def test_camshaft_run_samples_as_the_model_recommends_unless_told(engines, capsy
     assert "generation_config.json recommends: temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05" in err
     greedy, err = run("--temperature", "0")
     assert greedy == session.generate("abc", temperature=0, max_tokens=12).text.strip() != sampled
-    assert "temperature 0.7" not in err and "top_p 0.8, top_k 20" in err
+    assert "greedy decoding, with the model's generation_config.json repetition_penalty 1.05" in err
+    assert "top_p" not in err and "--temperature 0 for" not in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
@@ -25,7 +26,7 @@ def phi3(tmp_path_factory):
 
 def edited(model, tmp_path, **changes):
     out = tmp_path / "edited"
-    out.mkdir()
+    out.mkdir(parents=True)
     for f in model.iterdir():
         (out / f.name).write_bytes(f.read_bytes())
     config = json.loads((out / "config.json").read_text())
@@ -58,15 +59,45 @@ def test_a_phi3_engine_generates_what_transformers_does(phi3, tmp_path):
 
 @pytest.mark.parametrize(("changes", "message"), [
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
-      "original_max_position_embeddings": 256}, "rope scaling 'longrope' is not supported"),
-    ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}, "'su' is not supported"),
-    ({"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}},
-     "Phi-3's long-context rope (longrope"),
+      "original_max_position_embeddings": 256}, "Phi-3's long-context rope (rope_scaling 'longrope', read as longrope"),
+    ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}, "rope_scaling 'su'"),
+    ({"rope_scaling": {"type": "yarn", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},  # no factor: longrope
+     "rope_scaling 'yarn', read as longrope"),
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
 ])
 def test_what_phi3_models_need_beyond_that_is_refused(phi3, tmp_path, changes, message):
     with pytest.raises(UnsupportedModelError, match=re.escape(message)):
         ModelConfig.from_hf_dir(edited(phi3, tmp_path, **changes))
+
+
+def test_phi3_as_microsoft_ships_it_builds_and_reads_its_own_defaults(phi3, tmp_path):
+    """Phi-3's repositories keep the auto_map of the remote code transformers has since taken in (the same class):
+    transformers runs its own, and so does camshaft. Without rms_norm_eps, Phi3Config's 1e-5 (not Llama's 1e-6);
+    layer_types, which Phi3Model ignores, are ignored."""
+    model = edited(phi3, tmp_path, auto_map={"AutoConfig": "configuration_phi3.Phi3Config",
+                                             "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+                   layer_types=["full_attention", "sliding_attention"], rms_norm_eps=None)
+    c = ModelConfig.from_hf_dir(model)
+    assert (c.rms_norm_eps, c.layer_types, c.attention_window) == (1e-5, ("sliding", "sliding"), 40)
+    evil = edited(phi3, tmp_path / "evil", auto_map={"AutoModelForCausalLM": "modeling_x.MyPhi3ForCausalLM"})
+    with pytest.raises(UnsupportedModelError, match="asks for custom modelling code"):
+        ModelConfig.from_hf_dir(evil)
+
+
+@pytest.mark.parametrize("stored", ["missing", "apart"])
+def test_a_missing_or_unfused_matrix_is_named(phi3, tmp_path, stored):
+    model = edited(phi3, tmp_path)
+    weights = load_file(model / "model.safetensors")
+    qkv = weights.pop("model.layers.1.self_attn.qkv_proj.weight")
+    if stored == "apart":  # transformers would leave qkv_proj random and ignore these
+        weights |= {f"model.layers.1.self_attn.{n}_proj.weight": w for n, w in zip("qkv", np.split(qkv, [64, 96]),
+                                                                                     strict=True)}
+    save_file(weights, model / "model.safetensors")
+    message = ("tensor 'model.layers.1.self_attn.qkv_proj.weight' is missing" if stored == "missing" else
+               "layer 1 stores model.layers.1.self_attn.q_proj.weight, .* apart, but phi3 reads one "
+               "model.layers.1.self_attn.qkv_proj.weight")
+    with pytest.raises(CheckpointError, match=message):
+        build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
 
 
 def test_a_fused_matrix_of_the_wrong_size_names_itself(phi3, tmp_path):
@@ -83,7 +114,6 @@ def test_a_fused_matrix_of_the_wrong_size_names_itself(phi3, tmp_path):
 def test_a_quantized_phi3_engine_matches_modelopts_fake_quant_model(phi3, tmp_path, fmt):
     """ModelOpt quantizes the fused matrices as one (one input scale, per-row weight scales over all of q/k/v): the
     engine reads their rows per part and gives the fake-quant model's logits (test_quantize.py's bar)."""
-    import numpy as np
     import torch
     import transformers
 

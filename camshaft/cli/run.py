@@ -61,10 +61,16 @@ def run(
             verb = "changes" if len(unused) == 1 else "change"
             err.print(f"[yellow]note:[/yellow] {', '.join(unused)} {verb} nothing at --temperature 0 (greedy "
                       "decoding); add --temperature above 0 to sample", soft_wrap=True)
-        taken = [f"{k} {v:g}" for k, v in model.sampling_defaults if k not in given]
-        if taken:
-            err.print(f"[dim]sampling as the model's generation_config.json recommends: {', '.join(taken)} "
-                      "(--temperature 0 for greedy decoding)[/dim]", soft_wrap=True)
+        greedy = params.temperature == 0  # top_p, top_k and min_p then do nothing
+        taken = [f"{k} {v:g}" for k, v in model.sampling_defaults
+                 if k not in given and not (greedy and k in ("temperature", "top_p", "top_k", "min_p"))]
+        if taken and greedy:
+            err.print(f"[dim]greedy decoding, with the model's generation_config.json {', '.join(taken)}[/dim]",
+                      soft_wrap=True)
+        elif taken:
+            err.print(f"[dim]sampling as the model's generation_config.json recommends: {', '.join(taken)}"
+                      + ("" if "temperature" in given else " (--temperature 0 for greedy decoding)") + "[/dim]",
+                      soft_wrap=True)
         _run(engine, prompt, chat, system, params, stream, prompt_lookup, chat_template)
 
 

@@ -67,6 +67,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                   "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
                   "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
                   "tied_embeddings": c.tie_word_embeddings, "sliding_window": c.sliding_window,
+                  "sliding_every_layer": c.attention_window is not None,
                   "rope": {"type": c.rope.type, "theta": c.rope.theta, "factor": c.rope.factor},
                   "sampling_defaults": dict(c.sampling_defaults)},
         "dtype": m.dtype,
@@ -124,6 +125,8 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     md, lim, kv, q = info["model"], info["limits"], info["kv_cache"], info["quantization"]
     heads = f"{md['heads']} heads / {md['kv_heads']} KV heads x {md['head_dim']}"
     window = f", sliding window {md['sliding_window']}" if md["sliding_window"] else ""
+    window += (" on every layer (the in-flight batcher frees the KV blocks it has passed)" if md["sliding_every_layer"]
+               else " on some layers" if md["sliding_window"] else "")
     rope = md["rope"]
     window += f", rope {rope['type']} x{rope['factor']:g}" if rope["type"] != "default" else ""
     quant = "none" if q is None else ", ".join(f"{k} {len(v) if isinstance(v, list) else v}" for k, v in q.items())

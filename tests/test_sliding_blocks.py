@@ -225,3 +225,16 @@ def test_only_a_model_whose_every_layer_slides_releases_blocks(extra, window):
           "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
           "architectures": [{"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[extra["model_type"]]]}
     assert ModelConfig.from_hf(hf | extra).attention_window == window
+
+
+def test_inspect_says_when_passed_blocks_are_freed(tmp_path):
+    from camshaft.runtime.engine_info import engine_info, info_lines
+
+    for name, every in (("mistral-sliding", True), ("llama", False)):
+        model = make_tiny_model(name, tmp_path / name / "hf")
+        build_engine(BuildConfig(model, tmp_path / name / "engine", max_seq_len=64))
+        info = engine_info(tmp_path / name / "engine")
+        assert info["model"]["sliding_every_layer"] is every
+        text = "\n".join(info_lines(info))
+        assert ("sliding window 7 on every layer (the in-flight batcher frees the KV blocks it has passed)" in text) \
+            is every

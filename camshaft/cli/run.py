@@ -26,7 +26,7 @@ def run(
     = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate")] = 128,
     temperature: Annotated[float | None, typer.Option(
-        help="0 = greedy (default: what the model's generation_config.json recommends, else 0)")] = None,
+        help="0 = greedy (default: the model's recommended value, else 0)")] = None,
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much "
                                                      "probability (1 = off; default: the model's, else 1)")] = None,
     top_k: Annotated[int | None, typer.Option(help="0 or -1 = off (default: the model's, else 0)")] = None,

@@ -96,9 +96,10 @@ class GraphWriter:
         return self.const(np.array(values, dtype=np.int64), "shape")
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, name: str | None = None,
-           domain: str = "", **attrs) -> str | list[str]:
+           domain: str = "", omit: tuple[int, ...] = (), **attrs) -> str | list[str]:
+        """`omit`: optional outputs left unnamed, so the kernel need not compute them ("" in the list returned)."""
         node_name = name or self._name(op_type)
-        outputs = [f"{node_name}/out{i}" for i in range(n_out)]
+        outputs = ["" if i in omit else f"{node_name}/out{i}" for i in range(n_out)]
         self.nodes.append(helper.make_node(op_type, inputs, outputs, name=node_name, domain=domain, **attrs))
         return outputs[0] if n_out == 1 else outputs
 

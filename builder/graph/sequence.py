@@ -53,7 +53,7 @@ class SequenceLowering(LayerOps):
         """(RMSNorm(x + residual), x + residual) in one node."""
         scale = self.norm_weight(weight, self.c.hidden_size)
         out = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, scale], n_out=4, domain=MS_DOMAIN,
-                        epsilon=self.c.rms_norm_eps)
+                        omit=(1, 2), epsilon=self.c.rms_norm_eps)  # no mean / inverse std-dev outputs
         return out[0], out[3]
 
     def lower(self) -> None:

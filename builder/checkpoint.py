@@ -62,6 +62,7 @@ class Checkpoint:
                 f"weight_scale: the weights are float. Remove {remove} to build the float checkpoint, or restore the "
                 "quantized weights")
         self._modules: dict[str, str] = {}  # a layer read from a fused one → that one's module name
+        check_sizes(self)  # the layer count first: a fused matrix of a layer the weights lack is that
         if self.config.architecture in FUSED_ARCHITECTURES:
             parts = fused_parts(self)
             self._rows, self._modules = parts.rows, parts.modules
@@ -69,7 +70,6 @@ class Checkpoint:
             self._where.update({name: self._where[fused] for name, (fused, _, _) in parts.rows.items()})
             self._where.update({name: self._where[fused] for name, fused in parts.shared.items()})
         self._check_tied_head()
-        check_sizes(self)
         if self.config.tie_word_embeddings and not self.quantization and EMBED not in self._where \
                 and "lm_head.weight" in self._where:
             self._where[EMBED] = self._where["lm_head.weight"]  # a tied model saved as its head, as transformers ties

@@ -151,8 +151,9 @@ def check_phi3_rope(hf: dict[str, Any], source: str) -> None:
         section = hf.get(key)
         kind = section.get("rope_type", section.get("type", "default")) if isinstance(section, dict) else "default"
         if kind != "default":
-            raise UnsupportedModelError(f"{source}: Phi-3's long-context rope ({key} {kind!r}, read as longrope: the "
-                                        "128k variants) is not supported; the 4k-context Phi-3 models build")
+            raise UnsupportedModelError(f"{source}: Phi-3 rope scaling ({key} {kind!r}; transformers reads su and "
+                                        "yarn as longrope, the 128k variants') is not supported; the 4k-context "
+                                        "Phi-3 models build")
 
 
 def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:

@@ -9,8 +9,9 @@ computing them again.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,25 +74,22 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks holding the longest run of full blocks that token_ids starts with, leaving at least the
-        last token to compute (its logits are needed)."""
-        found, prefix_hash, size = [], b"", self.block_size
+    def _cached_blocks(self, token_ids: list[int]) -> Iterator[int | None]:
+        """The cached block of each full block of token_ids in turn (None where it is not cached), leaving at least
+        the last token to compute (its logits are needed)."""
+        prefix_hash, size = b"", self.block_size
         for start in range(0, len(token_ids) - 1 - size + 1, size):
             prefix_hash = chain_hash(prefix_hash, token_ids[start: start + size])
-            block_id = self._by_hash.get(prefix_hash)
-            if block_id is None:
-                break
-            found.append(block_id)
-        return found
+            yield self._by_hash.get(prefix_hash)
+
+    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding the longest run of full blocks that token_ids starts with."""
+        return list(itertools.takewhile(lambda block: block is not None, self._cached_blocks(token_ids)))
 
     def cached_window(self, token_ids: list[int], behind: Callable[[int], int]) -> tuple[int, list[int]]:
         """As cached_prefix for a sliding window: the longest run of full blocks whose last ones, from
         `behind(tokens)` on, are cached (the window never reads those before). Returns (skipped, their blocks)."""
-        size, prefix_hash, found = self.block_size, b"", []
-        for start in range(0, len(token_ids) - 1 - size + 1, size):
-            prefix_hash = chain_hash(prefix_hash, token_ids[start: start + size])
-            found.append(self._by_hash.get(prefix_hash))
+        size, found = self.block_size, list(self._cached_blocks(token_ids))
         run = 0  # cached blocks ending at each index, in a row
         runs = []
         for block_id in found:

@@ -31,9 +31,9 @@ class Timings:
 class RequestMetrics:
     """A request's times and counts, as TensorRT-LLM reports them with return_perf_metrics. Times: seconds of
     time.perf_counter() (the monotonic clock, TensorRT-LLM's steady_clock: compare them with each other, not with
-    the wall clock; None: not reached). KV blocks: those holding the prompt when the in-flight batcher admitted the
+    the wall clock; None: not reached). KV blocks: the prompt's, counted when the in-flight batcher admitted the
     request (summed over admissions: a preempted request is admitted again with its output so far, and may find its
-    own blocks still cached; 0 from a Session)."""
+    own blocks still cached; those a sliding window has passed are in neither count; 0 from a Session)."""
 
     arrival_time: float
     first_scheduled_time: float | None

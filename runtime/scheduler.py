@@ -118,7 +118,7 @@ class Scheduler:
             if take and self._grow(request, take, [item.request for item in scheduled]):
                 scheduled.append(self._chunk(request, take))
                 budget -= take
-        if admit:
+        if admit and self.num_preemptions == preemptions_before:  # a prompt's growth may have preempted
             self._admit_waiting(scheduled, budget)
         return scheduled
 
@@ -222,7 +222,6 @@ class Scheduler:
         if request.first_reused_blocks is None:  # the tokens it did not compute (skipped ones too)
             request.first_reused_blocks = cached
         request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - cached
-        self._slide(request)
         return True
 
     def _slide(self, request: Request) -> None:

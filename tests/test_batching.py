@@ -225,8 +225,8 @@ def test_shared_prefixes_in_one_batch_on_a_sliding_window_model(tmp_path):
     params = [SamplingParams(max_tokens=rng.randint(1, 60), ignore_eos=True) for _ in prompts]
     session = Session(engine)
     expected = [session.generate(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
-    with LLM(engine, policy="max_utilization", kv_cache_memory=pool_budget(engine, 12)) as llm:  # blocks behind
-        # the window go back: a pool this small still preempts
+    # blocks behind the window go back to the pool: one this small still preempts
+    with LLM(engine, policy="max_utilization", kv_cache_memory=pool_budget(engine, 12)) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
         assert llm.kv_cache.prefix_hits > 0 and llm.kv_cache.used == 0
         assert llm.executor.scheduler.num_preemptions > 0

@@ -59,10 +59,10 @@ def test_a_phi3_engine_generates_what_transformers_does(phi3, tmp_path):
 
 @pytest.mark.parametrize(("changes", "message"), [
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
-      "original_max_position_embeddings": 256}, "Phi-3's long-context rope (rope_scaling 'longrope', read as longrope"),
+      "original_max_position_embeddings": 256}, "Phi-3 rope scaling (rope_scaling 'longrope';"),
     ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}, "rope_scaling 'su'"),
     ({"rope_scaling": {"type": "yarn", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},  # no factor: longrope
-     "rope_scaling 'yarn', read as longrope"),
+     "rope_scaling 'yarn';"),
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
 ])
 def test_what_phi3_models_need_beyond_that_is_refused(phi3, tmp_path, changes, message):
@@ -79,6 +79,8 @@ def test_phi3_as_microsoft_ships_it_builds_and_reads_its_own_defaults(phi3, tmp_
                    layer_types=["full_attention", "sliding_attention"], rms_norm_eps=None)
     c = ModelConfig.from_hf_dir(model)
     assert (c.rms_norm_eps, c.layer_types, c.attention_window) == (1e-5, ("sliding", "sliding"), 40)
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+    assert Session(tmp_path / "engine").generate([5, 6, 7], max_tokens=4, ignore_eos=True).token_ids
     evil = edited(phi3, tmp_path / "evil", auto_map={"AutoModelForCausalLM": "modeling_x.MyPhi3ForCausalLM"})
     with pytest.raises(UnsupportedModelError, match="asks for custom modelling code"):
         ModelConfig.from_hf_dir(evil)

@@ -162,14 +162,19 @@ def test_priorities_and_tight_pools_lose_no_block(seed):
     requests = [make_request(f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(2, 40))], rng.randint(1, 30),
                              priority=rng.randint(0, 2)) for i in range(12)]
     arrivals = sorted(rng.randrange(40) for _ in requests)
+    preempted: list[str] = []
+    preempt = scheduler.preempt
+    scheduler.preempt = lambda request: (preempted.append(request.request_id), preempt(request))
     t = 0
     while t < 20_000 and (requests or scheduler.has_work):
         while requests and arrivals[0] <= t:
             scheduler.add(requests.pop(0))
             arrivals.pop(0)
         if scheduler.has_work:
+            preempted.clear()
             scheduled = checked_schedule(scheduler)
             assert all(item.request in scheduler.running for item in scheduled)
+            assert not {item.request.request_id for item in scheduled} & set(preempted)  # not readmitted at once
             complete(scheduler, scheduled)
         t += 1
     assert not scheduler.has_work and scheduler.blocks.num_used == 0

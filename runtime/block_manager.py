@@ -101,9 +101,10 @@ class BlockManager:
                 return skipped, found[skipped:count]
         return 0, []
 
-    def fits(self, new_blocks: int, reused: list[int]) -> bool:
+    def fits(self, new_blocks: int, reused: list[int], held_back: int = 0) -> bool:
+        """Whether `new_blocks` and the idle ones of `reused` fit the free blocks, `held_back` of them promised."""
         idle_reused = sum(1 for b in reused if self.blocks[b].ref_count == 0)
-        return new_blocks + idle_reused <= self.num_free
+        return new_blocks + idle_reused <= self.num_free - held_back
 
     def take_cached(self, reused: list[int]) -> list[int]:
         for block_id in reused:

@@ -10,7 +10,8 @@ priority. The scheduler owns the block manager.
 `kv_reservation`: "paged" takes blocks as a request grows; "contiguous" reserves max_seq_len tokens of blocks per
 request at admission, as a cache with one contiguous region per request would (the memory benchmark's baseline).
 When every layer of the model slides, paged requests give back the blocks their window has passed (null entries
-in their tables) and, under max_utilization, take blocks for a chunk at a time (SchedulerConfig.releases_blocks).
+in their tables) and take blocks for a chunk at a time (SchedulerConfig.releases_blocks); guaranteed_no_evict then
+holds back the blocks each running request may still take (_promised), so its growth never preempts.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ class Scheduler:
         holds or that are free (drafts never preempt); their blocks are taken."""
         if request.wants_prompt_rows:  # a decode of a prompt whose rows are not all recorded yet (it has none)
             return []
-        fit = (len(request.blocks) + self.blocks.num_free) * self.config.block_size - request.num_computed - 1
+        free = self.blocks.num_free - self._held_back(request)  # (another's promised blocks are not free)
+        fit = (len(request.blocks) + free) * self.config.block_size - request.num_computed - 1
         limit = min(room, fit, request.params.max_tokens - len(request.output_ids) - 1)
         drafts = self.config.prompt_lookup.propose(request.all_ids, limit) if limit > 0 else []
         more = self.blocks.blocks_for(request.num_computed + 1 + len(drafts)) - len(request.blocks)
@@ -201,9 +203,9 @@ class Scheduler:
             skipped, reused = self.blocks.cached_window(request.all_ids, self.config.blocks_behind)
         else:
             reused = self.blocks.cached_prefix(request.all_ids)
-        if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
-            return reused, self._total_blocks(request) - skipped, skipped
         if not self.config.takes_blocks_lazily:
+            if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
+                return reused, self._total_blocks(request), 0
             return reused, self.blocks.blocks_for(request.num_tokens), 0
         ahead = min(request.num_tokens, (skipped + len(reused)) * self.config.block_size + self.config.max_num_tokens)
         return reused, self.blocks.blocks_for(ahead) - skipped, skipped
@@ -211,7 +213,8 @@ class Scheduler:
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids
         reused, wanted, skipped = self._admission(request)
-        if not self.blocks.fits(wanted - len(reused), reused):
+        promised = self._promised(self._total_blocks(request) - skipped, wanted)
+        if not self.blocks.fits(wanted - len(reused) + promised, reused, self._held_back()):
             return False
         request.blocks = [NULL_BLOCK] * skipped + self.blocks.take_cached(reused) + self.blocks.allocate(
             wanted - len(reused))
@@ -223,6 +226,18 @@ class Scheduler:
             request.first_reused_blocks = cached
         request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - cached
         return True
+
+    def _promised(self, entries_left: int, held: int) -> int:
+        """guaranteed_no_evict with a window: the blocks a request may still take beyond the `held` ones, with
+        `entries_left` table entries it has not passed; the pool holds them back so its growth never preempts."""
+        if self.config.policy != "guaranteed_no_evict" or not self.config.takes_blocks_lazily:
+            return 0
+        return max(0, min(entries_left, self.config.window_blocks) - held)
+
+    def _held_back(self, request: Request | None = None) -> int:
+        """Free blocks promised to the running requests (but `request`)."""
+        return sum(self._promised(self._total_blocks(r) - r.released_blocks, len(r.blocks) - r.released_blocks)
+                   for r in self.running if r is not request)
 
     def _slide(self, request: Request) -> None:
         """Release the request's blocks that its sliding window has passed (paged reservation only)."""

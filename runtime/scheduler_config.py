@@ -40,8 +40,8 @@ class SchedulerConfig:
 
     @property
     def window_blocks(self) -> int | None:
-        """Blocks one request holds at most under max_utilization when every layer slides: its window (or the last
-        full block, which chains the next one's hash) and a step's tokens, whatever its length. None: no window."""
+        """Blocks one request holds at most when every layer slides: its window (or the last full block, which chains
+        the next one's hash) and a step's tokens, whatever its length. None: no window."""
         if self.sliding_window is None:
             return None
         return -(-(max(self.sliding_window, self.block_size) + self.max_num_tokens) // self.block_size) + 2
@@ -53,8 +53,9 @@ class SchedulerConfig:
 
     @property
     def takes_blocks_lazily(self) -> bool:
-        """Under max_utilization such a request also takes blocks for its next chunk only, as it goes."""
-        return self.releases_blocks and self.policy == "max_utilization"
+        """Such a request also takes blocks for its next chunk only, as it goes; under guaranteed_no_evict the pool
+        holds back what each running one may still take (at most window_blocks in all), so none is ever preempted."""
+        return self.releases_blocks
 
     def blocks_behind(self, position: int) -> int:
         """Block-table entries no query at `position` or later reads (wholly before the sliding window); the last

@@ -6,7 +6,7 @@ import random
 
 import pytest
 from test_batching import pool_budget
-from test_scheduler import config, make_request, reference_output, step
+from test_scheduler import config, make_request, reference_output, run, step
 
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
@@ -61,9 +61,10 @@ def run_checked(scheduler: Scheduler, requests: list, max_steps: int = 20_000) -
     return steps
 
 
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
 @pytest.mark.parametrize("window", [3, 9, 30])
-def test_requests_longer_than_the_pool_finish_holding_only_their_window(window):
-    cfg = config(policy="max_utilization", sliding_window=window, num_blocks=40, max_seq_len=400, max_num_tokens=16)
+def test_requests_longer_than_the_pool_finish_holding_only_their_window(window, policy):
+    cfg = config(policy=policy, sliding_window=window, num_blocks=40, max_seq_len=400, max_num_tokens=16)
     assert cfg.window_blocks < 39
     scheduler = Scheduler(cfg)
     rng = random.Random(window)
@@ -75,6 +76,25 @@ def test_requests_longer_than_the_pool_finish_holding_only_their_window(window):
         assert request.output_ids == reference_output(request.prompt_ids, request.params.max_tokens)
     assert scheduler.blocks.num_used == 0 and scheduler.blocks.num_free == 39
     assert max(len(s) for s in steps) > 1
+    if policy == "guaranteed_no_evict":  # each admitted holding back what it may still take: never preempted
+        assert scheduler.num_preemptions == 0
+
+
+def test_guaranteed_no_evict_admits_by_the_window_not_the_whole_request():
+    """With the pool holding back a window's blocks per request (not prompt + max_tokens), more run at once."""
+    def peak(window: int | None) -> int:
+        scheduler = Scheduler(config(sliding_window=window, num_blocks=71, max_seq_len=400, max_num_tokens=8,
+                                     max_batch_size=8))
+        rng = random.Random(7)
+        requests = [make_request(f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(20, 40))], 100)
+                    for i in range(8)]
+        steps = run_checked(scheduler, requests) if window else run(scheduler, requests)
+        assert scheduler.num_preemptions == 0 and scheduler.blocks.num_used == 0
+        for request in requests:
+            assert request.output_ids == reference_output(request.prompt_ids, 100)
+        return max(len(s) for s in steps)
+
+    assert peak(None) == 2 and peak(8) == 8  # 70 blocks of 4: 30-35 a whole request, 6 a window of 8 + a step
 
 
 def test_without_a_window_such_a_request_is_refused():
@@ -155,9 +175,10 @@ def test_a_prompt_preempted_by_an_earlier_prompts_growth_waits_out_the_step():
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_priorities_and_tight_pools_lose_no_block(seed):
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+def test_priorities_and_tight_pools_lose_no_block(seed, policy):
     rng = random.Random(seed)
-    scheduler = Scheduler(config(policy="max_utilization", sliding_window=rng.randint(1, 9), block_size=4,
+    scheduler = Scheduler(config(policy=policy, sliding_window=rng.randint(1, 9), block_size=4,
                                  num_blocks=rng.randint(6, 12), max_num_tokens=7, max_seq_len=400))
     requests = [make_request(f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(2, 40))], rng.randint(1, 30),
                              priority=rng.randint(0, 2)) for i in range(12)]
@@ -178,6 +199,7 @@ def test_priorities_and_tight_pools_lose_no_block(seed):
             complete(scheduler, scheduled)
         t += 1
     assert not scheduler.has_work and scheduler.blocks.num_used == 0
+    assert policy == "max_utilization" or scheduler.num_preemptions == 0
 
 
 def test_preempted_sliding_requests_recompute_the_same_tokens():
@@ -213,6 +235,10 @@ def test_an_engine_runs_requests_longer_than_its_pool_as_one_at_a_time(tmp_path)
         assert llm.kv_cache.used == 0 and llm.executor.peak_batch_size > 1
         (whole,) = llm.generate([prompts[0]], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
         assert len(whole.token_ids) == 256 - len(prompts[0])  # all max_seq_len leaves, not what the pool holds
+    with LLM(engine, kv_cache_memory=pool_budget(engine, 14)) as llm:  # guaranteed_no_evict, the default
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        assert llm.kv_cache.used == 0 and llm.executor.peak_batch_size > 1
+        assert llm.executor.scheduler.num_preemptions == 0
     with LLM(engine, policy="max_utilization", kv_cache_memory=pool_budget(engine, 5)) as llm:  # under its window
         assert llm.config.window_blocks > 5
         (held,) = llm.generate([prompts[0][:10]], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)

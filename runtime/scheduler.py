@@ -20,6 +20,7 @@ import bisect
 import itertools
 import time
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass
 
 from camshaft.errors import CapacityError
@@ -213,8 +214,9 @@ class Scheduler:
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids
         reused, wanted, skipped = self._admission(request)
-        promised = self._promised(self._total_blocks(request) - skipped, wanted)
-        if not self.blocks.fits(wanted - len(reused) + promised, reused, self._held_back()):
+        owned = wanted - len(reused) + sum(1 for b in reused if self.blocks.blocks[b].ref_count == 0)
+        promised = self._promised(self._total_blocks(request) - skipped, owned)
+        if not self.blocks.fits(wanted - len(reused) + promised, reused, self._held_back(shared=set(reused))):
             return False
         request.blocks = [NULL_BLOCK] * skipped + self.blocks.take_cached(reused) + self.blocks.allocate(
             wanted - len(reused))
@@ -227,17 +229,21 @@ class Scheduler:
         request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - cached
         return True
 
-    def _promised(self, entries_left: int, held: int) -> int:
-        """guaranteed_no_evict with a window: the blocks a request may still take beyond the `held` ones, with
-        `entries_left` table entries it has not passed; the pool holds them back so its growth never preempts."""
+    def _promised(self, entries_left: int, owned: int) -> int:
+        """guaranteed_no_evict with a window: the blocks a request may still take beyond the `owned` ones it alone
+        holds, with `entries_left` table entries it has not passed; the pool holds them back so its growth never
+        preempts (a block it shares frees nothing when it passes it)."""
         if self.config.policy != "guaranteed_no_evict" or not self.config.takes_blocks_lazily:
             return 0
-        return max(0, min(entries_left, self.config.window_blocks) - held)
+        return max(0, min(entries_left, self.config.window_blocks) - owned)
 
-    def _held_back(self, request: Request | None = None) -> int:
-        """Free blocks promised to the running requests (but `request`)."""
-        return sum(self._promised(self._total_blocks(r) - r.released_blocks, len(r.blocks) - r.released_blocks)
-                   for r in self.running if r is not request)
+    def _held_back(self, request: Request | None = None, shared: Container[int] = frozenset()) -> int:
+        """Free blocks promised to the running requests (but `request`); `shared`: blocks about to be shared too."""
+        if self.config.policy != "guaranteed_no_evict" or not self.config.takes_blocks_lazily:
+            return 0
+        return sum(self._promised(self._total_blocks(r) - r.released_blocks, sum(
+            1 for b in r.blocks[r.released_blocks:] if self.blocks.blocks[b].ref_count == 1 and b not in shared))
+            for r in self.running if r is not request)
 
     def _slide(self, request: Request) -> None:
         """Release the request's blocks that its sliding window has passed (paged reservation only)."""

@@ -97,6 +97,24 @@ def test_guaranteed_no_evict_admits_by_the_window_not_the_whole_request():
     assert peak(None) == 2 and peak(8) == 8  # 70 blocks of 4: 30-35 a whole request, 6 a window of 8 + a step
 
 
+@pytest.mark.parametrize("num_blocks", range(25, 60, 3))
+def test_guaranteed_no_evict_never_preempts_requests_sharing_blocks(num_blocks):
+    """A block two running requests share frees nothing when one passes it: the pool holds back for each what it
+    alone holds, or the other's growth would find no free block."""
+    scheduler = Scheduler(config(sliding_window=20, block_size=1, max_num_tokens=2, num_blocks=num_blocks,
+                                 max_seq_len=400))
+    prompt = list(range(1, 31))
+    first, second = make_request("first", prompt, 60), make_request("second", prompt, 60)
+    scheduler.add(first)
+    while first.num_computed < len(prompt) - 1 or not first.output_ids:
+        checked_step(scheduler)
+    scheduler.add(second)  # reuses the first's blocks while it runs
+    while scheduler.has_work:
+        checked_step(scheduler)
+    assert scheduler.num_preemptions == 0 and scheduler.blocks.num_used == 0
+    assert first.output_ids == second.output_ids == reference_output(prompt, 60)
+
+
 def test_without_a_window_such_a_request_is_refused():
     request = make_request("long", list(range(1, 150)), 220)
     with pytest.raises(CapacityError, match="KV blocks"):
@@ -180,8 +198,12 @@ def test_priorities_and_tight_pools_lose_no_block(seed, policy):
     rng = random.Random(seed)
     scheduler = Scheduler(config(policy=policy, sliding_window=rng.randint(1, 9), block_size=4,
                                  num_blocks=rng.randint(6, 12), max_num_tokens=7, max_seq_len=400))
-    requests = [make_request(f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(2, 40))], rng.randint(1, 30),
-                             priority=rng.randint(0, 2)) for i in range(12)]
+    prompts: list[list[int]] = []
+    for _ in range(12):  # half of them start with an earlier one's prompt: blocks shared while both run
+        own = [rng.randrange(1000) for _ in range(rng.randint(2, 40))]
+        prompts.append((rng.choice(prompts) + own[:8]) if prompts and rng.random() < 0.5 else own)
+    requests = [make_request(f"r{i}", prompt, rng.randint(1, 30), priority=rng.randint(0, 2))
+                for i, prompt in enumerate(prompts)]
     arrivals = sorted(rng.randrange(40) for _ in requests)
     preempted: list[str] = []
     preempt = scheduler.preempt

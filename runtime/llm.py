@@ -86,7 +86,7 @@ class LLM(ServingAPI):
         self.executor = Executor(engine, self.config, max_queue=max_queue)
         # what one request may hold of the pool (a contiguous reservation takes max_seq_len whatever it asks for; a
         # request that releases what its sliding window passed holds its window, where the pool holds that)
-        lazy = self.config.takes_blocks_lazily and self.config.window_blocks <= engine.pool.capacity
+        lazy = self.config.releases_blocks and self.config.window_blocks <= engine.pool.capacity
         self._kv_tokens = engine.token_budget if kv_reservation == "paged" and not lazy else None
         self._ids = itertools.count()
         # closed when dropped without close(), and at interpreter exit: the loop thread would otherwise keep the

@@ -80,7 +80,7 @@ class Scheduler:
             raise CapacityError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) "
                                 f"exceeds the engine's max_seq_len ({limit}); lower max_tokens or shorten the prompt")
         need = self._total_blocks(request)
-        if self.config.takes_blocks_lazily:  # it never holds more than its window's blocks
+        if self.config.releases_blocks:  # it never holds more than its window's blocks
             need = min(need, self.config.window_blocks)
         if need > self.blocks.capacity:
             fix = ("lower max_tokens" if self.config.kv_reservation == "paged" else
@@ -204,7 +204,7 @@ class Scheduler:
             skipped, reused = self.blocks.cached_window(request.all_ids, self.config.blocks_behind)
         else:
             reused = self.blocks.cached_prefix(request.all_ids)
-        if not self.config.takes_blocks_lazily:
+        if not self.config.releases_blocks:
             if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
                 return reused, self._total_blocks(request), 0
             return reused, self.blocks.blocks_for(request.num_tokens), 0
@@ -233,13 +233,13 @@ class Scheduler:
         """guaranteed_no_evict with a window: the blocks a request may still take beyond the `owned` ones it alone
         holds, with `entries_left` table entries it has not passed; the pool holds them back so its growth never
         preempts (a block it shares frees nothing when it passes it)."""
-        if self.config.policy != "guaranteed_no_evict" or not self.config.takes_blocks_lazily:
+        if self.config.policy != "guaranteed_no_evict" or not self.config.releases_blocks:
             return 0
         return max(0, min(entries_left, self.config.window_blocks) - owned)
 
     def _held_back(self, request: Request | None = None, shared: Container[int] = frozenset()) -> int:
         """Free blocks promised to the running requests (but `request`); `shared`: blocks about to be shared too."""
-        if self.config.policy != "guaranteed_no_evict" or not self.config.takes_blocks_lazily:
+        if self.config.policy != "guaranteed_no_evict" or not self.config.releases_blocks:
             return 0
         return sum(self._promised(self._total_blocks(r) - r.released_blocks, sum(
             1 for b in r.blocks[r.released_blocks:] if self.blocks.blocks[b].ref_count == 1 and b not in shared))

@@ -48,14 +48,10 @@ class SchedulerConfig:
 
     @property
     def releases_blocks(self) -> bool:
-        """Every layer slides and blocks are paged: a request gives back the blocks its window has passed."""
+        """Every layer slides and blocks are paged: a request gives back the blocks its window has passed and takes
+        blocks for its next chunk only, as it goes (under guaranteed_no_evict the pool holds back what each running
+        one may still take, at most window_blocks in all, so none is ever preempted)."""
         return self.sliding_window is not None and self.kv_reservation == "paged"
-
-    @property
-    def takes_blocks_lazily(self) -> bool:
-        """Such a request also takes blocks for its next chunk only, as it goes; under guaranteed_no_evict the pool
-        holds back what each running one may still take (at most window_blocks in all), so none is ever preempted."""
-        return self.releases_blocks
 
     def blocks_behind(self, position: int) -> int:
         """Block-table entries no query at `position` or later reads (wholly before the sliding window); the last

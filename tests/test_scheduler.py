@@ -35,13 +35,13 @@ def next_token(request: Request) -> int:
     return (sum(request.all_ids) * 31 + len(request.all_ids)) % 997
 
 
-def run(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000) -> list[list]:
+def run(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000, one_step=None) -> list[list]:
     for request in requests:
         scheduler.add(request)
     steps = []
     while scheduler.has_work:
         assert len(steps) < max_steps, "the scheduler stopped making progress"
-        steps.append(step(scheduler))
+        steps.append((one_step or step)(scheduler))
     return steps
 
 

@@ -51,14 +51,8 @@ def complete(scheduler: Scheduler, scheduled: list) -> list:
         del scheduler.schedule
 
 
-def run_checked(scheduler: Scheduler, requests: list, max_steps: int = 20_000) -> list[list]:
-    for request in requests:
-        scheduler.add(request)
-    steps = []
-    while scheduler.has_work:
-        assert len(steps) < max_steps, "the scheduler stopped making progress"
-        steps.append(checked_step(scheduler))
-    return steps
+def run_checked(scheduler: Scheduler, requests: list) -> list[list]:
+    return run(scheduler, requests, 20_000, checked_step)
 
 
 @pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])

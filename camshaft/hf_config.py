@@ -146,14 +146,15 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
 
 
 def check_phi3_rope(hf: dict[str, Any], source: str) -> None:
-    """transformers reads any rope type of a Phi-3 config but the default (su, yarn, longrope) as longrope."""
+    """A Phi-3 config holds the default rope or longrope (transformers reads su and yarn as longrope too and refuses
+    the rest); camshaft builds the default."""
     for key in ("rope_scaling", "rope_parameters"):
         section = hf.get(key)
         kind = section.get("rope_type", section.get("type", "default")) if isinstance(section, dict) else "default"
         if kind != "default":
             raise UnsupportedModelError(f"{source}: Phi-3 rope scaling ({key} {kind!r}; transformers reads su and "
-                                        "yarn as longrope, the 128k variants') is not supported; the 4k-context "
-                                        "Phi-3 models build")
+                                        "yarn as longrope, the 128k variants' rope) is not supported; the "
+                                        "4k-context Phi-3 models build")
 
 
 def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:

@@ -229,21 +229,22 @@ class Scheduler:
         request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - cached
         return True
 
-    def _promised(self, entries_left: int, owned: int) -> int:
+    def _promised(self, entries_left: int, owned: int, decoding: bool = False) -> int:
         """guaranteed_no_evict with a window: the blocks a request may still take beyond the `owned` ones it alone
-        holds, with `entries_left` table entries it has not passed; the pool holds them back so its growth never
-        preempts (a block it shares frees nothing when it passes it)."""
+        holds, with `entries_left` table entries it has not passed (`decoding`: past its prompt, it holds less); the
+        pool holds them back so its growth never preempts (a block it shares frees nothing when it passes it)."""
         if self.config.policy != "guaranteed_no_evict" or not self.config.releases_blocks:
             return 0
-        return max(0, min(entries_left, self.config.window_blocks) - owned)
+        most = self.config.decode_window_blocks if decoding else self.config.window_blocks
+        return max(0, min(entries_left, most) - owned)
 
     def _held_back(self, request: Request | None = None, shared: Container[int] = frozenset()) -> int:
         """Free blocks promised to the running requests (but `request`); `shared`: blocks about to be shared too."""
         if self.config.policy != "guaranteed_no_evict" or not self.config.releases_blocks:
             return 0
         return sum(self._promised(self._total_blocks(r) - r.released_blocks, sum(
-            1 for b in r.blocks[r.released_blocks:] if self.blocks.blocks[b].ref_count == 1 and b not in shared))
-            for r in self.running if r is not request)
+            1 for b in r.blocks[r.released_blocks:] if self.blocks.blocks[b].ref_count == 1 and b not in shared),
+            r.num_tokens - r.num_computed <= 1) for r in self.running if r is not request)
 
     def _slide(self, request: Request) -> None:
         """Release the request's blocks that its sliding window has passed (paged reservation only)."""

@@ -47,6 +47,14 @@ class SchedulerConfig:
         return -(-(max(self.sliding_window, self.block_size) + self.max_num_tokens) // self.block_size) + 2
 
     @property
+    def decode_window_blocks(self) -> int | None:
+        """window_blocks for a request past its prompt: its steps are a token and its drafts, not a chunk."""
+        if self.sliding_window is None:
+            return None
+        drafts = self.prompt_lookup.num_tokens if self.prompt_lookup is not None else 0
+        return -(-(max(self.sliding_window, self.block_size) + 1 + drafts) // self.block_size) + 2
+
+    @property
     def releases_blocks(self) -> bool:
         """Every layer slides and blocks are paged: a request gives back the blocks its window has passed and takes
         blocks for its next chunk only, as it goes (under guaranteed_no_evict the pool holds back what each running

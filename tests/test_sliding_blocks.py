@@ -109,6 +109,20 @@ def test_guaranteed_no_evict_never_preempts_requests_sharing_blocks(num_blocks):
     assert first.output_ids == second.output_ids == reference_output(prompt, 60)
 
 
+def test_guaranteed_no_evict_holds_back_less_for_requests_past_their_prompt():
+    """A request past its prompt steps a token (and its drafts) at a time: the pool holds back a window of those for
+    it, not a window plus a whole prompt chunk."""
+    scheduler = Scheduler(config(sliding_window=8, num_blocks=41, max_seq_len=400, max_num_tokens=64,
+                                 max_batch_size=8))
+    assert (scheduler.config.window_blocks, scheduler.config.decode_window_blocks) == (20, 5)
+    requests = [make_request(f"r{i}", list(range(10 * i + 1, 10 * i + 21)), 100) for i in range(8)]
+    steps = run_checked(scheduler, requests)
+    assert scheduler.num_preemptions == 0 and scheduler.blocks.num_used == 0
+    for request in requests:
+        assert request.output_ids == reference_output(request.prompt_ids, 100)
+    assert max(len(s) for s in steps) >= 6  # 3 when every running one is held back a window plus a chunk
+
+
 def test_without_a_window_such_a_request_is_refused():
     request = make_request("long", list(range(1, 150)), 220)
     with pytest.raises(CapacityError, match="KV blocks"):

@@ -12,7 +12,7 @@ from camshaft.errors import EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.manifest import Manifest, read_manifest
 from camshaft.runtime.engine import check_tokenizer_files, end_ids, load_tokenizer
-from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, host_memory, pool_blocks
+from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, host_memory, pool_blocks, pool_bytes
 
 TARGET_DEVICES = {"onnxruntime": "CPU", "tensorrt": "datacenter NVIDIA GPU", "tensorrt-rtx": "NVIDIA RTX GPU"}
 
@@ -86,7 +86,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                    "max_num_tokens": limits.max_num_tokens, "kv_block_size": limits.kv_block_size},
         "kv_cache": {"dtype": kv.dtype, "bytes_per_token": per_block // limits.kv_block_size,
                      "bytes_per_sequence": per_block * limits.max_blocks_per_seq,
-                     "default_pool_bytes": pool_blocks(m, limits.max_batch_size) * per_block,
+                     "default_pool_bytes": pool_bytes(m, pool_blocks(m, limits.max_batch_size)),
                      "host_memory": host_memory() if m.target == "onnxruntime" else None},
         "files": len(m.files),
         "bytes_listed": sum(m.files.values()),

@@ -86,8 +86,8 @@ class LLM(ServingAPI):
         self.executor = Executor(engine, self.config, max_queue=max_queue)
         # what one request may hold of the pool (a contiguous reservation takes max_seq_len whatever it asks for; a
         # request that releases what its sliding window passed holds its window, where the pool holds that)
-        lazy = self.config.releases_blocks and self.config.window_blocks <= engine.pool.capacity
-        self._kv_tokens = engine.token_budget if kv_reservation == "paged" and not lazy else None
+        windowed = self.config.releases_blocks and self.config.window_blocks <= engine.pool.capacity
+        self._kv_tokens = engine.token_budget if kv_reservation == "paged" and not windowed else None
         self._ids = itertools.count()
         # closed when dropped without close(), and at interpreter exit: the loop thread would otherwise keep the
         # engine alive, or still be inside onnxruntime as the process ends

@@ -41,7 +41,7 @@ def run(
 
     from camshaft.errors import RequestError
     from camshaft.manifest import read_manifest
-    from camshaft.runtime.sampling_params import model_defaults
+    from camshaft.runtime.sampling_params import GREEDY_BELOW, model_defaults
 
     if system is not None and not chat:
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
@@ -57,11 +57,11 @@ def run(
         unused = [flag for flag, sent in (("--top-p", top_p not in (None, 1.0)),
                                           ("--top-k", top_k not in (None, 0, -1)), ("--seed", seed is not None))
                   if sent]
-        if params.temperature == 0 and unused:  # said once the values are known to be valid
+        greedy = params.temperature < GREEDY_BELOW  # top_p, top_k, min_p and the seed then do nothing
+        if greedy and unused:  # said once the values are known to be valid
             verb = "changes" if len(unused) == 1 else "change"
             err.print(f"[yellow]note:[/yellow] {', '.join(unused)} {verb} nothing at --temperature 0 (greedy "
                       "decoding); add --temperature above 0 to sample", soft_wrap=True)
-        greedy = params.temperature == 0  # top_p, top_k and min_p then do nothing
         taken = [f"{k} {v:g}" for k, v in model.sampling_defaults
                  if k not in given and not (greedy and k in ("temperature", "top_p", "top_k", "min_p"))]
         if taken and greedy:

@@ -197,7 +197,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 dtype=dtype,
                 target=config.target,
                 artifact=artifact,
-                inputs=step_inputs(model, branches=for_ort),
+                inputs=step_inputs(model, limits, branches=for_ort),
                 outputs=(TensorSpec("logits", "float32", ("N", model.vocab_size)),),
                 kv_cache=kv_layout(model, limits, checkpoint.kv_cache_dtype or dtype),
                 quantization=quantization,

@@ -18,9 +18,11 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",  # Llama's layers with q/k/v and gate/up stored fused (builder/checkpoint.py splits them)
 }
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
-ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")  # dynamic: default up to max_position_embeddings
+# dynamic: the default up to max_position_embeddings
+ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 ATTENTION_FACTORS = (1e-6, 1e6)  # the range of yarn's factor on cos/sin that float32 tables hold
 # transformers' config defaults
+PHI3_ORIGINAL_POSITIONS = 4096  # Phi3Config's original_max_position_embeddings
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
@@ -102,6 +104,8 @@ def _native_port(auto_map: Any, models: list[str], archs: Any) -> bool:
 def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[str, Any]:
     """The keyword arguments of ModelConfig, but `rope` as a dict of RopeConfig's."""
     arch = architecture(hf, source)
+    if arch == "phi3":
+        hf = phi3_rope(hf, source)
     f = Fields(hf, source)
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' two names for x * sigmoid(x)
@@ -118,8 +122,6 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
     positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=1)
-    if arch == "phi3":
-        check_phi3_rope(hf, source)
     return dict(
         architecture=arch,
         vocab_size=vocab,
@@ -145,16 +147,20 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     )
 
 
-def check_phi3_rope(hf: dict[str, Any], source: str) -> None:
-    """A Phi-3 config holds the default rope or longrope (transformers reads su and yarn as longrope too and refuses
-    the rest); camshaft builds the default."""
+def phi3_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Phi-3 config as Phi3Config reads it: su and yarn rope are longrope, other scalings are refused, and the
+    top-level original_max_position_embeddings (4096 when absent) is the one longrope switches at."""
+    hf = dict(hf)
     for key in ("rope_scaling", "rope_parameters"):
         section = hf.get(key)
         kind = section.get("rope_type", section.get("type", "default")) if isinstance(section, dict) else "default"
-        if kind != "default":
-            raise UnsupportedModelError(f"{source}: Phi-3 rope scaling ({key} {kind!r}; transformers reads su and "
-                                        "yarn as longrope, the 128k variants' rope) is not supported; the "
-                                        "4k-context Phi-3 models build")
+        if kind in ("su", "yarn"):
+            hf[key] = {k: v for k, v in section.items() if k != "type"} | {"rope_type": "longrope"}
+        elif kind not in ("default", "longrope"):
+            raise UnsupportedModelError(f"{source}: Phi-3 rope scaling ({key} {kind!r}) is not one Phi-3 has; "
+                                        "transformers reads only default, longrope, su and yarn (as longrope)")
+    hf.setdefault("original_max_position_embeddings", PHI3_ORIGINAL_POSITIONS)
+    return hf
 
 
 def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:
@@ -207,11 +213,13 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> d
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
     theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", 10000.0, least=0)
     # as transformers: a top-level original_max_position_embeddings (Phi-3 style) wins, then the rope section's
-    original = (f if hf.get("original_max_position_embeddings") is not None and rope_type in ("llama3", "yarn")
+    scaled = ("llama3", "yarn", "longrope")
+    original = (f if hf.get("original_max_position_embeddings") is not None and rope_type in scaled
                 else p).get("original_max_position_embeddings", "int", None, least=1) or positions
     if rope_type == "default":
         factor = p.get("factor", "number", 1.0, least=0)
-    elif rope_type == "yarn" and "factor" in p.data:  # null: the ratio of the context lengths (transformers)
+    elif rope_type == "yarn" and "factor" in p.data or rope_type == "longrope":
+        # null (and longrope's absent): the ratio of the context lengths (transformers)
         factor = p.get("factor", "number", positions / original, least=0)
     else:
         factor = p.get("factor", "number", least=0)  # required (linear, llama3, yarn), as transformers requires it
@@ -221,7 +229,29 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> d
         raise CheckpointError(f"{source}: yarn rope needs rope_theta > 1 (its ramp divides by log(theta)), got {theta}")
     fields = dict(theta=float(theta), type=rope_type, factor=float(factor), low_freq_factor=float(low),
                   high_freq_factor=float(high), original_max_position_embeddings=original)
+    if rope_type == "longrope":
+        return fields | longrope_fields(p, float(factor), original)
     return fields | (yarn_fields(p, float(factor)) if rope_type == "yarn" else {})
+
+
+def longrope_fields(p: Fields, factor: float, original: int) -> dict[str, Any]:
+    """LongRoPE's per-frequency factors and the factor on cos/sin, as transformers reads them."""
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = p.data.get(key)
+        if not (isinstance(value, list) and value and all(isinstance(x, int | float) and not isinstance(x, bool)
+                                                          and 0 < x < math.inf for x in value)):
+            raise CheckpointError(f"{p.source}: longrope's {key} must be a list of positive numbers, not "
+                                  f"{value!r:.80}; restore it from the original checkpoint")
+        factors[key] = tuple(float(x) for x in value)
+    attention = p.get("attention_factor", "number", None, least=0)
+    if attention is None and factor > 1 and original < 2:
+        raise CheckpointError(f"{p.source}: longrope needs original_max_position_embeddings > 1, got {original}")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if not ATTENTION_FACTORS[0] < attention < ATTENTION_FACTORS[1]:
+        raise CheckpointError(f"{p.source}: longrope's attention_factor must be between 1e-6 and 1e6, got {attention}")
+    return factors | {"attention_factor": float(attention)}
 
 
 def yarn_fields(p: Fields, factor: float) -> dict[str, Any]:

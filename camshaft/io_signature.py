@@ -40,6 +40,9 @@ SLIDING_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("decode_mask_sliding", "bool", ("Bd", 1, 1, "Ld")),
     TensorSpec("prefill_mask_sliding", "bool", ("Bp", 1, "Qp", "Lp")),
 )
+# A LongRoPE model built for sequences past its original context: per token, the first position its sequence rotates
+# with the long factors (RopeConfig.long_rope_from).
+LONG_ROPE_INPUTS: tuple[TensorSpec, ...] = (TensorSpec("long_rope_from", "int64", ("T",)),)
 # The sequence graph's inputs besides its cache: the step's tokens, tokens in the cache after the step (- 1, then
 # all), and how many of the last tokens get logits (engines built before it had one row: no prompt lookup).
 SEQUENCE_INPUTS: tuple[TensorSpec, ...] = (
@@ -48,6 +51,7 @@ SEQUENCE_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("total_sequence_length", "int32", ()),
     TensorSpec("num_logits", "int64", (1,)),
     TensorSpec("greedy", "bool", ()),  # a float head's greedy shortcut (builder/graph/screen.py); older engines lack it
+    TensorSpec("long_rope_from", "int64", (1,)),  # as LONG_ROPE_INPUTS, for the one sequence; only where they are
 )
 
 

@@ -42,8 +42,10 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
     beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
     beta_slow: float = 1.0
-    attention_factor: float = 1.0  # yarn: cos/sin scaled by it (transformers' attention_scaling)
+    attention_factor: float = 1.0  # yarn, longrope: cos/sin scaled by it (transformers' attention_scaling)
     truncate: bool = True
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to original_max_position_embeddings
+    long_factor: tuple[float, ...] = ()  # longrope: the same beyond it
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -55,6 +57,27 @@ class RopeConfig:
                 and is_int_at_least(self.original_max_position_embeddings, 1)):
             raise CheckpointError(f"rope theta, factor, attention_factor and original_max_position_embeddings must be "
                                   f"positive: {self}")
+        object.__setattr__(self, "short_factor", tuple(self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(self.long_factor))
+        factors = self.short_factor + self.long_factor
+        if self.type == "longrope" and not (self.short_factor and len(self.short_factor) == len(self.long_factor)
+                                            and all(_positive_number(x) for x in factors)):
+            raise CheckpointError("longrope needs short_factor and long_factor: lists of the same length of positive "
+                                  f"numbers, got {list(self.short_factor)} and {list(self.long_factor)}")
+
+    def long_rope_from(self, max_length: int) -> int:
+        """The first position a sequence that may reach `max_length` tokens rotates with LongRoPE's long factors:
+        every one when that is longer than the original context, else none it can reach (transformers rotates a
+        forward pass so, and recomputes the cache of a sequence that grows past it: it ends up the same)."""
+        return 0 if max_length > self.original_max_position_embeddings else self.original_max_position_embeddings
+
+    def switches_to_long(self, max_seq_len: int) -> bool:
+        """Whether sequences of up to `max_seq_len` tokens reach LongRoPE's long factors."""
+        return self.type == "longrope" and max_seq_len > self.original_max_position_embeddings
+
+
+def _positive_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and 0 < x < float("inf")
 
 
 @dataclass(frozen=True)
@@ -84,6 +107,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                                    "num_kv_heads", "head_dim", "max_position_embeddings"), CheckpointError)
+        if self.rope.type == "longrope" and len(self.rope.short_factor) != self.head_dim // 2:
+            raise CheckpointError(f"longrope's short_factor and long_factor need one entry per rotary frequency "
+                                  f"(head_dim / 2 = {self.head_dim // 2}), got {len(self.rope.short_factor)}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"

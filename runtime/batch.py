@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS
+from camshaft.io_signature import GROUP_FLAGS, LONG_ROPE_INPUTS, SLIDING_INPUTS, STEP_INPUTS
+from camshaft.model_config import RopeConfig
 from camshaft.runtime.kv_cache import NULL_BLOCK
 
 # Every graph input build_step can produce; an engine asking for another one needs a newer camshaft.
-FEED_NAMES = frozenset(spec.name for spec in STEP_INPUTS + GROUP_FLAGS + SLIDING_INPUTS)
+FEED_NAMES = frozenset(spec.name for spec in STEP_INPUTS + GROUP_FLAGS + SLIDING_INPUTS + LONG_ROPE_INPUTS)
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,10 @@ class Chunk:
     start_pos: int
     block_table: list[int]
     num_logits: int = 1  # logits rows wanted for this chunk's last tokens (0: none; len(token_ids): all)
+    max_length: int | None = None  # the most tokens its sequence may reach (LongRoPE's factors); None: this chunk's end
+
+    def long_rope_from(self, rope: RopeConfig) -> int:
+        return rope.long_rope_from(self.start_pos + len(self.token_ids) if self.max_length is None else self.max_length)
 
 
 @dataclass(frozen=True)
@@ -62,9 +67,10 @@ def split_decodes(chunks: list[Chunk], decode: list[int], block_size: int) -> tu
 
 
 def build_step(chunks: list[Chunk], block_size: int, sliding_window: int | None,
-               group_flags: bool = False) -> StepBatch:
+               group_flags: bool = False, long_rope: RopeConfig | None = None) -> StepBatch:
     """The graph's inputs for one step; `group_flags` for graphs that skip an empty group (inputs has_decode,
-    has_prefill). An empty group is still fed as a one-token dummy on the null block, which keeps every shape valid."""
+    has_prefill); `long_rope` for graphs that take long_rope_from. An empty group is still fed as a one-token dummy
+    on the null block, which keeps every shape valid."""
     ids, positions, token_seq = [], [], []
     for i, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -125,6 +131,9 @@ def build_step(chunks: list[Chunk], block_size: int, sliding_window: int | None,
         n = offsets[i + 1] - offsets[i]
         attn_index[offsets[i]: offsets[i + 1]] = bd + row * q_len + np.arange(n)
     feeds["attn_output_index"] = attn_index
+    if long_rope is not None:
+        feeds["long_rope_from"] = np.repeat(np.array([c.long_rope_from(long_rope) for c in chunks], np.int64),
+                                            offsets[1:] - offsets[:-1])
     if group_flags:
         feeds["has_decode"] = np.array(bool(decode))
         feeds["has_prefill"] = np.array(bool(prefill))

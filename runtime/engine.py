@@ -75,6 +75,11 @@ class Engine:
             raise EngineError(f"{self.dir}: its manifest's model has {'' if m.model.has_sliding_layers else 'no '}"
                               "sliding-window layers but its graph inputs say otherwise: the manifest was edited or "
                               "belongs to another build; rebuild the engine")
+        self.long_rope = m.model.rope if "long_rope_from" in inputs else None
+        if (self.long_rope is not None) != m.model.rope.switches_to_long(m.limits.max_seq_len):
+            raise EngineError(f"{self.dir}: its manifest's model and limits say LongRoPE's long factors are "
+                              f"{'' if self.long_rope is None else 'never '}reached but its graph inputs say "
+                              "otherwise: the manifest was edited or belongs to another build; rebuild the engine")
         copies = cache_copies(m)
         if isinstance(kv_cache_memory, float):  # sized by the backend once the weights are loaded, of what is free then
             num_blocks = lambda free: pool_blocks(  # noqa: E731 - called with the free bytes it measures
@@ -122,7 +127,7 @@ class Engine:
         return self.manifest.limits.kv_block_size
 
     def prepare(self, chunks: list[Chunk]) -> StepBatch:
-        return build_step(chunks, self.block_size, self.sliding_window, self.group_flags)
+        return build_step(chunks, self.block_size, self.sliding_window, self.group_flags, self.long_rope)
 
     def step(self, chunks: list[Chunk]) -> np.ndarray:
         """Run one step; returns logits [rows, vocab]: each chunk's `num_logits` last tokens, in chunk order."""

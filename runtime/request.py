@@ -54,6 +54,11 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def max_length(self) -> int:
+        """The most tokens it may reach: prompt + max_tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -60,7 +60,7 @@ class Scheduler:
     def _total_blocks(self, request: Request) -> int:
         if self.config.kv_reservation == "contiguous":
             return self.blocks.blocks_for(self.config.max_seq_len)
-        return self.blocks.blocks_for(len(request.prompt_ids) + request.params.max_tokens)
+        return self.blocks.blocks_for(request.max_length)
 
     def add(self, request: Request, queue_order: int | None = None) -> None:
         """Queue a request; `queue_order`: its place among equal priorities (an n > 1 sibling takes its first
@@ -172,7 +172,7 @@ class Scheduler:
         else:
             tokens = request.all_ids[start: start + take]
         rows = take if request.wants_prompt_rows else int(done)  # prompt log-probs want every row
-        return Scheduled(request, Chunk(tokens, start, request.blocks, rows),
+        return Scheduled(request, Chunk(tokens, start, request.blocks, rows, request.max_length),
                          decode=done and take == 1 and bool(request.output_ids), sample=done)
 
     def _drafts(self, request: Request, room: int) -> list[int]:
@@ -191,7 +191,8 @@ class Scheduler:
 
     def _drafted(self, request: Request, drafts: list[int]) -> Scheduled:
         tokens = [request.output_ids[-1], *drafts]
-        return Scheduled(request, Chunk(tokens, request.num_computed, request.blocks, len(tokens)), decode=True,
+        return Scheduled(request, Chunk(tokens, request.num_computed, request.blocks, len(tokens), request.max_length),
+                         decode=True,
                          drafts=tuple(drafts))
 
     def _admission(self, request: Request) -> tuple[list[int], int, int]:

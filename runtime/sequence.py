@@ -87,6 +87,15 @@ class SequenceEngine:
         if self.layout.screens_greedy:
             self._values.append(ort.OrtValue.ortvalue_from_numpy(self._greedy))
             self.binding.bind_ortvalue_input("greedy", self._values[-1])
+        self._long_rope_from = np.zeros(1, dtype=np.int64)
+        long_rope = any(spec.name == "long_rope_from" for spec in self.layout.inputs)
+        if long_rope != m.model.rope.switches_to_long(m.limits.max_seq_len):
+            raise EngineError(f"{self.dir}: its sequence graph's inputs and its manifest's model disagree on "
+                              "LongRoPE's long factors: the manifest was edited or belongs to another build; "
+                              "rebuild the engine")
+        if long_rope:
+            self._values.append(ort.OrtValue.ortvalue_from_numpy(self._long_rope_from))
+            self.binding.bind_ortvalue_input("long_rope_from", self._values[-1])
         self._all_logits = np.empty((self.max_rows, m.model.vocab_size), dtype=np.float32)
         self._bind_logits(1)
         self._length = 0
@@ -121,11 +130,12 @@ class SequenceEngine:
             raise over_budget(total, self.token_budget, f"{self.token_bytes} bytes a token")
 
     def start(self, total: int) -> None:
-        """Make room for a sequence of `total` tokens (prompt + max_tokens)."""
+        """Make room for a sequence of `total` tokens (prompt + max_tokens), which picks LongRoPE's factors."""
         self.check_fits(total)
         if total > self.capacity:
             self._bind_caches(min(-(-total // GROW) * GROW, self.token_budget))
         self._length = 0
+        self._long_rope_from[0] = self.manifest.model.rope.long_rope_from(total)
 
     def _bind_caches(self, length: int) -> None:
         layout = self.layout
@@ -206,6 +216,7 @@ class BatchGraphSequence:
         self.engine = engine
         self.manifest, self.tokenizer, self.eos_token_ids = engine.manifest, engine.tokenizer, engine.eos_token_ids
         self.blocks: list[int] = []
+        self.total = 0
 
     @property
     def limits(self):
@@ -227,17 +238,18 @@ class BatchGraphSequence:
     def start(self, total: int) -> None:
         self.check_fits(total)
         self.blocks = self.engine.pool.allocate(-(-total // self.engine.block_size))
+        self.total = total
 
     max_rows = MAX_ROWS
 
     def feed(self, tokens: list[int], start: int, copy: bool = True, last: bool = True) -> np.ndarray | None:
         """As SequenceEngine.feed; a chunk that is not the prompt's `last` asks the graph for no logits (None)."""
-        logits = self.engine.step([Chunk(tokens, start, self.blocks, num_logits=int(last))])
+        logits = self.engine.step([Chunk(tokens, start, self.blocks, int(last), self.total)])
         return logits[0] if last else None
 
     def feed_rows(self, tokens: list[int], start: int, rows: int) -> np.ndarray:
         """As SequenceEngine.feed_rows (the paged cache's positions from `start` on are written again)."""
-        return self.engine.step([Chunk(tokens, start, self.blocks, num_logits=rows)])
+        return self.engine.step([Chunk(tokens, start, self.blocks, rows, self.total)])
 
     def screen(self, greedy: bool) -> None:
         """The batch graph has no shortcut: its logits are whole."""

@@ -38,7 +38,8 @@ def build(checkpoint: Path, out: Path, branches: bool) -> Path:
         return out
     write_graph, step_inputs = build_module.write_graph, build_module.step_inputs
     with mock.patch.object(build_module, "write_graph", lambda *a, **k: write_graph(*a, **{**k, "branches": False})), \
-            mock.patch.object(build_module, "step_inputs", lambda model, branches=False: step_inputs(model, False)):
+            mock.patch.object(build_module, "step_inputs",
+                              lambda model, limits, branches=False: step_inputs(model, limits, False)):
         build_module.build_engine(BuildConfig(checkpoint, out, max_seq_len=2048))
     return out
 

@@ -111,9 +111,11 @@ def test_yarn_frequencies_and_scale_are_transformers(configs, scaling, top):
     inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen2Config(**hf))
     assert np.array_equal(inverse_frequencies(ours.rope, ours.head_dim), inv_freq.numpy())
     assert ours.rope.attention_factor == pytest.approx(scale, rel=1e-12)
-    with pytest.raises(UnsupportedModelError, match="rope scaling 'longrope' is not supported .supported: default, "
-                                                    "dynamic, linear, llama3, yarn"):
+    with pytest.raises(CheckpointError, match="longrope's short_factor must be a list of positive numbers, not None"):
         ModelConfig.from_hf(edited(hf, rope_parameters=..., rope_scaling={"rope_type": "longrope", "factor": 2.0}))
+    with pytest.raises(UnsupportedModelError, match="rope scaling 'su' is not supported .supported: default, "
+                                                    "dynamic, linear, llama3, yarn, longrope"):  # Phi-3 alone reads su
+        ModelConfig.from_hf(edited(hf, rope_parameters=..., rope_scaling={"rope_type": "su", "factor": 2.0}))
     if top.get("max_position_embeddings", 0) is ...:
         assert ours.max_position_embeddings == 32768 == ours.rope.original_max_position_embeddings
     tiny_factor = ModelConfig.from_hf(edited(hf, rope_parameters=..., rope_scaling={**scaling, "factor": 1e-50}))

@@ -57,12 +57,7 @@ def test_a_phi3_engine_generates_what_transformers_does(phi3, tmp_path):
     assert got == expected[0, len(ids):].tolist()  # past the window of 40 too
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
-      "original_max_position_embeddings": 256}, "Phi-3 rope scaling (rope_scaling 'longrope';"),
-    ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}, "rope_scaling 'su'"),
-    ({"rope_scaling": {"type": "yarn", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},  # no factor: longrope
-     "rope_scaling 'yarn';"),
+@pytest.mark.parametrize(("changes", "message"), [  # (longrope, the 128k models' rope: test_longrope.py)
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
 ])
 def test_what_phi3_models_need_beyond_that_is_refused(phi3, tmp_path, changes, message):

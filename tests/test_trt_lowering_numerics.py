@@ -154,7 +154,8 @@ class GraphRunner:
 
     def step(self, chunks: list[Chunk]) -> np.ndarray:
         # as the TensorRT runtime feeds it: no group flags (its graph computes an empty group on its dummy)
-        feeds = dict(build_step(chunks, self.engine.block_size, self.engine.sliding_window).feeds)
+        feeds = dict(build_step(chunks, self.engine.block_size, self.engine.sliding_window,
+                                long_rope=self.engine.long_rope).feeds)
         feeds.update(self.caches)
         logits, *caches = self.session.run(["logits", *self.cache_outputs], feeds)
         self.caches = dict(zip(self.cache_inputs, caches, strict=True))

@@ -35,6 +35,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen2-bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "phi3-fused": ("Phi3Config", dict(pad_token_id=0, sliding_window=40)),  # q/k/v and gate/up stored fused
     "qwen3-qknorm": ("Qwen3Config", dict(head_dim=32, num_key_value_heads=4)),
+    "phi3-longrope": ("Phi3Config", dict(  # the 128k Phi-3 models' rope: short factors up to 32 positions, long past
+        pad_token_id=0, original_max_position_embeddings=32,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                             short_factor=[1.0, 1.1, 1.3, 1.2, 1.6, 1.5, 1.9, 2.0],
+                             long_factor=[1.5, 2.5, 3.0, 4.5, 6.0, 8.0, 11.0, 16.0]),
+    )),
     "qwen2-yarn": ("Qwen2Config", dict(  # long-context Qwen2.5: YaRN past 64 of the tests' positions
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64,
                              beta_fast=4.0),

@@ -29,7 +29,14 @@ from camshaft.builder.graph.kv_quant import KV_ELEM, KVQuantizer
 from camshaft.builder.graph.layer_ops import LayerOps
 from camshaft.builder.graph.linear import Linears, QuantizedFn, WeightFn
 from camshaft.builder.graph.ops import NP_DTYPES, ONNX_DTYPES, GraphWriter
-from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS, KVCacheLayout, TensorSpec
+from camshaft.io_signature import (
+    GROUP_FLAGS,
+    LONG_ROPE_INPUTS,
+    SLIDING_INPUTS,
+    STEP_INPUTS,
+    KVCacheLayout,
+    TensorSpec,
+)
 from camshaft.manifest import BuildLimits
 from camshaft.model_config import ModelConfig
 
@@ -49,8 +56,9 @@ def kv_layout(config: ModelConfig, limits: BuildLimits, kv_dtype: str) -> KVCach
                          block_size=limits.kv_block_size)
 
 
-def step_inputs(config: ModelConfig, branches: bool = False) -> tuple[TensorSpec, ...]:
-    return STEP_INPUTS + (GROUP_FLAGS if branches else ()) + (SLIDING_INPUTS if config.has_sliding_layers else ())
+def step_inputs(config: ModelConfig, limits: BuildLimits, branches: bool = False) -> tuple[TensorSpec, ...]:
+    return (STEP_INPUTS + (GROUP_FLAGS if branches else ()) + (SLIDING_INPUTS if config.has_sliding_layers else ())
+            + (LONG_ROPE_INPUTS if config.rope.switches_to_long(limits.max_seq_len) else ()))
 
 
 class DecoderLowering(LayerOps):
@@ -77,7 +85,7 @@ class DecoderLowering(LayerOps):
 
     def lower(self) -> None:
         g, c = self.g, self.c
-        for spec in step_inputs(c, self.branches):
+        for spec in step_inputs(c, self.limits, self.branches):
             g.input(spec.name, ELEM[spec.dtype], list(spec.shape))
         cache_shape = ["num_blocks", self.kv.block_size, c.num_kv_heads * c.head_dim]
         for name in self.kv.key_inputs + self.kv.value_inputs:
@@ -86,7 +94,7 @@ class DecoderLowering(LayerOps):
         # Linear layers run on 2D [T, hidden] (so ORT fuses the residual adds into Gemm); q and k move to
         # [1, T, hidden] for RotaryEmbedding and stay there, so the batch dim is added to the indices once, here.
         one = g.ints([0])
-        self.positions = g.op("Unsqueeze", ["positions", one])
+        self.positions = g.op("Unsqueeze", [self.rope_rows("positions"), one])
         self.write_index = g.op("Unsqueeze", ["kv_write_index", one])
         self.groups = {name: self.group_shapes(name) for name in ("decode", "prefill")}
         if self.branches:

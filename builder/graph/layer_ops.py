@@ -39,11 +39,25 @@ class LayerOps:
     def rope_tables(self, limits: BuildLimits) -> None:
         """cos/sin rows for every position, and at least one per packed token: ONNX Runtime's RotaryEmbedding
         refuses a [1, T, ...] input with T above its table's rows (a step may pack more tokens than max_seq_len).
-        Both graphs' tables are the same tensors, stored once."""
+        Both graphs' tables are the same tensors, stored once. LongRoPE reaching its long factors: the long rows
+        follow the short ones (`long_rope_rows` on)."""
         rows = max(limits.max_seq_len, limits.max_num_tokens)
-        cos, sin = cos_sin_tables(self.c.rope, self.c.head_dim, rows)
-        self.cos = self.g.weight("rope_cos", cos.astype(self.np_dtype))
-        self.sin = self.g.weight("rope_sin", sin.astype(self.np_dtype))
+        tables = [cos_sin_tables(self.c.rope, self.c.head_dim, rows)]
+        self.long_rope_rows = rows if self.c.rope.switches_to_long(limits.max_seq_len) else None
+        if self.long_rope_rows:
+            tables.append(cos_sin_tables(self.c.rope, self.c.head_dim, rows, long=True))
+        cos, sin = (np.concatenate(parts).astype(self.np_dtype) for parts in zip(*tables, strict=True))
+        self.cos, self.sin = self.g.weight("rope_cos", cos), self.g.weight("rope_sin", sin)
+
+    def rope_rows(self, positions: str) -> str:
+        """The table rows of `positions`: past the short rows from input `long_rope_from` on (LongRoPE)."""
+        if not self.long_rope_rows:
+            return positions
+        g = self.g
+        offset = g.op("Where", [g.op("GreaterOrEqual", [positions, "long_rope_from"]),
+                                g.const(np.array(self.long_rope_rows, np.int64), "long_rope_rows"),
+                                g.const(np.array(0, np.int64), "zero")])
+        return g.op("Add", [positions, offset])
 
     def rope(self, x: str, heads: int) -> str:
         """[1, T, heads*dim] → rotated, same shape."""

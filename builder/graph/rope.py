@@ -10,8 +10,12 @@ from camshaft.errors import CheckpointError
 from camshaft.model_config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
+def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> np.ndarray:
+    """`long`: LongRoPE's frequencies past the original context (else its short ones)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    if rope.type == "longrope":
+        factors = np.asarray(rope.long_factor if long else rope.short_factor, dtype=np.float32)
+        return (1.0 / (factors * np.float32(rope.theta) ** exponents)).astype(np.float32)
     inv_freq = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     if rope.type == "linear":
         return (inv_freq / np.float32(rope.factor)).astype(np.float32)
@@ -51,11 +55,13 @@ def _yarn(rope: RopeConfig, dim: int) -> np.ndarray:
     return (interpolated * (1 - extrapolate) + extrapolated * extrapolate).astype(np.float32)
 
 
-def cos_sin_tables(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """[max_positions, head_dim / 2] cosine and sine tables (times yarn's attention factor, as transformers)."""
+def cos_sin_tables(rope: RopeConfig, head_dim: int, max_positions: int,
+                   long: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """[max_positions, head_dim / 2] cosine and sine tables (times yarn's and longrope's attention factor, as
+    transformers); `long`: LongRoPE's long factors."""
     positions = np.arange(max_positions, dtype=np.float32)[:, None]
     with np.errstate(all="ignore"):  # extreme settings are refused below, not warned about
-        freqs = (positions * inverse_frequencies(rope, head_dim)[None, :]).astype(np.float32)
+        freqs = (positions * inverse_frequencies(rope, head_dim, long)[None, :]).astype(np.float32)
         scale = np.float32(rope.attention_factor)
         cos, sin = (np.cos(freqs) * scale).astype(np.float32), (np.sin(freqs) * scale).astype(np.float32)
     if not (np.isfinite(cos).all() and np.isfinite(sin).all()):

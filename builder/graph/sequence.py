@@ -32,11 +32,14 @@ from camshaft.manifest import BuildLimits
 from camshaft.model_config import ModelConfig
 
 
-def sequence_layout(config: ModelConfig, artifact: str, lm_head: str = "float") -> SequenceGraph:
+def sequence_layout(config: ModelConfig, limits: BuildLimits, artifact: str, lm_head: str = "float") -> SequenceGraph:
     names = SequenceGraph.names(config.num_layers, "past_key_{}", "past_value_{}", "present_key_{}",
                                 "present_value_{}")
     screens = lm_head == "float" and screened_rows(config.vocab_size) > 0  # screen.py: a float head's greedy steps
-    inputs = SEQUENCE_INPUTS if screens else tuple(s for s in SEQUENCE_INPUTS if s.name != "greedy")
+    unused = {"greedy"} if not screens else set()
+    if not config.rope.switches_to_long(limits.max_seq_len):
+        unused.add("long_rope_from")
+    inputs = tuple(s for s in SEQUENCE_INPUTS if s.name not in unused)
     return SequenceGraph(config.num_kv_heads, config.head_dim, **names, artifact=artifact, inputs=inputs)
 
 
@@ -47,7 +50,8 @@ class SequenceLowering(LayerOps):
         self.g, self.c, self.limits = g, config, limits
         self.linears, self.head, self.weights, self.layout, self.progress = linears, head, weights, layout, progress
         self.np_dtype = linears.np_dtype
-        self.fused_rope = config.head_dim % 16 == 0
+        # GroupQueryAttention's rotary reads its tables by position: LongRoPE's long rows need the rotary outside
+        self.fused_rope = config.head_dim % 16 == 0 and not config.rope.switches_to_long(limits.max_seq_len)
 
     def skip_norm(self, x: str, residual: str, weight: str) -> tuple[str, str]:
         """(RMSNorm(x + residual), x + residual) in one node."""
@@ -68,7 +72,7 @@ class SequenceLowering(LayerOps):
             total = g.op("Cast", ["total_sequence_length"], to=TensorProto.INT64)
             start = g.op("Sub", [total, g.op("Shape", ["input_ids"], start=1, end=2)])
             positions = g.op("Range", [g.op("Squeeze", [start]), total, g.const(np.array(1, np.int64), "one")])
-            self.positions = g.op("Unsqueeze", [positions, g.ints([0])])
+            self.positions = g.op("Unsqueeze", [self.rope_rows(positions), g.ints([0])])
         residual = self.head.embed("input_ids")  # [1, S, hidden]
         scale = self.norm_weight("model.layers.0.input_layernorm.weight", c.hidden_size)
         x = g.op("SimplifiedLayerNormalization", [residual, scale], axis=-1, epsilon=c.rms_norm_eps)

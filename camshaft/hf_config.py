@@ -133,7 +133,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         head_dim=f.get("head_dim", "int", QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // heads, least=1),
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch == "phi3" else 1e-6, least=0),  # their defaults
         max_position_embeddings=positions,
-        rope=rope_fields(hf, f, source, positions),
+        rope=rope_fields(hf, f, source, positions, arch),
         tie_word_embeddings=f.get("tie_word_embeddings", "bool", False),
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
@@ -175,7 +175,7 @@ def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:
     return KV_HEADS[arch]
 
 
-def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> dict[str, Any]:
+def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, arch: str) -> dict[str, Any]:
     """RopeConfig's fields as transformers reads them: `rope_scaling` (old checkpoints, beside a top-level rope_theta)
     or `rope_parameters` (transformers 5); `positions`: the model's max_position_embeddings."""
     sections = {}
@@ -205,9 +205,11 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> d
         raise UnsupportedModelError(f"{source}: rope scaling {rope_type!r} is not supported (supported: "
                                     f"{', '.join(ROPE_TYPES)})")
     partial = (p if p.data.get("partial_rotary_factor") is not None else f).get("partial_rotary_factor", "number", 1.0)
-    if partial != 1:
+    if not 0 < partial <= 1:
+        raise CheckpointError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial}")
+    if partial != 1 and arch != "phi3":  # transformers' other architectures rotate whole heads (and fail on it)
         raise UnsupportedModelError(f"{source}: partial_rotary_factor={partial} (rotary embedding over part of each "
-                                    "head) is not supported: camshaft rotates whole heads")
+                                    f"head) is not supported for {arch}: only Phi-3's layers (Phi-4-mini) rotate part")
     low, high = p.get("low_freq_factor", "number", 1.0, least=0), p.get("high_freq_factor", "number", 4.0, least=0)
     if rope_type == "llama3" and not low < high:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
@@ -228,7 +230,8 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int) -> d
     if rope_type == "yarn" and theta <= 1:
         raise CheckpointError(f"{source}: yarn rope needs rope_theta > 1 (its ramp divides by log(theta)), got {theta}")
     fields = dict(theta=float(theta), type=rope_type, factor=float(factor), low_freq_factor=float(low),
-                  high_freq_factor=float(high), original_max_position_embeddings=original)
+                  high_freq_factor=float(high), original_max_position_embeddings=original,
+                  partial_rotary_factor=float(partial))
     if rope_type == "longrope":
         return fields | longrope_fields(p, float(factor), original)
     return fields | (yarn_fields(p, float(factor)) if rope_type == "yarn" else {})

@@ -46,6 +46,7 @@ class RopeConfig:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to original_max_position_embeddings
     long_factor: tuple[float, ...] = ()  # longrope: the same beyond it
+    partial_rotary_factor: float = 1.0  # the share of each head rotated (its first dimensions; Phi-4-mini: 0.75)
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -57,6 +58,8 @@ class RopeConfig:
                 and is_int_at_least(self.original_max_position_embeddings, 1)):
             raise CheckpointError(f"rope theta, factor, attention_factor and original_max_position_embeddings must be "
                                   f"positive: {self}")
+        if not (_positive_number(self.partial_rotary_factor) and self.partial_rotary_factor <= 1):
+            raise CheckpointError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
         object.__setattr__(self, "short_factor", tuple(self.short_factor))
         object.__setattr__(self, "long_factor", tuple(self.long_factor))
         factors = self.short_factor + self.long_factor
@@ -107,9 +110,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                                    "num_kv_heads", "head_dim", "max_position_embeddings"), CheckpointError)
-        if self.rope.type == "longrope" and len(self.rope.short_factor) != self.head_dim // 2:
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise CheckpointError(f"partial_rotary_factor {self.rope.partial_rotary_factor} rotates {self.rotary_dim} "
+                                  f"of head_dim {self.head_dim}'s dimensions; it must be a positive even number")
+        if self.rope.type == "longrope" and len(self.rope.short_factor) != self.rotary_dim // 2:
             raise CheckpointError(f"longrope's short_factor and long_factor need one entry per rotary frequency "
-                                  f"(head_dim / 2 = {self.head_dim // 2}), got {len(self.rope.short_factor)}")
+                                  f"(rotary dimensions / 2 = {self.rotary_dim // 2}), got "
+                                  f"{len(self.rope.short_factor)}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
@@ -134,6 +141,11 @@ class ModelConfig:
         rope, positions = self.rope, self.max_position_embeddings
         scaled = {"yarn": rope.original_max_position_embeddings * rope.factor, "linear": positions * rope.factor}
         return max(positions, int(scaled.get(rope.type, 0)))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head that rope rotates, its first ones (all but with a partial_rotary_factor)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @property
     def has_sliding_layers(self) -> bool:

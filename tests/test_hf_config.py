@@ -161,7 +161,7 @@ def test_partial_rotary_is_refused_not_built_whole(configs, where):
                                                                         if where == "rope" else {})})
     hf = edited(hf, partial_rotary_factor=0.5) if where == "top" else hf
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5 .rotary embedding over part of each "
-                                                    "head. is not supported"):
+                                                    "head. is not supported for llama: only Phi-3's"):
         ModelConfig.from_hf(hf)
     assert ModelConfig.from_hf(edited(hf, partial_rotary_factor=1.0) if where == "top" else edited(
         hf, rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 1})).rope.type == "linear"

@@ -4,7 +4,6 @@ variant "phi3-fused") and quantized by ModelOpt as one; what it does not support
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
@@ -57,12 +56,15 @@ def test_a_phi3_engine_generates_what_transformers_does(phi3, tmp_path):
     assert got == expected[0, len(ids):].tolist()  # past the window of 40 too
 
 
-@pytest.mark.parametrize(("changes", "message"), [  # (longrope, the 128k models' rope: test_longrope.py)
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
+@pytest.mark.parametrize(("factor", "message"), [
+    (0.1875, "rotates 3 of head_dim 16's dimensions; it must be a positive even number"),
+    (1.5, r"partial_rotary_factor must be in \(0, 1\], got 1.5"),
 ])
-def test_what_phi3_models_need_beyond_that_is_refused(phi3, tmp_path, changes, message):
-    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
-        ModelConfig.from_hf_dir(edited(phi3, tmp_path, **changes))
+def test_a_partial_rotary_that_transformers_could_not_run_is_refused(phi3, tmp_path, factor, message):
+    """Phi-4-mini rotates 3/4 of each head (numerics: test_parity.py's "phi4-mini-partial")."""
+    assert ModelConfig.from_hf_dir(edited(phi3, tmp_path / "ok", partial_rotary_factor=0.75)).rotary_dim == 12
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf_dir(edited(phi3, tmp_path, partial_rotary_factor=factor))
 
 
 def test_phi3_as_microsoft_ships_it_builds_and_reads_its_own_defaults(phi3, tmp_path):

@@ -41,6 +41,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                              short_factor=[1.0, 1.1, 1.3, 1.2, 1.6, 1.5, 1.9, 2.0],
                              long_factor=[1.5, 2.5, 3.0, 4.5, 6.0, 8.0, 11.0, 16.0]),
     )),
+    "phi4-mini-partial": ("Phi3Config", dict(  # Phi-4-mini's layout: half of each head rotated, short LongRoPE
+        pad_token_id=0, hidden_size=128, tie_word_embeddings=True,  # heads of 32, 16 of them rotated
+        original_max_position_embeddings=256,  # (its long factors: "phi3-longrope")
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             short_factor=[1.0, 1.2, 1.1, 1.5, 1.3, 1.8, 2.0, 1.7],
+                             long_factor=[2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]),
+    )),
     "qwen2-yarn": ("Qwen2Config", dict(  # long-context Qwen2.5: YaRN past 64 of the tests' positions
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64,
                              beta_fast=4.0),

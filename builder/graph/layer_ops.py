@@ -42,10 +42,10 @@ class LayerOps:
         Both graphs' tables are the same tensors, stored once. LongRoPE reaching its long factors: the long rows
         follow the short ones (`long_rope_rows` on)."""
         rows = max(limits.max_seq_len, limits.max_num_tokens)
-        tables = [cos_sin_tables(self.c.rope, self.c.head_dim, rows)]
+        tables = [cos_sin_tables(self.c.rope, self.c.rotary_dim, rows)]
         self.long_rope_rows = rows if self.c.rope.switches_to_long(limits.max_seq_len) else None
         if self.long_rope_rows:
-            tables.append(cos_sin_tables(self.c.rope, self.c.head_dim, rows, long=True))
+            tables.append(cos_sin_tables(self.c.rope, self.c.rotary_dim, rows, long=True))
         cos, sin = (np.concatenate(parts).astype(self.np_dtype) for parts in zip(*tables, strict=True))
         self.cos, self.sin = self.g.weight("rope_cos", cos), self.g.weight("rope_sin", sin)
 
@@ -61,4 +61,6 @@ class LayerOps:
 
     def rope(self, x: str, heads: int) -> str:
         """[1, T, heads*dim] → rotated, same shape."""
-        return self.g.op("RotaryEmbedding", [x, self.cos, self.sin, self.positions], num_heads=heads, interleaved=0)
+        partial = {"rotary_embedding_dim": self.c.rotary_dim} if self.c.rotary_dim < self.c.head_dim else {}
+        return self.g.op("RotaryEmbedding", [x, self.cos, self.sin, self.positions], num_heads=heads, interleaved=0,
+                         **partial)

@@ -11,7 +11,8 @@ from camshaft.model_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> np.ndarray:
-    """`long`: LongRoPE's frequencies past the original context (else its short ones)."""
+    """`head_dim`: the rotated dimensions (ModelConfig.rotary_dim); `long`: LongRoPE's frequencies past the original
+    context (else its short ones)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     if rope.type == "longrope":
         factors = np.asarray(rope.long_factor if long else rope.short_factor, dtype=np.float32)

@@ -50,8 +50,9 @@ class SequenceLowering(LayerOps):
         self.g, self.c, self.limits = g, config, limits
         self.linears, self.head, self.weights, self.layout, self.progress = linears, head, weights, layout, progress
         self.np_dtype = linears.np_dtype
-        # GroupQueryAttention's rotary reads its tables by position: LongRoPE's long rows need the rotary outside
-        self.fused_rope = config.head_dim % 16 == 0 and not config.rope.switches_to_long(limits.max_seq_len)
+        # GroupQueryAttention's rotary takes rotary halves of a multiple of 8 and reads its tables by position:
+        # LongRoPE's long rows need the rotary outside
+        self.fused_rope = config.rotary_dim % 16 == 0 and not config.rope.switches_to_long(limits.max_seq_len)
 
     def skip_norm(self, x: str, residual: str, weight: str) -> tuple[str, str]:
         """(RMSNorm(x + residual), x + residual) in one node."""

@@ -68,7 +68,11 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                   "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
                   "tied_embeddings": c.tie_word_embeddings, "sliding_window": c.sliding_window,
                   "sliding_every_layer": c.attention_window is not None,
-                  "rope": {"type": c.rope.type, "theta": c.rope.theta, "factor": c.rope.factor},
+                  "rope": {"type": c.rope.type, "theta": c.rope.theta, "factor": c.rope.factor,
+                           "rotary_dim": c.rotary_dim,
+                           # LongRoPE: past this length a request rotates with the long factors (None: not built)
+                           "long_factors_past": c.rope.original_max_position_embeddings
+                           if c.rope.switches_to_long(m.limits.max_seq_len) else None},
                   "sampling_defaults": dict(c.sampling_defaults)},
         "dtype": m.dtype,
         "quantization": {k: quant.get(k) for k in ("format", "group_size", "kv_cache_dtype", "kv_cache_affine",
@@ -129,6 +133,11 @@ def info_lines(info: dict[str, Any]) -> list[str]:
                else " on some layers" if md["sliding_window"] else "")
     rope = md["rope"]
     window += f", rope {rope['type']} x{rope['factor']:g}" if rope["type"] != "default" else ""
+    window += f" over {rope['rotary_dim']} of each head's dimensions" if rope["rotary_dim"] < md["head_dim"] else ""
+    if rope["type"] == "longrope":
+        past = rope["long_factors_past"]
+        window += (f" (long factors for requests whose prompt + max_tokens exceed {past})" if past
+                   else " (short factors only: max_seq_len is within the original context)")
     quant = "none" if q is None else ", ".join(f"{k} {len(v) if isinstance(v, list) else v}" for k, v in q.items())
     head = (info["lm_head"] or {}).get("dtype")
     sequence = info["graphs"]["sequence"] or f"none ({info['no_sequence_graph']})"

@@ -20,6 +20,7 @@ from camshaft.errors import CheckpointError, EngineError, UnsupportedModelError
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import Chunk, build_step
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.engine_info import engine_info, info_lines
 from camshaft.runtime.session import Session
 
 from tiny_models import make_tiny_model, stamped
@@ -105,6 +106,13 @@ def test_an_engine_within_the_original_context_builds_without_the_long_rows(long
     rows = {init.name: init.dims[0] for init in graph.initializer if init.name in ("rope_cos", "rope_sin")}
     assert rows == {"rope_cos": ORIGINAL, "rope_sin": ORIGINAL}
     prompt, new = PROMPTS["within"]
+    info = engine_info(tmp_path / "engine")
+    assert (info["model"]["rope"]["long_factors_past"], engine_info(longrope[1])["model"]["rope"]["long_factors_past"]
+            ) == (None, ORIGINAL)
+    assert "rope longrope x16 (short factors only: max_seq_len is within the original context)" in "\n".join(
+        info_lines(info))
+    assert "rope longrope x16 (long factors for requests whose prompt + max_tokens exceed 32)" in "\n".join(
+        info_lines(engine_info(longrope[1])))
     with Session(tmp_path / "engine") as session:
         check_greedy(transformers_model(model), prompt, new, session.generate(prompt, max_tokens=new,
                                                                               ignore_eos=True).token_ids)

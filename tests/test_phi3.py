@@ -62,7 +62,12 @@ def test_a_phi3_engine_generates_what_transformers_does(phi3, tmp_path):
 ])
 def test_a_partial_rotary_that_transformers_could_not_run_is_refused(phi3, tmp_path, factor, message):
     """Phi-4-mini rotates 3/4 of each head (numerics: test_parity.py's "phi4-mini-partial")."""
-    assert ModelConfig.from_hf_dir(edited(phi3, tmp_path / "ok", partial_rotary_factor=0.75)).rotary_dim == 12
+    partial = edited(phi3, tmp_path / "ok", partial_rotary_factor=0.75)
+    assert ModelConfig.from_hf_dir(partial).rotary_dim == 12
+    build_engine(BuildConfig(partial, tmp_path / "engine", max_seq_len=64))
+    from camshaft.runtime.engine_info import engine_info, info_lines
+
+    assert "over 12 of each head's dimensions" in "\n".join(info_lines(engine_info(tmp_path / "engine")))
     with pytest.raises(CheckpointError, match=message):
         ModelConfig.from_hf_dir(edited(phi3, tmp_path, partial_rotary_factor=factor))
 

@@ -146,6 +146,11 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
         model = checkpoint.config
+        if checkpoint.unused:
+            shown = ", ".join(checkpoint.unused[:4]) + (", ..." if len(checkpoint.unused) > 4 else "")
+            progress(f"note: {len(checkpoint.unused)} stored tensor(s) that config.json leaves unread (transformers "
+                     f"ignores them too): {shown}; if the model uses them, correct config.json (num_hidden_layers, "
+                     "attention_bias, mlp_bias, ...)")
         algos = checkpoint.quant_algos
         for algo in algos or ([None] if checkpoint.quantization else []):  # None: a KV cache quantized alone
             check_quantized_target(config.target, algo, checkpoint.quantization.get("kv_cache_quant_algo"), gpu_arch)

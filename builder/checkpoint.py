@@ -11,6 +11,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from camshaft.builder.checkpoint_sizes import check_sizes, fused_parts
+from camshaft.builder.checkpoint_tensors import check_tensors
 from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8 are part of this module's API)
     FP8,
     KV_CACHE_ALGOS,
@@ -74,6 +75,7 @@ class Checkpoint:
                 and "lm_head.weight" in self._where:
             self._where[EMBED] = self._where["lm_head.weight"]  # a tied model saved as its head, as transformers ties
             self._aliases[EMBED] = "lm_head.weight"
+        self.unused = check_tensors(self, {n for handle in self._handles.values() for n in handle.keys()})
 
     @property
     def float_dtype(self) -> str | None:
@@ -244,6 +246,10 @@ class Checkpoint:
         if name in self._fp8:
             return tuple(self._fp8[name][0])
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def stored_name(self, name: str) -> str:
+        """The stored tensor a name reads: a fused one's (Phi-3), an alias's, or its own."""
+        return self._rows[name][0] if name in self._rows else self._aliases.get(name, name)
 
     def file_of(self, name: str) -> Path:
         return self._where[name]

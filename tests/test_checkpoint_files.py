@@ -83,3 +83,48 @@ def test_a_camshaft_quantize_record_that_is_not_an_object_is_refused(copy):
     (copy / CAMSHAFT_QUANT_RECORD).write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="is malformed: an object of camshaft quantize's settings, not list"):
         Checkpoint(copy)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda w, c: w.pop("model.layers.1.mlp.down_proj.weight"),
+     "tensor 'model.layers.1.mlp.down_proj.weight' is missing"),
+    (lambda w, c: w.update({"model.layers.1.mlp.down_proj.weight": w["model.layers.1.mlp.down_proj.weight"][:, :90]}),
+     r"'model.layers.1.mlp.down_proj.weight' has shape \(64, 90\), expected \(64, 96\)"),
+    (lambda w, c: c.update(intermediate_size=100), r"'model.layers.0.mlp.gate_proj.weight' has shape \(96, 64\), "
+                                                    r"expected \(100, 64\)"),
+    (lambda w, c: c.update(vocab_size=400), r"'model.embed_tokens.weight' has shape \(384, 64\), expected \(400, 64\)"),
+    (lambda w, c: c.update(attention_bias=True), "tensor 'model.layers.0.self_attn.q_proj.bias' is missing"),
+])
+def test_every_tensor_is_checked_before_the_build_writes_anything(copy, tmp_path, edit, message):
+    """The last layer's tensors were read (and found wrong) only once the layers before it were lowered."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    weights, config = load_file(copy / "model.safetensors"), json.loads((copy / "config.json").read_text())
+    edit(weights, config)
+    save_file(weights, copy / "model.safetensors")
+    (copy / "config.json").write_text(json.dumps(config))
+    seen = []
+    with pytest.raises(CheckpointError, match=message):
+        build_engine(BuildConfig(copy, tmp_path / "engine", max_seq_len=64), progress=seen.append)
+    assert seen == [] and not (tmp_path / "engine").exists()
+
+
+def test_stored_tensors_the_config_leaves_unread_are_named(copy, tmp_path):
+    """As transformers loads them (and reports them unexpected): a config.json that says fewer layers than stored,
+    or no attention bias where biases are stored."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    weights = load_file(copy / "model.safetensors")
+    weights["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+    save_file(weights, copy / "model.safetensors")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 1}))
+    assert Checkpoint(copy).unused[:2] == ["model.layers.0.self_attn.q_proj.bias",
+                                           "model.layers.1.input_layernorm.weight"]
+    seen = []
+    build_engine(BuildConfig(copy, tmp_path / "engine", max_seq_len=64), progress=seen.append)
+    note = next(line for line in seen if line.startswith("note:"))
+    assert note.startswith("note: 10 stored tensor(s) that config.json leaves unread") and "num_hidden_layers" in note
+    assert Checkpoint(make_tiny_model("qwen3-qknorm", tmp_path / "clean")).unused == []

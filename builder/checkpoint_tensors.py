@@ -1,0 +1,58 @@
+"""Every tensor the lowering reads, checked against the weights' headers before the build writes anything (a missing
+or misshapen tensor of the last layer was found only once every layer before it was lowered), and the stored float
+tensors the config leaves unread (transformers ignores them too, and says so)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from camshaft.errors import CheckpointError
+from camshaft.weight_files import EMBED
+
+if TYPE_CHECKING:
+    from camshaft.builder.checkpoint import Checkpoint
+
+HEAD = "lm_head.weight"
+
+
+def expected_tensors(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """The float shape of every weight the lowering reads (a quantized layer's weight is stored packed)."""
+    c = checkpoint.config
+    q, kv, d, hidden, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim, c.hidden_size, \
+        c.intermediate_size
+    shapes = {EMBED: (c.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    if not c.tie_word_embeddings:
+        shapes[HEAD] = (c.vocab_size, hidden)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        linears = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+                   "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                   "mlp.down_proj": (hidden, inter)}
+        shapes |= {f"{p}.{name}.weight": shape for name, shape in linears.items()}
+        shapes |= {f"{p}.{norm}.weight": (hidden,) for norm in ("input_layernorm", "post_attention_layernorm")}
+        biased = [n for n, on in (("self_attn.q_proj", c.qkv_bias), ("self_attn.k_proj", c.qkv_bias),
+                                  ("self_attn.v_proj", c.qkv_bias), ("self_attn.o_proj", c.o_bias),
+                                  ("mlp.gate_proj", c.mlp_bias), ("mlp.up_proj", c.mlp_bias),
+                                  ("mlp.down_proj", c.mlp_bias)) if on]
+        shapes |= {f"{p}.{name}.bias": linears[name][:1] for name in biased}
+        if c.qk_norm:
+            shapes |= {f"{p}.self_attn.{n}_norm.weight": (d,) for n in "qk"}
+    return shapes
+
+
+def check_tensors(checkpoint: Checkpoint, stored: set[str]) -> list[str]:
+    """Refuse a tensor the lowering would find missing or misshapen; returns the stored float tensors (`stored`: the
+    files' names) that it never reads."""
+    expected = expected_tensors(checkpoint)
+    for name, shape in expected.items():
+        if name not in checkpoint:
+            raise checkpoint.missing(name)
+        prefix = name.removesuffix(".weight")
+        if len(shape) == 2 and checkpoint.layer_algo(prefix) and f"{prefix}.weight_scale" in checkpoint:
+            continue  # stored packed: checked with its scales where it is read
+        found = checkpoint.stored_shape(name)
+        if found != shape:
+            raise CheckpointError(f"{checkpoint.file_of(name).name}: tensor {name!r} has shape {found}, expected "
+                                  f"{shape} from config.json; restore the checkpoint's config.json or its weights")
+    read = set(expected) | {checkpoint.stored_name(name) for name in expected} | {HEAD}  # a tied head: checked same
+    return sorted(n for n in stored - read if n.endswith((".weight", ".bias")))

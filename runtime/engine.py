@@ -54,6 +54,20 @@ def end_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
     return (*config.eos_token_ids, *extra)
 
 
+def check_model_inputs(m: Manifest, engine_dir: Path) -> None:
+    """The manifest's model agrees with the graph inputs it lists (what the runtime feeds follows the model)."""
+    inputs = {spec.name for spec in m.inputs}
+    if ({spec.name for spec in SLIDING_INPUTS} <= inputs) != m.model.has_sliding_layers:
+        raise EngineError(f"{engine_dir}: its manifest's model has {'' if m.model.has_sliding_layers else 'no '}"
+                          "sliding-window layers but its graph inputs say otherwise: the manifest was edited or "
+                          "belongs to another build; rebuild the engine")
+    long_rope = m.model.rope.switches_to_long(m.limits.max_seq_len)
+    if ("long_rope_from" in inputs) != long_rope:
+        raise EngineError(f"{engine_dir}: its manifest's model and limits say LongRoPE's long factors are "
+                          f"{'' if long_rope else 'never '}reached but its graph inputs say otherwise: the manifest "
+                          "was edited or belongs to another build; rebuild the engine")
+
+
 class Engine:
     def __init__(self, engine_dir: str | Path, *, max_sequences: int = 1, kv_cache_memory: int | float | None = None,
                  most_blocks: int | None = None, threads: int | None = None, spin_wait: bool = True,
@@ -71,15 +85,8 @@ class Engine:
             raise EngineError(f"{self.dir}: the engine takes inputs this camshaft does not produce "
                               f"({', '.join(sorted(unknown))}); upgrade camshaft or rebuild the engine with this one")
         self.group_flags = {spec.name for spec in GROUP_FLAGS} <= inputs
-        if ({spec.name for spec in SLIDING_INPUTS} <= inputs) != m.model.has_sliding_layers:
-            raise EngineError(f"{self.dir}: its manifest's model has {'' if m.model.has_sliding_layers else 'no '}"
-                              "sliding-window layers but its graph inputs say otherwise: the manifest was edited or "
-                              "belongs to another build; rebuild the engine")
+        check_model_inputs(m, self.dir)
         self.long_rope = m.model.rope if "long_rope_from" in inputs else None
-        if (self.long_rope is not None) != m.model.rope.switches_to_long(m.limits.max_seq_len):
-            raise EngineError(f"{self.dir}: its manifest's model and limits say LongRoPE's long factors are "
-                              f"{'' if self.long_rope is None else 'never '}reached but its graph inputs say "
-                              "otherwise: the manifest was edited or belongs to another build; rebuild the engine")
         copies = cache_copies(m)
         if isinstance(kv_cache_memory, float):  # sized by the backend once the weights are loaded, of what is free then
             num_blocks = lambda free: pool_blocks(  # noqa: E731 - called with the free bytes it measures

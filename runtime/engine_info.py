@@ -11,7 +11,7 @@ from camshaft.engine_files import TOKENIZER_DIR
 from camshaft.errors import EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.manifest import Manifest, read_manifest
-from camshaft.runtime.engine import check_tokenizer_files, end_ids, load_tokenizer
+from camshaft.runtime.engine import check_model_inputs, check_tokenizer_files, end_ids, load_tokenizer
 from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, host_memory, pool_blocks, pool_bytes
 
 TARGET_DEVICES = {"onnxruntime": "CPU", "tensorrt": "datacenter NVIDIA GPU", "tensorrt-rtx": "NVIDIA RTX GPU"}
@@ -26,6 +26,7 @@ def runs_here(manifest: Manifest, engine_dir: Path) -> str | None:
 
             check_compatible(manifest)
             check_graph_io(engine_dir, manifest)
+            check_model_inputs(manifest, engine_dir)
         else:
             from camshaft.runtime.backends.tensorrt import check_compatible as check_tensorrt
 

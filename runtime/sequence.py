@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from camshaft.engine_files import unchanged_while_loading
 from camshaft.errors import CapacityError, EngineError
-from camshaft.graph_meta import check_build_id, sequence_graph_support
+from camshaft.graph_meta import sequence_graph_support
 from camshaft.io_signature import SEQUENCE_INPUTS
 from camshaft.manifest import Manifest, read_manifest
 from camshaft.runtime.backends.onnxruntime import (
@@ -25,7 +25,7 @@ from camshaft.runtime.backends.onnxruntime import (
     session_options,
 )
 from camshaft.runtime.batch import Chunk
-from camshaft.runtime.engine import Engine, end_ids, load_tokenizer
+from camshaft.runtime.engine import Engine, check_model_inputs, end_ids, load_tokenizer
 from camshaft.runtime.kv_cache import fraction_bytes, host_available
 from camshaft.runtime.prompt_lookup import MAX_DRAFT
 
@@ -53,7 +53,12 @@ class SequenceEngine:
                               "Session(engine_dir, graph=\"batch\")" if reason else
                               f"{self.dir} has no sequence graph; rebuild it with this camshaft for --target "
                               "onnxruntime, or run its batch graph: Session(engine_dir, graph=\"batch\")")
+        if m.target != "onnxruntime":
+            raise EngineError(f"{self.dir}: its manifest says target {m.target!r}, but sequence graphs are the "
+                              "onnxruntime target's: the manifest was edited or belongs to another build; rebuild "
+                              "the engine")
         check_compatible(m)
+        check_model_inputs(m, self.dir)
         self.layout = m.sequence_graph
         unknown = {spec.name for spec in self.layout.inputs} - {spec.name for spec in SEQUENCE_INPUTS}
         if unknown:
@@ -63,8 +68,9 @@ class SequenceEngine:
             self.session, self.huge_page_bytes = load_session(self.dir / self.layout.artifact,
                                                               session_options(threads, spin_wait=True), huge_pages)
             check_signature(GraphIO.of_session(self.session), self.dir, m, self.layout)
-            # its weights are the batch graph's, read by offset: that graph must be of the same build
-            check_build_id(GraphIO.of_file(self.dir / m.artifact).metadata, m.build_id, self.dir / m.artifact)
+            # its weights are the batch graph's, read by offset: that graph must be of the same build (and as its
+            # manifest says: one verdict with the batch graph's loaders and inspect)
+            check_signature(GraphIO.of_file(self.dir / m.artifact), self.dir, m, m.kv_cache)
             self.binding = self.session.io_binding()
             self.tokenizer = load_tokenizer(self.dir, m.files)
         self.eos_token_ids = end_ids(m.model, self.tokenizer)

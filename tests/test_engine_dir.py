@@ -14,8 +14,9 @@ import camshaft
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import BuildConfigError, CheckpointError, EngineError
-from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS, STEP_INPUTS
+from camshaft.io_signature import GROUP_FLAGS, LONG_ROPE_INPUTS, SLIDING_INPUTS, STEP_INPUTS
 from camshaft.manifest import read_manifest
+from camshaft.model_config import RopeConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, build_step
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.engine_info import engine_info
@@ -339,8 +340,10 @@ def test_an_engine_asking_for_an_input_this_runtime_lacks_is_refused(copy):
 
 def test_the_runtime_feeds_every_input_the_builder_can_declare():
     chunks = [Chunk([5, 6, 7], 0, [1]), Chunk([8], 9, [2, 3])]
-    feeds = build_step(chunks, block_size=8, sliding_window=4, group_flags=True).feeds
-    assert set(feeds) == {spec.name for spec in STEP_INPUTS + GROUP_FLAGS + SLIDING_INPUTS} == FEED_NAMES
+    longrope = RopeConfig(type="longrope", short_factor=(1.0,), long_factor=(2.0,))
+    feeds = build_step(chunks, block_size=8, sliding_window=4, group_flags=True, long_rope=longrope).feeds
+    assert set(feeds) == {spec.name for spec in STEP_INPUTS + GROUP_FLAGS + SLIDING_INPUTS + LONG_ROPE_INPUTS
+                          } == FEED_NAMES
 
 
 def test_interrupted_build_leaves_nothing_that_loads(built, tmp_path, monkeypatch):
@@ -586,6 +589,24 @@ def test_a_manifest_edited_against_its_graph_is_refused_at_load(copy, edit, load
 
         info = engine_info(copy)
         assert not info["runs_here"] and "differ from its manifest's" in info["runs_here_reason"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(target="tensorrt"), "says target 'tensorrt', but sequence graphs are the onnxruntime target's"),
+    (lambda m: m["model"].update(layer_types=["sliding"] * len(m["model"]["layer_types"]), sliding_window=4),
+     "has sliding-window layers but its graph inputs say otherwise"),
+    (lambda m: (m["limits"].update(kv_block_size=16), m["kv_cache"].update(block_size=16)),
+     "disagree with its manifest"),
+])
+def test_the_session_refuses_what_the_batch_loaders_and_inspect_refuse(copy, edit, message):
+    """The Session's sequence graph does not read these fields, but an engine whose manifest disagrees with its graphs
+    gets one verdict from every command (it ran under `camshaft run` while LLM and inspect refused it)."""
+    from camshaft.runtime.engine_info import engine_info
+
+    _edited(copy, edit)
+    with pytest.raises(EngineError, match=message):
+        Session(copy)
+    assert not engine_info(copy)["runs_here"]
 
 
 def test_files_added_to_the_tokenizer_are_refused_but_a_chat_template_may_be_edited(copy):

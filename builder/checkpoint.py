@@ -294,7 +294,7 @@ class Checkpoint:
         if self.quantization is not None and name.endswith(".weight") and len(shape) == 2:
             quantized = self.quantized_linear(name[: -len(".weight")], *shape)
             if quantized is not None:
-                return quantized.dequantize()
+                return self._finite(name, quantized.dequantize())
         array = self._raw(name)
         if np.issubdtype(array.dtype, np.integer) or array.dtype == FP8:
             why = (f"it has no {HF_QUANT_CONFIG}" if self.quantization is None else
@@ -309,7 +309,14 @@ class Checkpoint:
                 f"{self._where[name].name}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)} "
                 "from config.json"
             )
-        return array.astype(np.float32, copy=False)
+        return self._finite(name, array.astype(np.float32, copy=False))
+
+    def _finite(self, name: str, array: np.ndarray) -> np.ndarray:
+        """`array`, refused if a value is NaN or infinite (a float64 sum: finite float32 ones cannot overflow it)."""
+        if not np.isfinite(array.sum(dtype=np.float64)):
+            raise CheckpointError(f"{self._where[name].name}: tensor {name!r} holds NaN or infinite values: an engine "
+                                  "built from it could never give finite logits; restore the checkpoint's weights")
+        return array
 
     def tokenizer_files(self) -> list[Path]:
         require_tokenizer(self.dir)

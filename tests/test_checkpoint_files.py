@@ -128,3 +128,18 @@ def test_stored_tensors_the_config_leaves_unread_are_named(copy, tmp_path):
     note = next(line for line in seen if line.startswith("note:"))
     assert note.startswith("note: 10 stored tensor(s) that config.json leaves unread") and "num_hidden_layers" in note
     assert Checkpoint(make_tiny_model("qwen3-qknorm", tmp_path / "clean")).unused == []
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_weight_that_is_not_finite_is_refused_at_build_naming_it(copy, tmp_path, value):
+    """It built, and every request on the engine then failed on logits that were not finite."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    weights = load_file(copy / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = value
+    save_file(weights, copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match="tensor 'model.layers.1.mlp.down_proj.weight' holds NaN or infinite "
+                                              "values"):
+        build_engine(BuildConfig(copy, tmp_path / "engine", max_seq_len=64))
+    assert not (tmp_path / "engine").exists()

@@ -33,8 +33,9 @@ def run(
     seed: Annotated[int | None, typer.Option(help="Seed of the sampling (default: a fresh one)")] = None,
     stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
     prompt_lookup: Annotated[int, typer.Option(
-        min=0, max=16, metavar="N", help="Draft up to this many tokens a step from text the prompt and output already hold "
-                            "(prompt lookup decoding: the same output, faster where text repeats); 0 = off")] = 0,
+        min=0, max=16, metavar="N",
+        help="Draft up to this many tokens a step from text the prompt and output already hold (prompt lookup "
+             "decoding: the same output, faster where text repeats); 0 = off")] = 0,
 ) -> None:
     """Generate text from a prompt."""
     from dataclasses import replace

@@ -74,22 +74,24 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _cached_blocks(self, token_ids: list[int]) -> Iterator[int | None]:
+    def _cached_blocks(self, token_ids: list[int], salt: bytes) -> Iterator[int | None]:
         """The cached block of each full block of token_ids in turn (None where it is not cached), leaving at least
-        the last token to compute (its logits are needed)."""
-        prefix_hash, size = b"", self.block_size
+        the last token to compute (its logits are needed). `salt` starts the chain: blocks computed otherwise
+        (LongRoPE's long factors) are cached apart."""
+        prefix_hash, size = salt, self.block_size
         for start in range(0, len(token_ids) - 1 - size + 1, size):
             prefix_hash = chain_hash(prefix_hash, token_ids[start: start + size])
             yield self._by_hash.get(prefix_hash)
 
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+    def cached_prefix(self, token_ids: list[int], salt: bytes = b"") -> list[int]:
         """Cached blocks holding the longest run of full blocks that token_ids starts with."""
-        return list(itertools.takewhile(lambda block: block is not None, self._cached_blocks(token_ids)))
+        return list(itertools.takewhile(lambda block: block is not None, self._cached_blocks(token_ids, salt)))
 
-    def cached_window(self, token_ids: list[int], behind: Callable[[int], int]) -> tuple[int, list[int]]:
+    def cached_window(self, token_ids: list[int], behind: Callable[[int], int],
+                      salt: bytes = b"") -> tuple[int, list[int]]:
         """As cached_prefix for a sliding window: the longest run of full blocks whose last ones, from
         `behind(tokens)` on, are cached (the window never reads those before). Returns (skipped, their blocks)."""
-        size, found = self.block_size, list(self._cached_blocks(token_ids))
+        size, found = self.block_size, list(self._cached_blocks(token_ids, salt))
         run = 0  # cached blocks ending at each index, in a row
         runs = []
         for block_id in found:
@@ -152,13 +154,15 @@ class BlockManager:
         self.free(block_table[start:stop])
         block_table[start:stop] = [NULL_BLOCK] * (stop - start)
 
-    def register_full(self, block_table: list[int], token_ids: list[int], before: int, after: int) -> None:
-        """Hash the blocks that became full when the computed tokens went from `before` to `after`."""
+    def register_full(self, block_table: list[int], token_ids: list[int], before: int, after: int,
+                      salt: bytes = b"") -> None:
+        """Hash the blocks that became full when the computed tokens went from `before` to `after` (`salt`: as
+        cached_prefix's)."""
         size = self.block_size
         first, last = before // size, after // size
         if first == last:
             return
-        prefix_hash = self.blocks[block_table[first - 1]].hash if first else b""
+        prefix_hash = self.blocks[block_table[first - 1]].hash if first else salt
         for index in range(first, last):
             prefix_hash = chain_hash(prefix_hash, token_ids[index * size: (index + 1) * size])
             block = self.blocks[block_table[index]]

@@ -77,7 +77,7 @@ class LLM(ServingAPI):
         self.config = SchedulerConfig(
             num_blocks=engine.pool.num_blocks, block_size=engine.block_size, max_batch_size=batch,
             max_num_tokens=tokens, max_seq_len=limits.max_seq_len, policy=policy, kv_reservation=kv_reservation,
-            prompt_lookup=lookup, sliding_window=manifest.model.attention_window)
+            prompt_lookup=lookup, sliding_window=manifest.model.attention_window, long_rope=engine.long_rope)
         self.tokenizer = engine.tokenizer
         if template is not None:
             self.tokenizer.chat_template = template

@@ -202,9 +202,10 @@ class Scheduler:
         if request.wants_prompt_rows:  # no reuse: the prompt's rows have no logits cached
             pass
         elif self.config.releases_blocks:
-            skipped, reused = self.blocks.cached_window(request.all_ids, self.config.blocks_behind)
+            skipped, reused = self.blocks.cached_window(request.all_ids, self.config.blocks_behind,
+                                                        self.config.cache_salt(request.max_length))
         else:
-            reused = self.blocks.cached_prefix(request.all_ids)
+            reused = self.blocks.cached_prefix(request.all_ids, self.config.cache_salt(request.max_length))
         if not self.config.releases_blocks:
             if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
                 return reused, self._total_blocks(request), 0
@@ -293,7 +294,8 @@ class Scheduler:
         before = request.num_computed
         request.num_computed += tokens
         if before // self.config.block_size != request.num_computed // self.config.block_size:
-            self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed)
+            self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed,
+                                      self.config.cache_salt(request.max_length))
         self._slide(request)
 
     def finish(self, request: Request) -> None:

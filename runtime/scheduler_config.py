@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from camshaft.checks import check_positive_ints
 from camshaft.errors import CapacityError, RequestError
+from camshaft.model_config import RopeConfig
 from camshaft.runtime.prompt_lookup import PromptLookup, check_prompt_lookup
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
@@ -24,6 +25,7 @@ class SchedulerConfig:
     kv_reservation: str = "paged"
     prompt_lookup: PromptLookup | None = None  # decodes also feed drafts (runtime/prompt_lookup.py)
     sliding_window: int | None = None  # every layer attends to this many latest tokens: blocks behind are released
+    long_rope: RopeConfig | None = None  # an engine switching to LongRoPE's long factors (its requests' K/V differ)
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("num_blocks", "block_size", "max_batch_size", "max_num_tokens", "max_seq_len"),
@@ -60,6 +62,11 @@ class SchedulerConfig:
         blocks for its next chunk only, as it goes (under guaranteed_no_evict the pool holds back what each running
         one may still take, at most window_blocks in all, so none is ever preempted)."""
         return self.sliding_window is not None and self.kv_reservation == "paged"
+
+    def cache_salt(self, max_length: int) -> bytes:
+        """What starts the prefix-cache hash chain of a request that may reach `max_length` tokens: its cached blocks
+        are reused only by requests whose keys rotate alike (LongRoPE's long factors or its short ones)."""
+        return b"long rope" if self.long_rope is not None and self.long_rope.long_rope_from(max_length) == 0 else b""
 
     def blocks_behind(self, position: int) -> int:
         """Block-table entries no query at `position` or later reads (wholly before the sliding window); the last

@@ -87,6 +87,21 @@ def test_in_flight_batching_rotates_each_sequence_by_its_own_length(longrope):
         check_greedy(model, prompt, new, output.outputs[0].token_ids)
 
 
+def test_prefix_reuse_keeps_short_and_long_rotated_blocks_apart(longrope):
+    """The cache holds rotated keys: a prompt's blocks computed on the short factors are no prefix for a request on
+    the long ones (nor the other way), while requests on the same factors share them."""
+    model_dir, engine = longrope
+    prompt = list(range(100, 124))  # 24 tokens: 6 full blocks of 4, the last token always computed
+    model = transformers_model(model_dir)
+    with LLM(engine) as llm:
+        blocks = llm.executor.scheduler.blocks
+        for new, shared in ((4, 0), (20, 0), (16, 5), (6, 5)):  # 28 tokens: short; 44 and 40: long; 30: short again
+            hits = blocks.prefix_hits
+            got = llm.generate([prompt], SamplingParams(max_tokens=new, ignore_eos=True), use_tqdm=False)
+            assert blocks.prefix_hits - hits == shared, new
+            check_greedy(model, prompt, new, got[0].outputs[0].token_ids)
+
+
 def test_the_step_feeds_each_tokens_first_long_position(longrope):
     rope = ModelConfig.from_hf_dir(longrope[0]).rope
     chunks = [Chunk([1, 2, 3], 0, [1], max_length=40),  # may grow past 32: long from position 0

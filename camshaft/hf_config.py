@@ -7,8 +7,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from camshaft.checks import is_int, is_int_at_least
+from camshaft.checks import is_int_at_least
 from camshaft.errors import CheckpointError, UnsupportedModelError
+from camshaft.hf_fields import Fields
+from camshaft.hf_rope import phi3_rope, rope_fields
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -18,46 +20,14 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",  # Llama's layers with q/k/v and gate/up stored fused (builder/checkpoint.py splits them)
 }
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
-# dynamic: the default up to max_position_embeddings
-ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
-ATTENTION_FACTORS = (1e-6, 1e6)  # the range of yarn's factor on cos/sin that float32 tables hold
 # transformers' config defaults
-PHI3_ORIGINAL_POSITIONS = 4096  # Phi3Config's original_max_position_embeddings
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others: hidden / heads)
 KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}  # their configs' num_key_value_heads when config.json has none
 MAX_LAYERS = 4096
-_REQUIRED = object()
-_KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
 
-
-class Fields:
-    """Typed access to one JSON object; `source` names it in errors."""
-
-    def __init__(self, data: Any, source: str) -> None:
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{source} must be a JSON object, not {data!r:.60}; restore it from the original "
-                                  "checkpoint")
-        self.data, self.source = data, source
-
-    def get(self, key: str, kind: str, default: Any = _REQUIRED, *, least: float | None = None) -> Any:
-        """The value of `key` (an absent key or null: `default`, or an error when required)."""
-        value = self.data.get(key)
-        if value is None:
-            if default is _REQUIRED:
-                raise CheckpointError(f"{self.source} lacks required field {key!r}")
-            return default
-        if kind == "int" and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        ok = {"int": is_int(value), "bool": isinstance(value, bool),
-              "number": isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)}[kind]
-        if not ok or (least is not None and value < least):
-            bound = "" if least is None else f" >= {least:g}"
-            raise CheckpointError(f"{self.source}: {key} must be {_KINDS[kind]}{bound}, not {value!r}; restore it "
-                                  "from the original checkpoint")
-        return value
 
 
 def architecture(hf: dict[str, Any], source: str) -> str:
@@ -147,22 +117,6 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     )
 
 
-def phi3_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """A Phi-3 config as Phi3Config reads it: su and yarn rope are longrope, other scalings are refused, and the
-    top-level original_max_position_embeddings (4096 when absent) is the one longrope switches at."""
-    hf = dict(hf)
-    for key in ("rope_scaling", "rope_parameters"):
-        section = hf.get(key)
-        kind = section.get("rope_type", section.get("type", "default")) if isinstance(section, dict) else "default"
-        if kind in ("su", "yarn"):
-            hf[key] = {k: v for k, v in section.items() if k != "type"} | {"rope_type": "longrope"}
-        elif kind not in ("default", "longrope"):
-            raise UnsupportedModelError(f"{source}: Phi-3 rope scaling ({key} {kind!r}) is not one Phi-3 has; "
-                                        "transformers reads only default, longrope, su and yarn (as longrope)")
-    hf.setdefault("original_max_position_embeddings", PHI3_ORIGINAL_POSITIONS)
-    return hf
-
-
 def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:
     """num_key_value_heads as transformers reads it: null means one per attention head, and an absent one Llama's
     heads but Mistral's 8 and Qwen's 32 (its config class's default)."""
@@ -173,110 +127,6 @@ def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:
                               f"{arch} default), which does not divide num_attention_heads={heads}; add the "
                               "checkpoint's num_key_value_heads to config.json")
     return KV_HEADS[arch]
-
-
-def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, arch: str) -> dict[str, Any]:
-    """RopeConfig's fields as transformers reads them: `rope_scaling` (old checkpoints, beside a top-level rope_theta)
-    or `rope_parameters` (transformers 5); `positions`: the model's max_position_embeddings."""
-    sections = {}
-    for key in ("rope_parameters", "rope_scaling"):
-        section = hf.get(key) or {}
-        if not isinstance(section, dict):
-            raise CheckpointError(f"{source}: {key} must be an object, not {section!r}")
-        kind = section.get("rope_type", section.get("type", "default"))  # rope_type wins, as in transformers
-        if not isinstance(kind, str):
-            raise CheckpointError(f"{source}: {key}'s rope_type must be a string such as \"default\", not {kind!r}")
-        sections[key] = {k: v for k, v in section.items() if k != "type"} | {"rope_type": kind} if section else {}
-    params, scaling = sections["rope_parameters"], sections["rope_scaling"]
-
-    def compared(section: dict) -> dict:  # a theta equal to the one transformers would use is no difference
-        theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
-        return {k: v for k, v in section.items() if not (k == "rope_theta" and v == theta)}
-
-    if params and scaling and compared(params) != compared(scaling):  # transformers would read rope_scaling alone
-        kinds = {params["rope_type"], scaling["rope_type"]}
-        differ = f"of different types ({sorted(kinds)})" if len(kinds) > 1 else "that differ"
-        raise CheckpointError(f"{source} holds rope_parameters and rope_scaling {differ}; transformers reads only "
-                              "rope_scaling (and its rope_theta from there or the top level): keep the one the model "
-                              "was trained with")
-    p = Fields(scaling or params, f"{source} (rope)")
-    rope_type = p.data.get("rope_type", "default")
-    if rope_type not in ROPE_TYPES:
-        raise UnsupportedModelError(f"{source}: rope scaling {rope_type!r} is not supported (supported: "
-                                    f"{', '.join(ROPE_TYPES)})")
-    partial = (p if p.data.get("partial_rotary_factor") is not None else f).get("partial_rotary_factor", "number", 1.0)
-    if not 0 < partial <= 1:
-        raise CheckpointError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial}")
-    if partial != 1 and arch != "phi3":  # transformers' other architectures rotate whole heads (and fail on it)
-        raise UnsupportedModelError(f"{source}: partial_rotary_factor={partial} (rotary embedding over part of each "
-                                    f"head) is not supported for {arch}: only Phi-3's layers (Phi-4-mini) rotate part")
-    low, high = p.get("low_freq_factor", "number", 1.0, least=0), p.get("high_freq_factor", "number", 4.0, least=0)
-    if rope_type == "llama3" and not low < high:
-        raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
-    theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", 10000.0, least=0)
-    # as transformers: a top-level original_max_position_embeddings (Phi-3 style) wins, then the rope section's
-    scaled = ("llama3", "yarn", "longrope")
-    original = (f if hf.get("original_max_position_embeddings") is not None and rope_type in scaled
-                else p).get("original_max_position_embeddings", "int", None, least=1) or positions
-    if rope_type == "default":
-        factor = p.get("factor", "number", 1.0, least=0)
-    elif rope_type == "yarn" and "factor" in p.data or rope_type == "longrope":
-        # null (and longrope's absent): the ratio of the context lengths (transformers)
-        factor = p.get("factor", "number", positions / original, least=0)
-    else:
-        factor = p.get("factor", "number", least=0)  # required (linear, llama3, yarn), as transformers requires it
-    if theta <= 0 or factor <= 0:
-        raise CheckpointError(f"{source}: rope_theta and the rope factor must be > 0, got {theta} and {factor}")
-    if rope_type == "yarn" and theta <= 1:
-        raise CheckpointError(f"{source}: yarn rope needs rope_theta > 1 (its ramp divides by log(theta)), got {theta}")
-    fields = dict(theta=float(theta), type=rope_type, factor=float(factor), low_freq_factor=float(low),
-                  high_freq_factor=float(high), original_max_position_embeddings=original,
-                  partial_rotary_factor=float(partial))
-    if rope_type == "longrope":
-        return fields | longrope_fields(p, float(factor), original)
-    return fields | (yarn_fields(p, float(factor)) if rope_type == "yarn" else {})
-
-
-def longrope_fields(p: Fields, factor: float, original: int) -> dict[str, Any]:
-    """LongRoPE's per-frequency factors and the factor on cos/sin, as transformers reads them."""
-    factors = {}
-    for key in ("short_factor", "long_factor"):
-        value = p.data.get(key)
-        if not (isinstance(value, list) and value and all(isinstance(x, int | float) and not isinstance(x, bool)
-                                                          and 0 < x < math.inf for x in value)):
-            raise CheckpointError(f"{p.source}: longrope's {key} must be a list of positive numbers, not "
-                                  f"{value!r:.80}; restore it from the original checkpoint")
-        factors[key] = tuple(float(x) for x in value)
-    attention = p.get("attention_factor", "number", None, least=0)
-    if attention is None and factor > 1 and original < 2:
-        raise CheckpointError(f"{p.source}: longrope needs original_max_position_embeddings > 1, got {original}")
-    if attention is None:
-        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    if not ATTENTION_FACTORS[0] < attention < ATTENTION_FACTORS[1]:
-        raise CheckpointError(f"{p.source}: longrope's attention_factor must be between 1e-6 and 1e6, got {attention}")
-    return factors | {"attention_factor": float(attention)}
-
-
-def yarn_fields(p: Fields, factor: float) -> dict[str, Any]:
-    """YaRN's ramp bounds and the factor on cos/sin, as transformers reads them (a 0 beta is the default)."""
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention = p.get("attention_factor", "number", None, least=0)
-    m, m_all = p.get("mscale", "number", None), p.get("mscale_all_dim", "number", None)
-    if attention is None and m and m_all:
-        below = mscale(factor, m_all)
-        attention = mscale(factor, m) / below if below else math.inf
-    elif attention is None:
-        attention = mscale(factor)
-    raw = p.data.get("truncate")  # transformers tests its truth: 0 and 1 count too
-    truncate = True if raw is None else bool(raw) if raw in (0, 1) else p.get("truncate", "bool")
-    if not ATTENTION_FACTORS[0] < attention < ATTENTION_FACTORS[1]:
-        raise CheckpointError(f"{p.source}: yarn's attention factor (attention_factor, or what mscale and "
-                              f"mscale_all_dim make of the factor) must be between 1e-6 and 1e6, got {attention}")
-    return dict(beta_fast=float(p.get("beta_fast", "number", 0.0, least=0) or 32.0),
-                beta_slow=float(p.get("beta_slow", "number", 0.0, least=0) or 1.0),
-                attention_factor=float(attention), truncate=truncate)
 
 
 def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tuple[str, ...]]:

@@ -13,7 +13,8 @@ from typing import Any
 
 from camshaft.checks import check_positive_ints, is_int, is_int_at_least
 from camshaft.errors import CheckpointError, UnsupportedModelError
-from camshaft.hf_config import ATTENTION_FACTORS, ROPE_TYPES, model_fields
+from camshaft.hf_config import model_fields
+from camshaft.hf_rope import ATTENTION_FACTORS, ROPE_TYPES
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -1,0 +1,40 @@
+"""Typed, strict access to a Hugging Face JSON config: a value of the wrong type or out of range is a CheckpointError
+naming the field, never coerced (bool("false") is True)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from camshaft.checks import is_int
+from camshaft.errors import CheckpointError
+
+_REQUIRED = object()
+_KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
+
+
+class Fields:
+    """Typed access to one JSON object; `source` names it in errors."""
+
+    def __init__(self, data: Any, source: str) -> None:
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{source} must be a JSON object, not {data!r:.60}; restore it from the original "
+                                  "checkpoint")
+        self.data, self.source = data, source
+
+    def get(self, key: str, kind: str, default: Any = _REQUIRED, *, least: float | None = None) -> Any:
+        """The value of `key` (an absent key or null: `default`, or an error when required)."""
+        value = self.data.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.source} lacks required field {key!r}")
+            return default
+        if kind == "int" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        ok = {"int": is_int(value), "bool": isinstance(value, bool),
+              "number": isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)}[kind]
+        if not ok or (least is not None and value < least):
+            bound = "" if least is None else f" >= {least:g}"
+            raise CheckpointError(f"{self.source}: {key} must be {_KINDS[kind]}{bound}, not {value!r}; restore it "
+                                  "from the original checkpoint")
+        return value

@@ -11,7 +11,7 @@ priority. The scheduler owns the block manager.
 request at admission, as a cache with one contiguous region per request would (the memory benchmark's baseline).
 When every layer of the model slides, paged requests give back the blocks their window has passed (null entries
 in their tables) and take blocks for a chunk at a time (SchedulerConfig.releases_blocks); guaranteed_no_evict then
-holds back the blocks each running request may still take (_promised), so its growth never preempts.
+holds back the blocks each running request may still take (block_claims.py), so its growth never preempts.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import bisect
 import itertools
 import time
 from collections import Counter
-from collections.abc import Container
 from dataclasses import dataclass
 
 from camshaft.errors import CapacityError
 from camshaft.runtime.batch import Chunk
+from camshaft.runtime.block_claims import BlockClaims
 from camshaft.runtime.block_manager import BlockManager
 from camshaft.runtime.kv_cache import NULL_BLOCK
 from camshaft.runtime.request import Request
@@ -50,17 +50,13 @@ class Scheduler:
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.waiting: list[Request] = []  # sorted by queue_key
         self.running: list[Request] = []
+        self.claims = BlockClaims(config, self.blocks, self.running)
         self.num_preemptions = 0
         self._arrivals = itertools.count()
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def _total_blocks(self, request: Request) -> int:
-        if self.config.kv_reservation == "contiguous":
-            return self.blocks.blocks_for(self.config.max_seq_len)
-        return self.blocks.blocks_for(request.max_length)
 
     def add(self, request: Request, queue_order: int | None = None) -> None:
         """Queue a request; `queue_order`: its place among equal priorities (an n > 1 sibling takes its first
@@ -79,7 +75,7 @@ class Scheduler:
         if total > limit:
             raise CapacityError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) "
                                 f"exceeds the engine's max_seq_len ({limit}); lower max_tokens or shorten the prompt")
-        need = self._total_blocks(request)
+        need = self.claims.total(request)
         if self.config.releases_blocks:  # it never holds more than its window's blocks
             need = min(need, self.config.window_blocks)
         if need > self.blocks.capacity:
@@ -148,7 +144,7 @@ class Scheduler:
         lower = [r for r in self.running if r.priority > request.priority]
         if not lower:
             return
-        reused, wanted, _ = self._admission(request)  # preempting frees blocks, and keeps the cached prefix cached
+        reused, wanted, _ = self.claims.admission(request)  # preempting keeps the cached prefix cached
         if not self._room_after(lower, reused, wanted):
             return
         while lower and not (len(self.running) < self.config.max_batch_size
@@ -180,7 +176,7 @@ class Scheduler:
         holds or that are free (drafts never preempt); their blocks are taken."""
         if request.wants_prompt_rows:  # a decode of a prompt whose rows are not all recorded yet (it has none)
             return []
-        free = self.blocks.num_free - self._held_back(request)  # (another's promised blocks are not free)
+        free = self.blocks.num_free - self.claims.held_back(request)  # (another's promised blocks are not free)
         fit = (len(request.blocks) + free) * self.config.block_size - request.num_computed - 1
         limit = min(room, fit, request.params.max_tokens - len(request.output_ids) - 1)
         drafts = self.config.prompt_lookup.propose(request.all_ids, limit) if limit > 0 else []
@@ -195,30 +191,12 @@ class Scheduler:
                          decode=True,
                          drafts=tuple(drafts))
 
-    def _admission(self, request: Request) -> tuple[list[int], int, int]:
-        """The cached blocks a request would take, the blocks it holds at admission (those included), and the
-        cached blocks before them that a sliding window will not read (null entries of its table)."""
-        skipped, reused = 0, []
-        if request.wants_prompt_rows:  # no reuse: the prompt's rows have no logits cached
-            pass
-        elif self.config.releases_blocks:
-            skipped, reused = self.blocks.cached_window(request.all_ids, self.config.blocks_behind,
-                                                        self.config.cache_salt(request.max_length))
-        else:
-            reused = self.blocks.cached_prefix(request.all_ids, self.config.cache_salt(request.max_length))
-        if not self.config.releases_blocks:
-            if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
-                return reused, self._total_blocks(request), 0
-            return reused, self.blocks.blocks_for(request.num_tokens), 0
-        ahead = min(request.num_tokens, (skipped + len(reused)) * self.config.block_size + self.config.max_num_tokens)
-        return reused, self.blocks.blocks_for(ahead) - skipped, skipped
-
     def _admit(self, request: Request) -> bool:
         tokens = request.all_ids
-        reused, wanted, skipped = self._admission(request)
+        reused, wanted, skipped = self.claims.admission(request)
         owned = wanted - len(reused) + sum(1 for b in reused if self.blocks.blocks[b].ref_count == 0)
-        promised = self._promised(self._total_blocks(request) - skipped, owned)
-        if not self.blocks.fits(wanted - len(reused) + promised, reused, self._held_back(shared=set(reused))):
+        promised = self.claims.promised(self.claims.total(request) - skipped, owned)
+        if not self.blocks.fits(wanted - len(reused) + promised, reused, self.claims.held_back(shared=set(reused))):
             return False
         request.blocks = [NULL_BLOCK] * skipped + self.blocks.take_cached(reused) + self.blocks.allocate(
             wanted - len(reused))
@@ -230,32 +208,6 @@ class Scheduler:
             request.first_reused_blocks = cached
         request.kv_blocks_new += self.blocks.blocks_for(len(tokens)) - cached
         return True
-
-    def _promised(self, entries_left: int, owned: int, decoding: bool = False) -> int:
-        """guaranteed_no_evict with a window: the blocks a request may still take beyond the `owned` ones it alone
-        holds, with `entries_left` table entries it has not passed (`decoding`: past its prompt, it holds less); the
-        pool holds them back so its growth never preempts (a block it shares frees nothing when it passes it)."""
-        if self.config.policy != "guaranteed_no_evict" or not self.config.releases_blocks:
-            return 0
-        most = self.config.decode_window_blocks if decoding else self.config.window_blocks
-        return max(0, min(entries_left, most) - owned)
-
-    def _held_back(self, request: Request | None = None, shared: Container[int] = frozenset()) -> int:
-        """Free blocks promised to the running requests (but `request`); `shared`: blocks about to be shared too."""
-        if self.config.policy != "guaranteed_no_evict" or not self.config.releases_blocks:
-            return 0
-        return sum(self._promised(self._total_blocks(r) - r.released_blocks, sum(
-            1 for b in r.blocks[r.released_blocks:] if self.blocks.blocks[b].ref_count == 1 and b not in shared),
-            r.num_tokens - r.num_computed <= 1) for r in self.running if r is not request)
-
-    def _slide(self, request: Request) -> None:
-        """Release the request's blocks that its sliding window has passed (paged reservation only)."""
-        if not self.config.releases_blocks:
-            return
-        behind = self.config.blocks_behind(request.num_computed)
-        if behind > request.released_blocks:
-            self.blocks.release(request.blocks, request.released_blocks, behind)
-            request.released_blocks = behind
 
     def _grow(self, request: Request, tokens: int, scheduled: list[Request]) -> bool:
         """Make room for the request's next `tokens` tokens, preempting the lowest-priority, newest running requests
@@ -296,7 +248,7 @@ class Scheduler:
         if before // self.config.block_size != request.num_computed // self.config.block_size:
             self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed,
                                       self.config.cache_salt(request.max_length))
-        self._slide(request)
+        self.claims.slide(request)
 
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request's blocks at once (a waiting request just leaves the queue)."""

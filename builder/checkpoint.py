@@ -172,9 +172,12 @@ class Checkpoint(QuantizedView):
     def _finite(self, name: str, array: np.ndarray) -> np.ndarray:
         """`array`, refused if a value is NaN or infinite (a float64 sum: finite float32 ones cannot overflow it)."""
         if not np.isfinite(array.sum(dtype=np.float64)):
-            raise CheckpointError(f"{self._where[name].name}: tensor {name!r} holds NaN or infinite values: an engine "
-                                  "built from it could never give finite logits; restore the checkpoint's weights")
+            raise self._not_finite(name)
         return array
+
+    def _not_finite(self, name: str) -> CheckpointError:
+        return CheckpointError(f"{self._where[name].name}: tensor {name!r} holds NaN or infinite values: an engine "
+                               "built from it could never give finite logits; restore the checkpoint's weights")
 
     def tokenizer_files(self) -> list[Path]:
         require_tokenizer(self.dir)

@@ -22,6 +22,8 @@ class QuantizedView:
     _modules: dict[str, str]
     _raw: Callable[[str], np.ndarray]
     get: Callable[[str, tuple[int, ...]], np.ndarray]
+    _finite: Callable[[str, np.ndarray], np.ndarray]
+    _not_finite: Callable[[str], CheckpointError]
 
     def _layer_entry(self, prefix: str) -> dict[str, Any]:
         """What hf_quant_config.json says of linear layer `prefix`: its own entry in a MIXED_PRECISION checkpoint
@@ -110,7 +112,9 @@ class QuantizedView:
             return None
         fmt = READABLE_QUANT_ALGOS[algo]
         packed = self._raw(f"{prefix}.weight")
-        scale = self._raw(f"{prefix}.weight_scale").astype(np.float32)
+        scale = self._finite(f"{prefix}.weight_scale", self._raw(f"{prefix}.weight_scale").astype(np.float32))
+        if packed.dtype == FP8 and np.any((packed.view(np.uint8) & 0x7F) == 0x7F):  # e4m3fn's NaN codes
+            raise self._not_finite(f"{prefix}.weight")
         if fmt.weight_bits == 4:
             block = self._layer_entry(prefix).get("group_size", self.quantization.get("group_size"))
             if not isinstance(block, int) or isinstance(block, bool) or block < 1 or in_dim % block:

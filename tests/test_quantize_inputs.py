@@ -700,3 +700,30 @@ def test_an_int4_group_matmulnbits_lacks_is_built_exactly(tmp_path, group, kerne
     assert ours.token_id == int(np.argmax(fake))
     for token, logprob in ours.top_logprobs:
         assert logprob == pytest.approx(reference[token], abs=2e-3)
+
+
+@pytest.mark.parametrize(("fmt", "tensor"), [("int4_awq", "weight_scale"), ("fp8", "weight_scale"), ("fp8", "weight")])
+def test_a_quantized_layer_that_is_not_finite_is_refused_at_build(tiny, tmp_path, fmt, tensor):
+    """Its scales (or an fp8 weight's NaN code) made an engine whose every request failed on non-finite logits."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+    from camshaft.errors import CheckpointError
+    from camshaft.quantize.modelopt_adapter import quantize_checkpoint
+    from camshaft.quantize.spec import QuantSpec
+
+    pytest.importorskip("modelopt.torch.quantization")
+    quantize_checkpoint(tiny, tmp_path / "q", QuantSpec(fmt), calib_size=4, calib_seq_len=64)
+    name = f"model.layers.1.mlp.down_proj.{tensor}"
+    file = next(f for f in (tmp_path / "q").glob("*.safetensors") if name in load_file(f))
+    weights = load_file(file)
+    values = weights[name].clone()
+    if values.dtype == torch.float8_e4m3fn:
+        values.view(torch.uint8).view(-1)[7] = 0x7F  # e4m3fn's NaN
+    else:
+        values.view(-1)[0] = float("nan")
+    save_file(weights | {name: values}, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' holds NaN or infinite values"):
+        build_engine(BuildConfig(tmp_path / "q", tmp_path / "engine", max_seq_len=64))

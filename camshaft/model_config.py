@@ -69,11 +69,12 @@ class RopeConfig:
             raise CheckpointError("longrope needs short_factor and long_factor: lists of the same length of positive "
                                   f"numbers, got {list(self.short_factor)} and {list(self.long_factor)}")
 
-    def long_rope_from(self, max_length: int) -> int:
-        """The first position a sequence that may reach `max_length` tokens rotates with LongRoPE's long factors:
-        every one when that is longer than the original context, else none it can reach (transformers rotates a
-        forward pass so, and recomputes the cache of a sequence that grows past it: it ends up the same)."""
-        return 0 if max_length > self.original_max_position_embeddings else self.original_max_position_embeddings
+    def long_rope_from(self, longest_pass: int) -> int:
+        """The first position a sequence rotates with LongRoPE's long factors when its forward passes cover at most
+        `longest_pass` tokens: every one if that is longer than the original context, else none it reaches
+        (transformers rotates a forward pass so; its generate recomputes the cache of a sequence that grows past it,
+        the same from there on)."""
+        return 0 if longest_pass > self.original_max_position_embeddings else self.original_max_position_embeddings
 
     def switches_to_long(self, max_seq_len: int) -> bool:
         """Whether sequences of up to `max_seq_len` tokens reach LongRoPE's long factors."""

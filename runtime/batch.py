@@ -22,10 +22,11 @@ class Chunk:
     start_pos: int
     block_table: list[int]
     num_logits: int = 1  # logits rows wanted for this chunk's last tokens (0: none; len(token_ids): all)
-    max_length: int | None = None  # the most tokens its sequence may reach (LongRoPE's factors); None: this chunk's end
+    longest_pass: int | None = None  # the most tokens its sequence is fed (LongRoPE's factors); None: up to this chunk
 
     def long_rope_from(self, rope: RopeConfig) -> int:
-        return rope.long_rope_from(self.start_pos + len(self.token_ids) if self.max_length is None else self.max_length)
+        end = self.start_pos + len(self.token_ids)
+        return rope.long_rope_from(end if self.longest_pass is None else self.longest_pass)
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ class BlockClaims:
             pass
         elif self.config.releases_blocks:
             skipped, reused = self.blocks.cached_window(request.all_ids, self.config.blocks_behind,
-                                                        self.config.cache_salt(request.max_length))
+                                                        self.config.cache_salt(request.longest_pass))
         else:
-            reused = self.blocks.cached_prefix(request.all_ids, self.config.cache_salt(request.max_length))
+            reused = self.blocks.cached_prefix(request.all_ids, self.config.cache_salt(request.longest_pass))
         if not self.config.releases_blocks:
             if self.config.policy == "guaranteed_no_evict" or self.config.kv_reservation == "contiguous":
                 return reused, self.total(request), 0

@@ -129,7 +129,7 @@ def engine_perplexity(engine_dir: str | Path, text: str) -> PerplexityResult:
         try:
             for start in range(0, len(window), limits.max_num_tokens):  # each piece scored as it comes
                 piece = window[start: start + limits.max_num_tokens]
-                logits = engine.step([Chunk(piece, start, blocks, len(piece), max_length=len(window))])
+                logits = engine.step([Chunk(piece, start, blocks, len(piece), longest_pass=len(window))])
                 targets = window[start + 1: start + len(piece) + 1]  # the window's last row predicts nothing
                 total += _nll(logits[: len(targets)], targets)
         finally:

@@ -59,6 +59,11 @@ class Request:
         return len(self.prompt_ids) + self.params.max_tokens
 
     @property
+    def longest_pass(self) -> int:
+        """The most tokens a forward pass over it covers: max_length - 1 (the last token is sampled, never fed)."""
+        return self.max_length - 1
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -168,7 +168,7 @@ class Scheduler:
         else:
             tokens = request.all_ids[start: start + take]
         rows = take if request.wants_prompt_rows else int(done)  # prompt log-probs want every row
-        return Scheduled(request, Chunk(tokens, start, request.blocks, rows, request.max_length),
+        return Scheduled(request, Chunk(tokens, start, request.blocks, rows, request.longest_pass),
                          decode=done and take == 1 and bool(request.output_ids), sample=done)
 
     def _drafts(self, request: Request, room: int) -> list[int]:
@@ -187,7 +187,8 @@ class Scheduler:
 
     def _drafted(self, request: Request, drafts: list[int]) -> Scheduled:
         tokens = [request.output_ids[-1], *drafts]
-        return Scheduled(request, Chunk(tokens, request.num_computed, request.blocks, len(tokens), request.max_length),
+        return Scheduled(request, Chunk(tokens, request.num_computed, request.blocks, len(tokens),
+                                        request.longest_pass),
                          decode=True,
                          drafts=tuple(drafts))
 
@@ -247,7 +248,7 @@ class Scheduler:
         request.num_computed += tokens
         if before // self.config.block_size != request.num_computed // self.config.block_size:
             self.blocks.register_full(request.blocks, request.all_ids, before, request.num_computed,
-                                      self.config.cache_salt(request.max_length))
+                                      self.config.cache_salt(request.longest_pass))
         self.claims.slide(request)
 
     def finish(self, request: Request) -> None:

@@ -63,10 +63,10 @@ class SchedulerConfig:
         one may still take, at most window_blocks in all, so none is ever preempted)."""
         return self.sliding_window is not None and self.kv_reservation == "paged"
 
-    def cache_salt(self, max_length: int) -> bytes:
-        """What starts the prefix-cache hash chain of a request that may reach `max_length` tokens: its cached blocks
+    def cache_salt(self, longest_pass: int) -> bytes:
+        """What starts the prefix-cache hash chain of a request fed at most `longest_pass` tokens: its cached blocks
         are reused only by requests whose keys rotate alike (LongRoPE's long factors or its short ones)."""
-        return b"long rope" if self.long_rope is not None and self.long_rope.long_rope_from(max_length) == 0 else b""
+        return b"long rope" if self.long_rope is not None and self.long_rope.long_rope_from(longest_pass) == 0 else b""
 
     def blocks_behind(self, position: int) -> int:
         """Block-table entries no query at `position` or later reads (wholly before the sliding window); the last

@@ -135,13 +135,14 @@ class SequenceEngine:
         if total > self.token_budget:
             raise over_budget(total, self.token_budget, f"{self.token_bytes} bytes a token")
 
-    def start(self, total: int) -> None:
-        """Make room for a sequence of `total` tokens (prompt + max_tokens), which picks LongRoPE's factors."""
+    def start(self, total: int, longest_pass: int | None = None) -> None:
+        """Make room for a sequence of `total` tokens (prompt + max_tokens) fed at most `longest_pass` of them (None:
+        all), which picks LongRoPE's factors."""
         self.check_fits(total)
         if total > self.capacity:
             self._bind_caches(min(-(-total // GROW) * GROW, self.token_budget))
         self._length = 0
-        self._long_rope_from[0] = self.manifest.model.rope.long_rope_from(total)
+        self._long_rope_from[0] = self.manifest.model.rope.long_rope_from(longest_pass or total)
 
     def _bind_caches(self, length: int) -> None:
         layout = self.layout
@@ -222,7 +223,7 @@ class BatchGraphSequence:
         self.engine = engine
         self.manifest, self.tokenizer, self.eos_token_ids = engine.manifest, engine.tokenizer, engine.eos_token_ids
         self.blocks: list[int] = []
-        self.total = 0
+        self.longest_pass = 0
 
     @property
     def limits(self):
@@ -241,21 +242,21 @@ class BatchGraphSequence:
         if -(-total // block) > pool.capacity:
             raise over_budget(total, pool.capacity * block, f"{pool.capacity} blocks of {block} tokens")
 
-    def start(self, total: int) -> None:
+    def start(self, total: int, longest_pass: int | None = None) -> None:
         self.check_fits(total)
         self.blocks = self.engine.pool.allocate(-(-total // self.engine.block_size))
-        self.total = total
+        self.longest_pass = total if longest_pass is None else longest_pass
 
     max_rows = MAX_ROWS
 
     def feed(self, tokens: list[int], start: int, copy: bool = True, last: bool = True) -> np.ndarray | None:
         """As SequenceEngine.feed; a chunk that is not the prompt's `last` asks the graph for no logits (None)."""
-        logits = self.engine.step([Chunk(tokens, start, self.blocks, int(last), self.total)])
+        logits = self.engine.step([Chunk(tokens, start, self.blocks, int(last), self.longest_pass)])
         return logits[0] if last else None
 
     def feed_rows(self, tokens: list[int], start: int, rows: int) -> np.ndarray:
         """As SequenceEngine.feed_rows (the paged cache's positions from `start` on are written again)."""
-        return self.engine.step([Chunk(tokens, start, self.blocks, rows, self.total)])
+        return self.engine.step([Chunk(tokens, start, self.blocks, rows, self.longest_pass)])
 
     def screen(self, greedy: bool) -> None:
         """The batch graph has no shortcut: its logits are whole."""

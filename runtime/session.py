@@ -190,7 +190,7 @@ class Session:
         try:
             self._check_open()
             request.arrival = time.perf_counter()
-            engine.start(request.max_length)
+            engine.start(request.max_length, request.longest_pass)
         except BaseException:
             self._running.release()
             if self._closed:  # a close() that found the lock taken left the engine to this request

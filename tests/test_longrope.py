@@ -30,6 +30,7 @@ PROMPTS = {  # prompt, max_tokens
     "crossing": (list(range(5, 25)), 40),  # 20 + 40 > 32: long factors throughout
     "long prompt": ([7 + (i * 37) % 370 for i in range(40)], 20),  # the prompt alone is past 32
     "within": (list(range(40, 50)), 12),  # 10 + 12 <= 32: short factors throughout
+    "to the edge": (list(range(60, 80)), 13),  # 20 + 13: the last token is never fed, so passes stop at 32: short
 }
 ROOMY = dict(max_seq_len=96, kv_block_size=4, max_num_tokens=16)  # prompts prefill in chunks of 16
 
@@ -59,7 +60,7 @@ def check_greedy(model, prompt: list[int], new: int, got: list[int]) -> None:
         whole = torch.tensor([prompt + got[:-1]])
         logits = model(whole).logits[0, len(prompt) - 1:]
         assert logits.argmax(-1).tolist() == got
-        if len(prompt) > ORIGINAL or len(prompt) + new <= ORIGINAL:
+        if len(prompt) > ORIGINAL or len(prompt) + new - 1 <= ORIGINAL:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
             assert out[0, len(prompt):].tolist() == got
 
@@ -81,7 +82,7 @@ def test_in_flight_batching_rotates_each_sequence_by_its_own_length(longrope):
     with LLM(engine) as llm:
         outputs = llm.generate(list(prompts), [SamplingParams(max_tokens=n, ignore_eos=True) for n in news],
                                use_tqdm=False)
-        assert llm.executor.peak_batch_size == 3
+        assert llm.executor.peak_batch_size == len(PROMPTS)
     model = transformers_model(model_dir)
     for output, prompt, new in zip(outputs, prompts, news, strict=True):
         check_greedy(model, prompt, new, output.outputs[0].token_ids)
@@ -104,9 +105,9 @@ def test_prefix_reuse_keeps_short_and_long_rotated_blocks_apart(longrope):
 
 def test_the_step_feeds_each_tokens_first_long_position(longrope):
     rope = ModelConfig.from_hf_dir(longrope[0]).rope
-    chunks = [Chunk([1, 2, 3], 0, [1], max_length=40),  # may grow past 32: long from position 0
-              Chunk([4], 20, [2] * 6, max_length=32),  # stays within: short (long from 32, never reached)
-              Chunk([5, 6], 30, [3] * 8)]  # no max_length: the chunk ends a forward pass of 32 tokens
+    chunks = [Chunk([1, 2, 3], 0, [1], longest_pass=33),  # passes past 32: long from position 0
+              Chunk([4], 20, [2] * 6, longest_pass=32),  # stays within: short (long from 32, never reached)
+              Chunk([5, 6], 30, [3] * 8)]  # none said: the chunk ends a forward pass of 32 tokens
     feeds = build_step(chunks, 4, None, long_rope=rope).feeds
     assert feeds["long_rope_from"].tolist() == [0, 0, 0, ORIGINAL, ORIGINAL, ORIGINAL]
     assert "long_rope_from" not in build_step(chunks, 4, None).feeds

@@ -1,4 +1,5 @@
-"""The sequence graph loaded for running one sequence at a time (Session), and the batch graph behind the same calls.
+"""The sequence graph loaded for running one sequence at a time (Session); batch_sequence.py puts the batch graph
+behind the same calls.
 
 Both give the Session `start(total)` → `feed(tokens, start)` (logits of the last token fed) → `finish()`. The
 sequence graph's cache is contiguous per layer, [1, kv_heads, L, head_dim]; it grows (in steps of GROW tokens, up
@@ -24,8 +25,7 @@ from camshaft.runtime.backends.onnxruntime import (
     load_session,
     session_options,
 )
-from camshaft.runtime.batch import Chunk
-from camshaft.runtime.engine import Engine, check_model_inputs, end_ids, load_tokenizer
+from camshaft.runtime.engine import check_model_inputs, end_ids, load_tokenizer
 from camshaft.runtime.kv_cache import fraction_bytes, host_available
 from camshaft.runtime.prompt_lookup import MAX_DRAFT
 
@@ -214,56 +214,3 @@ class SequenceEngine:
     def close(self) -> None:
         self.binding = self.session = None
         self.caches = []
-
-
-class BatchGraphSequence:
-    """One sequence at a time through the batch graph and its paged pool (engines without a sequence graph)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.manifest, self.tokenizer, self.eos_token_ids = engine.manifest, engine.tokenizer, engine.eos_token_ids
-        self.blocks: list[int] = []
-        self.longest_pass = 0
-
-    @property
-    def limits(self):
-        return self.engine.limits
-
-    @property
-    def huge_page_bytes(self) -> int:
-        return self.engine.backend.huge_page_bytes
-
-    @property
-    def token_budget(self) -> int:
-        return self.engine.token_budget
-
-    def check_fits(self, total: int) -> None:
-        pool, block = self.engine.pool, self.engine.block_size
-        if -(-total // block) > pool.capacity:
-            raise over_budget(total, pool.capacity * block, f"{pool.capacity} blocks of {block} tokens")
-
-    def start(self, total: int, longest_pass: int | None = None) -> None:
-        self.check_fits(total)
-        self.blocks = self.engine.pool.allocate(-(-total // self.engine.block_size))
-        self.longest_pass = total if longest_pass is None else longest_pass
-
-    max_rows = MAX_ROWS
-
-    def feed(self, tokens: list[int], start: int, copy: bool = True, last: bool = True) -> np.ndarray | None:
-        """As SequenceEngine.feed; a chunk that is not the prompt's `last` asks the graph for no logits (None)."""
-        logits = self.engine.step([Chunk(tokens, start, self.blocks, int(last), self.longest_pass)])
-        return logits[0] if last else None
-
-    def feed_rows(self, tokens: list[int], start: int, rows: int) -> np.ndarray:
-        """As SequenceEngine.feed_rows (the paged cache's positions from `start` on are written again)."""
-        return self.engine.step([Chunk(tokens, start, self.blocks, rows, self.longest_pass)])
-
-    def screen(self, greedy: bool) -> None:
-        """The batch graph has no shortcut: its logits are whole."""
-
-    def finish(self) -> None:
-        self.engine.pool.free(self.blocks)
-        self.blocks = []
-
-    def close(self) -> None:
-        self.engine.close()

@@ -15,6 +15,7 @@ import numpy as np
 
 from camshaft.errors import EngineError, RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
+from camshaft.runtime.batch_sequence import BatchGraphSequence
 from camshaft.runtime.chat_template import ChatOptions, load_chat_template
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.guided import Guides
@@ -25,7 +26,7 @@ from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup, check
 from camshaft.runtime.prompts import Prompt, PromptEncoder
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams, model_defaults
-from camshaft.runtime.sequence import BatchGraphSequence, SequenceEngine
+from camshaft.runtime.sequence import SequenceEngine
 
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 

@@ -178,9 +178,12 @@ class TokenModel:
         with self.lock:
             jobs = [job for job in self.jobs.values() if job.request_ids and not (job.cancelled or job.failed)]
         for job in jobs:
-            if job.request.is_cancelled():
-                job.cancelled = True
-                self.llm.abort(job.request_ids)
+            try:
+                if job.request.is_cancelled():
+                    job.cancelled = True
+                    self.llm.abort(job.request_ids)
+            except Exception as exc:  # the responder thread must outlive any one request
+                pb_utils.Logger.log_warn(f"camshaft: could not check a request's cancellation ({exc!r})")
 
     def _send(self, row: Row, output: RequestOutput) -> None:
         job = row.job

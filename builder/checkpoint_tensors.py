@@ -29,7 +29,9 @@ def expected_tensors(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
                    "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
                    "mlp.down_proj": (hidden, inter)}
         shapes |= {f"{p}.{name}.weight": shape for name, shape in linears.items()}
-        shapes |= {f"{p}.{norm}.weight": (hidden,) for norm in ("input_layernorm", "post_attention_layernorm")}
+        norms = ("input_layernorm", "post_attention_layernorm") + (
+            ("pre_feedforward_layernorm", "post_feedforward_layernorm") if c.sandwich_norms else ())
+        shapes |= {f"{p}.{norm}.weight": (hidden,) for norm in norms}
         biased = [n for n, on in (("self_attn.q_proj", c.qkv_bias), ("self_attn.k_proj", c.qkv_bias),
                                   ("self_attn.v_proj", c.qkv_bias), ("self_attn.o_proj", c.o_bias),
                                   ("mlp.gate_proj", c.mlp_bias), ("mlp.up_proj", c.mlp_bias),

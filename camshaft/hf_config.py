@@ -10,7 +10,7 @@ from typing import Any
 from camshaft.checks import is_int_at_least
 from camshaft.errors import CheckpointError, UnsupportedModelError
 from camshaft.hf_fields import Fields
-from camshaft.hf_rope import phi3_rope, rope_fields
+from camshaft.hf_rope import gemma_ropes, phi3_rope, rope_fields
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -18,14 +18,16 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Llama's layers with q/k/v and gate/up stored fused (builder/checkpoint.py splits them)
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text models (1B; the larger ones' text part is saved so too)
 }
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults
-MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma3": 131072}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
-QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (the others: hidden / heads)
-KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}  # their configs' num_key_value_heads when config.json has none
+HEAD_DIMS = {"qwen3": 128, "gemma3": 256}  # their head_dim when config.json has none (others: hidden / heads)
+KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma3": 4}  # their num_key_value_heads when config.json has none
 MAX_LAYERS = 4096
 
 
@@ -48,12 +50,12 @@ def architecture(hf: dict[str, Any], source: str) -> str:
         raise CheckpointError(f"{source}: architectures must be a list of class names, not {archs!r}")
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None and not archs and isinstance(hf.get("model_type"), str):  # speaks only when no class is named
-        arch = {v: v for v in ARCHITECTURES.values()}.get(hf["model_type"])
+        arch = {MODEL_TYPES.get(v, v): v for v in ARCHITECTURES.values()}.get(hf["model_type"])
     if arch is None:
         raise UnsupportedModelError(f"{source}: architecture {archs or hf.get('model_type')} is not supported; "
                                     f"supported: {', '.join(ARCHITECTURES)}")
     model_type = hf.get("model_type")
-    if isinstance(model_type, str) and model_type != arch:  # transformers builds the model model_type names
+    if isinstance(model_type, str) and model_type != MODEL_TYPES.get(arch, arch):  # transformers builds model_type's
         named = next(a for a in archs if ARCHITECTURES.get(a) == arch)
         raise CheckpointError(f"{source} names {named} but model_type {model_type!r}, which transformers builds "
                               f"instead (its weights and rules differ); make the two agree (restore config.json from "
@@ -77,9 +79,11 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     if arch == "phi3":
         hf = phi3_rope(hf, source)
     f = Fields(hf, source)
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):  # transformers' two names for x * sigmoid(x)
-        raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    act = hf.get("hidden_act", "silu") if arch != "gemma3" else hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("silu", "swish", "gelu_pytorch_tanh") or (act == "gelu_pytorch_tanh") != (arch == "gemma3"):
+        key = "hidden_activation" if arch == "gemma3" else "hidden_act"
+        raise UnsupportedModelError(f"{source}: {key}={act!r} is not supported for {arch} (silu, and Gemma's "
+                                    "gelu_pytorch_tanh)")
     hidden, heads = f.get("hidden_size", "int", least=1), f.get("num_attention_heads", "int", least=1)
     layers = f.get("num_hidden_layers", "int", least=1)
     if layers > MAX_LAYERS:  # its per-layer tables would fill the memory before the weights are looked at
@@ -87,7 +91,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
                               "restore it from the original checkpoint")
     # Biases as transformers builds each architecture: Mistral has none and Qwen2 q/k/v only, whatever
     # attention_bias / mlp_bias say; Llama and Qwen3 follow attention_bias, and only Llama mlp_bias.
-    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3")
+    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "gemma3")
     mlp_bias = f.get("mlp_bias", "bool", False) and arch == "llama"
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
@@ -100,22 +104,38 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads(f, arch, heads, source),
-        head_dim=f.get("head_dim", "int", QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // heads, least=1),
+        head_dim=f.get("head_dim", "int", HEAD_DIMS.get(arch, hidden // heads), least=1),
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch == "phi3" else 1e-6, least=0),  # their defaults
         max_position_embeddings=positions,
         rope=rope_fields(hf, f, source, positions, arch),
-        tie_word_embeddings=f.get("tie_word_embeddings", "bool", False),
+        tie_word_embeddings=f.get("tie_word_embeddings", "bool", arch == "gemma3"),  # Gemma3TextConfig ties
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
         mlp_bias=mlp_bias,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         sliding_window=window,
         layer_types=layer_types,
         bos_token_id=special_id(gen, hf, "bos_token_id", source, vocab),
         eos_token_ids=eos_ids(gen, hf, source, vocab),
         sampling_defaults=sampling_defaults(gen, source),
-    )
+    ) | (gemma_fields(hf, f, source, positions, hidden) if arch == "gemma3" else {})
 
+
+def gemma_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, hidden: int) -> dict[str, Any]:
+    """Gemma 3's layers as Gemma3ForCausalLM runs them (model_config.ModelConfig says what each field does); the
+    softcapping and bidirectional attention it may be configured for are refused."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise UnsupportedModelError(f"{source}: {key}={hf[key]!r} is not supported (Gemma 3 sets none)")
+    if f.get("use_bidirectional_attention", "bool", False):
+        raise UnsupportedModelError(f"{source}: use_bidirectional_attention is not supported (a causal LM attends "
+                                    "causally)")
+    full, local = gemma_ropes(hf, f, source, positions)
+    scalar = f.get("query_pre_attn_scalar", "number", 256, least=0)
+    if scalar <= 0:
+        raise CheckpointError(f"{source}: query_pre_attn_scalar must be > 0, got {scalar}")
+    return dict(rope=full, local_rope=local, norm_offset=1.0, embed_scale=hidden ** 0.5, sandwich_norms=True,
+                activation="gelu_tanh", attention_scale=scalar ** -0.5)
 
 def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:
     """num_key_value_heads as transformers reads it: null means one per attention head, and an absent one Llama's
@@ -137,7 +157,7 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
         window = None
     elif arch == "phi3":  # slides where config.json sets a window (Phi-3-mini-4k: 2047), on every layer
         window = f.get("sliding_window", "int", None, least=1)
-    elif arch == "mistral" or f.get("use_sliding_window", "bool", False):
+    elif arch in ("mistral", "gemma3") or f.get("use_sliding_window", "bool", False):
         window = f.get("sliding_window", "int", DEFAULT_WINDOW if "sliding_window" not in f.data else None, least=1)
     else:
         window = None
@@ -151,6 +171,9 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
         return window, (types if window is not None else ("full",) * len(types))
     if window is None:
         return None, ("full",) * layers
+    if arch == "gemma3":  # Gemma3TextConfig: every sliding_window_pattern-th layer is full, the others slide
+        pattern = f.get("sliding_window_pattern", "int", 6, least=1)
+        return window, tuple("sliding" if (i + 1) % pattern else "full" for i in range(layers))
     if arch in ("qwen2", "qwen3"):
         first_sliding = f.get("max_window_layers", "int", QWEN_DEFAULT_WINDOW_LAYERS, least=0)
         return window, tuple("full" if i < first_sliding else "sliding" for i in range(layers))

@@ -133,3 +133,26 @@ def yarn_fields(p: Fields, factor: float) -> dict[str, Any]:
     return dict(beta_fast=float(p.get("beta_fast", "number", 0.0, least=0) or 32.0),
                 beta_slow=float(p.get("beta_slow", "number", 0.0, least=0) or 1.0),
                 attention_factor=float(attention), truncate=truncate)
+
+
+def gemma_ropes(hf: dict[str, Any], f: Fields, source: str, positions: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 3's two rotary embeddings, as Gemma3TextConfig reads them: the full-attention layers' (rope_theta, 1e6
+    by default, with any rope_scaling) and the sliding layers' (rope_local_base_freq, 1e4, unscaled), or
+    rope_parameters' section for each layer type (transformers 5)."""
+    nested = hf.get("rope_parameters")
+    if isinstance(nested, dict) and ("full_attention" in nested or "sliding_attention" in nested):
+        sections = {kind: nested.get(kind) or {"rope_type": "default"} for kind in ("full_attention",
+                                                                                  "sliding_attention")}
+    else:
+        sections = {"full_attention": {"rope_type": "default", **(hf.get("rope_scaling") or nested or {})},
+                    "sliding_attention": {"rope_type": "default"}}
+    thetas = {"full_attention": f.get("rope_theta", "number", 1e6, least=0),
+              "sliding_attention": f.get("rope_local_base_freq", "number", 1e4, least=0)}
+    ropes = []
+    for kind, section in sections.items():
+        if not isinstance(section, dict):
+            raise CheckpointError(f"{source}: rope_parameters' {kind} must be an object, not {section!r:.60}")
+        one = {"rope_parameters": {"rope_theta": thetas[kind], **section}, "rope_scaling": None,
+               "max_position_embeddings": positions}
+        ropes.append(rope_fields(one, Fields(one, f"{source} ({kind})"), source, positions, "gemma3"))
+    return ropes[0], ropes[1]

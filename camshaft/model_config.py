@@ -16,6 +16,7 @@ from camshaft.errors import CheckpointError, UnsupportedModelError
 from camshaft.hf_config import model_fields
 from camshaft.hf_rope import ATTENTION_FACTORS, ROPE_TYPES
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # x * sigmoid(x); GELU's tanh approximation (gelu_pytorch_tanh)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -108,6 +109,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sampling_defaults: tuple[tuple[str, float], ...] = ()  # generation_config.json's (temperature, top_p, ...)
+    # Gemma's layers: norms scale by offset + weight, the embedding rows by embed_scale, the attention and MLP outputs
+    # are normed before their residual adds (sandwich norms), the MLP gates with GELU's tanh form, queries scale by
+    # attention_scale (else head_dim ** -0.5) and sliding layers rotate with local_rope (else rope)
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    attention_scale: float | None = None
+    local_rope: RopeConfig | None = None
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -119,6 +129,12 @@ class ModelConfig:
             raise CheckpointError(f"longrope's short_factor and long_factor need one entry per rotary frequency "
                                   f"(rotary dimensions / 2 = {self.rotary_dim // 2}), got "
                                   f"{len(self.rope.short_factor)}")
+        if self.activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {self.activation!r} is not supported ({', '.join(ACTIVATIONS)})")
+        if not (_positive_number(self.embed_scale) and (self.attention_scale is None
+                                                        or _positive_number(self.attention_scale))):
+            raise CheckpointError(f"embed_scale and attention_scale must be positive, got {self.embed_scale!r} and "
+                                  f"{self.attention_scale!r}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
@@ -145,6 +161,15 @@ class ModelConfig:
         return max(positions, int(scaled.get(rope.type, 0)))
 
     @property
+    def query_scale(self) -> float:
+        """What attention scales the query-key products by."""
+        return float(self.head_dim) ** -0.5 if self.attention_scale is None else self.attention_scale
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rotary embedding of layer `layer`: local_rope on a sliding layer where the model has one."""
+        return self.local_rope if self.local_rope is not None and self.layer_types[layer] == "sliding" else self.rope
+
+    @property
     def rotary_dim(self) -> int:
         """The dimensions of each head that rope rotates, its first ones (all but with a partial_rotary_factor)."""
         return int(self.head_dim * self.rope.partial_rotary_factor)
@@ -165,6 +190,8 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         data = dict(data)
         data["rope"] = RopeConfig(**data["rope"])
+        if data.get("local_rope") is not None:
+            data["local_rope"] = RopeConfig(**data["local_rope"])
         data["layer_types"] = tuple(data["layer_types"])
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["sampling_defaults"] = tuple((key, value) for key, value in data.get("sampling_defaults", ()))
@@ -186,7 +213,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None, source: str = "config.json") -> ModelConfig:
         fields = model_fields(hf, gen or {}, source)
-        return cls(**{**fields, "rope": RopeConfig(**fields["rope"])})
+        local = fields.get("local_rope")
+        return cls(**{**fields, "rope": RopeConfig(**fields["rope"]),
+                      "local_rope": None if local is None else RopeConfig(**local)})
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -205,17 +205,32 @@ def test_fp16_graph_logits_match_fp32_engine(variant):
     assert worst_half > 1e-5, f"{name}: float16 logits identical to float32 ({worst_half:.2g})"
 
 
+def transformers_bf16_deviation(model_dir: Path) -> float:
+    """How far transformers' own bfloat16 run of the model strays from its float32 one (max |diff| / scale)."""
+    import torch
+    import transformers
+
+    ids = torch.tensor([np.random.default_rng(0).integers(3, 384, 45).tolist()])
+    with torch.no_grad():
+        full, half = (transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()(ids)
+                      .logits[0].float().numpy() for dtype in (torch.float32, torch.bfloat16))
+    return float(np.abs(half - full).max() / np.abs(full).max())
+
+
 def test_bf16_graph_raised_to_fp32_matches_fp32_engine(variant, tmp_path):
+    """Within 5 % of the logits' scale, or of transformers' own bfloat16 deviation where that is larger (Gemma's
+    1 + w norms and scaled embedding round more)."""
     name, engine_dir, graphs = variant
     engine = Engine(engine_dir, max_sequences=4)
     raised = GraphRunner(raised_to_float32(graphs["bfloat16"], tmp_path / "raised.onnx"), engine)
+    bar = max(BF16_TOLERANCE, transformers_bf16_deviation(graphs["bfloat16"].parents[1] / "hf"))
     worst = 0.0
     for chunks in _schedule(engine, np.random.default_rng(0)):
         expected = engine.step(chunks)
         scale = float(np.abs(expected).max())
         diff = float(np.abs(raised.step(chunks) - expected).max())
-        assert diff <= BF16_TOLERANCE * scale, (
-            f"{name}: raised bfloat16 graph vs float32 engine: {diff:.3g} > {BF16_TOLERANCE} x {scale:.3g}")
+        assert diff <= bar * scale, (
+            f"{name}: raised bfloat16 graph vs float32 engine: {diff:.3g} > {bar:.3g} x {scale:.3g}")
         worst = max(worst, diff / scale)
     print(f"{name}: bfloat16 weights, worst |diff| / scale {worst:.2g}")
     assert worst > 1e-4, f"{name}: bfloat16 weights give float32 logits ({worst:.2g}): nothing was rounded"

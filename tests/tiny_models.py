@@ -48,6 +48,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                              short_factor=[1.0, 1.2, 1.1, 1.5, 1.3, 1.8, 2.0, 1.7],
                              long_factor=[2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]),
     )),
+    "gemma3": ("Gemma3TextConfig", dict(  # Gemma 3 1B's layout: 1 + w norms, four a layer, a scaled embedding, GELU,
+        head_dim=32, num_key_value_heads=1, query_pre_attn_scalar=24, sliding_window=6,  # every 3rd layer full
+        num_hidden_layers=3, sliding_window_pattern=3, tie_word_embeddings=True, pad_token_id=0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    )),
     "qwen2-yarn": ("Qwen2Config", dict(  # long-context Qwen2.5: YaRN past 64 of the tests' positions
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64,
                              beta_fast=4.0),

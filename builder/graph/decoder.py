@@ -26,7 +26,7 @@ from onnx import TensorProto
 
 from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.kv_quant import KV_ELEM, KVQuantizer
-from camshaft.builder.graph.layer_ops import LayerOps
+from camshaft.builder.graph.layer_ops import LayerOps, pre_mlp_norm
 from camshaft.builder.graph.linear import Linears, QuantizedFn, WeightFn
 from camshaft.builder.graph.ops import NP_DTYPES, ONNX_DTYPES, GraphWriter
 from camshaft.io_signature import (
@@ -126,7 +126,7 @@ class DecoderLowering(LayerOps):
             k = self.head_norm(k, f"{p}.self_attn.k_norm.weight", hkv)
         else:
             q, k = (g.op("Unsqueeze", [t, g.ints([0])]) for t in (q, k))
-        q, k = self.rope(q, hq), self.rope(k, hkv)
+        q, k = self.rope(q, hq, i), self.rope(k, hkv, i)
         scales = self.kv_scales(i) if self.kv_scales else None
         biases = self.kv_biases(i) if self.kv_biases else (None, None)
         if self.kv_quant is not None:
@@ -139,13 +139,17 @@ class DecoderLowering(LayerOps):
         attn = g.op("Concat", [decode, prefill], axis=0)
         attn = g.op("Gather", [attn, "attn_output_index"], axis=0)
         o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, hq * d, c.o_bias)
+        if c.sandwich_norms:
+            o = self.rms_norm(o, f"{p}.post_attention_layernorm.weight", c.hidden_size)
         hidden = g.op("Add", [hidden, o])
-        x = self.rms_norm(hidden, f"{p}.post_attention_layernorm.weight", c.hidden_size)
+        x = self.rms_norm(hidden, f"{p}.{pre_mlp_norm(c)}.weight", c.hidden_size)
         # gate and up as two products: one fused product + Split measured ~5 % slower decode on the CPU target
         gate, up = (self.linears.linear(x, f"{p}.mlp.{n}_proj", c.intermediate_size, c.hidden_size, c.mlp_bias)
                     for n in ("gate", "up"))
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        down = self.linears.linear(act, f"{p}.mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
+        down = self.linears.linear(self.activation(gate, up), f"{p}.mlp.down_proj", c.hidden_size,
+                                   c.intermediate_size, c.mlp_bias)
+        if c.sandwich_norms:
+            down = self.rms_norm(down, f"{p}.post_feedforward_layernorm.weight", c.hidden_size)
         return g.op("Add", [hidden, down])
 
     def group_shapes(self, name: str) -> dict[str, str]:
@@ -211,7 +215,7 @@ class DecoderLowering(LayerOps):
             values = self.kv_quant.read(values, scales[1], f"{name}.v", biases[1])
         keys, values = (g.op("Reshape", [t, group["kv"]], allowzero=1) for t in (keys, values))
         out = g.op("Attention", [query, keys, values, mask], q_num_heads=c.num_kv_heads if grouped else c.num_heads,
-                   kv_num_heads=c.num_kv_heads, scale=float(c.head_dim) ** -0.5)
+                   kv_num_heads=c.num_kv_heads, scale=c.query_scale)
         if grouped:
             out = g.op("Transpose", [g.op("Reshape", [out, group["grouped_out"]], allowzero=1)], perm=[0, 2, 1, 3])
         return g.op("Reshape", [out, group["out"]], allowzero=1)

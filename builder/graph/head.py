@@ -57,7 +57,15 @@ class Head:
         self._scales: np.ndarray | None = None  # their scales, flat
 
     def embed(self, ids: str) -> str:
-        """The embedding rows of the token ids `ids` (any shape; the rows are appended as the last axis)."""
+        """The embedding rows of the token ids `ids` (any shape; the rows are appended as the last axis), scaled by
+        the model's embed_scale (Gemma: sqrt(hidden_size), in the float type, as transformers casts it)."""
+        rows = self._rows(ids)
+        if self.c.embed_scale == 1.0:
+            return rows
+        g = self.linears.g
+        return g.op("Mul", [rows, g.const(np.array(self.c.embed_scale, self.linears.np_dtype), "embed_scale")])
+
+    def _rows(self, ids: str) -> str:
         linears, c = self.linears, self.c
         g = linears.g
         if not self.shares_embedding:

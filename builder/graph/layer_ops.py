@@ -24,7 +24,11 @@ class LayerOps:
     positions: str
 
     def norm_weight(self, name: str, dim: int) -> str:
-        return self.g.weight(name, self.weights(name, (dim,)).astype(self.np_dtype))
+        """An RMSNorm's scale: its weight, plus the model's norm_offset (Gemma's norms scale by 1 + weight)."""
+        weight = self.weights(name, (dim,))
+        if self.c.norm_offset:
+            weight = (np.float32(self.c.norm_offset) + weight.astype(np.float32)).astype(np.float32)
+        return self.g.weight(name, weight.astype(self.np_dtype))
 
     def rms_norm(self, x: str, weight: str, dim: int) -> str:
         return self.g.op("RMSNormalization", [x, self.norm_weight(weight, dim)], axis=-1, epsilon=self.c.rms_norm_eps)
@@ -48,7 +52,24 @@ class LayerOps:
             tables.append(cos_sin_tables(self.c.rope, self.c.rotary_dim, rows, long=True))
         cos, sin = (np.concatenate(parts).astype(self.np_dtype) for parts in zip(*tables, strict=True))
         self.cos, self.sin = self.g.weight("rope_cos", cos), self.g.weight("rope_sin", sin)
+        self.local_tables = None
+        if self.c.local_rope is not None:  # Gemma's sliding layers
+            cos, sin = cos_sin_tables(self.c.local_rope, self.c.rotary_dim, rows)
+            self.local_tables = (self.g.weight("rope_cos_local", cos.astype(self.np_dtype)),
+                                 self.g.weight("rope_sin_local", sin.astype(self.np_dtype)))
 
+    def tables(self, layer: int) -> tuple[str, str]:
+        """The cos/sin tables layer `layer` rotates with."""
+        if self.local_tables is not None and self.c.layer_rope(layer) is self.c.local_rope:
+            return self.local_tables
+        return self.cos, self.sin
+
+    def activation(self, gate: str, up: str) -> str:
+        """The gated MLP's act(gate) * up: SiLU, or GELU's tanh form (Gemma)."""
+        g = self.g
+        if self.c.activation == "gelu_tanh":
+            return g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up])
+        return g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
     def rope_rows(self, positions: str) -> str:
         """The table rows of `positions`: past the short rows from input `long_rope_from` on (LongRoPE)."""
         if not self.long_rope_rows:
@@ -59,8 +80,14 @@ class LayerOps:
                                 g.const(np.array(0, np.int64), "zero")])
         return g.op("Add", [positions, offset])
 
-    def rope(self, x: str, heads: int) -> str:
-        """[1, T, heads*dim] → rotated, same shape."""
+    def rope(self, x: str, heads: int, layer: int) -> str:
+        """[1, T, heads*dim] → rotated, same shape, with layer `layer`'s tables."""
         partial = {"rotary_embedding_dim": self.c.rotary_dim} if self.c.rotary_dim < self.c.head_dim else {}
-        return self.g.op("RotaryEmbedding", [x, self.cos, self.sin, self.positions], num_heads=heads, interleaved=0,
-                         **partial)
+        cos, sin = self.tables(layer)
+        return self.g.op("RotaryEmbedding", [x, cos, sin, self.positions], num_heads=heads, interleaved=0, **partial)
+
+
+def pre_mlp_norm(c: ModelConfig) -> str:
+    """The norm before a layer's MLP: Llama's post_attention_layernorm; Gemma's pre_feedforward_layernorm (its
+    post_attention_layernorm norms the attention output)."""
+    return "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"

@@ -23,7 +23,7 @@ from onnx import TensorProto
 
 from camshaft.builder.graph.decoder import ELEM
 from camshaft.builder.graph.head import Head
-from camshaft.builder.graph.layer_ops import LayerOps
+from camshaft.builder.graph.layer_ops import LayerOps, pre_mlp_norm
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter
 from camshaft.builder.graph.screen import screened_logits, screened_rows
@@ -82,10 +82,14 @@ class SequenceLowering(LayerOps):
             p = f"model.layers.{i}"
             attn = self.attention(i, x)
             o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, c.num_heads * c.head_dim, c.o_bias)
-            x, residual = self.skip_norm(o, residual, f"{p}.post_attention_layernorm.weight")
+            if c.sandwich_norms:
+                o = self.rms_norm(o, f"{p}.post_attention_layernorm.weight", c.hidden_size)
+            x, residual = self.skip_norm(o, residual, f"{p}.{pre_mlp_norm(c)}.weight")
             gate, up = self.gate_up(x, f"{p}.mlp")
-            act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-            down = self.linears.linear(act, f"{p}.mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
+            down = self.linears.linear(self.activation(gate, up), f"{p}.mlp.down_proj", c.hidden_size,
+                                       c.intermediate_size, c.mlp_bias)
+            if c.sandwich_norms:
+                down = self.rms_norm(down, f"{p}.post_feedforward_layernorm.weight", c.hidden_size)
             following = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < c.num_layers else "model.norm.weight"
             x, residual = self.skip_norm(down, residual, following)
         rows = g.op("Slice", [x, g.op("Neg", ["num_logits"]), g.ints([np.iinfo(np.int64).max]), g.ints([1])])
@@ -111,13 +115,13 @@ class SequenceLowering(LayerOps):
             qkv = [self.head_norm(q, f"{p}.q_norm.weight", hq), self.head_norm(k, f"{p}.k_norm.weight", hkv), v]
         if not self.fused_rope:
             q, k, v = qkv
-            qkv = [self.rope(q, hq), self.rope(k, hkv), v]
+            qkv = [self.rope(q, hq, i), self.rope(k, hkv, i), v]
         query, key, value = (qkv[0], "", "") if len(qkv) == 1 else qkv
         # local_window_size keys before the query, plus the query: what transformers attends for sliding_window
         window = c.sliding_window if c.layer_types[i] == "sliding" else None
         out = g.op("GroupQueryAttention", [query, key, value, kv.key_inputs[i], kv.value_inputs[i], "seqlens_k",
-                                           "total_sequence_length"] + ([self.cos, self.sin] if self.fused_rope else []),
-                   n_out=3, domain=MS_DOMAIN, num_heads=hq, kv_num_heads=hkv, scale=float(d) ** -0.5,
+                                           "total_sequence_length"] + (list(self.tables(i)) if self.fused_rope else []),
+                   n_out=3, domain=MS_DOMAIN, num_heads=hq, kv_num_heads=hkv, scale=c.query_scale,
                    do_rotary=int(self.fused_rope), local_window_size=window or -1)
         node = g.nodes[-1]
         node.output[1], node.output[2] = kv.key_outputs[i], kv.value_outputs[i]

@@ -22,6 +22,7 @@ from camshaft.builder.graph.ops import GraphWriter, save_model
 from camshaft.builder.sequence_graph import sequence_graph
 from camshaft.builder.target_checks import (
     check_lm_head_target,
+    check_model_target,
     check_quantized_target,
     check_target,
     check_weight_only_compute,
@@ -146,6 +147,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
         model = checkpoint.config
+        check_model_target(config.target, model)
         if checkpoint.unused:
             shown = ", ".join(checkpoint.unused[:4]) + (", ..." if len(checkpoint.unused) > 4 else "")
             progress(f"note: {len(checkpoint.unused)} stored tensor(s) that config.json leaves unread (transformers "

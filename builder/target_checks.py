@@ -10,6 +10,7 @@ from camshaft.builder.checkpoint import READABLE_QUANT_ALGOS
 from camshaft.builder.config import BuildConfig
 from camshaft.builder.targets.precision import ALGO_FEATURES
 from camshaft.errors import BuildConfigError
+from camshaft.model_config import ModelConfig
 
 TRT_QUANT_ALGOS = tuple(ALGO_FEATURES)
 
@@ -57,6 +58,14 @@ def check_weight_only_compute(weight_only_compute: str, quant_algos: Sequence[st
         raise BuildConfigError(
             "--weight-only-compute applies to weight-only checkpoints (int8_wo, int4_wo, int4_awq; int8_sq_mixed's "
             f"down_proj); {source} is {' + '.join(quant_algos) or 'not quantized'}. Drop it.")
+
+
+def check_model_target(target: str, model: ModelConfig) -> None:
+    """Refuse, before any work, a model whose graph a TensorRT target cannot parse: its attention has no softcap."""
+    if target != "onnxruntime" and model.attn_softcap is not None:
+        raise BuildConfigError(f"{model.architecture} caps its attention scores (attn_logit_softcapping "
+                               f"{model.attn_softcap:g}), which TensorRT's attention does not take; build it for "
+                               "--target onnxruntime")
 
 
 def check_lm_head_target(target: str, lm_head: str, gpu_arch: str | None, fix: str) -> None:

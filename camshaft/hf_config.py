@@ -18,16 +18,20 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Llama's layers with q/k/v and gate/up stored fused (builder/checkpoint.py splits them)
+    "Gemma2ForCausalLM": "gemma2",  # Gemma 2: Gemma 3's layers with softcapped attention and logits, one rope
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text models (1B; the larger ones' text part is saved so too)
 }
+GEMMAS = ("gemma2", "gemma3")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults
-MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma3": 131072}
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192,
+                 "gemma3": 131072}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
-HEAD_DIMS = {"qwen3": 128, "gemma3": 256}  # their head_dim when config.json has none (others: hidden / heads)
-KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma3": 4}  # their num_key_value_heads when config.json has none
+# their head_dim (others: hidden / heads) and num_key_value_heads (others: one a head) when config.json has none
+HEAD_DIMS = {"qwen3": 128, "gemma2": 256, "gemma3": 256}
+KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma2": 4, "gemma3": 4}
 MAX_LAYERS = 4096
 
 
@@ -79,9 +83,9 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     if arch == "phi3":
         hf = phi3_rope(hf, source)
     f = Fields(hf, source)
-    act = hf.get("hidden_act", "silu") if arch != "gemma3" else hf.get("hidden_activation", "gelu_pytorch_tanh")
-    if act not in ("silu", "swish", "gelu_pytorch_tanh") or (act == "gelu_pytorch_tanh") != (arch == "gemma3"):
-        key = "hidden_activation" if arch == "gemma3" else "hidden_act"
+    act = hf.get("hidden_act", "silu") if arch not in GEMMAS else hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("silu", "swish", "gelu_pytorch_tanh") or (act == "gelu_pytorch_tanh") != (arch in GEMMAS):
+        key = "hidden_activation" if arch in GEMMAS else "hidden_act"
         raise UnsupportedModelError(f"{source}: {key}={act!r} is not supported for {arch} (silu, and Gemma's "
                                     "gelu_pytorch_tanh)")
     hidden, heads = f.get("hidden_size", "int", least=1), f.get("num_attention_heads", "int", least=1)
@@ -91,7 +95,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
                               "restore it from the original checkpoint")
     # Biases as transformers builds each architecture: Mistral has none and Qwen2 q/k/v only, whatever
     # attention_bias / mlp_bias say; Llama and Qwen3 follow attention_bias, and only Llama mlp_bias.
-    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "gemma3")
+    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", *GEMMAS)
     mlp_bias = f.get("mlp_bias", "bool", False) and arch == "llama"
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
@@ -108,7 +112,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch == "phi3" else 1e-6, least=0),  # their defaults
         max_position_embeddings=positions,
         rope=rope_fields(hf, f, source, positions, arch),
-        tie_word_embeddings=f.get("tie_word_embeddings", "bool", arch == "gemma3"),  # Gemma3TextConfig ties
+        tie_word_embeddings=f.get("tie_word_embeddings", "bool", arch in GEMMAS),  # Gemma's configs tie
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
         mlp_bias=mlp_bias,
@@ -118,24 +122,31 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         bos_token_id=special_id(gen, hf, "bos_token_id", source, vocab),
         eos_token_ids=eos_ids(gen, hf, source, vocab),
         sampling_defaults=sampling_defaults(gen, source),
-    ) | (gemma_fields(hf, f, source, positions, hidden) if arch == "gemma3" else {})
+    ) | (gemma_fields(hf, f, source, positions, hidden, arch) if arch in GEMMAS else {})
 
 
-def gemma_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, hidden: int) -> dict[str, Any]:
-    """Gemma 3's layers as Gemma3ForCausalLM runs them (model_config.ModelConfig says what each field does); the
-    softcapping and bidirectional attention it may be configured for are refused."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise UnsupportedModelError(f"{source}: {key}={hf[key]!r} is not supported (Gemma 3 sets none)")
+def gemma_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, hidden: int,
+                 arch: str) -> dict[str, Any]:
+    """Gemma's layers as Gemma2ForCausalLM / Gemma3ForCausalLM run them (model_config.ModelConfig says what each
+    field does): Gemma 2's softcaps default to 50 (attention) and 30 (logits), Gemma 3's to none; bidirectional
+    attention is refused."""
     if f.get("use_bidirectional_attention", "bool", False):
         raise UnsupportedModelError(f"{source}: use_bidirectional_attention is not supported (a causal LM attends "
                                     "causally)")
-    full, local = gemma_ropes(hf, f, source, positions)
+    defaults = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if arch == "gemma2" else {}
+    caps = {key: None if key in hf and hf[key] is None else f.get(key, "number", defaults.get(key), least=0)
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")}  # null: none, as transformers reads it
+    if any(cap is not None and cap <= 0 for cap in caps.values()):
+        raise CheckpointError(f"{source}: the softcaps must be > 0 or null, got {caps}")
+    full, local = gemma_ropes(hf, f, source, positions) if arch == "gemma3" else (
+        rope_fields(hf, f, source, positions, arch), None)
     scalar = f.get("query_pre_attn_scalar", "number", 256, least=0)
     if scalar <= 0:
         raise CheckpointError(f"{source}: query_pre_attn_scalar must be > 0, got {scalar}")
     return dict(rope=full, local_rope=local, norm_offset=1.0, embed_scale=hidden ** 0.5, sandwich_norms=True,
-                activation="gelu_tanh", attention_scale=scalar ** -0.5)
+                activation="gelu_tanh", attention_scale=scalar ** -0.5, attn_softcap=caps["attn_logit_softcapping"],
+                logit_softcap=caps["final_logit_softcapping"])
+
 
 def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:
     """num_key_value_heads as transformers reads it: null means one per attention head, and an absent one Llama's
@@ -157,7 +168,7 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
         window = None
     elif arch == "phi3":  # slides where config.json sets a window (Phi-3-mini-4k: 2047), on every layer
         window = f.get("sliding_window", "int", None, least=1)
-    elif arch in ("mistral", "gemma3") or f.get("use_sliding_window", "bool", False):
+    elif arch in ("mistral", *GEMMAS) or f.get("use_sliding_window", "bool", False):
         window = f.get("sliding_window", "int", DEFAULT_WINDOW if "sliding_window" not in f.data else None, least=1)
     else:
         window = None
@@ -171,8 +182,8 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
         return window, (types if window is not None else ("full",) * len(types))
     if window is None:
         return None, ("full",) * layers
-    if arch == "gemma3":  # Gemma3TextConfig: every sliding_window_pattern-th layer is full, the others slide
-        pattern = f.get("sliding_window_pattern", "int", 6, least=1)
+    if arch in GEMMAS:  # their configs: every sliding_window_pattern-th layer is full (Gemma 2: every 2nd)
+        pattern = f.get("sliding_window_pattern", "int", 6, least=1) if arch == "gemma3" else 2
         return window, tuple("sliding" if (i + 1) % pattern else "full" for i in range(layers))
     if arch in ("qwen2", "qwen3"):
         first_sliding = f.get("max_window_layers", "int", QWEN_DEFAULT_WINDOW_LAYERS, least=0)

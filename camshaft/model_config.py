@@ -111,13 +111,16 @@ class ModelConfig:
     sampling_defaults: tuple[tuple[str, float], ...] = ()  # generation_config.json's (temperature, top_p, ...)
     # Gemma's layers: norms scale by offset + weight, the embedding rows by embed_scale, the attention and MLP outputs
     # are normed before their residual adds (sandwich norms), the MLP gates with GELU's tanh form, queries scale by
-    # attention_scale (else head_dim ** -0.5) and sliding layers rotate with local_rope (else rope)
+    # attention_scale (else head_dim ** -0.5), sliding layers rotate with local_rope (else rope); Gemma 2 caps the
+    # attention scores and the logits at ± their softcap (cap * tanh(x / cap))
     norm_offset: float = 0.0
     embed_scale: float = 1.0
     sandwich_norms: bool = False
     activation: str = "silu"
     attention_scale: float | None = None
     local_rope: RopeConfig | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -131,10 +134,10 @@ class ModelConfig:
                                   f"{len(self.rope.short_factor)}")
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {self.activation!r} is not supported ({', '.join(ACTIVATIONS)})")
-        if not (_positive_number(self.embed_scale) and (self.attention_scale is None
-                                                        or _positive_number(self.attention_scale))):
-            raise CheckpointError(f"embed_scale and attention_scale must be positive, got {self.embed_scale!r} and "
-                                  f"{self.attention_scale!r}")
+        optional = (self.attention_scale, self.attn_softcap, self.logit_softcap)
+        if not (_positive_number(self.embed_scale) and all(x is None or _positive_number(x) for x in optional)):
+            raise CheckpointError(f"embed_scale, attention_scale and the softcaps must be positive, got "
+                                  f"{self.embed_scale!r} and {optional}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"

@@ -36,14 +36,16 @@ def gemma(tmp_path_factory):
     return model, root / "engine"
 
 
-def reference(model_dir, prompt: list[int], new: int) -> list[int]:
+def greedy_under_transformers(model_dir, prompt: list[int], got: list[int]) -> bool:
+    """`got` is what transformers' greedy decoding gives (each token the argmax of its forward pass over the
+    sequence before it; generate's min_new_tokens would ban the end id, which ignore_eos lets the engine pick)."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    return out[0, len(prompt):].tolist()
+        logits = model(torch.tensor([prompt + got[:-1]])).logits[0, len(prompt) - 1:]
+    return logits.argmax(-1).tolist() == got
 
 
 @pytest.mark.parametrize("graph", ["sequence", "batch"])
@@ -51,7 +53,8 @@ def test_a_gemma3_engine_generates_what_transformers_does(gemma, graph):
     model, engine = gemma
     prompt = list(range(5, 30))
     with Session(engine, graph=graph) as session:
-        assert session.generate(prompt, max_tokens=30, ignore_eos=True).token_ids == reference(model, prompt, 30)
+        assert greedy_under_transformers(model, prompt, session.generate(prompt, max_tokens=30,
+                                                                         ignore_eos=True).token_ids)
 
 
 def test_in_flight_batching_of_gemma3_requests(gemma):
@@ -60,7 +63,7 @@ def test_in_flight_batching_of_gemma3_requests(gemma):
     with LLM(engine) as llm:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
     for output, prompt in zip(outputs, prompts, strict=True):
-        assert output.outputs[0].token_ids == reference(model, prompt, 20)
+        assert greedy_under_transformers(model, prompt, output.outputs[0].token_ids)
 
 
 def test_a_published_config_reads_as_transformers_reads_it():
@@ -86,8 +89,6 @@ def test_a_published_config_reads_as_transformers_reads_it():
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
     ({"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported for gemma3"),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "is not supported; supported:"),

@@ -12,7 +12,7 @@ from camshaft.builder.checkpoint import Checkpoint
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import BuildLimits
 
-from tiny_models import VARIANTS, make_tiny_model
+from tiny_models import TRT_VARIANTS, make_tiny_model
 
 pytestmark = [
     pytest.mark.tensorrt,
@@ -33,7 +33,7 @@ def fp16_graph(root: Path, name: str, dtype: str = "float16") -> Path:
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", sorted(TRT_VARIANTS))
 def test_builds_sm89_plan(tmp_path: Path, name: str, dtype: str) -> None:
     import tensorrt_rtx
 

@@ -46,7 +46,7 @@ from camshaft.builder.config import BuildConfig
 from camshaft.runtime.batch import Chunk, build_step
 from camshaft.runtime.engine import Engine
 
-from tiny_models import VARIANTS, make_tiny_model
+from tiny_models import TRT_VARIANTS, make_tiny_model
 
 BLOCK = 4
 FP16_TOLERANCE = 2e-2
@@ -56,7 +56,7 @@ FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 LOW = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+@pytest.fixture(scope="module", params=sorted(TRT_VARIANTS))
 def variant(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     model_dir = make_tiny_model(request.param, root / "hf")

@@ -14,7 +14,7 @@ from camshaft.builder.targets.trt_support import check_graph, load_matrix, requi
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import BuildLimits
 
-from tiny_models import VARIANTS, make_tiny_model
+from tiny_models import TRT_VARIANTS, make_tiny_model
 
 LIMITS = BuildLimits(max_batch_size=4, max_seq_len=64, max_num_tokens=16, kv_block_size=4)
 
@@ -55,7 +55,7 @@ def test_matrix_records_version_source_and_our_operators() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", sorted(TRT_VARIANTS))
 def test_every_tiny_low_precision_graph_passes(tmp_path: Path, name: str, dtype: str) -> None:
     path = graph(tmp_path, name, dtype)
     onnx.checker.check_model(str(path), full_check=True)  # a valid ONNX graph (strict shape inference included)

@@ -26,7 +26,7 @@ from onnx import TensorProto
 
 from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.kv_quant import KV_ELEM, KVQuantizer
-from camshaft.builder.graph.layer_ops import LayerOps, pre_mlp_norm
+from camshaft.builder.graph.layer_ops import LayerOps, pre_mlp_norm, softcap
 from camshaft.builder.graph.linear import Linears, QuantizedFn, WeightFn
 from camshaft.builder.graph.ops import NP_DTYPES, ONNX_DTYPES, GraphWriter
 from camshaft.io_signature import (
@@ -105,7 +105,7 @@ class DecoderLowering(LayerOps):
             hidden = self.layer(layer, hidden)
         picked = g.op("Gather", [hidden, "logits_index"], axis=0)
         normed = self.rms_norm(picked, "model.norm.weight", c.hidden_size)
-        logits = self.head.lower(normed)
+        logits = self.softcapped(self.head.lower(normed))
         if self.elem != TensorProto.FLOAT:
             logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
         g.op_to("Identity", [logits], "logits")
@@ -215,7 +215,7 @@ class DecoderLowering(LayerOps):
             values = self.kv_quant.read(values, scales[1], f"{name}.v", biases[1])
         keys, values = (g.op("Reshape", [t, group["kv"]], allowzero=1) for t in (keys, values))
         out = g.op("Attention", [query, keys, values, mask], q_num_heads=c.num_kv_heads if grouped else c.num_heads,
-                   kv_num_heads=c.num_kv_heads, scale=c.query_scale)
+                   kv_num_heads=c.num_kv_heads, scale=c.query_scale, **softcap(c))
         if grouped:
             out = g.op("Transpose", [g.op("Reshape", [out, group["grouped_out"]], allowzero=1)], perm=[0, 2, 1, 3])
         return g.op("Reshape", [out, group["out"]], allowzero=1)

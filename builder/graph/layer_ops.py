@@ -64,6 +64,15 @@ class LayerOps:
             return self.local_tables
         return self.cos, self.sin
 
+    def softcapped(self, logits: str) -> str:
+        """The logits capped at ± the model's logit_softcap (Gemma 2: cap * tanh(logits / cap)), else as they are."""
+        cap = self.c.logit_softcap
+        if cap is None:
+            return logits
+        g = self.g
+        limit = g.const(np.array(cap, self.np_dtype), "logit_softcap")
+        return g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, limit])]), limit])
+
     def activation(self, gate: str, up: str) -> str:
         """The gated MLP's act(gate) * up: SiLU, or GELU's tanh form (Gemma)."""
         g = self.g
@@ -91,3 +100,8 @@ def pre_mlp_norm(c: ModelConfig) -> str:
     """The norm before a layer's MLP: Llama's post_attention_layernorm; Gemma's pre_feedforward_layernorm (its
     post_attention_layernorm norms the attention output)."""
     return "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
+
+
+def softcap(c: ModelConfig) -> dict[str, float]:
+    """The attention node's softcap attribute (Gemma 2), applied to the scaled scores before the mask."""
+    return {} if c.attn_softcap is None else {"softcap": float(c.attn_softcap)}

@@ -23,7 +23,7 @@ from onnx import TensorProto
 
 from camshaft.builder.graph.decoder import ELEM
 from camshaft.builder.graph.head import Head
-from camshaft.builder.graph.layer_ops import LayerOps, pre_mlp_norm
+from camshaft.builder.graph.layer_ops import LayerOps, pre_mlp_norm, softcap
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
 from camshaft.builder.graph.ops import GraphWriter
 from camshaft.builder.graph.screen import screened_logits, screened_rows
@@ -35,7 +35,8 @@ from camshaft.model_config import ModelConfig
 def sequence_layout(config: ModelConfig, limits: BuildLimits, artifact: str, lm_head: str = "float") -> SequenceGraph:
     names = SequenceGraph.names(config.num_layers, "past_key_{}", "past_value_{}", "present_key_{}",
                                 "present_value_{}")
-    screens = lm_head == "float" and screened_rows(config.vocab_size) > 0  # screen.py: a float head's greedy steps
+    # screen.py: a float head's greedy steps (its rows outside the best are -inf, which a softcap would not keep)
+    screens = lm_head == "float" and screened_rows(config.vocab_size) > 0 and config.logit_softcap is None
     unused = {"greedy"} if not screens else set()
     if not config.rope.switches_to_long(limits.max_seq_len):
         unused.add("long_rope_from")
@@ -98,7 +99,7 @@ class SequenceLowering(LayerOps):
             logits = screened_logits(g, last, self.head.weight(), self.head.float_rows, "greedy",
                                      lambda: self.head.lower(last))
         else:
-            logits = self.head.lower(last)
+            logits = self.softcapped(self.head.lower(last))
         g.op_to("Identity", [logits], "logits")
         g.output("logits", TensorProto.FLOAT, ["N", c.vocab_size])
         for name in kv.key_outputs + kv.value_outputs:
@@ -121,7 +122,7 @@ class SequenceLowering(LayerOps):
         window = c.sliding_window if c.layer_types[i] == "sliding" else None
         out = g.op("GroupQueryAttention", [query, key, value, kv.key_inputs[i], kv.value_inputs[i], "seqlens_k",
                                            "total_sequence_length"] + (list(self.tables(i)) if self.fused_rope else []),
-                   n_out=3, domain=MS_DOMAIN, num_heads=hq, kv_num_heads=hkv, scale=c.query_scale,
+                   n_out=3, domain=MS_DOMAIN, num_heads=hq, kv_num_heads=hkv, scale=c.query_scale, **softcap(c),
                    do_rotary=int(self.fused_rope), local_window_size=window or -1)
         node = g.nodes[-1]
         node.output[1], node.output[2] = kv.key_outputs[i], kv.value_outputs[i]

@@ -299,3 +299,17 @@ def test_inspect_says_when_passed_blocks_are_freed(tmp_path):
         text = "\n".join(info_lines(info))
         assert ("sliding window 7 on every layer (the in-flight batcher frees the KV blocks it has passed)" in text) \
             is every
+
+
+def test_the_servers_start_line_counts_what_a_window_frees(tmp_path):
+    """The OpenAI server's start line: a sequence whose every layer slides holds its window, not max_seq_len."""
+    from camshaft import LLM
+    from camshaft.openai_server.server import pool_line
+
+    model = make_tiny_model("mistral-sliding", tmp_path / "hf")
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=256, kv_block_size=4, max_num_tokens=16))
+    with LLM(tmp_path / "engine") as llm:
+        usable, held = llm.config.num_blocks - 1, llm.config.window_blocks
+        assert held < 256 // 4
+        line = pool_line(llm)
+    assert f"{usable // held} sequences of 256 tokens at once (each holds its sliding window of 7)" in line, line

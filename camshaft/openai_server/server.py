@@ -42,9 +42,12 @@ def pool_line(llm: LLM) -> str:
     manifest = llm.engine.manifest
     limits, blocks = manifest.limits, llm.config.num_blocks - 1  # usable: block 0 is the null block
     size = pool_bytes(manifest, llm.config.num_blocks)
+    held = limits.max_blocks_per_seq
+    window = ""
+    if llm.config.releases_blocks and llm.config.window_blocks < held:  # a sliding window frees what it passes
+        held, window = llm.config.window_blocks, f" (each holds its sliding window of {llm.config.sliding_window})"
     return (f"KV cache: {blocks} blocks of {limits.kv_block_size} tokens ({size / 2**30:.2f} GiB): "
-            f"{blocks // limits.max_blocks_per_seq} sequences of {limits.max_seq_len} tokens at once, more when "
-            "shorter")
+            f"{blocks // held} sequences of {limits.max_seq_len} tokens at once{window}, more when shorter")
 
 
 def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None],

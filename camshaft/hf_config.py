@@ -94,7 +94,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         raise CheckpointError(f"{source}: num_hidden_layers={layers} is beyond any model's ({MAX_LAYERS} at most); "
                               "restore it from the original checkpoint")
     # Biases as transformers builds each architecture: Mistral has none and Qwen2 q/k/v only, whatever
-    # attention_bias / mlp_bias say; Llama and Qwen3 follow attention_bias, and only Llama mlp_bias.
+    # attention_bias / mlp_bias say; Llama, Qwen3 and Gemma follow attention_bias, and only Llama mlp_bias.
     bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", *GEMMAS)
     mlp_bias = f.get("mlp_bias", "bool", False) and arch == "llama"
     window, layer_types = attention_layout(f, arch, layers)

@@ -172,6 +172,9 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
         window = f.get("sliding_window", "int", DEFAULT_WINDOW if "sliding_window" not in f.data else None, least=1)
     else:
         window = None
+    if window is None and arch in GEMMAS:
+        raise CheckpointError(f"{f.source}: sliding_window is null, but Gemma's sliding layers need one "
+                              "(transformers cannot run them without); restore it from the original checkpoint")
     names = {"full_attention": "full", "sliding_attention": "sliding"}
     if f.data.get("layer_types") and arch != "phi3":  # Phi-3 slides every layer or none, whatever it lists
         try:

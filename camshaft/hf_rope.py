@@ -143,8 +143,12 @@ def gemma_ropes(hf: dict[str, Any], f: Fields, source: str, positions: int) -> t
     if isinstance(nested, dict) and ("full_attention" in nested or "sliding_attention" in nested):
         sections = {kind: nested.get(kind) or {"rope_type": "default"} for kind in ("full_attention",
                                                                                   "sliding_attention")}
+    elif nested:  # Gemma3TextConfig ignores such keys; building them would make another model than transformers'
+        raise CheckpointError(f"{source}: Gemma 3's rope_parameters needs a section per layer type (full_attention, "
+                              "sliding_attention), as transformers 5 writes it; for the full layers' scaling alone "
+                              "use rope_scaling")
     else:
-        sections = {"full_attention": {"rope_type": "default", **(hf.get("rope_scaling") or nested or {})},
+        sections = {"full_attention": {"rope_type": "default", **(hf.get("rope_scaling") or {})},
                     "sliding_attention": {"rope_type": "default"}}
     thetas = {"full_attention": f.get("rope_theta", "number", 1e6, least=0),
               "sliding_attention": f.get("rope_local_base_freq", "number", 1e4, least=0)}
@@ -155,4 +159,7 @@ def gemma_ropes(hf: dict[str, Any], f: Fields, source: str, positions: int) -> t
         one = {"rope_parameters": {"rope_theta": thetas[kind], **section}, "rope_scaling": None,
                "max_position_embeddings": positions}
         ropes.append(rope_fields(one, Fields(one, f"{source} ({kind})"), source, positions, "gemma3"))
+    if ropes[0]["type"] == "longrope":  # its long rows would index the sliding layers' tables too
+        raise UnsupportedModelError(f"{source}: longrope on Gemma 3's full layers is not supported (no Gemma 3 "
+                                    "uses it)")
     return ropes[0], ropes[1]

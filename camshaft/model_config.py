@@ -160,6 +160,8 @@ class ModelConfig:
         to (vLLM's rule: yarn's original_max_position_embeddings x factor, linear's max_position_embeddings x
         factor)."""
         rope, positions = self.rope, self.max_position_embeddings
+        if self.architecture == "gemma3":  # its max_position_embeddings already counts its linear scaling (vLLM's too)
+            return positions
         scaled = {"yarn": rope.original_max_position_embeddings * rope.factor, "linear": positions * rope.factor}
         return max(positions, int(scaled.get(rope.type, 0)))
 

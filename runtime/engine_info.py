@@ -74,6 +74,11 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                            # LongRoPE: past this length a request rotates with the long factors (None: not built)
                            "long_factors_past": c.rope.original_max_position_embeddings
                            if c.rope.switches_to_long(m.limits.max_seq_len) else None},
+                  # Gemma: the sliding layers' own rope, the query scale, the softcaps (None: as other models)
+                  "sliding_rope": None if c.local_rope is None else {
+                      "type": c.local_rope.type, "theta": c.local_rope.theta, "factor": c.local_rope.factor},
+                  "query_scale": c.query_scale, "attention_softcap": c.attn_softcap,
+                  "logit_softcap": c.logit_softcap,
                   "sampling_defaults": dict(c.sampling_defaults)},
         "dtype": m.dtype,
         "quantization": {k: quant.get(k) for k in ("format", "group_size", "kv_cache_dtype", "kv_cache_affine",
@@ -132,9 +137,17 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     window = f", sliding window {md['sliding_window']}" if md["sliding_window"] else ""
     window += (" on every layer (the in-flight batcher frees the KV blocks it has passed)" if md["sliding_every_layer"]
                else " on some layers" if md["sliding_window"] else "")
-    rope = md["rope"]
-    window += f", rope {rope['type']} x{rope['factor']:g}" if rope["type"] != "default" else ""
+    rope, local = md["rope"], md["sliding_rope"]
+    if local is not None:  # Gemma 3: a rope for each kind of layer
+        scaled = f" x{rope['factor']:g}" if rope["type"] != "default" else ""
+        window += (f", full layers' rope {rope['type']}{scaled} θ {rope['theta']:g}, sliding layers' "
+                   f"{local['type']} θ {local['theta']:g}")
+    else:
+        window += f", rope {rope['type']} x{rope['factor']:g}" if rope["type"] != "default" else ""
     window += f" over {rope['rotary_dim']} of each head's dimensions" if rope["rotary_dim"] < md["head_dim"] else ""
+    caps = [f"{what} softcap {v:g}" for what, v in (("attention", md["attention_softcap"]),
+                                                    ("logit", md["logit_softcap"])) if v is not None]
+    window += f", {', '.join(caps)}" if caps else ""
     if rope["type"] == "longrope":
         past = rope["long_factors_past"]
         window += (f" (long factors for requests whose prompt + max_tokens exceed {past})" if past

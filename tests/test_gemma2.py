@@ -57,6 +57,9 @@ def test_gemma2_generates_what_transformers_does(gemma):
     assert [o.outputs[0].token_ids for o in outputs] == got
     with Session(engine) as session:  # the float head's greedy shortcut leaves rows at -inf: no softcap keeps that
         assert not session.engine.layout.screens_greedy
+    from camshaft.runtime.engine_info import engine_info, info_lines
+
+    assert "attention softcap 2, logit softcap 3" in "\n".join(info_lines(engine_info(engine)))
 
 
 def test_a_published_config_reads_as_transformers_reads_it():

@@ -86,16 +86,38 @@ def test_a_published_config_reads_as_transformers_reads_it():
         assert rope.attention_factor == getattr(rotary, f"{kind}_attention_scaling"), kind
     scaled = ModelConfig.from_hf(PUBLISHED | {"rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert (scaled.rope.type, scaled.rope.factor, scaled.local_rope.type) == ("linear", 8.0, "default")  # Gemma 3 4B+
+    assert scaled.context_length == 512  # max_position_embeddings already counts the scaling (vLLM reads it so)
 
 
 @pytest.mark.parametrize(("changes", "message"), [
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
     ({"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported for gemma3"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+                       "original_max_position_embeddings": 64}}, "longrope on Gemma 3's full layers"),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "is not supported; supported:"),
 ])
 def test_what_gemma3_may_be_configured_for_beyond_that_is_refused(changes, message):
     with pytest.raises(UnsupportedModelError, match=re.escape(message)):
         ModelConfig.from_hf(PUBLISHED | changes)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"sliding_window": None}, "sliding_window is null, but Gemma's sliding layers need one"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 8.0}}, "needs a section per layer type"),
+])
+def test_a_gemma3_config_transformers_would_not_run_so_is_refused(changes, message):
+    from camshaft.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf(PUBLISHED | changes)
+
+
+def test_inspect_names_each_kind_of_layers_rope(gemma):
+    from camshaft.runtime.engine_info import engine_info, info_lines
+
+    info = engine_info(gemma[1])
+    assert info["model"]["sliding_rope"] == {"type": "default", "theta": 1e4, "factor": 1.0}
+    assert "full layers' rope linear x2 θ 1e+06, sliding layers' default θ 10000" in "\n".join(info_lines(info))
 
 
 def test_a_quantized_gemma3_engine_matches_modelopts_fake_quant_model(gemma, tmp_path):

@@ -13,7 +13,7 @@ from camshaft.errors import BuildConfigError
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.session import Session
 
-from tiny_models import make_tiny_model
+from tiny_models import greedy_under_transformers, tiny_engine
 
 # gemma-2-2b-it's config.json as published, shrunk
 PUBLISHED = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attn_logit_softcapping": 50.0,
@@ -28,21 +28,7 @@ PUBLISHED = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "at
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma2")
-    model = make_tiny_model("gemma2", root / "hf")
-    build_engine(BuildConfig(model, root / "engine", max_seq_len=96, kv_block_size=4, max_num_tokens=16))
-    return model, root / "engine"
-
-
-def greedy_under_transformers(model_dir, prompt: list[int], got: list[int]) -> bool:
-    """`got` is what transformers' greedy decoding gives (each token the argmax of its forward pass over the
-    sequence before it; generate's min_new_tokens would ban the end id, which ignore_eos lets the engine pick)."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + got[:-1]])).logits[0, len(prompt) - 1:]
-    return logits.argmax(-1).tolist() == got
+    return root / "hf", tiny_engine(root, "gemma2", max_seq_len=96, kv_block_size=4, max_num_tokens=16)
 
 
 def test_gemma2_generates_what_transformers_does(gemma):

@@ -17,7 +17,7 @@ from camshaft.errors import UnsupportedModelError
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.session import Session
 
-from tiny_models import make_tiny_model
+from tiny_models import greedy_under_transformers, tiny_engine
 
 # gemma-3-1b-it's config.json as published (transformers 4 style), shrunk: no layer_types, no rope_parameters
 PUBLISHED = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attn_logit_softcapping": None,
@@ -31,21 +31,7 @@ PUBLISHED = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma3")
-    model = make_tiny_model("gemma3", root / "hf")
-    build_engine(BuildConfig(model, root / "engine", max_seq_len=96, kv_block_size=4, max_num_tokens=16))
-    return model, root / "engine"
-
-
-def greedy_under_transformers(model_dir, prompt: list[int], got: list[int]) -> bool:
-    """`got` is what transformers' greedy decoding gives (each token the argmax of its forward pass over the
-    sequence before it; generate's min_new_tokens would ban the end id, which ignore_eos lets the engine pick)."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + got[:-1]])).logits[0, len(prompt) - 1:]
-    return logits.argmax(-1).tolist() == got
+    return root / "hf", tiny_engine(root, "gemma3", max_seq_len=96, kv_block_size=4, max_num_tokens=16)
 
 
 @pytest.mark.parametrize("graph", ["sequence", "batch"])

@@ -122,3 +122,12 @@ def stamped(manifest: dict) -> dict:
     from camshaft.manifest import manifest_digest
 
     return {**manifest, "digest": manifest_digest(manifest)}
+
+
+def greedy_under_transformers(model_dir: Path, prompt: list[int], got: list[int]) -> bool:
+    """`got` is what transformers' greedy decoding gives (each token the argmax of its forward pass over the
+    sequence before it; generate's min_new_tokens would ban the end id, which ignore_eos lets the engine pick)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + got[:-1]])).logits[0, len(prompt) - 1:]
+    return logits.argmax(-1).tolist() == got

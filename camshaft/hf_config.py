@@ -20,18 +20,19 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",  # Llama's layers with q/k/v and gate/up stored fused (builder/checkpoint.py splits them)
     "Gemma2ForCausalLM": "gemma2",  # Gemma 2: Gemma 3's layers with softcapped attention and logits, one rope
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text models (1B; the larger ones' text part is saved so too)
+    "SmolLM3ForCausalLM": "smollm3",  # Llama's layers, every 4th without rope (NoPE)
 }
 GEMMAS = ("gemma2", "gemma3")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192,
-                 "gemma3": 131072}
+                 "gemma3": 131072, "smollm3": 32768}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 # their head_dim (others: hidden / heads) and num_key_value_heads (others: one a head) when config.json has none
 HEAD_DIMS = {"qwen3": 128, "gemma2": 256, "gemma3": 256}
-KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma2": 4, "gemma3": 4}
+KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma2": 4, "gemma3": 4, "smollm3": 4}
 MAX_LAYERS = 4096
 
 
@@ -94,9 +95,10 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         raise CheckpointError(f"{source}: num_hidden_layers={layers} is beyond any model's ({MAX_LAYERS} at most); "
                               "restore it from the original checkpoint")
     # Biases as transformers builds each architecture: Mistral has none and Qwen2 q/k/v only, whatever
-    # attention_bias / mlp_bias say; Llama, Qwen3 and Gemma follow attention_bias, and only Llama mlp_bias.
-    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", *GEMMAS)
-    mlp_bias = f.get("mlp_bias", "bool", False) and arch == "llama"
+    # attention_bias / mlp_bias say; Llama, Qwen3, Gemma and SmolLM3 follow attention_bias, Llama and SmolLM3
+    # mlp_bias.
+    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "smollm3", *GEMMAS)
+    mlp_bias = f.get("mlp_bias", "bool", False) and arch in ("llama", "smollm3")
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
     positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=1)
@@ -112,7 +114,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch == "phi3" else 1e-6, least=0),  # their defaults
         max_position_embeddings=positions,
         rope=rope_fields(hf, f, source, positions, arch),
-        tie_word_embeddings=f.get("tie_word_embeddings", "bool", arch in GEMMAS),  # Gemma's configs tie
+        tie_word_embeddings=f.get("tie_word_embeddings", "bool", arch in (*GEMMAS, "smollm3")),  # their configs tie
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
         mlp_bias=mlp_bias,
@@ -122,7 +124,21 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         bos_token_id=special_id(gen, hf, "bos_token_id", source, vocab),
         eos_token_ids=eos_ids(gen, hf, source, vocab),
         sampling_defaults=sampling_defaults(gen, source),
+        layers_without_rope=layers_without_rope(f, layers) if arch == "smollm3" else (),
     ) | (gemma_fields(hf, f, source, positions, hidden, arch) if arch in GEMMAS else {})
+
+
+def layers_without_rope(f: Fields, layers: int) -> tuple[int, ...]:
+    """SmolLM3's NoPE layers: no_rope_layers' zeros (1: the layer rotates), else every no_rope_layer_interval-th."""
+    flags = f.data.get("no_rope_layers")
+    if flags is None:
+        interval = f.get("no_rope_layer_interval", "int", 4, least=1)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not (isinstance(flags, list) and len(flags) == layers and all(x in (0, 1) and not isinstance(x, float)
+                                                                       for x in flags)):
+        raise CheckpointError(f"{f.source}: no_rope_layers must list 0 or 1 for each of the {layers} layers, not "
+                              f"{flags!r:.80}")
+    return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
 
 
 def gemma_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, hidden: int,
@@ -168,6 +184,8 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
         window = None
     elif arch == "phi3":  # slides where config.json sets a window (Phi-3-mini-4k: 2047), on every layer
         window = f.get("sliding_window", "int", None, least=1)
+    elif arch == "smollm3":  # SmolLM3Config: with use_sliding_window, its NoPE layers slide
+        window = f.get("sliding_window", "int", None, least=1) if f.get("use_sliding_window", "bool", False) else None
     elif arch in ("mistral", *GEMMAS) or f.get("use_sliding_window", "bool", False):
         window = f.get("sliding_window", "int", DEFAULT_WINDOW if "sliding_window" not in f.data else None, least=1)
     else:
@@ -188,6 +206,9 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
     if arch in GEMMAS:  # their configs: every sliding_window_pattern-th layer is full (Gemma 2: every 2nd)
         pattern = f.get("sliding_window_pattern", "int", 6, least=1) if arch == "gemma3" else 2
         return window, tuple("sliding" if (i + 1) % pattern else "full" for i in range(layers))
+    if arch == "smollm3":
+        nope = layers_without_rope(f, layers)
+        return window, tuple("sliding" if i in nope else "full" for i in range(layers))
     if arch in ("qwen2", "qwen3"):
         first_sliding = f.get("max_window_layers", "int", QWEN_DEFAULT_WINDOW_LAYERS, least=0)
         return window, tuple("full" if i < first_sliding else "sliding" for i in range(layers))

@@ -121,6 +121,7 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     attn_softcap: float | None = None
     logit_softcap: float | None = None
+    layers_without_rope: tuple[int, ...] = ()  # SmolLM3's NoPE layers: their q and k are not rotated
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -132,6 +133,9 @@ class ModelConfig:
             raise CheckpointError(f"longrope's short_factor and long_factor need one entry per rotary frequency "
                                   f"(rotary dimensions / 2 = {self.rotary_dim // 2}), got "
                                   f"{len(self.rope.short_factor)}")
+        if not all(is_int(i) and 0 <= i < self.num_layers for i in self.layers_without_rope):
+            raise CheckpointError(f"layers_without_rope {self.layers_without_rope} must be layer indices "
+                                  f"(0..{self.num_layers - 1})")
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {self.activation!r} is not supported ({', '.join(ACTIVATIONS)})")
         optional = (self.attention_scale, self.attn_softcap, self.logit_softcap)
@@ -198,6 +202,7 @@ class ModelConfig:
         if data.get("local_rope") is not None:
             data["local_rope"] = RopeConfig(**data["local_rope"])
         data["layer_types"] = tuple(data["layer_types"])
+        data["layers_without_rope"] = tuple(data.get("layers_without_rope", ()))
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["sampling_defaults"] = tuple((key, value) for key, value in data.get("sampling_defaults", ()))
         return cls(**data)

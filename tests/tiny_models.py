@@ -58,6 +58,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
     )),
+    "smollm3-nope": ("SmolLM3Config", dict(  # SmolLM3: every 2nd layer without rope here (4th in the 3B), biases
+        num_hidden_layers=4, no_rope_layer_interval=2, attention_bias=True, mlp_bias=True, pad_token_id=0,
+    )),
     "qwen2-yarn": ("Qwen2Config", dict(  # long-context Qwen2.5: YaRN past 64 of the tests' positions
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64,
                              beta_fast=4.0),

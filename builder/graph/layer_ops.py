@@ -90,7 +90,9 @@ class LayerOps:
         return g.op("Add", [positions, offset])
 
     def rope(self, x: str, heads: int, layer: int) -> str:
-        """[1, T, heads*dim] → rotated, same shape, with layer `layer`'s tables."""
+        """[1, T, heads*dim] → rotated, same shape, with layer `layer`'s tables (a NoPE layer's: as it is)."""
+        if layer in self.c.layers_without_rope:
+            return x
         partial = {"rotary_embedding_dim": self.c.rotary_dim} if self.c.rotary_dim < self.c.head_dim else {}
         cos, sin = self.tables(layer)
         return self.g.op("RotaryEmbedding", [x, cos, sin, self.positions], num_heads=heads, interleaved=0, **partial)

@@ -118,12 +118,13 @@ class SequenceLowering(LayerOps):
             q, k, v = qkv
             qkv = [self.rope(q, hq, i), self.rope(k, hkv, i), v]
         query, key, value = (qkv[0], "", "") if len(qkv) == 1 else qkv
+        rotary = self.fused_rope and i not in c.layers_without_rope  # a NoPE layer's q and k stay as they are
         # local_window_size keys before the query, plus the query: what transformers attends for sliding_window
         window = c.sliding_window if c.layer_types[i] == "sliding" else None
         out = g.op("GroupQueryAttention", [query, key, value, kv.key_inputs[i], kv.value_inputs[i], "seqlens_k",
-                                           "total_sequence_length"] + (list(self.tables(i)) if self.fused_rope else []),
+                                           "total_sequence_length"] + (list(self.tables(i)) if rotary else []),
                    n_out=3, domain=MS_DOMAIN, num_heads=hq, kv_num_heads=hkv, scale=c.query_scale, **softcap(c),
-                   do_rotary=int(self.fused_rope), local_window_size=window or -1)
+                   do_rotary=int(rotary), local_window_size=window or -1)
         node = g.nodes[-1]
         node.output[1], node.output[2] = kv.key_outputs[i], kv.value_outputs[i]
         return out[0]

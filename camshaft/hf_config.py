@@ -21,13 +21,14 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",  # Gemma 2: Gemma 3's layers with softcapped attention and logits, one rope
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text models (1B; the larger ones' text part is saved so too)
     "SmolLM3ForCausalLM": "smollm3",  # Llama's layers, every 4th without rope (NoPE)
+    "GraniteForCausalLM": "granite",  # Llama's layers with multipliers on the embedding, residual, scores, logits
 }
 GEMMAS = ("gemma2", "gemma3")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192,
-                 "gemma3": 131072, "smollm3": 32768}
+                 "gemma3": 131072, "smollm3": 32768, "granite": 2048}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 # their head_dim (others: hidden / heads) and num_key_value_heads (others: one a head) when config.json has none
@@ -95,10 +96,10 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         raise CheckpointError(f"{source}: num_hidden_layers={layers} is beyond any model's ({MAX_LAYERS} at most); "
                               "restore it from the original checkpoint")
     # Biases as transformers builds each architecture: Mistral has none and Qwen2 q/k/v only, whatever
-    # attention_bias / mlp_bias say; Llama, Qwen3, Gemma and SmolLM3 follow attention_bias, Llama and SmolLM3
-    # mlp_bias.
-    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "smollm3", *GEMMAS)
-    mlp_bias = f.get("mlp_bias", "bool", False) and arch in ("llama", "smollm3")
+    # attention_bias / mlp_bias say; Llama, Qwen3, Gemma, SmolLM3 and Granite follow attention_bias, Llama, SmolLM3
+    # and Granite mlp_bias.
+    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "smollm3", "granite", *GEMMAS)
+    mlp_bias = f.get("mlp_bias", "bool", False) and arch in ("llama", "smollm3", "granite")
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
     positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=1)
@@ -125,7 +126,19 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         eos_token_ids=eos_ids(gen, hf, source, vocab),
         sampling_defaults=sampling_defaults(gen, source),
         layers_without_rope=layers_without_rope(f, layers) if arch == "smollm3" else (),
-    ) | (gemma_fields(hf, f, source, positions, hidden, arch) if arch in GEMMAS else {})
+    ) | (gemma_fields(hf, f, source, positions, hidden, arch) if arch in GEMMAS else {}) | (
+        granite_fields(f) if arch == "granite" else {})
+
+
+def granite_fields(f: Fields) -> dict[str, Any]:
+    """GraniteForCausalLM's multipliers (1 each by default): the embedding's, the sublayers' outputs joining the
+    residual stream, the attention scores' (in place of head_dim ** -0.5), and the logits' divisor."""
+    values = {key: f.get(key, "number", 1.0, least=0) for key in ("embedding_multiplier", "residual_multiplier",
+                                                                  "attention_multiplier", "logits_scaling")}
+    if not all(v > 0 for v in values.values()):
+        raise CheckpointError(f"{f.source}: Granite's multipliers must be > 0, got {values}")
+    return dict(embed_scale=float(values["embedding_multiplier"]), residual_scale=float(values["residual_multiplier"]),
+                attention_scale=float(values["attention_multiplier"]), logits_divisor=float(values["logits_scaling"]))
 
 
 def layers_without_rope(f: Fields, layers: int) -> tuple[int, ...]:

@@ -122,6 +122,8 @@ class ModelConfig:
     attn_softcap: float | None = None
     logit_softcap: float | None = None
     layers_without_rope: tuple[int, ...] = ()  # SmolLM3's NoPE layers: their q and k are not rotated
+    residual_scale: float = 1.0  # Granite: each attention and MLP output joins the residual stream times this
+    logits_divisor: float = 1.0  # Granite's logits_scaling: the logits divided by it
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -139,9 +141,10 @@ class ModelConfig:
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {self.activation!r} is not supported ({', '.join(ACTIVATIONS)})")
         optional = (self.attention_scale, self.attn_softcap, self.logit_softcap)
-        if not (_positive_number(self.embed_scale) and all(x is None or _positive_number(x) for x in optional)):
-            raise CheckpointError(f"embed_scale, attention_scale and the softcaps must be positive, got "
-                                  f"{self.embed_scale!r} and {optional}")
+        scales = (self.embed_scale, self.residual_scale, self.logits_divisor)
+        if not (all(_positive_number(x) for x in scales) and all(x is None or _positive_number(x) for x in optional)):
+            raise CheckpointError(f"the embedding, residual and logits scales, attention_scale and the softcaps must "
+                                  f"be positive, got {scales} and {optional}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"

@@ -61,6 +61,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "smollm3-nope": ("SmolLM3Config", dict(  # SmolLM3: every 2nd layer without rope here (4th in the 3B), biases
         num_hidden_layers=4, no_rope_layer_interval=2, attention_bias=True, mlp_bias=True, pad_token_id=0,
     )),
+    "granite-multipliers": ("GraniteConfig", dict(  # Granite 3: Llama's layers with multipliers, as granite-3.x sets
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.2, logits_scaling=8.0,
+        tie_word_embeddings=True, attention_bias=True,
+    )),
     "qwen2-yarn": ("Qwen2Config", dict(  # long-context Qwen2.5: YaRN past 64 of the tests' positions
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64,
                              beta_fast=4.0),

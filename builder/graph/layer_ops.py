@@ -64,14 +64,22 @@ class LayerOps:
             return self.local_tables
         return self.cos, self.sin
 
-    def softcapped(self, logits: str) -> str:
-        """The logits capped at ± the model's logit_softcap (Gemma 2: cap * tanh(logits / cap)), else as they are."""
-        cap = self.c.logit_softcap
-        if cap is None:
-            return logits
-        g = self.g
-        limit = g.const(np.array(cap, self.np_dtype), "logit_softcap")
-        return g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, limit])]), limit])
+    def final_logits(self, logits: str) -> str:
+        """The head's output as the model ends: capped at ± its logit_softcap (Gemma 2: cap * tanh(logits / cap)),
+        divided by its logits_divisor (Granite's logits_scaling)."""
+        g, c = self.g, self.c
+        if c.logit_softcap is not None:
+            limit = g.const(np.array(c.logit_softcap, self.np_dtype), "logit_softcap")
+            logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, limit])]), limit])
+        if c.logits_divisor != 1.0:
+            logits = g.op("Div", [logits, g.const(np.array(c.logits_divisor, self.np_dtype), "logits_divisor")])
+        return logits
+
+    def residual_branch(self, out: str) -> str:
+        """A sublayer's output as it joins the residual stream: times the model's residual_scale (Granite)."""
+        if self.c.residual_scale == 1.0:
+            return out
+        return self.g.op("Mul", [out, self.g.const(np.array(self.c.residual_scale, self.np_dtype), "residual_scale")])
 
     def activation(self, gate: str, up: str) -> str:
         """The gated MLP's act(gate) * up: SiLU, or GELU's tanh form (Gemma)."""

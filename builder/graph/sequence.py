@@ -85,21 +85,21 @@ class SequenceLowering(LayerOps):
             o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, c.num_heads * c.head_dim, c.o_bias)
             if c.sandwich_norms:
                 o = self.rms_norm(o, f"{p}.post_attention_layernorm.weight", c.hidden_size)
-            x, residual = self.skip_norm(o, residual, f"{p}.{pre_mlp_norm(c)}.weight")
+            x, residual = self.skip_norm(self.residual_branch(o), residual, f"{p}.{pre_mlp_norm(c)}.weight")
             gate, up = self.gate_up(x, f"{p}.mlp")
             down = self.linears.linear(self.activation(gate, up), f"{p}.mlp.down_proj", c.hidden_size,
                                        c.intermediate_size, c.mlp_bias)
             if c.sandwich_norms:
                 down = self.rms_norm(down, f"{p}.post_feedforward_layernorm.weight", c.hidden_size)
             following = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < c.num_layers else "model.norm.weight"
-            x, residual = self.skip_norm(down, residual, following)
+            x, residual = self.skip_norm(self.residual_branch(down), residual, following)
         rows = g.op("Slice", [x, g.op("Neg", ["num_logits"]), g.ints([np.iinfo(np.int64).max]), g.ints([1])])
         last = g.op("Squeeze", [rows, g.ints([0])])  # the last num_logits tokens' hidden states: [N, hidden]
         if kv.screens_greedy:
-            logits = screened_logits(g, last, self.head.weight(), self.head.float_rows, "greedy",
-                                     lambda: self.head.lower(last))
+            logits = self.final_logits(screened_logits(g, last, self.head.weight(), self.head.float_rows, "greedy",
+                                                       lambda: self.head.lower(last)))  # -inf / divisor: -inf
         else:
-            logits = self.softcapped(self.head.lower(last))
+            logits = self.final_logits(self.head.lower(last))
         g.op_to("Identity", [logits], "logits")
         g.output("logits", TensorProto.FLOAT, ["N", c.vocab_size])
         for name in kv.key_outputs + kv.value_outputs:

@@ -78,7 +78,8 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
                   "sliding_rope": None if c.local_rope is None else {
                       "type": c.local_rope.type, "theta": c.local_rope.theta, "factor": c.local_rope.factor},
                   "query_scale": c.query_scale, "attention_softcap": c.attn_softcap,
-                  "logit_softcap": c.logit_softcap,
+                  "logit_softcap": c.logit_softcap, "embed_scale": c.embed_scale, "residual_scale": c.residual_scale,
+                  "logits_divisor": c.logits_divisor, "layers_without_rope": list(c.layers_without_rope),
                   "sampling_defaults": dict(c.sampling_defaults)},
         "dtype": m.dtype,
         "quantization": {k: quant.get(k) for k in ("format", "group_size", "kv_cache_dtype", "kv_cache_affine",
@@ -148,6 +149,7 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     caps = [f"{what} softcap {v:g}" for what, v in (("attention", md["attention_softcap"]),
                                                     ("logit", md["logit_softcap"])) if v is not None]
     window += f", {', '.join(caps)}" if caps else ""
+    window += f", layers {md['layers_without_rope']} without rope" if md["layers_without_rope"] else ""
     if rope["type"] == "longrope":
         past = rope["long_factors_past"]
         window += (f" (long factors for requests whose prompt + max_tokens exceed {past})" if past

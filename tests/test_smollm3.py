@@ -52,6 +52,9 @@ def test_nope_layers_generate_what_transformers_does(tmp_path, window):
         (model / "config.json").write_text(json.dumps(hf | {"use_sliding_window": True, "sliding_window": window}))
         assert ModelConfig.from_hf_dir(model).layer_types == ("full", "sliding") * 2
     build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=96, kv_block_size=4, max_num_tokens=16))
+    from camshaft.runtime.engine_info import engine_info, info_lines
+
+    assert "layers [1, 3] without rope" in "\n".join(info_lines(engine_info(tmp_path / "engine")))
     prompt = list(range(5, 30))
     for graph in ("sequence", "batch"):
         with Session(tmp_path / "engine", graph=graph) as session:

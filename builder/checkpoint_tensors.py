@@ -29,16 +29,18 @@ def expected_tensors(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
                    "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
                    "mlp.down_proj": (hidden, inter)}
         shapes |= {f"{p}.{name}.weight": shape for name, shape in linears.items()}
-        norms = ("input_layernorm", "post_attention_layernorm") + (
-            ("pre_feedforward_layernorm", "post_feedforward_layernorm") if c.sandwich_norms else ())
+        norms = (("input_layernorm",) if c.pre_norms else ()) + ("post_attention_layernorm",) + (
+            ("pre_feedforward_layernorm",) if c.pre_norms and c.sandwich_norms else ()) + (
+            ("post_feedforward_layernorm",) if c.sandwich_norms else ())
         shapes |= {f"{p}.{norm}.weight": (hidden,) for norm in norms}
         biased = [n for n, on in (("self_attn.q_proj", c.qkv_bias), ("self_attn.k_proj", c.qkv_bias),
                                   ("self_attn.v_proj", c.qkv_bias), ("self_attn.o_proj", c.o_bias),
                                   ("mlp.gate_proj", c.mlp_bias), ("mlp.up_proj", c.mlp_bias),
                                   ("mlp.down_proj", c.mlp_bias)) if on]
         shapes |= {f"{p}.{name}.bias": linears[name][:1] for name in biased}
-        if c.qk_norm:
-            shapes |= {f"{p}.self_attn.{n}_norm.weight": (d,) for n in "qk"}
+        if c.qk_norm:  # per head, or over all of q's / k's heads (OLMo 2)
+            shapes |= {f"{p}.self_attn.{n}_norm.weight": (d,) if c.qk_norm_per_head else (width,)
+                       for n, width in (("q", q), ("k", kv))}
     return shapes
 
 

@@ -22,13 +22,14 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text models (1B; the larger ones' text part is saved so too)
     "SmolLM3ForCausalLM": "smollm3",  # Llama's layers, every 4th without rope (NoPE)
     "GraniteForCausalLM": "granite",  # Llama's layers with multipliers on the embedding, residual, scores, logits
+    "Olmo2ForCausalLM": "olmo2",  # norms after the attention and MLP only, q/k norms over all heads
 }
 GEMMAS = ("gemma2", "gemma3")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192,
-                 "gemma3": 131072, "smollm3": 32768, "granite": 2048}
+                 "gemma3": 131072, "smollm3": 32768, "granite": 2048, "olmo2": 2048}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 # their head_dim (others: hidden / heads) and num_key_value_heads (others: one a head) when config.json has none
@@ -98,7 +99,8 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     # Biases as transformers builds each architecture: Mistral has none and Qwen2 q/k/v only, whatever
     # attention_bias / mlp_bias say; Llama, Qwen3, Gemma, SmolLM3 and Granite follow attention_bias, Llama, SmolLM3
     # and Granite mlp_bias.
-    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "smollm3", "granite", *GEMMAS)
+    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "smollm3", "granite", "olmo2",
+                                                               *GEMMAS)
     mlp_bias = f.get("mlp_bias", "bool", False) and arch in ("llama", "smollm3", "granite")
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
@@ -112,14 +114,14 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         num_heads=heads,
         num_kv_heads=kv_heads(f, arch, heads, source),
         head_dim=f.get("head_dim", "int", HEAD_DIMS.get(arch, hidden // heads), least=1),
-        rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch == "phi3" else 1e-6, least=0),  # their defaults
+        rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch in ("phi3", "olmo2") else 1e-6, least=0),
         max_position_embeddings=positions,
         rope=rope_fields(hf, f, source, positions, arch),
         tie_word_embeddings=f.get("tie_word_embeddings", "bool", arch in (*GEMMAS, "smollm3")),  # their configs tie
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
         mlp_bias=mlp_bias,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "olmo2"),
         sliding_window=window,
         layer_types=layer_types,
         bos_token_id=special_id(gen, hf, "bos_token_id", source, vocab),
@@ -127,7 +129,8 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         sampling_defaults=sampling_defaults(gen, source),
         layers_without_rope=layers_without_rope(f, layers) if arch == "smollm3" else (),
     ) | (gemma_fields(hf, f, source, positions, hidden, arch) if arch in GEMMAS else {}) | (
-        granite_fields(f) if arch == "granite" else {})
+        granite_fields(f) if arch == "granite" else {}) | (
+        dict(pre_norms=False, sandwich_norms=True, qk_norm_per_head=False) if arch == "olmo2" else {})
 
 
 def granite_fields(f: Fields) -> dict[str, Any]:

@@ -122,6 +122,8 @@ class ModelConfig:
     attn_softcap: float | None = None
     logit_softcap: float | None = None
     layers_without_rope: tuple[int, ...] = ()  # SmolLM3's NoPE layers: their q and k are not rotated
+    pre_norms: bool = True  # the attention's and MLP's inputs are normed (OLMo 2: only their outputs, sandwich_norms)
+    qk_norm_per_head: bool = True  # qk_norm over each head (Qwen3, Gemma 3) or over all heads at once (OLMo 2)
     residual_scale: float = 1.0  # Granite: each attention and MLP output joins the residual stream times this
     logits_divisor: float = 1.0  # Granite's logits_scaling: the logits divided by it
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from camshaft import LLM, SamplingParams
 from camshaft.builder.build import build_engine
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import BuildConfigError
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.session import Session
 
-from tiny_models import greedy_under_transformers, tiny_engine
+from tiny_models import check_generation, tiny_engine
 
 # gemma-2-2b-it's config.json as published, shrunk
 PUBLISHED = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attn_logit_softcapping": 50.0,
@@ -33,14 +32,7 @@ def gemma(tmp_path_factory):
 
 def test_gemma2_generates_what_transformers_does(gemma):
     model, engine = gemma
-    prompts = [list(range(5, 30)), [7, 8, 9]]
-    for graph in ("sequence", "batch"):
-        with Session(engine, graph=graph) as session:
-            got = [session.generate(p, max_tokens=24, ignore_eos=True).token_ids for p in prompts]
-        assert all(greedy_under_transformers(model, p, g) for p, g in zip(prompts, got, strict=True)), graph
-    with LLM(engine) as llm:
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == got
+    check_generation(engine, model, [list(range(5, 30)), [7, 8, 9]], 24)
     with Session(engine) as session:  # the float head's greedy shortcut leaves rows at -inf: no softcap keeps that
         assert not session.engine.layout.screens_greedy
     from camshaft.runtime.engine_info import engine_info, info_lines

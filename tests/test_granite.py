@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from camshaft import LLM, SamplingParams
 from camshaft.errors import CheckpointError
 from camshaft.model_config import ModelConfig
-from camshaft.runtime.session import Session
 
-from tiny_models import greedy_under_transformers, tiny_engine
+from tiny_models import check_generation, tiny_engine
 
 # granite-3.1-2b-instruct's config.json as published, shrunk
 PUBLISHED = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "attention_bias": False,
@@ -33,11 +31,4 @@ def test_a_published_config_reads_its_multipliers():
 
 def test_granite_generates_what_transformers_does(tmp_path):
     engine = tiny_engine(tmp_path, "granite-multipliers", max_seq_len=96, kv_block_size=4, max_num_tokens=16)
-    prompts = [list(range(5, 30)), [7, 8, 9]]
-    for graph in ("sequence", "batch"):
-        with Session(engine, graph=graph) as session:
-            got = [session.generate(p, max_tokens=20, ignore_eos=True).token_ids for p in prompts]
-        assert all(greedy_under_transformers(tmp_path / "hf", p, g) for p, g in zip(prompts, got, strict=True)), graph
-    with LLM(engine) as llm:
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == got
+    check_generation(engine, tmp_path / "hf", [list(range(5, 30)), [7, 8, 9]], 20)

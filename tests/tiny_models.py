@@ -65,6 +65,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.2, logits_scaling=8.0,
         tie_word_embeddings=True, attention_bias=True,
     )),
+    "olmo2": ("Olmo2Config", dict(attention_bias=True)),  # norms after the attention and MLP, q/k norms over all heads
     "qwen2-yarn": ("Qwen2Config", dict(  # long-context Qwen2.5: YaRN past 64 of the tests' positions
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64,
                              beta_fast=4.0),
@@ -138,3 +139,19 @@ def greedy_under_transformers(model_dir: Path, prompt: list[int], got: list[int]
     with torch.no_grad():
         logits = model(torch.tensor([prompt + got[:-1]])).logits[0, len(prompt) - 1:]
     return logits.argmax(-1).tolist() == got
+
+
+def check_generation(engine: Path, model_dir: Path, prompts: list[list[int]], new: int) -> None:
+    """Greedy outputs of both Session graphs and of LLM's in-flight batching are transformers' own (see
+    greedy_under_transformers), and LLM's equal the Session's."""
+    from camshaft import LLM, SamplingParams
+    from camshaft.runtime.session import Session
+
+    for graph in ("sequence", "batch"):
+        with Session(engine, graph=graph) as session:
+            got = [session.generate(p, max_tokens=new, ignore_eos=True).token_ids for p in prompts]
+        for prompt, tokens in zip(prompts, got, strict=True):
+            assert len(tokens) == new and greedy_under_transformers(model_dir, prompt, tokens), (graph, prompt)
+    with LLM(engine) as llm:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == got

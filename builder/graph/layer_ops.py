@@ -34,8 +34,11 @@ class LayerOps:
         return self.g.op("RMSNormalization", [x, self.norm_weight(weight, dim)], axis=-1, epsilon=self.c.rms_norm_eps)
 
     def head_norm(self, x: str, weight: str, heads: int) -> str:
-        """Per-head RMSNorm of [.., heads*dim], returned as [1, T, heads*dim] ready for rope."""
+        """The q or k norm of [.., heads*dim]: per head (Qwen3, Gemma 3), or over all heads at once (OLMo 2),
+        returned as [1, T, heads*dim] ready for rope."""
         g, d = self.g, self.c.head_dim
+        if not self.c.qk_norm_per_head:
+            return g.op("Reshape", [self.rms_norm(x, weight, heads * d), g.ints([1, -1, heads * d])])
         x = g.op("Reshape", [x, g.ints([1, -1, heads, d])])
         x = self.rms_norm(x, weight, d)
         return g.op("Reshape", [x, g.ints([1, -1, heads * d])])
@@ -106,10 +109,12 @@ class LayerOps:
         return self.g.op("RotaryEmbedding", [x, cos, sin, self.positions], num_heads=heads, interleaved=0, **partial)
 
 
-def pre_mlp_norm(c: ModelConfig) -> str:
-    """The norm before a layer's MLP: Llama's post_attention_layernorm; Gemma's pre_feedforward_layernorm (its
-    post_attention_layernorm norms the attention output)."""
-    return "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
+def pre_mlp_norm(c: ModelConfig, prefix: str) -> str | None:
+    """The weight of the norm before a layer's MLP: Llama's post_attention_layernorm; Gemma's
+    pre_feedforward_layernorm (its post_attention_layernorm norms the attention output); none in OLMo 2."""
+    if not c.pre_norms:
+        return None
+    return f"{prefix}.{'pre_feedforward_layernorm' if c.sandwich_norms else 'post_attention_layernorm'}.weight"
 
 
 def softcap(c: ModelConfig) -> dict[str, float]:

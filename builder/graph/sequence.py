@@ -55,8 +55,11 @@ class SequenceLowering(LayerOps):
         # LongRoPE's long rows need the rotary outside
         self.fused_rope = config.rotary_dim % 16 == 0 and not config.rope.switches_to_long(limits.max_seq_len)
 
-    def skip_norm(self, x: str, residual: str, weight: str) -> tuple[str, str]:
-        """(RMSNorm(x + residual), x + residual) in one node."""
+    def skip_norm(self, x: str, residual: str, weight: str | None) -> tuple[str, str]:
+        """(RMSNorm(x + residual), x + residual) in one node; without a norm `weight` (OLMo 2): the sum twice."""
+        if weight is None:
+            total = self.g.op("Add", [x, residual])
+            return total, total
         scale = self.norm_weight(weight, self.c.hidden_size)
         out = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, scale], n_out=4, domain=MS_DOMAIN,
                         omit=(1, 2), epsilon=self.c.rms_norm_eps)  # no mean / inverse std-dev outputs
@@ -76,8 +79,10 @@ class SequenceLowering(LayerOps):
             positions = g.op("Range", [g.op("Squeeze", [start]), total, g.const(np.array(1, np.int64), "one")])
             self.positions = g.op("Unsqueeze", [self.rope_rows(positions), g.ints([0])])
         residual = self.head.embed("input_ids")  # [1, S, hidden]
-        scale = self.norm_weight("model.layers.0.input_layernorm.weight", c.hidden_size)
-        x = g.op("SimplifiedLayerNormalization", [residual, scale], axis=-1, epsilon=c.rms_norm_eps)
+        x = residual
+        if c.pre_norms:
+            scale = self.norm_weight("model.layers.0.input_layernorm.weight", c.hidden_size)
+            x = g.op("SimplifiedLayerNormalization", [residual, scale], axis=-1, epsilon=c.rms_norm_eps)
         for i in range(c.num_layers):
             self.progress(f"sequence graph: layer {i + 1}/{c.num_layers}")
             p = f"model.layers.{i}"
@@ -85,13 +90,14 @@ class SequenceLowering(LayerOps):
             o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, c.num_heads * c.head_dim, c.o_bias)
             if c.sandwich_norms:
                 o = self.rms_norm(o, f"{p}.post_attention_layernorm.weight", c.hidden_size)
-            x, residual = self.skip_norm(self.residual_branch(o), residual, f"{p}.{pre_mlp_norm(c)}.weight")
+            x, residual = self.skip_norm(self.residual_branch(o), residual, pre_mlp_norm(c, p))
             gate, up = self.gate_up(x, f"{p}.mlp")
             down = self.linears.linear(self.activation(gate, up), f"{p}.mlp.down_proj", c.hidden_size,
                                        c.intermediate_size, c.mlp_bias)
             if c.sandwich_norms:
                 down = self.rms_norm(down, f"{p}.post_feedforward_layernorm.weight", c.hidden_size)
-            following = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < c.num_layers else "model.norm.weight"
+            following = "model.norm.weight" if i + 1 == c.num_layers else (
+                f"model.layers.{i + 1}.input_layernorm.weight" if c.pre_norms else None)
             x, residual = self.skip_norm(self.residual_branch(down), residual, following)
         rows = g.op("Slice", [x, g.op("Neg", ["num_logits"]), g.ints([np.iinfo(np.int64).max]), g.ints([1])])
         last = g.op("Squeeze", [rows, g.ints([0])])  # the last num_logits tokens' hidden states: [N, hidden]

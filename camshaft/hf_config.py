@@ -200,8 +200,15 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
         window = None
     elif arch == "phi3":  # slides where config.json sets a window (Phi-3-mini-4k: 2047), on every layer
         window = f.get("sliding_window", "int", None, least=1)
-    elif arch == "smollm3":  # SmolLM3Config: with use_sliding_window, its NoPE layers slide
-        window = f.get("sliding_window", "int", None, least=1) if f.get("use_sliding_window", "bool", False) else None
+    elif arch == "smollm3":  # its listed sliding layers slide by sliding_window (SmolLM3Model's masks); unlisted,
+        # with use_sliding_window its NoPE layers
+        listed = "sliding_attention" in (f.data.get("layer_types") or ())
+        window = f.get("sliding_window", "int", None, least=1) if listed or f.get("use_sliding_window", "bool",
+                                                                                   False) else None
+        if listed and window is None:
+            raise CheckpointError(f"{f.source}: layer_types lists sliding_attention layers but sliding_window is "
+                                  "null (transformers cannot run them without); restore it from the original "
+                                  "checkpoint")
     elif arch in ("mistral", *GEMMAS) or f.get("use_sliding_window", "bool", False):
         window = f.get("sliding_window", "int", DEFAULT_WINDOW if "sliding_window" not in f.data else None, least=1)
     else:

@@ -34,6 +34,14 @@ def test_a_published_config_reads_as_transformers_reads_it(changes):
     assert ours.sliding_window == (8 if changes.get("use_sliding_window") else None)
 
 
+def test_listed_sliding_layers_slide_whatever_use_sliding_window_says():
+    """SmolLM3Model builds their sliding mask from sliding_window (its eager and sdpa attention follow it)."""
+    listed = PUBLISHED | {"layer_types": ["full_attention", "sliding_attention"] * 4, "sliding_window": 8}
+    assert ModelConfig.from_hf(listed).layer_types == ("full", "sliding") * 4
+    with pytest.raises(CheckpointError, match="lists sliding_attention layers but sliding_window is null"):
+        ModelConfig.from_hf(listed | {"sliding_window": None})
+
+
 def test_no_rope_layers_of_the_wrong_length_are_refused():
     with pytest.raises(CheckpointError, match="no_rope_layers must list 0 or 1 for each of the 8 layers"):
         ModelConfig.from_hf(PUBLISHED | {"no_rope_layers": [1, 0, 1]})

@@ -147,7 +147,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
         model = checkpoint.config
-        check_model_target(config.target, model)
+        check_model_target(config.target, model, checkpoint.quantization is not None)
         if checkpoint.unused:
             shown = ", ".join(checkpoint.unused[:4]) + (", ..." if len(checkpoint.unused) > 4 else "")
             progress(f"note: {len(checkpoint.unused)} stored tensor(s) that config.json leaves unread (transformers "

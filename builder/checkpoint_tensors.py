@@ -26,8 +26,16 @@ def expected_tensors(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
         linears = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
-                   "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
-                   "mlp.down_proj": (hidden, inter)}
+                   "self_attn.o_proj": (hidden, q)}
+        if i in c.moe_layers:  # a router and each expert's gated MLP
+            e_inter = c.expert_intermediate_size
+            shapes[f"{p}.mlp.gate.weight"] = (c.num_experts, hidden)
+            for e in range(c.num_experts):
+                shapes |= {f"{p}.mlp.experts.{e}.{n}_proj.weight": shape for n, shape in (
+                    ("gate", (e_inter, hidden)), ("up", (e_inter, hidden)), ("down", (hidden, e_inter)))}
+        else:
+            linears |= {"mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                        "mlp.down_proj": (hidden, inter)}
         shapes |= {f"{p}.{name}.weight": shape for name, shape in linears.items()}
         norms = (("input_layernorm",) if c.pre_norms else ()) + ("post_attention_layernorm",) + (
             ("pre_feedforward_layernorm",) if c.pre_norms and c.sandwich_norms else ()) + (
@@ -37,7 +45,7 @@ def expected_tensors(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
                                   ("self_attn.v_proj", c.qkv_bias), ("self_attn.o_proj", c.o_bias),
                                   ("mlp.gate_proj", c.mlp_bias), ("mlp.up_proj", c.mlp_bias),
                                   ("mlp.down_proj", c.mlp_bias)) if on]
-        shapes |= {f"{p}.{name}.bias": linears[name][:1] for name in biased}
+        shapes |= {f"{p}.{name}.bias": linears[name][:1] for name in biased if name in linears}
         if c.qk_norm:  # per head, or over all of q's / k's heads (OLMo 2)
             shapes |= {f"{p}.self_attn.{n}_norm.weight": (d,) if c.qk_norm_per_head else (width,)
                        for n, width in (("q", q), ("k", kv))}

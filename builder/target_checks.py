@@ -60,8 +60,14 @@ def check_weight_only_compute(weight_only_compute: str, quant_algos: Sequence[st
             f"down_proj); {source} is {' + '.join(quant_algos) or 'not quantized'}. Drop it.")
 
 
-def check_model_target(target: str, model: ModelConfig) -> None:
-    """Refuse, before any work, a model whose graph a TensorRT target cannot parse: its attention has no softcap."""
+def check_model_target(target: str, model: ModelConfig, quantized: bool) -> None:
+    """Refuse, before any work, a model whose graph a TensorRT target cannot parse (its attention has no softcap, and
+    it has no mixture-of-experts operator), and a quantized mixture of experts (its experts are lowered float)."""
+    if model.moe_layers and target != "onnxruntime":
+        raise BuildConfigError(f"{model.architecture}'s mixture of experts runs on ONNX Runtime's MoE operator, which "
+                               "TensorRT does not take; build it for --target onnxruntime")
+    if model.moe_layers and quantized:
+        raise BuildConfigError("a quantized mixture of experts is not supported yet; build the float checkpoint")
     if target != "onnxruntime" and model.attn_softcap is not None:
         raise BuildConfigError(f"{model.architecture} caps its attention scores (attn_logit_softcapping "
                                f"{model.attn_softcap:g}), which TensorRT's attention does not take; build it for "

@@ -23,18 +23,19 @@ ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",  # Llama's layers, every 4th without rope (NoPE)
     "GraniteForCausalLM": "granite",  # Llama's layers with multipliers on the embedding, residual, scores, logits
     "Olmo2ForCausalLM": "olmo2",  # norms after the attention and MLP only, q/k norms over all heads
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, a mixture of experts for the MLP
 }
 GEMMAS = ("gemma2", "gemma3")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192,
-                 "gemma3": 131072, "smollm3": 32768, "granite": 2048, "olmo2": 2048}
+                 "gemma3": 131072, "smollm3": 32768, "granite": 2048, "olmo2": 2048, "qwen3_moe": 32768}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 # their head_dim (others: hidden / heads) and num_key_value_heads (others: one a head) when config.json has none
 HEAD_DIMS = {"qwen3": 128, "gemma2": 256, "gemma3": 256}
-KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma2": 4, "gemma3": 4, "smollm3": 4}
+KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma2": 4, "gemma3": 4, "smollm3": 4, "qwen3_moe": 4}
 MAX_LAYERS = 4096
 
 
@@ -99,8 +100,8 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     # Biases as transformers builds each architecture: Mistral has none and Qwen2 q/k/v only, whatever
     # attention_bias / mlp_bias say; Llama, Qwen3, Gemma, SmolLM3 and Granite follow attention_bias, Llama, SmolLM3
     # and Granite mlp_bias.
-    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "smollm3", "granite", "olmo2",
-                                                               *GEMMAS)
+    bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "qwen3_moe", "smollm3", "granite",
+                                                               "olmo2", *GEMMAS)
     mlp_bias = f.get("mlp_bias", "bool", False) and arch in ("llama", "smollm3", "granite")
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
@@ -121,7 +122,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
         mlp_bias=mlp_bias,
-        qk_norm=arch in ("qwen3", "gemma3", "olmo2"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
         sliding_window=window,
         layer_types=layer_types,
         bos_token_id=special_id(gen, hf, "bos_token_id", source, vocab),
@@ -130,7 +131,23 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         layers_without_rope=layers_without_rope(f, layers) if arch == "smollm3" else (),
     ) | (gemma_fields(hf, f, source, positions, hidden, arch) if arch in GEMMAS else {}) | (
         granite_fields(f) if arch == "granite" else {}) | (
-        dict(pre_norms=False, sandwich_norms=True, qk_norm_per_head=False) if arch == "olmo2" else {})
+        dict(pre_norms=False, sandwich_norms=True, qk_norm_per_head=False) if arch == "olmo2" else {}) | (
+        moe_fields(f, layers) if arch == "qwen3_moe" else {})
+
+
+def moe_fields(f: Fields, layers: int) -> dict[str, Any]:
+    """Qwen3MoeConfig's experts: every decoder_sparse_step-th layer not in mlp_only_layers has them."""
+    # transformers writes num_experts as num_local_experts (its attribute_map); either key reads
+    experts = f.get("num_local_experts", "int", None, least=0)
+    experts = f.get("num_experts", "int", 128, least=0) if experts is None else experts
+    step = f.get("decoder_sparse_step", "int", 1, least=1)
+    dense = f.data.get("mlp_only_layers") or []
+    if not (isinstance(dense, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
+        raise CheckpointError(f"{f.source}: mlp_only_layers must be a list of layer indices, not {dense!r:.60}")
+    moe = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return dict(num_experts=experts, experts_per_token=f.get("num_experts_per_tok", "int", 8, least=1),
+                expert_intermediate_size=f.get("moe_intermediate_size", "int", 768, least=1),
+                normalize_expert_weights=f.get("norm_topk_prob", "bool", False), moe_layers=moe)
 
 
 def granite_fields(f: Fields) -> dict[str, Any]:

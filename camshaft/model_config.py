@@ -124,6 +124,14 @@ class ModelConfig:
     layers_without_rope: tuple[int, ...] = ()  # SmolLM3's NoPE layers: their q and k are not rotated
     pre_norms: bool = True  # the attention's and MLP's inputs are normed (OLMo 2: only their outputs, sandwich_norms)
     qk_norm_per_head: bool = True  # qk_norm over each head (Qwen3, Gemma 3) or over all heads at once (OLMo 2)
+    # Mixture of experts (Qwen3-MoE): on moe_layers the MLP is num_experts experts of expert_intermediate_size, each
+    # token routed to experts_per_token of them by softmax over the router's logits (renormalized over those chosen
+    # with normalize_expert_weights)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = False
+    moe_layers: tuple[int, ...] = ()
     residual_scale: float = 1.0  # Granite: each attention and MLP output joins the residual stream times this
     logits_divisor: float = 1.0  # Granite's logits_scaling: the logits divided by it
 
@@ -137,7 +145,12 @@ class ModelConfig:
             raise CheckpointError(f"longrope's short_factor and long_factor need one entry per rotary frequency "
                                   f"(rotary dimensions / 2 = {self.rotary_dim // 2}), got "
                                   f"{len(self.rope.short_factor)}")
-        if not all(is_int(i) and 0 <= i < self.num_layers for i in self.layers_without_rope):
+        if self.moe_layers and not (0 < self.experts_per_token <= self.num_experts
+                                    and is_int_at_least(self.expert_intermediate_size, 1)):
+            raise CheckpointError(f"a mixture of experts needs 0 < num_experts_per_tok <= num_experts and a positive "
+                                  f"moe_intermediate_size, got {self.experts_per_token}, {self.num_experts} and "
+                                  f"{self.expert_intermediate_size}")
+        if not all(is_int(i) and 0 <= i < self.num_layers for i in self.layers_without_rope + self.moe_layers):
             raise CheckpointError(f"layers_without_rope {self.layers_without_rope} must be layer indices "
                                   f"(0..{self.num_layers - 1})")
         if self.activation not in ACTIVATIONS:
@@ -208,6 +221,7 @@ class ModelConfig:
             data["local_rope"] = RopeConfig(**data["local_rope"])
         data["layer_types"] = tuple(data["layer_types"])
         data["layers_without_rope"] = tuple(data.get("layers_without_rope", ()))
+        data["moe_layers"] = tuple(data.get("moe_layers", ()))
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["sampling_defaults"] = tuple((key, value) for key, value in data.get("sampling_defaults", ()))
         return cls(**data)

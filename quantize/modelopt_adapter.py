@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from camshaft.errors import CheckpointError, needs_extra
+from camshaft.errors import CheckpointError, UnsupportedModelError, needs_extra
 from camshaft.float_model import load_float_model
 from camshaft.model_config import (
     CAMSHAFT_QUANT_RECORD,
@@ -115,6 +115,9 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         raise QuantizeError(f"{model_dir} is already quantized ({where}); quantize the original checkpoint")
     refuse_stored_codes(model_dir, QuantizeError, "quantize the original float checkpoint")
     model_config = ModelConfig.from_hf_dir(model_dir)
+    if model_config.moe_layers:
+        raise UnsupportedModelError(f"{model_dir}: quantizing a mixture of experts is not supported yet; build the "
+                                    "float checkpoint (camshaft build without --quant)")
     source_dtype = stored_float_dtype(model_dir)  # the export is float32: builds take the model's own type from this
     group_size = resolve_group_size(spec, model_config)
     check_lm_head_fits(spec, model_config)

@@ -11,8 +11,12 @@ def linear_params(manifest: Manifest) -> tuple[int, int]:
     m = manifest.model
     q = m.num_heads * m.head_dim
     kv = m.num_kv_heads * m.head_dim
-    per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
-    return per_layer * m.num_layers, m.vocab_size * m.hidden_size
+    attention = m.hidden_size * (q + 2 * kv) + q * m.hidden_size
+    dense = 3 * m.hidden_size * m.intermediate_size
+    # a mixture of experts computes its router and the experts each token is routed to
+    sparse = m.hidden_size * m.num_experts + m.experts_per_token * 3 * m.hidden_size * m.expert_intermediate_size
+    moe = len(m.moe_layers)
+    return attention * m.num_layers + dense * (m.num_layers - moe) + sparse * moe, m.vocab_size * m.hidden_size
 
 
 def _attended(n: int, window: int | None) -> int:

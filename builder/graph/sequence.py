@@ -91,9 +91,13 @@ class SequenceLowering(LayerOps):
             if c.sandwich_norms:
                 o = self.rms_norm(o, f"{p}.post_attention_layernorm.weight", c.hidden_size)
             x, residual = self.skip_norm(self.residual_branch(o), residual, pre_mlp_norm(c, p))
-            gate, up = self.gate_up(x, f"{p}.mlp")
-            down = self.linears.linear(self.activation(gate, up), f"{p}.mlp.down_proj", c.hidden_size,
-                                       c.intermediate_size, c.mlp_bias)
+            if i in c.moe_layers:  # [1, S, hidden] as the [S, hidden] rows the MoE node takes
+                rows = self.experts(g.op("Reshape", [x, g.ints([-1, c.hidden_size])]), f"{p}.mlp")
+                down = g.op("Reshape", [rows, g.ints([1, -1, c.hidden_size])])
+            else:
+                gate, up = self.gate_up(x, f"{p}.mlp")
+                down = self.linears.linear(self.activation(gate, up), f"{p}.mlp.down_proj", c.hidden_size,
+                                           c.intermediate_size, c.mlp_bias)
             if c.sandwich_norms:
                 down = self.rms_norm(down, f"{p}.post_feedforward_layernorm.weight", c.hidden_size)
             following = "model.norm.weight" if i + 1 == c.num_layers else (

@@ -7,12 +7,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from camshaft.errors import CheckpointError
+from camshaft.model_config import ModelConfig
 from camshaft.weight_files import EMBED
 
 if TYPE_CHECKING:
     from camshaft.builder.checkpoint import Checkpoint
 
 HEAD = "lm_head.weight"
+
+
+def expert_names(c: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """Layer `layer`'s router weight and each expert's (gate, up, down) weights, as the checkpoint names them."""
+    if c.architecture == "mixtral":
+        prefix, parts = f"model.layers.{layer}.block_sparse_moe", ("w1", "w3", "w2")
+    else:
+        prefix, parts = f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
+    return f"{prefix}.gate.weight", [tuple(f"{prefix}.experts.{e}.{n}.weight" for n in parts)
+                                     for e in range(c.num_experts)]
 
 
 def expected_tensors(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
@@ -29,10 +40,10 @@ def expected_tensors(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
                    "self_attn.o_proj": (hidden, q)}
         if i in c.moe_layers:  # a router and each expert's gated MLP
             e_inter = c.expert_intermediate_size
-            shapes[f"{p}.mlp.gate.weight"] = (c.num_experts, hidden)
-            for e in range(c.num_experts):
-                shapes |= {f"{p}.mlp.experts.{e}.{n}_proj.weight": shape for n, shape in (
-                    ("gate", (e_inter, hidden)), ("up", (e_inter, hidden)), ("down", (hidden, e_inter)))}
+            router, experts = expert_names(c, i)
+            shapes[router] = (c.num_experts, hidden)
+            for gate, up, down in experts:
+                shapes |= {gate: (e_inter, hidden), up: (e_inter, hidden), down: (hidden, e_inter)}
         else:
             linears |= {"mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
                         "mlp.down_proj": (hidden, inter)}

@@ -24,18 +24,23 @@ ARCHITECTURES = {
     "GraniteForCausalLM": "granite",  # Llama's layers with multipliers on the embedding, residual, scores, logits
     "Olmo2ForCausalLM": "olmo2",  # norms after the attention and MLP only, q/k norms over all heads
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, a mixture of experts for the MLP
+    "MixtralForCausalLM": "mixtral",  # Mistral's attention, a mixture of experts (always renormalized) for the MLP
+    "OlmoeForCausalLM": "olmoe",  # OLMo's q/k norms over all heads, a mixture of experts for the MLP
 }
+MOES = ("qwen3_moe", "mixtral", "olmoe")
 GEMMAS = ("gemma2", "gemma3")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192,
-                 "gemma3": 131072, "smollm3": 32768, "granite": 2048, "olmo2": 2048, "qwen3_moe": 32768}
+                 "gemma3": 131072, "smollm3": 32768, "granite": 2048, "olmo2": 2048, "qwen3_moe": 32768,
+                 "mixtral": 131072, "olmoe": 4096}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 # their head_dim (others: hidden / heads) and num_key_value_heads (others: one a head) when config.json has none
 HEAD_DIMS = {"qwen3": 128, "gemma2": 256, "gemma3": 256}
-KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma2": 4, "gemma3": 4, "smollm3": 4, "qwen3_moe": 4}
+KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "gemma2": 4, "gemma3": 4, "smollm3": 4, "qwen3_moe": 4,
+            "mixtral": 8}
 MAX_LAYERS = 4096
 
 
@@ -101,7 +106,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     # attention_bias / mlp_bias say; Llama, Qwen3, Gemma, SmolLM3 and Granite follow attention_bias, Llama, SmolLM3
     # and Granite mlp_bias.
     bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "qwen3_moe", "smollm3", "granite",
-                                                               "olmo2", *GEMMAS)
+                                                               "olmo2", "olmoe", *GEMMAS)
     mlp_bias = f.get("mlp_bias", "bool", False) and arch in ("llama", "smollm3", "granite")
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
@@ -115,14 +120,15 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         num_heads=heads,
         num_kv_heads=kv_heads(f, arch, heads, source),
         head_dim=f.get("head_dim", "int", HEAD_DIMS.get(arch, hidden // heads), least=1),
-        rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch in ("phi3", "olmo2") else 1e-6, least=0),
+        rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch in ("phi3", "olmo2", "mixtral", "olmoe") else 1e-6,
+                           least=0),
         max_position_embeddings=positions,
         rope=rope_fields(hf, f, source, positions, arch),
         tie_word_embeddings=f.get("tie_word_embeddings", "bool", arch in (*GEMMAS, "smollm3")),  # their configs tie
         qkv_bias=True if arch == "qwen2" else bias,
         o_bias=bias,
         mlp_bias=mlp_bias,
-        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmoe"),
         sliding_window=window,
         layer_types=layer_types,
         bos_token_id=special_id(gen, hf, "bos_token_id", source, vocab),
@@ -132,11 +138,23 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     ) | (gemma_fields(hf, f, source, positions, hidden, arch) if arch in GEMMAS else {}) | (
         granite_fields(f) if arch == "granite" else {}) | (
         dict(pre_norms=False, sandwich_norms=True, qk_norm_per_head=False) if arch == "olmo2" else {}) | (
-        moe_fields(f, layers) if arch == "qwen3_moe" else {})
+        dict(qk_norm_per_head=False) if arch == "olmoe" else {}) | (moe_fields(f, layers, arch) if arch in MOES else {})
 
 
-def moe_fields(f: Fields, layers: int) -> dict[str, Any]:
-    """Qwen3MoeConfig's experts: every decoder_sparse_step-th layer not in mlp_only_layers has them."""
+def moe_fields(f: Fields, layers: int, arch: str) -> dict[str, Any]:
+    """The experts as their configs say: Qwen3-MoE's on every decoder_sparse_step-th layer not in mlp_only_layers
+    (of moe_intermediate_size), Mixtral's and OLMoE's on every layer (of intermediate_size); Mixtral renormalizes the
+    chosen experts' weights always, the others with norm_topk_prob."""
+    if arch == "olmoe" and f.data.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{f.source}: clip_qkv={f.data['clip_qkv']!r} is not supported (OLMoE's "
+                                    "published models set none)")
+    if arch != "qwen3_moe":
+        return dict(num_experts=f.get("num_local_experts" if arch == "mixtral" else "num_experts", "int",
+                                      8 if arch == "mixtral" else 64, least=1),
+                    experts_per_token=f.get("num_experts_per_tok", "int", 2 if arch == "mixtral" else 8, least=1),
+                    expert_intermediate_size=f.get("intermediate_size", "int", least=1),
+                    normalize_expert_weights=arch == "mixtral" or f.get("norm_topk_prob", "bool", False),
+                    moe_layers=tuple(range(layers)))
     # transformers writes num_experts as num_local_experts (its attribute_map); either key reads
     experts = f.get("num_local_experts", "int", None, least=0)
     experts = f.get("num_experts", "int", 128, least=0) if experts is None else experts
@@ -216,6 +234,8 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
     if arch == "llama":
         window = None
     elif arch == "phi3":  # slides where config.json sets a window (Phi-3-mini-4k: 2047), on every layer
+        window = f.get("sliding_window", "int", None, least=1)
+    elif arch == "mixtral":  # MixtralConfig: no window unless config.json sets one, then on every layer
         window = f.get("sliding_window", "int", None, least=1)
     elif arch == "smollm3":  # its listed sliding layers slide by sliding_window (SmolLM3Model's masks); unlisted,
         # with use_sliding_window its NoPE layers

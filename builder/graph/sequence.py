@@ -92,7 +92,7 @@ class SequenceLowering(LayerOps):
                 o = self.rms_norm(o, f"{p}.post_attention_layernorm.weight", c.hidden_size)
             x, residual = self.skip_norm(self.residual_branch(o), residual, pre_mlp_norm(c, p))
             if i in c.moe_layers:  # [1, S, hidden] as the [S, hidden] rows the MoE node takes
-                rows = self.experts(g.op("Reshape", [x, g.ints([-1, c.hidden_size])]), f"{p}.mlp")
+                rows = self.experts(g.op("Reshape", [x, g.ints([-1, c.hidden_size])]), i)
                 down = g.op("Reshape", [rows, g.ints([1, -1, c.hidden_size])])
             else:
                 gate, up = self.gate_up(x, f"{p}.mlp")

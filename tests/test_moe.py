@@ -1,6 +1,7 @@
-"""Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention, a mixture of experts for the MLP (ONNX Runtime's MoE
-operator: softmax routing, top-k, SwiGLU experts); numerics of both graphs also in test_parity.py's variant
-"qwen3-moe" (one dense layer among the sparse ones). What it cannot take is refused before any work."""
+"""Mixtures of experts — Qwen3-MoE, Mixtral, OLMoE — lowered to ONNX Runtime's MoE operator (softmax routing, top-k,
+SwiGLU experts); numerics of both graphs also in test_parity.py's variants "qwen3-moe" (one dense layer among the
+sparse ones), "mixtral-moe" (a sliding window) and "olmoe" (weights not renormalized). What they cannot take is
+refused before any work."""
 
 from __future__ import annotations
 
@@ -32,9 +33,31 @@ def test_a_published_config_reads_its_experts(changes, moe_layers):
     assert c.normalize_expert_weights and c.moe_layers == moe_layers and c.qk_norm
 
 
-def test_qwen3_moe_generates_what_transformers_does(tmp_path):
-    engine = tiny_engine(tmp_path, "qwen3-moe", max_seq_len=96, kv_block_size=4, max_num_tokens=16)
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+           "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None, "rope_theta": 1e6,
+           "vocab_size": 384}
+OLMOE = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 64, "intermediate_size": 32,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2, "num_experts": 16,
+         "num_experts_per_tok": 4, "norm_topk_prob": False, "clip_qkv": None, "vocab_size": 384}
+
+
+def test_mixtral_and_olmoe_configs_read_their_experts():
+    mixtral, olmoe = ModelConfig.from_hf(MIXTRAL), ModelConfig.from_hf(OLMOE)
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.expert_intermediate_size) == (8, 2, 96)
+    assert mixtral.normalize_expert_weights and mixtral.moe_layers == (0, 1) and mixtral.sliding_window is None
+    assert (olmoe.num_experts, olmoe.experts_per_token, olmoe.normalize_expert_weights) == (16, 4, False)
+    assert (olmoe.qk_norm, olmoe.qk_norm_per_head, olmoe.rms_norm_eps) == (True, False, 1e-5)
+    with pytest.raises(UnsupportedModelError, match="clip_qkv=8.0 is not supported"):
+        ModelConfig.from_hf(OLMOE | {"clip_qkv": 8.0})
+
+
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral-moe", "olmoe"])
+def test_a_mixture_of_experts_generates_what_transformers_does(tmp_path, variant):
+    engine = tiny_engine(tmp_path, variant, max_seq_len=96, kv_block_size=4, max_num_tokens=16)
     check_generation(engine, tmp_path / "hf", [list(range(5, 30)), [7, 8, 9]], 20)
+    if variant != "qwen3-moe":
+        return
     m = read_manifest(engine).model  # the throughput benchmark's FLOPs count the experts a token is routed to
     attention = 64 * (64 + 2 * 32) + 64 * 64  # q, k, v, o of hidden 64, 4 heads / 2 KV heads of 16
     routed = 64 * 4 + 2 * 3 * 64 * 32  # the router, and 2 experts of 32 a token

@@ -11,7 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 LEAF = {"camshaft", "camshaft.errors", "camshaft.manifest", "camshaft.model_config", "camshaft.outdir",
         "camshaft.version", "camshaft.models", "camshaft.weight_files", "camshaft.checks",
-        "camshaft.hf_config", "camshaft.hf_fields", "camshaft.hf_rope", "camshaft.hf_archs", "camshaft.graph_meta",
+        "camshaft.hf_config", "camshaft.hf_fields", "camshaft.hf_rope", "camshaft.hf_archs", "camshaft.rope_config",
+        "camshaft.graph_meta",
         "camshaft.engine_files", "camshaft.io_signature",
         "camshaft.float_model", "camshaft.cuda_gpu", "camshaft.trt_logger", "camshaft.stop_signals"}
 # package folder → the camshaft packages its modules may import (besides the leaf modules and itself)

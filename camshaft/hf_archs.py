@@ -17,16 +17,15 @@ def moe_fields(f: Fields, layers: int, arch: str) -> dict[str, Any]:
     if arch == "olmoe" and f.data.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{f.source}: clip_qkv={f.data['clip_qkv']!r} is not supported (OLMoE's "
                                     "published models set none)")
+    # transformers reads either key as the other (its attribute_map), for each of them
+    named = next((key for key in ("num_local_experts", "num_experts") if f.data.get(key) is not None), None)
     if arch != "qwen3_moe":
-        return dict(num_experts=f.get("num_local_experts" if arch == "mixtral" else "num_experts", "int",
-                                      8 if arch == "mixtral" else 64, least=1),
+        return dict(num_experts=f.get(named, "int", least=1) if named else 8 if arch == "mixtral" else 64,
                     experts_per_token=f.get("num_experts_per_tok", "int", 2 if arch == "mixtral" else 8, least=1),
                     expert_intermediate_size=f.get("intermediate_size", "int", least=1),
                     normalize_expert_weights=arch == "mixtral" or f.get("norm_topk_prob", "bool", False),
                     moe_layers=tuple(range(layers)))
-    # transformers writes num_experts as num_local_experts (its attribute_map); either key reads
-    experts = f.get("num_local_experts", "int", None, least=0)
-    experts = f.get("num_experts", "int", 128, least=0) if experts is None else experts
+    experts = f.get(named, "int", least=0) if named else 128
     step = f.get("decoder_sparse_step", "int", 1, least=1)
     dense = f.data.get("mlp_only_layers") or []
     if not (isinstance(dense, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):

@@ -30,6 +30,7 @@ ARCHITECTURES = {
 }
 MOES = ("qwen3_moe", "mixtral", "olmoe")
 GEMMAS = ("gemma2", "gemma3")
+LAYER_TYPED = ("qwen2", "qwen3", "gemma2", "gemma3", "smollm3")  # their models read config.json's layer_types
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults
@@ -158,7 +159,7 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
     """(sliding window, per-layer "full" | "sliding") as transformers reads them: Llama has no window, Mistral's
     defaults to 4096, Qwen2/3 slide only with use_sliding_window (window 4096 and max_window_layers 28 unless
     config.json says otherwise; layers from max_window_layers on slide)."""
-    if arch == "llama":
+    if arch in ("llama", "granite", "olmo2", "olmoe"):  # their attention has no window, whatever config.json says
         window = None
     elif arch == "phi3":  # slides where config.json sets a window (Phi-3-mini-4k: 2047), on every layer
         window = f.get("sliding_window", "int", None, least=1)
@@ -181,7 +182,7 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
         raise CheckpointError(f"{f.source}: sliding_window is null, but Gemma's sliding layers need one "
                               "(transformers cannot run them without); restore it from the original checkpoint")
     names = {"full_attention": "full", "sliding_attention": "sliding"}
-    if f.data.get("layer_types") and arch != "phi3":  # Phi-3 slides every layer or none, whatever it lists
+    if f.data.get("layer_types") and arch in LAYER_TYPED:  # the others slide every layer or none, whatever it lists
         try:
             types = tuple(names[t] for t in f.data["layer_types"])
         except (KeyError, TypeError) as exc:

@@ -52,6 +52,20 @@ def test_mixtral_and_olmoe_configs_read_their_experts():
         ModelConfig.from_hf(OLMOE | {"clip_qkv": 8.0})
 
 
+def test_config_keys_transformers_reads_otherwise_are_read_as_it_does():
+    """Either expert-count key (transformers maps each to the other); layer_types, which MixtralConfig and
+    Qwen3MoeConfig do not have: their models slide every layer by sliding_window (found by a review)."""
+    assert ModelConfig.from_hf({k: v for k, v in OLMOE.items() if k != "num_experts"} | {"num_local_experts": 16}
+                               ).num_experts == 16
+    assert ModelConfig.from_hf({k: v for k, v in MIXTRAL.items() if k != "num_local_experts"} | {"num_experts": 4}
+                               ).num_experts == 4
+    listed = {"sliding_window": 5, "layer_types": ["full_attention", "sliding_attention"]}
+    assert ModelConfig.from_hf(MIXTRAL | listed).layer_types == ("sliding", "sliding")
+    assert ModelConfig.from_hf(PUBLISHED | listed | {"use_sliding_window": True, "num_hidden_layers": 2}
+                               ).layer_types == ("sliding", "sliding")
+    assert ModelConfig.from_hf(OLMOE | {"use_sliding_window": True, "sliding_window": 5}).sliding_window is None
+
+
 @pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral-moe", "olmoe"])
 def test_a_mixture_of_experts_generates_what_transformers_does(tmp_path, variant):
     engine = tiny_engine(tmp_path, variant, max_seq_len=96, kv_block_size=4, max_num_tokens=16)

@@ -19,6 +19,8 @@ def test_a_published_config_reads_as_olmo2():
     assert (c.pre_norms, c.sandwich_norms, c.qk_norm, c.qk_norm_per_head) == (False, True, True, False)
     assert (c.rms_norm_eps, c.rope.theta, c.norm_offset, c.tie_word_embeddings) == (1e-6, 5e5, 0.0, False)
     assert ModelConfig.from_hf({k: v for k, v in PUBLISHED.items() if k != "rms_norm_eps"}).rms_norm_eps == 1e-5
+    # Olmo2's attention has no window, whatever config.json says (found by a review)
+    assert ModelConfig.from_hf(PUBLISHED | {"use_sliding_window": True, "sliding_window": 5}).sliding_window is None
 
 
 def test_olmo2_generates_what_transformers_does(tmp_path):

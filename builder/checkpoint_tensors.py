@@ -6,24 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from camshaft.builder.experts import expert_tensors
 from camshaft.errors import CheckpointError
-from camshaft.model_config import ModelConfig
 from camshaft.weight_files import EMBED
 
 if TYPE_CHECKING:
     from camshaft.builder.checkpoint import Checkpoint
 
 HEAD = "lm_head.weight"
-
-
-def expert_names(c: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
-    """Layer `layer`'s router weight and each expert's (gate, up, down) weights, as the checkpoint names them."""
-    if c.architecture == "mixtral":
-        prefix, parts = f"model.layers.{layer}.block_sparse_moe", ("w1", "w3", "w2")
-    else:
-        prefix, parts = f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
-    return f"{prefix}.gate.weight", [tuple(f"{prefix}.experts.{e}.{n}.weight" for n in parts)
-                                     for e in range(c.num_experts)]
 
 
 def expected_tensors(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
@@ -38,12 +28,8 @@ def expected_tensors(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}"
         linears = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
                    "self_attn.o_proj": (hidden, q)}
-        if i in c.moe_layers:  # a router and each expert's gated MLP
-            e_inter = c.expert_intermediate_size
-            router, experts = expert_names(c, i)
-            shapes[router] = (c.num_experts, hidden)
-            for gate, up, down in experts:
-                shapes |= {gate: (e_inter, hidden), up: (e_inter, hidden), down: (hidden, e_inter)}
+        if i in c.moe_layers:  # a router and the experts' gated MLPs
+            shapes |= expert_tensors(c, i)
         else:
             linears |= {"mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
                         "mlp.down_proj": (hidden, inter)}

@@ -20,10 +20,12 @@ def moe_fields(f: Fields, layers: int, arch: str) -> dict[str, Any]:
     # transformers reads either key as the other (its attribute_map), for each of them
     named = next((key for key in ("num_local_experts", "num_experts") if f.data.get(key) is not None), None)
     if arch != "qwen3_moe":
-        return dict(num_experts=f.get(named, "int", least=1) if named else 8 if arch == "mixtral" else 64,
-                    experts_per_token=f.get("num_experts_per_tok", "int", 2 if arch == "mixtral" else 8, least=1),
+        # GraniteMoE: a softmax over the chosen experts' logits, the same as Mixtral's renormalized top-k
+        renormalized = arch in ("mixtral", "granitemoe")
+        return dict(num_experts=f.get(named, "int", least=1) if named else 64 if arch == "olmoe" else 8,
+                    experts_per_token=f.get("num_experts_per_tok", "int", 8 if arch == "olmoe" else 2, least=1),
                     expert_intermediate_size=f.get("intermediate_size", "int", least=1),
-                    normalize_expert_weights=arch == "mixtral" or f.get("norm_topk_prob", "bool", False),
+                    normalize_expert_weights=renormalized or f.get("norm_topk_prob", "bool", False),
                     moe_layers=tuple(range(layers)))
     experts = f.get(named, "int", least=0) if named else 128
     step = f.get("decoder_sparse_step", "int", 1, least=1)

@@ -27,8 +27,9 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, a mixture of experts for the MLP
     "MixtralForCausalLM": "mixtral",  # Mistral's attention, a mixture of experts (always renormalized) for the MLP
     "OlmoeForCausalLM": "olmoe",  # OLMo's q/k norms over all heads, a mixture of experts for the MLP
+    "GraniteMoeForCausalLM": "granitemoe",  # Granite's multipliers, a mixture of experts (stacked) for the MLP
 }
-MOES = ("qwen3_moe", "mixtral", "olmoe")
+MOES = ("qwen3_moe", "mixtral", "olmoe", "granitemoe")
 GEMMAS = ("gemma2", "gemma3")
 LAYER_TYPED = ("qwen2", "qwen3", "gemma2", "gemma3", "smollm3")  # their models read config.json's layer_types
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
@@ -36,7 +37,7 @@ FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192,
                  "gemma3": 131072, "smollm3": 32768, "granite": 2048, "olmo2": 2048, "qwen3_moe": 32768,
-                 "mixtral": 131072, "olmoe": 4096}
+                 "mixtral": 131072, "olmoe": 4096, "granitemoe": 2048}
 DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3 configs' sliding_window when config.json has none
 QWEN_DEFAULT_WINDOW_LAYERS = 28  # their max_window_layers default: layers from this index on slide
 # their head_dim (others: hidden / heads) and num_key_value_heads (others: one a head) when config.json has none
@@ -108,7 +109,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     # attention_bias / mlp_bias say; Llama, Qwen3, Gemma, SmolLM3 and Granite follow attention_bias, Llama, SmolLM3
     # and Granite mlp_bias.
     bias = f.get("attention_bias", "bool", False) and arch in ("llama", "qwen3", "qwen3_moe", "smollm3", "granite",
-                                                               "olmo2", "olmoe", *GEMMAS)
+                                                               "granitemoe", "olmo2", "olmoe", *GEMMAS)
     mlp_bias = f.get("mlp_bias", "bool", False) and arch in ("llama", "smollm3", "granite")
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
@@ -138,7 +139,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         sampling_defaults=sampling_defaults(gen, source),
         layers_without_rope=layers_without_rope(f, layers) if arch == "smollm3" else (),
     ) | (gemma_fields(hf, f, source, positions, hidden, arch) if arch in GEMMAS else {}) | (
-        granite_fields(f) if arch == "granite" else {}) | (
+        granite_fields(f) if arch in ("granite", "granitemoe") else {}) | (
         dict(pre_norms=False, sandwich_norms=True, qk_norm_per_head=False) if arch == "olmo2" else {}) | (
         dict(qk_norm_per_head=False) if arch == "olmoe" else {}) | (moe_fields(f, layers, arch) if arch in MOES else {})
 
@@ -159,7 +160,7 @@ def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tup
     """(sliding window, per-layer "full" | "sliding") as transformers reads them: Llama has no window, Mistral's
     defaults to 4096, Qwen2/3 slide only with use_sliding_window (window 4096 and max_window_layers 28 unless
     config.json says otherwise; layers from max_window_layers on slide)."""
-    if arch in ("llama", "granite", "olmo2", "olmoe"):  # their attention has no window, whatever config.json says
+    if arch in ("llama", "granite", "granitemoe", "olmo2", "olmoe"):  # their attention has no window at all
         window = None
     elif arch == "phi3":  # slides where config.json sets a window (Phi-3-mini-4k: 2047), on every layer
         window = f.get("sliding_window", "int", None, least=1)

@@ -1,6 +1,7 @@
 """Mixtures of experts — Qwen3-MoE, Mixtral, OLMoE — lowered to ONNX Runtime's MoE operator (softmax routing, top-k,
 SwiGLU experts); numerics of both graphs also in test_parity.py's variants "qwen3-moe" (one dense layer among the
-sparse ones), "mixtral-moe" (a sliding window) and "olmoe" (weights not renormalized). What they cannot take is
+sparse ones), "mixtral-moe" (a sliding window), "olmoe" (weights not renormalized) and "granitemoe" (the experts
+stacked in one tensor, Granite's multipliers). What they cannot take is
 refused before any work."""
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ OLMOE = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_s
          "num_experts_per_tok": 4, "norm_topk_prob": False, "clip_qkv": None, "vocab_size": 384}
 
 
-def test_mixtral_and_olmoe_configs_read_their_experts():
+def test_mixtral_olmoe_and_granitemoe_configs_read_their_experts():
     mixtral, olmoe = ModelConfig.from_hf(MIXTRAL), ModelConfig.from_hf(OLMOE)
     assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.expert_intermediate_size) == (8, 2, 96)
     assert mixtral.normalize_expert_weights and mixtral.moe_layers == (0, 1) and mixtral.sliding_window is None
@@ -50,6 +51,10 @@ def test_mixtral_and_olmoe_configs_read_their_experts():
     assert (olmoe.qk_norm, olmoe.qk_norm_per_head, olmoe.rms_norm_eps) == (True, False, 1e-5)
     with pytest.raises(UnsupportedModelError, match="clip_qkv=8.0 is not supported"):
         ModelConfig.from_hf(OLMOE | {"clip_qkv": 8.0})
+    granite = ModelConfig.from_hf(MIXTRAL | {"architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe",
+                                             "embedding_multiplier": 12.0, "logits_scaling": 6.0})
+    assert (granite.num_experts, granite.normalize_expert_weights, granite.embed_scale, granite.logits_divisor) == (
+        8, True, 12.0, 6.0)  # softmax over the chosen experts' logits: Mixtral's renormalized top-k
 
 
 def test_config_keys_transformers_reads_otherwise_are_read_as_it_does():
@@ -66,7 +71,7 @@ def test_config_keys_transformers_reads_otherwise_are_read_as_it_does():
     assert ModelConfig.from_hf(OLMOE | {"use_sliding_window": True, "sliding_window": 5}).sliding_window is None
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral-moe", "olmoe"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral-moe", "olmoe", "granitemoe"])
 def test_a_mixture_of_experts_generates_what_transformers_does(tmp_path, variant):
     engine = tiny_engine(tmp_path, variant, max_seq_len=96, kv_block_size=4, max_num_tokens=16)
     check_generation(engine, tmp_path / "hf", [list(range(5, 30)), [7, 8, 9]], 20)

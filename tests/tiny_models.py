@@ -71,6 +71,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     )),
     "mixtral-moe": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
     "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, attention_bias=True)),  # not renormalized
+    "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=6.0,
+                                            residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=4.0)),
     "qwen2-yarn": ("Qwen2Config", dict(  # long-context Qwen2.5: YaRN past 64 of the tests' positions
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64,
                              beta_fast=4.0),
@@ -80,7 +82,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 # What the TensorRT targets build: not Gemma 2, whose softcapped attention TensorRT's has no form of, nor mixtures of
 # experts, which the graph runs with ONNX Runtime's own MoE operator (both refused at build)
 TRT_VARIANTS = {name: spec for name, spec in VARIANTS.items()
-                if name not in ("gemma2", "qwen3-moe", "mixtral-moe", "olmoe")}
+                if name not in ("gemma2", "qwen3-moe", "mixtral-moe", "olmoe", "granitemoe")}
 
 
 def make_tiny_model(name: str, out_dir: Path, seed: int = 0, **overrides) -> Path:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from camshaft.builder.checkpoint_tensors import expert_names
+from camshaft.builder.experts import read_experts
 from camshaft.builder.graph.linear import MS_DOMAIN
 from camshaft.builder.graph.ops import GraphWriter
 from camshaft.builder.graph.rope import cos_sin_tables
@@ -90,18 +90,11 @@ class LayerOps:
         """Layer `layer`'s mixture of experts on [T, hidden] (ONNX Runtime's MoE: softmax over the router's logits,
         the top experts_per_token, SwiGLU experts whose gate and up rows it takes interleaved)."""
         g, c = self.g, self.c
-        h, inner, count = c.hidden_size, c.expert_intermediate_size, c.num_experts
-        router_name, names = expert_names(c, layer)
-        router = self.weights(router_name, (count, h))
+        router_name, router, gate_up, down = read_experts(c, layer, self.weights)
         logits = g.op("MatMul", [x, g.weight(router_name, np.ascontiguousarray(router.T, self.np_dtype))])
-        up_rows = np.empty((count, 2 * inner, h), self.np_dtype)
-        down = np.empty((count, h, inner), self.np_dtype)
-        for e, (gate_name, up_name, down_name) in enumerate(names):
-            up_rows[e, 0::2] = self.weights(gate_name, (inner, h))
-            up_rows[e, 1::2] = self.weights(up_name, (inner, h))
-            down[e] = self.weights(down_name, (h, inner))
         p = f"model.layers.{layer}.experts"
-        return g.op("MoE", [x, logits, g.weight(f"{p}.gate_up", up_rows), "", g.weight(f"{p}.down", down)],
+        return g.op("MoE", [x, logits, g.weight(f"{p}.gate_up", gate_up.astype(self.np_dtype)), "",
+                            g.weight(f"{p}.down", np.ascontiguousarray(down, self.np_dtype))],
                     domain=MS_DOMAIN, k=c.experts_per_token,
                     activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
                     swiglu_limit=float(np.finfo(np.float32).max), normalize_routing_weights=int(

@@ -72,9 +72,9 @@ class ModelConfig:
     layers_without_rope: tuple[int, ...] = ()  # SmolLM3's NoPE layers: their q and k are not rotated
     pre_norms: bool = True  # the attention's and MLP's inputs are normed (OLMo 2: only their outputs, sandwich_norms)
     qk_norm_per_head: bool = True  # qk_norm over each head (Qwen3, Gemma 3) or over all heads at once (OLMo 2)
-    # Mixture of experts (Qwen3-MoE): on moe_layers the MLP is num_experts experts of expert_intermediate_size, each
-    # token routed to experts_per_token of them by softmax over the router's logits (renormalized over those chosen
-    # with normalize_expert_weights)
+    # Mixture of experts (Qwen3-MoE, Mixtral, OLMoE, GraniteMoE): on moe_layers the MLP is num_experts experts of
+    # expert_intermediate_size, each token routed to experts_per_token of them by softmax over the router's logits
+    # (renormalized over those chosen with normalize_expert_weights)
     num_experts: int = 0
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
@@ -99,8 +99,8 @@ class ModelConfig:
                                   f"moe_intermediate_size, got {self.experts_per_token}, {self.num_experts} and "
                                   f"{self.expert_intermediate_size}")
         if not all(is_int(i) and 0 <= i < self.num_layers for i in self.layers_without_rope + self.moe_layers):
-            raise CheckpointError(f"layers_without_rope {self.layers_without_rope} must be layer indices "
-                                  f"(0..{self.num_layers - 1})")
+            raise CheckpointError(f"layers_without_rope {self.layers_without_rope} and moe_layers {self.moe_layers} "
+                                  f"must be layer indices (0..{self.num_layers - 1})")
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {self.activation!r} is not supported ({', '.join(ACTIVATIONS)})")
         optional = (self.attention_scale, self.attn_softcap, self.logit_softcap)

@@ -30,19 +30,24 @@ def expert_tensors(c: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_experts(c: ModelConfig, layer: int, weights: Weights) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+def read_experts(c: ModelConfig, layer: int, weights: Weights,
+                 dtype: np.dtype) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
     """(the router's name, its weight [E, H], the experts' gate and up rows interleaved [E, 2I, H] as ONNX Runtime's
-    MoE takes them, their down weights [E, H, I])."""
+    MoE takes them, their down weights [E, H, I]), the experts written straight into arrays of `dtype` (one layer's
+    experts in memory once)."""
     names = list(expert_tensors(c, layer).items())
     router_name, router_shape = names[0]
-    router = weights(router_name, router_shape)
-    inner = c.expert_intermediate_size
+    inner, count = c.expert_intermediate_size, c.num_experts
+    gate_up = np.empty((count, 2 * inner, c.hidden_size), dtype)
+    down = np.empty((count, c.hidden_size, inner), dtype)
     if c.architecture == "granitemoe":
         stacked = weights(*names[1])
-        gates, ups, down = stacked[:, :inner], stacked[:, inner:], weights(*names[2])
+        gate_up[:, 0::2], gate_up[:, 1::2] = stacked[:, :inner], stacked[:, inner:]
+        del stacked
+        down[:] = weights(*names[2])
     else:
-        mats = [weights(name, shape) for name, shape in names[1:]]
-        gates, ups, down = (np.stack(mats[i::3]) for i in range(3))
-    gate_up = np.empty((c.num_experts, 2 * inner, c.hidden_size), np.float32)
-    gate_up[:, 0::2], gate_up[:, 1::2] = gates, ups
-    return router_name, router, gate_up, down
+        for e in range(count):
+            (gate, gate_shape), (up, up_shape), (down_name, down_shape) = names[1 + 3 * e: 4 + 3 * e]
+            gate_up[e, 0::2], gate_up[e, 1::2] = weights(gate, gate_shape), weights(up, up_shape)
+            down[e] = weights(down_name, down_shape)
+    return router_name, weights(router_name, router_shape), gate_up, down

@@ -17,8 +17,9 @@ def moe_fields(f: Fields, layers: int, arch: str) -> dict[str, Any]:
     if arch == "olmoe" and f.data.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{f.source}: clip_qkv={f.data['clip_qkv']!r} is not supported (OLMoE's "
                                     "published models set none)")
-    # transformers reads either key as the other (its attribute_map), for each of them
-    named = next((key for key in ("num_local_experts", "num_experts") if f.data.get(key) is not None), None)
+    # transformers reads either key as the other (their attribute_map), but GraniteMoeConfig only num_local_experts
+    keys = ("num_local_experts",) if arch == "granitemoe" else ("num_local_experts", "num_experts")
+    named = next((key for key in keys if f.data.get(key) is not None), None)
     if arch != "qwen3_moe":
         # GraniteMoE: a softmax over the chosen experts' logits, the same as Mixtral's renormalized top-k
         renormalized = arch in ("mixtral", "granitemoe")

@@ -31,7 +31,8 @@ ARCHITECTURES = {
 }
 MOES = ("qwen3_moe", "mixtral", "olmoe", "granitemoe")
 GEMMAS = ("gemma2", "gemma3")
-LAYER_TYPED = ("qwen2", "qwen3", "gemma2", "gemma3", "smollm3")  # their models read config.json's layer_types
+# their models read config.json's layer_types (a Mistral config that lists them loads as Ministral: AutoConfig)
+LAYER_TYPED = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the architecture's name
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored as one matrix each
 # transformers' config defaults

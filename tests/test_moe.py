@@ -69,6 +69,11 @@ def test_config_keys_transformers_reads_otherwise_are_read_as_it_does():
     assert ModelConfig.from_hf(PUBLISHED | listed | {"use_sliding_window": True, "num_hidden_layers": 2}
                                ).layer_types == ("sliding", "sliding")
     assert ModelConfig.from_hf(OLMOE | {"use_sliding_window": True, "sliding_window": 5}).sliding_window is None
+    # a Mistral config listing layer_types loads as Ministral (AutoConfig), whose layers follow it
+    mistral = MIXTRAL | {"architectures": ["MistralForCausalLM"], "model_type": "mistral"} | listed
+    assert ModelConfig.from_hf(mistral).layer_types == ("full", "sliding")
+    granite = MIXTRAL | {"architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe", "num_experts": 4}
+    assert ModelConfig.from_hf(granite).num_experts == 8  # GraniteMoeConfig reads num_local_experts only
 
 
 @pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral-moe", "olmoe", "granitemoe"])

@@ -90,11 +90,10 @@ class LayerOps:
         """Layer `layer`'s mixture of experts on [T, hidden] (ONNX Runtime's MoE: softmax over the router's logits,
         the top experts_per_token, SwiGLU experts whose gate and up rows it takes interleaved)."""
         g, c = self.g, self.c
-        router_name, router, gate_up, down = read_experts(c, layer, self.weights)
+        router_name, router, gate_up, down = read_experts(c, layer, self.weights, self.np_dtype)
         logits = g.op("MatMul", [x, g.weight(router_name, np.ascontiguousarray(router.T, self.np_dtype))])
         p = f"model.layers.{layer}.experts"
-        return g.op("MoE", [x, logits, g.weight(f"{p}.gate_up", gate_up.astype(self.np_dtype)), "",
-                            g.weight(f"{p}.down", np.ascontiguousarray(down, self.np_dtype))],
+        return g.op("MoE", [x, logits, g.weight(f"{p}.gate_up", gate_up), "", g.weight(f"{p}.down", down)],
                     domain=MS_DOMAIN, k=c.experts_per_token,
                     activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
                     swiglu_limit=float(np.finfo(np.float32).max), normalize_routing_weights=int(

@@ -9,34 +9,35 @@ from camshaft.errors import CheckpointError, UnsupportedModelError
 from camshaft.hf_fields import Fields
 from camshaft.hf_rope import gemma_ropes, rope_fields
 
+# experts and a token's by default, the key of the experts' width and its default (None: required)
+MOE_DEFAULTS = {"qwen3_moe": (128, 8, "moe_intermediate_size", 768), "mixtral": (8, 2, "intermediate_size", None),
+                "olmoe": (64, 8, "intermediate_size", None), "granitemoe": (8, 2, "intermediate_size", None)}
+
 
 def moe_fields(f: Fields, layers: int, arch: str) -> dict[str, Any]:
-    """The experts as their configs say: Qwen3-MoE's on every decoder_sparse_step-th layer not in mlp_only_layers
-    (of moe_intermediate_size), Mixtral's and OLMoE's on every layer (of intermediate_size); Mixtral renormalizes the
-    chosen experts' weights always, the others with norm_topk_prob."""
+    """The experts as their configs say: Qwen3-MoE's on every decoder_sparse_step-th layer not in mlp_only_layers,
+    the others' on every layer; Mixtral and GraniteMoE (a softmax over the chosen experts' logits: the same)
+    renormalize the chosen experts' weights always, the others with norm_topk_prob."""
     if arch == "olmoe" and f.data.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{f.source}: clip_qkv={f.data['clip_qkv']!r} is not supported (OLMoE's "
                                     "published models set none)")
+    experts_default, per_token, width_key, width = MOE_DEFAULTS[arch]
     # transformers reads either key as the other (their attribute_map), but GraniteMoeConfig only num_local_experts
     keys = ("num_local_experts",) if arch == "granitemoe" else ("num_local_experts", "num_experts")
     named = next((key for key in keys if f.data.get(key) is not None), None)
-    if arch != "qwen3_moe":
-        # GraniteMoE: a softmax over the chosen experts' logits, the same as Mixtral's renormalized top-k
-        renormalized = arch in ("mixtral", "granitemoe")
-        return dict(num_experts=f.get(named, "int", least=1) if named else 64 if arch == "olmoe" else 8,
-                    experts_per_token=f.get("num_experts_per_tok", "int", 8 if arch == "olmoe" else 2, least=1),
-                    expert_intermediate_size=f.get("intermediate_size", "int", least=1),
-                    normalize_expert_weights=renormalized or f.get("norm_topk_prob", "bool", False),
-                    moe_layers=tuple(range(layers)))
-    experts = f.get(named, "int", least=0) if named else 128
-    step = f.get("decoder_sparse_step", "int", 1, least=1)
-    dense = f.data.get("mlp_only_layers") or []
-    if not (isinstance(dense, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
-        raise CheckpointError(f"{f.source}: mlp_only_layers must be a list of layer indices, not {dense!r:.60}")
-    moe = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
-    return dict(num_experts=experts, experts_per_token=f.get("num_experts_per_tok", "int", 8, least=1),
-                expert_intermediate_size=f.get("moe_intermediate_size", "int", 768, least=1),
-                normalize_expert_weights=f.get("norm_topk_prob", "bool", False), moe_layers=moe)
+    experts = f.get(named, "int", least=0) if named else experts_default
+    moe = tuple(range(layers))
+    if arch == "qwen3_moe":
+        step = f.get("decoder_sparse_step", "int", 1, least=1)
+        dense = f.data.get("mlp_only_layers") or []
+        if not (isinstance(dense, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
+            raise CheckpointError(f"{f.source}: mlp_only_layers must be a list of layer indices, not {dense!r:.60}")
+        moe = tuple(i for i in moe if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return dict(num_experts=experts, experts_per_token=f.get("num_experts_per_tok", "int", per_token, least=1),
+                expert_intermediate_size=f.get(width_key, "int", least=1) if width is None else f.get(
+                    width_key, "int", width, least=1),
+                normalize_expert_weights=arch in ("mixtral", "granitemoe") or f.get("norm_topk_prob", "bool", False),
+                moe_layers=moe)
 
 
 def granite_fields(f: Fields) -> dict[str, Any]:

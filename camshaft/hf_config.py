@@ -158,14 +158,13 @@ def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:
 
 
 def attention_layout(f: Fields, arch: str, layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding window, per-layer "full" | "sliding") as transformers reads them: Llama has no window, Mistral's
-    defaults to 4096, Qwen2/3 slide only with use_sliding_window (window 4096 and max_window_layers 28 unless
-    config.json says otherwise; layers from max_window_layers on slide)."""
+    """(sliding window, per-layer "full" | "sliding") as transformers reads them: Llama, Granite and the OLMos have no
+    window; Phi-3's and Mixtral's slide every layer where config.json sets one; Mistral's and Gemma's default to 4096;
+    Qwen2/3 slide only with use_sliding_window (window 4096 and max_window_layers 28 unless config.json says
+    otherwise; layers from max_window_layers on slide); layer_types where the model reads them (LAYER_TYPED)."""
     if arch in ("llama", "granite", "granitemoe", "olmo2", "olmoe"):  # their attention has no window at all
         window = None
-    elif arch == "phi3":  # slides where config.json sets a window (Phi-3-mini-4k: 2047), on every layer
-        window = f.get("sliding_window", "int", None, least=1)
-    elif arch == "mixtral":  # MixtralConfig: no window unless config.json sets one, then on every layer
+    elif arch in ("phi3", "mixtral"):  # slides where config.json sets a window (Phi-3-mini-4k: 2047), every layer
         window = f.get("sliding_window", "int", None, least=1)
     elif arch == "smollm3":  # its listed sliding layers slide by sliding_window (SmolLM3Model's masks); unlisted,
         # with use_sliding_window its NoPE layers

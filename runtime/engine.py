@@ -55,14 +55,17 @@ def end_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
 
 
 def check_model_inputs(m: Manifest, engine_dir: Path) -> None:
-    """The manifest's model agrees with the graph inputs it lists (what the runtime feeds follows the model)."""
+    """The manifest's model agrees with the graph inputs it lists, the sequence graph's too (what the runtime feeds
+    follows the model)."""
     inputs = {spec.name for spec in m.inputs}
     if ({spec.name for spec in SLIDING_INPUTS} <= inputs) != m.model.has_sliding_layers:
         raise EngineError(f"{engine_dir}: its manifest's model has {'' if m.model.has_sliding_layers else 'no '}"
                           "sliding-window layers but its graph inputs say otherwise: the manifest was edited or "
                           "belongs to another build; rebuild the engine")
     long_rope = m.model.rope.switches_to_long(m.limits.max_seq_len)
-    if ("long_rope_from" in inputs) != long_rope:
+    sequence_inputs = {spec.name for spec in m.sequence_graph.inputs} if m.sequence_graph else None
+    if ("long_rope_from" in inputs) != long_rope or sequence_inputs is not None and (
+            "long_rope_from" in sequence_inputs) != long_rope:
         raise EngineError(f"{engine_dir}: its manifest's model and limits say LongRoPE's long factors are "
                           f"{'' if long_rope else 'never '}reached but its graph inputs say otherwise: the manifest "
                           "was edited or belongs to another build; rebuild the engine")

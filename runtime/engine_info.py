@@ -152,7 +152,7 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     window += f", layers {md['layers_without_rope']} without rope" if md["layers_without_rope"] else ""
     if rope["type"] == "longrope":
         past = rope["long_factors_past"]
-        window += (f" (long factors for requests whose prompt + max_tokens exceed {past})" if past
+        window += (f" (long factors for requests whose prompt + max_tokens - 1 exceeds {past})" if past
                    else " (short factors only: max_seq_len is within the original context)")
     quant = "none" if q is None else ", ".join(f"{k} {len(v) if isinstance(v, list) else v}" for k, v in q.items())
     head = (info["lm_head"] or {}).get("dtype")

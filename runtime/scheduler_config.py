@@ -44,17 +44,17 @@ class SchedulerConfig:
     def window_blocks(self) -> int | None:
         """Blocks one request holds at most when every layer slides: its window (or the last full block, which chains
         the next one's hash) and a step's tokens, whatever its length. None: no window."""
-        if self.sliding_window is None:
-            return None
-        return -(-(max(self.sliding_window, self.block_size) + self.max_num_tokens) // self.block_size) + 2
+        return self._window_and(self.max_num_tokens)
 
     @property
     def decode_window_blocks(self) -> int | None:
         """window_blocks for a request past its prompt: its steps are a token and its drafts, not a chunk."""
+        return self._window_and(1 + (self.prompt_lookup.num_tokens if self.prompt_lookup is not None else 0))
+
+    def _window_and(self, step_tokens: int) -> int | None:
         if self.sliding_window is None:
             return None
-        drafts = self.prompt_lookup.num_tokens if self.prompt_lookup is not None else 0
-        return -(-(max(self.sliding_window, self.block_size) + 1 + drafts) // self.block_size) + 2
+        return -(-(max(self.sliding_window, self.block_size) + step_tokens) // self.block_size) + 2
 
     @property
     def releases_blocks(self) -> bool:

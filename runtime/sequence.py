@@ -94,12 +94,7 @@ class SequenceEngine:
             self._values.append(ort.OrtValue.ortvalue_from_numpy(self._greedy))
             self.binding.bind_ortvalue_input("greedy", self._values[-1])
         self._long_rope_from = np.zeros(1, dtype=np.int64)
-        long_rope = any(spec.name == "long_rope_from" for spec in self.layout.inputs)
-        if long_rope != m.model.rope.switches_to_long(m.limits.max_seq_len):
-            raise EngineError(f"{self.dir}: its sequence graph's inputs and its manifest's model disagree on "
-                              "LongRoPE's long factors: the manifest was edited or belongs to another build; "
-                              "rebuild the engine")
-        if long_rope:
+        if any(spec.name == "long_rope_from" for spec in self.layout.inputs):  # as the model says: check_model_inputs
             self._values.append(ort.OrtValue.ortvalue_from_numpy(self._long_rope_from))
             self.binding.bind_ortvalue_input("long_rope_from", self._values[-1])
         self._all_logits = np.empty((self.max_rows, m.model.vocab_size), dtype=np.float32)

@@ -127,7 +127,7 @@ def test_an_engine_within_the_original_context_builds_without_the_long_rows(long
             ) == (None, ORIGINAL)
     assert "rope longrope x16 (short factors only: max_seq_len is within the original context)" in "\n".join(
         info_lines(info))
-    assert "rope longrope x16 (long factors for requests whose prompt + max_tokens exceed 32)" in "\n".join(
+    assert "rope longrope x16 (long factors for requests whose prompt + max_tokens - 1 exceeds 32)" in "\n".join(
         info_lines(engine_info(longrope[1])))
     with Session(tmp_path / "engine") as session:
         check_greedy(transformers_model(model), prompt, new, session.generate(prompt, max_tokens=new,

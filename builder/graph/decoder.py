@@ -139,9 +139,7 @@ class DecoderLowering(LayerOps):
         attn = g.op("Concat", [decode, prefill], axis=0)
         attn = g.op("Gather", [attn, "attn_output_index"], axis=0)
         o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, hq * d, c.o_bias)
-        if c.sandwich_norms:
-            o = self.rms_norm(o, f"{p}.post_attention_layernorm.weight", c.hidden_size)
-        hidden = g.op("Add", [hidden, self.residual_branch(o)])
+        hidden = g.op("Add", [hidden, self.joining(o, f"{p}.post_attention_layernorm")])
         norm = pre_mlp_norm(c, p)
         x = self.rms_norm(hidden, norm, c.hidden_size) if norm else hidden
         if i in c.moe_layers:
@@ -151,9 +149,7 @@ class DecoderLowering(LayerOps):
                         for n in ("gate", "up"))
             down = self.linears.linear(self.activation(gate, up), f"{p}.mlp.down_proj", c.hidden_size,
                                        c.intermediate_size, c.mlp_bias)
-        if c.sandwich_norms:
-            down = self.rms_norm(down, f"{p}.post_feedforward_layernorm.weight", c.hidden_size)
-        return g.op("Add", [hidden, self.residual_branch(down)])
+        return g.op("Add", [hidden, self.joining(down, f"{p}.post_feedforward_layernorm")])
 
     def group_shapes(self, name: str) -> dict[str, str]:
         """Shapes of one attention group, computed once and shared by every layer (explicit, no -1)."""

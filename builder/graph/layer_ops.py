@@ -27,9 +27,9 @@ class LayerOps:
 
     def norm_weight(self, name: str, dim: int) -> str:
         """An RMSNorm's scale: its weight, plus the model's norm_offset (Gemma's norms scale by 1 + weight)."""
-        weight = self.weights(name, (dim,))
+        weight = self.weights(name, (dim,))  # float32
         if self.c.norm_offset:
-            weight = (np.float32(self.c.norm_offset) + weight.astype(np.float32)).astype(np.float32)
+            weight = np.float32(self.c.norm_offset) + weight
         return self.g.weight(name, weight.astype(self.np_dtype))
 
     def rms_norm(self, x: str, weight: str, dim: int) -> str:
@@ -80,8 +80,11 @@ class LayerOps:
             logits = g.op("Div", [logits, g.const(np.array(c.logits_divisor, self.np_dtype), "logits_divisor")])
         return logits
 
-    def residual_branch(self, out: str) -> str:
-        """A sublayer's output as it joins the residual stream: times the model's residual_scale (Granite)."""
+    def joining(self, out: str, norm: str) -> str:
+        """A sublayer's output as it joins the residual stream: normed by its `norm` (sandwich norms: Gemma, OLMo 2),
+        times the model's residual_scale (Granite)."""
+        if self.c.sandwich_norms:
+            out = self.rms_norm(out, f"{norm}.weight", self.c.hidden_size)
         if self.c.residual_scale == 1.0:
             return out
         return self.g.op("Mul", [out, self.g.const(np.array(self.c.residual_scale, self.np_dtype), "residual_scale")])

@@ -88,9 +88,8 @@ class SequenceLowering(LayerOps):
             p = f"model.layers.{i}"
             attn = self.attention(i, x)
             o = self.linears.linear(attn, f"{p}.self_attn.o_proj", c.hidden_size, c.num_heads * c.head_dim, c.o_bias)
-            if c.sandwich_norms:
-                o = self.rms_norm(o, f"{p}.post_attention_layernorm.weight", c.hidden_size)
-            x, residual = self.skip_norm(self.residual_branch(o), residual, pre_mlp_norm(c, p))
+            x, residual = self.skip_norm(self.joining(o, f"{p}.post_attention_layernorm"), residual,
+                                         pre_mlp_norm(c, p))
             if i in c.moe_layers:  # [1, S, hidden] as the [S, hidden] rows the MoE node takes
                 rows = self.experts(g.op("Reshape", [x, g.ints([-1, c.hidden_size])]), i)
                 down = g.op("Reshape", [rows, g.ints([1, -1, c.hidden_size])])
@@ -98,11 +97,9 @@ class SequenceLowering(LayerOps):
                 gate, up = self.gate_up(x, f"{p}.mlp")
                 down = self.linears.linear(self.activation(gate, up), f"{p}.mlp.down_proj", c.hidden_size,
                                            c.intermediate_size, c.mlp_bias)
-            if c.sandwich_norms:
-                down = self.rms_norm(down, f"{p}.post_feedforward_layernorm.weight", c.hidden_size)
             following = "model.norm.weight" if i + 1 == c.num_layers else (
                 f"model.layers.{i + 1}.input_layernorm.weight" if c.pre_norms else None)
-            x, residual = self.skip_norm(self.residual_branch(down), residual, following)
+            x, residual = self.skip_norm(self.joining(down, f"{p}.post_feedforward_layernorm"), residual, following)
         rows = g.op("Slice", [x, g.op("Neg", ["num_logits"]), g.ints([np.iinfo(np.int64).max]), g.ints([1])])
         last = g.op("Squeeze", [rows, g.ints([0])])  # the last num_logits tokens' hidden states: [N, hidden]
         if kv.screens_greedy:

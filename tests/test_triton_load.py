@@ -200,31 +200,6 @@ def test_stop_reaches_the_request_with_that_id_and_finished_ids_are_forgotten(st
     stack.wait_metrics(lambda m: idle(m) and m["camshaft_stoppable_requests"] == 0, "no request id left registered")
 
 
-def test_cancelled_requests_leave_the_queue_before_the_batch_has_room(stack):
-    """A queued request has no output to notice its cancellation by: the models ask Triton about every request in
-    flight, so cancelled ones leave the queue (and stop counting against it) while the batch is still full."""
-    grpc = stack.server.endpoints.grpc
-    running = [Stream(grpc).send("ensemble", tensors(grpcclient, **long_text())) for _ in range(BATCH)]
-    queued = []
-    try:
-        stack.wait_metrics(lambda m: m["camshaft_num_requests_running"] == BATCH, f"{BATCH} running requests")
-        aborted = stack.metrics()["camshaft_requests_aborted_total"]
-        queued = [Stream(grpc).send("tensorrt_llm", tensors(grpcclient, input_ids=[5, 6, 7], request_output_len=LONG,
-                                                            end_id=-1, streaming=True)) for _ in range(2)]
-        queued += [Stream(grpc).send("ensemble", tensors(grpcclient, **long_text())) for _ in range(2)]
-        stack.wait_metrics(lambda m: m["camshaft_num_requests_waiting"] == 4, "4 waiting requests")
-        for stream in queued:
-            stream.cancel()
-        left = stack.wait_metrics(lambda m: m["camshaft_num_requests_waiting"] == 0, "the queue emptied", timeout=5)
-        assert left["camshaft_num_requests_running"] == BATCH  # the batch never made room for them
-        stack.wait_metrics(lambda m: m["camshaft_requests_aborted_total"] - aborted == 4, "4 aborted requests")
-    finally:
-        for stream in running + queued:
-            stream.cancel()
-            stream.close()
-    stack.wait_metrics(idle, "an idle executor with an empty KV pool")
-
-
 def test_a_full_queue_is_refused_as_busy_and_recovers(stack):
     refused = stack.metrics()["camshaft_requests_refused_total"]
     streams = [Stream(stack.server.endpoints.grpc).send("ensemble", tensors(grpcclient, **long_text()))

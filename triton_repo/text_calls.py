@@ -3,6 +3,7 @@ batch_index) sharing one response sender, and the responses they send."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ class TextCall:
     want_logprobs: bool = False
     pieces: dict[int, list[str]] = field(default_factory=dict)  # by sequence index (num_return_sequences)
     logprobs: dict[int, list[float]] = field(default_factory=dict)
+    checked: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     ended: bool = False  # the executor has let all its sequences go
 

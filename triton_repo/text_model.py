@@ -65,32 +65,16 @@ class TextModel:
         self.channel.close()
 
     def _own(self) -> None:
-        swept = time.monotonic()
-        while True:
-            try:
-                message = self.inbox.get(timeout=CANCEL_CHECK_S)
-            except queue.Empty:
-                message = ("tick",)
-            if message is None:
-                break
+        while (message := self.inbox.get()) is not None:
             try:
                 if message[0] == "request":
                     self._start(message[1])
                 elif message[0] == "closed":
                     self._lost(message[1])
-                elif message[0] != "tick" and (call := self.calls.get(message[1])) is not None:
+                elif (call := self.calls.get(message[1])) is not None:
                     self._on_executor(call, message)
-                if time.monotonic() - swept >= CANCEL_CHECK_S:
-                    swept = time.monotonic()
-                    self._check_cancelled()
             except Exception as exc:  # one request's failure must not stop the others
                 pb_utils.Logger.log_error(f"camshaft: {self.name} failed: {exc!r}")
-
-    def _check_cancelled(self) -> None:
-        """Ask Triton whether requests in flight were cancelled: queued ones too, which have no output yet."""
-        for call in [c for c in self.calls.values() if c.batch_index == 0 and not c.cancelled]:
-            if call.id in self.calls and call.request.is_cancelled():
-                self._cancel(call)
 
     def _start(self, request) -> None:
         first = TextCall(request, self.decoupled, sender=request.get_response_sender())
@@ -176,6 +160,11 @@ class TextModel:
             if call.ended and call.others_ended:  # the executor let all its sequences go: Triton may release it
                 self._final(call, error_response(RuntimeError("the request was cancelled")))
             return
+        if reason is None and time.monotonic() - call.checked >= CANCEL_CHECK_S:
+            call.checked = time.monotonic()
+            if call.request.is_cancelled():
+                self._cancel(call)
+                return
         self._deliver(call, out, reason)
 
     def _deliver(self, call: TextCall, out: dict, reason: str | None) -> None:

@@ -3,6 +3,7 @@ sequences, and the tensors tensorrtllm_backend clients read."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,7 +16,7 @@ from camshaft.triton_repo.tensors import PERF_OUTPUTS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 NUMPY = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32}
-CANCEL_CHECK_S = 0.2  # how often requests in flight are asked whether Triton cancelled them (an IPC round trip each)
+CANCEL_CHECK_S = 0.2  # how often a running request asks Triton whether it was cancelled (an IPC round trip)
 
 
 def merge(outputs: list[RequestOutput]) -> RequestOutput:
@@ -62,6 +63,7 @@ class Job:
     rows: list[Row] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
     finished: int = 0  # sequences ended; the response that ends the last one carries the final flag
+    checked: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     failed: bool = False  # an error response (final) has gone: later outputs are dropped
     stop_requested: bool = False  # a stop request came for its client id

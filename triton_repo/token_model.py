@@ -53,8 +53,6 @@ class TokenModel:
         self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
         self.exclude_default = params.get("exclude_input_in_output", "false") == "true"
         self.by_client_id: dict[str, Job] = {}
-        self.jobs: dict[int, Job] = {}  # every request in flight, by id(job)
-        self.swept = time.monotonic()
         self.metrics = Metrics(self.llm, args["model_name"], stoppable=lambda: len(self.by_client_id))
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
@@ -98,7 +96,6 @@ class TokenModel:
         with self.lock:  # registered before it can finish: the responder forgets it only once it is registered
             if client_id:
                 self.by_client_id[client_id] = job
-            self.jobs[id(job)] = job
         try:  # not under the lock: submit may compile a guided grammar, and the responder needs the lock
             ids = [i for group in self.llm.submit_batch([  # every row checked before any is queued
                 (row.spec.prompt_ids, row.spec.params, lambda out, row=row: self.outputs.put((row, out)))
@@ -135,7 +132,6 @@ class TokenModel:
 
     def _forget(self, job: Job) -> None:
         """Call with the lock held."""
-        self.jobs.pop(id(job), None)
         if job.client_id and self.by_client_id.get(job.client_id) is job:
             del self.by_client_id[job.client_id]
 
@@ -165,25 +161,7 @@ class TokenModel:
                         pb_utils.Logger.log_warn(f"camshaft: could not respond ({exc!r})")
             for row, outputs in grouped.values():
                 self._send(row, merge(outputs))  # per sequence: a job's prompts and their n sequences kept apart
-            self._check_cancelled()
             self.metrics.tick()
-
-    def _check_cancelled(self) -> None:
-        """Ask Triton whether requests in flight were cancelled, every CANCEL_CHECK_S: queued ones too, which have
-        no output yet (a cancelled request leaves the queue, not blocking others, before it is ever scheduled)."""
-        now = time.monotonic()
-        if now - self.swept < CANCEL_CHECK_S:
-            return
-        self.swept = now
-        with self.lock:
-            jobs = [job for job in self.jobs.values() if job.request_ids and not (job.cancelled or job.failed)]
-        for job in jobs:
-            try:
-                if job.request.is_cancelled():
-                    job.cancelled = True
-                    self.llm.abort(job.request_ids)
-            except Exception as exc:  # the responder thread must outlive any one request
-                pb_utils.Logger.log_warn(f"camshaft: could not check a request's cancellation ({exc!r})")
 
     def _send(self, row: Row, output: RequestOutput) -> None:
         job = row.job
@@ -224,6 +202,13 @@ class TokenModel:
                 self.llm.abort(job.request_ids)
                 job.sender.send(error_response(output.error, token_model=True), flags=FINAL)
             return
+        now = time.monotonic()
+        if not output.finished and now - job.checked >= CANCEL_CHECK_S:
+            job.checked = now
+            if job.request.is_cancelled():
+                job.cancelled = True
+                self.llm.abort(job.request_ids)
+                return
         spec, sequence = row.spec, row.sequence(output.request_id)
         # TensorRT-LLM leaves the end id that stops a sequence out of output_ids (stop words stay)
         keep = len(output.token_ids) - int(ended_on_end_id(output))

@@ -298,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="processes per system, each run once a round (memory placement differs per process)")
     p.add_argument("--threads", type=int, default=2, help="threads for every system")
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", dest="new_tokens", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=2048, help="camshaft engine build limit")
     p.add_argument("--breakdown-passes", type=int, default=3, help="passes of the decode-step breakdown")
     p.add_argument("--rebuild", action="store_true", help="rebuild the camshaft engine and onnxruntime-genai model")
@@ -310,7 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--write-md", action="store_true", help="replace the latency section of --md")
     args = p.parse_args(argv)
     if min(args.rounds, args.processes, args.threads, args.prompt_len) < 1 or args.new_tokens < 2:
-        p.error("--rounds, --processes, --threads, --prompt-len must be >= 1 and --new-tokens >= 2")
+        p.error("--rounds, --processes, --threads, --prompt-len must be >= 1 and --max-tokens >= 2")
     return args
 
 def main(argv: list[str] | None = None) -> None:

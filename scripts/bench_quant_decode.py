@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--ortgenai", type=Path, help="onnxruntime-genai model directory (a peer)")
     parser.add_argument("--llamacpp", type=Path, help="GGUF file for llama.cpp through llama-cpp-python (a peer)")
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", dest="new_tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--processes", type=int, default=1,
                         help="processes per system, each run once a round (memory placement differs per process)")

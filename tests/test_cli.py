@@ -232,11 +232,11 @@ def test_build_for_a_product_that_is_not_installed_fails_before_any_work(tiny, c
 
 
 def test_bench_latency_reports_the_graph_it_ran(capsys, engine, tmp_path):
-    code, out, err = camshaft(capsys, "bench", "latency", "--engine", engine, "--prompt-len", 8, "--new-tokens", 4,
+    code, out, err = camshaft(capsys, "bench", "latency", "--engine", engine, "--prompt-len", 8, "--max-tokens", 4,
                               "--repeats", 2, "--warmup", 0, "--output-json", tmp_path / "latency.json")
     assert code == 0 and "run 2/2: 8 prompt tokens, 4 new" in err  # progress on stderr, the report alone on stdout
     report = dict(line.strip().split(": ", 1) for line in out.strip().splitlines())
-    assert report["graph"] == "sequence" and report["new_tokens"] == "4" and float(report["decode_tok_s"]) > 0
+    assert report["graph"] == "sequence" and report["output_tokens"] == "4" and float(report["decode_tok_s"]) > 0
     assert int(report["huge_pages_mib"]) >= 0
     written = json.loads((tmp_path / "latency.json").read_text())
     assert written["repeats"] == 2 and str(written["decode_tok_s"]) == report["decode_tok_s"]
@@ -251,8 +251,8 @@ def test_bench_latency_refuses_zero_repeats_from_python_too(engine):
 
 
 def test_bench_latency_names_its_own_options_when_too_long(capsys, engine):
-    code, _, err = camshaft(capsys, "bench", "latency", "--engine", engine, "--prompt-len", 60, "--new-tokens", 10)
-    assert code == 1 and "--prompt-len (60) + --new-tokens (10)" in err and "prompt_len" not in err
+    code, _, err = camshaft(capsys, "bench", "latency", "--engine", engine, "--prompt-len", 60, "--max-tokens", 10)
+    assert code == 1 and "--prompt-len (60) + --max-tokens (10)" in err and "prompt_len" not in err
 
 
 def test_counted_progress_is_shown_at_each_quarter_in_a_log(capsys):

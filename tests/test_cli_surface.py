@@ -102,7 +102,7 @@ def test_bench_refuses_unwritable_outputs_before_running(engine, tmp_path):
     refused(invoke("bench", "throughput", "--engine", engine, "--plot", not_a_dir / "x.png"), "cannot be written")
     for plot in ("sweep.foo", "sweep"):  # a PNG, at the path given (not a crash after the run, nor sweep.png)
         refused(invoke("bench", "throughput", "--engine", engine, "--plot", tmp_path / plot), "ending in .png")
-    usage = invoke("bench", "latency", "--engine", engine, "--new-tokens", "1")  # one token has no decode speed
+    usage = invoke("bench", "latency", "--engine", engine, "--max-tokens", "1")  # one token has no decode speed
     assert usage.exit_code == 2 and "greater than or equal to 2" in usage.output
     refused(invoke("bench", "serve", "--target", f"a={engine},backend=llm", "--output-json", not_a_dir / "x.json"),
             "cannot be written")

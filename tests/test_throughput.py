@@ -344,7 +344,7 @@ def test_itl_counts_the_steps_that_gave_tokens_not_accepted_drafts(engine_dir):
     (["throughput", "--policy", "greedy"], "capacity policy"),
     (["latency", "--repeats", "0"], "--repeats"),
     (["latency", "--prompt-len", "0"], "--prompt-len"),
-    (["latency", "--new-tokens", "-1"], "--new-tokens"),
+    (["latency", "--max-tokens", "-1"], "--max-tokens"),
     (["latency", "--warmup", "-1"], "--warmup"),
 ])
 def test_cli_bench_numbers_are_checked(engine_dir, args, message):

@@ -27,7 +27,7 @@ DatasetOption = Annotated[str, typer.Option(
 def bench_latency(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens")] = 64,
-    new_tokens: Annotated[int, typer.Option(min=2, help="Generated tokens (greedy, end id ignored; decode speed "
+    max_tokens: Annotated[int, typer.Option(min=2, help="Tokens to generate (greedy, end id ignored; decode speed "
                                                         "needs 2 or more)")] = 128,
     repeats: Annotated[int, typer.Option(min=1, help="Measured runs (medians are reported)")] = 5,
     warmup: Annotated[int, typer.Option(min=0, help="Unmeasured runs first")] = 1,
@@ -37,8 +37,8 @@ def bench_latency(
     from camshaft.runtime.bench import latency_benchmark
 
     require_outputs(None, output_json)
-    with flag_names("prompt_len", "new_tokens", "repeats", "warmup"):
-        report = latency_benchmark(engine, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
+    with flag_names("prompt_len", "max_tokens", "repeats", "warmup"):
+        report = latency_benchmark(engine, prompt_len=prompt_len, max_tokens=max_tokens, repeats=repeats,
                                    warmup=warmup, progress=progress)
     for key, value in report.items():
         typer.echo(f"{key:>22}: {value}")

@@ -213,6 +213,36 @@ def test_weights_linked_from_outside_the_engine_say_to_copy_them(copy, tmp_path)
         Engine(copy)
 
 
+def test_weights_with_other_hard_links_say_to_copy_them(tmp_path):
+    """ONNX Runtime refuses a subgraph's weights in a file with several links (SmolLM2's batch graph has such weights;
+    the tiny ones are inline), which a cp -al copy of an engine has: the error says so, not to rebuild."""
+    import os
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    from camshaft.runtime.backends.onnxruntime import load_session, session_options
+
+    def branch(name: str, value: float) -> onnx.GraphProto:
+        weight = numpy_helper.from_array(np.full(4096, value, np.float32), f"{name}_w")
+        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [4096])
+        return helper.make_graph([helper.make_node("Identity", [f"{name}_w"], [f"{name}_out"])], name, [], [out],
+                                 [weight])
+
+    flag = helper.make_tensor_value_info("flag", TensorProto.BOOL, [])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, [4096])
+    node = helper.make_node("If", ["flag"], ["out"], then_branch=branch("then", 1.0), else_branch=branch("other", 2.0))
+    model = helper.make_model(helper.make_graph([node], "g", [flag], [out]),
+                              opset_imports=[helper.make_opsetid("", 21)])
+    path = tmp_path / "model.onnx"
+    onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    session, _ = load_session(path, session_options(1, spin_wait=False), huge_pages=False)
+    assert session.run(None, {"flag": np.array(False)})[0][0] == 2.0  # real files load
+    os.link(tmp_path / "model.onnx.data", tmp_path / "backup.data")
+    with pytest.raises(EngineError, match=r"model.onnx.data\) .* other hard links .*cp -r") as caught:
+        load_session(path, session_options(1, spin_wait=False), huge_pages=False)
+    assert "rebuild" not in str(caught.value)
+
+
 @pytest.fixture(scope="module")
 def other_build(tmp_path_factory):
     """The same architecture and limits from other weights: every file the same size as `built`'s."""

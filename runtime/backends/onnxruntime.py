@@ -98,6 +98,11 @@ def load_session(path: Path, options: ort.SessionOptions, huge_pages: bool) -> t
             raise CapacityError(f"{path} ({size / 2**20:.0f} MiB of graph and weights) does not fit this process's "
                                 f"memory ({str(exc)[-120:]}); free memory, raise the process's limit, or build a "
                                 "smaller (quantized) engine") from exc
+        if "multiple hard links" in str(exc):
+            raise EngineError(f"{path.name}'s weights ({path.name}.data) in {path.parent} have other hard links "
+                              "(a copy made with cp -l or cp -al, or a deduplicating tool), which ONNX Runtime "
+                              "refuses as a possible hardlink attack; copy the engine directory as real files (cp -r) "
+                              "and load the copy") from exc
         raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
 
 

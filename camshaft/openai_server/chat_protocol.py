@@ -84,8 +84,8 @@ class TokenizeRequest(TemplateOptions):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool = False
     tool_choice: Any = None  # "none" leaves the tools out of the prompt, as in a chat request
 
     def prompt_tools(self) -> list[dict[str, Any]] | None:

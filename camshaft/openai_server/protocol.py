@@ -30,7 +30,8 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationRequest(BaseModel):
-    """Integer fields are strict (true or "2" is refused, as the Python API refuses them)."""
+    """Fields are strict (true or "2" is refused where a number is due, 1 where a boolean is, as OpenAI refuses them;
+    an integer is a number)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -44,20 +45,20 @@ class _GenerationRequest(BaseModel):
 
     model: str | None = None  # vLLM's: optional, the served model
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float = 1.0
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat = 1.0
     n: StrictInt = 1
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, StrictFloat] | None = None
     # vLLM's extensions
     top_k: StrictInt = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: StrictFloat = 0.0
+    repetition_penalty: StrictFloat = 1.0
     min_tokens: StrictInt = 0
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
@@ -179,7 +180,7 @@ class CompletionRequest(_GenerationRequest):
 
 class ChatCompletionRequest(_GenerationRequest, TemplateOptions):
     messages: list[ChatMessage]
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     tool_choice: str | dict[str, Any] | None = None

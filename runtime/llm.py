@@ -40,6 +40,10 @@ from camshaft.runtime.sampling_params import SamplingParams, model_defaults
 from camshaft.runtime.scheduler_config import SchedulerConfig
 
 
+class _Progress(tqdm):
+    monitor_interval = 0  # tqdm's monitor thread would outlive the LLM (tqdm stops it only at exit)
+
+
 class LLM(ServingAPI):
     """Many requests on one engine with in-flight batching: `generate` for offline batches (results in input order),
     `stream` / `submit` for servers. Safe to call from many threads and from asyncio at once; `close()` (or `with`)
@@ -185,8 +189,7 @@ class LLM(ServingAPI):
                 submitted.extend(r.request_id for r in group)  # first: an interrupt between the two leaks nothing
                 self.executor.submit(group, [_finals(done)] * len(group), bounded=False)
             results: list[list[GenerationResult | None]] = [[None] * len(g) for g in groups]
-            # none made unless shown: even a disabled tqdm starts its monitor thread, which outlives the LLM
-            bar = tqdm(total=len(where), desc="generate", unit="req") if enabled else None
+            bar = _Progress(total=len(where), desc="generate", unit="req") if enabled else None
             try:
                 for _ in range(len(where)):
                     output = done.get()

@@ -74,3 +74,18 @@ def test_options_are_checked_where_they_are_taken_and_numpy_integers_are_plain_i
             with pytest.raises(RequestError, match="abort takes a request id"):
                 llm.abort(bad)
     assert set(threading.enumerate()) - before == set()
+
+
+def test_a_progress_bar_leaves_no_thread_behind(tmp_path):
+    """In a process of its own: tqdm's monitor thread, once started by any bar, outlives it."""
+    import subprocess
+    import sys
+
+    engine = tiny_engine(tmp_path, max_seq_len=64, max_batch_size=4)
+    script = ("import sys, threading, camshaft\n"
+              "with camshaft.LLM(sys.argv[1], threads=1) as llm:\n"
+              "    llm.generate([[5, 6], [7]], camshaft.SamplingParams(max_tokens=2), use_tqdm=True)\n"
+              "print(sorted(t.name for t in threading.enumerate()))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(engine)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "2/2" in done.stderr and done.stdout.strip() == "['MainThread']"

@@ -65,6 +65,10 @@ def check_files(engine_dir: Path, sizes: dict[str, int], fingerprints: dict[str,
         if name.endswith(".data") and file.resolve().parent != engine_dir.resolve():
             raise EngineError(f"{file} links to {file.resolve()}, not a file beside its graph in the engine directory, "
                               "where ONNX Runtime reads weights from; copy the engine as real files (cp -rL)")
+        if name.endswith(".data") and file.stat().st_nlink > 1:
+            raise EngineError(f"{file} has {file.stat().st_nlink - 1} other hard link(s) (a copy made with cp -al or "
+                              "rsync --link-dest, or a deduplicating tool), which ONNX Runtime refuses as a possible "
+                              "hardlink attack; copy the engine as real files (cp -r)")
         if file.stat().st_size != size:
             raise EngineError(
                 f"{file} has {file.stat().st_size} bytes but the manifest expects {size}: the file is truncated "

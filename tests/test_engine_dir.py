@@ -213,6 +213,19 @@ def test_weights_linked_from_outside_the_engine_say_to_copy_them(copy, tmp_path)
         Engine(copy)
 
 
+def test_an_engine_copied_as_hard_links_is_refused_alike_by_every_loader(copy, tmp_path):
+    import os
+
+    backup = tmp_path / "backup"
+    shutil.copytree(copy, backup, copy_function=os.link)
+    for engine in (copy, backup):
+        for load in (Session, Engine):
+            with pytest.raises(EngineError, match=r"model.onnx.data has 1 other hard link.*cp -r"):
+                load(engine)
+        info = engine_info(engine)
+        assert not info["runs_here"] and "other hard link" in info["runs_here_reason"]
+
+
 def test_weights_with_other_hard_links_say_to_copy_them(tmp_path):
     """ONNX Runtime refuses a subgraph's weights in a file with several links (SmolLM2's batch graph has such weights;
     the tiny ones are inline), which a cp -al copy of an engine has: the error says so, not to rebuild."""

@@ -129,7 +129,6 @@ BAD_RUNS = {
     "empty prompt": (["--prompt", ""], "prompt is empty"),
     "empty chat prompt": (["--prompt", "", "--chat"], "content is empty"),
     "prompt too long": (["--prompt", "x" * 200], "allows 64 tokens"),
-    "max_tokens zero": (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     "max_tokens past the engine": (["--prompt", "hi", "--max-tokens", "300"], "pass --max-tokens <= "),
     "negative temperature": (["--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
     "top_p zero": (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),

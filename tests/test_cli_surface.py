@@ -30,11 +30,18 @@ def refused(result, message: str) -> None:
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--max-queue", "-1"], "--max-queue"),
     (["serve", "--max-batch-size", "0"], "--max-batch-size"),
+    (["run", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens"),
+    (["build", "--model", ".", "--output", "e", "--max-batch-size", "0"], "--max-batch-size"),
+    (["build", "--model", ".", "--output", "e", "--max-seq-len", "0"], "--max-seq-len"),
+    (["build", "--model", ".", "--output", "e", "--max-num-tokens", "0"], "--max-num-tokens"),
+    (["build", "--model", ".", "--output", "e", "--kv-block-size", "-8"], "--kv-block-size"),
+    (["build", "--model", ".", "--output", "e", "--quant", "int8_wo", "--calib-size", "0"], "--calib-size"),
+    (["quantize", "--model", ".", "--output", "q", "--quant", "int8_sq", "--calib-seq-len", "0"], "--calib-seq-len"),
     (["bench", "serve", "--target", "a=x,backend=llm", "--seed", "-1"], "--seed"),
     (["bench", "serve", "--target", "a=x,backend=llm", "--warmup", "-1"], "--warmup"),
 ])
 def test_out_of_range_numbers_are_usage_errors(engine, args, flag):
-    if args[0] == "serve":
+    if args[0] in ("serve", "run"):
         args = [*args, "--engine", engine]
     result = invoke(*args)
     assert result.exit_code == 2 and flag in result.output, result.output

@@ -51,17 +51,18 @@ CalibDataOption = Annotated[Path | None, typer.Option(
     help="Text/JSONL file, directory of them, parquet/arrow/csv file or a local HF datasets directory; chat "
          "`messages` rows are rendered with the chat template; PATH:COLUMN picks the column (default: built-in "
          "corpus)")]
-CalibSizeOption = Annotated[int, typer.Option(help="Calibration samples")]
-CalibLenOption = Annotated[int, typer.Option(help="Tokens per calibration sample")]
+CalibSizeOption = Annotated[int, typer.Option(min=1, help="Calibration samples")]
+CalibLenOption = Annotated[int, typer.Option(min=1, help="Tokens per calibration sample")]
 ExcludeOption = Annotated[list[str] | None, typer.Option(
     metavar="PATTERN", help="Module name pattern to keep unquantized (repeatable)")]
 LM_HEAD_HELP = "lm_head weights: float | int8 | int4 (rounded to nearest at build; a tied embedding reads them too)"
 LmHeadOption = Annotated[str, typer.Option(help=LM_HEAD_HELP)]
 # build: None = not passed (refused without --quant), then the defaults above
 BuildGroupOption = Annotated[str | None, typer.Option(help=f"{GROUP_HELP} (default auto)")]
-BuildCalibSizeOption = Annotated[int | None, typer.Option(help=f"Calibration samples (default {DEFAULT_CALIB_SIZE})")]
+BuildCalibSizeOption = Annotated[int | None, typer.Option(
+    min=1, help=f"Calibration samples (default {DEFAULT_CALIB_SIZE})")]
 BuildCalibLenOption = Annotated[int | None, typer.Option(
-    help=f"Tokens per calibration sample (default {DEFAULT_CALIB_SEQ_LEN})")]
+    min=1, help=f"Tokens per calibration sample (default {DEFAULT_CALIB_SEQ_LEN})")]
 BuildLmHeadOption = Annotated[str | None, typer.Option(help=f"{LM_HEAD_HELP} (default float)")]
 
 
@@ -74,12 +75,12 @@ def build(
         help="auto (onnxruntime: float32; tensorrt targets: the checkpoint's own float16 or bfloat16 where the GPU "
              "has it, else float16) | float32 | float16 | bfloat16 (tensorrt, sm80+)")]
     = "auto",
-    max_batch_size: Annotated[int, typer.Option(help="Most sequences in one step")] = 32,
-    max_seq_len: Annotated[int | None, typer.Option(help="Most tokens per sequence, prompt + output (default: the "
-                                                         "model's context, max_position_embeddings or what its rope "
-                                                         "scaling extends it to, at most 4096)")] = None,
-    max_num_tokens: Annotated[int, typer.Option(help="Most tokens in one step (prefill chunk size)")] = 512,
-    kv_block_size: Annotated[int, typer.Option(help="Tokens per KV cache block")] = 32,
+    max_batch_size: Annotated[int, typer.Option(min=1, help="Most sequences in one step")] = 32,
+    max_seq_len: Annotated[int | None, typer.Option(
+        min=1, help="Most tokens per sequence, prompt + output (default: the model's context, max_position_embeddings "
+                    "or what its rope scaling extends it to, at most 4096)")] = None,
+    max_num_tokens: Annotated[int, typer.Option(min=1, help="Most tokens in one step (prefill chunk size)")] = 512,
+    kv_block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV cache block")] = 32,
     gpu_arch: Annotated[str | None, typer.Option(help="tensorrt targets: GPU architecture, e.g. sm89 (default: "
                                                       "tensorrt-rtx sm89, tensorrt the local GPU's)")] = None,
     quant: Annotated[str | None, typer.Option(

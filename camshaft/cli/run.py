@@ -24,7 +24,7 @@ def run(
     chat_template: Annotated[str | None, typer.Option(
         help="A Jinja chat template (a file, or the template itself) used in place of the engine's (with --chat)")]
     = None,
-    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate")] = 128,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate")] = 128,
     temperature: Annotated[float | None, typer.Option(
         help="0 = greedy (default: the model's recommended value, else 0)")] = None,
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much "

@@ -13,6 +13,7 @@ from camshaft.hf_fields import Fields
 ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 ATTENTION_FACTORS = (1e-6, 1e6)  # the range of yarn's factor on cos/sin that float32 tables hold
 PHI3_ORIGINAL_POSITIONS = 4096  # Phi3Config's original_max_position_embeddings
+THETA_DEFAULTS = {"mixtral": 1e6, "smollm3": 2e6}  # rope_theta left out (else 10000), as transformers reads it
 
 
 def phi3_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -44,9 +45,10 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, arch
             raise CheckpointError(f"{source}: {key}'s rope_type must be a string such as \"default\", not {kind!r}")
         sections[key] = {k: v for k, v in section.items() if k != "type"} | {"rope_type": kind} if section else {}
     params, scaling = sections["rope_parameters"], sections["rope_scaling"]
+    default_theta = THETA_DEFAULTS.get(arch, 10000.0)
 
     def compared(section: dict) -> dict:  # a theta equal to the one transformers would use is no difference
-        theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
+        theta = scaling.get("rope_theta", hf.get("rope_theta", default_theta))
         return {k: v for k, v in section.items() if not (k == "rope_theta" and v == theta)}
 
     if params and scaling and compared(params) != compared(scaling):  # transformers would read rope_scaling alone
@@ -69,7 +71,7 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, arch
     low, high = p.get("low_freq_factor", "number", 1.0, least=0), p.get("high_freq_factor", "number", 4.0, least=0)
     if rope_type == "llama3" and not low < high:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
-    theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", 10000.0, least=0)
+    theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", default_theta, least=0)
     # as transformers: a top-level original_max_position_embeddings (Phi-3 style) wins, then the rope section's
     scaled = ("llama3", "yarn", "longrope")
     original = (f if hf.get("original_max_position_embeddings") is not None and rope_type in scaled

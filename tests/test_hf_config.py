@@ -7,11 +7,12 @@ import json
 
 import pytest
 import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from camshaft.errors import CamshaftError, CheckpointError, UnsupportedModelError
 from camshaft.model_config import ModelConfig
 
-from tiny_models import make_tiny_model
+from tiny_models import BASE, VARIANTS, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +258,25 @@ def test_rope_scaling_extends_the_context_a_build_may_ask_for(configs):
         BuildConfig("m", "e", max_seq_len=300).resolved_max_seq_len(yarn)
     with pytest.raises(BuildConfigError, match=r"\(64 tokens: max_position_embeddings 64\); pass"):
         BuildConfig("m", "e", max_seq_len=65).resolved_max_seq_len(plain)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_rope_theta_left_out_defaults_as_transformers_does(name):
+    """Mixtral's default is 1e6 and SmolLM3's 2e6, not 10000 (a config without the key built a model whose rotary
+    tables were not transformers')."""
+    config_cls, extra = VARIANTS[name]
+    config = getattr(transformers, config_cls)(**{**BASE, **extra})
+    hf = config.to_dict() | {"architectures": [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]}
+    hf.pop("rope_theta", None)
+    sections = [hf["rope_parameters"]] if "rope_type" in hf["rope_parameters"] else [*hf["rope_parameters"].values()]
+    for section in sections:
+        section.pop("rope_theta")
+    if all(set(s) == {"rope_type"} and s["rope_type"] == "default" for s in sections):
+        hf.pop("rope_parameters")  # as an old config.json without any rope key
+    expected = getattr(transformers, config_cls)(**hf).rope_parameters
+    ours = ModelConfig.from_hf(hf)
+    if "rope_type" in expected:
+        assert ours.rope.theta == expected["rope_theta"]
+    else:  # Gemma 3: per kind of layer
+        assert (ours.rope.theta, ours.local_rope.theta) == (expected["full_attention"]["rope_theta"],
+                                                            expected["sliding_attention"]["rope_theta"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -71,12 +72,17 @@ def check_replaceable(output: Path, marker: str, kind: str, error: type[Exceptio
 def staging_dir(output: Path, flag: str = "--output", error: type[CamshaftError] = CamshaftError,
                 advice: str = "choose a directory you can write to") -> Path:
     """A fresh sibling of `output` to write into; `replace_dir` moves it into place. Siblings left by runs that were
-    killed (their process is gone) are removed first. Writers use `staged`, which also removes it."""
+    killed (their process is gone) are removed first, but for a previous output that a run killed between
+    `replace_dir`'s two moves left aside: it goes back in place. Writers use `staged`, which also removes it."""
     output = Path(os.path.abspath(output))
     for stale in output.parent.glob(f".{output.name}.*-*") if output.parent.is_dir() else ():
         kind, _, pid = stale.name.rpartition("-")
         if kind.endswith((".partial", ".old")) and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+            if kind.endswith(".old") and not os.path.lexists(output):
+                with contextlib.suppress(OSError):  # another run's output landed meanwhile: this one is left
+                    os.replace(stale, output)
+            else:
+                shutil.rmtree(stale, ignore_errors=True)
     staging = _staging_path(output)
     try:
         shutil.rmtree(staging, ignore_errors=True)

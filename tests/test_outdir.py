@@ -16,6 +16,7 @@ from camshaft.builder.config import BuildConfig
 from camshaft.errors import CamshaftError, CheckpointError, EngineError
 from camshaft.outdir import staging_dir
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
 
 from tiny_models import make_tiny_model, stamped
@@ -34,11 +35,31 @@ def test_a_killed_runs_leftovers_are_removed_and_a_live_ones_kept(tmp_path):
     dead_pid = int(dead.stdout)
     leftovers = [tmp_path / f".engine.partial-{dead_pid}", tmp_path / f".engine.old-{dead_pid}"]
     live = tmp_path / f".engine.partial-{os.getppid()}"
-    for path in [*leftovers, live]:
+    for path in [*leftovers, live, tmp_path / "engine"]:
         path.mkdir()
         (path / "graph.onnx.data").write_bytes(b"x" * 1000)
     staging = staging_dir(tmp_path / "engine")
     assert staging.is_dir() and not any(p.exists() for p in leftovers) and live.is_dir()
+
+
+def test_an_output_a_killed_run_left_aside_goes_back_before_the_next_build(built, tmp_path, monkeypatch):
+    """Killed between replace_dir's two moves (the OOM killer), a run leaves the previous engine as .engine.old-PID
+    and no engine: the next build puts it back first, so a build that then fails late loses nothing."""
+    from camshaft.builder import build
+
+    model, engine = built
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    shutil.copytree(engine, tmp_path / f".engine.old-{int(dead.stdout)}")
+
+    def fails_late(*args, **kwargs):
+        raise CheckpointError("model.safetensors: a tensor holds NaN")
+
+    monkeypatch.setattr(build, "write_graph", fails_late)
+    with pytest.raises(CheckpointError, match="NaN"):
+        build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64, kv_block_size=8))
+    assert sorted(os.listdir(tmp_path)) == ["engine"]
+    with Session(tmp_path / "engine") as session:
+        assert session.generate([5, 6], SamplingParams(max_tokens=2)).token_ids
 
 
 def test_an_output_that_cannot_be_written_is_one_error_before_any_work(built, tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ from camshaft.builder.target_checks import (
     has_weight_only_layers,
 )
 from camshaft.builder.targets.trt_product import parse_arch
-from camshaft.engine_files import TOKENIZER_DIR, engine_entries, record_files
+from camshaft.engine_files import TOKENIZER_DIR, engine_entries, record_files, user_tokenizer_entries
 from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import BUILD_ID_KEY, graph_limits
 from camshaft.io_signature import TensorSpec
@@ -177,6 +177,9 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             for file in tokenizer_files:  # not the checkpoint's modes: the engine's files are made as its graph's
                 shutil.copyfile(file, tok_dir / file.name)
             save_tokenizer(checkpoint.dir, tok_dir, model.vocab_size, progress)
+            if kept := user_tokenizer_entries(output, tok_dir, CHAT_TEMPLATE):
+                raise BuildConfigError(f"--output {output} holds {', '.join(kept)}, which this build would delete or "
+                                       "replace; move them out of the engine first (and back after the build)")
             progress("writing model graph")
             for_ort = config.target == "onnxruntime"
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,

@@ -119,6 +119,25 @@ def engine_entries(engine_dir: Path) -> set[str]:
     return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in files)}
 
 
+def user_tokenizer_entries(engine_dir: Path, staged_tokenizer: Path, chat_template: str) -> list[str]:
+    """What rebuilding `engine_dir` would delete or replace in its tokenizer directory that its build did not write:
+    entries added since (additional chat templates, hidden files), and a chat template unlike the one the new build
+    wrote into `staged_tokenizer` (edited, which is allowed). Engines that list no tokenizer files: none."""
+    try:
+        files = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("files", {})
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return []
+    listed = {Path(str(f)).name for f in files if Path(str(f)).parent.name == TOKENIZER_DIR}
+    old = engine_dir / TOKENIZER_DIR
+    if not listed or not old.is_dir() or old.is_symlink():
+        return []
+    found = [f"{TOKENIZER_DIR}/{p.name}" for p in sorted(old.iterdir()) if p.name not in listed | {chat_template}]
+    template, new = old / chat_template, staged_tokenizer / chat_template
+    if template.is_file() and not (new.is_file() and new.read_bytes() == template.read_bytes()):
+        found.append(f"{TOKENIZER_DIR}/{chat_template} (unlike the checkpoint's: edited since the build?)")
+    return found
+
+
 def write_atomic(path: Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

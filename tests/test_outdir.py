@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -138,6 +139,28 @@ def test_rebuilding_keeps_what_camshaft_did_not_write(built, tmp_path):
     assert (target / "LICENSE").read_text() == "the user's" and (target / "manifest.json").is_file()
     (target / "LICENSE").unlink()
     build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))  # its own files: replaced
+    assert Engine(target).limits.max_seq_len == 32
+
+
+def test_rebuilding_keeps_the_chat_templates_a_user_added_or_edited(built, tmp_path):
+    """The README lets users edit tokenizer/chat_template.jinja and add additional_chat_templates/: a rebuild refuses
+    to delete or revert them, before the graph is written, and rebuilds once they are moved out."""
+    model, engine = built
+    target = tmp_path / "engine"
+    shutil.copytree(engine, target)
+    template = target / "tokenizer" / "chat_template.jinja"
+    original = template.read_text()
+    for change, kept in ((lambda: template.write_text(original + "{# mine #}"), "chat_template.jinja (unlike"),
+                         (lambda: (target / "tokenizer" / "additional_chat_templates").mkdir(),
+                          "tokenizer/additional_chat_templates")):
+        change()
+        with pytest.raises(CamshaftError, match=re.escape(kept) + ".*move them out of the engine first"):
+            build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))
+        assert Engine(target).limits.max_seq_len == 64 and not list(tmp_path.glob(".engine.*"))
+    assert template.read_text() == original + "{# mine #}"
+    template.write_text(original)
+    (target / "tokenizer" / "additional_chat_templates").rmdir()
+    build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))
     assert Engine(target).limits.max_seq_len == 32
 
 

@@ -110,12 +110,17 @@ def check_unchanged(engine_dir: Path, build_id: str) -> None:
         raise EngineError(f"{engine_dir} was replaced while it loaded (rebuilt meanwhile?); load it again")
 
 
-def engine_entries(engine_dir: Path) -> set[str]:
-    """The names a build writes into an engine directory (what rebuilding it may replace)."""
+def engine_entries(engine_dir: Path) -> set[str] | None:
+    """The names a build writes into an engine directory (what rebuilding it may replace); None where its
+    manifest.json is another program's (JSON without an engine format version). One that does not parse is taken
+    for a damaged engine's, which a rebuild replaces."""
     try:
-        files = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("files", {})
-    except (OSError, ValueError, RecursionError, AttributeError):
-        files = {}
+        manifest = json.loads((engine_dir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError, RecursionError):
+        manifest = {}
+    if not isinstance(manifest, dict) or manifest and "format_version" not in manifest:
+        return None
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in files)}
 
 

@@ -41,11 +41,11 @@ def unwritable(output: Path) -> str | None:
 
 
 def check_replaceable(output: Path, marker: str, kind: str, error: type[Exception], flag: str = "--output",
-                      owned: Callable[[Path], set[str]] | None = None) -> None:
+                      owned: Callable[[Path], set[str] | None] | None = None) -> None:
     """Refuse an output (given as `flag`) that exists and is neither empty nor a `kind` (recognised by its `marker`
-    file), or a `kind` holding entries other than those `owned` names (they would be deleted with it); a symlink or a
-    mount point, which cannot be swapped for the new directory, is refused too, and so is a path under a file or in a
-    directory this process cannot write."""
+    file, and by `owned` not saying None), or a `kind` holding entries other than those `owned` names (they would be
+    deleted with it); a symlink or a mount point, which cannot be swapped for the new directory, is refused too, and
+    so is a path under a file or in a directory this process cannot write."""
     output = Path(os.path.abspath(output))  # "." has a parent to build beside
     if why := unwritable(output):
         raise error(f"{flag} {output} cannot be written: {why}; choose a path in a writable directory")
@@ -57,12 +57,13 @@ def check_replaceable(output: Path, marker: str, kind: str, error: type[Exceptio
     if output.is_dir() and os.path.ismount(output):
         raise error(f"{flag} {output} is a mount point: the output is written beside it and moved into place, which "
                     "a mount point cannot take; pass a new directory inside it")
-    if output.is_dir() and any(output.iterdir()) and not (output / marker).exists():
+    ours = owned(output) if owned and (output / marker).exists() else set()
+    if output.is_dir() and any(output.iterdir()) and (not (output / marker).exists() or ours is None):
         raise error(
             f"{flag} {output} is a non-empty directory that is not {kind}; refusing to overwrite it. "
             "Choose an empty or new directory."
         )
-    foreign = sorted(set(os.listdir(output)) - owned(output)) if owned and (output / marker).exists() else []
+    foreign = sorted(set(os.listdir(output)) - ours) if owned and (output / marker).exists() else []
     if foreign:
         raise error(f"{flag} {output} is {kind} that also holds {', '.join(foreign[:5])}"
                     f"{' ...' if len(foreign) > 5 else ''}, which camshaft did not write and replacing it would "

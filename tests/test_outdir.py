@@ -142,6 +142,21 @@ def test_rebuilding_keeps_what_camshaft_did_not_write(built, tmp_path):
     assert Engine(target).limits.max_seq_len == 32
 
 
+def test_a_directory_with_another_programs_manifest_is_not_an_engine(built, tmp_path):
+    model, _ = built
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "manifest.json").write_text('{"name": "my web app"}')
+    (app / "model.onnx").write_text("the user's")
+    with pytest.raises(CamshaftError, match="is a non-empty directory that is not an engine"):
+        build_engine(BuildConfig(model, app, max_seq_len=32, kv_block_size=8))
+    assert (app / "model.onnx").read_text() == "the user's"
+    (app / "manifest.json").write_text('{"format_version": 4, "model": {')  # a damaged engine's: a rebuild mends it
+    (app / "model.onnx").unlink()
+    build_engine(BuildConfig(model, app, max_seq_len=32, kv_block_size=8))
+    assert Engine(app).limits.max_seq_len == 32
+
+
 def test_rebuilding_keeps_the_chat_templates_a_user_added_or_edited(built, tmp_path):
     """The README lets users edit tokenizer/chat_template.jinja and add additional_chat_templates/: a rebuild refuses
     to delete or revert them, before the graph is written, and rebuilds once they are moved out."""

@@ -24,7 +24,7 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
 from camshaft.errors import CheckpointError
 from camshaft.hf_config import FUSED_ARCHITECTURES
 from camshaft.model_config import HF_QUANT_CONFIG, TOKENIZER_FILES, ModelConfig, missing_checkpoint, require_tokenizer
-from camshaft.weight_files import EMBED, index_map, stored_float_dtype, weight_files
+from camshaft.weight_files import EMBED, index_map, stored_float_dtype, unreadable, weight_files
 
 
 class Checkpoint(QuantizedView):
@@ -46,7 +46,7 @@ class Checkpoint(QuantizedView):
             try:
                 handle = self._stack.enter_context(safe_open(str(file), framework="numpy"))
             except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
+                raise unreadable(file, exc) from exc
             self._handles[file] = handle
             for name in handle.keys():
                 if name in self._where:

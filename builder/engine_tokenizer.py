@@ -7,13 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from camshaft.errors import CheckpointError
+from camshaft.weight_files import lfs_pointer
 
 Progress = Callable[[str], None]
-
-
-def _head(path: Path, size: int = 40) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(size)
 
 
 def _plain_tokenizer_json(model_dir: Path) -> bool:
@@ -34,7 +30,7 @@ def save_tokenizer(model_dir: Path, tok_dir: Path, vocab_size: int, progress: Pr
 
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         path = model_dir / name
-        if path.is_file() and _head(path).startswith(b"version https://git-lfs"):
+        if path.is_file() and lfs_pointer(path):
             raise CheckpointError(f"{path} is a git-lfs pointer, not the file: fetch it (git lfs pull) and build again")
     try:
         AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False).save_pretrained(str(tok_dir))

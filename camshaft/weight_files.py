@@ -9,6 +9,21 @@ from pathlib import Path
 from camshaft.errors import CheckpointError
 
 
+def lfs_pointer(path: Path) -> bool:
+    """A git-lfs pointer file in place of the file (cloned without git-lfs)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(40).startswith(b"version https://git-lfs")
+    except OSError:
+        return False
+
+
+def unreadable(file: Path, exc: Exception) -> CheckpointError:
+    if lfs_pointer(file):
+        return CheckpointError(f"{file} is a git-lfs pointer, not the file: fetch it (git lfs pull) and try again")
+    return CheckpointError(f"{file} is not a readable safetensors file: {exc}")
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The checkpoint's safetensors files: the shards its index names, else every *.safetensors file (camshaft
     quantize's side file of KV scales beside model.safetensors)."""
@@ -68,7 +83,7 @@ def headers(model_dir: Path) -> Iterator[tuple[Path, str, str, list[int]]]:
                     tensor = handle.get_slice(key)
                     yield file, key, tensor.get_dtype(), tensor.get_shape()
         except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{file} could not be read as safetensors: {exc}") from exc
+            raise unreadable(file, exc) from exc
 
 
 def matrix_names(model_dir: Path) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -85,6 +86,25 @@ def test_the_tokenizers_eos_ends_generation_beside_the_configs_end_ids(tiny, tmp
     from camshaft.runtime.engine_info import engine_info
 
     assert engine_info(tmp_path / "engine")["eos_token_ids"] == [1, 2]  # what inspect says it ends on
+
+
+@pytest.mark.parametrize("command", ["build", "quantize"])
+def test_weights_cloned_without_git_lfs_say_to_fetch_them(tiny, tmp_path, command, capsys):
+    from camshaft import cli
+
+    model = copy_of(tiny, tmp_path)
+    (model / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n")
+    args = ["--quant", "int8_wo", "--calib-size", "1", "--calib-seq-len", "8"] if command == "quantize" else []
+    with pytest.raises(CheckpointError, match="model.safetensors is a git-lfs pointer, not the file: fetch it"):
+        build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+    argv = sys.argv
+    sys.argv = ["camshaft", command, "--model", str(model), "--output", str(tmp_path / "out"), *args]
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main()
+    finally:
+        sys.argv = argv
+    assert stopped.value.code == 1 and "model.safetensors is a git-lfs pointer" in capsys.readouterr().err
 
 
 def test_a_tokenizer_that_cannot_load_is_refused_before_the_graph(tiny, tmp_path, monkeypatch):

@@ -57,7 +57,7 @@ def test_build_then_run(tiny, capsys):
     assert manifest["limits"]["max_seq_len"] == 64 and manifest["target"] == "onnxruntime"
     code, stdout, err = camshaft(capsys, "run", "--engine", out, "--prompt", "hello", "--max-tokens", "5")
     assert code == 0, err
-    count, reason = re.search(r"(\d+) tokens · finish (\w+)", err).groups()  # an early end id stops it: "stop"
+    count, reason = re.search(r"(\d+) tokens? · finish (\w+)", err).groups()  # an early end id stops it: "stop"
     assert (int(count), reason) == (5, "length") or (int(count) < 5 and reason == "stop"), err
 
 
@@ -69,6 +69,8 @@ def test_run_streams_the_same_text_as_generate(engine, capsys):
     assert code == 0
     assert streamed == plain
     assert "12 tokens · finish length" in stats and "12 tokens · finish length" in streamed_stats
+    code, _, one = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "1")
+    assert code == 0 and "1 token · finish length · TTFT" in one and "tok/s" not in one  # no decode speed of 1 token
 
 
 def test_run_chat_template_replaces_the_engines(engine, capsys, tmp_path):

@@ -123,8 +123,9 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
         typer.echo(result.text)
     t = result.timings
     drafts = f" · drafts {session.accepted_draft_tokens}/{session.draft_tokens} taken" if prompt_lookup else ""
-    err.print(f"[dim]{t.output_tokens} tokens · finish {result.finish_reason} · TTFT {t.ttft_s * 1000:.0f} ms · "
-              f"{t.decode_tok_s:.1f} tok/s{drafts}[/dim]")
+    speed = f" · {t.decode_tok_s:.1f} tok/s" if t.output_tokens > 1 else ""  # decode speed: from the second token
+    err.print(f"[dim]{t.output_tokens} token{'s' if t.output_tokens != 1 else ''} · finish {result.finish_reason} · "
+              f"TTFT {t.ttft_s * 1000:.0f} ms{speed}{drafts}[/dim]")
 
 
 @eval_app.command("ppl")

@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from camshaft.errors import RequestError
+from camshaft.errors import EngineError, RequestError
 from camshaft.runtime.prompt_text import check_unicode
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -118,7 +118,6 @@ def load_chat_template(value: str | Path) -> str:
     """A chat template from a file (its text: Jinja, as chat_template.jinja holds), else, as vLLM reads one, the
     value itself where it looks like a template (braces or a line break); refused unless it parses as transformers
     parses chat templates."""
-    from jinja2 import TemplateSyntaxError
 
     text = str(value)
     path = Path(text).expanduser()
@@ -137,11 +136,20 @@ def load_chat_template(value: str | Path) -> str:
     where = "the template given" if inline else str(path)
     if not text.strip():
         raise RequestError(f"{where} is empty; give a chat template")
+    if problem := template_problem(text):
+        raise RequestError(f"{where} is not a valid Jinja chat template: {problem}")
+    return text
+
+
+def template_problem(text: str) -> str | None:
+    """Why a chat template does not parse ("line N: ..."), or None."""
+    from jinja2 import TemplateSyntaxError
+
     try:
         _environment().parse(text)
     except TemplateSyntaxError as exc:
-        raise RequestError(f"{where} is not a valid Jinja chat template: line {exc.lineno}: {exc.message}") from None
-    return text
+        return f"line {exc.lineno}: {exc.message}"
+    return None
 
 
 @lru_cache(maxsize=1)
@@ -158,9 +166,9 @@ def reads_tools(template: str) -> bool:
 
     try:
         return "tools" in meta.find_undeclared_variables(_environment().parse(template))
-    except TemplateSyntaxError as exc:  # the engine's own template: apply_chat_template would refuse it too
-        raise RequestError(f"this engine's chat template does not parse (line {exc.lineno}: {exc.message}); fix "
-                           "tokenizer/chat_template.jinja in the engine or give one (--chat-template FILE)") from None
+    except TemplateSyntaxError as exc:  # the engine's own template (one given was checked): the engine is at fault
+        raise EngineError(f"this engine's chat template does not parse (line {exc.lineno}: {exc.message}); fix "
+                          "tokenizer/chat_template.jinja in the engine or give one (--chat-template FILE)") from None
 
 
 def as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -106,6 +106,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "eos_token_ids": _end_ids(engine_dir, m) if reason is None else list(c.eos_token_ids),
         "chat_template": (engine_dir / TOKENIZER_DIR / "chat_template.jinja").is_file()
         or _tokenizer_config(engine_dir).get("chat_template") is not None,
+        "chat_template_problem": chat_template_problem(engine_dir),
         "tools": dict(m.tools),
         "runs_here": reason is None,
         "runs_here_reason": reason,
@@ -118,6 +119,18 @@ def _end_ids(engine_dir: Path, manifest: Manifest) -> list[int]:
         return list(end_ids(manifest.model, load_tokenizer(engine_dir)))
     except EngineError:
         return list(manifest.model.eos_token_ids)
+
+
+def chat_template_problem(engine_dir: Path) -> str | None:
+    """Why the engine's chat template (tokenizer/chat_template.jinja, else tokenizer_config.json's) does not parse,
+    or None (none, or one that parses): chat requests would fail on it."""
+    from camshaft.runtime.chat_template import template_problem
+
+    try:
+        text = (engine_dir / TOKENIZER_DIR / "chat_template.jinja").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        text = _tokenizer_config(engine_dir).get("chat_template")
+    return template_problem(text) if isinstance(text, str) else None
 
 
 def _tokenizer_config(engine_dir: Path) -> dict[str, Any]:
@@ -180,6 +193,8 @@ def info_lines(info: dict[str, Any]) -> list[str]:
             f", sizes as the build recorded them (format {info['format_version']} records no fingerprints)")
            if info["files_as_built"] else ", NOT as the build wrote them (below)"),
         f"tokenizer   end ids {info['eos_token_ids']}, chat template {'yes' if info['chat_template'] else 'no'}"
+        + (f" (does not parse, {info['chat_template_problem']}: chat requests fail until "
+           "tokenizer/chat_template.jinja is fixed)" if info["chat_template_problem"] else "")
         + "".join(f", {k} {v:g}" for k, v in md["sampling_defaults"].items()),
         "tools       " + ", ".join(f"{k} {v}" for k, v in info["tools"].items()),
         f"runs here   {'yes' if info['runs_here'] else 'no: ' + info['runs_here_reason']}",

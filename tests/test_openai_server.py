@@ -931,3 +931,24 @@ def test_documents_reach_a_rag_template_from_the_python_api_and_the_server(engin
             assert twice.status_code == 400 and "documents are given twice" in twice.json()["error"]["message"]
             bad = http.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"documents": "x"}})
             assert bad.status_code == 400 and "documents is a list of objects" in bad.json()["error"]["message"]
+
+
+def test_an_engine_chat_template_that_does_not_parse_is_the_servers_fault(engine_dir, tmp_path, capsys):
+    """The README lets users edit tokenizer/chat_template.jinja: one that no longer parses is said by inspect, and
+    chat requests answer 500 (the server's files), not 400 blaming the client's messages; completions still run."""
+    import shutil
+
+    from camshaft.runtime.engine_info import engine_info, info_lines
+
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir, copy)
+    (copy / "tokenizer" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    info = engine_info(copy)
+    assert info["runs_here"] and info["chat_template_problem"].startswith("line 1: Unexpected end of template")
+    assert "chat template yes (does not parse, line 1: Unexpected end" in "\n".join(info_lines(info))
+    with running_server(copy) as (url, _):
+        chat = HTTP.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2})
+        assert chat.status_code == 500 and chat.json()["error"]["type"] == "server_error"
+        assert "this engine's chat template does not parse (line 1" in chat.json()["error"]["message"]
+        plain = HTTP.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert plain.status_code == 200

@@ -181,3 +181,15 @@ def _up(process: subprocess.Popen, url: str) -> bool:
         return HTTP.get(url + "/health").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_port_in_use_is_refused_before_the_engine_loads(engine_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-c", "from camshaft.cli import main; main()", "serve", "--api",
+                               "openai", "--engine", str(engine_dir), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in done.stderr
+    assert "KV cache" not in done.stderr and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1

@@ -4,7 +4,6 @@ the environment of its python stub, free loopback ports."""
 from __future__ import annotations
 
 import ctypes
-import errno
 import importlib.util
 import ipaddress
 import os
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from camshaft.errors import CamshaftError, needs_extra
+from camshaft.ports import listen_error
 
 
 @dataclass(frozen=True)
@@ -121,19 +121,10 @@ def check_port(host: str, port: int) -> None:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing socket in TIME_WAIT is no listener
         try:
             probe.bind((host, port))
-        except socket.gaierror as exc:
-            raise CamshaftError(f"--host {host} is no address of this machine ({exc.strerror}); pass an address "
-                                "such as 127.0.0.1 or 0.0.0.0") from None
         except OverflowError:
             raise CamshaftError(f"port {port} is not a port number (0-65535)") from None
         except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise CamshaftError(f"port {port} on {host} is in use; pick another (--port / --grpc-port / "
-                                    "--metrics-port) or stop what listens there") from None
-            hint = ("ports below 1024 need privileges: pick a higher one" if exc.errno == errno.EACCES else
-                    "pass an address of this machine, such as 127.0.0.1 or 0.0.0.0"
-                    if exc.errno == errno.EADDRNOTAVAIL else "pick another host or port")
-            raise CamshaftError(f"cannot listen on {host} port {port} ({exc.strerror}); {hint}") from None
+            raise listen_error(host, port, exc, "--port / --grpc-port / --metrics-port") from None
 
 
 PR_SET_PDEATHSIG = 1

@@ -11,12 +11,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from camshaft.errors import CamshaftError, CapacityError, RequestError
+from camshaft.errors import CamshaftError, CapacityError, EngineError, RequestError
 from camshaft.openai_server import errors
 from camshaft.openai_server.api_key import ApiKey
 from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
 from camshaft.openai_server.chat_protocol import DetokenizeRequest, TokenizeRequest
-from camshaft.openai_server.errors import APIError, route_path
+from camshaft.openai_server.errors import APIError, from_exception, route_path
 from camshaft.openai_server.generation import Generation
 from camshaft.openai_server.metrics import CONTENT_TYPE, Metrics
 from camshaft.openai_server.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
@@ -89,6 +89,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             raise too_long(f"your request has more input tokens ({exc}).") from None
         except RequestError as exc:  # empty, no tokens, not Unicode, unusable messages
             raise APIError(400, str(exc), param=what) from None
+        except EngineError as exc:  # the engine's chat template does not parse: the server's files, not the request
+            raise from_exception(exc) from None
         if len(ids) >= max_seq_len:
             raise too_long(f"your request has {len(ids)} input tokens. Please reduce the length of the {what} (the "
                            "output needs room too).")

@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from camshaft.errors import CapacityError, RequestError, ServerBusyError, ServerClosedError
+from camshaft.errors import CapacityError, EngineError, RequestError, ServerBusyError, ServerClosedError
 from camshaft.openai_server.metrics import Metrics
 
 _SAMPLING_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -39,6 +39,8 @@ def from_exception(exc: Exception) -> APIError:
     if isinstance(exc, RequestError):
         first = str(exc).split(" ", 1)[0]
         return APIError(400, str(exc), param=first if first in _SAMPLING_FIELDS else None)
+    if isinstance(exc, EngineError):  # the engine's files (a chat template that does not parse): the server's fault
+        return APIError(500, str(exc), type="server_error")
     return APIError(500, f"internal server error: {exc!r}", type="server_error")
 
 

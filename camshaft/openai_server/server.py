@@ -12,6 +12,8 @@ import uvicorn
 
 from camshaft.errors import CamshaftError
 from camshaft.openai_server.app import create_app
+from camshaft.ports import bound_socket
+from camshaft.runtime.engine_info import chat_template_problem
 from camshaft.runtime.kv_cache import pool_bytes
 from camshaft.runtime.llm import LLM
 from camshaft.stop_signals import Stops
@@ -57,9 +59,14 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     this one handles the signals, so the LLM is closed and the exit status is 0. model_name: the model id clients
     send (default: the engine directory's name)."""
     model_name = model_name or Path(engine).resolve().name
-    server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name,
-                               api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
-    thread = threading.Thread(target=server.run, name="camshaft-openai-http")
+    sock = bound_socket(host, port)  # first: a port in use is refused before the engine loads
+    try:
+        server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name,
+                                   api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
+    except BaseException:
+        sock.close()
+        raise
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="camshaft-openai-http")
 
     stops = Stops()
 
@@ -82,12 +89,16 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
                     f"(health: /health, metrics: /metrics{'; an API key required' if api_key else ''}); Ctrl-C "
                     "stops it")
                 log(pool_line(llm))
+                if chat_template is None and (problem := chat_template_problem(Path(engine))):
+                    log(f"warning: the engine's chat template does not parse ({problem}): chat completions answer "
+                        "500 until tokenizer/chat_template.jinja is fixed (or pass --chat-template)")
                 if defaults := llm.engine.manifest.model.sampling_defaults:
                     log("requests that leave them out sample as the model's generation_config.json says: "
                         + ", ".join(f"{key}={value:g}" for key, value in defaults))
     finally:
         server.should_exit = True
         thread.join()
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         llm.close()

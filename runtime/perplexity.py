@@ -52,6 +52,21 @@ def check_window(window: int) -> None:
                            f"got {window}")
 
 
+SAME_MODEL_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim")
+
+
+def check_same_model(engine: ModelConfig, model_dir: str | Path) -> None:
+    """Refuse a --model that is not the model the --engine was built from (another architecture or shape): the two
+    perplexities would not compare."""
+    reference = ModelConfig.from_hf_dir(Path(model_dir))
+    differ = [f"{name} {getattr(engine, name)} vs {getattr(reference, name)}" for name in SAME_MODEL_FIELDS
+              if getattr(engine, name) != getattr(reference, name)]
+    if differ:
+        raise RequestError(f"--model {model_dir} is not the model the --engine was built from ({', '.join(differ)}); "
+                           "pass the checkpoint it was built from (the float one, for a quantized engine)")
+
+
 def check_reference_model(model_dir: str | Path) -> None:
     """Refuse a --model directory transformers cannot score as the float reference, before loading anything."""
     path = Path(model_dir)

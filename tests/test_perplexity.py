@@ -109,7 +109,7 @@ def quantized_checkpoint(model, out):
 
 
 @pytest.mark.parametrize("case", ["missing", "engine", "quantized", "no-config", "window 0", "window 1",
-                                  "window long"])
+                                  "window long", "another model"])
 def test_bad_reference_input_is_one_clear_error_before_loading(tiny, tmp_path, capsys, monkeypatch, case):
     model, engine = tiny
     (tmp_path / "t.txt").write_text(TEXT)
@@ -123,9 +123,13 @@ def test_bad_reference_input_is_one_clear_error_before_loading(tiny, tmp_path, c
         "window 1": (["--engine", engine, "--model", model, "--window", "1"], "--window must be at least 2 tokens"),
         "window long": (["--model", model, "--window", "513"], "--window 513 exceeds --model's "
                         "max_position_embeddings (512); pass --window 512 or less"),
+        "another model": (["--engine", engine, "--model", tmp_path / "other"], "other is not the model the --engine "
+                          "was built from (architecture qwen2 vs llama, intermediate_size 96 vs 64)"),
     }[case]
     if case == "quantized":
         quantized_checkpoint(model, tmp_path / "q")
+    if case == "another model":
+        make_tiny_model("llama", tmp_path / "other", intermediate_size=64)
     capsys.readouterr()
     refuse_loading(monkeypatch)
     code, out, err = camshaft(capsys, "eval", "ppl", "--data", tmp_path / "t.txt", *args)
@@ -158,7 +162,7 @@ def broken_copy(model, out, case: str):
 
 @pytest.mark.parametrize("case, expected", [
     ("missing tensor", "lacks model.layers.0.mlp.down_proj.weight; transformers would score random weights"),
-    ("truncated weights", "broken/model.safetensors could not be read as safetensors"),
+    ("truncated weights", "broken/model.safetensors is not a readable safetensors file"),
     ("unsupported architecture", "architecture ['GPT2LMHeadModel'] is not supported"),
     ("pickle weights", "holds only pickle weights"),
 ])

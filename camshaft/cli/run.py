@@ -143,6 +143,7 @@ def eval_ppl(
     from camshaft.manifest import read_manifest
     from camshaft.runtime.perplexity import (
         check_reference_model,
+        check_same_model,
         check_window,
         engine_perplexity,
         read_text,
@@ -155,11 +156,14 @@ def eval_ppl(
     if model is None and window is not None:
         raise RequestError("--window sets the transformers reference's window (--model); an engine scores in "
                            "windows of its max_seq_len: drop --window or add --model")
-    engine_window = None if engine is None else read_manifest(engine, check_files=False).limits.max_seq_len
+    manifest = None if engine is None else read_manifest(engine, check_files=False)
+    engine_window = None if manifest is None else manifest.limits.max_seq_len
     given = "--window" if window is not None else "the engine's max_seq_len"
     window = engine_window if window is None else window
     if model is not None:
         check_reference_model(model)
+        if manifest is not None:
+            check_same_model(manifest.model, model)
         window = reference_window(model, window, given)
         check_window(window)
     if engine_window is not None and model is not None and window != engine_window:

@@ -73,6 +73,28 @@ def test_run_streams_the_same_text_as_generate(engine, capsys):
     assert code == 0 and "1 token · finish length · TTFT" in one and "tok/s" not in one  # no decode speed of 1 token
 
 
+def test_run_takes_the_stop_and_penalty_a_server_request_takes(engine, capsys):
+    """--stop, --repetition-penalty and --min-p give what SamplingParams with them gives (a model's recommended
+    repetition_penalty could not be turned off from the command line)."""
+    from camshaft.runtime.sampling_params import SamplingParams
+    from camshaft.runtime.session import Session
+
+    with Session(engine) as session:
+        def expected(**sampling) -> str:
+            return session.generate("abc", SamplingParams(max_tokens=12, ignore_eos=False, **sampling)).text
+
+        plain = expected()
+        stop = plain[4:6]
+        cases = [(["--stop", stop, "--stop", "never there"], expected(stop=(stop, "never there"))),
+                 (["--repetition-penalty", "1.8"], expected(repetition_penalty=1.8)),
+                 (["--temperature", "0.9", "--min-p", "0.3", "--seed", "5"],
+                  expected(temperature=0.9, min_p=0.3, seed=5))]
+    assert cases[0][1] == plain[:plain.index(stop)] and cases[1][1] != plain
+    for args, text in cases:
+        code, out, err = camshaft(capsys, "run", "--engine", engine, "--prompt", "abc", "--max-tokens", "12", *args)
+        assert code == 0 and out == text + "\n", err
+
+
 def test_run_chat_template_replaces_the_engines(engine, capsys, tmp_path):
     """--chat-template's file renders the --chat messages: one that writes the user's words alone gives the plain
     prompt's output; one that does not parse is refused, naming the file and line, before the engine loads."""
@@ -136,6 +158,9 @@ BAD_RUNS = {
     "top_p zero": (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
     "top_p above one": (["--prompt", "hi", "--top-p", "1.5"], "--top-p"),
     "top_k below -1": (["--prompt", "hi", "--top-k", "-2"], "--top-k must be >= 1"),
+    "repetition penalty zero": (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    "min_p above one": (["--prompt", "hi", "--min-p", "2"], "--min-p must be in [0, 1]"),
+    "empty stop": (["--prompt", "hi", "--stop", ""], "--stop must be a non-empty string"),
     "system without chat": (["--prompt", "hi", "--system", "be brief"], "add --chat"),
     "chat template without chat": (["--prompt", "hi", "--chat-template", "t.jinja"], "add --chat"),
     "chat template missing": (["--prompt", "hi", "--chat", "--chat-template", "no/such.jinja"],

@@ -30,6 +30,13 @@ def run(
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling: the smallest set of tokens with this much "
                                                      "probability (1 = off; default: the model's, else 1)")] = None,
     top_k: Annotated[int | None, typer.Option(help="0 or -1 = off (default: the model's, else 0)")] = None,
+    min_p: Annotated[float | None, typer.Option(help="Drop tokens less likely than this fraction of the likeliest "
+                                                     "(0 = off; default: the model's, else 0)")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(
+        help="Divide the logits of tokens already in the prompt or output by this (1 = off; default: the model's, "
+             "else 1)")] = None,
+    stop: Annotated[list[str] | None, typer.Option(
+        metavar="TEXT", help="End the output where this text appears, leaving it out (repeatable)")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the sampling (default: a fresh one)")] = None,
     stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
     prompt_lookup: Annotated[int, typer.Option(
@@ -50,13 +57,15 @@ def run(
         raise RequestError("--chat-template renders --chat messages; add --chat (or drop --chat-template)")
     if prompt == "-":
         prompt = _stdin_text()
-    given = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed))
-             if v is not None}
-    with flag_names("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_lookup"):
+    given = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+                               ("repetition_penalty", repetition_penalty), ("seed", seed)) if v is not None}
+    with flag_names("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                    "prompt_lookup"):
         model = read_manifest(engine, check_files=False).model  # its recommended sampling, as Session and serve
-        params = replace(model_defaults(model), max_tokens=max_tokens, **given)
+        params = replace(model_defaults(model), max_tokens=max_tokens, stop=tuple(stop or ()), **given)
         unused = [flag for flag, sent in (("--top-p", top_p not in (None, 1.0)),
-                                          ("--top-k", top_k not in (None, 0, -1)), ("--seed", seed is not None))
+                                          ("--top-k", top_k not in (None, 0, -1)), ("--min-p", min_p not in (None, 0)),
+                                          ("--seed", seed is not None))
                   if sent]
         greedy = params.temperature < GREEDY_BELOW  # top_p, top_k, min_p and the seed then do nothing
         if greedy and unused:  # said once the values are known to be valid

@@ -17,6 +17,7 @@ from camshaft.manifest import MANIFEST_NAME
 from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig, require_tokenizer, unreadable_quantization
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
+from camshaft.runtime.llm_options import check_runtime_options
 from camshaft.weight_files import refuse_stored_codes
 
 REFERENCE_WINDOW = 1024  # tokens a transformers window scores (--window)
@@ -133,8 +134,9 @@ def _nll(logits: np.ndarray, targets: list[int]) -> float:
     return total
 
 
-def engine_perplexity(engine_dir: str | Path, text: str) -> PerplexityResult:
-    engine = Engine(engine_dir, max_sequences=1)
+def engine_perplexity(engine_dir: str | Path, text: str, threads: int | None = None) -> PerplexityResult:
+    check_runtime_options(threads)
+    engine = Engine(engine_dir, max_sequences=1, threads=threads)
     ids = engine.tokenizer(text, verbose=False)["input_ids"]  # windowed below: no "indexing errors" warning
     check_vocab(ids, engine.manifest.model.vocab_size, "the engine")
     limits = engine.limits

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 from typer.testing import CliRunner
 
@@ -45,6 +48,21 @@ def test_out_of_range_numbers_are_usage_errors(engine, args, flag):
         args = [*args, "--engine", engine]
     result = invoke(*args)
     assert result.exit_code == 2 and flag in result.output, result.output
+
+
+def test_threads_are_one_flag_everywhere_and_checked_before_loading(engine, tmp_path):
+    cpus = len(os.sched_getaffinity(0))
+    (tmp_path / "t.txt").write_text("some text to score")
+    for command in (["serve"], ["serve", "--api", "openai"], ["run", "--prompt", "hi"], ["bench", "latency"],
+                    ["bench", "throughput"], ["eval", "ppl", "--data", tmp_path / "t.txt"]):
+        refused(invoke(*command, "--engine", engine, "--threads", cpus + 1),
+                f"--threads {cpus + 1} is more than the {cpus} CPUs this process may use")
+    refused(invoke("eval", "ppl", "--data", tmp_path / "t.txt", "--model", tmp_path, "--threads", "1"),
+            "--threads sets the --engine's threads")
+    refused(invoke("serve", "--repo", tmp_path, "--threads", "1"), "so --threads would be ignored")
+    done = invoke("bench", "latency", "--engine", engine, "--prompt-len", "4", "--max-tokens", "3", "--repeats", "1",
+                  "--threads", "1", "--output-json", tmp_path / "latency.json")
+    assert done.exit_code == 0 and json.loads((tmp_path / "latency.json").read_text())["threads"] == 1
 
 
 def test_serve_refuses_ports_it_would_ignore_or_share(engine):
@@ -196,8 +214,8 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
         "engine", "format_version", "camshaft_version", "build_id", "model", "dtype", "quantization", "lm_head",
         "target",
         "device", "gpu_arch", "graphs", "prompt_lookup", "no_sequence_graph", "limits", "kv_cache", "files",
-        "bytes_listed", "files_as_built", "fingerprinted", "eos_token_ids", "chat_template", "tools", "runs_here",
-        "runs_here_reason"]
+        "bytes_listed", "files_as_built", "fingerprinted", "eos_token_ids", "chat_template", "chat_template_problem",
+        "tools", "runs_here", "runs_here_reason"]
     assert info["model"]["layers"] == c.num_layers and info["limits"]["max_seq_len"] == 128
     assert info["kv_cache"]["bytes_per_token"] == c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # fp32 K and V
     assert info["kv_cache"]["default_pool_bytes"] == (4 * 128 + info["limits"]["kv_block_size"]) * \

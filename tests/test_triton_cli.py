@@ -66,7 +66,11 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     marker = json.loads((tmp_path / "default" / MARKER).read_text())
-    assert marker["llm_options"]["max_queue"] == 4 * 4
+    assert marker["llm_options"]["max_queue"] == 4 * 4 and "threads" not in marker["llm_options"]
+    done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "threads"),
+                           "--threads", "4096"], capture_output=True, text=True)  # for the machine that serves it
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "threads" / MARKER).read_text())["llm_options"]["threads"] == 4096
     assert "decoupled: true" in (tmp_path / "default" / "tensorrt_llm" / "config.pbtxt").read_text()
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "my repo")],
                           capture_output=True, text=True)  # Triton's python stubs crash on such a path: refused

@@ -11,7 +11,15 @@ import typer
 from rich.markup import escape
 
 from camshaft.cli import bench_app, err, flag_names, progress
-from camshaft.cli.serve import LLM_FLAGS, BatchOption, LookupOption, MemoryOption, PolicyOption, TokensOption
+from camshaft.cli.serve import (
+    LLM_FLAGS,
+    BatchOption,
+    LookupOption,
+    MemoryOption,
+    PolicyOption,
+    ThreadsOption,
+    TokensOption,
+)
 from camshaft.errors import CamshaftError
 from camshaft.outdir import writable_dir
 from camshaft.runtime.bench_data import PRESETS, parse_dataset_spec, repeat_note
@@ -31,19 +39,23 @@ def bench_latency(
                                                         "needs 2 or more)")] = 128,
     repeats: Annotated[int, typer.Option(min=1, help="Measured runs (medians are reported)")] = 5,
     warmup: Annotated[int, typer.Option(min=0, help="Unmeasured runs first")] = 1,
+    threads: ThreadsOption = None,
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
 ) -> None:
     """Batch-1 latency: TTFT, prefill and decode tokens/s (medians over repeats)."""
     from camshaft.runtime.bench import latency_benchmark
+    from camshaft.runtime.session import Session
 
     require_outputs(None, output_json)
-    with flag_names("prompt_len", "max_tokens", "repeats", "warmup"):
+    with flag_names("prompt_len", "max_tokens", "repeats", "warmup", "threads"):
+        session = Session(engine, threads=threads)
         report = latency_benchmark(engine, prompt_len=prompt_len, max_tokens=max_tokens, repeats=repeats,
-                                   warmup=warmup, progress=progress)
+                                   warmup=warmup, session=session, progress=progress)
     for key, value in report.items():
         typer.echo(f"{key:>22}: {value}")
     if output_json:
-        write_json(output_json, {"engine": str(engine), "repeats": repeats, "warmup": warmup, **report})
+        write_json(output_json, {"engine": str(engine), "repeats": repeats, "warmup": warmup, "threads": threads,
+                                 **report})
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -88,7 +100,7 @@ def bench_throughput(
         help="Most requests in flight; a comma-separated list sweeps, e.g. 1,8,32 (default: the batch size, at most "
              "32)")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the synthetic lengths and prompt ids")] = 0,
-    threads: Annotated[int | None, typer.Option(min=1, help="Engine threads (default: the backend's)")] = None,
+    threads: ThreadsOption = None,
     policy: PolicyOption = "guaranteed_no_evict",
     kv_cache_memory: MemoryOption = None,
     max_batch_size: BatchOption = None,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from camshaft.cli import app, err, eval_app, flag_names
+from camshaft.cli.serve import ThreadsOption
 
 if TYPE_CHECKING:
     from camshaft.runtime.sampling_params import SamplingParams
@@ -19,7 +20,8 @@ def run(
     engine: Annotated[Path, typer.Option(help="Engine directory")],
     prompt: Annotated[str, typer.Option(help="Prompt text; - reads it from stdin (UTF-8, one final newline "
                                              "dropped)")],
-    chat: Annotated[bool, typer.Option(help="Wrap the prompt as a user message in the chat template")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a user message in the chat template")]
+    = False,
     system: Annotated[str | None, typer.Option(help="System message (with --chat)")] = None,
     chat_template: Annotated[str | None, typer.Option(
         help="A Jinja chat template (a file, or the template itself) used in place of the engine's (with --chat)")]
@@ -38,11 +40,12 @@ def run(
     stop: Annotated[list[str] | None, typer.Option(
         metavar="TEXT", help="End the output where this text appears, leaving it out (repeatable)")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the sampling (default: a fresh one)")] = None,
-    stream: Annotated[bool, typer.Option(help="Print text as it is generated")] = False,
+    stream: Annotated[bool, typer.Option("--stream", help="Print text as it is generated")] = False,
     prompt_lookup: Annotated[int, typer.Option(
         min=0, max=16, metavar="N",
         help="Draft up to this many tokens a step from text the prompt and output already hold (prompt lookup "
              "decoding: the same output, faster where text repeats); 0 = off")] = 0,
+    threads: ThreadsOption = None,
 ) -> None:
     """Generate text from a prompt."""
     from dataclasses import replace
@@ -60,7 +63,7 @@ def run(
     given = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
                                ("repetition_penalty", repetition_penalty), ("seed", seed)) if v is not None}
     with flag_names("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-                    "prompt_lookup"):
+                    "prompt_lookup", "threads"):
         model = read_manifest(engine, check_files=False).model  # its recommended sampling, as Session and serve
         params = replace(model_defaults(model), max_tokens=max_tokens, stop=tuple(stop or ()), **given)
         unused = [flag for flag, sent in (("--top-p", top_p not in (None, 1.0)),
@@ -81,7 +84,7 @@ def run(
             err.print(f"[dim]sampling as the model's generation_config.json recommends: {', '.join(taken)}"
                       + ("" if "temperature" in given else " (--temperature 0 for greedy decoding)") + "[/dim]",
                       soft_wrap=True)
-        _run(engine, prompt, chat, system, params, stream, prompt_lookup, chat_template)
+        _run(engine, prompt, chat, system, params, stream, prompt_lookup, chat_template, threads)
 
 
 def _stdin_text() -> str:
@@ -98,7 +101,7 @@ def _stdin_text() -> str:
 
 
 def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: SamplingParams, stream: bool,
-         prompt_lookup: int, chat_template: str | None = None) -> None:
+         prompt_lookup: int, chat_template: str | None = None, threads: int | None = None) -> None:
     from camshaft.runtime.session import Session
 
     max_tokens = params.max_tokens
@@ -111,7 +114,8 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
     if prompt_lookup and not checks_drafts(read_manifest(engine, check_files=False)):
         raise EngineError(f"{engine}: built before prompt lookup (its sequence graph gives logits for one token a "
                           "step); rebuild it with this camshaft for --prompt-lookup, or drop --prompt-lookup")
-    session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup, chat_template=chat_template)
+    session = Session(engine, huge_pages=max_tokens >= 512, prompt_lookup=prompt_lookup, chat_template=chat_template,
+                      threads=threads)
     messages = None
     if chat:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [
@@ -146,6 +150,7 @@ def eval_ppl(
                                                     "max_seq_len, so both score the same windows; else 1024, or "
                                                     "the model's max_position_embeddings if fewer); engines use "
                                                     "their max_seq_len")] = None,
+    threads: ThreadsOption = None,
 ) -> None:
     """Perplexity of a text through an engine and/or transformers, in non-overlapping windows."""
     from camshaft.errors import RequestError
@@ -162,6 +167,9 @@ def eval_ppl(
 
     if engine is None and model is None:
         raise RequestError("pass --engine, --model or both")
+    if threads is not None and engine is None:
+        raise RequestError("--threads sets the --engine's threads (transformers takes torch's); add --engine or drop "
+                           "--threads")
     if model is None and window is not None:
         raise RequestError("--window sets the transformers reference's window (--model); an engine scores in "
                            "windows of its max_seq_len: drop --window or add --model")
@@ -181,11 +189,12 @@ def eval_ppl(
     text = read_text(data)
     runs = []
     if engine is not None:
-        runs.append(("engine", engine_window, lambda: engine_perplexity(engine, text)))
+        runs.append(("engine", engine_window, lambda: engine_perplexity(engine, text, threads)))
     if model is not None:
         runs.append(("transformers", window, lambda: reference_perplexity(model, text, window)))
     for name, size, score in runs:  # each printed when done: a failing second run loses nothing of the first
-        r = score()
+        with flag_names("threads"):
+            r = score()
         windows = f"{r.windows} window{'s' if r.windows != 1 else ''}"
         scored = f"{r.tokens_scored} token{'s' if r.tokens_scored != 1 else ''}"
         typer.echo(f"{name:<12} ppl {r.perplexity:.4f}  ({scored}, {windows} of {size} tokens)")

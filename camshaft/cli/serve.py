@@ -22,7 +22,9 @@ QueueOption = Annotated[int | None, typer.Option(
 BatchOption = Annotated[int | None, typer.Option(
     min=1, help="Most running requests (default and maximum: the engine's)")]
 PolicyOption = Annotated[str, typer.Option(help="guaranteed_no_evict | max_utilization")]
-LLM_FLAGS = ("kv_cache_memory", "max_queue", "max_batch_size", "max_num_tokens")  # Python names of the options above
+ThreadsOption = Annotated[int | None, typer.Option(
+    min=1, help="Threads the engine computes on (default: one per physical core this process may use)")]
+LLM_FLAGS = ("kv_cache_memory", "max_queue", "max_batch_size", "max_num_tokens", "threads")  # the options' Python names
 TRITON_PORTS = {"--grpc-port": 8001, "--metrics-port": 8002}
 TokensOption = Annotated[int | None, typer.Option(min=1, help="Most tokens a step computes (the prefill chunk budget; "
                                                        "default and maximum: the engine's)")]
@@ -38,8 +40,8 @@ LookupOption = Annotated[int, typer.Option(
 
 
 def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | None, max_batch_size: int | None,
-                 policy: str, max_num_tokens: int | None = None, prompt_lookup: int = 0, loads_here: bool = True
-                 ) -> dict:
+                 policy: str, max_num_tokens: int | None = None, prompt_lookup: int = 0, loads_here: bool = True,
+                 threads: int | None = None) -> dict:
     """The keyword arguments of camshaft.runtime.llm.LLM that servers take, checked now against the engine;
     max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available where
     the engine loads. A pool in bytes (or the default one) larger than this machine's memory is refused when the
@@ -47,10 +49,12 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
     from camshaft.errors import CapacityError
     from camshaft.manifest import read_manifest
     from camshaft.runtime.kv_cache import cache_copies, check_fits_host, memory_spec, pool_blocks
-    from camshaft.runtime.llm_options import check_llm_options
+    from camshaft.runtime.llm_options import check_llm_options, check_runtime_options
 
     manifest = read_manifest(Path(engine))
     with flag_names(*LLM_FLAGS):
+        if loads_here:  # more threads than this machine's CPUs: refused here, not where a repository is served
+            check_runtime_options(threads=threads)
         limits = check_llm_options(manifest.limits, policy=policy, max_batch_size=max_batch_size,
                                    max_num_tokens=max_num_tokens, max_queue=max_queue)
         memory = memory_spec(kv_cache_memory)
@@ -67,7 +71,7 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
     return {"kv_cache_memory": memory,
             "max_queue": QUEUE_PER_BATCH * limits.max_batch_size if max_queue is None else max_queue,
             "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "policy": policy,
-            "prompt_lookup": prompt_lookup or None}
+            "prompt_lookup": prompt_lookup or None, "threads": threads}
 
 
 @app.command()
@@ -82,13 +86,15 @@ def deploy(
     max_num_tokens: TokensOption = None,
     policy: PolicyOption = "guaranteed_no_evict",
     prompt_lookup: LookupOption = 0,
+    threads: ThreadsOption = None,
     no_decoupled: NoDecoupledOption = False,
 ) -> None:
     """Write a Triton model repository that serves an engine with in-flight batching."""
     from camshaft.triton_repo.deploy import deploy_repository
 
     written = deploy_repository(engine, repo, name=name, llm_options=_llm_options(
-        engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens, prompt_lookup, loads_here=False),
+        engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens, prompt_lookup, loads_here=False,
+        threads=threads),
         decoupled=not no_decoupled)
     typer.echo(str(written.absolute()))  # as build and quantize print theirs
 
@@ -115,6 +121,7 @@ def serve(
     policy: Annotated[str | None, typer.Option(help="guaranteed_no_evict | max_utilization (default: "
                                                     "guaranteed_no_evict)")] = None,
     prompt_lookup: LookupOption = 0,
+    threads: ThreadsOption = None,
     api_key: Annotated[str | None, typer.Option(
         envvar="CAMSHAFT_API_KEY", show_envvar=False,
         help="OpenAI API: clients must send it as a bearer token (also from $CAMSHAFT_API_KEY, kept out of the "
@@ -130,7 +137,8 @@ def serve(
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
-             "--max-num-tokens": max_num_tokens, "--policy": policy, "--prompt-lookup": prompt_lookup or None}
+             "--max-num-tokens": max_num_tokens, "--policy": policy, "--prompt-lookup": prompt_lookup or None,
+             "--threads": threads}
     if repo is not None and any(v is not None for v in given.values()):
         names = ", ".join(k for k, v in given.items() if v is not None)
         raise CamshaftError(f"--repo serves the options `camshaft deploy` wrote into it, so {names} would be ignored; "
@@ -167,7 +175,8 @@ def serve(
     if (engine is None) == (repo is None):
         raise CamshaftError("pass exactly one of --engine (deployed to a temporary repository) or --repo")
     options = {} if engine is None else _llm_options(engine, kv_cache_memory, max_queue, max_batch_size,
-                                                     policy or "guaranteed_no_evict", max_num_tokens, prompt_lookup)
+                                                     policy or "guaranteed_no_evict", max_num_tokens, prompt_lookup,
+                                                     threads=threads)
     if api == "openai":
         try:
             from camshaft.openai_server.server import serve as serve_openai

@@ -25,6 +25,7 @@ from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.bench_data import (
     BenchRequest,
+    clipped_lines,
     clipped_requests,
     load_dataset,
     parse_dataset_spec,
@@ -188,6 +189,8 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
             if requests is None:
                 requests = load_dataset(spec, num_requests, max_seq_len=limits.max_seq_len,
                                         vocab_size=model.vocab_size, seed=seed, tokenizer=llm.tokenizer)
+                for line in clipped_lines(clipped_requests(requests, limits.max_seq_len)):  # before any request runs
+                    progress(line)
             if warmup:
                 run_throughput(llm, warmup_requests(requests, model.vocab_size, warmup), warmup)
             results.append(run_throughput(llm, requests, c))

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from camshaft.runtime.bench_data import clipped_lines
+
 NO_DATA = "—"
 
 
@@ -124,22 +126,11 @@ def config_line(config: dict) -> str:
             f"({config['kv_pool_bytes'] / 2**20:.1f} MiB){lookup}")
 
 
-def clipped_line(clipped: dict | None) -> str | None:
-    """A warning for requests cut to fit max_seq_len, or None when none were."""
-    if not clipped:
-        return None
-    p, o = clipped["prompt_tokens"], clipped["output_tokens"]
-    return (f"warning: {clipped['count']} of {clipped['of']} requests did not fit the engine's max_seq_len "
-            f"{clipped['max_seq_len']} (prompt + output) and were clipped: prompt tokens {p['asked']} -> {p['run']}, "
-            f"output tokens {o['asked']} -> {o['run']} (totals over those requests); rebuild with a larger "
-            "--max-seq-len or shorten the dataset's lengths to measure what was asked")
-
-
 def concurrency_note(r: ThroughputResult) -> str | None:
     """A note when fewer requests than the concurrency ever ran in one step, or None."""
     if r.peak_batch_size >= r.concurrency:
         return None
-    why = (f"{r.num_requests} requests in all" if r.num_requests < r.concurrency else
+    why = (f"{r.num_requests} requests in all" if r.peak_batch_size >= r.num_requests else
            "the KV pool or the token budget admitted no more: raise --kv-cache-memory or --max-num-tokens")
     return f"note: at concurrency {r.concurrency} at most {r.peak_batch_size} requests ran in one step ({why})"
 
@@ -149,7 +140,7 @@ def report_lines(results: list[ThroughputResult]) -> list[str]:
     where fewer ran at once)."""
     if not results:
         return []
-    lines = [config_line(results[0].config), *filter(None, [clipped_line(results[0].clipped)])]
+    lines = [config_line(results[0].config), *clipped_lines(results[0].clipped)]
     for r in results:
         lines += [result_line(r), *filter(None, [concurrency_note(r)])]
     return lines

@@ -70,12 +70,15 @@ def test_bad_specs_are_refused_clearly(spec, message):
 
 
 def test_normal_draws_below_one_run_as_one_and_count_as_clipped():
-    from camshaft.runtime.bench_data import clipped_requests
+    from camshaft.runtime.bench_data import clipped_lines, clipped_requests
 
     rows = load_dataset("synthetic:in=NORMAL(10,100),out=2", 50, max_seq_len=400, vocab_size=300, seed=0)
     low = [r for r in rows if r.asked is not None]
     assert low and all(len(r.prompt_ids) == 1 and r.asked[0] == 0 for r in low)
-    assert clipped_requests(rows, 400)["count"] == len(low)
+    clipped = clipped_requests(rows, 400)
+    assert clipped["count"] == 0 and clipped["raised_to_one"] == len(low)  # none too long: no advice to rebuild
+    assert clipped_lines(clipped) == [f"note: {len(low)} of 50 requests drew a length below 1 token (a NORMAL "
+                                      "distribution's tail) and ran with 1"]
 
 
 @pytest.mark.parametrize("max_tokens", ["Infinity", "1e400", "2.9", '"7"', "true", "0"])
@@ -228,7 +231,7 @@ def test_clipped_requests_are_counted_with_what_they_asked(tmp_path):
     assert [(len(r.prompt_ids), r.max_tokens, r.asked) for r in rows] == [(63, 1, (5000, 5))] * 2
     assert clipped_requests(rows, 64) == {"count": 2, "of": 2, "max_seq_len": 64,
                                           "prompt_tokens": {"asked": 10000, "run": 126},
-                                          "output_tokens": {"asked": 10, "run": 2}}
+                                          "output_tokens": {"asked": 10, "run": 2}, "raised_to_one": 0}
     fitting = load_dataset("synthetic:in=10,out=5", 3, max_seq_len=64, vocab_size=300)
     assert clipped_requests(fitting, 64) is None
     path = tmp_path / "long.jsonl"
@@ -248,7 +251,7 @@ def test_cli_reports_clipping_and_prints_no_nan(engine_dir, tmp_path):
                                       "synthetic:in=CONST(5000),out=CONST(5)", "--num-requests", "1",
                                       "--concurrency", "1", "--threads", "1", "--output-json", str(out)])
     assert result.exit_code == 0, result.output
-    assert f"1 of 1 requests did not fit the engine's max_seq_len {MAX_SEQ_LEN}" in result.stderr
+    assert result.stderr.count(f"1 of 1 requests did not fit the engine's max_seq_len {MAX_SEQ_LEN}") == 2  # before
     assert "warning" not in result.stdout and "GFLOP/s" in result.stdout  # stdout: the results alone
     assert f"prompt tokens 5000 -> {MAX_SEQ_LEN - 1}, output tokens 5 -> 1" in result.output
     assert "ITL p50/p90/p99 —/—/— ms" in result.output and "nan" not in result.output
@@ -383,6 +386,20 @@ def test_a_concurrency_no_step_reached_is_said(engine_dir):
     assert few.peak_batch_size <= 2
     assert f"note: at concurrency 8 at most {few.peak_batch_size} requests ran in one step (2 requests in all)" in (
         report_lines([few]))
+
+
+def test_a_concurrency_the_token_budget_kept_from_is_said_so(engine_dir):
+    """Fewer requests than the concurrency, yet fewer still ran at once (the step's token budget held them back):
+    the note names the budget, not the request count."""
+    from camshaft.runtime.throughput_report import report_lines
+
+    with LLM(engine_dir, threads=1, max_num_tokens=16) as llm:
+        requests = load_dataset("synthetic:in=40,out=2", 6, max_seq_len=MAX_SEQ_LEN,
+                                vocab_size=llm.engine.manifest.model.vocab_size)
+        held = run_throughput(llm, requests, concurrency=8)
+    assert held.peak_batch_size < 6
+    assert (f"note: at concurrency 8 at most {held.peak_batch_size} requests ran in one step (the KV pool or the "
+            "token budget admitted no more") in "\n".join(report_lines([held]))
 
 
 def test_the_first_c_requests_meet_the_loop_together(engine_dir):

@@ -98,6 +98,7 @@ class ThroughputResult:
         if with_requests:
             out["requests"] = [{"prompt_tokens": r.prompt_tokens, "output_tokens": len(r.token_times),
                                 "ttft_ms": r.ttft_s * 1000, "e2e_ms": r.e2e_s * 1000,
+                                "itl_ms": [x * 1000 for x in r.itl_s],
                                 "decoding_at_first_token": r.decoding_at_first_token} for r in self.records]
         return out
 

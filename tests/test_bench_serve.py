@@ -236,6 +236,10 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
         assert 0 < r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
         assert r["prompt_tokens"] > 12 * 30  # counted as sent: each run's salt leads its prompts
         assert r["goodput_req_s"] is None
+        each = r["requests"]  # the percentiles follow from each request's numbers
+        assert len(each) == 12 and sum(q["output_tokens"] for q in each) == r["output_tokens"]
+        assert np.percentile([q["ttft_ms"] for q in each], 50) == pytest.approx(r["ttft_ms"]["p50"])
+        assert np.percentile([x for q in each for x in q["itl_ms"]], 99) == pytest.approx(r["itl_ms"]["p99"])
     settings = json.loads(out.read_text())
     assert settings["request_rate"] == [50.0, "inf"] and settings["warmup"] == 2 and settings["goodput"] is None
     assert [(t["name"], t["backend"]) for t in settings["targets"]] == [("first", "llm"), ("second", "llm")]
@@ -249,7 +253,7 @@ def test_a_dataset_longer_than_an_engine_is_refused_before_the_run(engine_dir, c
     code, _, err = camshaft(capsys, "bench", "serve", "--target", f"t={engine_dir},backend=llm", "--dataset",
                             "decode-heavy", "--num-requests", "2", "--warmup", "0")
     err = " ".join(err.split())
-    assert code == 1 and "does not fit target t's max_seq_len 256" in err, err
+    assert code == 1 and "does not fit target t's context of 256 tokens" in err, err
     assert "synthetic:in=NORMAL(128,12),out=64" in err and "Traceback" not in err
     # 250 tokens fit 256 as they are, not with the salt each run puts before them: refused before any request
     code, out, err = camshaft(capsys, "bench", "serve", "--target", f"t={engine_dir},backend=llm", "--dataset",
@@ -259,6 +263,28 @@ def test_a_dataset_longer_than_an_engine_is_refused_before_the_run(engine_dir, c
         code, _, err = camshaft(capsys, "bench", "serve", "--target", f"t={engine_dir},backend=llm",
                                 "--num-requests", "2", flag, value)
         assert code == 1 and flag in err, err
+
+
+def test_an_openai_target_is_checked_against_its_context_and_counts_prompts_by_its_usage(engine_dir, tmp_path,
+                                                                                       capsys):
+    """The server's /v1/models says max_model_len: a dataset longer is refused before any request, as for an
+    in-process engine; without a tokenizer, the prompts' tokens are the server's usage counts, not 0."""
+    from test_cli import camshaft
+    from test_openai_server import running_server
+
+    with running_server(engine_dir) as (url, _):
+        code, out, err = camshaft(capsys, "bench", "serve", "--target", f"o={url},backend=openai", "--tokenizer",
+                                  engine_dir, "--dataset", "decode-heavy", "--num-requests", "2", "--warmup", "0")
+        assert code == 1 and "does not fit target o's context of 256 tokens" in " ".join(err.split()), err
+        assert "FAILED" not in out
+        data = tmp_path / "prompts.jsonl"
+        data.write_text(json.dumps({"prompt": "tell me about gears", "max_tokens": 3}) + "\n")
+        code, _, err = camshaft(capsys, "bench", "serve", "--target", f"o={url},backend=openai", "--dataset",
+                                f"jsonl:{data}", "--num-requests", "1", "--warmup", "0", "--output-json",
+                                tmp_path / "o.json")
+    assert code == 0, err
+    (run,) = json.loads((tmp_path / "o.json").read_text())["results"]
+    assert run["prompt_tokens"] == run["requests"][0]["prompt_tokens"] > 5 and run["output_tokens"] == 3
 
 
 def test_a_jsonl_dataset_shorter_than_the_run_repeats_with_a_note(engine_dir, tmp_path, capsys):

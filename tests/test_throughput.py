@@ -218,6 +218,10 @@ def test_cli_bench_throughput(engine_dir, tmp_path):
     data = json.loads(out.read_text())
     assert [r["concurrency"] for r in data["results"]] == [1, 2]
     assert all(len(r["requests"]) == 4 and r["output_tokens"] == 16 for r in data["results"])
+    for r in data["results"]:  # the percentiles follow from each request's numbers
+        assert all(len(q["itl_ms"]) == q["output_tokens"] - 1 for q in r["requests"])
+        gaps = [x for q in r["requests"] for x in q["itl_ms"]]
+        assert np.percentile(gaps, 90) == pytest.approx(r["itl_ms"]["p90"])
     bad = CliRunner().invoke(app, ["bench", "throughput", "--engine", str(engine_dir), "--dataset", "nope"])
     assert bad.exit_code != 0
     zero = CliRunner().invoke(app, ["bench", "throughput", "--engine", str(engine_dir), "--concurrency", "0"])

@@ -84,6 +84,7 @@ class OpenAIClient:
 
     def __init__(self, target: Target, http) -> None:
         self.target, self.http, self.model = target, http, target.model
+        self.max_model_len: int | None = None
         self.key_from = next((v for v in API_KEY_VARIABLES if os.environ.get(v)), None)
         self.headers = {"Authorization": f"Bearer {os.environ[self.key_from]}"} if self.key_from else {}
 
@@ -98,6 +99,9 @@ class OpenAIClient:
         if self.model is None:  # a target naming its model needs no /v1/models (a gateway may not serve it)
             response.raise_for_status()
             self.model = response.json()["data"][0]["id"]
+        if response.status_code == 200:  # vLLM's and camshaft's say the context they take
+            served = [m for m in response.json().get("data", []) if m.get("id") == self.model]
+            self.max_model_len = served[0].get("max_model_len") if served else None
 
     async def __call__(self, request: ServeRequest, record: Record) -> None:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
@@ -125,6 +129,7 @@ class OpenAIClient:
                     return
                 if event.get("usage"):
                     record.output_tokens = event["usage"]["completion_tokens"]
+                    record.prompt_tokens = record.prompt_tokens or event["usage"].get("prompt_tokens", 0)
                 for choice in event.get("choices", []):  # an event with choices is output, its text empty or not
                     record.chunk(choice.get("text") or "", tokens=1)
 

@@ -66,6 +66,7 @@ class ServeResult:
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
     errors: dict[str, int] = field(default_factory=dict)  # each failure's message: how many requests, most first
+    requests: list[dict] = field(default_factory=list, repr=False)  # each request's numbers, in arrival order
 
     def line(self) -> str:
         rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
@@ -108,12 +109,16 @@ def summarize(target: Target, rate: float, concurrency: int | None, records: lis
     good = sum(goodput.met(t * 1000, ((e - t) / (n - 1) if n > 1 else 0.0) * 1000, e * 1000)
                for t, e, n in zip(ttft, e2e, tokens, strict=True))
     failed = Counter(r.failure for r in records if not r.ok)
+    each = [{"prompt_tokens": r.prompt_tokens, "output_tokens": r.tokens, "ttft_ms": (r.chunk_times[0] - r.sent) * 1000,
+             "e2e_ms": (r.chunk_times[-1] - r.sent) * 1000,
+             "itl_ms": [(b - a) * 1000 for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]}
+            if r.ok else {"error": r.failure} for r in records]
     return ServeResult(
         target=target.name, backend=target.backend, request_rate=rate, concurrency=concurrency,
         completed=len(ok), failed=sum(failed.values()), wall_s=wall_s, prompt_tokens=sum(r.prompt_tokens for r in ok),
         output_tokens=sum(tokens), output_tok_s=sum(tokens) / wall_s, requests_s=len(ok) / wall_s,
         goodput_req_s=good / wall_s if goodput.set else None, ttft_ms=_ms(ttft), tpot_ms=_ms(tpot), itl_ms=_ms(itl),
-        e2e_ms=_ms(e2e), errors=dict(failed.most_common()))
+        e2e_ms=_ms(e2e), errors=dict(failed.most_common()), requests=each)
 
 
 def _point_label(result: ServeResult, by_rate: bool, by_limit: bool) -> str:

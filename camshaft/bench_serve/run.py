@@ -33,6 +33,23 @@ def salted(requests: list[ServeRequest], salt: str, tokenizer=None) -> list[Serv
     return out
 
 
+def check_fits(name: str, limit: int, requests: list[ServeRequest], tokenizer, points: int, targets: int) -> None:
+    """Refuse, before any run, requests a target's context (max_seq_len, an OpenAI server's max_model_len) cannot
+    hold: the longest as sent in the last run (each run's prompts lead with their own salt), and a BOS the server
+    may add. Without a tokenizer the prompts' tokens are unknown and nothing is checked."""
+    if tokenizer is None:
+        return
+    longest = max(salted(requests, run_salt(points - 1, targets - 1), tokenizer),
+                  key=lambda r: r.prompt_tokens + r.max_tokens)
+    needed = longest.prompt_tokens + 1 + longest.max_tokens
+    if needed > limit:
+        raise CamshaftError(
+            f"the dataset's longest request ({longest.prompt_tokens} prompt tokens as sent, with the run's salt, + "
+            f"{longest.max_tokens} output tokens) does not fit target {name}'s context of {limit} tokens; size the "
+            f"requests to it (e.g. --dataset 'synthetic:in=NORMAL({limit // 2},{limit // 20}),out={limit // 4}') "
+            f"or serve an engine built with --max-seq-len {needed} or more")
+
+
 def count_output_tokens(records: list[Record], tokenizer) -> None:
     """A server that sends no usage counts: the output text's tokens (as vLLM's benchmark), not its stream events,
     which may carry several tokens each."""
@@ -92,6 +109,9 @@ async def _bench(targets: list[Target], requests: list[ServeRequest], rates: lis
                     raise CamshaftError(f"target {target.name} ({target.url}, backend {target.backend}) did not "
                                         f"answer: {type(exc).__name__}: {exc}; is the server up at that address?") \
                         from exc
+                if getattr(client, "max_model_len", None):  # a server saying its context: checked before any run
+                    check_fits(target.name, client.max_model_len, requests, tokenizer,
+                               len(concurrencies) * len(rates), len(targets))
                 if warmup:
                     progress(f"{target.name}: {warmup} warm-up request(s)")
                     short = [replace(r, max_tokens=min(r.max_tokens, 4)) for r in salted(requests[:warmup], "warm")]

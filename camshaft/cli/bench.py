@@ -171,7 +171,7 @@ def bench_serve(
     from camshaft.bench_serve.report import Goodput
     from camshaft.bench_serve.report import plot as plot_results
     from camshaft.bench_serve.run import bench_serve as run_bench
-    from camshaft.bench_serve.run import run_salt, salted
+    from camshaft.bench_serve.run import check_fits
     from camshaft.bench_serve.workload import load_requests, load_tokenizer, parse_rates
     from camshaft.manifest import read_manifest
 
@@ -195,18 +195,9 @@ def bench_serve(
     requests = load_requests(dataset, num_requests, tok, seed=seed)
     if note:
         progress(note)
-    # the longest request as sent in the last run (each run's prompts lead with their own salt: run.py)
-    sent = salted(requests, run_salt(len(rates) * len(concurrencies) - 1, len(targets) - 1), tok)
-    longest = max(sent, key=lambda r: r.prompt_tokens + r.max_tokens)
     for t in targets:
-        limit = limits.get(t.name)
-        if limit is not None and longest.prompt_tokens + 1 + longest.max_tokens > limit:  # + a BOS the engine adds
-            raise CamshaftError(
-                f"--dataset {dataset}: its longest request ({longest.prompt_tokens} prompt tokens as sent, with the "
-                f"run's salt, + {longest.max_tokens} output tokens) does not fit target {t.name}'s max_seq_len "
-                f"{limit}; size the requests to the engine (e.g. --dataset 'synthetic:in=NORMAL({limit // 2},"
-                f"{limit // 20}),out={limit // 4}') or build it with --max-seq-len "
-                f"{longest.prompt_tokens + 1 + longest.max_tokens} or more")
+        if t.name in limits:
+            check_fits(t.name, limits[t.name], requests, tok, len(rates) * len(concurrencies), len(targets))
     results = run_bench(targets, requests, rates, concurrencies=concurrencies, goodput=slos, seed=seed, warmup=warmup,
                         log=typer.echo, progress=progress, tokenizer=tok)
     if output_json:

@@ -421,3 +421,9 @@ def test_the_first_c_requests_meet_the_loop_together(engine_dir):
         llm._requests = slowly
         result = run_throughput(llm, [BenchRequest([3, 4, 5], 1), BenchRequest([6, 7, 8], 1)], concurrency=2)
     assert result.peak_batch_size == 2
+
+
+def test_plotted_values_keep_their_digits():
+    from camshaft.runtime.throughput_plot import value_label
+
+    assert [value_label(y) for y in (0.7, 0.64, 2.0, 12.4, 192.1, 7139.0)] == ["0.7", "0.64", "2", "12", "192", "7139"]

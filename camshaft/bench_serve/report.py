@@ -149,6 +149,7 @@ def plot(results: list[ServeResult], path: str | Path, title: str | None = None)
                 ax.annotate(_point_label(r, len(rates) > 1, len(limits) > 1), (x, y), textcoords="offset points",
                             xytext=(4, 4), fontsize=7)
         ax.set_xlabel("output tokens/s (higher is better)")
+        ax.set_ylabel("ms")
         ax.set_title(label + " (lower is better)", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

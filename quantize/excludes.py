@@ -36,7 +36,11 @@ def check_excludes_match(spec: QuantSpec, linears: list[str]) -> None:
     if "AWQ" in spec.info.modelopt_config:  # AWQ calibration: input scales
         _check_awq_groups(spec, excluded, linears)
     for pattern in spec.exclude:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
+        matched = [name for name in linears if fnmatch.fnmatchcase(name, pattern)]
+        if matched == ["lm_head"]:  # --lm-head float (else refused above): lm_head is float already
+            raise QuantizeError(f"--exclude {pattern!r} names lm_head alone, which stays float already (--lm-head "
+                                "float, the default): it changes nothing; drop it")
+        if not matched:
             raise QuantizeError(
                 f"--exclude {pattern!r} matches no linear layer of this model; its linear layers are named like "
                 f"{', '.join(map(repr, examples(linears)))} (fnmatch patterns, e.g. 'model.layers.0.*' or "

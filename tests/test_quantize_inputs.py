@@ -4,6 +4,7 @@ calibration corpora, ModelOpt config assembly, excluded layers, the CLI."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -350,6 +351,10 @@ def test_excludes_that_leave_nothing_or_fight_lm_head_are_refused(tiny):
         check_excludes_match(QuantSpec("fp8", kv_cache_dtype="fp8", exclude=("*_proj",)), names)
     with pytest.raises(QuantizeError, match="--exclude keeps lm_head float but --lm-head int8 quantizes it"):
         check_excludes_match(QuantSpec("int8_wo", exclude=("lm_head",), lm_head="int8"), names)
+    for pattern in ("lm_head", "*head"):  # float already (--lm-head float): a pattern that changes nothing
+        with pytest.raises(QuantizeError, match=f"--exclude '{re.escape(pattern)}' names lm_head alone, which stays "
+                                                "float already"):
+            check_excludes_match(QuantSpec("int8_wo", exclude=(pattern, "model.layers.1.*")), names)
     with pytest.raises(QuantizeError, match=r"keeps float every layer int8_sq_mixed makes weight-only "
                                             r"\(\*\.mlp\.down_proj\).*pass --quant int8_sq with the same --exclude"):
         check_excludes_match(QuantSpec("int8_sq_mixed", exclude=("*.down_proj",)), names)
@@ -579,7 +584,7 @@ def test_exclude_patterns_see_module_names(tiny):
 
     names = module_names(tiny)
     assert "lm_head" in names and "model.layers.1.mlp.down_proj" in names and not any("embed" in n for n in names)
-    check_excludes_match(QuantSpec("int8_wo", exclude=("lm_head", "model.layers.1.*")), names)  # no error
+    check_excludes_match(QuantSpec("int8_wo", exclude=("model.layers.1.*",)), names)  # no error
 
 
 def test_pickle_weights_are_never_loaded_for_calibration(tiny, tmp_path):

@@ -237,3 +237,29 @@ def test_config_parameters_the_model_and_the_python_backend_read_are_taken_and_o
                                             r"deploy it again\)\. It reads engine_dir, llm_options"):
         check_model_parameters("tensorrt_llm", {"engine_dir": "e", "batch_scheduler_policy": "max_utilization",
                                                 "token_model_decoupled": "true"}, known)
+
+
+def test_the_model_shim_says_when_it_runs_another_camshaft_than_deployed(tmp_path, monkeypatch, capsys):
+    """The stub imports the installed camshaft (camshaft_path only when there is none): one that differs from the
+    camshaft that deployed the repository is said in the model's log, not run silently."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    import camshaft
+    from camshaft.triton_repo.model_shim import TritonPythonModel
+
+    (tmp_path / "stand_in.py").write_text("class Model:\n    def __init__(self, args, params):\n"
+                                          "        self.params = params\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    installed = str(Path(os.path.realpath(camshaft.__file__)).parents[1])
+    for path, warned in ((installed, False), (str(tmp_path / "checkout"), True)):
+        config = {"parameters": {"camshaft_model": {"string_value": "stand_in:Model"},
+                                 "camshaft_path": {"string_value": path}}}
+        model = TritonPythonModel()
+        model.initialize({"model_config": json.dumps(config)})
+        assert model.impl.params["camshaft_path"] == path
+        err = capsys.readouterr().err
+        assert ("runs the camshaft installed in" in err and f"not the one in {path}" in err) == warned, err
+    sys.modules.pop("stand_in", None)

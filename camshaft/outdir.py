@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import shutil
 import stat
@@ -76,11 +77,13 @@ def staging_dir(output: Path, flag: str = "--output", error: type[CamshaftError]
     killed (their process is gone) are removed first, but for a previous output that a run killed between
     `replace_dir`'s two moves left aside: it goes back in place. Writers use `staged`, which also removes it."""
     output = Path(os.path.abspath(output))
-    for stale in output.parent.glob(f".{output.name}.*-*") if output.parent.is_dir() else ():
-        kind, _, pid = stale.name.rpartition("-")
-        if kind.endswith((".partial", ".old")) and pid.isdigit() and not _alive(int(pid)):
-            if kind.endswith(".old") and not os.path.lexists(output):
+    for stale in output.parent.glob(f".{glob.escape(output.name)}.*-*") if output.parent.is_dir() else ():
+        kind, _, pid = stale.name.rpartition("-")  # this output's own: .NAME.partial-PID, .NAME.old-PID
+        if kind in (f".{output.name}.partial", f".{output.name}.old") and pid.isdigit() and not _alive(int(pid)):
+            if kind.endswith(".old") and _empty_or_missing(output):
                 with contextlib.suppress(OSError):  # another run's output landed meanwhile: this one is left
+                    if output.is_dir():
+                        output.rmdir()
                     os.replace(stale, output)
             else:
                 shutil.rmtree(stale, ignore_errors=True)
@@ -103,6 +106,10 @@ def staged(output: Path, flag: str = "--output", error: type[CamshaftError] = Ca
         yield staging_dir(output, flag, error, advice)
     finally:
         shutil.rmtree(_staging_path(Path(os.path.abspath(output))), ignore_errors=True)
+
+
+def _empty_or_missing(path: Path) -> bool:
+    return not os.path.lexists(path) or (path.is_dir() and not path.is_symlink() and not any(path.iterdir()))
 
 
 def _staging_path(output: Path) -> Path:

@@ -63,6 +63,28 @@ def test_an_output_a_killed_run_left_aside_goes_back_before_the_next_build(built
         assert session.generate([5, 6], SamplingParams(max_tokens=2)).token_ids
 
 
+def test_only_an_outputs_own_leftovers_are_touched_and_an_empty_output_takes_back_its_old(tmp_path):
+    """.engine.int4.old-PID is engine.int4's (a build --quant keeps OUTPUT.ckpt beside OUTPUT): building engine
+    neither takes it nor deletes it; an empty directory made before a retry (mkdir -p) does not cost the restore."""
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    sibling = tmp_path / f".engine.int4.old-{dead}"
+    sibling.mkdir()
+    (sibling / "manifest.json").write_text("engine.int4's")
+    staging_dir(tmp_path / "engine")
+    (tmp_path / "engine").mkdir()
+    staging_dir(tmp_path / "engine")
+    assert (sibling / "manifest.json").read_text() == "engine.int4's"
+    own = tmp_path / f".retry.old-{dead}"
+    own.mkdir()
+    (own / "manifest.json").write_text("the previous retry")
+    (tmp_path / "retry").mkdir()
+    staging_dir(tmp_path / "retry")
+    assert (tmp_path / "retry" / "manifest.json").read_text() == "the previous retry" and not own.exists()
+    staging_dir(tmp_path / "engine.int4")
+    assert (tmp_path / "engine.int4" / "manifest.json").read_text() == "engine.int4's"
+
+
 def test_an_output_that_cannot_be_written_is_one_error_before_any_work(built, tmp_path, monkeypatch):
     """A path under a file: build refuses it first, and quantize before the model loads (it calibrated first)."""
     import transformers

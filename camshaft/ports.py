@@ -21,20 +21,32 @@ def listen_error(host: str, port: int, exc: OSError, flags: str) -> CamshaftErro
     return CamshaftError(f"cannot listen on {host} port {port} ({exc.strerror}); {hint}")
 
 
-def bound_socket(host: str, port: int, flags: str = "--port") -> socket.socket:
-    """A TCP socket bound to host:port (IPv4 or IPv6, as the host resolves), for a server to listen on."""
+def listening_sockets(host: str, port: int, flags: str = "--port") -> list[socket.socket]:
+    """TCP sockets listening on every address `host` resolves to (localhost: 127.0.0.1 and ::1 where both are
+    listed; "": every interface), as asyncio binds a host name, for a server to take over."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise listen_error(host, port, exc, flags) from None
     except (OverflowError, UnicodeError):
         raise CamshaftError(f"--host {host} port {port} is not an address and port to listen on") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing socket in TIME_WAIT is no listener
+    sockets: list[socket.socket] = []
     try:
-        sock.bind(address)
+        for family, kind, proto, _, address in dict.fromkeys((f, k, p, "", a) for f, k, p, _, a in found):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing socket in TIME_WAIT is no listener
+            if family == socket.AF_INET6:  # :: beside 0.0.0.0: each family its own socket, as asyncio does
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(2048)  # now: two servers may bind one port (SO_REUSEADDR), only one may listen
     except OSError as exc:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise listen_error(host, port, exc, flags) from None
-    return sock
+    return sockets
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host or "0.0.0.0"

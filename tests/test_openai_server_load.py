@@ -16,6 +16,7 @@ import openai
 import pytest
 from test_openai_server import HTTP, MODEL, metric, scrape, tiny_engine, wait_until
 
+from camshaft.errors import CamshaftError
 from camshaft.runtime.session import Session
 
 NUM_CLIENTS, HANG_UP_EVERY = 64, 4
@@ -193,3 +194,37 @@ def test_a_port_in_use_is_refused_before_the_engine_loads(engine_dir):
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in done.stderr
     assert "KV cache" not in done.stderr and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_the_openai_server_listens_on_every_address_its_host_names(monkeypatch):
+    """localhost listed as ::1 and 127.0.0.1 (Debian, Fedora, containers) is served on both, as uvicorn bound a host
+    name before the port was taken ahead of the engine; a second server on the port is refused there, not after
+    its engine loaded (a bound socket that does not listen yet lets another bind the port too)."""
+    import camshaft.ports as ports
+
+    port = _free_port()
+    first = ports.listening_sockets("127.0.0.1", port)
+    try:
+        with pytest.raises(CamshaftError, match=f"port {port} on 127.0.0.1 is in use"):
+            ports.listening_sockets("127.0.0.1", port)
+    finally:
+        for sock in first:
+            sock.close()
+    real = socket.getaddrinfo
+
+    def both(host, *args, **kwargs):
+        return real("::1", *args, **kwargs) + real("127.0.0.1", *args, **kwargs) if host == "localhost" else \
+            real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", both)
+    port = _free_port()
+    served = ports.listening_sockets("localhost", port)
+    try:
+        assert sorted(s.getsockname()[0] for s in served) == ["127.0.0.1", "::1"]
+        for address in ("127.0.0.1", "::1"):
+            with socket.create_connection((address, port), timeout=5):
+                pass
+    finally:
+        for sock in served:
+            sock.close()
+    assert (ports.url_host("::1"), ports.url_host("127.0.0.1")) == ("[::1]", "127.0.0.1")

@@ -12,7 +12,7 @@ import uvicorn
 
 from camshaft.errors import CamshaftError
 from camshaft.openai_server.app import create_app
-from camshaft.ports import bound_socket
+from camshaft.ports import listening_sockets, url_host
 from camshaft.runtime.engine_info import chat_template_problem
 from camshaft.runtime.kv_cache import pool_bytes
 from camshaft.runtime.llm import LLM
@@ -59,14 +59,15 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     this one handles the signals, so the LLM is closed and the exit status is 0. model_name: the model id clients
     send (default: the engine directory's name)."""
     model_name = model_name or Path(engine).resolve().name
-    sock = bound_socket(host, port)  # first: a port in use is refused before the engine loads
+    sockets = listening_sockets(host, port)  # first: a port in use is refused before the engine loads
     try:
         server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name,
                                    api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
     except BaseException:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="camshaft-openai-http")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, name="camshaft-openai-http")
 
     stops = Stops()
 
@@ -85,7 +86,7 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
                 llm.close()  # what still runs ends with ServerClosedError: each handler answers it in OpenAI's shape
             if server.started and not announced:
                 announced = True
-                log(f"OpenAI API for model {model_name!r} at http://{host}:{port}/v1 "
+                log(f"OpenAI API for model {model_name!r} at http://{url_host(host)}:{port}/v1 "
                     f"(health: /health, metrics: /metrics{'; an API key required' if api_key else ''}); Ctrl-C "
                     "stops it")
                 log(pool_line(llm))
@@ -98,11 +99,12 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     finally:
         server.should_exit = True
         thread.join()
-        sock.close()
+        for sock in sockets:
+            sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         llm.close()
     if not server.started:
-        raise CamshaftError(f"the server could not start on {host}:{port} (see the error above); "
+        raise CamshaftError(f"the server could not start on {url_host(host)}:{port} (see the error above); "
                             "pick another --port or --host")
     log("stopped")

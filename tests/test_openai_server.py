@@ -950,5 +950,8 @@ def test_an_engine_chat_template_that_does_not_parse_is_the_servers_fault(engine
         chat = HTTP.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2})
         assert chat.status_code == 500 and chat.json()["error"]["type"] == "server_error"
         assert "this engine's chat template does not parse (line 1" in chat.json()["error"]["message"]
+        tokenized = HTTP.post(url + "/tokenize", json={"messages": HI})
+        assert tokenized.status_code == 500 and "does not parse" in tokenized.json()["error"]["message"]
         plain = HTTP.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert plain.status_code == 200
+    assert "Traceback" not in capsys.readouterr().err  # an answer, not an application error logged

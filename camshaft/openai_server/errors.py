@@ -83,6 +83,7 @@ def install(app: FastAPI, metrics: Metrics) -> None:
         return respond(request, APIError(exc.status_code, str(exc.detail), type=kind), exc.headers)  # 405: Allow
 
     @app.exception_handler(APIError)
+    @app.exception_handler(EngineError)
     @app.exception_handler(RequestError)
     @app.exception_handler(ServerBusyError)
     @app.exception_handler(ServerClosedError)

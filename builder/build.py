@@ -29,7 +29,13 @@ from camshaft.builder.target_checks import (
     has_weight_only_layers,
 )
 from camshaft.builder.targets.trt_product import parse_arch
-from camshaft.engine_files import TOKENIZER_DIR, engine_entries, record_files, user_tokenizer_entries
+from camshaft.engine_files import (
+    TOKENIZER_DIR,
+    engine_entries,
+    record_files,
+    template_record,
+    user_tokenizer_entries,
+)
 from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import BUILD_ID_KEY, graph_limits
 from camshaft.io_signature import TensorSpec
@@ -42,6 +48,14 @@ CHAT_TEMPLATE = "chat_template.jinja"
 GRAPH_DATA = "graph.onnx.data"
 
 Progress = Callable[[str], None]
+
+
+def refuse_user_entries(output: Path) -> None:
+    """An engine being rebuilt whose tokenizer directory gained entries or whose chat template was edited since its
+    build is refused before any work (the rebuild would delete or revert them)."""
+    if kept := user_tokenizer_entries(output, CHAT_TEMPLATE):
+        raise BuildConfigError(f"--output {output} holds {', '.join(kept)}, which this build would delete or replace; "
+                               "move them out of the engine first (and back after the build)")
 
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
@@ -143,6 +157,7 @@ def file_sha256(path: Path) -> str:
 def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Manifest:
     output = Path(os.path.abspath(config.output_dir))  # "." is gone from under the shell once replaced
     check_replaceable(output, MANIFEST_NAME, "an engine", BuildConfigError, owned=engine_entries)
+    refuse_user_entries(output)
     gpu_arch = check_target(config)
     started = time.perf_counter()
     with Checkpoint(config.model_dir) as checkpoint:
@@ -177,9 +192,8 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             for file in tokenizer_files:  # not the checkpoint's modes: the engine's files are made as its graph's
                 shutil.copyfile(file, tok_dir / file.name)
             save_tokenizer(checkpoint.dir, tok_dir, model.vocab_size, progress)
-            if kept := user_tokenizer_entries(output, tok_dir, CHAT_TEMPLATE):
-                raise BuildConfigError(f"--output {output} holds {', '.join(kept)}, which this build would delete or "
-                                       "replace; move them out of the engine first (and back after the build)")
+            if (tok_dir / CHAT_TEMPLATE).is_file():  # a rebuild then knows an edited template (refuse_user_entries)
+                (tok_dir / template_record(CHAT_TEMPLATE)).write_text(file_sha256(tok_dir / CHAT_TEMPLATE) + "\n")
             progress("writing model graph")
             for_ort = config.target == "onnxruntime"
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,

@@ -124,10 +124,11 @@ def engine_entries(engine_dir: Path) -> set[str] | None:
     return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in files)}
 
 
-def user_tokenizer_entries(engine_dir: Path, staged_tokenizer: Path, chat_template: str) -> list[str]:
+def user_tokenizer_entries(engine_dir: Path, chat_template: str) -> list[str]:
     """What rebuilding `engine_dir` would delete or replace in its tokenizer directory that its build did not write:
-    entries added since (additional chat templates, hidden files), and a chat template unlike the one the new build
-    wrote into `staged_tokenizer` (edited, which is allowed). Engines that list no tokenizer files: none."""
+    entries added since (additional chat templates, hidden files), and a chat template edited since (its sha256 unlike
+    the one the build recorded beside it; engines that recorded none: not checked). Engines that list no tokenizer
+    files: none."""
     try:
         files = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("files", {})
     except (OSError, ValueError, RecursionError, AttributeError):
@@ -137,10 +138,18 @@ def user_tokenizer_entries(engine_dir: Path, staged_tokenizer: Path, chat_templa
     if not listed or not old.is_dir() or old.is_symlink():
         return []
     found = [f"{TOKENIZER_DIR}/{p.name}" for p in sorted(old.iterdir()) if p.name not in listed | {chat_template}]
-    template, new = old / chat_template, staged_tokenizer / chat_template
-    if template.is_file() and not (new.is_file() and new.read_bytes() == template.read_bytes()):
-        found.append(f"{TOKENIZER_DIR}/{chat_template} (unlike the checkpoint's: edited since the build?)")
-    return found
+    template, recorded = old / chat_template, old / template_record(chat_template)
+    try:
+        edited = recorded.is_file() and template.is_file() and \
+            hashlib.sha256(template.read_bytes()).hexdigest() != recorded.read_text().strip()
+    except OSError:
+        edited = False
+    return found + ([f"{TOKENIZER_DIR}/{chat_template} (edited since the build)"] if edited else [])
+
+
+def template_record(chat_template: str) -> str:
+    """The file beside the engine's chat template holding the sha256 of the template the build wrote."""
+    return f".{chat_template}.sha256"
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -179,26 +179,42 @@ def test_a_directory_with_another_programs_manifest_is_not_an_engine(built, tmp_
     assert Engine(app).limits.max_seq_len == 32
 
 
-def test_rebuilding_keeps_the_chat_templates_a_user_added_or_edited(built, tmp_path):
+def test_rebuilding_keeps_the_chat_templates_a_user_added_or_edited(built, tmp_path, monkeypatch):
     """The README lets users edit tokenizer/chat_template.jinja and add additional_chat_templates/: a rebuild refuses
-    to delete or revert them, before the graph is written, and rebuilds once they are moved out."""
+    to delete or revert them before any work (build --quant: before calibrating), and rebuilds once they are moved
+    out; a template the checkpoint itself changed since (a newer model revision) is no edit."""
+    from camshaft import cli
+    from camshaft.builder import build
+
     model, engine = built
     target = tmp_path / "engine"
     shutil.copytree(engine, target)
     template = target / "tokenizer" / "chat_template.jinja"
     original = template.read_text()
-    for change, kept in ((lambda: template.write_text(original + "{# mine #}"), "chat_template.jinja (unlike"),
-                         (lambda: (target / "tokenizer" / "additional_chat_templates").mkdir(),
-                          "tokenizer/additional_chat_templates")):
-        change()
-        with pytest.raises(CamshaftError, match=re.escape(kept) + ".*move them out of the engine first"):
-            build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))
-        assert Engine(target).limits.max_seq_len == 64 and not list(tmp_path.glob(".engine.*"))
+    with monkeypatch.context() as patched:
+        patched.setattr(build, "save_tokenizer", lambda *a, **k: pytest.fail("the build started"))
+        patched.setattr("camshaft.quantize.modelopt_adapter.quantize_checkpoint",
+                        lambda *a, **k: pytest.fail("calibration started"))
+        for change, kept in ((lambda: template.write_text(original + "{# mine #}"),
+                              "tokenizer/chat_template.jinja (edited since the build)"),
+                             (lambda: (target / "tokenizer" / "additional_chat_templates").mkdir(),
+                              "tokenizer/additional_chat_templates")):
+            change()
+            with pytest.raises(CamshaftError, match=re.escape(kept) + ".*move them out of the engine first"):
+                build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))
+            with pytest.raises(SystemExit):
+                monkeypatch.setattr(sys, "argv", ["camshaft", "build", "--model", str(model), "--output", str(target),
+                                                  "--quant", "int8_wo"])
+                cli.main()
+            assert Engine(target).limits.max_seq_len == 64 and not list(tmp_path.glob(".engine.*"))
     assert template.read_text() == original + "{# mine #}"
     template.write_text(original)
     (target / "tokenizer" / "additional_chat_templates").rmdir()
-    build_engine(BuildConfig(model, target, max_seq_len=32, kv_block_size=8))
-    assert Engine(target).limits.max_seq_len == 32
+    newer = tmp_path / "newer"
+    shutil.copytree(model, newer)
+    (newer / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    build_engine(BuildConfig(newer, target, max_seq_len=32, kv_block_size=8))
+    assert Engine(target).limits.max_seq_len == 32 and template.read_text() == "{{ messages[0].content }}"
 
 
 def test_an_output_that_is_a_symlink_or_dot_is_handled_before_any_work(built, tmp_path, monkeypatch):

@@ -148,6 +148,7 @@ def _refuse_quant_options(options: dict[str, object]) -> None:
 def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str | None, group_size: str,
                            lm_head: str) -> None:
     """Everything the build after quantizing would refuse, checked before calibration starts."""
+    from camshaft.builder.build import refuse_user_entries
     from camshaft.builder.target_checks import (
         check_lm_head_target,
         check_quantized_target,
@@ -164,6 +165,7 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
     check_replaceable(config.output_dir, MANIFEST_NAME, "an engine", BuildConfigError,
                       owned=engine_entries)
+    refuse_user_entries(config.output_dir)
     check_replaceable(quantized_checkpoint(config.output_dir), HF_QUANT_CONFIG, "a quantized checkpoint",
                       BuildConfigError, flag="the quantized checkpoint --quant keeps beside --output,",
                       owned=written_files)

@@ -40,7 +40,7 @@ class Distribution:
     b: float = 0.0
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """n lengths; NORMAL's may be below 1 (load_dataset raises them to 1 and counts them as clipped)."""
+        """n lengths; NORMAL's may be below 1 (load_dataset raises them to 1, and the report counts them)."""
         if self.kind == "normal":
             values = rng.normal(self.a, self.b, n)
         elif self.kind == "uniform":
@@ -60,36 +60,6 @@ class BenchRequest:
     prompt_ids: list[int]
     max_tokens: int
     asked: tuple[int, int] | None = field(default=None, compare=False)  # (prompt, output) lengths before clipping
-
-
-def clipped_requests(requests: list[BenchRequest], max_seq_len: int) -> dict | None:
-    """How many requests were clipped to fit max_seq_len and to what (token totals over those), and how many lengths
-    drawn below 1 token ran as 1 (NORMAL's tail), or None when neither happened."""
-    changed = [r for r in requests if r.asked is not None]
-    if not changed:
-        return None
-    clipped = [r for r in changed if sum(r.asked) > max_seq_len]
-    prompt = {"asked": sum(r.asked[0] for r in clipped), "run": sum(len(r.prompt_ids) for r in clipped)}
-    output = {"asked": sum(r.asked[1] for r in clipped), "run": sum(r.max_tokens for r in clipped)}
-    return {"count": len(clipped), "of": len(requests), "max_seq_len": max_seq_len, "prompt_tokens": prompt,
-            "output_tokens": output, "raised_to_one": len(changed) - len(clipped)}
-
-
-def clipped_lines(clipped: dict | None) -> list[str]:
-    """A warning for requests cut to fit max_seq_len, a note for lengths raised to 1 token."""
-    if not clipped:
-        return []
-    lines = []
-    if clipped["count"]:
-        p, o = clipped["prompt_tokens"], clipped["output_tokens"]
-        lines.append(f"warning: {clipped['count']} of {clipped['of']} requests did not fit the engine's max_seq_len "
-                     f"{clipped['max_seq_len']} (prompt + output) and were clipped: prompt tokens {p['asked']} -> "
-                     f"{p['run']}, output tokens {o['asked']} -> {o['run']} (totals over those requests); rebuild "
-                     "with a larger --max-seq-len or shorten the dataset's lengths to measure what was asked")
-    if clipped.get("raised_to_one"):
-        lines.append(f"note: {clipped['raised_to_one']} of {clipped['of']} requests drew a length below 1 token "
-                     "(a NORMAL distribution's tail) and ran with 1")
-    return lines
 
 
 def _request(prompt_ids: list[int], max_tokens: int, asked_prompt: int, asked_output: int) -> BenchRequest:
@@ -178,7 +148,7 @@ def parse_dataset_spec(spec: str) -> DatasetSpec:
 def load_dataset(spec: str | DatasetSpec, num_requests: int, *, max_seq_len: int, vocab_size: int, seed: int = 0,
                  tokenizer=None) -> list[BenchRequest]:
     """`num_requests` requests; lengths clipped so prompt >= 1, output >= 1 and prompt + output <= max_seq_len
-    (a clipped request keeps what it asked for in `asked`: see clipped_requests)."""
+    (a clipped request keeps what it asked for in `asked`: see throughput_report.clipped_requests)."""
     if num_requests < 1:
         raise RequestError(f"num_requests must be >= 1, got {num_requests}")
     if max_seq_len < 2:
@@ -187,7 +157,7 @@ def load_dataset(spec: str | DatasetSpec, num_requests: int, *, max_seq_len: int
     if spec.kind == "jsonl":
         return _load_jsonl(spec.path, num_requests, max_seq_len, vocab_size, tokenizer)
     rng = np.random.default_rng(seed)
-    asked_prompt = spec.prompt_len.sample(rng, num_requests)  # a NORMAL draw below 1 runs as 1, counted clipped
+    asked_prompt = spec.prompt_len.sample(rng, num_requests)  # a NORMAL draw below 1 runs as 1, and is counted
     asked_output = spec.output_len.sample(rng, num_requests)
     prompt_lens = np.clip(asked_prompt, 1, max_seq_len - 1)
     output_lens = np.clip(asked_output, 1, max_seq_len - prompt_lens)

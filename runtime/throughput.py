@@ -25,8 +25,6 @@ from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime.bench_data import (
     BenchRequest,
-    clipped_lines,
-    clipped_requests,
     load_dataset,
     parse_dataset_spec,
     repeat_note,
@@ -40,7 +38,13 @@ from camshaft.runtime.outputs import RequestOutput, Sink
 from camshaft.runtime.request import Request
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.step_timer import StepTimer
-from camshaft.runtime.throughput_report import RequestRecord, ThroughputResult, percentiles
+from camshaft.runtime.throughput_report import (
+    RequestRecord,
+    ThroughputResult,
+    clipped_lines,
+    clipped_requests,
+    percentiles,
+)
 
 
 def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from camshaft.runtime.bench_data import clipped_lines
+from camshaft.runtime.bench_data import BenchRequest
 
 NO_DATA = "—"
 
@@ -125,6 +125,37 @@ def config_line(config: dict) -> str:
     return (f"policy {config['policy']}, max batch size {config['max_batch_size']}, max num tokens "
             f"{config['max_num_tokens']}, KV pool {config['kv_pool_blocks']} blocks "
             f"({config['kv_pool_bytes'] / 2**20:.1f} MiB){lookup}")
+
+
+def clipped_requests(requests: list[BenchRequest], max_seq_len: int) -> dict | None:
+    """How many requests were clipped to fit max_seq_len and to what (token totals over those), and how many lengths
+    drawn below 1 token ran as 1 (NORMAL's tail), or None when neither happened."""
+    changed = [r for r in requests if r.asked is not None]
+    if not changed:
+        return None
+    clipped = [r for r in changed if len(r.prompt_ids) < max(r.asked[0], 1) or r.max_tokens < max(r.asked[1], 1)]
+    raised = [r for r in changed if min(r.asked) < 1]
+    prompt = {"asked": sum(r.asked[0] for r in clipped), "run": sum(len(r.prompt_ids) for r in clipped)}
+    output = {"asked": sum(r.asked[1] for r in clipped), "run": sum(r.max_tokens for r in clipped)}
+    return {"count": len(clipped), "of": len(requests), "max_seq_len": max_seq_len, "prompt_tokens": prompt,
+            "output_tokens": output, "raised_to_one": len(raised)}
+
+
+def clipped_lines(clipped: dict | None) -> list[str]:
+    """A warning for requests cut to fit max_seq_len, a note for lengths raised to 1 token."""
+    if not clipped:
+        return []
+    lines = []
+    if clipped["count"]:
+        p, o = clipped["prompt_tokens"], clipped["output_tokens"]
+        lines.append(f"warning: {clipped['count']} of {clipped['of']} requests did not fit the engine's max_seq_len "
+                     f"{clipped['max_seq_len']} (prompt + output) and were clipped: prompt tokens {p['asked']} -> "
+                     f"{p['run']}, output tokens {o['asked']} -> {o['run']} (totals over those requests); rebuild "
+                     "with a larger --max-seq-len or shorten the dataset's lengths to measure what was asked")
+    if clipped.get("raised_to_one"):
+        lines.append(f"note: {clipped['raised_to_one']} of {clipped['of']} requests drew a length below 1 token "
+                     "(a NORMAL distribution's tail) and ran with 1")
+    return lines
 
 
 def concurrency_note(r: ThroughputResult) -> str | None:

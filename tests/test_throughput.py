@@ -70,7 +70,7 @@ def test_bad_specs_are_refused_clearly(spec, message):
 
 
 def test_normal_draws_below_one_run_as_one_and_count_as_clipped():
-    from camshaft.runtime.bench_data import clipped_lines, clipped_requests
+    from camshaft.runtime.throughput_report import clipped_lines, clipped_requests
 
     rows = load_dataset("synthetic:in=NORMAL(10,100),out=2", 50, max_seq_len=400, vocab_size=300, seed=0)
     low = [r for r in rows if r.asked is not None]
@@ -79,6 +79,11 @@ def test_normal_draws_below_one_run_as_one_and_count_as_clipped():
     assert clipped["count"] == 0 and clipped["raised_to_one"] == len(low)  # none too long: no advice to rebuild
     assert clipped_lines(clipped) == [f"note: {len(low)} of 50 requests drew a length below 1 token (a NORMAL "
                                       "distribution's tail) and ran with 1"]
+    both = load_dataset("synthetic:in=NORMAL(2,20),out=64", 40, max_seq_len=64, vocab_size=300, seed=0)
+    cut = [r for r in both if r.max_tokens < 64]  # a prompt raised to 1 leaves 63 for the output: cut too
+    clipped = clipped_requests(both, 64)
+    assert cut and clipped["count"] == len(cut) and clipped["output_tokens"]["asked"] == 64 * len(cut)
+    assert clipped["raised_to_one"] == sum(min(r.asked) < 1 for r in both if r.asked)
 
 
 @pytest.mark.parametrize("max_tokens", ["Infinity", "1e400", "2.9", '"7"', "true", "0"])
@@ -229,7 +234,7 @@ def test_cli_bench_throughput(engine_dir, tmp_path):
 
 
 def test_clipped_requests_are_counted_with_what_they_asked(tmp_path):
-    from camshaft.runtime.bench_data import clipped_requests
+    from camshaft.runtime.throughput_report import clipped_requests
 
     rows = load_dataset("synthetic:in=CONST(5000),out=CONST(5)", 2, max_seq_len=64, vocab_size=300)
     assert [(len(r.prompt_ids), r.max_tokens, r.asked) for r in rows] == [(63, 1, (5000, 5))] * 2

@@ -226,7 +226,7 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
     result = CliRunner().invoke(app, [
         "bench", "serve", "--target", f"first={engine_dir},backend=llm", "--target", f"second={engine_dir},backend=llm",
         "--dataset", "synthetic:in=30,out=12", "--num-requests", "12", "--request-rate", "50,inf",
-        "--concurrency", "2,4", "--output-json", str(out), "--plot", str(tmp_path / "serve.png")])
+        "--concurrency", "2,4", "--threads", "1", "--output-json", str(out), "--plot", str(tmp_path / "serve.png")])
     assert result.exit_code == 0, result.output
     runs = json.loads(out.read_text())["results"]
     assert [(r["concurrency"], r["request_rate"], r["target"]) for r in runs] == [
@@ -242,7 +242,8 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
         assert np.percentile([x for q in each for x in q["itl_ms"]], 99) == pytest.approx(r["itl_ms"]["p99"])
     settings = json.loads(out.read_text())
     assert settings["request_rate"] == [50.0, "inf"] and settings["warmup"] == 2 and settings["goodput"] is None
-    assert [(t["name"], t["backend"]) for t in settings["targets"]] == [("first", "llm"), ("second", "llm")]
+    assert [(t["name"], t["backend"], t["threads"]) for t in settings["targets"]] == [("first", "llm", 1),
+                                                                                       ("second", "llm", 1)]
     assert "first: 12 requests, rate 50/s, concurrency 2" in result.output  # progress as each run starts
     assert (tmp_path / "serve.png").stat().st_size > 10_000
 

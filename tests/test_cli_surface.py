@@ -60,6 +60,10 @@ def test_threads_are_one_flag_everywhere_and_checked_before_loading(engine, tmp_
     refused(invoke("eval", "ppl", "--data", tmp_path / "t.txt", "--model", tmp_path, "--threads", "1"),
             "--threads sets the --engine's threads")
     refused(invoke("serve", "--repo", tmp_path, "--threads", "1"), "so --threads would be ignored")
+    refused(invoke("bench", "serve", "--target", f"t={engine},backend=llm", "--threads", cpus + 1),
+            f"--threads {cpus + 1} is more than the {cpus} CPUs")
+    refused(invoke("bench", "serve", "--target", "o=http://127.0.0.1:9,backend=openai", "--threads", "1"),
+            "--threads sets the engine threads of llm targets")
     done = invoke("bench", "latency", "--engine", engine, "--prompt-len", "4", "--max-tokens", "3", "--repeats", "1",
                   "--threads", "1", "--output-json", tmp_path / "latency.json")
     assert done.exit_code == 0 and json.loads((tmp_path / "latency.json").read_text())["threads"] == 1

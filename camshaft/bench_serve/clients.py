@@ -26,6 +26,7 @@ class Target:
     url: str  # http://host:port (openai, triton-generate), host:port (triton-grpc), engine directory (llm)
     backend: str
     model: str | None = None
+    threads: int | None = None  # an llm target's engine threads (bench serve --threads)
 
     @classmethod
     def parse(cls, spec: str) -> Target:
@@ -179,7 +180,7 @@ class LLMClient:
     def __init__(self, target: Target, _http) -> None:
         from camshaft.runtime.llm import LLM
 
-        self.llm = LLM(target.url, spin_wait=False)
+        self.llm = LLM(target.url, spin_wait=False, threads=target.threads)
 
     async def start(self) -> None:
         pass

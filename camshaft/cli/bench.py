@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -162,6 +162,9 @@ def bench_serve(
     goodput: Annotated[str | None, typer.Option(help="SLOs for goodput, e.g. ttft_ms=1000,tpot_ms=100")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and arrivals")] = 0,
     warmup: Annotated[int, typer.Option(min=0, help="Short warm-up requests per target")] = 2,
+    threads: Annotated[int | None, typer.Option(
+        min=1, help="Threads of the llm targets' engines (default: one per physical core this process may use); "
+                    "servers keep their own")] = None,
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: latency vs throughput, one line per target")] = None,
 ) -> None:
@@ -174,6 +177,7 @@ def bench_serve(
     from camshaft.bench_serve.run import check_fits
     from camshaft.bench_serve.workload import load_requests, load_tokenizer, parse_rates
     from camshaft.manifest import read_manifest
+    from camshaft.runtime.llm_options import check_runtime_options
 
     require_outputs(plot, output_json)
     try:
@@ -186,6 +190,13 @@ def bench_serve(
     targets = [Target.parse(t) for t in target]
     if len({t.name for t in targets}) != len(targets):
         raise CamshaftError("--target names must differ")
+    if threads is not None:
+        if not any(t.backend == "llm" for t in targets):
+            raise CamshaftError("--threads sets the engine threads of llm targets (run in this process); a server "
+                                "takes its own (camshaft serve --threads): drop --threads")
+        with flag_names("threads"):
+            check_runtime_options(threads=threads)
+        targets = [replace(t, threads=threads) if t.backend == "llm" else t for t in targets]
     spec = parse_dataset_spec(dataset)
     note = repeat_note(spec, num_requests)
     limits = {t.name: read_manifest(Path(t.url)).limits.max_seq_len  # a broken engine says so before anything loads

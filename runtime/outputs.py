@@ -152,3 +152,8 @@ class PromptOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def prompt_logprobs(self) -> list[SampleResult | None] | None:
+        """The prompt's log-probs (vLLM's field; each output holds the same)."""
+        return self.outputs[0].prompt_logprobs

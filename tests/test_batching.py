@@ -338,7 +338,8 @@ def test_prompt_logprobs_are_transformers_log_softmax_through_chunks_reuse_and_p
             preempted = llm.executor.scheduler.num_preemptions
             assert llm.kv_cache.used == 0
         for prompt, out, same in zip(prompts, outs, greedy, strict=True):
-            got = out.outputs[0].prompt_logprobs
+            got = out.prompt_logprobs  # vLLM's place (each output holds the same)
+            assert got is out.outputs[0].prompt_logprobs
             assert got[0] is None and len(got) == len(prompt)  # 64-token steps: every prompt spans chunks
             np.testing.assert_allclose([s.logprob for s in got[1:]], expected(prompt), atol=2e-5)
             assert all(len(s.top_logprobs) == 3 and s.token_id == t for s, t in zip(got[1:], prompt[1:], strict=True))

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from camshaft.engine_files import TOKENIZER_DIR, unchanged_while_loading
-from camshaft.errors import EngineError
+from camshaft.errors import EngineError, RequestError
 from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS
 from camshaft.manifest import Manifest, read_manifest
 from camshaft.model_config import ModelConfig
@@ -113,6 +113,10 @@ class Engine:
             return OnnxRuntimeBackend(self.dir, self.manifest, num_blocks, threads, spin_wait, huge_pages)
         if target in ("tensorrt-rtx", "tensorrt"):  # never run on a GPU yet: see backends/tensorrt.py
             from camshaft.runtime.backends.tensorrt import TensorRTBackend
+
+            if threads is not None:  # taken, then ignored, would read as set
+                raise RequestError(f"threads sets ONNX Runtime's CPU threads; {self.dir} is a {target} engine, which "
+                                   "computes on the GPU: drop threads")
 
             return TensorRTBackend(self.dir, self.manifest, num_blocks, threads, spin_wait, huge_pages)
         raise EngineError(f"{self.dir}: engines for target {target!r} cannot run in this build of camshaft")

@@ -22,7 +22,7 @@ import pytest
 
 from camshaft.builder.build import GRAPH_NAME, build_engine
 from camshaft.builder.config import BuildConfig
-from camshaft.errors import EngineError
+from camshaft.errors import EngineError, RequestError
 from camshaft.runtime.backends import tensorrt as backend
 from camshaft.runtime.batch import Chunk
 from camshaft.runtime.engine import Engine
@@ -77,6 +77,8 @@ def test_no_gpu_is_a_clear_error_before_tensorrt_is_touched(engines, monkeypatch
     message = str(info.value)
     assert "this engine targets tensorrt-rtx sm89 and needs an NVIDIA GPU with a driver; none found (" in message
     assert "cudaError" in message and "cannot run" in message
+    with pytest.raises(RequestError, match="threads sets ONNX Runtime's CPU threads; .* is a tensorrt-rtx engine"):
+        Engine(rtx_dir, threads=1)  # refused before the GPU is looked for, not taken and ignored
 
 
 class FakeCudart:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from camshaft.errors import CheckpointError
-from camshaft.weight_files import lfs_pointer
+from camshaft.weight_files import lfs_pointer, lfs_pointer_error
 
 Progress = Callable[[str], None]
 
@@ -31,7 +31,7 @@ def save_tokenizer(model_dir: Path, tok_dir: Path, vocab_size: int, progress: Pr
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         path = model_dir / name
         if path.is_file() and lfs_pointer(path):
-            raise CheckpointError(f"{path} is a git-lfs pointer, not the file: fetch it (git lfs pull) and build again")
+            raise lfs_pointer_error(path)
     try:
         AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False).save_pretrained(str(tok_dir))
     except Exception as exc:  # transformers raises many types for tokenizers it cannot load or convert

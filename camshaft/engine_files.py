@@ -66,9 +66,7 @@ def check_files(engine_dir: Path, sizes: dict[str, int], fingerprints: dict[str,
             raise EngineError(f"{file} links to {file.resolve()}, not a file beside its graph in the engine directory, "
                               "where ONNX Runtime reads weights from; copy the engine as real files (cp -rL)")
         if name.endswith(".data") and file.stat().st_nlink > 1:
-            raise EngineError(f"{file} has {file.stat().st_nlink - 1} other hard link(s) (a copy made with cp -al or "
-                              "rsync --link-dest, or a deduplicating tool), which ONNX Runtime refuses as a possible "
-                              "hardlink attack; copy the engine as real files (cp -r)")
+            raise hard_linked(file)
         if file.stat().st_size != size:
             raise EngineError(
                 f"{file} has {file.stat().st_size} bytes but the manifest expects {size}: the file is truncated "
@@ -122,6 +120,17 @@ def engine_entries(engine_dir: Path) -> set[str] | None:
         return None
     files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in files)}
+
+
+def hard_linked(file: Path) -> EngineError:
+    """A weights file with other hard links, which ONNX Runtime refuses (its check for subgraph weights)."""
+    try:
+        others = f"{file.stat().st_nlink - 1} other hard link(s)"
+    except OSError:
+        others = "other hard links"
+    return EngineError(f"{file} has {others} (a copy made with cp -al or rsync --link-dest, or a deduplicating "
+                       "tool), which ONNX Runtime refuses as a possible hardlink attack; copy the engine as real "
+                       "files (cp -r)")
 
 
 def user_tokenizer_entries(engine_dir: Path, chat_template: str) -> list[str]:

@@ -18,10 +18,13 @@ def lfs_pointer(path: Path) -> bool:
         return False
 
 
+def lfs_pointer_error(file: Path) -> CheckpointError:
+    return CheckpointError(f"{file} is a git-lfs pointer, not the file: fetch it (git lfs pull) and try again")
+
+
 def unreadable(file: Path, exc: Exception) -> CheckpointError:
-    if lfs_pointer(file):
-        return CheckpointError(f"{file} is a git-lfs pointer, not the file: fetch it (git lfs pull) and try again")
-    return CheckpointError(f"{file} is not a readable safetensors file: {exc}")
+    return lfs_pointer_error(file) if lfs_pointer(file) else \
+        CheckpointError(f"{file} is not a readable safetensors file: {exc}")
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -105,20 +105,20 @@ def summarize(target: Target, rate: float, concurrency: int | None, records: lis
     e2e = [r.chunk_times[-1] - r.sent for r in ok]
     tokens = [r.tokens for r in ok]
     tpot = [(e - t) / (n - 1) for t, e, n in zip(ttft, e2e, tokens, strict=True) if n > 1]
-    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    gaps = [[b - a for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)] for r in ok]
+    itl = [gap for each in gaps for gap in each]
+    each = iter({"prompt_tokens": r.prompt_tokens, "output_tokens": n, "ttft_ms": t * 1000, "e2e_ms": e * 1000,
+                 "itl_ms": [g * 1000 for g in gs]} for r, n, t, e, gs in zip(ok, tokens, ttft, e2e, gaps, strict=True))
     good = sum(goodput.met(t * 1000, ((e - t) / (n - 1) if n > 1 else 0.0) * 1000, e * 1000)
                for t, e, n in zip(ttft, e2e, tokens, strict=True))
     failed = Counter(r.failure for r in records if not r.ok)
-    each = [{"prompt_tokens": r.prompt_tokens, "output_tokens": r.tokens, "ttft_ms": (r.chunk_times[0] - r.sent) * 1000,
-             "e2e_ms": (r.chunk_times[-1] - r.sent) * 1000,
-             "itl_ms": [(b - a) * 1000 for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]}
-            if r.ok else {"error": r.failure} for r in records]
     return ServeResult(
         target=target.name, backend=target.backend, request_rate=rate, concurrency=concurrency,
         completed=len(ok), failed=sum(failed.values()), wall_s=wall_s, prompt_tokens=sum(r.prompt_tokens for r in ok),
         output_tokens=sum(tokens), output_tok_s=sum(tokens) / wall_s, requests_s=len(ok) / wall_s,
         goodput_req_s=good / wall_s if goodput.set else None, ttft_ms=_ms(ttft), tpot_ms=_ms(tpot), itl_ms=_ms(itl),
-        e2e_ms=_ms(e2e), errors=dict(failed.most_common()), requests=each)
+        e2e_ms=_ms(e2e), errors=dict(failed.most_common()),
+        requests=[next(each) if r.ok else {"error": r.failure} for r in records])
 
 
 def _point_label(result: ServeResult, by_rate: bool, by_limit: bool) -> str:

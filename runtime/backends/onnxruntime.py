@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from camshaft.engine_files import hard_linked
 from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_build_id, check_graph_limits
 from camshaft.io_signature import KVCacheLayout, SequenceGraph, TensorSpec
@@ -99,10 +100,7 @@ def load_session(path: Path, options: ort.SessionOptions, huge_pages: bool) -> t
                                 f"memory ({str(exc)[-120:]}); free memory, raise the process's limit, or build a "
                                 "smaller (quantized) engine") from exc
         if "multiple hard links" in str(exc):
-            raise EngineError(f"{path.name}'s weights ({path.name}.data) in {path.parent} have other hard links "
-                              "(a copy made with cp -l or cp -al, or a deduplicating tool), which ONNX Runtime "
-                              "refuses as a possible hardlink attack; copy the engine directory as real files (cp -r) "
-                              "and load the copy") from exc
+            raise hard_linked(path.with_name(path.name + ".data")) from exc
         raise EngineError(f"{path} could not be loaded ({exc}); rebuild the engine") from exc
 
 

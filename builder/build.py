@@ -13,12 +13,13 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from camshaft.builder.checkpoint import MIXED, READABLE_QUANT_ALGOS, Checkpoint
+from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import ACCURACY_LEVELS, BuildConfig
 from camshaft.builder.engine_tokenizer import save_tokenizer
 from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
-from camshaft.builder.graph.linear import LOWERINGS, MS_DOMAIN
+from camshaft.builder.graph.linear import MS_DOMAIN
 from camshaft.builder.graph.ops import GraphWriter, save_model
+from camshaft.builder.quant_record import quantization_record
 from camshaft.builder.sequence_graph import sequence_graph
 from camshaft.builder.target_checks import (
     check_lm_head_target,
@@ -30,11 +31,12 @@ from camshaft.builder.target_checks import (
 )
 from camshaft.builder.targets.trt_product import parse_arch
 from camshaft.engine_files import (
+    CHAT_TEMPLATE,
     TOKENIZER_DIR,
     engine_entries,
     record_files,
-    template_record,
-    user_tokenizer_entries,
+    record_template,
+    refuse_user_entries,
 )
 from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import BUILD_ID_KEY, graph_limits
@@ -44,18 +46,9 @@ from camshaft.outdir import check_replaceable, replace_dir, staged
 from camshaft.version import __version__
 
 GRAPH_NAME = "graph.onnx"
-CHAT_TEMPLATE = "chat_template.jinja"
 GRAPH_DATA = "graph.onnx.data"
 
 Progress = Callable[[str], None]
-
-
-def refuse_user_entries(output: Path) -> None:
-    """An engine being rebuilt whose tokenizer directory gained entries or whose chat template was edited since its
-    build is refused before any work (the rebuild would delete or revert them)."""
-    if kept := user_tokenizer_entries(output, CHAT_TEMPLATE):
-        raise BuildConfigError(f"--output {output} holds {', '.join(kept)}, which this build would delete or replace; "
-                               "move them out of the engine first (and back after the build)")
 
 
 def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir: Path,
@@ -92,7 +85,7 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     helper.set_model_props(model, graph_limits(limits, batch_graph=True))
     if quantization is not None and checkpoint.quantization is not None:
-        quantization.update(_quantization_record(checkpoint.quantization, checkpoint.quant_algos, lowering))
+        quantization.update(quantization_record(checkpoint.quantization, checkpoint.quant_algos, lowering))
     save_model(model, graph_path)
     return graph_path
 
@@ -105,45 +98,6 @@ def _domains(graph: onnx.GraphProto) -> set[str]:
             if attr.type == onnx.AttributeProto.GRAPH:
                 found |= _domains(attr.g)
     return found
-
-
-def _quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering) -> dict:
-    """The manifest's record of a quantized checkpoint. Policy: lm_head stays float (ModelOpt leaves it unquantized)
-    unless `--lm-head int8|int4` rounded it at build time; the embedding stays float, except that a tied one reads a
-    quantized head's tensors (onnxruntime target); a quantized layer no kernel expresses is built from its
-    dequantized weights."""
-    record = quant.get("camshaft", {})
-    counts = lowering.linears.counts
-    formats = [READABLE_QUANT_ALGOS[a] for a in algos]
-    activation = "; ".join(sorted({f"{f.activation} {'dynamic per-token' if f.per_token else 'static per-tensor'}"
-                                   for f in formats if f.activation}))
-    level = lowering.linears.accuracy_level if counts["nbits"] else None
-    int8_blocks = "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None
-    # ModelOpt's MIXED_PRECISION config lists no exclude_modules: the head, the embedding and camshaft's --exclude
-    algo = quant.get("quant_algo")  # None: float layers (a KV cache quantized alone)
-    listed_float = (quant.get("exclude_modules", []) if algo != MIXED
-                    else ["lm_head", "model.embed_tokens", *record.get("exclude", [])])
-    return {
-        "format": record.get("format"),
-        "quant_algo": algo,
-        **({"layer_quant_algos": algos} if algo == MIXED else {}),
-        "group_size": quant.get("group_size"),
-        "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
-        "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
-        "kv_cache_affine": lowering.kv_quant is not None and bool(lowering.kv_quant.biases),
-        "activations": "; ".join(a for a in (activation, int8_blocks) if a) or None,
-        "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
-        "accuracy_level": level,
-        "quantized_linear_layers": sum(counts.values()),
-        "dequantized_linear_layers": lowering.linears.dequantized,  # quantized, but built float (exact)
-        "float_modules": sorted(m for m in listed_float
-                                if (m != "lm_head" or lowering.head.dtype == "float")
-                                and (m != "model.embed_tokens" or not lowering.head.shares_embedding)),
-        "lm_head": lowering.head.record,
-        "algorithm": record.get("algorithm"),  # ModelOpt's calibration algorithm, e.g. SmoothQuant's alpha
-        "calibration": record.get("calibration"),
-        "producer": quant.get("producer") or record.get("tools"),
-    }
 
 
 def file_sha256(path: Path) -> str:
@@ -192,8 +146,7 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             for file in tokenizer_files:  # not the checkpoint's modes: the engine's files are made as its graph's
                 shutil.copyfile(file, tok_dir / file.name)
             save_tokenizer(checkpoint.dir, tok_dir, model.vocab_size, progress)
-            if (tok_dir / CHAT_TEMPLATE).is_file():  # a rebuild then knows an edited template (refuse_user_entries)
-                (tok_dir / template_record(CHAT_TEMPLATE)).write_text(file_sha256(tok_dir / CHAT_TEMPLATE) + "\n")
+            record_template(tok_dir)
             progress("writing model graph")
             for_ort = config.target == "onnxruntime"
             graph_path = write_graph(checkpoint, limits, dtype, staging, progress, quantization,

@@ -12,11 +12,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from camshaft.errors import EngineError
+from camshaft.errors import BuildConfigError, EngineError
 
 MANIFEST_NAME = "manifest.json"
 REPOSITORY_MARKER = "camshaft_repository.json"  # a Triton model repository camshaft deploy wrote
 TOKENIZER_DIR = "tokenizer"
+CHAT_TEMPLATE = "chat_template.jinja"  # editable after the build (not fingerprinted)
+TEMPLATE_RECORD = f".{CHAT_TEMPLATE}.sha256"  # the sha256 of the template the build wrote
 BUILD_OUTPUTS = ("model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data", "model.plan", "graph.onnx",
                  "graph.onnx.data")
 SAMPLE_BYTES = 4096
@@ -133,7 +135,7 @@ def hard_linked(file: Path) -> EngineError:
                        "files (cp -r)")
 
 
-def user_tokenizer_entries(engine_dir: Path, chat_template: str) -> list[str]:
+def user_tokenizer_entries(engine_dir: Path) -> list[str]:
     """What rebuilding `engine_dir` would delete or replace in its tokenizer directory that its build did not write:
     entries added since (additional chat templates, hidden files), and a chat template edited since (its sha256 unlike
     the one the build recorded beside it; engines that recorded none: not checked). Engines that list no tokenizer
@@ -146,19 +148,29 @@ def user_tokenizer_entries(engine_dir: Path, chat_template: str) -> list[str]:
     old = engine_dir / TOKENIZER_DIR
     if not listed or not old.is_dir() or old.is_symlink():
         return []
-    found = [f"{TOKENIZER_DIR}/{p.name}" for p in sorted(old.iterdir()) if p.name not in listed | {chat_template}]
-    template, recorded = old / chat_template, old / template_record(chat_template)
+    found = [f"{TOKENIZER_DIR}/{p.name}" for p in sorted(old.iterdir()) if p.name not in listed | {CHAT_TEMPLATE}]
+    template, recorded = old / CHAT_TEMPLATE, old / TEMPLATE_RECORD
     try:
         edited = recorded.is_file() and template.is_file() and \
             hashlib.sha256(template.read_bytes()).hexdigest() != recorded.read_text().strip()
     except OSError:
         edited = False
-    return found + ([f"{TOKENIZER_DIR}/{chat_template} (edited since the build)"] if edited else [])
+    return found + ([f"{TOKENIZER_DIR}/{CHAT_TEMPLATE} (edited since the build)"] if edited else [])
 
 
-def template_record(chat_template: str) -> str:
-    """The file beside the engine's chat template holding the sha256 of the template the build wrote."""
-    return f".{chat_template}.sha256"
+def refuse_user_entries(output: Path) -> None:
+    """An engine being rebuilt whose tokenizer directory gained entries or whose chat template was edited since its
+    build is refused before any work (the rebuild would delete or revert them)."""
+    if kept := user_tokenizer_entries(output):
+        raise BuildConfigError(f"--output {output} holds {', '.join(kept)}, which this build would delete or replace; "
+                               "move them out of the engine first (and back after the build)")
+
+
+def record_template(tok_dir: Path) -> None:
+    """Beside the chat template a build writes, its sha256: a rebuild then tells an edited one."""
+    if (tok_dir / CHAT_TEMPLATE).is_file():
+        digest = hashlib.sha256((tok_dir / CHAT_TEMPLATE).read_bytes()).hexdigest()
+        (tok_dir / TEMPLATE_RECORD).write_text(digest + "\n")
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -148,14 +148,13 @@ def _refuse_quant_options(options: dict[str, object]) -> None:
 def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str | None, group_size: str,
                            lm_head: str) -> None:
     """Everything the build after quantizing would refuse, checked before calibration starts."""
-    from camshaft.builder.build import refuse_user_entries
     from camshaft.builder.target_checks import (
         check_lm_head_target,
         check_quantized_target,
         check_target,
         check_weight_only_compute,
     )
-    from camshaft.engine_files import MANIFEST_NAME, engine_entries
+    from camshaft.engine_files import MANIFEST_NAME, engine_entries, refuse_user_entries
     from camshaft.errors import BuildConfigError
     from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig
     from camshaft.outdir import check_replaceable

@@ -1,0 +1,46 @@
+"""The manifest's record of a quantized build: formats, lowering, what stayed float, calibration."""
+
+from __future__ import annotations
+
+from camshaft.builder.checkpoint import MIXED, READABLE_QUANT_ALGOS
+from camshaft.builder.graph.decoder import DecoderLowering
+from camshaft.builder.graph.linear import LOWERINGS
+
+
+def quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering) -> dict:
+    """The manifest's record of a quantized checkpoint. Policy: lm_head stays float (ModelOpt leaves it unquantized)
+    unless `--lm-head int8|int4` rounded it at build time; the embedding stays float, except that a tied one reads a
+    quantized head's tensors (onnxruntime target); a quantized layer no kernel expresses is built from its
+    dequantized weights."""
+    record = quant.get("camshaft", {})
+    counts = lowering.linears.counts
+    formats = [READABLE_QUANT_ALGOS[a] for a in algos]
+    activation = "; ".join(sorted({f"{f.activation} {'dynamic per-token' if f.per_token else 'static per-tensor'}"
+                                   for f in formats if f.activation}))
+    level = lowering.linears.accuracy_level if counts["nbits"] else None
+    int8_blocks = "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None
+    # ModelOpt's MIXED_PRECISION config lists no exclude_modules: the head, the embedding and camshaft's --exclude
+    algo = quant.get("quant_algo")  # None: float layers (a KV cache quantized alone)
+    listed_float = (quant.get("exclude_modules", []) if algo != MIXED
+                    else ["lm_head", "model.embed_tokens", *record.get("exclude", [])])
+    return {
+        "format": record.get("format"),
+        "quant_algo": algo,
+        **({"layer_quant_algos": algos} if algo == MIXED else {}),
+        "group_size": quant.get("group_size"),
+        "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
+        "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+        "kv_cache_affine": lowering.kv_quant is not None and bool(lowering.kv_quant.biases),
+        "activations": "; ".join(a for a in (activation, int8_blocks) if a) or None,
+        "lowering": " + ".join(LOWERINGS[kind] for kind in sorted(counts)) or None,
+        "accuracy_level": level,
+        "quantized_linear_layers": sum(counts.values()),
+        "dequantized_linear_layers": lowering.linears.dequantized,  # quantized, but built float (exact)
+        "float_modules": sorted(m for m in listed_float
+                                if (m != "lm_head" or lowering.head.dtype == "float")
+                                and (m != "model.embed_tokens" or not lowering.head.shares_embedding)),
+        "lm_head": lowering.head.record,
+        "algorithm": record.get("algorithm"),  # ModelOpt's calibration algorithm, e.g. SmoothQuant's alpha
+        "calibration": record.get("calibration"),
+        "producer": quant.get("producer") or record.get("tools"),
+    }

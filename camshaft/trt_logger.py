@@ -8,21 +8,75 @@ from typing import Any
 NOISE = ("Int64 binding", "logger passed into")  # warnings about camshaft's own choices, not about the model
 
 
-def capturing_logger(trt: Any, messages: MutableSequence[str], on_error: Callable[[str], None] | None = None) -> Any:
+class Stop:
+    """A stop (Ctrl-C, SIGTERM) that arrived while TensorRT called back into Python: TensorRT catches what a callback
+    raises, so it is kept here, the build is cancelled, and the builder raises it once TensorRT returns."""
+
+    def __init__(self) -> None:
+        self.exc: BaseException | None = None
+
+    def keep(self, exc: BaseException) -> None:
+        self.exc = self.exc or exc
+
+    def raise_kept(self) -> None:
+        if self.exc is not None:
+            raise self.exc
+
+
+def capturing_logger(trt: Any, messages: MutableSequence[str], on_error: Callable[[str], None] | None = None,
+                     stop: Stop | None = None) -> Any:
     """Errors and warnings are appended to `messages` (a bounded deque where the logger lives long); errors also
-    go to `on_error`."""
+    go to `on_error`; a stop raised meanwhile is kept in `stop`."""
     severity = trt.ILogger.Severity
+    stop = stop or Stop()
 
     class Logger(trt.ILogger):
         def log(self, level: Any, msg: str) -> None:
-            if level in (severity.INTERNAL_ERROR, severity.ERROR):
-                messages.append(msg)
-                if on_error is not None:
-                    on_error(f"TensorRT error: {msg}")
-            elif level == severity.WARNING and not any(n in msg for n in NOISE):
-                messages.append(msg)
+            try:
+                if level in (severity.INTERNAL_ERROR, severity.ERROR):
+                    messages.append(msg)
+                    if on_error is not None:
+                        on_error(f"TensorRT error: {msg}")
+                elif level == severity.WARNING and not any(n in msg for n in NOISE):
+                    messages.append(msg)
+            except BaseException as exc:  # a signal's exception, raised here: TensorRT would swallow it
+                stop.keep(exc)
 
     return Logger()
+
+
+def build_monitor(trt: Any, progress: Callable[[str], None], stop: Stop, every_s: float = 10.0) -> Any:
+    """TensorRT's progress monitor: its top-level phases said as they start (and their steps at most every
+    `every_s`), and the build cancelled at the next step once a stop arrived."""
+    import time
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self.top: dict[str, int] = {}  # top-level phases running: their step counts
+            self.said = time.monotonic()
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            try:
+                if parent_phase is None:
+                    self.top[phase_name] = num_steps
+                    progress(f"{phase_name} ({num_steps} step{'s' if num_steps != 1 else ''})")
+            except BaseException as exc:
+                stop.keep(exc)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            try:
+                if phase_name in self.top and time.monotonic() - self.said >= every_s:
+                    self.said = time.monotonic()
+                    progress(f"{phase_name}: step {step + 1}/{self.top[phase_name]}")
+            except BaseException as exc:
+                stop.keep(exc)
+            return stop.exc is None  # False cancels the build
+
+        def phase_finish(self, phase_name: str) -> None:
+            self.top.pop(phase_name, None)
+
+    return Monitor()
 
 
 def quoted(messages: Iterable[str]) -> str:

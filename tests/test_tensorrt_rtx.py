@@ -144,6 +144,34 @@ def test_unbuildable_arch_fails_before_any_work(tmp_path):
 
 
 
+def test_a_stop_during_the_plan_build_cancels_it_and_writes_nothing(tmp_path):
+    """TensorRT catches what its Python callbacks raise, where a signal's KeyboardInterrupt lands while it builds:
+    the build is cancelled through its progress monitor and the stop raised once TensorRT returns (it finished the
+    build and exited 0 before), and the monitor says the build's phases as they start."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    model = make_tiny_model("llama", tmp_path / "hf")
+    said = []
+
+    def progress(line: str) -> None:
+        said.append(line)
+        if line.startswith("Building engine"):  # a Ctrl-C arriving as TensorRT reports its first phase
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_engine(BuildConfig(model, tmp_path / "engine", target="tensorrt-rtx", gpu_arch="sm89", **LIMITS_KW),
+                     progress=progress)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and "tensorrt-rtx plan:" not in " ".join(said)
+    built = []
+    build_engine(BuildConfig(model, tmp_path / "engine", target="tensorrt-rtx", gpu_arch="sm89", **LIMITS_KW),
+                 progress=built.append)
+    assert any(line.startswith("Building engine (") for line in built) and (tmp_path / "engine").is_dir()
+
+
+LIMITS_KW = dict(max_batch_size=4, max_seq_len=64, max_num_tokens=32, kv_block_size=4)
+
+
 def test_a_plan_that_does_not_load_keeps_tensorrts_reason() -> None:
     """The runtime's logger keeps what TensorRT said about a plan it could not load, which the backend's load error
     quotes (a damaged plan: reading one needs no GPU), and leaves out TensorRT's note on a second logger."""

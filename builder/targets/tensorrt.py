@@ -23,7 +23,7 @@ from pathlib import Path
 from camshaft.builder.targets.trt_product import check_arch, import_product
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import BuildLimits
-from camshaft.trt_logger import capturing_logger, quoted
+from camshaft.trt_logger import Stop, build_monitor, capturing_logger, quoted
 
 Progress = Callable[[str], None]
 
@@ -102,7 +102,8 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
     started = time.perf_counter()
 
     messages: list[str] = []
-    logger = capturing_logger(trt, messages, progress)
+    stop = Stop()
+    logger = capturing_logger(trt, messages, progress, stop)
     builder = trt.Builder(logger)
     flag = trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED
     network = builder.create_network(1 << int(flag))
@@ -137,7 +138,10 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
     config.add_optimization_profile(profile)
 
     progress(f"building the {product} plan for sm{arch}")
+    monitor = build_monitor(trt, progress, stop)
+    config.progress_monitor = monitor
     plan = builder.build_serialized_network(network, config)
+    stop.raise_kept()  # Ctrl-C or SIGTERM during the build: it was cancelled, nothing is written
     if plan is None or plan.nbytes == 0:
         detail = quoted(messages[-20:])
         raise BuildConfigError(f"{product} {trt.__version__} failed to build a plan for sm{arch}:\n{detail}")

@@ -61,3 +61,16 @@ def test_tensorrt_targets_refuse_gemma2_before_any_work(gemma, tmp_path):
         build_engine(BuildConfig(gemma[0], tmp_path / "engine", target="tensorrt-rtx", max_seq_len=64),
                      progress=seen.append)
     assert seen == [] and not (tmp_path / "engine").exists()
+    import sys
+
+    from camshaft import cli
+
+    monkeypatched = sys.argv
+    sys.argv = ["camshaft", "build", "--model", str(gemma[0]), "--output", str(tmp_path / "engine"), "--target",
+                "tensorrt-rtx", "--max-seq-len", "64", "--quant", "fp8"]  # refused before calibrating, not after
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main()
+    finally:
+        sys.argv = monkeypatched
+    assert stopped.value.code == 1 and sorted(p.name for p in tmp_path.iterdir()) == []

@@ -150,6 +150,7 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     """Everything the build after quantizing would refuse, checked before calibration starts."""
     from camshaft.builder.target_checks import (
         check_lm_head_target,
+        check_model_target,
         check_quantized_target,
         check_target,
         check_weight_only_compute,
@@ -169,13 +170,15 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
                       BuildConfigError, flag="the quantized checkpoint --quant keeps beside --output,",
                       owned=written_files)
     gpu_arch = check_target(config)
+    if Path(config.model_dir).is_dir():  # a missing one: quantize says so
+        model = ModelConfig.from_hf_dir(config.model_dir)
+        check_model_target(config.target, model, quantized=True)  # Gemma 2 or a MoE on TensorRT: before calibrating
+        config.resolved_max_seq_len(model)
     for algo in spec.info.layer_algos:
         check_quantized_target(config.target, algo, kv_cache_dtype and kv_cache_dtype.upper(), gpu_arch=gpu_arch,
                                shown_as=f"--quant {quant}")
     check_lm_head_target(config.target, lm_head, gpu_arch, "keep the head float (--lm-head float, the default)")
     check_weight_only_compute(config.weight_only_compute, spec.info.layer_algos, f"--quant {quant}")
-    if Path(config.model_dir).is_dir():  # a missing one: quantize says so
-        config.resolved_max_seq_len(ModelConfig.from_hf_dir(config.model_dir))
 
 
 def _quantize(model: Path, quant: str, output: Path, kv_cache_dtype: str | None, group_size: str,

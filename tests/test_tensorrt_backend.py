@@ -81,6 +81,23 @@ def test_no_gpu_is_a_clear_error_before_tensorrt_is_touched(engines, monkeypatch
         Engine(rtx_dir, threads=1)  # refused before the GPU is looked for, not taken and ignored
 
 
+@needs_rtx
+@pytest.mark.skipif(GPU_ARCH is not None, reason="this machine has a GPU")
+def test_serving_an_engine_this_machine_cannot_run_is_refused_before_the_server_starts(engines, monkeypatch):
+    """Triton's model failed to load with a traceback in the server's log after it started; now one line first."""
+    from typer.testing import CliRunner
+
+    import camshaft.triton_repo.serve as triton_serve
+    from camshaft.cli import app
+
+    rtx_dir, _ = engines
+    monkeypatch.setattr(triton_serve, "serve", lambda **kwargs: pytest.fail("Triton was started"))
+    for api in ("triton", "openai"):
+        result = CliRunner().invoke(app, ["serve", "--api", api, "--engine", str(rtx_dir)])
+        assert isinstance(result.exception, EngineError), result.output
+        assert "needs an NVIDIA GPU with a driver; none found" in str(result.exception)
+
+
 class FakeCudart:
     """cuda-python's runtime calls the backend makes, over host memory (a 'device pointer' is a host address)."""
 

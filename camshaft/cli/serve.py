@@ -46,12 +46,15 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
     max_queue None: QUEUE_PER_BATCH x the batch size. A fraction stays a fraction, of the memory available where
     the engine loads. A pool in bytes (or the default one) larger than this machine's memory is refused when the
     engine `loads_here`, else (deploy: a repository may be served elsewhere) said in a warning."""
-    from camshaft.errors import CapacityError
+    from camshaft.errors import CapacityError, EngineError
     from camshaft.manifest import read_manifest
+    from camshaft.runtime.engine_info import runs_here
     from camshaft.runtime.kv_cache import cache_copies, check_fits_host, memory_spec, pool_blocks
     from camshaft.runtime.llm_options import check_llm_options, check_runtime_options
 
     manifest = read_manifest(Path(engine))
+    if loads_here and (why := runs_here(manifest, Path(engine))):  # a TensorRT engine without its GPU: before
+        raise EngineError(why)  # Triton starts (its model would fail to load with a traceback in the server's log)
     with flag_names(*LLM_FLAGS):
         if loads_here:  # more threads than this machine's CPUs: refused here, not where a repository is served
             check_runtime_options(threads=threads)

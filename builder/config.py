@@ -62,6 +62,8 @@ class BuildConfig:
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
         if self.gpu_arch is not None and not self.target.startswith("tensorrt"):
             raise BuildConfigError(f"--gpu-arch applies to the tensorrt targets, not {self.target}; drop it")
+        if self.gpu_arch is not None and not self.gpu_arch.strip():  # an unset $ARCH: not the default, silently
+            raise BuildConfigError("--gpu-arch is empty; give one such as sm89, or drop it for the default")
         if self.weight_only_compute not in WEIGHT_ONLY_COMPUTE:
             raise BuildConfigError(f"unknown --weight-only-compute {self.weight_only_compute!r}; choose one of "
                                    f"{', '.join(WEIGHT_ONLY_COMPUTE)}")
@@ -80,7 +82,7 @@ class BuildConfig:
     def resolved_gpu_arch(self) -> str | None:
         """TensorRT-RTX builds ahead of time, for sm89 unless told otherwise; TensorRT builds for the local GPU."""
         if self.target == "tensorrt-rtx":
-            return self.gpu_arch or "sm89"
+            return "sm89" if self.gpu_arch is None else self.gpu_arch
         return self.gpu_arch
 
     @property

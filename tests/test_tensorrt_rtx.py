@@ -71,6 +71,10 @@ def test_arch_spellings() -> None:
 
     assert {parse_arch(a) for a in ("sm89", "SM_89", "89", "8.9")} == {89}
     assert parse_arch("sm120") == 120 and parse_arch("12.0") == 120
+    from camshaft.builder.config import BuildConfig
+
+    with pytest.raises(BuildConfigError, match="--gpu-arch is empty"):  # an unset $ARCH built sm89 silently
+        BuildConfig("model", "engine", target="tensorrt-rtx", gpu_arch="")
 
 
 def test_parser_errors_name_the_node(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -74,7 +75,8 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
                                    qdq=qdq, lm_head=checkpoint.lm_head,
                                    lm_head_float_channels=checkpoint.lm_head_float_channels, branches=branches,
                                    grouped_decode=grouped_decode)
-        lowering.lower()
+        with np.errstate(over="ignore"):  # a float16 cast past its range: GraphWriter.weight refuses it, by name
+            lowering.lower()
     dequantized = lowering.linears.dequantized
     if dequantized:
         more = " ..." if len(dequantized) > 3 else ""

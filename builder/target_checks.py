@@ -32,10 +32,13 @@ def check_quantized_target(target: str, quant_algo: str | None, kv_cache_quant_a
     if (quant_algo is not None and quant_algo not in TRT_QUANT_ALGOS) or kv_cache_quant_algo:
         from camshaft.quantize.spec import FORMATS
 
-        what = shown_as or (f"{quant_algo} checkpoints" if quant_algo else "a checkpoint with a quantized KV cache")
-        why = (f"the KV cache is quantized ({kv_cache_quant_algo.lower()}: camshaft lowers quantized caches for "
-               "onnxruntime only; TensorRT rejects the float8 pool's uint8 codes)" if kv_cache_quant_algo else
-               "the inputs take per-token scales, computed at run time (static Q/DQ cannot)")
+        if quant_algo is not None and quant_algo not in TRT_QUANT_ALGOS:
+            what = shown_as or f"{quant_algo} checkpoints"
+            why = "the inputs take per-token scales, computed at run time (static Q/DQ cannot)"
+        else:  # the layers build; the cache does not
+            what = f"a KV cache in {kv_cache_quant_algo.lower()}" + (f" (with {shown_as})" if shown_as else "")
+            why = ("camshaft lowers quantized KV caches for onnxruntime only" + (
+                "; TensorRT rejects the float8 pool's uint8 codes" if "FP8" in kv_cache_quant_algo.upper() else ""))
         builds = [name for name, info in FORMATS.items() if set(info.layer_algos) <= set(TRT_QUANT_ALGOS)]
         raise BuildConfigError(
             f"the {target} target cannot build {what}: {why}. It builds --quant {' | '.join(builds)} without "

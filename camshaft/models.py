@@ -164,8 +164,12 @@ def _check_output_replaceable(output: Path) -> None:
     if why := unwritable(output):
         raise FetchError(f"cannot write into {output}: {why}; pass --output DIR, or set CAMSHAFT_CACHE to a "
                          "directory you can write to")
-    check_replaceable(output, MARKER, "a camshaft model fetch", FetchError, flag="the model directory",
-                      owned=_fetched_names)
+    try:
+        check_replaceable(output, MARKER, "a camshaft model fetch", FetchError, flag="the model directory",
+                          owned=_fetched_names)
+    except FetchError as exc:  # the directory may be the default cache's, which the user never chose
+        raise FetchError(f"{exc} (the model's directory: remove what is there if nothing in it is yours, or pass "
+                         "--output DIR, or set CAMSHAFT_CACHE to another directory)") from None
 
 
 def _move_into_place(checkpoint: Path, output: Path, work: Path) -> None:

@@ -65,7 +65,8 @@ def test_a_cache_that_cannot_be_written_says_what_to_set(monkeypatch, tmp_path):
 def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("not a model")
-    with pytest.raises(FetchError, match="not a camshaft model fetch"):
+    with pytest.raises(FetchError, match="not a camshaft model fetch.*remove what is there if nothing in it is yours, "
+                                         "or pass --output DIR, or set CAMSHAFT_CACHE"):  # the default cache's too
         fetch_model(SMOLLM2, tmp_path / "out")
     assert (tmp_path / "out" / "mine.txt").read_text() == "not a model"
 

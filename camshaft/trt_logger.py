@@ -74,7 +74,10 @@ def build_monitor(trt: Any, progress: Callable[[str], None], stop: Stop, every_s
             return stop.exc is None  # False cancels the build
 
         def phase_finish(self, phase_name: str) -> None:
-            self.top.pop(phase_name, None)
+            try:
+                self.top.pop(phase_name, None)
+            except BaseException as exc:
+                stop.keep(exc)
 
     return Monitor()
 

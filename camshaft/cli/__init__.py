@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import re
 import signal
 import sys
@@ -131,6 +132,12 @@ def main() -> None:
                 _terminated(signum, frame)
 
         signal.signal(signal.SIGTERM, terminated)
+    try:
+        os.getcwd()
+    except FileNotFoundError:  # a build or fetch into "." moved a new directory in where the shell stands
+        err.print("[bold red]error:[/bold red] the current directory no longer exists (replaced, e.g. by a build or "
+                  "fetch into '.'); cd into it again (cd \"$PWD\"), then run the command", soft_wrap=True)
+        sys.exit(1)
     try:
         app()
     except BaseException as exc:

@@ -163,8 +163,8 @@ def bench_serve(
     seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and arrivals")] = 0,
     warmup: Annotated[int, typer.Option(min=0, help="Short warm-up requests per target")] = 2,
     threads: Annotated[int | None, typer.Option(
-        min=1, help="Threads of the llm targets' engines (default: one per physical core this process may use); "
-                    "servers keep their own")] = None,
+        min=1, help="Threads of the llm targets' engines (default: as --threads elsewhere); servers keep their "
+                    "own")] = None,
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: latency vs throughput, one line per target")] = None,
 ) -> None:

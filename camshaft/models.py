@@ -125,14 +125,15 @@ def _no_progress(message: str) -> None:
     pass
 
 
-def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_progress) -> Path:
+def fetch_model(name: str, output: Path, progress: Callable[[str], None] = _no_progress, force: bool = False) -> Path:
     """Fetch a known model into `output` as a float32 Hugging Face checkpoint; return `output`.
 
-    Returns at once if `output` already holds a complete fetch. Raises FetchError on any failure.
+    Returns at once if `output` already holds a complete fetch, unless `force` (one damaged since: its files are
+    checked by size only). Raises FetchError on any failure.
     """
     model = known_model(name)
     output = Path(output).expanduser().absolute()
-    if is_fetched(name, output):
+    if is_fetched(name, output) and not force:
         progress(f"{name} is already fetched in {output}")
         return output
     _check_output_replaceable(output)

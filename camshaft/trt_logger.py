@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, MutableSequence
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator, MutableSequence
 from typing import Any
 
 NOISE = ("Int64 binding", "logger passed into")  # warnings about camshaft's own choices, not about the model
@@ -21,6 +24,34 @@ class Stop:
     def raise_kept(self) -> None:
         if self.exc is not None:
             raise self.exc
+
+    @contextlib.contextmanager
+    def deferring_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM, while TensorRT runs, kept rather than raised: Python runs a signal's handler as the
+        next callback starts, before any of its code could catch what the handler raises (TensorRT would swallow
+        it). The process's own handler still decides what the stop is (KeyboardInterrupt, the CLI's exit 143)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def kept(signum: int, frame: Any) -> None:
+            handler = previous[signum]
+            try:
+                if callable(handler):
+                    handler(signum, frame)
+                elif handler == signal.SIG_DFL:
+                    raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+            except BaseException as exc:
+                self.keep(exc)
+
+        for sig in previous:
+            signal.signal(sig, kept)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def capturing_logger(trt: Any, messages: MutableSequence[str], on_error: Callable[[str], None] | None = None,

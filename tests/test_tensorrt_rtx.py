@@ -176,6 +176,33 @@ def test_a_stop_during_the_plan_build_cancels_it_and_writes_nothing(tmp_path):
 LIMITS_KW = dict(max_batch_size=4, max_seq_len=64, max_num_tokens=32, kv_block_size=4)
 
 
+@pytest.mark.parametrize("stop, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_real_signal_during_the_plan_build_stops_it(tmp_path, stop, code):
+    """A signal's handler runs as TensorRT's next callback starts, before the callback could catch what it raises:
+    the stop is kept while TensorRT runs, the build cancelled, and the command exits as stopped with nothing written
+    (it printed "Exception caught in log()" and wrote the engine, exit 0)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model = make_tiny_model("llama", tmp_path / "hf", num_hidden_layers=8, hidden_size=256, intermediate_size=512)
+    build = subprocess.Popen([sys.executable, "-c", "from camshaft.cli import main; main()", "build", "--model",
+                              str(model), "--output", str(tmp_path / "engine"), "--target", "tensorrt-rtx",
+                              "--gpu-arch", "sm89", "--max-seq-len", "256", "--max-batch-size", "8"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+    said = []
+    for line in build.stderr:
+        said.append(line)
+        if "Building engine" in line:
+            time.sleep(0.3)  # TensorRT is building now
+            build.send_signal(getattr(signal, stop))
+    assert build.wait(timeout=300) == code, "".join(said)
+    assert not (tmp_path / "engine").exists() and "plan:" not in "".join(said)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 def test_a_plan_that_does_not_load_keeps_tensorrts_reason() -> None:
     """The runtime's logger keeps what TensorRT said about a plan it could not load, which the backend's load error
     quotes (a damaged plan: reading one needs no GPU), and leaves out TensorRT's note on a second logger."""

@@ -140,7 +140,8 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
     progress(f"building the {product} plan for sm{arch}")
     monitor = build_monitor(trt, progress, stop)
     config.progress_monitor = monitor
-    plan = builder.build_serialized_network(network, config)
+    with stop.deferring_signals():
+        plan = builder.build_serialized_network(network, config)
     stop.raise_kept()  # Ctrl-C or SIGTERM during the build: it was cancelled, nothing is written
     if plan is None or plan.nbytes == 0:
         detail = quoted(messages[-20:])

@@ -18,6 +18,7 @@ from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.io_signature import SEQUENCE_INPUTS
 from camshaft.manifest import Manifest, read_manifest
+from camshaft.runtime.backends.huge_pages import release_freed_memory
 from camshaft.runtime.backends.onnxruntime import (
     GraphIO,
     check_compatible,
@@ -209,3 +210,4 @@ class SequenceEngine:
     def close(self) -> None:
         self.binding = self.session = None
         self.caches = []
+        release_freed_memory()

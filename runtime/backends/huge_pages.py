@@ -98,3 +98,13 @@ def load_in_huge_pages(load: Callable[[], T], enabled: bool = True) -> tuple[T, 
         if hi > lo:
             madvise(lo, hi - lo, MADV_COLLAPSE)
     return value, sum(r.huge for r in anonymous_regions() if any(r.start < hi and lo < r.end for lo, hi in grown))
+
+
+def release_freed_memory() -> None:
+    """Give back to the system the heap a closed engine left: glibc keeps what free() returned (an engine's weights
+    are most of it), so a process that closes one would otherwise stay its size larger. Best effort: elsewhere,
+    nothing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -17,7 +17,7 @@ from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_build_id, check_graph_limits
 from camshaft.io_signature import KVCacheLayout, SequenceGraph, TensorSpec
 from camshaft.manifest import Manifest
-from camshaft.runtime.backends.huge_pages import load_in_huge_pages
+from camshaft.runtime.backends.huge_pages import load_in_huge_pages, release_freed_memory
 from camshaft.runtime.kv_cache import CGROUP, SELF_CGROUP, SMALLER_POOL, check_fits_host, host_available, own_cgroups
 
 # KV cache dtype → numpy storage; float8 caches hold e4m3fn bit patterns in uint8 (the graph's cache type).
@@ -245,6 +245,7 @@ class OnnxRuntimeBackend:
     def close(self) -> None:
         self.binding = self.session = None
         self.caches = []
+        release_freed_memory()
 
     def step(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
         for name, array in feeds.items():

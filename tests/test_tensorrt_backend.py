@@ -96,6 +96,11 @@ def test_serving_an_engine_this_machine_cannot_run_is_refused_before_the_server_
         result = CliRunner().invoke(app, ["serve", "--api", api, "--engine", str(rtx_dir)])
         assert isinstance(result.exception, EngineError), result.output
         assert "needs an NVIDIA GPU with a driver; none found" in str(result.exception)
+    from camshaft.triton_repo.deploy import check_deployed_engine, deploy_repository
+
+    repo = deploy_repository(rtx_dir, rtx_dir.parent / "repo")  # may be served elsewhere: written
+    with pytest.raises(EngineError, match="serves the engine .* which does not run here: .*needs an NVIDIA GPU"):
+        check_deployed_engine(repo)  # what serve --repo checks before Triton starts
 
 
 class FakeCudart:

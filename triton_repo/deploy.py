@@ -18,9 +18,10 @@ from pathlib import Path
 
 import camshaft
 from camshaft.engine_files import REPOSITORY_MARKER, deployed_record
-from camshaft.errors import CamshaftError
+from camshaft.errors import CamshaftError, EngineError
 from camshaft.manifest import read_manifest
 from camshaft.outdir import check_replaceable, replace_dir, staged
+from camshaft.runtime.engine_info import runs_here
 from camshaft.runtime.llm_options import QUEUE_PER_BATCH
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, TOKEN_OUTPUTS, config_block
 from camshaft.version import __version__
@@ -115,6 +116,8 @@ def check_deployed_engine(repo: Path) -> str | None:
     except CamshaftError as exc:
         raise CamshaftError(f"{repo} serves the engine {engine}, which cannot be loaded ({exc}); deploy it again: "
                             f"{again.replace(shlex.quote(str(engine)), 'ENGINE')}") from None
+    if why := runs_here(manifest, engine):  # a TensorRT engine without its GPU: before Triton starts, in one line
+        raise EngineError(f"{repo} serves the engine {engine}, which does not run here: {why}")
     built = record.get("build_id")
     if built and manifest.build_id != built:
         return (f"{engine} was rebuilt since {repo} was deployed; its batch and queue sizes are the old build's: "

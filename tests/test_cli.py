@@ -393,9 +393,12 @@ def test_a_working_directory_replaced_from_under_the_shell_is_one_line(tmp_path)
     import subprocess
 
     script = ("import os, sys\nos.chdir(sys.argv[1])\nos.rmdir(sys.argv[1])\n"
-              "sys.argv = ['camshaft', 'inspect', '--engine', '.']\nfrom camshaft.cli import main\nmain()\n")
+              "sys.argv = ['camshaft', *sys.argv[2:]]\nfrom camshaft.cli import main\nmain()\n")
     (tmp_path / "gone").mkdir()
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "gone")], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "gone"), "build", "--model", ".", "--output",
+                           "engine"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "the current directory no longer exists" in done.stderr and 'cd "$PWD"' in done.stderr
+    (tmp_path / "gone").mkdir()  # what needs no directory still runs there
+    assert subprocess.run([sys.executable, "-c", script, str(tmp_path / "gone"), "models", "list"],
+                          capture_output=True, timeout=120).returncode == 0

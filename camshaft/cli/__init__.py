@@ -123,6 +123,14 @@ def _stopped(exc: BaseException | None) -> int | None:
     return None
 
 
+def _cwd_exists() -> bool:
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def main() -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # docker stop, a scheduler's eviction, `timeout`
         stops = Stops()  # `timeout`'s second SIGTERM must not cut short the unwinding of its first
@@ -132,12 +140,6 @@ def main() -> None:
                 _terminated(signum, frame)
 
         signal.signal(signal.SIGTERM, terminated)
-    try:
-        os.getcwd()
-    except FileNotFoundError:  # a build or fetch into "." moved a new directory in where the shell stands
-        err.print("[bold red]error:[/bold red] the current directory no longer exists (replaced, e.g. by a build or "
-                  "fetch into '.'); cd into it again (cd \"$PWD\"), then run the command", soft_wrap=True)
-        sys.exit(1)
     try:
         app()
     except BaseException as exc:
@@ -149,6 +151,11 @@ def main() -> None:
             sys.exit(stop)
         if isinstance(exc, CamshaftError):
             err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
+            sys.exit(1)
+        if isinstance(exc, FileNotFoundError) and not _cwd_exists():  # a build or fetch into "." replaced it
+            err.print("[bold red]error:[/bold red] the current directory no longer exists (deleted, or replaced by a "
+                      "build or fetch into '.'); cd into it again if it was replaced (cd \"$PWD\"), or into another "
+                      "directory", soft_wrap=True)
             sys.exit(1)
         if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRORS:  # the machine's, not ours: a full disk, ...
             writing = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # with no file named: the output, stdout

@@ -191,7 +191,9 @@ def test_a_real_signal_during_the_plan_build_stops_it(tmp_path, stop, code):
     build = subprocess.Popen([sys.executable, "-c", "from camshaft.cli import main; main()", "build", "--model",
                               str(model), "--output", str(tmp_path / "engine"), "--target", "tensorrt-rtx",
                               "--gpu-arch", "sm89", "--max-seq-len", "256", "--max-batch-size", "8"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ,
+                             # a runner started in the background (`.ci/run &`) hands its children SIGINT ignored
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     said = []
     for line in build.stderr:
         said.append(line)

@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from camshaft.errors import BuildConfigError, EngineError
@@ -114,14 +114,33 @@ def engine_entries(engine_dir: Path) -> set[str] | None:
     """The names a build writes into an engine directory (what rebuilding it may replace); None where its
     manifest.json is another program's (JSON without an engine format version). One that does not parse is taken
     for a damaged engine's, which a rebuild replaces."""
-    try:
-        manifest = json.loads((engine_dir / MANIFEST_NAME).read_text())
-    except (OSError, ValueError, RecursionError):
-        manifest = {}
+    manifest = _raw_manifest(engine_dir)
     if not isinstance(manifest, dict) or manifest and "format_version" not in manifest:
         return None
-    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in files)}
+    return {MANIFEST_NAME, TOKENIZER_DIR, *BUILD_OUTPUTS, *(str(name).split("/")[0] for name in _files(manifest))}
+
+
+def _raw_manifest(engine_dir: Path) -> object:
+    """manifest.json as JSON, unchecked ({} where it cannot be read)."""
+    try:
+        return json.loads((engine_dir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+
+
+def _files(manifest: object) -> dict:
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    return files if isinstance(files, dict) else {}
+
+
+def unlisted_tokenizer_entries(engine_dir: Path, files: Iterable[str]) -> list[str]:
+    """The names in the engine's tokenizer directory that the build did not write (`files`: the manifest's); none
+    for engines that list no tokenizer files (the earliest)."""
+    path = engine_dir / TOKENIZER_DIR
+    listed = {Path(str(f)).name for f in files if Path(str(f)).parent.name == TOKENIZER_DIR}
+    if not listed or not path.is_dir() or path.is_symlink():
+        return []
+    return sorted(p.name for p in path.iterdir() if p.name not in listed)
 
 
 def hard_linked(file: Path) -> EngineError:
@@ -138,17 +157,10 @@ def hard_linked(file: Path) -> EngineError:
 def user_tokenizer_entries(engine_dir: Path) -> list[str]:
     """What rebuilding `engine_dir` would delete or replace in its tokenizer directory that its build did not write:
     entries added since (additional chat templates, hidden files), and a chat template edited since (its sha256 unlike
-    the one the build recorded beside it; engines that recorded none: not checked). Engines that list no tokenizer
-    files: none."""
-    try:
-        files = json.loads((engine_dir / MANIFEST_NAME).read_text()).get("files", {})
-    except (OSError, ValueError, RecursionError, AttributeError):
-        return []
-    listed = {Path(str(f)).name for f in files if Path(str(f)).parent.name == TOKENIZER_DIR}
+    the one the build recorded beside it; engines that recorded none: not checked)."""
+    unlisted = unlisted_tokenizer_entries(engine_dir, _files(_raw_manifest(engine_dir)))
+    found = [f"{TOKENIZER_DIR}/{name}" for name in unlisted if name != CHAT_TEMPLATE]
     old = engine_dir / TOKENIZER_DIR
-    if not listed or not old.is_dir() or old.is_symlink():
-        return []
-    found = [f"{TOKENIZER_DIR}/{p.name}" for p in sorted(old.iterdir()) if p.name not in listed | {CHAT_TEMPLATE}]
     template, recorded = old / CHAT_TEMPLATE, old / TEMPLATE_RECORD
     try:
         edited = recorded.is_file() and template.is_file() and \

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from camshaft.engine_files import TOKENIZER_DIR, unchanged_while_loading
+from camshaft.engine_files import CHAT_TEMPLATE, TOKENIZER_DIR, unchanged_while_loading, unlisted_tokenizer_entries
 from camshaft.errors import EngineError, RequestError
 from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS
 from camshaft.manifest import Manifest, read_manifest
@@ -15,20 +15,17 @@ from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, fraction_bytes, pool_blocks
 
-EDITABLE = ("chat_template.jinja", "additional_chat_templates")  # what a user may add or edit after the build
+EDITABLE = (CHAT_TEMPLATE, "additional_chat_templates")  # what a user may add or edit after the build
 
 
 def check_tokenizer_files(engine_dir: Path, files: Iterable[str]) -> None:
     """A file in the tokenizer's directory that the build did not write (`files`: the manifest's) is refused:
     transformers would read it and tokenize otherwise. Chat templates and hidden files are let be."""
-    path = engine_dir / TOKENIZER_DIR
-    listed = {Path(f).name for f in files if Path(f).parent.name == TOKENIZER_DIR}
-    if listed and path.is_dir():  # engines that list their tokenizer's files (all but the earliest)
-        extra = sorted(p.name for p in path.iterdir()
-                       if p.name not in listed and p.name not in EDITABLE and not p.name.startswith("."))
-        if extra:
-            raise EngineError(f"{path} holds {', '.join(extra)}, which the build did not write and which would change "
-                              "how text is tokenized; remove them (or rebuild the engine)")
+    extra = [name for name in unlisted_tokenizer_entries(engine_dir, files)
+             if name not in EDITABLE and not name.startswith(".")]
+    if extra:
+        raise EngineError(f"{engine_dir / TOKENIZER_DIR} holds {', '.join(extra)}, which the build did not write and "
+                          "which would change how text is tokenized; remove them (or rebuild the engine)")
 
 
 def load_tokenizer(engine_dir: Path, files: Iterable[str] | None = None):

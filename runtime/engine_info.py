@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from camshaft.engine_files import TOKENIZER_DIR
+from camshaft.engine_files import CHAT_TEMPLATE, TOKENIZER_DIR
 from camshaft.errors import EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.manifest import Manifest, read_manifest
@@ -104,7 +104,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "files_as_built": files_ok,
         "fingerprinted": bool(m.fingerprints),
         "eos_token_ids": _end_ids(engine_dir, m) if reason is None else list(c.eos_token_ids),
-        "chat_template": (engine_dir / TOKENIZER_DIR / "chat_template.jinja").is_file()
+        "chat_template": (engine_dir / TOKENIZER_DIR / CHAT_TEMPLATE).is_file()
         or _tokenizer_config(engine_dir).get("chat_template") is not None,
         "chat_template_problem": chat_template_problem(engine_dir),
         "tools": dict(m.tools),
@@ -127,7 +127,7 @@ def chat_template_problem(engine_dir: Path) -> str | None:
     from camshaft.runtime.chat_template import template_problem
 
     try:
-        text = (engine_dir / TOKENIZER_DIR / "chat_template.jinja").read_text(encoding="utf-8")
+        text = (engine_dir / TOKENIZER_DIR / CHAT_TEMPLATE).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         text = _tokenizer_config(engine_dir).get("chat_template")
     return template_problem(text) if isinstance(text, str) else None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from camshaft.errors import CamshaftError, needs_extra
-from camshaft.ports import listen_error
+from camshaft.ports import listening_sockets
 
 
 @dataclass(frozen=True)
@@ -116,15 +116,10 @@ def ipv4_address(host: str) -> str:
 
 def check_port(host: str, port: int) -> None:
     """Refuse a host and port tritonserver could not listen on, saying why (CamshaftError)."""
-    host = ipv4_address(host)
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing socket in TIME_WAIT is no listener
-        try:
-            probe.bind((host, port))
-        except OverflowError:
-            raise CamshaftError(f"port {port} is not a port number (0-65535)") from None
-        except OSError as exc:
-            raise listen_error(host, port, exc, "--port / --grpc-port / --metrics-port") from None
+    if not 0 <= port <= 65535:
+        raise CamshaftError(f"port {port} is not a port number (0-65535)")
+    for sock in listening_sockets(ipv4_address(host), port, "--port / --grpc-port / --metrics-port"):
+        sock.close()
 
 
 PR_SET_PDEATHSIG = 1

@@ -112,8 +112,8 @@ class Engine:
             from camshaft.runtime.backends.tensorrt import TensorRTBackend
 
             if threads is not None:  # taken, then ignored, would read as set
-                raise RequestError(f"threads sets ONNX Runtime's CPU threads; {self.dir} is a {target} engine, which "
-                                   "computes on the GPU: drop threads")
+                raise RequestError(f"threads sets how many CPU cores ONNX Runtime uses; {self.dir} is a {target} "
+                                   "engine, which computes on the GPU: drop threads")
 
             return TensorRTBackend(self.dir, self.manifest, num_blocks, threads, spin_wait, huge_pages)
         raise EngineError(f"{self.dir}: engines for target {target!r} cannot run in this build of camshaft")

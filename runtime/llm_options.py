@@ -29,7 +29,7 @@ def check_llm_options(limits: BuildLimits, *, policy: str, kv_reservation: str =
                       max_queue: int | None = None) -> BatchLimits:
     """The batch limits to run with (unset: the engine's); every option refused before any memory is allocated."""
     if policy not in POLICIES:
-        raise RequestError(f"unknown capacity policy {policy!r}; use one of {', '.join(POLICIES)}")
+        raise RequestError(f"policy must be one of {', '.join(POLICIES)} (the capacity policies); got {policy!r:.60}")
     if kv_reservation not in RESERVATIONS:
         raise RequestError(f"unknown KV reservation {kv_reservation!r}; use one of {', '.join(RESERVATIONS)}")
     check_max_queue(max_queue)
@@ -55,11 +55,12 @@ def usable_cpus() -> int:
 def check_runtime_options(threads: int | None = None, spin_wait: bool = True, huge_pages: bool = True) -> None:
     """The backend options LLM and Session take, refused before the engine loads when they are not what they say."""
     if threads is not None and not is_int_at_least(threads, 1):
-        raise RequestError(f"threads must be an integer >= 1, or None for the backend's choice; got {threads!r:.60}")
+        raise RequestError(f"threads must be an integer >= 1, or unset for the backend's choice; got {threads!r:.60}")
     cpus = usable_cpus()
     if threads is not None and threads > cpus:
-        raise RequestError(f"threads {threads} is more than the {cpus} CPUs this process may use (threads beyond them "
-                           f"only take turns); pass at most {cpus}, or None for the backend's choice")
+        raise RequestError(f"threads {threads} is more than the {cpus} CPUs this process may use (those past them "
+                           f"would only take turns); pass at most {cpus}, or leave threads unset for the backend's "
+                           "choice")
     for name, value in (("spin_wait", spin_wait), ("huge_pages", huge_pages)):
         if not isinstance(value, bool):
             raise RequestError(f"{name} is True or False, got {value!r:.60}")

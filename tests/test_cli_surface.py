@@ -56,7 +56,8 @@ def test_threads_are_one_flag_everywhere_and_checked_before_loading(engine, tmp_
     for command in (["serve"], ["serve", "--api", "openai"], ["run", "--prompt", "hi"], ["bench", "latency"],
                     ["bench", "throughput"], ["eval", "ppl", "--data", tmp_path / "t.txt"]):
         refused(invoke(*command, "--engine", engine, "--threads", cpus + 1),
-                f"--threads {cpus + 1} is more than the {cpus} CPUs this process may use")
+                f"--threads {cpus + 1} is more than the {cpus} CPUs this process may use (those past them would only "
+                f"take turns); pass at most {cpus}, or leave --threads unset for the backend's choice")
     refused(invoke("eval", "ppl", "--data", tmp_path / "t.txt", "--model", tmp_path, "--threads", "1"),
             "--threads sets the --engine's threads")
     refused(invoke("serve", "--repo", tmp_path, "--threads", "1"), "so --threads would be ignored")
@@ -67,6 +68,14 @@ def test_threads_are_one_flag_everywhere_and_checked_before_loading(engine, tmp_
     done = invoke("bench", "latency", "--engine", engine, "--prompt-len", "4", "--max-tokens", "3", "--repeats", "1",
                   "--threads", "1", "--output-json", tmp_path / "latency.json")
     assert done.exit_code == 0 and json.loads((tmp_path / "latency.json").read_text())["threads"] == 1
+
+
+def test_a_policy_refused_names_its_flag(engine, tmp_path):
+    for command in (["serve", "--engine", engine], ["deploy", "--engine", engine, "--repo", tmp_path / "repo"],
+                    ["bench", "throughput", "--engine", engine]):
+        refused(invoke(*command, "--policy", "greedy"),
+                "--policy must be one of guaranteed_no_evict, max_utilization (the capacity policies); got 'greedy'")
+    assert not (tmp_path / "repo").exists()
 
 
 def test_serve_refuses_ports_it_would_ignore_or_share(engine):

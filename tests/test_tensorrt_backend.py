@@ -77,7 +77,8 @@ def test_no_gpu_is_a_clear_error_before_tensorrt_is_touched(engines, monkeypatch
     message = str(info.value)
     assert "this engine targets tensorrt-rtx sm89 and needs an NVIDIA GPU with a driver; none found (" in message
     assert "cudaError" in message and "cannot run" in message
-    with pytest.raises(RequestError, match="threads sets ONNX Runtime's CPU threads; .* is a tensorrt-rtx engine"):
+    with pytest.raises(RequestError, match="threads sets how many CPU cores ONNX Runtime uses; .* is a tensorrt-rtx "
+                                           "engine"):
         Engine(rtx_dir, threads=1)  # refused before the GPU is looked for, not taken and ignored
 
 

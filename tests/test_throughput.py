@@ -353,7 +353,7 @@ def test_itl_counts_the_steps_that_gave_tokens_not_accepted_drafts(engine_dir):
     (["throughput", "--max-batch-size", "9"], "up to the engine's 8"),
     (["throughput", "--max-num-tokens", "-1"], "--max-num-tokens"),
     (["throughput", "--kv-cache-memory", "1.5"], "neither a whole number of bytes nor a fraction"),
-    (["throughput", "--policy", "greedy"], "capacity policy"),
+    (["throughput", "--policy", "greedy"], "--policy must be one of"),
     (["latency", "--repeats", "0"], "--repeats"),
     (["latency", "--prompt-len", "0"], "--prompt-len"),
     (["latency", "--max-tokens", "-1"], "--max-tokens"),

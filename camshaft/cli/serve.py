@@ -25,7 +25,8 @@ PolicyOption = Annotated[str, typer.Option(help="guaranteed_no_evict | max_utili
 ThreadsOption = Annotated[int | None, typer.Option(
     min=1, help="Threads the engine computes on (default: as many as this process may keep busy: its CPU "
                 "affinity, physical cores and cgroup CPU quota, the least)")]
-LLM_FLAGS = ("kv_cache_memory", "max_queue", "max_batch_size", "max_num_tokens", "threads")  # the options' Python names
+LLM_FLAGS = ("kv_cache_memory", "max_queue", "max_batch_size", "max_num_tokens", "threads",
+             "policy")  # the options' Python names
 TRITON_PORTS = {"--grpc-port": 8001, "--metrics-port": 8002}
 TokensOption = Annotated[int | None, typer.Option(min=1, help="Most tokens a step computes (the prefill chunk budget; "
                                                        "default and maximum: the engine's)")]

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from camshaft.checks import is_int, is_int_at_least
-from camshaft.errors import RequestError
-from camshaft.manifest import BuildLimits
+from camshaft.errors import CapacityError, RequestError
+from camshaft.manifest import BuildLimits, Manifest
+from camshaft.runtime.kv_cache import bytes_per_block, cache_copies
 from camshaft.runtime.sampling_params import SamplingParams
-from camshaft.runtime.scheduler_config import POLICIES, RESERVATIONS
+from camshaft.runtime.scheduler_config import POLICIES, RESERVATIONS, SchedulerConfig
 
 QUEUE_PER_BATCH = 4  # servers' default max_queue: this many x the batch size may wait beyond a full batch
 
@@ -45,6 +46,20 @@ def _limit(name: str, value: int | None, engine_limit: int) -> int:
                            f"pass 1..{engine_limit} (unset: the engine's) or rebuild the engine with a larger "
                            f"--{name.replace('_', '-')}")
     return int(value)
+
+
+def check_serves_full_length(manifest: Manifest, config: SchedulerConfig) -> None:
+    """A server announces the engine's max_seq_len as its context (max_model_len): its pool must hold one request of
+    that length, or it would refuse requests the context admits (vLLM refuses to start so too)."""
+    usable, need = config.num_blocks - 1, config.full_length_blocks  # block 0 is the null block
+    if usable >= need:
+        return
+    least = -(-(need + 1) * bytes_per_block(manifest) * cache_copies(manifest) // 2**20)
+    raise CapacityError(
+        f"the KV cache holds {usable} blocks of {config.block_size} tokens, fewer than the {need} one request of the "
+        f"engine's max_seq_len {config.max_seq_len} takes, so a server would refuse requests within the context it "
+        f"announces; raise kv_cache_memory to at least {least}MiB, or serve an engine built "
+        f"with --max-seq-len {usable * config.block_size} or less")
 
 
 def usable_cpus() -> int:

@@ -57,6 +57,12 @@ class SchedulerConfig:
         return -(-(max(self.sliding_window, self.block_size) + step_tokens) // self.block_size) + 2
 
     @property
+    def full_length_blocks(self) -> int:
+        """Blocks one request of max_seq_len tokens holds at most (its sliding window, where it releases the rest)."""
+        whole = -(-self.max_seq_len // self.block_size)
+        return min(whole, self.window_blocks) if self.releases_blocks else whole
+
+    @property
     def releases_blocks(self) -> bool:
         """Every layer slides and blocks are paged: a request gives back the blocks its window has passed and takes
         blocks for its next chunk only, as it goes (under guaranteed_no_evict the pool holds back what each running

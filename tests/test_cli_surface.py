@@ -78,6 +78,38 @@ def test_a_policy_refused_names_its_flag(engine, tmp_path):
     assert not (tmp_path / "repo").exists()
 
 
+def test_a_server_pool_must_hold_one_request_of_the_context_it_announces(engine, tmp_path):
+    """vLLM refuses to start when its KV cache cannot hold one max_model_len request; a server taking requests its
+    announced context admits and then refusing them (or capping them) misleads clients."""
+    from camshaft.manifest import read_manifest
+    from camshaft.openai_server.server import build_server
+    from camshaft.runtime.kv_cache import bytes_per_block
+
+    block = bytes_per_block(read_manifest(engine))  # max_seq_len 128: 4 blocks of 32 tokens, and the null block
+    short = ("the KV cache holds 3 blocks of 32 tokens, fewer than the 4 one request of the engine's max_seq_len 128 "
+             "takes, so a server would refuse requests within the context it announces; raise --kv-cache-memory to "
+             "at least 1MiB, or serve an engine built with --max-seq-len 96 or less")
+    for command in (["deploy", "--engine", engine, "--repo", tmp_path / "short"],  # first: the old code served on
+                    ["serve", "--api", "openai", "--engine", engine], ["serve", "--engine", engine]):
+        refused(invoke(*command, "--kv-cache-memory", 4 * block), short)
+    assert not (tmp_path / "short").exists()
+    with pytest.raises(CamshaftError, match="the KV cache holds 3 blocks of 32 tokens, fewer than the 4"):
+        build_server(engine, host="127.0.0.1", port=0, llm_options={"kv_cache_memory": 4 * block})  # at load too
+    done = invoke("deploy", "--engine", engine, "--repo", tmp_path / "enough", "--kv-cache-memory", 5 * block)
+    assert done.exit_code == 0, done.output
+
+
+def test_a_sliding_window_request_holds_its_window_at_most():
+    from camshaft.runtime.scheduler_config import SchedulerConfig
+
+    whole = SchedulerConfig(num_blocks=9, block_size=32, max_batch_size=2, max_num_tokens=64, max_seq_len=4096)
+    sliding = SchedulerConfig(num_blocks=9, block_size=32, max_batch_size=2, max_num_tokens=64, max_seq_len=4096,
+                              sliding_window=64)
+    contiguous = SchedulerConfig(num_blocks=9, block_size=32, max_batch_size=2, max_num_tokens=64, max_seq_len=4096,
+                                 sliding_window=64, kv_reservation="contiguous")
+    assert (whole.full_length_blocks, sliding.full_length_blocks, contiguous.full_length_blocks) == (128, 6, 128)
+
+
 def test_serve_refuses_ports_it_would_ignore_or_share(engine):
     refused(invoke("serve", "--api", "openai", "--engine", engine, "--grpc-port", "5"),
             "--api openai listens on --port only; --grpc-port sets Triton's")

@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from camshaft.errors import RequestError
 from camshaft.runtime.llm import LLM
+from camshaft.runtime.llm_options import check_serves_full_length
 from camshaft.runtime.outputs import RequestOutput
 from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.channel_calls import ChannelCall
@@ -51,6 +52,11 @@ class TokenModel:
         check_model_parameters(args["model_name"], params, TOKEN_MODEL_PARAMETERS)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
+        try:
+            check_serves_full_length(self.llm.engine.manifest, self.llm.config)  # a fraction's pool: known only now
+        except BaseException:
+            self.llm.close()
+            raise
         self.exclude_default = params.get("exclude_input_in_output", "false") == "true"
         self.by_client_id: dict[str, Job] = {}
         self.metrics = Metrics(self.llm, args["model_name"], stoppable=lambda: len(self.by_client_id))

@@ -52,7 +52,8 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
     from camshaft.manifest import read_manifest
     from camshaft.runtime.engine_info import runs_here
     from camshaft.runtime.kv_cache import cache_copies, check_fits_host, memory_spec, pool_blocks
-    from camshaft.runtime.llm_options import check_llm_options, check_runtime_options
+    from camshaft.runtime.llm_options import check_llm_options, check_runtime_options, check_serves_full_length
+    from camshaft.runtime.scheduler_config import SchedulerConfig
 
     manifest = read_manifest(Path(engine))
     if loads_here and (why := runs_here(manifest, Path(engine))):  # a TensorRT engine without its GPU: before
@@ -66,6 +67,9 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
         if not isinstance(memory, float):  # bytes, or the default pool: checked now; a fraction depends on the
             # machine that loads the engine
             blocks = pool_blocks(manifest, limits.max_batch_size, memory, cache_copies(manifest))
+            check_serves_full_length(manifest, SchedulerConfig(
+                blocks, manifest.limits.kv_block_size, limits.max_batch_size, limits.max_num_tokens,
+                manifest.limits.max_seq_len, sliding_window=manifest.model.attention_window))
             try:
                 check_fits_host(manifest, blocks)
             except CapacityError as exc:
@@ -188,8 +192,9 @@ def serve(
         except ImportError as exc:  # fastapi, uvicorn: the serve extra
             raise CamshaftError(needs_extra(f"the OpenAI server ({exc.name} is not installed)", "serve")) from None
 
-        serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
-                     api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
+        with flag_names(*LLM_FLAGS):
+            serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
+                         api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
     elif api == "triton":
         from camshaft.triton_repo.serve import serve as serve_triton
 

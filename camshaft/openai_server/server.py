@@ -16,6 +16,7 @@ from camshaft.ports import listening_sockets, url_host
 from camshaft.runtime.engine_info import chat_template_problem
 from camshaft.runtime.kv_cache import pool_bytes
 from camshaft.runtime.llm import LLM
+from camshaft.runtime.llm_options import check_serves_full_length
 from camshaft.stop_signals import Stops
 
 GRACEFUL_SHUTDOWN_S = 5  # open requests get this long to finish; then those left end as "server stopped" (a 503, or
@@ -30,6 +31,7 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
     a Jinja file or text in place of the engine tokenizer's."""
     llm = LLM(engine, spin_wait=False, chat_template=chat_template, **llm_options)
     try:
+        check_serves_full_length(llm.engine.manifest, llm.config)  # a fraction's pool is known only now
         app = create_app(llm, model_name or Path(engine).resolve().name, api_key, tool_call_parser)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + FLUSH_S, lifespan="off")
@@ -44,10 +46,10 @@ def pool_line(llm: LLM) -> str:
     manifest = llm.engine.manifest
     limits, blocks = manifest.limits, llm.config.num_blocks - 1  # usable: block 0 is the null block
     size = pool_bytes(manifest, llm.config.num_blocks)
-    held = limits.max_blocks_per_seq
+    held = llm.config.full_length_blocks
     window = ""
-    if llm.config.releases_blocks and llm.config.window_blocks < held:  # a sliding window frees what it passes
-        held, window = llm.config.window_blocks, f" (each holds its sliding window of {llm.config.sliding_window})"
+    if held < limits.max_blocks_per_seq:  # a sliding window frees what it passes
+        window = f" (each holds its sliding window of {llm.config.sliding_window})"
     return (f"KV cache: {blocks} blocks of {limits.kv_block_size} tokens ({size / 2**30:.2f} GiB): "
             f"{blocks // held} sequences of {limits.max_seq_len} tokens at once{window}, more when shorter")
 

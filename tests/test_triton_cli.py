@@ -199,6 +199,31 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
             server.wait()
 
 
+def test_a_stop_with_an_idle_grpc_stream_open_ends_soon_after_the_exit_timeout(engine):
+    """A client's gRPC stream left open (its request answered) keeps the model it used loaded: Triton 2.51 gives up at
+    its exit timeout but hangs; serve waited 15 s more before killing it (a gateway's long-lived stream hits this on
+    every restart). It now kills tritonserver once Triton says it gave up, and says why."""
+    import tritonclient.grpc as grpcclient
+    from test_triton import Stream, tensors
+
+    server, ports, lines = start_serve(engine)
+    stream = Stream(f"127.0.0.1:{ports[1]}").send("ensemble", tensors(grpcclient, text_input="hello", max_tokens=4,
+                                                                       stream=True))
+    try:
+        while not stream.responses.get(timeout=60)[0].get_response().parameters["triton_final_response"].bool_param:
+            pass
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+        assert any("tritonserver gave up unloading at its exit timeout but did not exit (a client's gRPC stream "
+                   "left open" in line for line in lines), "".join(lines)
+        assert not any("did not exit 25 s after the signal" in line for line in lines)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        stream.close()
+
+
 def test_timeouts_sigterm_sent_twice_is_one_stop(engine):
     """GNU timeout sends its SIGTERM to serve and again to its process group: the second, just after the first, was
     taken for "a second signal" and killed tritonserver instead of draining it (seen once in seven runs)."""

@@ -35,6 +35,19 @@ def test_a_server_that_ignores_sigterm_is_killed_after_the_exit_timeout(monkeypa
     assert drained == [process.pid] and "did not exit" in logged[-1]
 
 
+def test_a_server_that_said_it_gave_up_is_killed_soon_after(monkeypatch):
+    """Triton 2.51 logs "Exit timeout expired. Exiting immediately" and may then hang (an open gRPC stream): no use
+    waiting KILL_AFTER_S more."""
+    monkeypatch.setattr(shutdown, "KILL_AFTER_S", 60.0)
+    monkeypatch.setattr(shutdown, "drain", lambda pid: False)
+    process, logged = stubborn_process(), []
+    signals = [time.monotonic()]
+    process.send_signal(signal.SIGTERM)
+    code = shutdown.wait_until_stopped(process, signals, exit_timeout_s=1.0, log=logged.append, gave_up=lambda: True)
+    assert code == -signal.SIGKILL and time.monotonic() - signals[0] < 30
+    assert logged[-1].startswith("tritonserver gave up unloading at its exit timeout but did not exit")
+
+
 def test_a_second_signal_kills_at_once():
     process = stubborn_process()
     logged: list[str] = []

@@ -79,7 +79,8 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             models = sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
             log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/{_text_model_name(Path(repo))}"
                 "/generate")
-            code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log, lost=lost)
+            code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log, lost=lost,
+                                      gave_up=server.gave_up)
             if code and not stopping:
                 raise CamshaftError(f"tritonserver exited with code {code}; its log ends:\n{server.log_tail()}")
         finally:

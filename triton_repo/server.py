@@ -113,6 +113,16 @@ class TritonServer:
         errors = [line for line in text[:-lines] if line.startswith("E") and line[1:5].isdigit()]
         return "\n".join([*errors[-20:], *text[-lines:]])
 
+    def gave_up(self) -> bool:
+        """Whether Triton said it gave up stopping at its exit timeout (it may then hang, e.g. on an open gRPC
+        stream)."""
+        try:
+            with open(self.log_file, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
+                return b"Exit timeout expired" in log.read()
+        except OSError:
+            return False
+
     def is_ready(self) -> bool:
         try:
             with _DIRECT.open(f"http://{self.endpoints.http}/v2/health/ready", timeout=5) as response:

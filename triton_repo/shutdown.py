@@ -18,6 +18,7 @@ from camshaft.triton_repo.deploy import TOKEN_MODEL
 
 DRAIN_BEFORE_S = 3.0  # before Triton's exit timeout: requests still running are ended
 KILL_AFTER_S = 15.0  # after it: a tritonserver still running is killed
+GAVE_UP_S = 2.0  # after Triton said it gave up ("Exiting immediately"): killed if still running
 
 
 def drain(server_pid: int) -> bool:
@@ -50,12 +51,13 @@ def stub_watch(stubs: dict[int, str]) -> Callable[[], str | None]:
 
 
 def wait_until_stopped(process: subprocess.Popen, signals: list[float], exit_timeout_s: float,
-                       log: Callable[[str], None], lost: Callable[[], str | None] = lambda: None) -> int:
+                       log: Callable[[str], None], lost: Callable[[], str | None] = lambda: None,
+                       gave_up: Callable[[], bool] = lambda: False) -> int:
     """The server's exit code. `signals`: when each stop signal arrived (appended by the signal handler, which
-    forwards the first as SIGTERM); a second one, or the server overstaying the exit timeout by KILL_AFTER_S, kills
-    it. `lost`: names models whose process died (stub_watch); the server is then no longer whole: CamshaftError,
-    so a supervisor restarts it."""
-    drained = False
+    forwards the first as SIGTERM); a second one, or the server overstaying the exit timeout by KILL_AFTER_S (by
+    GAVE_UP_S once `gave_up` says Triton gave up unloading), kills it. `lost`: names models whose process died
+    (stub_watch); the server is then no longer whole: CamshaftError, so a supervisor restarts it."""
+    drained, gave_up_at = False, None
     while True:
         with contextlib.suppress(subprocess.TimeoutExpired):
             return process.wait(timeout=0.2)
@@ -66,6 +68,13 @@ def wait_until_stopped(process: subprocess.Popen, signals: list[float], exit_tim
                                     "restart it, and see its log and the machine's (out of memory?) for why")
             continue
         waited = time.monotonic() - signals[0]
+        if gave_up_at is None and waited > exit_timeout_s and gave_up():
+            gave_up_at = time.monotonic()
+        if gave_up_at is not None and time.monotonic() - gave_up_at > GAVE_UP_S and len(signals) == 1:
+            log("tritonserver gave up unloading at its exit timeout but did not exit (a client's gRPC stream left "
+                "open, even idle, keeps the model it last used loaded): killing it")
+            process.kill()
+            return process.wait()
         if len(signals) > 1 or waited > exit_timeout_s + KILL_AFTER_S:
             log("a second signal: killing tritonserver" if len(signals) > 1 else
                 f"tritonserver did not exit {waited:.0f} s after the signal: killing it")

@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from camshaft.builder.checkpoint_quant import QuantizedView
 from camshaft.builder.checkpoint_sizes import check_sizes, fused_parts
 from camshaft.builder.checkpoint_tensors import check_tensors
+from camshaft.builder.quant_config import read_quant_config
 from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8 are part of this module's API)
     FP8,
     MIXED,
@@ -19,7 +20,6 @@ from camshaft.builder.quantized import (  # noqa: F401  (QuantizedLinear and FP8
     QuantizedLinear,
     fp8_tensors,
     read_fp8,
-    read_quant_config,
 )
 from camshaft.errors import CheckpointError
 from camshaft.hf_config import FUSED_ARCHITECTURES

@@ -113,6 +113,9 @@ class QuantizedView:
         fmt = READABLE_QUANT_ALGOS[algo]
         packed = self._raw(f"{prefix}.weight")
         scale = self._finite(f"{prefix}.weight_scale", self._raw(f"{prefix}.weight_scale").astype(np.float32))
+        if np.any(scale < 0):
+            raise CheckpointError(f"{prefix}.weight_scale holds negative scales; quantization scales are a largest "
+                                  "magnitude over the largest code, never below 0: the checkpoint is damaged")
         if packed.dtype == FP8 and np.any((packed.view(np.uint8) & 0x7F) == 0x7F):  # e4m3fn's NaN codes
             raise self._not_finite(f"{prefix}.weight")
         if fmt.weight_bits == 4:
@@ -146,7 +149,9 @@ class QuantizedView:
         if f"{prefix}.pre_quant_scale" in self._where:
             pqs = self.get(f"{prefix}.pre_quant_scale", (in_dim,))
         input_scale = self._scalar(f"{prefix}.input_scale") if fmt.activation and not fmt.per_token else None
-        scale_2 = self._scalar(f"{prefix}.weight_scale_2") if f"{prefix}.weight_scale_2" in self._where else None
+        needs_2 = fmt.weight_bits == 4 and fmt.activation == "fp8"  # W4A8: its int4 scales are float8 times this
+        scale_2 = self._scalar(f"{prefix}.weight_scale_2") if needs_2 or f"{prefix}.weight_scale_2" in self._where \
+            else None
         return QuantizedLinear(fmt.weight_bits, block, values, scale, pqs, fmt.activation, input_scale, scale_2,
                                fmt.per_token)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from camshaft.builder.checkpoint import MIXED, READABLE_QUANT_ALGOS
 from camshaft.builder.graph.decoder import DecoderLowering
 from camshaft.builder.graph.linear import LOWERINGS
@@ -19,10 +21,12 @@ def quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering
                                    for f in formats if f.activation}))
     level = lowering.linears.accuracy_level if counts["nbits"] else None
     int8_blocks = "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None
-    # ModelOpt's MIXED_PRECISION config lists no exclude_modules: the head, the embedding and camshaft's --exclude
     algo = quant.get("quant_algo")  # None: float layers (a KV cache quantized alone)
-    listed_float = (quant.get("exclude_modules", []) if algo != MIXED
-                    else ["lm_head", "model.embed_tokens", *record.get("exclude", [])])
+    head, floats = lowering.head, set(lowering.linears.floats)
+    if head.dtype == "float" and "lm_head" not in lowering.linears.dequantized:
+        floats.add("lm_head")
+    if not head.shares_embedding:
+        floats.add("model.embed_tokens")
     return {
         "format": record.get("format"),
         "quant_algo": algo,
@@ -36,11 +40,20 @@ def quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering
         "accuracy_level": level,
         "quantized_linear_layers": sum(counts.values()),
         "dequantized_linear_layers": lowering.linears.dequantized,  # quantized, but built float (exact)
-        "float_modules": sorted(m for m in listed_float
-                                if (m != "lm_head" or lowering.head.dtype == "float")
-                                and (m != "model.embed_tokens" or not lowering.head.shares_embedding)),
+        "float_modules": every_layer_as_star(floats, lowering.c.num_layers),
         "lm_head": lowering.head.record,
         "algorithm": record.get("algorithm"),  # ModelOpt's calibration algorithm, e.g. SmoothQuant's alpha
         "calibration": record.get("calibration"),
         "producer": quant.get("producer") or record.get("tools"),
     }
+
+
+def every_layer_as_star(modules: set[str], num_layers: int) -> list[str]:
+    """The module names, sorted, with model.layers.*.NAME for a NAME every layer has."""
+    layers: dict[str, set[int]] = {}
+    for module in modules:
+        if match := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module):
+            layers.setdefault(match[2], set()).add(int(match[1]))
+    every = {name for name, found in layers.items() if len(found) == num_layers}
+    kept = {m for m in modules if not (match := re.fullmatch(r"model\.layers\.\d+\.(.+)", m)) or match[1] not in every}
+    return sorted(kept | {f"model.layers.*.{name}" for name in every})

@@ -1,19 +1,17 @@
-"""What the builder reads from quantized checkpoints: hf_quant_config.json, each quant_algo's storage, one quantized
-linear layer, and the float8 tensors of safetensors files (safetensors' numpy reader cannot return them)."""
+"""What the builder reads from quantized checkpoints: each quant_algo's storage, one quantized linear layer, and the
+float8 tensors of safetensors files (safetensors' numpy reader cannot return them); quant_config.py reads
+hf_quant_config.json."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import ml_dtypes  # also registers bfloat16 with numpy so safetensors can return it
 import numpy as np
 
-from camshaft.errors import CheckpointError
-from camshaft.model_config import CAMSHAFT_QUANT_RECORD, HF_QUANT_CONFIG, unreadable_quantization
-from camshaft.quantize.spec import FORMATS, LM_HEAD_BLOCKS
+from camshaft.quantize.spec import LM_HEAD_BLOCKS
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -127,98 +125,3 @@ def read_fp8(file: Path, shape: tuple[int, ...], start: int, end: int) -> np.nda
         f.seek(start)
         raw = f.read(end - start)
     return np.frombuffer(raw, dtype=FP8).reshape(shape).copy()
-
-
-def read_quant_config(model_dir: Path) -> dict[str, Any] | None:
-    """hf_quant_config.json's "quantization" section (None for a float checkpoint), checked to be buildable."""
-    path = model_dir / HF_QUANT_CONFIG
-    method = unreadable_quantization(model_dir)
-    if method == "modelopt":
-        return _checked(model_dir, model_dir / "config.json", _from_config_json(model_dir))
-    if method is not None:
-        raise CheckpointError(
-            f"{model_dir}/config.json says the weights are quantized (quant_method {method}), but there is no "
-            f"{HF_QUANT_CONFIG}: camshaft reads quantized checkpoints in ModelOpt's unified format only. Build from "
-            "the float checkpoint (quantize it with `camshaft quantize` or `camshaft build --quant`)"
-        )
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text())
-        quant = {**raw["quantization"], "producer": raw.get("producer")}
-    except (ValueError, RecursionError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path} is malformed: {str(exc)[:200]}") from exc
-    return _checked(model_dir, path, quant)
-
-
-def _from_config_json(model_dir: Path) -> dict[str, Any]:
-    """hf_quant_config.json's section from config.json's quantization_config, which ModelOpt writes from it
-    (`convert_hf_quant_config_format`, as vLLM reads it): the same quant_algo, quantized_layers and producer,
-    exclude_modules as "ignore", the KV cache's algorithm as a scheme, group sizes only in config_groups (none for
-    int4 AWQ: refused below)."""
-    config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
-    scheme = config.get("kv_cache_scheme")
-    kv = {("float", 8): "FP8", ("int", 8): "INT8"}.get((scheme.get("type"), scheme.get("num_bits")), str(scheme)) \
-        if isinstance(scheme, dict) else scheme
-    groups = config.get("config_groups") if isinstance(config.get("config_groups"), dict) else {}
-    sizes = {size for g in groups.values() if isinstance(g, dict) and isinstance(g.get("weights"), dict)
-             for size in [g["weights"].get("group_size")] if isinstance(size, int) and not isinstance(size, bool)}
-    quant = {"quant_algo": config.get("quant_algo"), "kv_cache_quant_algo": kv, "producer": config.get("producer"),
-             "exclude_modules": config.get("ignore") or [], "source": "config.json"}
-    if "quantized_layers" in config:
-        quant["quantized_layers"] = config["quantized_layers"]
-    if len(sizes) == 1:
-        quant["group_size"] = sizes.pop()
-    return quant
-
-
-def _copy_back(quant: dict[str, Any], written: str) -> str:
-    """For what config.json's quantization_config lacks: where it is, and what to do."""
-    if quant.get("source") != "config.json":
-        return ""
-    return f" ({written} to {HF_QUANT_CONFIG} only): copy that file from where the checkpoint came from"
-
-
-def _checked(model_dir: Path, path: Path, quant: dict[str, Any]) -> dict[str, Any]:
-    algo = quant.get("quant_algo")
-    layers = quant.get("quantized_layers")
-    if algo == MIXED and not (isinstance(layers, dict) and layers
-                              and all(isinstance(v, dict) for v in layers.values())):
-        raise CheckpointError(f"{path} is {MIXED} but has no quantized_layers {{layer: {{quant_algo: ...}}}}"
-                              + _copy_back(quant, "older ModelOpt versions write them"))
-    if algo is None and quant.get("kv_cache_quant_algo") is None:
-        raise CheckpointError(f"{path} quantizes nothing (quant_algo and kv_cache_quant_algo are null); remove it to "
-                              "build the float checkpoint")
-    # quant_algo null: ModelOpt's export of a checkpoint with float layers and a quantized KV cache
-    for name, layer_algo in ([(n, v.get("quant_algo")) for n, v in layers.items()] if algo == MIXED
-                             else [(None, algo)] if algo is not None else []):
-        if not isinstance(layer_algo, str) or layer_algo not in READABLE_QUANT_ALGOS:
-            where = f"{model_dir} quantizes {name} as" if name else f"{model_dir} is quantized as"
-            raise CheckpointError(
-                f"{where} {layer_algo}; camshaft builds {', '.join(READABLE_QUANT_ALGOS)} (and {MIXED} "
-                f"checkpoints of those) (`camshaft quantize --quant {'|'.join(FORMATS)}`)"
-            )
-        if (layers[name] if name else quant).get("has_zero_point", quant.get("has_zero_point")):
-            raise CheckpointError(f"{path} stores {name or layer_algo} with zero points (has_zero_point true: "
-                                  "asymmetric int4); camshaft builds symmetric ones, as ModelOpt exports them")
-        group = (layers[name] if name else quant).get("group_size", quant.get("group_size"))
-        if READABLE_QUANT_ALGOS[layer_algo].blockwise and not isinstance(group, int):
-            raise CheckpointError(f"{path} has no integer group_size for {name or layer_algo}"
-                                  + _copy_back(quant, "ModelOpt writes it"))
-    kv_algo = quant.get("kv_cache_quant_algo")
-    if kv_algo is not None and (not isinstance(kv_algo, str) or kv_algo not in KV_CACHE_ALGOS):
-        raise CheckpointError(
-            f"{model_dir} quantizes the KV cache as {kv_algo}; camshaft builds {' or '.join(KV_CACHE_ALGOS)} KV "
-            "caches"
-        )
-    record = model_dir / CAMSHAFT_QUANT_RECORD
-    if record.is_file():
-        try:
-            recorded = json.loads(record.read_text())
-        except (ValueError, RecursionError) as exc:
-            raise CheckpointError(f"{record} is malformed: {str(exc)[:200]}") from exc
-        if not isinstance(recorded, dict):
-            raise CheckpointError(f"{record} is malformed: an object of camshaft quantize's settings, not "
-                                  f"{type(recorded).__name__}; quantize the checkpoint again")
-        quant = {**quant, "camshaft": recorded}
-    return quant

@@ -74,7 +74,7 @@ def test_badly_typed_quant_configs_are_clear_errors(copy, quantization, message)
 
 
 def test_a_camshaft_quantize_record_that_is_not_an_object_is_refused(copy):
-    from camshaft.builder.quantized import CAMSHAFT_QUANT_RECORD
+    from camshaft.model_config import CAMSHAFT_QUANT_RECORD
 
     weights = load_file(str(copy / "model.safetensors"))
     save_file({**weights, "model.layers.0.mlp.up_proj.weight_scale": np.ones(1, np.float32)},

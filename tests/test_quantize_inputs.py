@@ -501,7 +501,7 @@ def test_a_modelopt_checkpoint_with_config_json_alone_builds_as_with_hf_quant_co
             out = session.generate([5, 9, 17, 33], SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True))
         outputs.append((out.token_ids, out.logprobs))
     assert manifests[0] == manifests[1] and manifests[0]["kv_cache_dtype"] == "float8"
-    assert "model.layers.0.mlp.down_proj" in manifests[0]["float_modules"]
+    assert manifests[0]["float_modules"] == ["lm_head", "model.embed_tokens", "model.layers.*.mlp.down_proj"]
     assert outputs[0] == outputs[1]
 
 
@@ -732,3 +732,91 @@ def test_a_quantized_layer_that_is_not_finite_is_refused_at_build(tiny, tmp_path
     save_file(weights | {name: values}, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"tensor '{name}' holds NaN or infinite values"):
         build_engine(BuildConfig(tmp_path / "q", tmp_path / "engine", max_seq_len=64))
+
+
+def test_the_manifest_lists_the_modules_the_engine_computes_in_float(tmp_path):
+    """float_modules says what was built float: module names (not ModelOpt's globs), the embedding whatever the
+    architecture's exclude list holds (Gemma's leaves it out), every layer's module as model.layers.*.NAME."""
+    from camshaft.manifest import read_manifest
+
+    model = make_tiny_model("gemma2", tmp_path / "gemma2")
+    quantize_checkpoint(model, tmp_path / "q", QuantSpec("int8_wo", exclude=("model.layers.1.mlp.*",)), **CALIB)
+    build_engine(BuildConfig(tmp_path / "q", tmp_path / "engine", max_seq_len=64, kv_block_size=4))
+    assert read_manifest(tmp_path / "engine").quantization["float_modules"] == [
+        "lm_head", "model.embed_tokens", "model.layers.1.mlp.down_proj", "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.up_proj"]
+
+
+@pytest.fixture(scope="module")
+def int8_fp8_kv(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("int8-fp8kv") / "q"
+    quantize_checkpoint(tiny, out, QuantSpec("int8_wo", kv_cache_dtype="fp8"), **CALIB)
+    return out
+
+
+def _edited_copy(source, target, file: str, edit) -> None:
+    import shutil
+
+    shutil.copytree(source, target)
+    path = target / file
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+def test_quantization_files_that_disagree_on_the_kv_cache_are_refused(int8_fp8_kv, tmp_path):
+    """An int8 cache read with fp8's scales (amax / 448) clips almost every value: a checkpoint whose
+    hf_quant_config.json, config.json and camshaft_quantize.json disagree is refused, not built one way."""
+    _edited_copy(int8_fp8_kv, tmp_path / "algo", "hf_quant_config.json",
+                 lambda raw: {**raw, "quantization": {**raw["quantization"], "kv_cache_quant_algo": "INT8"}})
+    with pytest.raises(CheckpointError, match="camshaft_quantize.json says the KV cache was calibrated as fp8, "
+                                              "hf_quant_config.json quantizes it as INT8; one was edited"):
+        Checkpoint(tmp_path / "algo")
+    record = tmp_path / "algo" / "camshaft_quantize.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "kv_cache_dtype": "int8"}))
+    with pytest.raises(CheckpointError, match="hf_quant_config.json quantizes the KV cache as INT8, config.json's "
+                                              "quantization_config as FP8; the files were edited"):
+        Checkpoint(tmp_path / "algo")
+    _edited_copy(int8_fp8_kv, tmp_path / "record", "camshaft_quantize.json",
+                 lambda record: {**record, "kv_cache_dtype": None})
+    with pytest.raises(CheckpointError, match="camshaft_quantize.json says the KV cache was calibrated as None, "
+                                              "hf_quant_config.json quantizes it as FP8"):
+        Checkpoint(tmp_path / "record")
+    _edited_copy(int8_fp8_kv, tmp_path / "layers", "hf_quant_config.json",
+                 lambda raw: {**raw, "quantization": {**raw["quantization"], "quant_algo": "FP8"}})
+    with pytest.raises(CheckpointError, match="quantizes the layers as FP8, config.json's quantization_config as "
+                                              "W8A16"):
+        Checkpoint(tmp_path / "layers")
+    assert Checkpoint(int8_fp8_kv).kv_cache_dtype == "float8"  # the files as written agree
+
+
+def test_a_quantized_checkpoint_missing_a_file_its_record_lists_is_refused(int8_fp8_kv, tmp_path):
+    """Without kv_cache_scales.safetensors (the KV biases) the fp8 scales, calibrated for K and V less their bias,
+    would clip the raw values; the build said nothing."""
+    import shutil
+
+    shutil.copytree(int8_fp8_kv, tmp_path / "q")
+    (tmp_path / "q" / "kv_cache_scales.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"q lacks kv_cache_scales\.safetensors, which camshaft quantize wrote "
+                                              r"\(camshaft_quantize\.json lists it\)"):
+        Checkpoint(tmp_path / "q")
+
+
+def test_damaged_weight_scales_are_refused(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    quantize_checkpoint(tiny, tmp_path / "q", QuantSpec("w4a8_awq", group_size=32), **CALIB)
+    (weights,) = (tmp_path / "q").glob("model*.safetensors")
+    tensors = load_file(weights)
+    layer = "model.layers.0.mlp.down_proj"
+    assert f"{layer}.weight_scale_2" in tensors
+    for name, edit in (("no-scale-2", lambda t: t.pop(f"{layer}.weight_scale_2")),
+                       ("negative", lambda t: t.update({f"{layer}.weight_scale": -t[f"{layer}.weight_scale"]}))):
+        import shutil
+
+        shutil.copytree(tmp_path / "q", tmp_path / name)
+        damaged = dict(tensors)
+        edit(damaged)
+        save_file(damaged, tmp_path / name / weights.name, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor '{layer}.weight_scale_2' is missing"):
+        build_engine(BuildConfig(tmp_path / "no-scale-2", tmp_path / "e1", max_seq_len=64, kv_block_size=4))
+    with pytest.raises(CheckpointError, match=f"{layer}.weight_scale holds negative scales"):
+        build_engine(BuildConfig(tmp_path / "negative", tmp_path / "e2", max_seq_len=64, kv_block_size=4))

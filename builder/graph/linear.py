@@ -54,6 +54,7 @@ class Linears:
         self.accuracy_level = NBITS_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
         self.counts: Counter[str] = Counter()  # quantized layers per lowering kind
         self.dequantized: list[str] = []  # quantized layers no kernel takes, built from their dequantized weights
+        self.floats: set[str] = set()  # layers the checkpoint left float
 
     def float_weight(self, name: str, shape: tuple[int, int]) -> np.ndarray:
         """[in, out] weight in the graph's float type."""
@@ -65,6 +66,8 @@ class Linears:
 
     def linear(self, x: str, prefix: str, out_dim: int, in_dim: int, bias: bool) -> str:
         q = self.quantized(prefix, out_dim, in_dim)
+        if q is None:
+            self.floats.add(prefix)
         y = self.lower_quantized(x, [q], prefix, in_dim) if q is not None else None
         if y is None:  # float (a quantized layer no kernel takes comes back dequantized)
             if q is not None:
@@ -85,6 +88,7 @@ class Linears:
             if y is None:  # mixed (e.g. --exclude) or not expressible: one layer at a time
                 return [self.linear(x, p, o, in_dim, bias) for p, o in pairs]
         else:
+            self.floats.update(prefixes)
             weight = np.concatenate([self.float_weight(f"{p}.weight", (o, in_dim)) for p, o in pairs], axis=1)
             y = self.g.op("MatMul", [x, self.g.weight(f"{name}.weight", weight)])
         if bias:

@@ -205,7 +205,7 @@ def test_limits_beyond_the_engine_are_refused(engine_dir):
 
     with pytest.raises(RequestError, match="--max-batch-size"):
         LLM(engine_dir, max_batch_size=9)
-    with pytest.raises(RequestError, match="capacity policy"):
+    with pytest.raises(RequestError, match="policy must be one of guaranteed_no_evict, max_utilization"):
         LLM(engine_dir, policy="greedy")
 
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.engine import Engine
-from camshaft.runtime.llm_options import check_max_queue
-from camshaft.runtime.outputs import IterationStats, Load, RequestOutput, Sink
+from camshaft.runtime.llm_options import check_fits_in_flight, check_max_queue
+from camshaft.runtime.outputs import Load, RequestOutput, Sink
 from camshaft.runtime.request import Request
 from camshaft.runtime.sampler import SampleResult
 from camshaft.runtime.scheduler import Scheduled, Scheduler
 from camshaft.runtime.scheduler_config import SchedulerConfig
+from camshaft.runtime.step_counters import StepCounters
 from camshaft.runtime.step_outcomes import read_step
 
 # A closed-loop client's next request, sent as its last one finishes, joins the next step (measured in the throughput
@@ -29,7 +29,7 @@ ADMIT_WINDOW_S = 0.002
 log = logging.getLogger(__name__)
 
 
-class Executor:
+class Executor(StepCounters):
     def __init__(self, engine: Engine, config: SchedulerConfig, *, max_queue: int | None = None,
                  stats_window: int = 1024, admit_window_s: float = ADMIT_WINDOW_S) -> None:
         """max_queue bounds the requests that wait beyond a full running batch; past it submit raises
@@ -39,18 +39,14 @@ class Executor:
         self.engine = engine
         self.max_queue = max_queue
         self.admit_window_s = admit_window_s
+        super().__init__(stats_window)
         self.scheduler = Scheduler(config)
-        self.stats: deque[IterationStats] = deque(maxlen=stats_window)  # the latest steps (a server runs for days)
-        self.steps_done = 0
-        self.peak_batch_size, self.peak_kv_usage = 0, 0.0  # since the caller last set them to 0
-        self.draft_tokens = self.accepted_draft_tokens = 0  # prompt lookup's drafts (config.prompt_lookup)
         self._sinks: dict[str, Sink] = {}
         self._requests: dict[str, Request] = {}
         self._held: dict[str, list[Request]] = {}  # siblings waiting for the first sequence's prompt blocks
         self._inbox: list[list[Request]] = []
         self._aborts: list[str] = []
         self._wake = threading.Condition()
-        self._stats_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="camshaft-executor", daemon=True)
         self._thread.start()
@@ -71,8 +67,9 @@ class Executor:
             for request in group:
                 self.scheduler.check(request)
         if bounded and len(groups) > 1:
-            self._check_fits(total, f"{len(groups)} prompts ({total} outputs) can never be queued at once",
-                             "send fewer prompts at a time")
+            check_fits_in_flight(total, self.scheduler.config.max_batch_size, self.max_queue,
+                                 f"{len(groups)} prompts ({total} outputs) can never be queued at once",
+                                 "send fewer prompts at a time")
         batch, limit = self.scheduler.config.max_batch_size, self.max_queue if bounded else None
         with self._wake:
             if self._closed:
@@ -105,13 +102,8 @@ class Executor:
 
     def check_outputs(self, n: int) -> None:
         """Refuse n outputs of one prompt that could never be in flight at once (RequestError)."""
-        self._check_fits(n, f"n={n} outputs can never be queued", "lower n")
-
-    def _check_fits(self, requests: int, what: str, advice: str) -> None:
-        batch, limit = self.scheduler.config.max_batch_size, self.max_queue
-        if limit is not None and requests > batch + limit:
-            raise RequestError(f"{what}: at most {batch + limit} requests fit in flight (max_batch_size {batch} + "
-                               f"max_queue {limit}); {advice} or raise max_queue")
+        check_fits_in_flight(n, self.scheduler.config.max_batch_size, self.max_queue,
+                             f"n={n} outputs can never be queued", "lower n")
 
     def abort(self, request_id: str) -> None:
         with self._wake:
@@ -142,14 +134,6 @@ class Executor:
         counters = scheduler.blocks.counters()
         return Load(running, max(0, in_flight - running), counters.used, counters.total, counters.prefix_hits,
                     scheduler.num_preemptions, self.draft_tokens, self.accepted_draft_tokens)
-
-    def snapshot_stats(self) -> list[IterationStats]:
-        with self._stats_lock:
-            return list(self.stats)
-
-    def last_stats(self) -> IterationStats | None:
-        with self._stats_lock:
-            return self.stats[-1] if self.stats else None
 
     def _loop(self) -> None:
         try:
@@ -231,7 +215,8 @@ class Executor:
             return len(scheduled)
         self.scheduler.computed(scheduled)
         outcomes = read_step(scheduled, logits)
-        self._count_step(scheduled, started)  # before any output goes out: a caller that saw its last one sees this
+        self.count_step(scheduled, self.scheduler, started)  # before any output goes out: a caller that saw its
+        # last one sees this step counted
         finished = 0
         for outcome in outcomes:
             request = outcome.request
@@ -246,19 +231,6 @@ class Executor:
                     self.scheduler.advance(request, len(outcome.samples))
             finished += self._deliver_samples(request, outcome.delta, outcome.samples)
         return finished
-
-    def _count_step(self, scheduled: list[Scheduled], started: float) -> None:
-        running = len(scheduled)
-        self.peak_batch_size = max(self.peak_batch_size, running)
-        blocks = self.scheduler.blocks
-        step = IterationStats(running, sum(item.num_tokens for item in scheduled),
-                              sum(item.num_tokens for item in scheduled if not item.decode),
-                              len(self.scheduler.waiting), blocks.num_used, blocks.capacity,
-                              time.perf_counter() - started, sum(1 for item in scheduled if not item.decode))
-        self.peak_kv_usage = max(self.peak_kv_usage, step.kv_usage)
-        with self._stats_lock:
-            self.stats.append(step)
-            self.steps_done += 1
 
     def _deliver_samples(self, request: Request, delta: str, samples: list[SampleResult]) -> int:
         new = (tuple(s.token_id for s in samples), tuple(samples) if request.params.logprobs is not None else ())

@@ -81,6 +81,13 @@ def check_runtime_options(threads: int | None = None, spin_wait: bool = True, hu
             raise RequestError(f"{name} is True or False, got {value!r:.60}")
 
 
+def check_fits_in_flight(requests: int, max_batch_size: int, max_queue: int | None, what: str, advice: str) -> None:
+    """Refuse `requests` that could never be in flight at once (RequestError)."""
+    if max_queue is not None and requests > max_batch_size + max_queue:
+        raise RequestError(f"{what}: at most {max_batch_size + max_queue} requests fit in flight (max_batch_size "
+                           f"{max_batch_size} + max_queue {max_queue}); {advice} or raise max_queue")
+
+
 def check_max_queue(max_queue: int | None) -> None:
     if max_queue is not None and not is_int_at_least(max_queue, 0):
         raise RequestError(f"max_queue must be an integer >= 0, or None for no limit; got {max_queue!r}")

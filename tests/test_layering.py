@@ -10,7 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 LEAF = {"camshaft", "camshaft.errors", "camshaft.manifest", "camshaft.model_config", "camshaft.outdir",
-        "camshaft.version", "camshaft.models", "camshaft.weight_files", "camshaft.checks",
+        "camshaft.version", "camshaft.models", "camshaft.gguf_wheel", "camshaft.weight_files", "camshaft.checks",
         "camshaft.hf_config", "camshaft.hf_fields", "camshaft.hf_rope", "camshaft.hf_archs", "camshaft.rope_config",
         "camshaft.graph_meta",
         "camshaft.engine_files", "camshaft.io_signature",

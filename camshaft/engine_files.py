@@ -18,7 +18,8 @@ MANIFEST_NAME = "manifest.json"
 REPOSITORY_MARKER = "camshaft_repository.json"  # a Triton model repository camshaft deploy wrote
 TOKENIZER_DIR = "tokenizer"
 CHAT_TEMPLATE = "chat_template.jinja"  # editable after the build (not fingerprinted)
-TEMPLATE_RECORD = f".{CHAT_TEMPLATE}.sha256"  # the sha256 of the template the build wrote
+NAMED_TEMPLATES = "additional_chat_templates"  # transformers' named templates (tool_use, ...): editable too
+TEMPLATE_RECORD = f".{CHAT_TEMPLATE}.sha256"  # the sha256s of the templates the build wrote
 BUILD_OUTPUTS = ("model.onnx", "model.onnx.data", "sequence.onnx", "sequence.onnx.data", "model.plan", "graph.onnx",
                  "graph.onnx.data")
 SAMPLE_BYTES = 4096
@@ -156,18 +157,45 @@ def hard_linked(file: Path) -> EngineError:
 
 def user_tokenizer_entries(engine_dir: Path) -> list[str]:
     """What rebuilding `engine_dir` would delete or replace in its tokenizer directory that its build did not write:
-    entries added since (additional chat templates, hidden files), and a chat template edited since (its sha256 unlike
-    the one the build recorded beside it; engines that recorded none: not checked)."""
+    entries added since (chat templates, hidden files), and templates edited since (their sha256 unlike the one the
+    build recorded; engines that recorded none: templates not checked, named ones counted as added)."""
     unlisted = unlisted_tokenizer_entries(engine_dir, _files(_raw_manifest(engine_dir)))
-    found = [f"{TOKENIZER_DIR}/{name}" for name in unlisted if name != CHAT_TEMPLATE]
-    old = engine_dir / TOKENIZER_DIR
-    template, recorded = old / CHAT_TEMPLATE, old / TEMPLATE_RECORD
+    found = [f"{TOKENIZER_DIR}/{name}" for name in unlisted if name not in (CHAT_TEMPLATE, NAMED_TEMPLATES)]
+    tok_dir = engine_dir / TOKENIZER_DIR
+    recorded = _recorded_templates(tok_dir / TEMPLATE_RECORD)
+    if recorded is None:
+        return found + ([f"{TOKENIZER_DIR}/{NAMED_TEMPLATES}"] if NAMED_TEMPLATES in unlisted else [])
+    if (tok_dir / NAMED_TEMPLATES).exists() and not any(k.startswith(f"{NAMED_TEMPLATES}/") for k in recorded):
+        found.append(f"{TOKENIZER_DIR}/{NAMED_TEMPLATES}")
+    for name, digest in template_digests(tok_dir).items():
+        if name not in recorded and not (name.startswith(f"{NAMED_TEMPLATES}/") and f"{TOKENIZER_DIR}/"
+                                         f"{NAMED_TEMPLATES}" in found):
+            found.append(f"{TOKENIZER_DIR}/{name} (added since the build)")
+        elif name in recorded and digest != recorded[name]:
+            found.append(f"{TOKENIZER_DIR}/{name} (edited since the build)")
+    return found
+
+
+def template_digests(tok_dir: Path) -> dict[str, str]:
+    """The sha256 of each chat template in a tokenizer directory: chat_template.jinja and the named ones."""
+    paths = [tok_dir / CHAT_TEMPLATE, *sorted((tok_dir / NAMED_TEMPLATES).rglob("*"))]
+    digests = {}
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if path.is_file() and not path.is_symlink():
+                digests[path.relative_to(tok_dir).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
+def _recorded_templates(record: Path) -> dict[str, str] | None:
+    """The templates a build recorded (sha256sum's lines; engines before the named ones: the bare digest of
+    chat_template.jinja); None where it recorded none."""
     try:
-        edited = recorded.is_file() and template.is_file() and \
-            hashlib.sha256(template.read_bytes()).hexdigest() != recorded.read_text().strip()
-    except OSError:
-        edited = False
-    return found + ([f"{TOKENIZER_DIR}/{CHAT_TEMPLATE} (edited since the build)"] if edited else [])
+        lines = record.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    pairs = [line.split("  ", 1) for line in lines if line.strip()]
+    return {pair[1] if len(pair) == 2 else CHAT_TEMPLATE: pair[0].strip() for pair in pairs}
 
 
 def refuse_user_entries(output: Path) -> None:
@@ -179,10 +207,10 @@ def refuse_user_entries(output: Path) -> None:
 
 
 def record_template(tok_dir: Path) -> None:
-    """Beside the chat template a build writes, its sha256: a rebuild then tells an edited one."""
-    if (tok_dir / CHAT_TEMPLATE).is_file():
-        digest = hashlib.sha256((tok_dir / CHAT_TEMPLATE).read_bytes()).hexdigest()
-        (tok_dir / TEMPLATE_RECORD).write_text(digest + "\n")
+    """Beside the chat templates a build writes, their sha256s (sha256sum's format; empty where it writes none): a
+    rebuild then tells one edited or added since."""
+    (tok_dir / TEMPLATE_RECORD).write_text("".join(f"{digest}  {name}\n"
+                                                   for name, digest in template_digests(tok_dir).items()))
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from camshaft.engine_files import CHAT_TEMPLATE, TOKENIZER_DIR, unchanged_while_loading, unlisted_tokenizer_entries
+from camshaft.engine_files import (
+    CHAT_TEMPLATE,
+    NAMED_TEMPLATES,
+    TOKENIZER_DIR,
+    unchanged_while_loading,
+    unlisted_tokenizer_entries,
+)
 from camshaft.errors import EngineError, RequestError
 from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS
 from camshaft.manifest import Manifest, read_manifest
@@ -15,7 +21,7 @@ from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, fraction_bytes, pool_blocks
 
-EDITABLE = (CHAT_TEMPLATE, "additional_chat_templates")  # what a user may add or edit after the build
+EDITABLE = (CHAT_TEMPLATE, NAMED_TEMPLATES)  # what a user may add or edit after the build
 
 
 def check_tokenizer_files(engine_dir: Path, files: Iterable[str]) -> None:

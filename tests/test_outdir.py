@@ -217,6 +217,64 @@ def test_rebuilding_keeps_the_chat_templates_a_user_added_or_edited(built, tmp_p
     assert Engine(target).limits.max_seq_len == 32 and template.read_text() == "{{ messages[0].content }}"
 
 
+def test_a_template_added_to_an_engine_built_without_one_is_kept(built, tmp_path):
+    """A build without a chat template recorded none, so a template the user added since was deleted by a rebuild."""
+    model, _ = built
+    bare = tmp_path / "bare"
+    shutil.copytree(model, bare)
+    (bare / "chat_template.jinja").unlink()
+    build_engine(BuildConfig(bare, tmp_path / "engine", max_seq_len=64, kv_block_size=8))
+    added = tmp_path / "engine" / "tokenizer" / "chat_template.jinja"
+    assert not added.exists()
+    added.write_text("{{ messages[0].content }}")
+    with pytest.raises(CamshaftError, match=re.escape("tokenizer/chat_template.jinja (added since the build)")):
+        build_engine(BuildConfig(bare, tmp_path / "engine", max_seq_len=64, kv_block_size=8))
+    assert added.read_text() == "{{ messages[0].content }}"
+
+
+def test_an_engine_with_named_templates_rebuilds_in_place_and_keeps_their_edits(built, tmp_path):
+    """transformers writes a checkpoint's named templates (tool_use, ...) to additional_chat_templates/; the build
+    copies them, and its own rebuild was refused as if the user had added them."""
+    from transformers import AutoTokenizer
+
+    model, _ = built
+    named = tmp_path / "named"
+    shutil.copytree(model, named)
+    tokenizer = AutoTokenizer.from_pretrained(named)
+    tokenizer.chat_template = {"default": "{{ messages[0].content }}", "tool_use": "{{ tools }}"}
+    tokenizer.save_pretrained(named)
+    engine = tmp_path / "engine"
+    build_engine(BuildConfig(named, engine, max_seq_len=64, kv_block_size=8))
+    tool_use = engine / "tokenizer" / "additional_chat_templates" / "tool_use.jinja"
+    assert tool_use.read_text() == "{{ tools }}"
+    build_engine(BuildConfig(named, engine, max_seq_len=32, kv_block_size=8))  # untouched: rebuilt in place
+    assert Engine(engine).limits.max_seq_len == 32
+    for change, kept in ((lambda: tool_use.write_text("{{ tools }}{# mine #}"),
+                          "tokenizer/additional_chat_templates/tool_use.jinja (edited since the build)"),
+                         (lambda: (tool_use.parent / "rag.jinja").write_text("{{ documents }}"),
+                          "tokenizer/additional_chat_templates/rag.jinja (added since the build)")):
+        change()
+        with pytest.raises(CamshaftError, match=re.escape(kept)):
+            build_engine(BuildConfig(named, engine, max_seq_len=64, kv_block_size=8))
+    assert Engine(engine).limits.max_seq_len == 32
+
+
+def test_a_template_record_of_an_earlier_build_still_tells_an_edit(built, tmp_path):
+    """Engines built before named templates were recorded hold the bare sha256 of chat_template.jinja."""
+    import hashlib
+
+    from camshaft.engine_files import TEMPLATE_RECORD, user_tokenizer_entries
+
+    _, engine = built
+    shutil.copytree(engine, tmp_path / "engine")
+    tok_dir = tmp_path / "engine" / "tokenizer"
+    template = tok_dir / "chat_template.jinja"
+    (tok_dir / TEMPLATE_RECORD).write_text(hashlib.sha256(template.read_bytes()).hexdigest() + "\n")
+    assert user_tokenizer_entries(tmp_path / "engine") == []
+    template.write_text("{# mine #}")
+    assert user_tokenizer_entries(tmp_path / "engine") == ["tokenizer/chat_template.jinja (edited since the build)"]
+
+
 def test_an_output_that_is_a_symlink_or_dot_is_handled_before_any_work(built, tmp_path, monkeypatch):
     model, engine = built
     (tmp_path / "v1").mkdir()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from camshaft.errors import EngineError, RequestError
-from camshaft.runtime.prompt_text import check_unicode
+from camshaft.runtime.chat_messages import checked_messages
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON Schema:\n{functions}\n"
@@ -56,7 +56,7 @@ class ChatOptions:
 def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> str:
     """The template's text of the conversation, ending as `options` asks (by default with the assistant's
     generation prompt)."""
-    check_messages(messages)
+    messages = checked_messages(messages)
     if tokenizer.chat_template is None:
         raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt, or give the engine "
                            "one (chat_template=, --chat-template FILE)")
@@ -243,20 +243,3 @@ def check_tools(tools: Any) -> None:
         names.add(name)
         if not isinstance(function.get("parameters", {}), dict):
             raise RequestError(f"function {name!r}'s parameters must be a JSON Schema object")
-
-
-def check_messages(messages: list[dict[str, Any]]) -> None:
-    """Each message has a role and a content string; an assistant message that calls tools may have none."""
-    if not messages:
-        raise RequestError("chat messages are empty; pass at least one {'role': ..., 'content': ...}")
-    for i, message in enumerate(messages):
-        calls = isinstance(message, dict) and bool(message.get("tool_calls"))
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not (isinstance(message.get("content"), str) or (calls and message.get("content") is None)):
-            raise RequestError(f"chat message {i} is {message!r:.200}; each message is a dict with a 'role' and a "
-                               "'content' string (None only beside 'tool_calls')")
-        for key in ("role", "content"):
-            if message.get(key) is not None:
-                check_unicode(message[key], f"chat message {i}'s {key}")
-    if not any((m.get("content") or "").strip() or m.get("tool_calls") for m in messages):
-        raise RequestError("every chat message's content is empty; pass some text")

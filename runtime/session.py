@@ -173,7 +173,9 @@ class Session:
         `chat_template_kwargs`: more variables the chat template reads (e.g. Qwen3's enable_thinking);
         `continue_final_message` (with add_generation_prompt False): the model goes on with the last message, e.g.
         an assistant reply begun."""
-        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
+        if not isinstance(messages, (list, tuple)):
+            raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts, got {messages!r:.80}")
+        if messages and isinstance(messages[0], (list, tuple)):
             raise RequestError("a Session answers one conversation at a time; pass one list of messages, or use "
                                "camshaft.LLM(engine_dir).chat for several at once")
         return self.generate(messages=messages, sampling_params=sampling_params, tools=tools,

@@ -268,6 +268,16 @@ def test_limits(session):
         session.chat([{"content": "hi"}])
     with pytest.raises(RequestError, match="content is empty"):
         session.chat([{"role": "user", "content": " "}])
+    for messages in ("hello", {"role": "user", "content": "hi"}, None):  # it said "chat message 0 is 'h'"
+        with pytest.raises(RequestError, match=r"messages must be a list of \{'role', 'content'\} dicts, got"):
+            session.chat(messages)
+    with pytest.raises(RequestError, match="only text content parts"):
+        session.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    parts = session.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text",
+                                                                                          "text": "there"}]}],
+                         max_tokens=3)  # OpenAI's text parts, as vLLM's LLM.chat takes them: joined by newlines
+    assert parts.prompt_token_ids == session.chat([{"role": "user", "content": "hi\nthere"}],
+                                                  max_tokens=3).prompt_token_ids
     for prompt in ([1.9, 2.7], ["hello"], [None], 42, b"hi"):
         with pytest.raises(RequestError, match="a prompt is a string or a list of integer token ids"):
             session.generate(prompt)

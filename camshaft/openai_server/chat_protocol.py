@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from camshaft.errors import RequestError
+from camshaft.runtime.chat_messages import text_content
 
 
 class ChatMessage(BaseModel):
@@ -36,16 +37,7 @@ class ChatMessage(BaseModel):
 
     def _text(self) -> str:
         content = self.content
-        if isinstance(content, list):  # an assistant's refusal parts are its text too (OpenAI's replayed turns)
-            kinds = {"text": "text", **({"refusal": "refusal"} if self.role == "assistant" else {})}
-            if any(part.get("type") not in kinds for part in content):
-                raise RequestError("only text content parts ({'type': 'text', 'text': ...}; an assistant's "
-                                   "{'type': 'refusal', 'refusal': ...} too) are supported")
-            texts = [part.get(kinds[part["type"]], "") for part in content]
-            if not all(isinstance(text, str) for text in texts):
-                raise RequestError("a text content part's text must be a string")
-            content = "\n".join(texts)
-        return content or ""
+        return (text_content(content, self.role) if isinstance(content, list) else content) or ""
 
 
 class TemplateOptions(BaseModel):

@@ -17,7 +17,7 @@ from test_openai_server import MODEL, running_server, tiny_engine
 
 from camshaft.errors import RequestError
 from camshaft.openai_server.tool_call_json import Llama3JsonReader, MistralReader
-from camshaft.openai_server.tool_calls import HermesReader
+from camshaft.openai_server.tool_calls import ArrayReader, HermesReader
 from camshaft.openai_server.tools import tool_choice
 from camshaft.runtime.chat_template import TOOLS_PREAMBLE, ChatOptions
 from camshaft.runtime.guided import GuidedDecodingParams
@@ -390,6 +390,18 @@ def test_auto_with_the_llama3_json_parser(engine_dir, session):
     assert choice.finish_reason == reason == "tool_calls" and choice.message.content is None and content == ""
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == json.loads(raw)["parameters"]
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
+
+
+def test_required_calls_give_the_models_own_text_of_their_parameters():
+    """tool_choice "required" decoded each call and wrote its parameters again: 1e999, which the number grammar
+    allows, came out as Infinity (not JSON), and 1.10 as 1.1."""
+    text = ('[ {"name": "f", "parameters": {"x": 1e999, "big": 12345678901234567890.5, "y": 1.10, "s": "a,}\\"b"}},'
+            '{"parameters" :{} , "name":"g"}]')
+    for size in (1, 3, len(text)):
+        calls = _read(ArrayReader(), [text[i:i + size] for i in range(0, len(text), size)])[1]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("f", '{"x": 1e999, "big": 12345678901234567890.5, "y": 1.10, "s": "a,}\\"b"}'), ("g", "{}")]
+        json.loads(calls[0]["function"]["arguments"], parse_constant=lambda name: pytest.fail(name))
 
 
 def _read(reader, pieces: list[str]) -> tuple[str, list[dict]]:

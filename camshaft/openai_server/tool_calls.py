@@ -96,8 +96,10 @@ class ArrayReader(_Reader):
             except ValueError:  # not complete yet
                 break
             self._opened = True
-            if isinstance(item, dict) and isinstance(item.get("name"), str):
-                calls.append(whole_call(self.calls, item["name"], item.get("parameters", {})))
+            if isinstance(item, dict) and isinstance(item.get("name"), str):  # the model's own text of the
+                # parameters (decoded and written again, 1e999 came out as Infinity, not JSON)
+                arguments = _member_texts(self._text, at).get("parameters", "{}")
+                calls.append(whole_call(self.calls, item["name"], arguments))
                 self.calls += 1
         return "", calls
 
@@ -112,6 +114,19 @@ class ArrayReader(_Reader):
             return None
         at = _past_space(text, at + 1)
         return at if at < len(text) else None
+
+
+def _member_texts(text: str, at: int) -> dict[str, str]:
+    """The text of each member's value of the JSON object that starts at `at` (a complete one)."""
+    members, at = {}, _past_space(text, at + 1)
+    while text[at] != "}":
+        key, at = _decoder.raw_decode(text, at)
+        start = _past_space(text, _past_space(text, at) + 1)  # past the colon
+        _, at = _decoder.raw_decode(text, start)
+        members[key] = text[start:at]
+        at = _past_space(text, at)
+        at = _past_space(text, at + 1) if text[at] == "," else at
+    return members
 
 
 def _past_space(text: str, at: int) -> int:

@@ -524,6 +524,8 @@ HI = [{"role": "user", "content": "Hi"}]
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 4200}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4200}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "guided_json": {"type": "object"},
+                         "guided_whitespace_pattern": "[ ]?"}, "guided_whitespace_pattern"),
     (CHAT, {"model": MODEL, "messages": HI, "prompt_logprobs": 1}, "prompt_logprobs"),
     (CHAT, {"model": MODEL, "messages": HI, "stream": "yes"}, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),

@@ -13,7 +13,7 @@ from camshaft.openai_server.metrics import Metrics
 _SAMPLING_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "logprobs", "n",
                     "top_logprobs", "stream_options", "max_completion_tokens", "prompt", "logit_bias", "bad_words",
-                    "use_beam_search", "prompt_logprobs"}
+                    "use_beam_search", "prompt_logprobs", "guided_whitespace_pattern"}
 
 
 class APIError(Exception):

@@ -76,6 +76,7 @@ class _GenerationRequest(BaseModel):
     # vLLM's, refused rather than ignored: camshaft cannot honour them
     use_beam_search: StrictBool = False
     prompt_logprobs: StrictInt | None = None
+    guided_whitespace_pattern: str | None = None
 
     @property
     def stream_usage(self) -> str | None:
@@ -91,6 +92,10 @@ class _GenerationRequest(BaseModel):
         if self.use_beam_search:
             raise RequestError("use_beam_search is not supported: camshaft has no beam search; sample (n, temperature, "
                                "seed) instead")
+        if self.guided_whitespace_pattern is not None:
+            raise RequestError("guided_whitespace_pattern is not supported: guided JSON is laid out as Python's "
+                               "json.dumps writes it; for another layout put {\"x-guidance\": {\"whitespace_pattern\": "
+                               "...}} in the schema, or leave it out")
         if self.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs is not returned by this server; for the prompt's log-probs send "
                                "/v1/completions echo: true with logprobs")

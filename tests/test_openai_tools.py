@@ -402,6 +402,13 @@ def test_required_calls_give_the_models_own_text_of_their_parameters():
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
             ("f", '{"x": 1e999, "big": 12345678901234567890.5, "y": 1.10, "s": "a,}\\"b"}'), ("g", "{}")]
         json.loads(calls[0]["function"]["arguments"], parse_constant=lambda name: pytest.fail(name))
+    arguments = '{"x": 1e999, "y": 1.10}'  # the "auto" readers too
+    for reader, text in ((HermesReader({"f"}), f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'),
+                         (HermesReader({"f"}), f'<tool_call>[ {{"arguments" : {arguments}, "name": "f"}}]</tool_call>'),
+                         (Llama3JsonReader({"f"}), f'{{"name": "f", "parameters": {arguments}}}'),
+                         (MistralReader({"f"}), f'[TOOL_CALLS][{{"name": "f", "arguments": {arguments}}}]'),
+                         (MistralReader({"f"}), f'[TOOL_CALLS]f[ARGS]{arguments}')):
+        assert [c["function"]["arguments"] for c in _read(reader, [text])[1]] == [arguments], text
 
 
 def _read(reader, pieces: list[str]) -> tuple[str, list[dict]]:

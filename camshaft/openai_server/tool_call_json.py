@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from camshaft.openai_server.tool_calls import Piece, _partial_suffix, _Reader, call_parts, whole_call
+from camshaft.openai_server.tool_calls import Piece, _partial_suffix, _Reader, call_parts, raw_arguments, whole_call
 
 PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
 _SEPARATORS = " \t\r\n;,[]"
@@ -45,9 +45,12 @@ class _JsonCalls:
                 item, end = _decoder.raw_decode(self._text, start)
             except (ValueError, RecursionError):  # not JSON, or nested too deep to read: content
                 item, end = None, start
+            raw = self._text[start:end] if item is not None else None
             if named:
                 item = {"name": self._text[at:start].strip().removesuffix("[ARGS]").strip(), "arguments": item}
-            parts = call_parts(item, self._names)
+            elif isinstance(item, dict):
+                raw = raw_arguments(self._text, start)
+            parts = call_parts(item, self._names, raw)
             if parts is None:
                 self._at, self._stopped = at, True
                 break

@@ -28,15 +28,36 @@ def whole_call(index: int, name: str, arguments: Any) -> dict[str, Any]:
     return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def call_parts(item: Any, names: set[str]) -> tuple[str, dict] | None:
+def call_parts(item: Any, names: set[str], raw: str | None = None) -> tuple[str, dict | str] | None:
     """(name, arguments) of a decoded {"name", "arguments" | "parameters"} object calling a listed function (the
-    arguments an object, or JSON text of one); None where it is not such a call."""
+    arguments an object, or JSON text of one); None where it is not such a call. `raw`: the model's text of the
+    arguments, given as they are (decoded and written again, 1e999 would come out as Infinity, not JSON)."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str) or item["name"] not in names:
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else raw
     if isinstance(arguments, str):
         arguments = loads(arguments)
-    return (item["name"], arguments) if isinstance(arguments, dict) else None
+    if not isinstance(arguments, dict):
+        return None
+    return item["name"], arguments if text is None else text
+
+
+def raw_arguments(text: str, at: int) -> str | None:
+    """The text of the arguments (or parameters) of the call object starting at `at` (a complete one)."""
+    members = _member_texts(text, at)
+    return members.get("arguments", members.get("parameters"))
+
+
+def element_starts(text: str, at: int) -> list[int]:
+    """Where each item of the JSON array starting at `at` (a complete one) starts."""
+    starts, at = [], _past_space(text, at + 1)
+    while text[at] != "]":
+        starts.append(at)
+        _, at = _decoder.raw_decode(text, at)
+        at = _past_space(text, at)
+        at = _past_space(text, at + 1) if text[at] == "," else at
+    return starts
 
 
 def loads(text: str) -> Any:
@@ -116,6 +137,10 @@ class ArrayReader(_Reader):
         return at if at < len(text) else None
 
 
+def _raw(text: str, at: int) -> str | None:
+    return raw_arguments(text, at) if text[at] == "{" else None
+
+
 def _member_texts(text: str, at: int) -> dict[str, str]:
     """The text of each member's value of the JSON object that starts at `at` (a complete one)."""
     members, at = {}, _past_space(text, at + 1)
@@ -178,8 +203,12 @@ class HermesReader(_Reader):
 
     def _block(self, body: str, closed: bool) -> Piece:
         """One call's object, or a list of them (SmolLM2's trained form: `<tool_call>[{...}, {...}]</tool_call>`)."""
-        value = loads(body)
-        found = [call_parts(v, self._names) for v in (value if isinstance(value, list) and value else [value])]
+        value, at = loads(body), _past_space(body, 0)
+        if isinstance(value, list) and value:
+            found = [call_parts(v, self._names, _raw(body, start))
+                     for v, start in zip(value, element_starts(body, at), strict=True)]
+        else:
+            found = [call_parts(value, self._names, _raw(body, at) if isinstance(value, dict) else None)]
         if any(parts is None for parts in found):
             return self._content(OPEN + body + (CLOSE if closed else "")), []
         calls = []

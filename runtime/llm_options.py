@@ -12,7 +12,7 @@ import numpy as np
 from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import CapacityError, RequestError
 from camshaft.manifest import BuildLimits, Manifest
-from camshaft.runtime.kv_cache import bytes_per_block, cache_copies
+from camshaft.runtime.kv_cache import pool_bytes
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.scheduler_config import POLICIES, RESERVATIONS, SchedulerConfig
 
@@ -54,12 +54,20 @@ def check_serves_full_length(manifest: Manifest, config: SchedulerConfig) -> Non
     usable, need = config.num_blocks - 1, config.full_length_blocks  # block 0 is the null block
     if usable >= need:
         return
-    least = -(-(need + 1) * bytes_per_block(manifest) * cache_copies(manifest) // 2**20)
+    least = pool_bytes(manifest, need + 1)
     raise CapacityError(
         f"the KV cache holds {usable} blocks of {config.block_size} tokens, fewer than the {need} one request of the "
         f"engine's max_seq_len {config.max_seq_len} takes, so a server would refuse requests within the context it "
-        f"announces; raise kv_cache_memory to at least {least}MiB, or serve an engine built "
+        f"announces; raise kv_cache_memory to at least {least_text(least)}, or serve an engine built "
         f"with --max-seq-len {usable * config.block_size} or less")
+
+
+def least_text(size: int) -> str:
+    """A byte count as kv_cache_memory takes it, rounded up to a whole KiB or MiB (never below `size`)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if size >= 16 * scale:
+            return f"{-(-size // scale)}{unit}"
+    return str(size)
 
 
 def usable_cpus() -> int:

@@ -88,19 +88,22 @@ def test_a_server_pool_must_hold_one_request_of_the_context_it_announces(engine,
     announced context admits and then refusing them (or capping them) misleads clients."""
     from camshaft.manifest import read_manifest
     from camshaft.openai_server.server import build_server
-    from camshaft.runtime.kv_cache import bytes_per_block
+    from camshaft.runtime.kv_cache import bytes_per_block, memory_spec
+    from camshaft.runtime.llm_options import least_text
 
     block = bytes_per_block(read_manifest(engine))  # max_seq_len 128: 4 blocks of 32 tokens, and the null block
+    least = least_text(5 * block)  # the budget that holds them, rounded up to a whole KiB or MiB, no further
+    assert 5 * block <= memory_spec(least) < 5 * block + 2**20 / 16
     short = ("the KV cache holds 3 blocks of 32 tokens, fewer than the 4 one request of the engine's max_seq_len 128 "
              "takes, so a server would refuse requests within the context it announces; raise --kv-cache-memory to "
-             "at least 1MiB, or serve an engine built with --max-seq-len 96 or less")
+             f"at least {least}, or serve an engine built with --max-seq-len 96 or less")
     for command in (["deploy", "--engine", engine, "--repo", tmp_path / "short"],  # first: the old code served on
                     ["serve", "--api", "openai", "--engine", engine], ["serve", "--engine", engine]):
         refused(invoke(*command, "--kv-cache-memory", 4 * block), short)
     assert not (tmp_path / "short").exists()
     with pytest.raises(CamshaftError, match="the KV cache holds 3 blocks of 32 tokens, fewer than the 4"):
         build_server(engine, host="127.0.0.1", port=0, llm_options={"kv_cache_memory": 4 * block})  # at load too
-    done = invoke("deploy", "--engine", engine, "--repo", tmp_path / "enough", "--kv-cache-memory", 5 * block)
+    done = invoke("deploy", "--engine", engine, "--repo", tmp_path / "enough", "--kv-cache-memory", least)
     assert done.exit_code == 0, done.output
 
 

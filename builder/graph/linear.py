@@ -100,8 +100,6 @@ class Linears:
     def lower_quantized(self, x: str, layers: list[QuantizedLinear], name: str, in_dim: int) -> str | None:
         first = layers[0]
         per_channel = first.block_size == in_dim
-        if first.bits == 4 and first.activation == "fp8" and first.weight_scale_2 is None:
-            return None
         if self.qdq:
             kind, y = "qdq", self.qdq_matmul(x, layers, name, in_dim)
         elif first.activation is None and nbits_block(first) is not None:

@@ -71,8 +71,8 @@ def wait_until_stopped(process: subprocess.Popen, signals: list[float], exit_tim
         if gave_up_at is None and waited > exit_timeout_s and gave_up():
             gave_up_at = time.monotonic()
         if gave_up_at is not None and time.monotonic() - gave_up_at > GAVE_UP_S and len(signals) == 1:
-            log("tritonserver gave up unloading at its exit timeout but did not exit (a client's gRPC stream left "
-                "open, even idle, keeps the model it last used loaded): killing it")
+            log("tritonserver gave up unloading at its exit timeout but did not exit (the known cause: a client's "
+                "gRPC stream left open, even idle, keeps the model it last used loaded): killing it")
             process.kill()
             return process.wait()
         if len(signals) > 1 or waited > exit_timeout_s + KILL_AFTER_S:

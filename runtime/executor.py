@@ -14,7 +14,7 @@ import time
 from camshaft.errors import RequestError, ServerBusyError, ServerClosedError
 from camshaft.runtime.engine import Engine
 from camshaft.runtime.llm_options import check_fits_in_flight, check_max_queue
-from camshaft.runtime.outputs import Load, RequestOutput, Sink
+from camshaft.runtime.outputs import Load, RequestOutput, Sink, own_error
 from camshaft.runtime.request import Request
 from camshaft.runtime.sampler import SampleResult
 from camshaft.runtime.scheduler import Scheduled, Scheduler
@@ -259,6 +259,7 @@ class Executor(StepCounters):
                 self._finish(sibling, error)
         with self._wake:
             sink = self._sinks.pop(request.request_id)
+        error = None if error is None else own_error(error)
         self._deliver(sink, RequestOutput(request.request_id, delta, *new, None if error else request.result(), error,
                                           _first_prompt_logprobs(request, new)))
 

@@ -95,7 +95,8 @@ class LLM(ServingAPI):
         self._ids = itertools.count()
         # closed when dropped without close(), and at interpreter exit: the loop thread would otherwise keep the
         # engine alive, or still be inside onnxruntime as the process ends
-        self._finalizer = weakref.finalize(self, _shutdown, self.executor, engine, os.getpid())
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _shutdown, self.executor, engine, self._pid)
 
     @property
     def stats(self) -> list[IterationStats]:
@@ -121,6 +122,8 @@ class LLM(ServingAPI):
     def close(self) -> None:
         self._finalizer()
         self.executor.join()  # a second close, on another thread, returns once the first has stopped the loop too
+        if os.getpid() == self._pid:  # the first one interrupted (Ctrl-C) while it waited for the loop: done now
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

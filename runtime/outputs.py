@@ -3,6 +3,7 @@ stream's steps, per-step stats and the current load."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -157,3 +158,15 @@ class PromptOutput:
     def prompt_logprobs(self) -> list[SampleResult | None] | None:
         """The prompt's log-probs (vLLM's field; each output holds the same)."""
         return self.outputs[0].prompt_logprobs
+
+
+def own_error(error: Exception) -> Exception:
+    """A copy of `error` for one request's output (its traceback so far, cause and context kept): one object raised
+    by every request it ended grew one traceback with all their frames."""
+    try:
+        mine = copy.copy(error)
+    except Exception:  # an exception type that cannot be rebuilt from its args
+        return error
+    mine.__traceback__, mine.__cause__, mine.__context__ = error.__traceback__, error.__cause__, error.__context__
+    mine.__suppress_context__ = error.__suppress_context__
+    return mine

@@ -112,7 +112,9 @@ def test_a_failed_engine_step_is_logged_and_ends_only_its_requests(engine_dir, c
             failed = done.get(timeout=30)
         assert isinstance(failed.error, RuntimeError) and "device lost" in str(failed.error)
         record = next(r for r in caplog.records if r.name == "camshaft.runtime.executor")
-        assert "engine step failed; its 1 request(s)" in record.getMessage() and record.exc_info[1] is failed.error
+        assert "engine step failed; its 1 request(s)" in record.getMessage()
+        logged = record.exc_info[1]  # the request's error is its own copy, with the step's traceback
+        assert type(logged) is type(failed.error) and failed.error.__traceback__ is logged.__traceback__
         assert len(llm.generate([[8, 9, 10]], GREEDY, use_tqdm=False)[0].token_ids) == 6  # the loop carries on
         assert llm.alive
     assert not llm.alive
@@ -147,6 +149,54 @@ def test_a_second_close_on_another_thread_waits_for_the_loop_to_stop(engine_dir)
     llm.close()
     assert not llm.executor._thread.is_alive() and isinstance(finals.get_nowait().error, ServerClosedError)
     first.join()
+
+
+def test_every_stream_a_close_ends_raises_its_own_error(engine_dir):
+    """One ServerClosedError went to every open stream: each consumer's raise added its frames to the same
+    traceback (100 streams: 300 frames each, 15,000 lines if each was logged)."""
+    import asyncio
+    import traceback
+
+    llm = LLM(engine_dir, max_batch_size=4)
+    step = llm.engine.step
+    llm.engine.step = lambda chunks: time.sleep(0.05) or step(chunks)
+
+    async def consume(i: int) -> BaseException:
+        try:
+            async for _ in llm.stream([5, i + 3, 7], SamplingParams(max_tokens=25, ignore_eos=True)):
+                pass
+        except ServerClosedError as exc:
+            return exc
+        raise AssertionError("the stream ended without the close's error")
+
+    async def main() -> list[BaseException]:
+        tasks = [asyncio.create_task(consume(i)) for i in range(12)]
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(llm.close)
+        return await asyncio.gather(*tasks)
+
+    errors = asyncio.run(main())
+    assert len({id(e) for e in errors}) == len(errors)
+    assert all(sum(f.name == "consume" for f in traceback.extract_tb(e.__traceback__)) == 1 for e in errors)
+
+
+def test_a_close_interrupted_while_it_waits_for_the_loop_closes_the_engine_when_called_again(engine_dir):
+    """Ctrl-C in close()'s wait spent the finalizer: a second close() returned without ever closing the engine."""
+    import _thread
+
+    llm = LLM(engine_dir)
+    step, closed = llm.engine.step, []
+    stepping = threading.Event()
+    llm.engine.step = lambda chunks: stepping.set() or time.sleep(0.5) or step(chunks)
+    backend_close = llm.engine.backend.close
+    llm.engine.backend.close = lambda: closed.append(1) or backend_close()
+    llm.submit([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), lambda output: None)
+    assert stepping.wait(30)
+    threading.Timer(0.1, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.close()
+    llm.close()
+    assert closed and not llm.executor._thread.is_alive()
 
 
 def test_closing_from_a_sink_runs_no_step_on_the_closed_engine(engine_dir):

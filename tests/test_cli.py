@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -402,3 +404,28 @@ def test_a_working_directory_replaced_from_under_the_shell_is_one_line(tmp_path)
     (tmp_path / "gone").mkdir()  # what needs no directory still runs there
     assert subprocess.run([sys.executable, "-c", script, str(tmp_path / "gone"), "models", "list"],
                           capture_output=True, timeout=120).returncode == 0
+
+
+CLI = [str(Path(sys.executable).parent / "camshaft")]
+
+
+def test_output_on_a_closed_or_latin1_stdout_is_one_line_or_replaced(engine, tmp_path):
+    """stdout closed (>&-): --stream gave a traceback, the others exit 0 having written nothing; a terminal whose
+    encoding cannot show a character (a Latin-1 locale and an emoji) gave a traceback and lost the reply."""
+    for command in (["run", "--engine", engine, "--prompt", "hi", "--max-tokens", "3", "--stream"],
+                    ["inspect", "--engine", engine], ["models", "list"]):
+        done = subprocess.run([*CLI, *map(str, command)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, preexec_fn=lambda: os.close(1))
+        assert done.returncode == 1 and done.stderr.strip() == (
+            "error: stdout is closed (>&-), so the output would be lost; redirect it (> FILE, or > /dev/null to "
+            "drop it)"), done.stderr
+    template = tmp_path / "emoji.jinja"
+    template.write_text("{{ messages[0]['content'] }} 😀 θ")
+    env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
+    done = subprocess.run([*CLI, "run", "--engine", str(engine), "--prompt", "hi", "--max-tokens", "2", "--chat",
+                           "--chat-template", str(template), "--temperature", "0", "--stream"], env=env,
+                          capture_output=True)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    encoded = subprocess.run([*CLI, "inspect", "--engine", str(engine)], env=env, capture_output=True)
+    assert encoded.returncode == 0 and b"Traceback" not in encoded.stderr
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -131,7 +132,17 @@ def _cwd_exists() -> bool:
     return True
 
 
+def require_stdout() -> None:
+    """A command whose output is on stdout refuses to run with stdout closed (`>&-`): its output would be lost."""
+    if sys.stdout is None:
+        raise CamshaftError("stdout is closed (>&-), so the output would be lost; redirect it (> FILE, or > /dev/null "
+                            "to drop it)")
+
+
 def main() -> None:
+    if sys.stdout is not None and hasattr(sys.stdout, "reconfigure"):  # a terminal that cannot show a character
+        with contextlib.suppress(ValueError):  # (a Latin-1 locale, an emoji) shows "?" rather than a traceback
+            sys.stdout.reconfigure(errors="replace")
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # docker stop, a scheduler's eviction, `timeout`
         stops = Stops()  # `timeout`'s second SIGTERM must not cut short the unwinding of its first
 
@@ -146,6 +157,7 @@ def main() -> None:
         stop = _stopped(exc)
         _end_progress_line()
         if stop is not None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C would interrupt the exit with a traceback
             if stop == 130:
                 err.print("interrupted")
             sys.exit(stop)

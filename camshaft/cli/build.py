@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from camshaft.cli import app, err, models_app, progress
+from camshaft.cli import app, err, models_app, progress, require_stdout
 from camshaft.errors import CamshaftError
 from camshaft.quantize.calibration import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_SIZE
 from camshaft.quantize.spec import FORMATS
@@ -36,6 +36,7 @@ def models_fetch(
 @models_app.command("list")
 def models_list() -> None:
     """The models `models fetch` knows, where each comes from, and whether it is in the camshaft cache."""
+    require_stdout()
     from camshaft.models import KNOWN_MODELS, default_model_dir, is_fetched
 
     for name, model in sorted(KNOWN_MODELS.items()):

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from camshaft.cli import app
+from camshaft.cli import app, require_stdout
 
 
 @app.command("inspect")
@@ -18,6 +18,7 @@ def inspect_engine(
     """Describe an engine (model, precision, target, limits, KV cache, files, tools) and whether it runs here.
 
     Its files are checked as loading checks them. Exit status 1 when it does not run here."""
+    require_stdout()
     import json
 
     from camshaft.runtime.engine_info import engine_info, info_lines

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from camshaft.cli import app, err, eval_app, flag_names
+from camshaft.cli import app, err, eval_app, flag_names, require_stdout
 from camshaft.cli.serve import ThreadsOption
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ def run(
     threads: ThreadsOption = None,
 ) -> None:
     """Generate text from a prompt."""
+    require_stdout()
     from dataclasses import replace
 
     from camshaft.errors import RequestError
@@ -153,6 +154,7 @@ def eval_ppl(
     threads: ThreadsOption = None,
 ) -> None:
     """Perplexity of a text through an engine and/or transformers, in non-overlapping windows."""
+    require_stdout()
     from camshaft.errors import RequestError
     from camshaft.manifest import read_manifest
     from camshaft.runtime.perplexity import (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,14 +135,16 @@ def _nll(logits: np.ndarray, targets: list[int]) -> float:
     return total
 
 
-def engine_perplexity(engine_dir: str | Path, text: str, threads: int | None = None) -> PerplexityResult:
+def engine_perplexity(engine_dir: str | Path, text: str, threads: int | None = None,
+                      progress: Callable[[str], None] = lambda _: None) -> PerplexityResult:
+    """`progress` hears "engine: window i/N" as each window is scored."""
     check_runtime_options(threads)
     engine = Engine(engine_dir, max_sequences=1, threads=threads)
     ids = engine.tokenizer(text, verbose=False)["input_ids"]  # windowed below: no "indexing errors" warning
     check_vocab(ids, engine.manifest.model.vocab_size, "the engine")
     limits = engine.limits
     total, count, parts = 0.0, 0, windows(ids, limits.max_seq_len)
-    for window in parts:
+    for i, window in enumerate(parts, 1):
         blocks = engine.pool.allocate(-(-len(window) // engine.block_size))
         try:
             for start in range(0, len(window), limits.max_num_tokens):  # each piece scored as it comes
@@ -152,11 +155,14 @@ def engine_perplexity(engine_dir: str | Path, text: str, threads: int | None = N
         finally:
             engine.pool.free(blocks)
         count += len(window) - 1
+        progress(f"engine: window {i}/{len(parts)}")
     return PerplexityResult(math.exp(total / count), count, len(parts))
 
 
-def reference_perplexity(model_dir: str | Path, text: str, window: int) -> PerplexityResult:
-    """transformers fp32 on the same windows: the numerics reference (needs torch)."""
+def reference_perplexity(model_dir: str | Path, text: str, window: int,
+                         progress: Callable[[str], None] = lambda _: None) -> PerplexityResult:
+    """transformers fp32 on the same windows: the numerics reference (needs torch); `progress` as
+    engine_perplexity's."""
     check_window(window)
     check_reference_model(model_dir)
     try:
@@ -176,8 +182,9 @@ def reference_perplexity(model_dir: str | Path, text: str, window: int) -> Perpl
     check_vocab(ids, model.config.vocab_size, "--model")
     total, count, parts = 0.0, 0, windows(ids, window)
     with torch.no_grad():
-        for part in parts:
+        for i, part in enumerate(parts, 1):
             logits = model(torch.tensor([part])).logits[0, :-1].numpy()
             total += _nll(logits, part[1:])
             count += len(part) - 1
+            progress(f"transformers: window {i}/{len(parts)}")
     return PerplexityResult(math.exp(total / count), count, len(parts))

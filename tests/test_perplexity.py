@@ -49,9 +49,12 @@ def independent_perplexity(model_dir, text: str, window: int) -> tuple[float, in
 
 def test_engine_perplexity_equals_transformers(tiny):
     model, engine = tiny
-    ours = engine_perplexity(engine, TEXT)
-    theirs = reference_perplexity(model, TEXT, window=128)
+    heard: list[str] = []  # long work shows progress: each window as it is scored
+    ours = engine_perplexity(engine, TEXT, progress=heard.append)
+    theirs = reference_perplexity(model, TEXT, window=128, progress=heard.append)
     assert ours.windows == theirs.windows > 1  # the text spans several windows, each in several chunks
+    assert heard == [f"{name}: window {i}/{ours.windows}" for name in ("engine", "transformers")
+                     for i in range(1, ours.windows + 1)]
     assert ours.tokens_scored == theirs.tokens_scored
     expected, scored = independent_perplexity(model, TEXT, 128)  # the shared scoring code checked too
     assert ours.tokens_scored == scored

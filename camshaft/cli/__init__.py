@@ -44,7 +44,7 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
 
 
 CLEAR_TO_END = "\x1b[K"
-_COUNTED = re.compile(r".*\blayer (\d+)/(\d+)$")  # a step of the builders' loop over layers
+_COUNTED = re.compile(r".*\b(?:layer|window) (\d+)/(\d+)$")  # a step of the builders' loop over layers, of eval's
 
 
 class _Line:

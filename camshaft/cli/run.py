@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from camshaft.cli import app, err, eval_app, flag_names, require_stdout
+from camshaft.cli import app, err, eval_app, flag_names, progress, require_stdout
 from camshaft.cli.serve import ThreadsOption
 
 if TYPE_CHECKING:
@@ -191,9 +191,9 @@ def eval_ppl(
     text = read_text(data)
     runs = []
     if engine is not None:
-        runs.append(("engine", engine_window, lambda: engine_perplexity(engine, text, threads)))
+        runs.append(("engine", engine_window, lambda: engine_perplexity(engine, text, threads, progress)))
     if model is not None:
-        runs.append(("transformers", window, lambda: reference_perplexity(model, text, window)))
+        runs.append(("transformers", window, lambda: reference_perplexity(model, text, window, progress)))
     for name, size, score in runs:  # each printed when done: a failing second run loses nothing of the first
         with flag_names("threads"):
             r = score()

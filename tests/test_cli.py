@@ -429,3 +429,20 @@ def test_output_on_a_closed_or_latin1_stdout_is_one_line_or_replaced(engine, tmp
     encoded = subprocess.run([*CLI, "inspect", "--engine", str(engine)], env=env, capture_output=True)
     assert encoded.returncode == 0 and b"Traceback" not in encoded.stderr
 
+
+
+def test_a_reader_that_goes_away_ends_run_as_sigpipe_would(tmp_path):
+    """run --stream | head -c 1: click's handler exited 1 with nothing said, which a pipefail script takes for a
+    failure; a process that loses its reader exits 141 (SIGPIPE's), as coreutils do."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    model = make_tiny_model("llama", tmp_path / "hf", max_position_embeddings=4096)
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=4096, max_num_tokens=64))
+    process = subprocess.Popen([*CLI, "run", "--engine", str(tmp_path / "engine"), "--prompt", "hi", "--max-tokens",
+                                "4000", "--stream", "--temperature", "1"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    assert process.stdout.read(1)
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(60) == 141 and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr

@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -137,6 +138,12 @@ def require_stdout() -> None:
     if sys.stdout is None:
         raise CamshaftError("stdout is closed (>&-), so the output would be lost; redirect it (> FILE, or > /dev/null "
                             "to drop it)")
+
+
+def pipe_closed() -> NoReturn:
+    """stdout's reader went away (`| head`): exit quietly as a process SIGPIPE ends does (141), as coreutils do."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail again
+    raise SystemExit(128 + signal.SIGPIPE)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from camshaft.cli import app, err, eval_app, flag_names, progress, require_stdout
+from camshaft.cli import app, err, eval_app, flag_names, pipe_closed, progress, require_stdout
 from camshaft.cli.serve import ThreadsOption
 
 if TYPE_CHECKING:
@@ -122,19 +122,23 @@ def _run(engine: Path, prompt: str, chat: bool, system: str | None, params: Samp
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [
             {"role": "user", "content": prompt}]  # --system "": an empty system turn, not the template's default
     kwargs = {"messages": messages} if chat else {"prompt": prompt}
-    if stream:
-        deltas = session.stream(sampling_params=params, **kwargs)
-        while True:
-            try:
-                sys.stdout.write(next(deltas))
-                sys.stdout.flush()
-            except StopIteration as done:
-                result = done.value
-                break
-        sys.stdout.write("\n")
-    else:
-        result = session.generate(sampling_params=params, **kwargs)
-        typer.echo(result.text)
+    try:
+        if stream:
+            deltas = session.stream(sampling_params=params, **kwargs)
+            while True:
+                try:
+                    sys.stdout.write(next(deltas))
+                    sys.stdout.flush()
+                except StopIteration as done:
+                    result = done.value
+                    break
+            sys.stdout.write("\n")
+        else:
+            result = session.generate(sampling_params=params, **kwargs)
+            sys.stdout.write(result.text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        pipe_closed()
     t = result.timings
     drafts = f" · drafts {session.accepted_draft_tokens}/{session.draft_tokens} taken" if prompt_lookup else ""
     speed = f" · {t.decode_tok_s:.1f} tok/s" if t.output_tokens > 1 else ""  # decode speed: from the second token

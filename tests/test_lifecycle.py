@@ -183,6 +183,7 @@ def test_every_stream_a_close_ends_raises_its_own_error(engine_dir):
 def test_a_close_interrupted_while_it_waits_for_the_loop_closes_the_engine_when_called_again(engine_dir):
     """Ctrl-C in close()'s wait spent the finalizer: a second close() returned without ever closing the engine."""
     import _thread
+    import signal
 
     llm = LLM(engine_dir)
     step, closed = llm.engine.step, []
@@ -192,9 +193,13 @@ def test_a_close_interrupted_while_it_waits_for_the_loop_closes_the_engine_when_
     llm.engine.backend.close = lambda: closed.append(1) or backend_close()
     llm.submit([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), lambda output: None)
     assert stepping.wait(30)
-    threading.Timer(0.1, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        llm.close()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background runner ignores SIGINT
+    try:
+        threading.Timer(0.1, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     llm.close()
     assert closed and not llm.executor._thread.is_alive()
 

@@ -476,3 +476,19 @@ def test_chat_echo_keeps_the_continuations_leading_space_when_tools_are_read(ser
     message = shape.choice(0, SimpleNamespace(text=call, finish_reason="stop", stop_reason=None, logprobs=None),
                            False)["message"]
     assert message["content"] == "  Let me\n" and message["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_required_calls_schema_reads_each_tool_once(monkeypatch):
+    """guided() looked each function up by name in a fresh list of all of them: quadratic, 23 s on the event loop
+    for 28k tools (every other request, /health included, waited)."""
+    from camshaft.openai_server import tools as tools_module
+
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}} for i in range(50)]
+    choice = tools_module.tool_choice(tools, "required", True, "hermes")
+    listed = []
+    functions = tools_module.ToolChoice._functions
+    monkeypatch.setattr(tools_module.ToolChoice, "_functions", lambda self: listed.append(1) or functions(self))
+    schema = json.loads(choice.guided().json)
+    assert len(listed) == 1 and [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == \
+        [f"f{i}" for i in range(50)]

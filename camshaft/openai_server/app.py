@@ -200,7 +200,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         tools = tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser)
         params = body.sampling_params(body.requested_max_tokens(), body.logprobs_count(),  # None: all that is left
                                       sampling_defaults)
-        guided = tools.guided() if tools is not None else None
+        guided = await asyncio.to_thread(tools.guided) if tools is not None else None  # a schema of many tools:
+        # off the loop every stream shares
         if guided is not None:
             if params.guided_decoding is not None:
                 raise APIError(400, f"tool_choice {body.tool_choice!r:.60} holds the output to its tools' schemas; "

@@ -50,10 +50,12 @@ def quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering
 
 def every_layer_as_star(modules: set[str], num_layers: int) -> list[str]:
     """The module names, sorted, with model.layers.*.NAME for a NAME every layer has."""
-    layers: dict[str, set[int]] = {}
+    names, layers = set(), {}
     for module in modules:
         if match := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module):
-            layers.setdefault(match[2], set()).add(int(match[1]))
-    every = {name for name, found in layers.items() if len(found) == num_layers}
-    kept = {m for m in modules if not (match := re.fullmatch(r"model\.layers\.\d+\.(.+)", m)) or match[1] not in every}
-    return sorted(kept | {f"model.layers.*.{name}" for name in every})
+            layers.setdefault(match[2], set()).add(match[1])
+        else:
+            names.add(module)
+    for name, found in layers.items():
+        names |= {f"model.layers.*.{name}"} if len(found) == num_layers else {f"model.layers.{i}.{name}" for i in found}
+    return sorted(names)

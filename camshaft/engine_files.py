@@ -165,13 +165,16 @@ def user_tokenizer_entries(engine_dir: Path) -> list[str]:
     recorded = _recorded_templates(tok_dir / TEMPLATE_RECORD)
     if recorded is None:
         return found + ([f"{TOKENIZER_DIR}/{NAMED_TEMPLATES}"] if NAMED_TEMPLATES in unlisted else [])
-    if (tok_dir / NAMED_TEMPLATES).exists() and not any(k.startswith(f"{NAMED_TEMPLATES}/") for k in recorded):
+    named = f"{NAMED_TEMPLATES}/"
+    named_added = (tok_dir / NAMED_TEMPLATES).exists() and not any(k.startswith(named) for k in recorded)
+    if named_added:  # the whole directory, said once
         found.append(f"{TOKENIZER_DIR}/{NAMED_TEMPLATES}")
     for name, digest in template_digests(tok_dir).items():
-        if name not in recorded and not (name.startswith(f"{NAMED_TEMPLATES}/") and f"{TOKENIZER_DIR}/"
-                                         f"{NAMED_TEMPLATES}" in found):
+        if named_added and name.startswith(named):
+            continue
+        if name not in recorded:
             found.append(f"{TOKENIZER_DIR}/{name} (added since the build)")
-        elif name in recorded and digest != recorded[name]:
+        elif digest != recorded[name]:
             found.append(f"{TOKENIZER_DIR}/{name} (edited since the build)")
     return found
 

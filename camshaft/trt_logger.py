@@ -21,6 +21,14 @@ class Stop:
     def keep(self, exc: BaseException) -> None:
         self.exc = self.exc or exc
 
+    @contextlib.contextmanager
+    def keeping(self) -> Iterator[None]:
+        """Around a callback's body: what it raises (a signal's exception) is kept, as TensorRT would swallow it."""
+        try:
+            yield
+        except BaseException as exc:
+            self.keep(exc)
+
     def raise_kept(self) -> None:
         if self.exc is not None:
             raise self.exc
@@ -63,15 +71,13 @@ def capturing_logger(trt: Any, messages: MutableSequence[str], on_error: Callabl
 
     class Logger(trt.ILogger):
         def log(self, level: Any, msg: str) -> None:
-            try:
+            with stop.keeping():
                 if level in (severity.INTERNAL_ERROR, severity.ERROR):
                     messages.append(msg)
                     if on_error is not None:
                         on_error(f"TensorRT error: {msg}")
                 elif level == severity.WARNING and not any(n in msg for n in NOISE):
                     messages.append(msg)
-            except BaseException as exc:  # a signal's exception, raised here: TensorRT would swallow it
-                stop.keep(exc)
 
     return Logger()
 
@@ -88,27 +94,21 @@ def build_monitor(trt: Any, progress: Callable[[str], None], stop: Stop, every_s
             self.said = time.monotonic()
 
         def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
-            try:
+            with stop.keeping():
                 if parent_phase is None:
                     self.top[phase_name] = num_steps
                     progress(f"{phase_name} ({num_steps} step{'s' if num_steps != 1 else ''})")
-            except BaseException as exc:
-                stop.keep(exc)
 
         def step_complete(self, phase_name: str, step: int) -> bool:
-            try:
+            with stop.keeping():
                 if phase_name in self.top and time.monotonic() - self.said >= every_s:
                     self.said = time.monotonic()
                     progress(f"{phase_name}: step {step + 1}/{self.top[phase_name]}")
-            except BaseException as exc:
-                stop.keep(exc)
             return stop.exc is None  # False cancels the build
 
         def phase_finish(self, phase_name: str) -> None:
-            try:
+            with stop.keeping():
                 self.top.pop(phase_name, None)
-            except BaseException as exc:
-                stop.keep(exc)
 
     return Monitor()
 

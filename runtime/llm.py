@@ -120,9 +120,10 @@ class LLM(ServingAPI):
         return self.executor.load()
 
     def close(self) -> None:
+        again = not self._finalizer.alive
         self._finalizer()
         self.executor.join()  # a second close, on another thread, returns once the first has stopped the loop too
-        if os.getpid() == self._pid:  # the first one interrupted (Ctrl-C) while it waited for the loop: done now
+        if again and os.getpid() == self._pid:  # the first one interrupted (Ctrl-C) while it waited for the loop
             self.engine.close()
 
     def __enter__(self) -> LLM:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from camshaft.runtime.throughput_report import ThroughputResult
+from camshaft.runtime.throughput_report import ThroughputResult, fmt
 
 
 def plot_sweep(results: list[ThroughputResult], path: str | Path, peers: dict[str, list[dict]] | None = None,
@@ -48,7 +48,7 @@ def plot_sweep(results: list[ThroughputResult], path: str | Path, peers: dict[st
 
 def value_label(y: float) -> str:
     """A point's value: whole above 10, two significant digits below (0.7 ms is not "1")."""
-    return f"{y:.0f}" if abs(y) >= 10 else f"{y:.2g}"
+    return fmt(y, None)
 
 
 def save_figure(fig, path: str | Path, title: str | None = None) -> None:

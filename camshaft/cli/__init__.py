@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -39,9 +40,20 @@ def _version(show: bool) -> None:
 
 
 @app.callback()
-def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                          help="Show camshaft's version and exit")) -> None:
+def _options(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Show camshaft's version and exit"),
+    config: Path | None = typer.Option(
+        None, "--config", metavar="FILE", dir_okay=False,
+        help="Option values from a TOML file: a table per command ([build], [bench.throughput]) of its flags "
+             "without the dashes (max-seq-len = 2048); flags on the command line win. Presets: configs/"),
+) -> None:
     """Build, quantize, serve and benchmark LLM inference engines."""
+    if config is not None:
+        from camshaft.cli.config_file import read_defaults
+
+        ctx.default_map = read_defaults(config, ctx.command)
 
 
 CLEAR_TO_END = "\x1b[K"

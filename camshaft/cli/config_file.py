@@ -1,0 +1,89 @@
+"""`camshaft --config FILE COMMAND ...`: option values from a TOML file, a table per command ([build],
+[bench.throughput]) of its flags without the dashes; the flags typed on the command line win. configs/ holds presets."""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
+
+from camshaft.errors import RequestError
+
+
+def read_defaults(path: Path, root: TyperGroup) -> dict[str, Any]:
+    """The file's values as the default_map for `root`, every section, key and value checked against the command
+    it names (a typo anywhere is an error, not a setting silently ignored)."""
+    try:
+        table = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RequestError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RequestError(f"--config {path}: cannot read it ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise RequestError(f"--config {path} is not valid TOML: {exc}") from None
+    return _group_defaults(root, table, path, ())
+
+
+def _group_defaults(group: TyperGroup, table: dict[str, Any], path: Path, trail: tuple[str, ...]) -> dict[str, Any]:
+    defaults: dict[str, Any] = {}
+    for key, value in table.items():
+        command = group.commands.get(key)
+        if command is None or command.hidden:
+            names = sorted(n for n, c in group.commands.items() if not c.hidden)
+            what = f"a table [{_section(trail + (key,))}]" if isinstance(value, dict) else f"{key} = ..."
+            raise RequestError(f"--config {path}: {what} names no camshaft {'command' if not trail else 'subcommand'}"
+                               f"{_of(trail)}; its sections are the commands{_of(trail)}: {', '.join(names)}"
+                               f"{_near(key, names)}")
+        if not isinstance(value, dict):
+            raise RequestError(f"--config {path}: {key} must be a table ([{_section(trail + (key,))}]) of that "
+                               f"command's options, got {value!r:.60}")
+        where = trail + (key,)
+        defaults[key] = (_group_defaults(command, value, path, where) if isinstance(command, TyperGroup)
+                         else _command_defaults(command, value, path, where))
+    return defaults
+
+
+def _command_defaults(command: TyperCommand, table: dict[str, Any], path: Path,
+                      trail: tuple[str, ...]) -> dict[str, Any]:
+    options = {_flag(p): p for p in command.params
+               if isinstance(p, TyperOption) and p.expose_value and not p.is_eager and _flag(p)}
+    ctx = typer.Context(command, info_name=trail[-1])
+    defaults: dict[str, Any] = {}
+    for key, value in table.items():
+        param = options.get(key)
+        if param is None:
+            hint = f"; did you mean {key.replace('_', '-')}?" if key.replace("_", "-") in options else \
+                _near(key, list(options))
+            raise RequestError(f"--config {path}: [{_section(trail)}] has {key!r}, not an option of `camshaft "
+                               f"{' '.join(trail)}`{hint} (its options: {', '.join(sorted(options))})")
+        if param.multiple and not isinstance(value, list):
+            value = [value]
+        try:
+            param.process_value(ctx, value)
+        except typer.BadParameter as exc:
+            raise RequestError(f"--config {path}: [{_section(trail)}] {key} = {value!r:.60}: "
+                               f"{exc.format_message()}") from None
+        defaults[param.name] = value  # type: ignore[index]
+    return defaults
+
+
+def _flag(param: TyperOption) -> str | None:
+    """The option's flag as the file spells it: --max-seq-len -> max-seq-len (of --stream/--no-stream: stream)."""
+    return next((o[2:] for o in param.opts if o.startswith("--")), None)
+
+
+def _section(trail: tuple[str, ...]) -> str:
+    return ".".join(trail)
+
+
+def _of(trail: tuple[str, ...]) -> str:
+    return f" of `camshaft {' '.join(trail)}`" if trail else ""
+
+
+def _near(key: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"; did you mean {close[0]}?" if close else ""

@@ -68,7 +68,10 @@ def rope_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, arch
     if partial != 1 and arch != "phi3":  # transformers' other architectures rotate whole heads (and fail on it)
         raise UnsupportedModelError(f"{source}: partial_rotary_factor={partial} (rotary embedding over part of each "
                                     f"head) is not supported for {arch}: only Phi-3's layers (Phi-4-mini) rotate part")
-    low, high = p.get("low_freq_factor", "number", 1.0, least=0), p.get("high_freq_factor", "number", 4.0, least=0)
+    if rope_type == "llama3":  # its frequency band is required, as transformers requires it
+        low, high = p.get("low_freq_factor", "number", least=0), p.get("high_freq_factor", "number", least=0)
+    else:
+        low, high = p.get("low_freq_factor", "number", 1.0, least=0), p.get("high_freq_factor", "number", 4.0, least=0)
     if rope_type == "llama3" and not low < high:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor < high_freq_factor, got {low} and {high}")
     theta = (p if p.data.get("rope_theta") is not None else f).get("rope_theta", "number", default_theta, least=0)

@@ -62,6 +62,10 @@ def edited(config: dict, **changes) -> dict:
     (dict(rope_parameters=..., rope_scaling={"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                              "original_max_position_embeddings": 32}), "factor"),
     (dict(rope_parameters=..., rope_scaling={"rope_type": "linear"}), "factor"),
+    (dict(rope_parameters=..., rope_scaling={"rope_type": "llama3", "factor": 8.0}),  # transformers refuses it too
+     "lacks required field 'low_freq_factor'"),
+    (dict(rope_parameters=..., rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}),
+     "lacks required field 'high_freq_factor'"),
 ])
 def test_bad_values_are_one_clear_error(configs, changes, message):
     with pytest.raises(CheckpointError, match=message):

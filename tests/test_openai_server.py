@@ -100,7 +100,8 @@ def metric(url: str, name: str) -> float:
 
 
 def test_models_and_health(served, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [MODEL] and abs(listed[0].created - time.time()) < 3600  # when it started
     assert client.models.retrieve(MODEL).id == MODEL
     assert HTTP.get(served[0] + "/v1/models/other").json()["error"]["code"] == "model_not_found"
     assert HTTP.get(served[0] + "/health").json() == {"status": "ok"}
@@ -591,7 +592,7 @@ def test_context_overflow_is_refused_in_the_words_clients_match(served):
 
 def test_developer_messages_refusals_and_no_model_as_vllm_takes_them(served, client):
     """OpenAI's `developer` role reaches a template without one as `system`; an assistant's refusal parts are its
-    text; `model` may be left out (vLLM: the served model)."""
+    text; `model` may be left out or empty (vLLM: the served model)."""
     url = served[0]
 
     def tokens(messages: list[dict]) -> list[int]:
@@ -605,8 +606,9 @@ def test_developer_messages_refusals_and_no_model_as_vllm_takes_them(served, cli
     bad = HTTP.post(url + "/tokenize", json={"messages": [{"role": "user", "content": [{"type": "refusal",
                                                                                           "refusal": "no"}]}]})
     assert bad.status_code == 400 and "only text content parts" in bad.json()["error"]["message"]
-    answer = HTTP.post(url + CHAT, json={"messages": [user], "max_tokens": 3})
-    assert answer.status_code == 200 and answer.json()["model"] == MODEL
+    for model in ({}, {"model": ""}):  # vLLM takes an empty name as left out
+        answer = HTTP.post(url + CHAT, json={"messages": [user], "max_tokens": 3, **model})
+        assert answer.status_code == 200 and answer.json()["model"] == MODEL
 
 
 def test_priority_reaches_the_scheduler(served, client):

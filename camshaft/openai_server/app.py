@@ -55,12 +55,14 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         app.add_middleware(ApiKey, key=api_key, refused=refused)  # added last: runs first, before a body is read
     app.state.llm, app.state.metrics = llm, metrics
 
+    created = int(time.time())
+
     def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": 0, "owned_by": "camshaft",
-                "max_model_len": max_seq_len}
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "camshaft", "root": model_name,
+                "parent": None, "max_model_len": max_seq_len}
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != model_name:
+        if model and model != model_name:  # absent or "": the served model (vLLM's)
             raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r} "
                            "(see /v1/models)", param="model", code="model_not_found")
 

@@ -62,6 +62,19 @@ class TextStream:
         """The stop string that ended the text, if any."""
         return self._matched
 
+    def starts_at(self, token_id: int) -> int:
+        """The character of the whole text that `token_id`'s text would begin in, appended next: after what was
+        emitted and what is held back, or inside a held character its bytes continue (complete or not)."""
+        window = self._ids[self._prefix_offset:]
+        held = self._decode(window)[len(self._prefix_text):]
+        at = len(self._text) + len(self._pending) + len(held)
+        if not held.endswith("\ufffd"):
+            return at
+        skipped = token_id in self._skipped or token_id >= self._known  # no text: inside the held character still
+        joined = held if skipped else self._decode([*window, token_id])[len(self._prefix_text):]
+        continued = joined == held or joined[len(held) - 1: len(held)] != "\ufffd"  # else bytes that made none
+        return at - continued
+
     def append(self, token_id: int) -> str:
         """Add one generated token; return the newly safe text (often empty). Ignored once stopped or finished."""
         if self._done:

@@ -181,6 +181,30 @@ def test_text_offset_of_a_token_that_ends_a_character_and_adds_more():
     assert logprobs["text_offset"] == [0, 1, 1, 3]  # x, é (begun), é (completed, then a), b
 
 
+def test_text_offset_of_bytes_that_continue_a_character_begun_after_a_whole_one():
+    """' 日' as ' '+E6 (one token), 97, A5: the tokens holding 97 and A5 point at 日, not at the space before it; a
+    byte that begins no character (a lone E6 before 'a') is a character of its own (U+FFFD) in the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from camshaft.openai_server.responses import CompletionShape
+    from camshaft.runtime.sampler import SampleResult
+
+    level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    space_e6 = level.pre_tokenize_str(" 日")[0][0][:2]
+    vocab = {t: i for i, t in enumerate(["<unk>", *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    vocab[space_e6] = len(vocab)
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(space_e6)], unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = level, decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+    ids = tokenizer.encode("a 日本")
+    lone_e6, letter = vocab[space_e6[1]], vocab["a"]
+    logprobs = CompletionShape("m", tokenizer, [tokenizer.encode("Hi")], 1).logprobs(
+        0, [SampleResult(t, -1.0) for t in [*ids, lone_e6, letter]])
+    assert logprobs["tokens"][:5] == ["a", "bytes:\\x20\\xe6", "bytes:\\x97", "bytes:\\xa5", "bytes:\\xe6"]
+    assert logprobs["text_offset"] == [0, 1, 2, 2, 3, 3, 3, 4, 5]  # a, ' ', 日, 日, 本 (3 bytes), U+FFFD, a
+
+
 def test_sentencepiece_tokens_keep_their_leading_space():
     """SentencePiece marks a word's leading space with '▁', which decoding one token alone strips: the token strings
     and offsets must still spell the choice's text."""

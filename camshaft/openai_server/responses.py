@@ -92,16 +92,12 @@ class CompletionShape(_Shape):
         return TextStream(self._tokenizer, context, skip_special_tokens=self._skip_special)
 
     def _entries(self, text: TextStream, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
-        offsets, tokens = [], [self.token(s.token_id) for s in samples]
-        for s, shown in zip(samples, tokens, strict=True):
-            before, delta = len(text.text), text.append(s.token_id)
-            if not delta:  # a character still incomplete, or no text: where the next character will be
-                offsets.append(before)
-            elif text.text.endswith(shown):
-                offsets.append(len(text.text) - len(shown))
-            else:  # it ends a character begun before it (or bytes that make none, U+FFFD): that character
-                offsets.append(len(text.text) - len(delta))
-        return {"tokens": tokens,  # an echoed prompt's first token has no log-prob: null, as OpenAI
+        offsets = []
+        for s in samples:  # a token holding part of a character points at that character
+            offsets.append(text.starts_at(s.token_id))
+            text.append(s.token_id)
+        # an echoed prompt's first token has no log-prob: null, as OpenAI
+        return {"tokens": [self.token(s.token_id) for s in samples],
                 "token_logprobs": [None if s.logprob is None else _logprob(s.logprob) for s in samples],
                 "top_logprobs": [None if s.logprob is None else self._top(s) for s in samples],
                 "text_offset": offsets}

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from camshaft.errors import CheckpointError
+from camshaft.model_config import check_tokenizer_vocab
 from camshaft.weight_files import lfs_pointer, lfs_pointer_error
 
 Progress = Callable[[str], None]
@@ -52,10 +53,7 @@ def check_vocab(tok_dir: Path, vocab_size: int, progress: Progress) -> None:
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
-    base = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False)
-    if base > vocab_size:
-        raise CheckpointError(f"the tokenizer has {base} tokens but the model embeds {vocab_size}: is it another "
-                              "model's tokenizer? Use the checkpoint's own")
+    check_tokenizer_vocab(tokenizer, vocab_size)
     beyond = sorted(t for t, i in tokenizer.get_added_vocab().items() if i >= vocab_size)
     if beyond:
         progress(f"note: the tokenizer's added tokens {', '.join(beyond[:5])} have ids past the model's vocabulary "

@@ -212,6 +212,14 @@ def require_tokenizer(model_dir: Path, error: type[Exception] = CheckpointError,
         raise error(f"{name or model_dir} has no tokenizer ({', '.join(TOKENIZER_VOCABS)})")
 
 
+def check_tokenizer_vocab(tokenizer, vocab_size: int) -> None:
+    """A fast tokenizer whose own vocabulary (added tokens aside) exceeds the model's embedding is another model's."""
+    base = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+    if base > vocab_size:
+        raise CheckpointError(f"the tokenizer has {base} tokens but the model embeds {vocab_size}: is it another "
+                              "model's tokenizer? Use the checkpoint's own")
+
+
 def unreadable_quantization(model_dir: Path) -> str | None:
     """The quant_method config.json names when the checkpoint is quantized but has no hf_quant_config.json (its
     weights are codes camshaft would otherwise read as floats); None when there is nothing of the kind."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from camshaft.checks import is_int_at_least
 from camshaft.quantize.calibration_chat import CHAT_FIELD, Sample, checked_messages, render, sample_chars
 from camshaft.quantize.calibration_datasets import (
     DATA_SUFFIXES,
@@ -188,10 +189,10 @@ MAX_CHARS_PER_TOKEN = 64  # a text corpus is read up to this many characters a c
 
 
 def check_sizes(num_samples: int, seq_len: int, max_positions: int | None = None) -> None:
-    if num_samples < 1:
-        raise QuantizeError(f"--calib-size must be at least 1, got {num_samples}")
-    if seq_len < 8:
-        raise QuantizeError(f"--calib-seq-len must be at least 8, got {seq_len}")
+    if not is_int_at_least(num_samples, 1):
+        raise QuantizeError(f"--calib-size must be an integer >= 1, got {num_samples!r:.40}")
+    if not is_int_at_least(seq_len, 8):
+        raise QuantizeError(f"--calib-seq-len must be an integer >= 8, got {seq_len!r:.40}")
     if max_positions is not None and seq_len > max_positions:
         raise QuantizeError(f"--calib-seq-len {seq_len} exceeds the model's max_position_embeddings "
                             f"({max_positions}): it would calibrate at positions the model never saw; pass "
@@ -204,6 +205,9 @@ def load_texts(calib_data: str | Path | None, max_chars: int | None = None) -> t
     column."""
     if calib_data is None:
         return default_corpus(), "python standard library docstrings"
+    if not str(calib_data).strip():  # an unset shell variable: not the current directory's every text file
+        raise QuantizeError(f"--calib-data is empty ({str(calib_data)!r}); give a file or directory, or leave it "
+                            "out for the built-in corpus")
     path, column = split_column(calib_data)
     if not path.exists():
         head, sep, tail = str(calib_data).rpartition(":")

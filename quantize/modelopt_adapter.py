@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from camshaft.engine_files import NAMED_TEMPLATES
 from camshaft.errors import CheckpointError, UnsupportedModelError, needs_extra
 from camshaft.float_model import load_float_model
 from camshaft.model_config import (
@@ -23,6 +24,7 @@ from camshaft.model_config import (
     HF_QUANT_CONFIG,
     TOKENIZER_FILES,
     ModelConfig,
+    check_tokenizer_vocab,
     missing_checkpoint,
     require_tokenizer,
     unreadable_quantization,
@@ -133,7 +135,14 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    if getattr(tokenizer, "is_fast", False):
+        check_tokenizer_vocab(tokenizer, model_config.vocab_size)
     calib = tokenize(texts, source, tokenizer, calib_size, calib_seq_len, progress)
+    if calib.input_ids.max() >= model_config.vocab_size:
+        beyond = sorted(t for t, i in tokenizer.get_added_vocab().items() if i >= model_config.vocab_size)
+        raise QuantizeError(f"the calibration text ({source}) holds tokens past the model's vocabulary "
+                            f"({model_config.vocab_size}): {', '.join(beyond[:5]) or 'ids the model has not'}; take "
+                            "them out of the text")
     timings["prepare"] = round(time.perf_counter() - start, 2)
     progress(f"loading {model_config.architecture} from {model_dir} (float32, CPU)")
     t = time.perf_counter()
@@ -186,6 +195,8 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, staging / name)
+        if (model_dir / NAMED_TEMPLATES).is_dir():  # transformers' named chat templates (tool_use, ...)
+            shutil.copytree(model_dir / NAMED_TEMPLATES, staging / NAMED_TEMPLATES)
         timings["export"] = round(time.perf_counter() - t, 2)
         timings["total"] = round(time.perf_counter() - start, 2)
         record = {

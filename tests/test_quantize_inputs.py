@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -96,10 +97,28 @@ def test_bad_calibration_data_is_refused_before_loading(tiny, tmp_path, no_model
             quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data=bad, **CALIB)
     with pytest.raises(QuantizeError, match="--calib-size"):
         quantize_checkpoint(tiny, tmp_path / "o", spec, calib_size=0)
+    for sizes in (dict(calib_size=4.5), dict(calib_size="4"), dict(calib_size=True), dict(calib_seq_len=32.0)):
+        with pytest.raises(QuantizeError, match="must be an integer"):
+            quantize_checkpoint(tiny, tmp_path / "o", spec, **{**CALIB, **sizes})
+    with pytest.raises(QuantizeError, match="--calib-data is empty"):  # "$CALIB" unset: not every file under "."
+        quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data="", **CALIB)
     (tmp_path / "notempty").mkdir()
     (tmp_path / "notempty" / "keep.txt").write_text("x")
     with pytest.raises(QuantizeError, match="refusing to overwrite"):
         quantize_checkpoint(tiny, tmp_path / "notempty", spec, **CALIB)
+
+
+def test_another_models_tokenizer_is_refused_before_loading(tiny, tmp_path, no_model_load):
+    """A vocabulary past the model's embedding: the build refuses it; calibrating would fail inside the embedding."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    copy = tmp_path / "hf"
+    shutil.copytree(tiny, copy)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0"))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", eos_token="w1").save_pretrained(copy)
+    with pytest.raises(CheckpointError, match="the tokenizer has 500 tokens but the model embeds 384"):
+        quantize_checkpoint(copy, tmp_path / "o", QuantSpec("int8_wo"), **CALIB)
 
 
 def test_too_little_calibration_text(tiny, tmp_path):
@@ -647,11 +666,18 @@ def test_cli_quantize(tiny, tmp_path, capsys, monkeypatch):
     assert code == 1 and "--weight-only-compute applies to weight-only checkpoints" in err and "--quant fp8" in err
     assert not (tmp_path / "e.ckpt").exists()
     monkeypatch.setattr(adapter, "import_modelopt", real_import)
-    code = camshaft("quantize", "--model", tiny, "--quant", "int8_wo", "--calib-size", "2", "--calib-seq-len", "32",
+    code = camshaft("quantize", "--model", tiny, "--quant", "int8_wo", "--calib-data", "", "--output", tmp_path / "o")
+    assert code == 1 and "--calib-data is empty" in capsys.readouterr().err
+    named = tmp_path / "named"  # transformers' named chat templates: the quantized checkpoint keeps them
+    shutil.copytree(tiny, named)
+    (named / "additional_chat_templates").mkdir()
+    (named / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    code = camshaft("quantize", "--model", named, "--quant", "int8_wo", "--calib-size", "2", "--calib-seq-len", "32",
                     "--output", tmp_path / "o")
     assert code == 0
     assert json.loads((tmp_path / "o" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W8A16"
     assert (tmp_path / "o" / "tokenizer.json").is_file()
+    assert (tmp_path / "o" / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
 
 
 @pytest.mark.parametrize("group, kernel_block", [(256, 128), (8, None)])

@@ -51,7 +51,8 @@ QuantOption = Annotated[str, typer.Option(help=" | ".join(FORMATS))]
 KVDtypeOption = Annotated[str | None, typer.Option(help="Also quantize the KV cache: fp8 | int8")]
 GROUP_HELP = "INT4 block size: auto | 128 | 64 | 32"
 GroupOption = Annotated[str, typer.Option(help=GROUP_HELP)]
-CalibDataOption = Annotated[Path | None, typer.Option(
+CalibDataOption = Annotated[str | None, typer.Option(  # a str: typer would take "" (an unset variable) as "."
+    metavar="PATH[:COLUMN]",
     help="Text/JSONL file, directory of them, parquet/arrow/csv file or a local HF datasets directory; chat "
          "`messages` rows are rendered with the chat template; PATH:COLUMN picks the column (default: built-in "
          "corpus)")]
@@ -186,7 +187,7 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
 
 
 def _quantize(model: Path, quant: str, output: Path, kv_cache_dtype: str | None, group_size: str,
-              calib_data: Path | None, calib_size: int, calib_seq_len: int, exclude: list[str] | None,
+              calib_data: str | None, calib_size: int, calib_seq_len: int, exclude: list[str] | None,
               lm_head: str = "float") -> None:
     from camshaft.quantize.modelopt_adapter import quantize_checkpoint
     from camshaft.quantize.spec import QuantSpec

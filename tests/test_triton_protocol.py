@@ -45,6 +45,10 @@ def words(*word_ids: list[int]) -> np.ndarray:
     ({"runtime_top_p": np.array([[-0.5]], np.float32)}, "runtime_top_p must be in [0, 1]"),
     ({"runtime_top_p": np.array([[2.0]], np.float32)}, "runtime_top_p must be in [0, 1] (0 turns it off), got 2.0"),
     ({"runtime_top_k": np.array([[-1]], np.int32)}, "runtime_top_k must be >= 0 (0 turns it off), got -1"),
+    ({"temperature": np.array([[-5.0]], np.float32)}, "temperature must be a finite number >= 0"),  # greedy too
+    ({"temperature": np.array([[np.nan]], np.float32)}, "temperature must be a finite number >= 0"),
+    ({"temperature": np.array([[-1.0]], np.float32), "runtime_top_k": np.array([[5]], np.int32)},
+     "temperature must be a finite number >= 0"),
     ({"request_output_len": np.array([[-1]], np.int32)}, "request_output_len must be at least 1, got -1"),
     ({"request_output_len": np.array([[3]], np.int32), "min_tokens": np.array([[10]], np.int32)},
      "min_tokens must be between 0 and request_output_len (3), got 10"),

@@ -6,6 +6,7 @@ prompts (input_ids [B, L] with input_lengths [B, 1]), split into one request eac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -204,6 +205,8 @@ def sampling_params(values: Values, eos_token_ids: Sequence[int], max_tokens: in
     # above 0 samples, at temperature 1 unless sent, with seed 0 unless sent (identical requests answer alike)
     sampled = kwargs.get("top_k", 0) > 0 or "top_p" in kwargs
     temperature = one(values, "temperature")
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):  # greedy or not
+        raise RequestError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
     kwargs["temperature"] = (1.0 if temperature is None else temperature) if sampled else 0.0
     seed = one(values, "seed")
     seed = one(values, "random_seed") if seed is None else seed

@@ -60,6 +60,12 @@ def test_a_subcommands_table_and_a_list_option(engine, capsys, tmp_path):
     ("build = 48\n", "build must be a table ([build])"),
     ("[build\n", "is not valid TOML"),
     ("[build]\nversion = true\n", "'version', not an option of `camshaft build`"),
+    ("[build]\nmax-batch-size = true\n", "max-batch-size = True: takes a string or a number, not bool"),
+    ("[build]\nquant = [\"int4_awq\"]\n", "takes one value, not a list"),  # not the text "['int4_awq']"
+    ("[build]\nexclude = [[\"a\"]]\n", "takes strings or numbers, not list"),
+    ("[build]\ntarget = { name = \"onnxruntime\" }\n", "takes a string or a number, not dict"),
+    ("[build]\nmodel = 1979-05-27\n", "not date"),
+    ("[run]\nstream = 1\n", "a flag takes true or false"),
 ])
 def test_a_file_naming_what_the_cli_has_not_is_refused_before_the_command_runs(engine, capsys, tmp_path, text,
                                                                                 said):
@@ -69,6 +75,13 @@ def test_a_file_naming_what_the_cli_has_not_is_refused_before_the_command_runs(e
                             "--output", out)
     assert code == 1 and said in " ".join(err.split()), err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_a_byte_order_mark_and_a_home_directory_read_as_an_editor_and_the_shell_give_them(engine, capsys, tmp_path):
+    config = write(tmp_path / "c.toml", "\ufeff[inspect]\njson = true\n[build]\noutput = \"~/engine\"\n")
+    code, out, err = camshaft(capsys, "--config", config, "inspect", "--engine", engine)
+    assert code == 0 and json.loads(out)["engine"] == str(engine), err
+    assert read_defaults(config, typer.main.get_command(app))["build"]["output"] == str(Path.home() / "engine")
 
 
 def test_a_missing_file_is_named(capsys, tmp_path):

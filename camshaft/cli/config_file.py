@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ def read_defaults(path: Path, root: TyperGroup) -> dict[str, Any]:
     """The file's values as the default_map for `root`, every section, key and value checked against the command
     it names (a typo anywhere is an error, not a setting silently ignored)."""
     try:
-        table = tomllib.loads(path.read_text(encoding="utf-8"))
+        table = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Windows editors) allowed
     except FileNotFoundError:
         raise RequestError(f"--config {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -60,15 +61,34 @@ def _command_defaults(command: TyperCommand, table: dict[str, Any], path: Path,
                 _near(key, list(options))
             raise RequestError(f"--config {path}: [{_section(trail)}] has {key!r}, not an option of `camshaft "
                                f"{' '.join(trail)}`{hint} (its options: {', '.join(sorted(options))})")
-        if param.multiple and not isinstance(value, list):
-            value = [value]
+        where = f"--config {path}: [{_section(trail)}] {key} = {value!r:.60}"
+        value = _as_typed(param, value, where)
         try:
             param.process_value(ctx, value)
         except typer.BadParameter as exc:
-            raise RequestError(f"--config {path}: [{_section(trail)}] {key} = {value!r:.60}: "
-                               f"{exc.format_message()}") from None
+            raise RequestError(f"{where}: {exc.format_message()}") from None
         defaults[param.name] = value  # type: ignore[index]
     return defaults
+
+
+def _as_typed(param: TyperOption, value: Any, where: str) -> Any:
+    """The value as the command line would give it: true/false for a flag, else a string or number (a list of them
+    where the flag repeats); anything else TOML has (tables, dates, nested lists) would otherwise reach the command as
+    its Python text. A path's ~ is the home directory, as the shell makes it."""
+    if param.is_bool_flag:
+        if not isinstance(value, bool):
+            raise RequestError(f"{where}: a flag takes true or false")
+        return value
+    values = value if param.multiple and isinstance(value, list) else [value]
+    if isinstance(value, list) and not param.multiple:
+        raise RequestError(f"{where}: takes one value, not a list")
+    for item in values:
+        if isinstance(item, bool) or not isinstance(item, str | int | float):
+            raise RequestError(f"{where}: takes {'strings or numbers' if param.multiple else 'a string or a number'}"
+                               f", not {type(item).__name__}")
+    if getattr(param.type_descriptor, "is_path", False):
+        values = [os.path.expanduser(v) if isinstance(v, str) else v for v in values]
+    return values if param.multiple else values[0]
 
 
 def _flag(param: TyperOption) -> str | None:

@@ -198,11 +198,21 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
+RECOMMENDED_TEMPERATURE = 1.0  # vLLM's SamplingParams default, under a recommendation that names no temperature
+
+
+def recommended_sampling(model: ModelConfig) -> dict[str, float]:
+    """What the model's generation_config.json recommends, as vLLM lays it over its own defaults: a recommendation
+    without a temperature (Gemma 3's top_k 64, top_p 0.95) samples at temperature 1; none at all: {}."""
+    recommended = dict(model.sampling_defaults)
+    return {"temperature": RECOMMENDED_TEMPERATURE} | recommended if recommended else {}
+
+
 def model_defaults(model: ModelConfig) -> SamplingParams:
     """SamplingParams with the sampling the model's generation_config.json recommends (vLLM's default), else
     camshaft's (greedy)."""
     try:
-        return SamplingParams(**dict(model.sampling_defaults))
+        return SamplingParams(**recommended_sampling(model))
     except RequestError as exc:
         raise RequestError(f"the engine's sampling defaults (from generation_config.json) are invalid: {exc}; "
                            "rebuild the engine from a corrected checkpoint") from exc

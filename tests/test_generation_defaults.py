@@ -18,13 +18,14 @@ from camshaft.runtime.session import Session
 from tiny_models import make_tiny_model, stamped
 
 RECOMMENDED = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+WITHOUT_TEMPERATURE = {"do_sample": True, "top_k": 64, "top_p": 0.95}  # Gemma 3's
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """(an engine whose generation_config.json asks for greedy output, one that recommends Qwen's sampling)."""
+    """Engines whose generation_config.json asks for greedy output, recommends Qwen's sampling, Gemma 3's."""
     built = {}
-    for name, sampling in (("greedy", {"temperature": 0.0}), ("qwen", RECOMMENDED)):
+    for name, sampling in (("greedy", {"temperature": 0.0}), ("qwen", RECOMMENDED), ("gemma3", WITHOUT_TEMPERATURE)):
         root = tmp_path_factory.mktemp(name)
         model = make_tiny_model("llama", root / "hf")
         generation = json.loads((model / "generation_config.json").read_text())
@@ -44,6 +45,22 @@ def test_the_models_recommendation_is_the_default_of_the_python_api(engines):
     assert session.generate([3, 4, 5], seed=5, max_tokens=12).token_ids == given
     assert session.generate([3, 4, 5], seed=5, max_tokens=12, temperature=0).token_ids == \
         session.generate([3, 4, 5], SamplingParams(max_tokens=12)).token_ids  # explicit params: as given
+
+
+def test_a_recommendation_without_a_temperature_samples_at_vllms_default_of_one(engines, capsys):
+    """vLLM lays the recommendation over SamplingParams(), whose temperature is 1: Gemma 3's top_k 64 and top_p 0.95
+    sample (they did nothing at camshaft's greedy temperature 0), through the Python API and `camshaft run`."""
+    from camshaft.cli import app
+
+    with LLM(engines["gemma3"]) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=1.0, top_k=64, top_p=0.95)
+    assert Session(engines["gemma3"])._params(None, {}).temperature == 1.0
+    with pytest.raises(SystemExit) as done:
+        app(["run", "--engine", str(engines["gemma3"]), "--prompt", "abc", "--max-tokens", "4"])
+    assert done.value.code in (0, None)
+    err = " ".join(capsys.readouterr().err.split())
+    assert "generation_config.json recommends: top_p 0.95, top_k 64 (at temperature 1, vLLM's where it names none; " \
+           "--temperature 0 for greedy decoding)" in err, err
 
 
 def test_inspect_shows_the_recommendation(engines):

@@ -53,7 +53,7 @@ def run(
 
     from camshaft.errors import RequestError
     from camshaft.manifest import read_manifest
-    from camshaft.runtime.sampling_params import GREEDY_BELOW, model_defaults
+    from camshaft.runtime.sampling_params import GREEDY_BELOW, RECOMMENDED_TEMPERATURE, model_defaults
 
     if system is not None and not chat:
         raise RequestError("--system is the chat's system message; add --chat (or drop --system)")
@@ -82,8 +82,10 @@ def run(
             err.print(f"[dim]greedy decoding, with the model's generation_config.json {', '.join(taken)}[/dim]",
                       soft_wrap=True)
         elif taken:
+            implied = "temperature" not in given and "temperature" not in dict(model.sampling_defaults)
+            at = f"at temperature {RECOMMENDED_TEMPERATURE:g}, vLLM's where it names none; " if implied else ""
             err.print(f"[dim]sampling as the model's generation_config.json recommends: {', '.join(taken)}"
-                      + ("" if "temperature" in given else " (--temperature 0 for greedy decoding)") + "[/dim]",
+                      + ("" if "temperature" in given else f" ({at}--temperature 0 for greedy decoding)") + "[/dim]",
                       soft_wrap=True)
         _run(engine, prompt, chat, system, params, stream, prompt_lookup, chat_template, threads)
 

@@ -50,11 +50,12 @@ def load_tokenizer(engine_dir: Path, files: Iterable[str] | None = None):
 
 
 def end_ids(config: ModelConfig, tokenizer) -> tuple[int, ...]:
-    """The model's end ids (generation config) and the tokenizer's eos, as vLLM and TGI stop on both (a fine-tune's
-    config may keep its base's <|endoftext|> while its chat template ends turns with the tokenizer's <|im_end|>)."""
+    """The tokenizer's eos, then the model's other end ids (generation config), as vLLM and TGI stop on each (a
+    fine-tune's config may keep its base's <|endoftext|> while its chat template ends turns with the tokenizer's
+    <|im_end|>). The first is vLLM's eos, whose stop_reason is None; the others end as its stop_token_ids do."""
     eos = tokenizer.eos_token_id
-    extra = (eos,) if isinstance(eos, int) and 0 <= eos < config.vocab_size and eos not in config.eos_token_ids else ()
-    return (*config.eos_token_ids, *extra)
+    first = (eos,) if isinstance(eos, int) and 0 <= eos < config.vocab_size else ()
+    return (*first, *(i for i in config.eos_token_ids if i not in first))
 
 
 def check_model_inputs(m: Manifest, engine_dir: Path) -> None:

@@ -101,9 +101,11 @@ class Request:
         if self.text.stopped or stop_id or word:
             self.finish_reason = "stop"
             self.stop_token_id = token if stop_id else None
-            # vLLM's: the stop string, else a stop token id (the end id is tested first: None), else the stop word
+            # vLLM's: the stop string, else a stop token id (the tokenizer's eos is tested first: None; the model's
+            # other end ids are vLLM's stop_token_ids), else the stop word
+            eos = end_id and token == self.eos_token_ids[0]
             self.stop_reason = (self.text.matched_stop if self.text.matched_stop is not None
-                                else token if stop_id and not end_id else word)
+                                else token if stop_id and not eos else word)
         if self.finish_reason is None and guide is not None and guide.complete:  # only an end id could follow
             self.finish_reason = "stop"
             self.stop_token_id = token if token in self.eos_token_ids else None  # an end id the grammar ended on

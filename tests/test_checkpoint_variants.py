@@ -80,12 +80,15 @@ def test_the_tokenizers_eos_ends_generation_beside_the_configs_end_ids(tiny, tmp
         (model / name).write_text(json.dumps({**data, "eos_token_id": 1}))
     build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64, kv_block_size=4))
     with Session(tmp_path / "engine") as session:
-        assert session.engine.eos_token_ids == (1, 2)  # the config's, then the tokenizer's <|im_end|>
+        assert session.engine.eos_token_ids == (2, 1)  # the tokenizer's <|im_end|> (vLLM's eos), then the config's
         ended = session.generate([5, 6, 7], SamplingParams(max_tokens=8, logit_bias={2: 100.0}))
-    assert ended.token_ids == [2] and ended.finish_reason == "stop"
+        by_config = session.generate([5, 6, 7], SamplingParams(max_tokens=8, logit_bias={1: 100.0}))
+    assert (ended.token_ids, ended.finish_reason, ended.stop_reason) == ([2], "stop", None)
+    # the config's other end id: vLLM's stop_token_ids, so its stop_reason is the id (Llama 3.1's <|eom_id|>)
+    assert (by_config.token_ids, by_config.finish_reason, by_config.stop_reason) == ([1], "stop", 1)
     from camshaft.runtime.engine_info import engine_info
 
-    assert engine_info(tmp_path / "engine")["eos_token_ids"] == [1, 2]  # what inspect says it ends on
+    assert engine_info(tmp_path / "engine")["eos_token_ids"] == [2, 1]  # what inspect says it ends on
 
 
 @pytest.mark.parametrize("command", ["build", "quantize"])

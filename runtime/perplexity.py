@@ -39,7 +39,7 @@ def read_text(path: str | Path) -> str:
     if not path.exists():
         raise RequestError(f"{path} does not exist; pass a UTF-8 text file with --data")
     try:
-        text = path.read_text(encoding="utf-8-sig")  # an editor's byte order mark is not text
+        text = path.read_bytes().decode("utf-8-sig")  # the file's text as it is (\r\n too); a BOM is not text
     except UnicodeDecodeError as exc:
         raise RequestError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); pass a UTF-8 text file "
                            "with --data") from exc

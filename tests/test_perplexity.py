@@ -198,6 +198,14 @@ def test_a_byte_order_mark_is_not_scored(tiny, tmp_path):
     assert engine_perplexity(engine, read_text(tmp_path / "bom.txt")) == engine_perplexity(engine, TEXT)
 
 
+def test_line_endings_are_scored_as_the_file_has_them(tmp_path):
+    """A Windows text's \r\n are its tokens too (llama.cpp's perplexity reads the bytes so); reading it in Python's
+    text mode scored the text with \n alone."""
+    crlf = "line one\r\nline two\rline three\r\n"
+    (tmp_path / "crlf.txt").write_bytes(crlf.encode())
+    assert read_text(tmp_path / "crlf.txt") == crlf
+
+
 def test_reference_perplexity_checks_its_inputs_first(tiny, tmp_path, no_model_load):
     _, engine = tiny
     with pytest.raises(RequestError, match="is an engine directory"):

@@ -135,13 +135,15 @@ class LLM(ServingAPI):
     def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
                tools: list[dict[str, Any]] | None = None, for_generation: bool = True,
                chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> list[int]:
+               continue_final_message: bool = False, most_counted: int | None = None) -> list[int]:
         """Prompt token ids of a prompt (text or ids) or of chat messages (the tokenizer's chat template, with the
         chat keywords of chat()) — vLLM's tokenizing, not its pooling `encode`. for_generation True refuses an empty
         prompt and stops tokenizing text far longer than the engine takes (generation checks the exact length);
-        False (counting tokens): text however long, and an empty prompt, are tokenized."""
+        False (counting tokens): an empty prompt is tokenized, and text up to `most_counted` tokens (None: however
+        long; past it a CapacityError, after tokenizing a prefix)."""
         chat = ChatOptions(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
-        return self.prompts.encode(prompt, messages, chat=chat, for_generation=for_generation)
+        return self.prompts.encode(prompt, messages, chat=chat, for_generation=for_generation,
+                                   most_counted=most_counted)
 
     def _requests(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> list[Request]:
         priority = check_priority(priority)

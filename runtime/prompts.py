@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from camshaft.checks import is_int
-from camshaft.errors import RequestError
+from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime.chat_template import ChatOptions, render_chat
 from camshaft.runtime.prompt_text import encode_text
 
@@ -22,10 +22,12 @@ class PromptEncoder:
         self.tokenizer, self.max_seq_len, self.vocab_size = tokenizer, max_seq_len, vocab_size
 
     def encode(self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None, *,
-               chat: ChatOptions | None = None, for_generation: bool = True) -> list[int]:
+               chat: ChatOptions | None = None, for_generation: bool = True,
+               most_counted: int | None = None) -> list[int]:
         """The prompt's ids as generation feeds them to the engine: text, token ids, or chat messages through the
         chat template as `chat` asks (tools, template variables, how the conversation ends). For counting tokens
-        (for_generation False), text however long and an empty prompt are tokenized, not refused."""
+        (for_generation False), an empty prompt is tokenized, and text up to `most_counted` tokens (None: however
+        long; beyond: a CapacityError after tokenizing a prefix)."""
         if isinstance(prompt, dict):
             if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
                 raise RequestError(f'a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", got the '
@@ -38,7 +40,7 @@ class PromptEncoder:
             raise RequestError("the prompt is None; pass text, token ids or a prompt dict (or chat messages)")
         if prompt is not None and messages is not None:
             raise RequestError("pass exactly one of a prompt or chat messages")
-        limit = self.max_seq_len if for_generation else None
+        limit = self.max_seq_len if for_generation else most_counted
         if chat is not None and chat.changed() and messages is None:
             raise RequestError(f"{' and '.join(chat.changed())} go with chat messages; pass messages=[...]")
         if messages is not None:
@@ -57,6 +59,8 @@ class PromptEncoder:
                 raise RequestError(f"prompt token ids must lie in [0, {vocab})")
         if not ids and for_generation:
             raise RequestError("the prompt encodes to no tokens; pass some text")
+        if not for_generation and most_counted is not None and len(ids) > most_counted:
+            raise CapacityError(f"the prompt holds {len(ids)} tokens, more than {most_counted}")
         return ids
 
     def chat_prompt(self, messages: list[dict[str, Any]], chat: ChatOptions | None = None) -> tuple[str, list[int]]:

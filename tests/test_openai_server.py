@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -748,6 +749,10 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
     body = HTTP.post(url + "/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
     expected = session.generate(PROMPTS[0], max_tokens=1).prompt_token_ids
     assert body == {"count": len(expected), "max_model_len": 4096, "tokens": expected}
+    # counted up to 4 contexts (a 6 MB body of text held ~1.5 GB while it was tokenized): past that, a 400
+    assert HTTP.post(url + "/tokenize", json={"prompt": "a" * 4 * 4096}).json()["count"] == 4 * 4096
+    past = HTTP.post(url + "/tokenize", json={"prompt": "a" * (4 * 4096 + 1)})
+    assert past.status_code == 400 and "/tokenize counts at most 16384 tokens" in past.json()["error"]["message"]
     messages = [{"role": "user", "content": PROMPTS[1]}]
     chat = HTTP.post(url + "/tokenize", json={"messages": messages}).json()  # model may be left out, as in vLLM
     assert chat["tokens"] == session.chat(messages, max_tokens=1).prompt_token_ids
@@ -785,7 +790,7 @@ def test_tokenize_counts_as_generation_does_and_detokenize_inverts_it(served, se
     other = HTTP.post(url + "/tokenize", json={"model": "other", "prompt": "x"})
     assert other.status_code == 404 and "does not exist" in other.json()["error"]["message"], other.text
     assert HTTP.get(url + "/version").json() == {"version": camshaft.__version__}
-    long = HTTP.post(url + "/tokenize", json={"prompt": "hello " * 3000, "return_token_strs": True}).json()
+    long = HTTP.post(url + "/tokenize", json={"prompt": "hello " * 1000, "return_token_strs": True}).json()
     assert long["count"] > long["max_model_len"] == 4096  # counted, not refused: what a client trims by
     assert long["token_strs"] == llm.tokenizer.convert_ids_to_tokens(long["tokens"])
     empty = HTTP.post(url + "/tokenize", json={"prompt": ""}).json()
@@ -983,3 +988,69 @@ def test_an_engine_chat_template_that_does_not_parse_is_the_servers_fault(engine
         plain = HTTP.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert plain.status_code == 200
     assert "Traceback" not in capsys.readouterr().err  # an answer, not an application error logged
+
+
+def test_the_shared_event_loop_neither_builds_a_whole_response_nor_drains_a_stream_without_pausing(served,
+                                                                                                    monkeypatch):
+    """n outputs with 20 log-probs each are seconds of work: built off the event loop every client shares (one
+    request held /health 17 s); a stream's queued outputs are read without waiting, so each sent one pauses once
+    (a gone client's drain held the loop 4 s)."""
+    import asyncio
+
+    from camshaft.openai_server.responses import CompletionShape
+    from camshaft.openai_server.streaming import events
+
+    built_on_loop, choice = [], CompletionShape.choice
+
+    def recorded(self, *args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            built_on_loop.append(True)
+        except RuntimeError:
+            built_on_loop.append(False)
+        return choice(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompletionShape, "choice", recorded)
+    url, _ = served
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": 2, "logprobs": 2}
+    assert HTTP.post(url + "/v1/completions", json=body).status_code == 200
+    assert built_on_loop == [False, False]
+
+    class Queued:  # a generation whose outputs have all arrived
+        num_choices, prompt_tokens = 1, 1
+
+        async def __aiter__(self):
+            for i in range(50):
+                yield 0, types.SimpleNamespace(token_ids=[i], finished=i == 49)
+
+        def abort(self):
+            pass
+
+    class Shape:
+        shows_output = True
+
+        def opening(self, n):
+            return []
+
+        def chunk_choice(self, index, output, with_logprobs):
+            return {"index": index}
+
+        def chunk(self, choices, usage=None, with_usage=False):
+            return {"choices": choices}
+
+    async def drain() -> int:
+        others = 0
+
+        async def other() -> None:
+            nonlocal others
+            while True:
+                others += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        async for _ in events(Queued(), Shape(), False, None):
+            pass
+        task.cancel()
+        return others
+
+    assert asyncio.run(drain()) >= 50

@@ -28,6 +28,8 @@ from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.version import __version__
 
+TOKENIZE_CONTEXTS = 4  # /tokenize counts up to this many contexts' tokens
+
 LOG = logging.getLogger("camshaft.openai_server")
 
 _Shape = CompletionShape | ChatShape
@@ -119,9 +121,13 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         metrics.http(route_path(request), 200 if results is not None else 499)
         if results is None:
             return Response(status_code=499)  # nobody is listening
-        choices = [shape.choice(i, r, with_logprobs) for i, r in enumerate(results)]
         completion_tokens = sum(len(r.token_ids) for r in results) if shape.shows_output else 0
-        return JSONResponse(shape.response(choices, generation.prompt_tokens, completion_tokens))
+
+        def response() -> JSONResponse:  # n outputs with their log-probs: seconds of work, off the shared loop
+            choices = [shape.choice(i, r, with_logprobs) for i, r in enumerate(results)]
+            return JSONResponse(shape.response(choices, generation.prompt_tokens, completion_tokens))
+
+        return await asyncio.to_thread(response)
 
     @app.get("/health")
     async def health() -> dict:
@@ -153,7 +159,14 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         prompt = {"prompt": body.prompt} if body.prompt is not None else \
             {"messages": [m.template_dict() for m in body.messages or []], "tools": body.prompt_tools(),
              **body.chat_keywords()}
-        ids = await asyncio.to_thread(llm.encode, **prompt, for_generation=False)  # counted however long
+        most = TOKENIZE_CONTEXTS * max_seq_len  # a text's tokens cost ~0.5 KB each while it is tokenized
+        try:
+            ids = await asyncio.to_thread(llm.encode, **prompt, for_generation=False, most_counted=most)
+        except CapacityError:
+            what = "prompt" if body.prompt is not None else "messages"
+            raise APIError(400, f"/tokenize counts at most {most} tokens ({TOKENIZE_CONTEXTS} times this model's "
+                           f"maximum context length, {max_seq_len}); the {what} holds more: send it in parts",
+                           param=what) from None
         metrics.http(route_path(request), 200)
         return {"count": len(ids), "max_model_len": max_seq_len, "tokens": ids,
                 **({"token_strs": llm.tokenizer.convert_ids_to_tokens(ids)} if body.return_token_strs else {})}

@@ -65,6 +65,9 @@ async def events(generation: Generation, shape: CompletionShape | ChatShape, wit
             if choice is not None:
                 so_far = usage(generation.choice_prompt_tokens(index), per_choice[index]) if continuous else None
                 yield sse(shape.chunk([choice], so_far, with_usage=with_usage))
+            # outputs already queued are read without waiting, and a gone client's sends return at once: a pause
+            # per output lets the other requests (and the disconnect that cancels this one) run
+            await asyncio.sleep(0)
         if with_usage:
             yield sse(shape.chunk([], usage(generation.prompt_tokens, completion_tokens)))
     except Exception as exc:  # the response has started: the error goes in the stream

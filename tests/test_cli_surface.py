@@ -220,6 +220,25 @@ def test_every_help_reads_whole_at_80_columns():
         assert "…" not in result.output and "list[str]" not in result.output, (path, result.output)
 
 
+def test_bracketed_words_in_help_survive_rich_markup():
+    """Rich takes [build] in a help text for a markup tag and drops it (the --config help read "a table per command
+    (, )"): brackets meant as text are escaped."""
+    import re
+
+    import typer.main
+
+    root = typer.main.get_command(app)
+    for path in [(), *_commands(root)]:
+        command = root
+        for name in path:
+            command = command.commands[name]
+        shown = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"}, terminal_width=200).output
+        shown = " ".join(shown.replace("│", " ").split())
+        for param in command.params:
+            for word in re.findall(r"\[[^\]\s]+\]", (getattr(param, "help", None) or "").replace("\\[", "[")):
+                assert word in shown, (path, param.name, word)
+
+
 def test_every_command_opens_its_help_with_a_one_line_summary():
     """The command lists show a help's first paragraph with its line breaks, so a summary must fit one line."""
     import typer.main

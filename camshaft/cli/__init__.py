@@ -46,8 +46,9 @@ def _options(
                                  help="Show camshaft's version and exit"),
     config: Path | None = typer.Option(
         None, "--config", metavar="FILE", dir_okay=False,
-        help="Option values from a TOML file: a table per command ([build], [bench.throughput]) of its flags "
-             "without the dashes (max-seq-len = 2048); flags on the command line win. Presets: configs/"),
+        help="Option values from a TOML file: a table per command (\\[build], \\[bench.throughput]) of its flags "
+             "without the dashes (max-seq-len = 2048); flags on the command line win. Presets: configs/ in "
+             "camshaft's source repository"),
 ) -> None:
     """Build, quantize, serve and benchmark LLM inference engines."""
     if config is not None:

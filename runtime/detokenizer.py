@@ -62,18 +62,23 @@ class TextStream:
         """The stop string that ended the text, if any."""
         return self._matched
 
-    def starts_at(self, token_id: int) -> int:
-        """The character of the whole text that `token_id`'s text would begin in, appended next: after what was
-        emitted and what is held back, or inside a held character its bytes continue (complete or not)."""
-        window = self._ids[self._prefix_offset:]
-        held = self._decode(window)[len(self._prefix_text):]
-        at = len(self._text) + len(self._pending) + len(held)
-        if not held.endswith("\ufffd"):
-            return at
-        skipped = token_id in self._skipped or token_id >= self._known  # no text: inside the held character still
-        joined = held if skipped else self._decode([*window, token_id])[len(self._prefix_text):]
-        continued = joined == held or joined[len(held) - 1: len(held)] != "\ufffd"  # else bytes that made none
-        return at - continued
+    @property
+    def next_at(self) -> int:
+        """Characters of the whole text before what the next token adds: those emitted, and those held back (for a
+        stop string, or decoded from bytes that do not end a character yet: U+FFFD each, as the end flushes them)."""
+        return len(self._text) + len(self._pending) + len(self._held())
+
+    @property
+    def ends_inside_a_character(self) -> bool:
+        """The bytes appended so far end inside a UTF-8 character (or in bytes that make none)."""
+        return self._held().endswith("\ufffd")
+
+    def shows(self, token_id: int) -> bool:
+        """Whether the token's text is part of the text (special tokens skipped, ids past the vocabulary are not)."""
+        return token_id not in self._skipped and token_id < self._known
+
+    def _held(self) -> str:
+        return self._decode(self._ids[self._prefix_offset:])[len(self._prefix_text):]
 
     def append(self, token_id: int) -> str:
         """Add one generated token; return the newly safe text (often empty). Ignored once stopped or finished."""

@@ -4,6 +4,7 @@ single-request Session's, streams concatenate to the full text, errors come back
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 import types
@@ -204,6 +205,50 @@ def test_text_offset_of_bytes_that_continue_a_character_begun_after_a_whole_one(
         0, [SampleResult(t, -1.0) for t in [*ids, lone_e6, letter]])
     assert logprobs["tokens"][:5] == ["a", "bytes:\\x20\\xe6", "bytes:\\x97", "bytes:\\xa5", "bytes:\\xe6"]
     assert logprobs["text_offset"] == [0, 1, 2, 2, 3, 3, 3, 4, 5]  # a, ' ', 日, 日, 本 (3 bytes), U+FFFD, a
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_text_offsets_point_at_the_character_each_tokens_first_byte_is_in(kind):
+    """Random text of 1- to 4-byte characters, tokenized into whole and partial characters: each offset is the
+    character its token's first byte belongs to (SentencePiece's byte fallback decodes each byte of an incomplete
+    character to its own U+FFFD, byte-level BPE all of them to one: offsets past 3- and 4-byte characters ran ahead)."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from camshaft.openai_server.responses import CompletionShape
+    from camshaft.openai_server.tokens import TokenText
+    from camshaft.runtime.sampler import SampleResult
+
+    if kind == "sentencepiece":
+        pieces = ["<unk>", "▁", "a", "b", "é", "▁a", "▁b", *(f"<0x{b:02X}>" for b in range(256))]
+        model = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(pieces)}, merges=[("▁", "a"), ("▁", "b")],
+                                    unk_token="<unk>", byte_fallback=True))
+        model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    else:
+        level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        vocab = {t: i for i, t in enumerate(["<unk>", *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+        merged = [level.pre_tokenize_str(text)[0][0][:2] for text in (" 日", "é")]  # ' '+E6; C3 A9
+        vocab.update({m: len(vocab) + i for i, m in enumerate(merged)})
+        model = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m) for m in merged], unk_token="<unk>"))
+        model.pre_tokenizer, model.decoder = level, decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>")
+    token_bytes = TokenText(tokenizer)
+    rng = random.Random(0)
+    for _ in range(100):
+        text = "".join(rng.choice(["a", "b", " ", "é", "ß", "日", "本", "€", "한", "😀"]) for _ in range(12))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        raw = [bytes(token_bytes.get(t)[1]) for t in ids]
+        whole, expected = b"".join(raw), []
+        for start in itertools.accumulate([0, *map(len, raw[:-1])]):
+            before = sum(b & 0xC0 != 0x80 for b in whole[:start])
+            expected.append(before - (whole[start] & 0xC0 == 0x80))
+        got = CompletionShape("m", tokenizer, [tokenizer.encode("a", add_special_tokens=False)], 1).logprobs(
+            0, [SampleResult(t, -1.0) for t in ids])["text_offset"]
+        assert got == expected, (text, tokenizer.convert_ids_to_tokens(ids))
 
 
 def test_sentencepiece_tokens_keep_their_leading_space():

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from camshaft.openai_server.tokens import TokenText
+from camshaft.openai_server.tokens import TextOffsets, TokenText
 from camshaft.openai_server.tools import ToolChoice
 from camshaft.runtime.detokenizer import TextStream
 from camshaft.runtime.outputs import GenerationResult, RequestOutput
@@ -79,28 +79,25 @@ class CompletionShape(_Shape):
         # adds none), counted by a detokenizer of its own that runs on across a streamed choice's chunks
         self._tokenizer, self._prompts, self._n = tokenizer, prompts, n
         self._skip_special, self.echo, self._prompt_texts = skip_special_tokens, echo, prompt_texts or []
-        self._texts: dict[int, TextStream] = {}
+        self._texts: dict[int, TextOffsets] = {}
         self._opened: set[int] = set()  # streamed choices whose echoed prompt has been sent
         self.shows_output = echo != "prompt"  # echo with max_tokens 0: the output (one token) is not shown
 
     def logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
-        if index not in self._texts:
-            self._texts[index] = self._stream(self._prompts[index // self._n])
+        if index not in self._texts:  # a streamed choice's offsets run on across its chunks
+            self._texts[index] = self._offsets(self._prompts[index // self._n], self._skip_special)
         return self._entries(self._texts[index], samples)
 
-    def _stream(self, context: list[int]) -> TextStream:
-        return TextStream(self._tokenizer, context, skip_special_tokens=self._skip_special)
+    def _offsets(self, context: list[int], skip_special_tokens: bool) -> TextOffsets:
+        stream = TextStream(self._tokenizer, context, skip_special_tokens=skip_special_tokens)
+        return TextOffsets(stream, self.tokens)
 
-    def _entries(self, text: TextStream, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
-        offsets = []
-        for s in samples:  # a token holding part of a character points at that character
-            offsets.append(text.starts_at(s.token_id))
-            text.append(s.token_id)
+    def _entries(self, text: TextOffsets, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         # an echoed prompt's first token has no log-prob: null, as OpenAI
         return {"tokens": [self.token(s.token_id) for s in samples],
                 "token_logprobs": [None if s.logprob is None else _logprob(s.logprob) for s in samples],
                 "top_logprobs": [None if s.logprob is None else self._top(s) for s in samples],
-                "text_offset": offsets}
+                "text_offset": [text.place(s.token_id) for s in samples]}
 
     def _top(self, sample: SampleResult) -> dict[str, float | None]:
         """The alternatives, best first, and the chosen token among them (OpenAI's legacy shape)."""
@@ -130,12 +127,12 @@ class CompletionShape(_Shape):
         # added before it (BOS) none; the detokenizing that gives back the text as sent tells which
         first = shifted = None
         for skip in (self._skip_special, not self._skip_special):
-            stream = TextStream(self._tokenizer, [], skip_special_tokens=skip)
+            stream = self._offsets([], skip)
             entries = self._entries(stream, prompt)
-            if stream.text == sent:
+            if stream.text.text == sent:
                 return sent, entries
-            added = len(stream.text) - len(sent)
-            if not skip and added > 0 and stream.text.endswith(sent):
+            added = len(stream.text.text) - len(sent)
+            if not skip and added > 0 and stream.text.text.endswith(sent):
                 shifted = entries | {"text_offset": [max(0, at - added) for at in entries["text_offset"]]}
             first = first or entries
         return sent, shifted or first

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+from camshaft.runtime.detokenizer import TextStream
+
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte tokens
 _SPACE_MARK = "\u2581"  # SentencePiece's "▁": a space
 
@@ -55,3 +57,37 @@ class TokenText:
             return raw.decode(), list(raw)
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+
+class TextOffsets:
+    """text_offset of each token of one text, as its detokenizer (`text`) builds it: the characters before the
+    token's text, and for a token holding part of a character (a byte of it, or its end with more) that character."""
+
+    def __init__(self, text: TextStream, tokens: TokenText) -> None:
+        self.text, self._tokens = text, tokens
+        self._inside: int | None = None  # the character the bytes so far end inside: begun, not complete
+
+    def place(self, token_id: int) -> int:
+        """The token's offset; the token is then appended to the text."""
+        raw = self._tokens.get(token_id)[1] if self.text.shows(token_id) else None
+        continues = self._inside is not None and (not raw or _continuation(raw[0]))
+        at = self._inside if continues else self.text.next_at
+        self.text.append(token_id)
+        if not self.text.ends_inside_a_character:
+            self._inside = None
+        elif raw:
+            self._inside = _begun(at, raw, continues, self._inside)
+        return at
+
+
+def _continuation(byte: int) -> bool:
+    return 0x80 <= byte < 0xC0
+
+
+def _begun(at: int, raw: list[int], continues: bool, inside: int | None) -> int | None:
+    """The character that a token at character `at` (continuing the one `inside` begun before it, or not) leaves
+    incomplete at its end: where its last lead byte begins one, counted by the characters its bytes hold before."""
+    lead = next((i for i in range(len(raw) - 1, -1, -1) if not _continuation(raw[i])), None)
+    if lead is None:  # continuation bytes alone: the character it continues (or bytes that begin none)
+        return inside if continues else at
+    return at + continues + sum(not _continuation(b) for b in raw[:lead])

@@ -14,6 +14,7 @@ import inspect
 import itertools
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -208,6 +209,7 @@ def load_texts(calib_data: str | Path | None, max_chars: int | None = None) -> t
     if not str(calib_data).strip():  # an unset shell variable: not the current directory's every text file
         raise QuantizeError(f"--calib-data is empty ({str(calib_data)!r}); give a file or directory, or leave it "
                             "out for the built-in corpus")
+    calib_data = os.path.expanduser(calib_data)  # a ~ the shell left (quoted, or from a --config file)
     path, column = split_column(calib_data)
     if not path.exists():
         head, sep, tail = str(calib_data).rpartition(":")

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import transformers
@@ -102,6 +103,8 @@ def test_bad_calibration_data_is_refused_before_loading(tiny, tmp_path, no_model
             quantize_checkpoint(tiny, tmp_path / "o", spec, **{**CALIB, **sizes})
     with pytest.raises(QuantizeError, match="--calib-data is empty"):  # "$CALIB" unset: not every file under "."
         quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data="", **CALIB)
+    with pytest.raises(QuantizeError, match=f"calibration data {Path.home()}/no-such-calibration.txt does not"):
+        quantize_checkpoint(tiny, tmp_path / "o", spec, calib_data="~/no-such-calibration.txt", **CALIB)
     (tmp_path / "notempty").mkdir()
     (tmp_path / "notempty" / "keep.txt").write_text("x")
     with pytest.raises(QuantizeError, match="refusing to overwrite"):

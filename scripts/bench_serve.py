@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -115,7 +116,7 @@ def summary(results: list[dict]) -> str:
     return (f"Against `llm` ({names}; tok/s above 1× is faster, TTFT above 1× is slower): " + "; ".join(lines) + ".")
 
 
-def markdown(runs: dict[str, dict], command: str, load: tuple[float, float]) -> str:
+def markdown(runs: dict[str, dict], command: str, load: tuple[float, float], plots: Path) -> str:
     m = machine_info()
     v = m["versions"]
     out = [BEGIN, "## Serving: SmolLM2-135M-Instruct behind Triton and the OpenAI API, CPU", "",
@@ -142,7 +143,7 @@ def markdown(runs: dict[str, dict], command: str, load: tuple[float, float]) -> 
         base = _baselines(results)
         for r in results:
             out.append(_row(r, None if r["target"] == "llm" else base.get(_point(r))))
-        out += ["", summary(results), "", f"![{name}](docs/bench/serve-{name}.png)", ""]
+        out += ["", summary(results), "", f"![{name}]({rel(plots / f'serve-{name}.png')})", ""]
     out.append(END)
     return "\n".join(out)
 
@@ -158,6 +159,7 @@ def main() -> None:
     args = p.parse_args()
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
+    plots = REPO / "docs" / "bench" if args.write_md else work
     model = fetch_model("smollm2-135m-instruct", default_model_dir("smollm2-135m-instruct"))
     engine = work / "serve-engine"
     build(engine, model)
@@ -183,13 +185,14 @@ def main() -> None:
                                                      tokenizer=tokenizer)
             runs[name] = {"dataset": dataset, "num_prompts": count, "results": [r.to_dict() for r in results]}
             (work / f"serve-{name}.json").write_text(json.dumps(runs[name], indent=2) + "\n")
-            plot(results, (REPO / "docs" / "bench" if args.write_md else work) / f"serve-{name}.png",
+            plot(results, plots / f"serve-{name}.png",
                  title=f"SmolLM2-135M fp32, CPU: {dataset}, {count} prompts")
     finally:
         for proc in servers:
             stop(proc)
     load = (load_before, os.getloadavg()[0])
-    section = markdown(runs, f".venv/bin/python scripts/bench_serve.py{' --write-md' if args.write_md else ''}", load)
+    command = shlex.join([".venv/bin/python", "scripts/bench_serve.py", *sys.argv[1:]])  # what was measured
+    section = markdown(runs, command, load, plots)
     print(section)
     if args.write_md:
         write_markdown(args.md, section, BEGIN, END)

@@ -46,7 +46,7 @@ def ranked_channels(model_dir: Path, calib_size: int, calib_seq_len: int) -> tup
     with torch.no_grad():
         calibration_loop(calib, "ranking the head's inputs", progress_bar=False)(model)
     inputs.remove()
-    mean = inputs.total / inputs.tokens
+    mean = inputs.total / (calib.num_samples * calib.seq_len)  # the head sees every calibration position
     largest = mean.sort(descending=True).values[:8].tolist()
     return inputs.largest(model.config.hidden_size), largest, float(mean.median())
 
@@ -98,7 +98,7 @@ def main() -> None:
             ppl = {k: engine_perplexity(engine, t).perplexity for k, t in texts.items()}
             size = sum(f.stat().st_size for f in engine.rglob("*") if f.is_file()) / 2**20  # MiB, as du -sh
             print(f"| blocks of {block} | {count} | {ppl['held-out']:.3f} | {ppl['validation']:.3f} | "
-                  f"{size:.0f} MB |", flush=True)
+                  f"{size:.0f} MiB |", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -343,3 +345,5 @@ def test_version_is_an_option_of_the_command():
 
     result = invoke("--version")
     assert result.exit_code == 0 and result.output.strip() == f"camshaft {camshaft.__version__}"
+    as_module = subprocess.run([sys.executable, "-m", "camshaft", "--version"], capture_output=True, text=True)
+    assert (as_module.returncode, as_module.stdout.strip()) == (0, f"camshaft {camshaft.__version__}")

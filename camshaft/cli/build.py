@@ -100,8 +100,9 @@ def build(
     lm_head: BuildLmHeadOption = None,
     weight_only_compute: Annotated[str, typer.Option(
         help="onnxruntime target, weight-only layers (int8_wo, int4_wo, int4_awq; int8_sq_mixed's down_proj): int8 "
-             "(inputs quantized to int8 per block on the fly: faster, a small extra error) | float (exact "
-             "dequantized weights) | auto (= int8)")] = "auto",
+             "(inputs quantized to int8 per block on the fly: faster, a small extra error, and outputs that can "
+             "change with what a request is batched with) | float (exact dequantized weights) | auto (= int8)")]
+    = "auto",
 ) -> None:
     """Build an engine directory from a Hugging Face checkpoint (with --quant: quantize it first)."""
     from dataclasses import replace

@@ -1,0 +1,5 @@
+"""`python -m camshaft ...`: the camshaft command line."""
+
+from camshaft.cli import main
+
+main()

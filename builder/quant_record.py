@@ -8,6 +8,8 @@ from camshaft.builder.checkpoint import MIXED, READABLE_QUANT_ALGOS
 from camshaft.builder.graph.decoder import DecoderLowering
 from camshaft.builder.graph.linear import LOWERINGS
 
+KV_FLAG_DTYPES = {"float8": "fp8", "int8": "int8"}  # the KV cache element type -> --kv-cache-dtype
+
 
 def quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering) -> dict:
     """The manifest's record of a quantized checkpoint. Policy: lm_head stays float (ModelOpt leaves it unquantized)
@@ -32,7 +34,8 @@ def quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering
         "quant_algo": algo,
         **({"layer_quant_algos": algos} if algo == MIXED else {}),
         "group_size": quant.get("group_size"),
-        "kv_cache_dtype": lowering.kv.dtype if lowering.kv_quant is not None else None,
+        # in --kv-cache-dtype's words (fp8 | int8); kv_cache.dtype names the pool's element (float8 | int8)
+        "kv_cache_dtype": KV_FLAG_DTYPES.get(lowering.kv.dtype) if lowering.kv_quant is not None else None,
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
         "kv_cache_affine": lowering.kv_quant is not None and bool(lowering.kv_quant.biases),
         "activations": "; ".join(a for a in (activation, int8_blocks) if a) or None,

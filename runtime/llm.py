@@ -58,8 +58,8 @@ class LLM(ServingAPI):
         """max_batch_size, max_num_tokens: at most the engine's (the default). kv_cache_memory: the KV pool's budget
         (kv_cache.memory_spec): bytes, also with a unit ("512MiB", "2GB"), or a fraction of the memory available once
         the weights are loaded (a number between 0 and 1, 1.0 for all of it); None: room for max_batch_size
-        full-length sequences. max_queue: requests allowed to wait beyond a full batch before submit raises
-        ServerBusyError (servers; generate() queues all its prompts whatever it is);
+        full-length sequences. max_queue: sequences (a request of n outputs counts n) allowed to wait beyond a full
+        batch before submit raises ServerBusyError (servers; generate() queues all its prompts whatever it is);
         spin_wait=False stops idle onnxruntime threads spinning (servers that mostly wait); huge_pages: the weights
         on transparent huge pages (Linux; see runtime/backends/huge_pages.py); kv_reservation "contiguous" reserves
         max_seq_len tokens of KV blocks per request, as a cache without paging would (for comparisons). prompt_lookup

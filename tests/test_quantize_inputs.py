@@ -522,7 +522,7 @@ def test_a_modelopt_checkpoint_with_config_json_alone_builds_as_with_hf_quant_co
         with Session(engine) as session:
             out = session.generate([5, 9, 17, 33], SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True))
         outputs.append((out.token_ids, out.logprobs))
-    assert manifests[0] == manifests[1] and manifests[0]["kv_cache_dtype"] == "float8"
+    assert manifests[0] == manifests[1] and manifests[0]["kv_cache_dtype"] == "fp8"  # the flag's word
     assert manifests[0]["float_modules"] == ["lm_head", "model.embed_tokens", "model.layers.*.mlp.down_proj"]
     assert outputs[0] == outputs[1]
 

@@ -130,8 +130,8 @@ def test_engine_logits_match_fake_quant_kv_cache(kv_engine, prompt):
     kv_dtype, engine_dir, ref = kv_engine
     engine = Engine(engine_dir, max_sequences=1)
     q = engine.manifest.quantization
-    expected = {"int8": "int8", "fp8": "float8"}[kv_dtype]
-    assert q["kv_cache_dtype"] == expected and engine.manifest.kv_cache.dtype == expected
+    element = {"int8": "int8", "fp8": "float8"}[kv_dtype]  # the pool's element; the record keeps the flag's word
+    assert q["kv_cache_dtype"] == kv_dtype and engine.manifest.kv_cache.dtype == element
     assert q["kv_cache_affine"] is True
     from camshaft.runtime.engine_info import engine_info
 

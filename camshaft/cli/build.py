@@ -49,7 +49,7 @@ def models_list() -> None:
 
 QuantOption = Annotated[str, typer.Option(help=" | ".join(FORMATS))]
 KVDtypeOption = Annotated[str | None, typer.Option(help="Also quantize the KV cache: fp8 | int8")]
-GROUP_HELP = "INT4 block size: auto | 128 | 64 | 32"
+GROUP_HELP = "INT4 layers' group size (weights sharing a scale): auto | 128 | 64 | 32"
 GroupOption = Annotated[str, typer.Option(help=GROUP_HELP)]
 CalibDataOption = Annotated[str | None, typer.Option(  # a str: typer would take "" (an unset variable) as "."
     metavar="PATH[:COLUMN]",
@@ -60,7 +60,8 @@ CalibSizeOption = Annotated[int, typer.Option(min=1, help="Calibration samples")
 CalibLenOption = Annotated[int, typer.Option(min=1, help="Tokens per calibration sample")]
 ExcludeOption = Annotated[list[str] | None, typer.Option(
     metavar="PATTERN", help="Module name pattern to keep unquantized (repeatable)")]
-LM_HEAD_HELP = "lm_head weights: float | int8 | int4 (rounded to nearest at build; a tied embedding reads them too)"
+LM_HEAD_HELP = ("lm_head weights: float | int8 (a scale per row) | int4 (groups of 64, whatever --group-size) "
+                "(rounded to nearest at build; a tied embedding reads them too)")
 LmHeadOption = Annotated[str, typer.Option(help=LM_HEAD_HELP)]
 # build: None = not passed (refused without --quant), then the defaults above
 BuildGroupOption = Annotated[str | None, typer.Option(help=f"{GROUP_HELP} (default auto)")]

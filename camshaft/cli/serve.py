@@ -17,10 +17,11 @@ MemoryOption = Annotated[str | None, typer.Option(
          "available once the engine's weights are loaded: a number between 0 and 1, or 1.0 for all of it (0.3, "
          "1.0); default: room for max-batch-size full-length sequences")]
 QueueOption = Annotated[int | None, typer.Option(
-    min=0, help=f"Requests that may wait beyond a full batch before new ones are refused as busy (default: "
-                f"{QUEUE_PER_BATCH} x the batch size)")]
+    min=0, help=f"Sequences that may wait beyond a full batch (a request of n outputs counts n) before new ones are "
+                f"refused as busy (default: {QUEUE_PER_BATCH} x the batch size)")]
 BatchOption = Annotated[int | None, typer.Option(
-    min=1, help="Most running requests (default and maximum: the engine's)")]
+    min=1, help="Most sequences running at once, a request of n outputs counting n (default and maximum: the "
+                "engine's)")]
 PolicyOption = Annotated[str, typer.Option(help="guaranteed_no_evict | max_utilization")]
 ThreadsOption = Annotated[int | None, typer.Option(
     min=1, help="Threads the engine computes on (default: as many as this process may keep busy: its CPU "

@@ -55,7 +55,8 @@ def test_imports_run_one_way(folder):
 
 def test_only_the_cli_layer_imports_nothing_below_it():
     sources = [p for p in REPO.rglob("*.py") if ".venv" not in p.parts and "tests" not in p.parts
-               and "scripts" not in p.parts and (REPO / "camshaft" / "cli") not in p.parents]
+               and "scripts" not in p.parts and (REPO / "camshaft" / "cli") not in p.parents
+               and p != REPO / "camshaft" / "__main__.py"]  # `python -m camshaft`: the CLI's entry point
     assert [str(p.relative_to(REPO)) for p in sources if "camshaft.cli" in camshaft_imports(p)] == []
     leaves = [REPO / (name.replace("camshaft.", "camshaft/") + ".py") for name in LEAF - {"camshaft"}]
     for path in leaves:

@@ -34,6 +34,10 @@ class TextStream:
         self._stops = tuple(s for s in stop if s)
         self._include_stop = include_stop
         context = list(prompt_ids[-_PROMPT_CONTEXT:])
+        # the window may begin inside a character: a byte-fallback decoder makes its whole byte group U+FFFD, the
+        # tail check below would empty it, and a Strip decoder would then drop the output's leading space
+        while context and self._decode(context).startswith("\ufffd"):
+            context.pop(0)
         while context and self._decode(context).endswith("\ufffd"):  # a prompt cut inside a character: its tail
             context.pop()  # would garble the output, the tokens before it still keep a leading space
         self._ids = context

@@ -147,13 +147,16 @@ def test_a_prompt_ending_inside_a_character_still_keeps_the_leading_space():
     SentencePiece decoder then stripped the first word's space."""
     from tokenizers import models, normalizers
 
-    vocab = {t: i for i, t in enumerate(["<unk>", "▁", "H", "i", "▁there", "!", "<0xC3>", "<0xA9>"])}
+    vocab = {t: i for i, t in enumerate(["<unk>", "▁", "H", "i", "▁there", "!", "<0xC3>", "<0xA9>", "<0xF0>", "<0x9F>",
+                                         "<0xA4>", "<0x97>"])}
     spm = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     spm.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     spm.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=spm, unk_token="<unk>")
-    for prompt in ([2, 3], [2, 3, vocab["<0xC3>"]]):
+    hug = [vocab[f"<0x{b:02X}>"] for b in "🤗".encode()]
+    # the last: its window of 5 tokens begins with 🤗's last byte (the byte group decoded to U+FFFD alone)
+    for prompt in ([2, 3], [2, 3, vocab["<0xC3>"]], [2, 3, *hug, *hug]):
         _, deltas = _stream(tokenizer, prompt, [vocab["▁there"], vocab["!"]])
         assert "".join(deltas) == " there!", prompt
 

@@ -251,6 +251,22 @@ def test_text_offsets_point_at_the_character_each_tokens_first_byte_is_in(kind):
         assert got == expected, (text, tokenizer.convert_ids_to_tokens(ids))
 
 
+def test_a_byte_level_tokenizers_added_token_keeps_its_own_space_marks():
+    """DeepSeek's <｜end▁of▁sentence｜> holds "▁" as text: only SentencePiece pieces read it as a space."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from camshaft.openai_server.tokens import TokenText
+
+    level = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                                 merges=[]))
+    level.pre_tokenizer, level.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    level.add_special_tokens([AddedToken("<｜end▁of▁sentence｜>", special=True)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=level)
+    end = tokenizer.convert_tokens_to_ids("<｜end▁of▁sentence｜>")
+    assert TokenText(tokenizer).get(end) == ("<｜end▁of▁sentence｜>", list("<｜end▁of▁sentence｜>".encode()))
+
+
 def test_sentencepiece_tokens_keep_their_leading_space():
     """SentencePiece marks a word's leading space with '▁', which decoding one token alone strips: the token strings
     and offsets must still spell the choice's text."""

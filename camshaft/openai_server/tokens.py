@@ -42,10 +42,11 @@ class TokenText:
 
     def _text_and_bytes(self, token_id: int) -> tuple[str, list[int] | None]:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(piece, str) and _SPACE_MARK in piece and not _BYTE_FALLBACK.fullmatch(piece):
+        text = self.tokenizer.decode([token_id])
+        if isinstance(piece, str) and _SPACE_MARK in piece and not _BYTE_FALLBACK.fullmatch(piece) \
+                and _SPACE_MARK not in text:  # SentencePiece's space (a byte-level token keeps its ▁ as text)
             text = piece.replace(_SPACE_MARK, " ")  # decoding it alone would strip (or keep) the space it begins with
             return text, list(text.encode())
-        text = self.tokenizer.decode([token_id])
         if text and "\ufffd" not in text:
             return text, list(text.encode())
         if piece is None:

@@ -190,6 +190,7 @@ def test_text_offset_of_bytes_that_continue_a_character_begun_after_a_whole_one(
     from transformers import PreTrainedTokenizerFast
 
     from camshaft.openai_server.responses import CompletionShape
+    from camshaft.openai_server.tokens import _byte_level_decoder
     from camshaft.runtime.sampler import SampleResult
 
     level = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -205,6 +206,11 @@ def test_text_offset_of_bytes_that_continue_a_character_begun_after_a_whole_one(
         0, [SampleResult(t, -1.0) for t in [*ids, lone_e6, letter]])
     assert logprobs["tokens"][:5] == ["a", "bytes:\\x20\\xe6", "bytes:\\x97", "bytes:\\xa5", "bytes:\\xe6"]
     assert logprobs["text_offset"] == [0, 1, 2, 2, 3, 3, 3, 4, 5]  # a, ' ', 日, 日, 本 (3 bytes), U+FFFD, a
+    shown = {byte: char for char, byte in _byte_level_decoder().items()}  # GPT-2's printable form of each byte
+    strays = [vocab[shown[b]] for b in (0x98, 0x80)]
+    strays_offsets = CompletionShape("m", tokenizer, [tokenizer.encode("Hi")], 1).logprobs(
+        0, [SampleResult(t, -1.0) for t in [letter, *strays, letter]])["text_offset"]
+    assert strays_offsets == [0, 1, 2, 3]  # 'a', two bytes that begin no character (U+FFFD each), 'a'
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])

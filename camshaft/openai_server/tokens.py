@@ -89,6 +89,6 @@ def _begun(at: int, raw: list[int], continues: bool, inside: int | None) -> int 
     """The character that a token at character `at` (continuing the one `inside` begun before it, or not) leaves
     incomplete at its end: where its last lead byte begins one, counted by the characters its bytes hold before."""
     lead = next((i for i in range(len(raw) - 1, -1, -1) if not _continuation(raw[i])), None)
-    if lead is None:  # continuation bytes alone: the character it continues (or bytes that begin none)
-        return inside if continues else at
+    if lead is None:  # continuation bytes alone: the character it continues; continuing none, they begin none
+        return inside if continues else None
     return at + continues + sum(not _continuation(b) for b in raw[:lead])

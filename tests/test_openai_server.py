@@ -501,6 +501,40 @@ def test_echoed_text_offsets_index_the_prompt_as_sent(client, served):
         assert all(choice.text[at:].startswith(token) for at, token in spelled)
 
 
+def test_echoed_text_offsets_index_the_text_as_sent_where_decoding_gives_another():
+    """A normalizer (Qwen2's NFC: 'e' + U+0301 decodes as 'é') or a prefix space the tokenizer adds after a written
+    <s> (Llama 2's raw chat prompts) changes the decoded prompt: offsets are the tokenizer's own into the text sent
+    (they indexed the decoded text, every later one shifted, some past the prompt's end)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from camshaft.openai_server.responses import CompletionShape
+    from camshaft.runtime.sampler import SampleResult
+
+    level = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                                 merges=[]))
+    level.normalizer, level.pre_tokenizer = normalizers.NFC(), pre_tokenizers.ByteLevel(add_prefix_space=False)
+    level.decoder = decoders.ByteLevel()
+    pieces = ["<unk>", "<s>", "▁", "[", "]", "/", "I", "N", "S", "T", "H", "i", *(f"<0x{b:02X}>" for b in range(256))]
+    spm = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                               byte_fallback=True))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    spm.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    spm.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    for tokenizer, sent in ((PreTrainedTokenizerFast(tokenizer_object=level), "Cafe\u0301 ok"),
+                            (PreTrainedTokenizerFast(tokenizer_object=spm, bos_token="<s>", unk_token="<unk>"),
+                             "<s>[INST] Hi [/INST]")):
+        encoded = tokenizer(sent, return_offsets_mapping=True)
+        ids = encoded["input_ids"]
+        assert tokenizer.decode(ids, skip_special_tokens=False) != sent
+        for skip in (True, False):
+            shape = CompletionShape("m", tokenizer, [ids], 1, skip_special_tokens=skip, echo="prompt+output",
+                                    prompt_texts=[sent])
+            entries = shape._echoed(0, ids, [None, *(SampleResult(t, -1.0) for t in ids[1:])], True)[1]
+            assert entries["text_offset"] == [start for start, _ in encoded["offset_mapping"]], (sent, skip)
+
+
 def test_a_bos_the_tokenizer_adds_takes_no_characters_of_the_echoed_prompt():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast

@@ -123,8 +123,14 @@ class CompletionShape(_Shape):
         if not with_logprobs:
             return sent, None
         prompt = [SampleResult(prompt_ids[0]), *(prompt_logprobs or [])[1:]]
-        # offsets into the text as sent: special tokens written in it count their characters, those the tokenizer
-        # added before it (BOS) none; the detokenizing that gives back the text as sent tells which
+        # text sent as text: the tokenizer's own offsets into it (a BOS it added: 0; a normalizer or an added
+        # prefix space changes the decoded text, not these)
+        encoded = self._tokenizer(sent, return_offsets_mapping=True)
+        if list(encoded["input_ids"]) == list(prompt_ids):
+            entries = self._entries(self._offsets([], self._skip_special), prompt)
+            return sent, entries | {"text_offset": [start for start, _ in encoded["offset_mapping"]]}
+        # token ids: offsets into their decoded text: special tokens written in it count their characters, those the
+        # tokenizer added before it (BOS) none; the detokenizing that gives back the text as sent tells which
         first = shifted = None
         for skip in (self._skip_special, not self._skip_special):
             stream = self._offsets([], skip)

@@ -533,6 +533,18 @@ def test_echoed_text_offsets_index_the_text_as_sent_where_decoding_gives_another
                                     prompt_texts=[sent])
             entries = shape._echoed(0, ids, [None, *(SampleResult(t, -1.0) for t in ids[1:])], True)[1]
             assert entries["text_offset"] == [start for start, _ in encoded["offset_mapping"]], (sent, skip)
+    # spans that leave a token's leading space out (ByteLevel's trim_offsets, GPT-NeoX's tokenizer.json) and an EOS
+    # the tokenizer appends (span (0, 0)): where the token's text begins, the EOS where the text ends
+    level.normalizer = None
+    level.add_special_tokens(["<eos>"])
+    for post, extra in ((processors.ByteLevel(trim_offsets=True), []),
+                        (processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", 256)]), [11])):
+        level.post_processor = post
+        tokenizer, sent = PreTrainedTokenizerFast(tokenizer_object=level), "Hello world"
+        ids = tokenizer(sent)["input_ids"]
+        shape = CompletionShape("m", tokenizer, [ids], 1, echo="prompt+output", prompt_texts=[sent])
+        entries = shape._echoed(0, ids, [None, *(SampleResult(t, -1.0) for t in ids[1:])], True)[1]
+        assert entries["text_offset"] == [*range(len(sent)), *extra], post
 
 
 def test_a_bos_the_tokenizer_adds_takes_no_characters_of_the_echoed_prompt():

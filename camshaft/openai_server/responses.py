@@ -128,7 +128,7 @@ class CompletionShape(_Shape):
         encoded = self._tokenizer(sent, return_offsets_mapping=True)
         if list(encoded["input_ids"]) == list(prompt_ids):
             entries = self._entries(self._offsets([], self._skip_special), prompt)
-            return sent, entries | {"text_offset": [start for start, _ in encoded["offset_mapping"]]}
+            return sent, entries | {"text_offset": _starts(sent, encoded["offset_mapping"])}
         # token ids: offsets into their decoded text: special tokens written in it count their characters, those the
         # tokenizer added before it (BOS) none; the detokenizing that gives back the text as sent tells which
         first = shifted = None
@@ -174,6 +174,18 @@ class CompletionShape(_Shape):
                 "finish_reason": ("length" if alone else finish_reason(output.result.finish_reason))
                 if output.result else None,
                 "stop_reason": None if alone else stop_reason(output.result)}
+
+
+def _starts(text: str, spans: list[tuple[int, int]]) -> list[int]:
+    """Where each token's text begins, from the tokenizer's character spans of `text`: whitespace between a span and
+    the previous one is the token's, which the tokenizer left out (ByteLevel's trim_offsets); a token it added after
+    the text (an EOS: span (0, 0)) is where the text ends, as one added before it (a BOS) is at 0."""
+    starts, end = [], 0
+    for start, stop in spans:
+        trimmed = start > end and text[end:start].isspace()
+        starts.append(end if trimmed or (start == stop == 0 and end > 0) else start)
+        end = max(end, stop)
+    return starts
 
 
 def _joined(first: dict | None, second: dict | None) -> dict | None:

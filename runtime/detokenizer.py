@@ -33,14 +33,7 @@ class TextStream:
         self._known = backend.get_vocab_size(with_added_tokens=True)
         self._stops = tuple(s for s in stop if s)
         self._include_stop = include_stop
-        context = list(prompt_ids[-_PROMPT_CONTEXT:])
-        # the window may begin inside a character: a byte-fallback decoder makes its whole byte group U+FFFD, the
-        # tail check below would empty it, and a Strip decoder would then drop the output's leading space
-        while context and self._decode(context).startswith("\ufffd"):
-            context.pop(0)
-        while context and self._decode(context).endswith("\ufffd"):  # a prompt cut inside a character: its tail
-            context.pop()  # would garble the output, the tokens before it still keep a leading space
-        self._ids = context
+        self._ids = context = self._context(list(prompt_ids[-_PROMPT_CONTEXT * 4:]))
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text = self._decode(context)
@@ -51,6 +44,19 @@ class TextStream:
         self._min_tokens = min_tokens
         self._appended = 0
         self._boundary = 0  # length of the text of the first min_tokens tokens: a stop must end past it
+
+    def _context(self, ids: list[int]) -> list[int]:
+        """The prompt's last tokens the output is decoded after (so SentencePiece decoders keep its first word's
+        space): a prompt cut inside a character loses that tail (it would garble the output); the window then widens
+        back from _PROMPT_CONTEXT tokens until it begins with text (not inside a character, whose byte group a
+        byte-fallback decoder makes all U+FFFD, and not special tokens alone, which decode to nothing)."""
+        end = len(ids)
+        while end and self._decode(ids[max(0, end - _PROMPT_CONTEXT):end]).endswith("\ufffd"):
+            end -= 1
+        start = max(0, end - _PROMPT_CONTEXT)
+        while start and (not (text := self._decode(ids[start:end])) or text.startswith("\ufffd")):
+            start -= 1
+        return ids[start:end]
 
     @property
     def text(self) -> str:

@@ -80,7 +80,7 @@ class Executor(StepCounters):
             if limit is not None and len(self._sinks) + total > batch + limit:
                 raise ServerBusyError(f"server busy: {len(self._sinks)} sequences in flight and the queue holds at "
                                       f"most {limit} beyond a running batch of {batch}; retry later or raise the "
-                                      "queue limit (--max-queue)")
+                                      "queue limit (max_queue, --max-queue)")
             try:
                 for group, group_sinks in zip(groups, sinks, strict=True):
                     for request, sink in zip(group, group_sinks, strict=True):

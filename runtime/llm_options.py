@@ -89,10 +89,10 @@ def check_runtime_options(threads: int | None = None, spin_wait: bool = True, hu
             raise RequestError(f"{name} is True or False, got {value!r:.60}")
 
 
-def check_fits_in_flight(requests: int, max_batch_size: int, max_queue: int | None, what: str, advice: str) -> None:
-    """Refuse `requests` that could never be in flight at once (RequestError)."""
-    if max_queue is not None and requests > max_batch_size + max_queue:
-        raise RequestError(f"{what}: at most {max_batch_size + max_queue} requests fit in flight (max_batch_size "
+def check_fits_in_flight(sequences: int, max_batch_size: int, max_queue: int | None, what: str, advice: str) -> None:
+    """Refuse `sequences` that could never be in flight at once (RequestError)."""
+    if max_queue is not None and sequences > max_batch_size + max_queue:
+        raise RequestError(f"{what}: at most {max_batch_size + max_queue} sequences fit in flight (max_batch_size "
                            f"{max_batch_size} + max_queue {max_queue}); {advice} or raise max_queue")
 
 

@@ -155,8 +155,10 @@ def test_a_prompt_ending_inside_a_character_still_keeps_the_leading_space():
                                      decoders.Strip(" ", 1, 0)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=spm, unk_token="<unk>")
     hug = [vocab[f"<0x{b:02X}>"] for b in "🤗".encode()]
-    # the last: its window of 5 tokens begins with 🤗's last byte (the byte group decoded to U+FFFD alone)
-    for prompt in ([2, 3], [2, 3, vocab["<0xC3>"]], [2, 3, *hug, *hug]):
+    # a window of 5 tokens beginning with 🤗's last byte (its byte group decoded to U+FFFD alone); one holding no
+    # whole character (🤗's last byte, then 3 of the next one's 4); one ending in skipped special tokens
+    for prompt in ([2, 3], [2, 3, vocab["<0xC3>"]], [2, 3, *hug, *hug], [2, 3, *hug, *hug[:3]],
+                   [2, 3, *hug, 0, 0, 0, 0]):
         _, deltas = _stream(tokenizer, prompt, [vocab["▁there"], vocab["!"]])
         assert "".join(deltas) == " there!", prompt
 

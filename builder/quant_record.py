@@ -7,8 +7,9 @@ import re
 from camshaft.builder.checkpoint import MIXED, READABLE_QUANT_ALGOS
 from camshaft.builder.graph.decoder import DecoderLowering
 from camshaft.builder.graph.linear import LOWERINGS
+from camshaft.builder.quantized import KV_CACHE_ALGOS
 
-KV_FLAG_DTYPES = {"float8": "fp8", "int8": "int8"}  # the KV cache element type -> --kv-cache-dtype
+KV_FLAG_DTYPES = {element: algo.lower() for algo, element in KV_CACHE_ALGOS.items()}  # float8 -> --kv-cache-dtype fp8
 
 
 def quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering) -> dict:

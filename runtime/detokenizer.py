@@ -38,6 +38,7 @@ class TextStream:
         self._read_offset = len(context)
         self._prefix_text = self._decode(context)
         self._pending = ""  # decoded text not emitted yet: it may begin a stop string
+        self._held = ""  # decoded text of the tokens since the last delta, held back (ends inside a character)
         self._text = ""  # emitted text
         self._matched: str | None = None
         self._done = False
@@ -76,19 +77,16 @@ class TextStream:
     def next_at(self) -> int:
         """Characters of the whole text before what the next token adds: those emitted, and those held back (for a
         stop string, or decoded from bytes that do not end a character yet: U+FFFD each, as the end flushes them)."""
-        return len(self._text) + len(self._pending) + len(self._held())
+        return len(self._text) + len(self._pending) + len(self._held)
 
     @property
     def ends_inside_a_character(self) -> bool:
         """The bytes appended so far end inside a UTF-8 character (or in bytes that make none)."""
-        return self._held().endswith("\ufffd")
+        return self._held.endswith("\ufffd")
 
     def shows(self, token_id: int) -> bool:
         """Whether the token's text is part of the text (special tokens skipped, ids past the vocabulary are not)."""
         return token_id not in self._skipped and token_id < self._known
-
-    def _held(self) -> str:
-        return self._decode(self._ids[self._prefix_offset:])[len(self._prefix_text):]
 
     def append(self, token_id: int) -> str:
         """Add one generated token; return the newly safe text (often empty). Ignored once stopped or finished."""
@@ -100,10 +98,11 @@ class TextStream:
             return ""
         self._ids.append(token_id)
         new_text = self._decode(self._ids[self._prefix_offset :])
+        self._held = new_text[len(self._prefix_text) :]
         if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
             self._mark_boundary(0)
             return ""  # nothing new yet, or a character still incomplete
-        delta = new_text[len(self._prefix_text) :]
+        delta, self._held = self._held, ""
         self._mark_boundary(len(delta))
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

@@ -86,18 +86,18 @@ class CompletionShape(_Shape):
     def logprobs(self, index: int, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
         if index not in self._texts:  # a streamed choice's offsets run on across its chunks
             self._texts[index] = self._offsets(self._prompts[index // self._n], self._skip_special)
-        return self._entries(self._texts[index], samples)
+        return self._entries(samples, self._texts[index].placed(samples))
 
     def _offsets(self, context: list[int], skip_special_tokens: bool) -> TextOffsets:
         stream = TextStream(self._tokenizer, context, skip_special_tokens=skip_special_tokens)
         return TextOffsets(stream, self.tokens)
 
-    def _entries(self, text: TextOffsets, samples: list[SampleResult] | tuple[SampleResult, ...]) -> dict:
+    def _entries(self, samples: list[SampleResult] | tuple[SampleResult, ...], offsets: list[int]) -> dict:
         # an echoed prompt's first token has no log-prob: null, as OpenAI
         return {"tokens": [self.token(s.token_id) for s in samples],
                 "token_logprobs": [None if s.logprob is None else _logprob(s.logprob) for s in samples],
                 "top_logprobs": [None if s.logprob is None else self._top(s) for s in samples],
-                "text_offset": [text.place(s.token_id) for s in samples]}
+                "text_offset": offsets}
 
     def _top(self, sample: SampleResult) -> dict[str, float | None]:
         """The alternatives, best first, and the chosen token among them (OpenAI's legacy shape)."""
@@ -127,14 +127,13 @@ class CompletionShape(_Shape):
         # prefix space changes the decoded text, not these)
         encoded = self._tokenizer(sent, return_offsets_mapping=True)
         if list(encoded["input_ids"]) == list(prompt_ids):
-            entries = self._entries(self._offsets([], self._skip_special), prompt)
-            return sent, entries | {"text_offset": _starts(sent, encoded["offset_mapping"])}
+            return sent, self._entries(prompt, _starts(sent, encoded["offset_mapping"]))
         # token ids: offsets into their decoded text: special tokens written in it count their characters, those the
         # tokenizer added before it (BOS) none; the detokenizing that gives back the text as sent tells which
         first = shifted = None
         for skip in (self._skip_special, not self._skip_special):
             stream = self._offsets([], skip)
-            entries = self._entries(stream, prompt)
+            entries = self._entries(prompt, stream.placed(prompt))
             if stream.text.text == sent:
                 return sent, entries
             added = len(stream.text.text) - len(sent)

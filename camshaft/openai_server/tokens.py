@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from functools import lru_cache
 
 from camshaft.runtime.detokenizer import TextStream
+from camshaft.runtime.sampler import SampleResult
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte tokens
 _SPACE_MARK = "\u2581"  # SentencePiece's "▁": a space
@@ -67,6 +69,10 @@ class TextOffsets:
     def __init__(self, text: TextStream, tokens: TokenText) -> None:
         self.text, self._tokens = text, tokens
         self._inside: int | None = None  # the character the bytes so far end inside: begun, not complete
+
+    def placed(self, samples: Sequence[SampleResult]) -> list[int]:
+        """The offsets of the sampled tokens, each appended to the text in turn."""
+        return [self.place(s.token_id) for s in samples]
 
     def place(self, token_id: int) -> int:
         """The token's offset; the token is then appended to the text."""

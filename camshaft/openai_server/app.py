@@ -159,7 +159,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         prompt = {"prompt": body.prompt} if body.prompt is not None else \
             {"messages": [m.template_dict() for m in body.messages or []], "tools": body.prompt_tools(),
              **body.chat_keywords()}
-        most = TOKENIZE_CONTEXTS * max_seq_len  # a text's tokens cost ~0.5 KB each while it is tokenized
+        most = TOKENIZE_CONTEXTS * max_seq_len  # ~480 bytes a token while tokenized (BENCHMARKS.md)
         try:
             ids = await asyncio.to_thread(llm.encode, **prompt, for_generation=False, most_counted=most)
         except CapacityError:

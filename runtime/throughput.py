@@ -80,12 +80,20 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
             return add_sample(sample)
 
         request.add_sample = timed_add_sample
-        submitted[index] = request
         return request, lambda out, i=index: done.put((i, out)) if out.finished else None
 
+    ready = []
+    for index in range(len(requests)):  # one that can never fit the pool is refused before any runs
+        ready.append(prepared(index))
+        try:
+            executor.scheduler.check(ready[-1][0])
+        except RequestError as exc:
+            raise type(exc)(f"request {index + 1} of {len(requests)}: {exc}") from None
+
     def submit(indices: range) -> None:  # the concurrency bounds what is in flight, not the LLM's max_queue
-        batch = [prepared(index) for index in indices]
+        batch = [ready[index] for index in indices]
         for index in indices:
+            submitted[index] = ready[index][0]
             records[index].submitted = time.perf_counter()
         executor.submit_groups([[request] for request, _ in batch], [[sink] for _, sink in batch], bounded=False)
 

@@ -439,3 +439,17 @@ def test_plotted_values_keep_their_digits():
     from camshaft.runtime.throughput_plot import value_label
 
     assert [value_label(y) for y in (0.7, 0.64, 2.0, 12.4, 192.1, 7139.0)] == ["0.7", "0.64", "2", "12", "192", "7139"]
+
+
+def test_a_request_the_pool_can_never_hold_is_refused_before_any_runs(engine_dir):
+    """Review: the dataset's one oversized request failed only when reached, after every request before it ran."""
+    from camshaft.errors import CapacityError
+    from camshaft.runtime.kv_cache import bytes_per_block
+
+    manifest = read_manifest(engine_dir)
+    requests = [BenchRequest([100 + i] * 16, 8) for i in range(5)] + [BenchRequest([50] * 16, 150)]
+    with LLM(engine_dir, threads=1, kv_cache_memory=8 * bytes_per_block(manifest)) as llm:
+        with pytest.raises(CapacityError, match=r"request 6 of 6: the request needs 11 KV blocks but the pool holds 7;"):
+            run_throughput(llm, requests, concurrency=1)
+        assert llm.executor.steps_done == 0
+        assert run_throughput(llm, requests[:5], concurrency=1).output_tokens == 5 * 8  # the LLM is still usable

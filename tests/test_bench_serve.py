@@ -345,3 +345,27 @@ def test_bench_serve_reads_triton_token_counts(engine_dir, tmp_path):
     assert wrong.exit_code == 1 and "serves no model 'nope'" in said and "is the server up" not in said, said
     for r in json.loads(out.read_text())["results"]:
         assert (r["completed"], r["failed"], r["output_tokens"]) == (6, 0, 36), (r["target"], r["errors"])
+
+
+def test_a_concurrency_sweep_at_one_rate_plots_a_line_through_its_limits():
+    """Review: scripts/bench_serve.py's sweep (C = 1, 8, 32 at rate inf) drew six unconnected points, each labelled
+    'inf/s'; a grid of rates and limits keeps a line per limit through the rates."""
+    from types import SimpleNamespace
+
+    from camshaft.bench_serve.report import series
+
+    def run(target, limit, rate, tok_s):
+        return SimpleNamespace(target=target, concurrency=limit, request_rate=rate, output_tok_s=tok_s)
+
+    sweep = [run(t, c, math.inf, c * k) for t, k in (("a", 1.0), ("b", 2.0)) for c in (8, 1, 32)]
+    lines = series(sweep)
+    assert [(label, [r.concurrency for r in points]) for label, points, _ in lines] == [("a", [1, 8, 32]),
+                                                                                       ("b", [1, 8, 32])]
+    assert [lines[0][2](r) for r in lines[0][1]] == ["C=1", "C=8", "C=32"]
+    grid = [run("a", c, rate, (c or 10) * rate) for c in (2, None) for rate in (50.0, 5.0)]
+    lines = series(grid)
+    assert [(label, [r.request_rate for r in points]) for label, points, _ in lines] == [("a, C=2", [5.0, 50.0]),
+                                                                                        ("a, C=inf", [5.0, 50.0])]
+    assert lines[0][2](lines[0][1][0]) == "5/s"
+    (only,) = series([run("a", None, 2.0, 1.0), run("a", None, 8.0, 3.0)])
+    assert only[0] == "a" and [only[2](r) for r in only[1]] == ["2/s", "8/s"]

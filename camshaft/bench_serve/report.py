@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -121,17 +122,37 @@ def summarize(target: Target, rate: float, concurrency: int | None, records: lis
         requests=[next(each) if r.ok else {"error": r.failure} for r in records])
 
 
-def _point_label(result: ServeResult) -> str:
+def _rate_label(result: ServeResult) -> str:
     return ("inf" if math.isinf(result.request_rate) else f"{result.request_rate:g}") + "/s"
+
+
+def _limit_label(result: ServeResult) -> str:
+    return f"C={result.concurrency or 'inf'}"
 
 
 def _limit_order(limit: int | None) -> tuple[bool, int]:
     return limit is None, limit or 0
 
 
+def series(results: list[ServeResult]) -> list[tuple[str, list[ServeResult], Callable[[ServeResult], str]]]:
+    """The plot's lines, each (legend label, its points by output tok/s, a point's label): a target's line runs
+    through its request rates, one per concurrency limit; a target run at one rate runs through its limits."""
+    lines = []
+    for name in dict.fromkeys(r.target for r in results):
+        runs = [r for r in results if r.target == name]
+        limits = sorted({r.concurrency for r in runs}, key=_limit_order)
+        if len({r.request_rate for r in runs}) == 1 and len(limits) > 1:
+            lines.append((name, runs, _limit_label))
+            continue
+        several = len({r.concurrency for r in results}) > 1
+        for limit in limits:
+            lines.append((f"{name}, C={limit or 'inf'}" if several else name,
+                          [r for r in runs if r.concurrency == limit], _rate_label))
+    return [(label, sorted(points, key=lambda r: r.output_tok_s), point) for label, points, point in lines]
+
+
 def plot(results: list[ServeResult], path: str | Path, title: str | None = None) -> None:
-    """p50 TTFT, p50 TPOT and p50 end-to-end latency against output tokens/s: one line per target (and concurrency
-    limit, when several were run), through its request rates."""
+    """p50 TTFT, p50 TPOT and p50 end-to-end latency against output tokens/s, a line per `series`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,18 +161,12 @@ def plot(results: list[ServeResult], path: str | Path, title: str | None = None)
     panels = [("p50 time to first token, ms", "ttft_ms"), ("p50 time per output token, ms", "tpot_ms"),
               ("p50 end-to-end latency, ms", "e2e_ms")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-    targets = list(dict.fromkeys(r.target for r in results))
-    limits = {r.concurrency for r in results}
     for ax, (label, key) in zip(axes, panels, strict=True):
-        for name, limit in [(name, limit) for name in targets for limit in sorted(limits, key=_limit_order)]:
-            points = sorted((r for r in results if r.target == name and r.concurrency == limit),
-                            key=lambda r: r.output_tok_s)
-            if not points:
-                continue
+        for name, points, point_label in series(results):
             xs, ys = [r.output_tok_s for r in points], [getattr(r, key)["p50"] for r in points]
-            ax.plot(xs, ys, "o-", label=name if len(limits) == 1 else f"{name}, C={limit or 'inf'}")
+            ax.plot(xs, ys, "o-", label=name)
             for r, x, y in zip(points, xs, ys, strict=True):
-                ax.annotate(_point_label(r), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                ax.annotate(point_label(r), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xlabel("output tokens/s (higher is better)")
         ax.set_ylabel("ms")
         ax.set_title(label + " (lower is better)", fontsize=10)

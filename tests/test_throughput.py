@@ -449,7 +449,7 @@ def test_a_request_the_pool_can_never_hold_is_refused_before_any_runs(engine_dir
     manifest = read_manifest(engine_dir)
     requests = [BenchRequest([100 + i] * 16, 8) for i in range(5)] + [BenchRequest([50] * 16, 150)]
     with LLM(engine_dir, threads=1, kv_cache_memory=8 * bytes_per_block(manifest)) as llm:
-        with pytest.raises(CapacityError, match=r"request 6 of 6: the request needs 11 KV blocks but the pool holds 7;"):
+        with pytest.raises(CapacityError, match="request 6 of 6: the request needs 11 KV blocks but the pool holds 7;"):
             run_throughput(llm, requests, concurrency=1)
         assert llm.executor.steps_done == 0
         assert run_throughput(llm, requests[:5], concurrency=1).output_tokens == 5 * 8  # the LLM is still usable

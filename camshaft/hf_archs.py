@@ -67,8 +67,8 @@ def layers_without_rope(f: Fields, layers: int) -> tuple[int, ...]:
 def gemma_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, hidden: int,
                  arch: str) -> dict[str, Any]:
     """Gemma's layers as Gemma2ForCausalLM / Gemma3ForCausalLM run them (model_config.ModelConfig says what each
-    field does): Gemma 2's softcaps default to 50 (attention) and 30 (logits), Gemma 3's to none; bidirectional
-    attention is refused."""
+    field does): Gemma 2's softcaps default to 50 (attention) and 30 (logits), Gemma 3's to none, and Gemma 3's
+    attention ignores its cap (Gemma3Attention keeps it, never applies it); bidirectional attention is refused."""
     if f.get("use_bidirectional_attention", "bool", False):
         raise UnsupportedModelError(f"{source}: use_bidirectional_attention is not supported (a causal LM attends "
                                     "causally)")
@@ -83,5 +83,6 @@ def gemma_fields(hf: dict[str, Any], f: Fields, source: str, positions: int, hid
     if scalar <= 0:
         raise CheckpointError(f"{source}: query_pre_attn_scalar must be > 0, got {scalar}")
     return dict(rope=full, local_rope=local, norm_offset=1.0, embed_scale=hidden ** 0.5, sandwich_norms=True,
-                activation="gelu_tanh", attention_scale=scalar ** -0.5, attn_softcap=caps["attn_logit_softcapping"],
+                activation="gelu_tanh", attention_scale=scalar ** -0.5,
+                attn_softcap=caps["attn_logit_softcapping"] if arch == "gemma2" else None,
                 logit_softcap=caps["final_logit_softcapping"])

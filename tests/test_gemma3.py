@@ -17,7 +17,7 @@ from camshaft.errors import UnsupportedModelError
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.session import Session
 
-from tiny_models import greedy_under_transformers, tiny_engine
+from tiny_models import greedy_under_transformers, make_tiny_model, tiny_engine
 
 # gemma-3-1b-it's config.json as published (transformers 4 style), shrunk: no layer_types, no rope_parameters
 PUBLISHED = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attn_logit_softcapping": None,
@@ -138,3 +138,15 @@ def test_a_quantized_gemma3_engine_matches_modelopts_fake_quant_model(gemma, tmp
         fp32 = transformers.AutoModelForCausalLM.from_pretrained(model).eval()(prompt).logits[0].numpy()
     assert np.abs(ref["logits"] - fp32).max() > 1e-3  # the quantization is real
     assert np.abs(logits - ref["logits"]).max() <= 0.1 * np.abs(ref["logits"] - fp32).max()
+
+
+def test_an_attention_softcap_in_a_gemma3_config_is_ignored_as_transformers_ignores_it(tmp_path):
+    """Review: Gemma3Attention keeps attn_logit_softcapping but never applies it (Gemma 2's does); the engine capped
+    the scores and disagreed with transformers (the final logits' cap stays, as transformers applies it)."""
+    assert ModelConfig.from_hf(PUBLISHED | {"attn_logit_softcapping": 5.0}).attn_softcap is None
+    model = make_tiny_model("gemma3", tmp_path / "hf", attn_logit_softcapping=5.0, final_logit_softcapping=30.0)
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64, kv_block_size=4, max_num_tokens=16))
+    prompt = list(range(5, 45))
+    with Session(tmp_path / "engine") as session:
+        assert greedy_under_transformers(model, prompt, session.generate(prompt, max_tokens=12,
+                                                                         ignore_eos=True).token_ids)

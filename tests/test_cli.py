@@ -447,3 +447,13 @@ def test_a_reader_that_goes_away_ends_run_as_sigpipe_would(tmp_path):
     process.stdout.close()
     stderr = process.stderr.read().decode()
     assert process.wait(60) == 141 and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["models", "list"]])
+def test_a_reader_gone_before_any_output_ends_every_command_as_sigpipe_would(args):
+    """Review: only run exited 141; `camshaft --help | head -1` (click's handler) exited 1, which a pipefail script
+    takes for a failure."""
+    process = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # before the interpreter has started: its first write finds no reader
+    stderr = process.stderr.read().decode()
+    assert process.wait(60) == 141 and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr

@@ -184,6 +184,8 @@ def main() -> None:
         if isinstance(exc, CamshaftError):
             err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
             sys.exit(1)
+        if isinstance(exc, SystemExit) and isinstance(exc.__context__, BrokenPipeError):  # click's exit 1 for it
+            pipe_closed()
         if isinstance(exc, FileNotFoundError) and not _cwd_exists():  # a build or fetch into "." replaced it
             err.print("[bold red]error:[/bold red] the current directory no longer exists (deleted, or replaced by a "
                       "build or fetch into '.'); cd into it again if it was replaced (cd \"$PWD\"), or into another "

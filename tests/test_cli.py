@@ -457,3 +457,22 @@ def test_a_reader_gone_before_any_output_ends_every_command_as_sigpipe_would(arg
     process.stdout.close()  # before the interpreter has started: its first write finds no reader
     stderr = process.stderr.read().decode()
     assert process.wait(60) == 141 and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+def test_a_benchmark_with_stdout_closed_and_no_json_is_refused_before_it_runs(engine, tmp_path):
+    """Review: bench latency/throughput/serve ran with stdout closed and exited 0, their results lost."""
+    for command in (["bench", "latency", "--engine", engine, "--repeats", "1", "--max-tokens", "2"],
+                    ["bench", "throughput", "--engine", engine, "--num-requests", "1", "--dataset",
+                     "synthetic:in=5,out=2"],
+                    ["bench", "serve", "--target", f"a={engine},backend=llm", "--num-requests", "1", "--dataset",
+                     "synthetic:in=5,out=2"]):
+        done = subprocess.run([*CLI, *map(str, command)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, preexec_fn=lambda: os.close(1))
+        assert done.returncode == 1 and done.stderr.strip() == (
+            "error: stdout is closed (>&-), so the results would be lost; redirect it (> FILE) or give "
+            "--output-json FILE"), done.stderr
+    kept = tmp_path / "latency.json"  # the JSON keeps them
+    done = subprocess.run([*CLI, "bench", "latency", "--engine", str(engine), "--repeats", "1", "--max-tokens", "2",
+                           "--prompt-len", "8", "--output-json", str(kept)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0 and json.loads(kept.read_text())["repeats"] == 1, done.stderr

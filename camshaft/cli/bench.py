@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated
@@ -73,8 +74,11 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def require_outputs(plot: Path | None, output_json: Path | None) -> None:
-    """Refuse --plot and --output-json before any work (matplotlib missing, a path that cannot be written), rather
-    than after the whole benchmark."""
+    """Refuse --plot and --output-json before any work (matplotlib missing, a path that cannot be written), and a
+    closed stdout without --output-json (the results would be lost), rather than after the whole benchmark."""
+    if output_json is None and sys.stdout is None:
+        raise CamshaftError("stdout is closed (>&-), so the results would be lost; redirect it (> FILE) or give "
+                            "--output-json FILE")
     for flag, path in (("--plot", plot), ("--output-json", output_json)):
         if path is None:
             continue

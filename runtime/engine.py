@@ -14,12 +14,13 @@ from camshaft.engine_files import (
     unchanged_while_loading,
     unlisted_tokenizer_entries,
 )
-from camshaft.errors import EngineError, RequestError
+from camshaft.errors import EngineError
 from camshaft.io_signature import GROUP_FLAGS, SLIDING_INPUTS
 from camshaft.manifest import Manifest, read_manifest
 from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, fraction_bytes, pool_blocks
+from camshaft.runtime.llm_options import check_threads_target
 
 EDITABLE = (CHAT_TEMPLATE, NAMED_TEMPLATES)  # what a user may add or edit after the build
 
@@ -118,10 +119,7 @@ class Engine:
         if target in ("tensorrt-rtx", "tensorrt"):  # never run on a GPU yet: see backends/tensorrt.py
             from camshaft.runtime.backends.tensorrt import TensorRTBackend
 
-            if threads is not None:  # taken, then ignored, would read as set
-                raise RequestError(f"threads sets how many CPU cores ONNX Runtime uses; {self.dir} is a {target} "
-                                   "engine, which computes on the GPU: drop threads")
-
+            check_threads_target(threads, target, self.dir)
             return TensorRTBackend(self.dir, self.manifest, num_blocks, threads, spin_wait, huge_pages)
         raise EngineError(f"{self.dir}: engines for target {target!r} cannot run in this build of camshaft")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -87,6 +88,14 @@ def check_runtime_options(threads: int | None = None, spin_wait: bool = True, hu
     for name, value in (("spin_wait", spin_wait), ("huge_pages", huge_pages)):
         if not isinstance(value, bool):
             raise RequestError(f"{name} is True or False, got {value!r:.60}")
+
+
+def check_threads_target(threads: int | None, target: str, engine: str | Path) -> None:
+    """threads sets ONNX Runtime's CPU cores: a TensorRT engine refuses it (taken, then ignored, it would read as
+    set)."""
+    if threads is not None and target != "onnxruntime":
+        raise RequestError(f"threads sets how many CPU cores ONNX Runtime uses; {engine} is a {target} engine, which "
+                           "computes on the GPU: drop threads")
 
 
 def check_fits_in_flight(sequences: int, max_batch_size: int, max_queue: int | None, what: str, advice: str) -> None:

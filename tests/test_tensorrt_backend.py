@@ -490,3 +490,19 @@ def test_a_gpu_whose_compute_capability_cannot_be_read_is_no_usable_gpu():
     cudart.cudaDeviceGetAttribute = lambda attr, device: (3, None) if attr == "minor" else (0, 8)
     probe = probe_gpu0(cudart)  # a TypeError (None arithmetic) before
     assert probe.arch is None and probe.reason == "GPU 0's compute capability: 3"
+
+
+@needs_rtx
+def test_deploying_a_tensorrt_engine_with_threads_is_refused_before_the_repository_is_written(engines, tmp_path):
+    """Review: deploy --threads wrote a repository whose model could never load (LLM refuses threads for a TensorRT
+    engine), found only in tritonserver's log."""
+    from typer.testing import CliRunner
+
+    from camshaft.cli import app
+
+    rtx_dir, _ = engines
+    result = CliRunner().invoke(app, ["deploy", "--engine", str(rtx_dir), "--repo", str(tmp_path / "repo"),
+                                      "--threads", "1"])
+    assert isinstance(result.exception, RequestError), result.output
+    assert "--threads sets how many CPU cores ONNX Runtime uses" in str(result.exception)
+    assert "drop --threads" in str(result.exception) and not (tmp_path / "repo").exists()

@@ -53,13 +53,19 @@ def _llm_options(engine: Path, kv_cache_memory: str | None, max_queue: int | Non
     from camshaft.manifest import read_manifest
     from camshaft.runtime.engine_info import runs_here
     from camshaft.runtime.kv_cache import cache_copies, check_fits_host, memory_spec, pool_blocks
-    from camshaft.runtime.llm_options import check_llm_options, check_runtime_options, check_serves_full_length
+    from camshaft.runtime.llm_options import (
+        check_llm_options,
+        check_runtime_options,
+        check_serves_full_length,
+        check_threads_target,
+    )
     from camshaft.runtime.scheduler_config import SchedulerConfig
 
     manifest = read_manifest(Path(engine))
     if loads_here and (why := runs_here(manifest, Path(engine))):  # a TensorRT engine without its GPU: before
         raise EngineError(why)  # Triton starts (its model would fail to load with a traceback in the server's log)
     with flag_names(*LLM_FLAGS):
+        check_threads_target(threads, manifest.target, engine)
         if loads_here:  # more threads than this machine's CPUs: refused here, not where a repository is served
             check_runtime_options(threads=threads)
         limits = check_llm_options(manifest.limits, policy=policy, max_batch_size=max_batch_size,

@@ -49,6 +49,7 @@ STDLIB_MODULES = (
 )
 DEFAULT_CALIB_SIZE = 64
 DEFAULT_CALIB_SEQ_LEN = 256
+LEAST_CALIB_SEQ_LEN = 8
 
 
 def stdlib_docstrings(min_chars: int = 40) -> Iterator[str]:
@@ -192,8 +193,8 @@ MAX_CHARS_PER_TOKEN = 64  # a text corpus is read up to this many characters a c
 def check_sizes(num_samples: int, seq_len: int, max_positions: int | None = None) -> None:
     if not is_int_at_least(num_samples, 1):
         raise QuantizeError(f"--calib-size must be an integer >= 1, got {num_samples!r:.40}")
-    if not is_int_at_least(seq_len, 8):
-        raise QuantizeError(f"--calib-seq-len must be an integer >= 8, got {seq_len!r:.40}")
+    if not is_int_at_least(seq_len, LEAST_CALIB_SEQ_LEN):
+        raise QuantizeError(f"--calib-seq-len must be an integer >= {LEAST_CALIB_SEQ_LEN}, got {seq_len!r:.40}")
     if max_positions is not None and seq_len > max_positions:
         raise QuantizeError(f"--calib-seq-len {seq_len} exceeds the model's max_position_embeddings "
                             f"({max_positions}): it would calibrate at positions the model never saw; pass "

@@ -476,3 +476,33 @@ def test_a_benchmark_with_stdout_closed_and_no_json_is_refused_before_it_runs(en
                            "--prompt-len", "8", "--output-json", str(kept)], stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
     assert done.returncode == 0 and json.loads(kept.read_text())["repeats"] == 1, done.stderr
+
+
+@pytest.mark.parametrize(("args", "shown"), [
+    (["build", "--output", "{out}", "--max-seq-len", "1"], "[x>=2]"),  # help said x>=1; 1 was refused (exit 1)
+    (["build", "--output", "{out}", "--max-batch-size", "100000"], "(at most 16384)"),
+    (["build", "--output", "{out}", "--max-num-tokens", str(2**18 + 1)], "at most 262144)"),
+    (["build", "--output", "{out}", "--kv-block-size", "7"], "(a power of two)"),
+    (["quantize", "--quant", "int8_wo", "--output", "{out}", "--calib-seq-len", "4"], "[x>=8]"),
+    (["build", "--quant", "int8_wo", "--output", "{out}", "--calib-seq-len", "4"], "[x>=8]"),
+])
+def test_a_value_outside_a_flags_stated_range_is_a_usage_error(capsys, tiny, tmp_path, monkeypatch, args, shown):
+    """Review: each was inside the range --help stated, then refused by the check behind it (exit 1)."""
+    root, model = tiny
+    code, _, err = camshaft(capsys, args[0], "--model", model, *(a.format(out=tmp_path / "out") for a in args[1:]))
+    flag = args[-2]
+    assert code == 2 and flag in err and not (tmp_path / "out").exists(), err
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = camshaft(capsys, args[0], "--help")
+    assert code == 0 and any(flag in line and shown in line for line in out.splitlines()), out
+
+
+def test_eval_windows_state_their_range(capsys, tiny, tmp_path, monkeypatch):
+    root, model = tiny
+    text = tmp_path / "t.txt"
+    text.write_text("some text to score " * 20)
+    code, _, err = camshaft(capsys, "eval", "ppl", "--data", text, "--model", model, "--window", "1")
+    assert code == 2 and "--window" in err, err
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = camshaft(capsys, "eval", "ppl", "--help")
+    assert code == 0 and any("--window" in line and "[x>=2]" in line for line in out.splitlines())

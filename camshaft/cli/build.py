@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from camshaft.builder.config import MOST_SEQUENCES, MOST_STEP_TOKENS
 from camshaft.cli import app, err, models_app, progress, require_stdout
 from camshaft.errors import CamshaftError
-from camshaft.quantize.calibration import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_SIZE
+from camshaft.quantize.calibration import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_SIZE, LEAST_CALIB_SEQ_LEN
 from camshaft.quantize.spec import FORMATS
 
 if TYPE_CHECKING:
@@ -57,7 +59,7 @@ CalibDataOption = Annotated[str | None, typer.Option(  # a str: typer would take
          "`messages` rows are rendered with the chat template; PATH:COLUMN picks the column (default: built-in "
          "corpus)")]
 CalibSizeOption = Annotated[int, typer.Option(min=1, help="Calibration samples")]
-CalibLenOption = Annotated[int, typer.Option(min=1, help="Tokens per calibration sample")]
+CalibLenOption = Annotated[int, typer.Option(min=LEAST_CALIB_SEQ_LEN, help="Tokens per calibration sample")]
 ExcludeOption = Annotated[list[str] | None, typer.Option(
     metavar="PATTERN", help="Module name pattern to keep unquantized (repeatable)")]
 LM_HEAD_HELP = ("lm_head weights: float | int8 (a scale per row) | int4 (groups of 64, whatever --group-size) "
@@ -68,8 +70,24 @@ BuildGroupOption = Annotated[str | None, typer.Option(help=f"{GROUP_HELP} (defau
 BuildCalibSizeOption = Annotated[int | None, typer.Option(
     min=1, help=f"Calibration samples (default {DEFAULT_CALIB_SIZE})")]
 BuildCalibLenOption = Annotated[int | None, typer.Option(
-    min=1, help=f"Tokens per calibration sample (default {DEFAULT_CALIB_SEQ_LEN})")]
+    min=LEAST_CALIB_SEQ_LEN, help=f"Tokens per calibration sample (default {DEFAULT_CALIB_SEQ_LEN})")]
 BuildLmHeadOption = Annotated[str | None, typer.Option(help=f"{LM_HEAD_HELP} (default float)")]
+
+
+def _at_most(most: int) -> Callable[[int | None], int | None]:
+    """A flag's upper bound, checked as typer checks its lower one (a usage error) and stated in its help: typer's
+    own `max` would widen every help's option column."""
+    def check(value: int | None) -> int | None:
+        if value is not None and value > most:
+            raise typer.BadParameter(f"{value} is more than {most}, the most a step takes")
+        return value
+    return check
+
+
+def _power_of_two(value: int) -> int:
+    if value & (value - 1):
+        raise typer.BadParameter(f"{value} is not a power of two")
+    return value
 
 
 @app.command()
@@ -81,12 +99,17 @@ def build(
         help="auto (onnxruntime: float32; tensorrt targets: the checkpoint's own float16 or bfloat16 where the GPU "
              "has it, else float16) | float32 | float16 | bfloat16 (tensorrt, sm80+)")]
     = "auto",
-    max_batch_size: Annotated[int, typer.Option(min=1, help="Most sequences in one step")] = 32,
+    max_batch_size: Annotated[int, typer.Option(
+        min=1, callback=_at_most(MOST_SEQUENCES), help=f"Most sequences in one step (at most {MOST_SEQUENCES})")]
+    = 32,
     max_seq_len: Annotated[int | None, typer.Option(
-        min=1, help="Most tokens per sequence, prompt + output (default: the model's context, max_position_embeddings "
-                    "or what its rope scaling extends it to, at most 4096)")] = None,
-    max_num_tokens: Annotated[int, typer.Option(min=1, help="Most tokens in one step (prefill chunk size)")] = 512,
-    kv_block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV cache block")] = 32,
+        min=2, help="Most tokens per sequence, prompt + output (default: the model's context, at most 4096: "
+                    "max_position_embeddings, or what its rope scaling extends it to)")] = None,
+    max_num_tokens: Annotated[int, typer.Option(
+        min=1, callback=_at_most(MOST_STEP_TOKENS),
+        help=f"Most tokens in one step (prefill chunk size; at most {MOST_STEP_TOKENS})")] = 512,
+    kv_block_size: Annotated[int, typer.Option(min=1, callback=_power_of_two,
+                                               help="Tokens per KV cache block (a power of two)")] = 32,
     gpu_arch: Annotated[str | None, typer.Option(help="tensorrt targets: GPU architecture, e.g. sm89 (default: "
                                                       "tensorrt-rtx sm89, tensorrt the local GPU's)")] = None,
     quant: Annotated[str | None, typer.Option(

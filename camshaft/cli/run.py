@@ -153,7 +153,7 @@ def eval_ppl(
     data: Annotated[Path, typer.Option(help="UTF-8 text file")],
     engine: Annotated[Path | None, typer.Option(help="Engine directory")] = None,
     model: Annotated[Path | None, typer.Option(help="HF checkpoint: transformers fp32 reference")] = None,
-    window: Annotated[int | None, typer.Option(help="Window (tokens) for --model (default: the --engine's "
+    window: Annotated[int | None, typer.Option(min=2, help="Window (tokens) for --model (default: the --engine's "
                                                     "max_seq_len, so both score the same windows; else 1024, or "
                                                     "the model's max_position_embeddings if fewer); engines use "
                                                     "their max_seq_len")] = None,

@@ -88,6 +88,14 @@ class Checkpoint(QuantizedView):
         embed, head = EMBED, "lm_head.weight"
         if not (self.config.tie_word_embeddings and head in self._where and embed in self._where):
             return
+        if "lm_head.weight_scale" in self._where:
+            raise CheckpointError(
+                f"{self.dir}/config.json ties the output head to the embedding (tie_word_embeddings: true), but the "
+                "checkpoint stores lm_head quantized (lm_head.weight_scale): the quantizer rounded the tied head and "
+                "kept the embedding float. Set tie_word_embeddings to false in config.json to build that quantized "
+                "head beside the float embedding (what the quantizer's fake-quant model computes), or quantize again "
+                "with lm_head excluded (ModelOpt's default)"
+            )
         if not np.array_equal(self._raw(head), self._raw(embed)):
             raise CheckpointError(
                 f"{self.dir}/config.json ties the output head to the embedding (tie_word_embeddings: true), but the "

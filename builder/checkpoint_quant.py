@@ -52,6 +52,11 @@ class QuantizedView:
         return str(((self.quantization or {}).get("camshaft") or {}).get("lm_head", "float"))
 
     @property
+    def quantizes_head(self) -> bool:
+        """The checkpoint stores lm_head quantized (a quantizer not told to leave it float, as ModelOpt does)."""
+        return self.layer_algo("lm_head") is not None and "lm_head.weight_scale" in self._where
+
+    @property
     def lm_head_float_channels(self) -> tuple[int, ...]:
         """The head's input channels `camshaft quantize` recorded to keep float (the builder checks them)."""
         channels = ((self.quantization or {}).get("camshaft") or {}).get("lm_head_float_channels") or ()

@@ -14,9 +14,9 @@ KV_FLAG_DTYPES = {element: algo.lower() for algo, element in KV_CACHE_ALGOS.item
 
 def quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering) -> dict:
     """The manifest's record of a quantized checkpoint. Policy: lm_head stays float (ModelOpt leaves it unquantized)
-    unless `--lm-head int8|int4` rounded it at build time; the embedding stays float, except that a tied one reads a
-    quantized head's tensors (onnxruntime target); a quantized layer no kernel expresses is built from its
-    dequantized weights."""
+    unless `--lm-head int8|int4` rounded it at build time or the checkpoint quantized it (then lowered as its other
+    layers); the embedding stays float, except that a tied one reads a quantized head's tensors (onnxruntime target);
+    a quantized layer no kernel expresses is built from its dequantized weights."""
     record = quant.get("camshaft", {})
     counts = lowering.linears.counts
     formats = [READABLE_QUANT_ALGOS[a] for a in algos]
@@ -26,7 +26,7 @@ def quantization_record(quant: dict, algos: list[str], lowering: DecoderLowering
     int8_blocks = "int8 dynamic per block (MatMulNBits accuracy level 4)" if level == 4 else None
     algo = quant.get("quant_algo")  # None: float layers (a KV cache quantized alone)
     head, floats = lowering.head, set(lowering.linears.floats)
-    if head.dtype == "float" and "lm_head" not in lowering.linears.dequantized:
+    if head.record["dtype"] == "float" and "lm_head" not in lowering.linears.dequantized:
         floats.add("lm_head")
     if not head.shares_embedding:
         floats.add("model.embed_tokens")

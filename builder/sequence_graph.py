@@ -34,7 +34,8 @@ def sequence_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, stag
         progress(f"no sequence graph: {reason}; the Session will run the batch graph")
         return None
     progress("writing the sequence graph (one sequence at a time, for Session)")
-    layout = sequence_layout(checkpoint.config, limits, SEQUENCE_ARTIFACT, checkpoint.lm_head)
+    head = "stored" if checkpoint.quantizes_head else checkpoint.lm_head  # not a float head's screen
+    layout = sequence_layout(checkpoint.config, limits, SEQUENCE_ARTIFACT, head)
     batch = staging / batch_artifact
     with open(batch.with_name(batch.name + ".data"), "rb") as batch_data:
         shared = BatchWeights(batch, batch_data)

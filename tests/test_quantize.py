@@ -23,7 +23,7 @@ import transformers
 from camshaft.builder.build import build_engine, write_graph
 from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
-from camshaft.builder.graph.linear import NBITS_BLOCK_SIZES
+from camshaft.builder.graph.linear import LOWERINGS, NBITS_BLOCK_SIZES
 from camshaft.errors import BuildConfigError
 from camshaft.model_config import CAMSHAFT_QUANT_RECORD
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
@@ -377,9 +377,11 @@ def test_mixed_precision_checkpoint_builds_and_matches_its_fake_quant_model(tiny
     assert 0 < int8_blocks < 0.5 * quant_effect
 
 
-def test_a_checkpoints_quantized_head_built_float_is_reported(quantized, tmp_path):
+def test_a_checkpoints_quantized_head_is_lowered_as_its_other_layers(quantized, tmp_path):
     """ModelOpt excludes lm_head by default; a checkpoint that quantized it anyway (fp8 tensors, not in
-    exclude_modules) gets a float head from the dequantized weight, and the build and the manifest say so."""
+    exclude_modules) gets its head lowered as its other fp8 layers, the input rounded with its scale (a review found
+    it built from the dequantized weight alone, the input scale dropped, and called exact); the manifest says so.
+    Against ModelOpt's fake-quant model: test_quantize_inputs.py."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -401,5 +403,13 @@ def test_a_checkpoints_quantized_head_built_float_is_reported(quantized, tmp_pat
     said: list[str] = []
     build_engine(BuildConfig(ckpt, tmp_path / "engine", max_seq_len=64), progress=said.append)
     manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())["quantization"]
-    assert manifest["dequantized_linear_layers"] == ["lm_head"] and "lm_head" not in manifest["float_modules"]
-    assert any("1 quantized layer(s) no kernel of this target takes" in line and "lm_head" in line for line in said)
+    assert manifest["dequantized_linear_layers"] == [] and "lm_head" not in manifest["float_modules"]
+    assert manifest["lm_head"] == {"dtype": "as the checkpoint quantized it", "lowering": LOWERINGS["fp8"]}
+    assert not any("no kernel of this target takes" in line for line in said)
+    tensors["lm_head.input_scale"] = torch.tensor(1e6)  # every input rounds to 0: so must every logit
+    save_file(tensors, ckpt / "model.safetensors")
+    build_engine(BuildConfig(ckpt, tmp_path / "zero", max_seq_len=64))
+    engine = Engine(tmp_path / "zero", max_sequences=1)
+    logits = engine.step([Chunk([5, 6, 7], 0, engine.pool.allocate(1), 3)])
+    engine.close()
+    assert logits.shape[-1] == 384 and not np.any(logits)

@@ -849,3 +849,46 @@ def test_damaged_weight_scales_are_refused(tiny, tmp_path):
         build_engine(BuildConfig(tmp_path / "no-scale-2", tmp_path / "e1", max_seq_len=64, kv_block_size=4))
     with pytest.raises(CheckpointError, match=f"{layer}.weight_scale holds negative scales"):
         build_engine(BuildConfig(tmp_path / "negative", tmp_path / "e2", max_seq_len=64, kv_block_size=4))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_modelopt_checkpoint_with_its_head_quantized(tmp_path, tied):
+    """ModelOpt leaves lm_head float by default; a checkpoint whose head it quantized (fp8) is built as its fake-quant
+    model runs it: the head's input rounded with its scale too (a review found the scale dropped: 0.27 of the
+    quantization's effect off). A tied model's quantized head beside its float embedding is refused saying so (it
+    was refused as 'a different lm_head.weight')."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    import numpy as np
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+
+    from camshaft.errors import CheckpointError
+    from camshaft.runtime.batch import Chunk
+    from camshaft.runtime.engine import Engine
+
+    src = make_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=tied)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = model(torch.arange(5, 45)[None]).logits[0].numpy()
+    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    cfg["quant_cfg"] = [e for e in cfg["quant_cfg"] if e.get("quantizer_name") != "*lm_head*"]
+    batches = [torch.randint(3, 384, (1, 64), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    with torch.no_grad():
+        mtq.quantize(model, cfg, forward_loop=lambda m: [m(b) for b in batches])
+        fake = model(torch.arange(5, 45)[None]).logits[0].numpy()
+        export_hf_checkpoint(model, export_dir=str(tmp_path / "q"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "q" / name).write_bytes((src / name).read_bytes())
+    config = BuildConfig(tmp_path / "q", tmp_path / "engine", max_seq_len=64)
+    if tied:
+        with pytest.raises(CheckpointError, match="stores lm_head quantized .* Set tie_word_embeddings to false"):
+            build_engine(config)
+        return
+    manifest = build_engine(config)
+    assert manifest.quantization["lm_head"]["dtype"] == "as the checkpoint quantized it"
+    engine = Engine(tmp_path / "engine", max_sequences=1)
+    logits = engine.step([Chunk(list(range(5, 45)), 0, engine.pool.allocate(2), 40)])
+    engine.close()
+    assert np.abs(logits[-1] - fake[-1]).max() <= 0.1 * np.abs(fake[-1] - plain[-1]).max()

@@ -90,9 +90,16 @@ class Head:
         linears, c = self.linears, self.c
         g = linears.g
         if self.dtype == "float":
-            if linears.quantized("lm_head", c.vocab_size, c.hidden_size) is not None \
-                    and "lm_head" not in linears.dequantized:  # not in exclude_modules
-                linears.dequantized.append("lm_head")  # its dequantized weight (or the tied table) is the head
+            stored = linears.quantized("lm_head", c.vocab_size, c.hidden_size)  # not in exclude_modules
+            if stored is not None and not c.tie_word_embeddings:  # as the checkpoint's other quantized layers
+                before = dict(linears.counts)
+                y = linears.lower_quantized(x, [stored], "lm_head", c.hidden_size)
+                if y is not None:
+                    kind = next(k for k, n in linears.counts.items() if n != before.get(k, 0))
+                    self.record = {"dtype": "as the checkpoint quantized it", "lowering": LOWERINGS[kind]}
+                    return y
+            if stored is not None and "lm_head" not in linears.dequantized:
+                linears.dequantized.append("lm_head")  # its dequantized weight is the head
             if c.tie_word_embeddings:
                 return g.op("Gemm", [x, self.table()], transB=1)
             return g.op("MatMul", [x, self.float_head()])

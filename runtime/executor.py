@@ -238,7 +238,8 @@ class Executor(StepCounters):
             self._finish(request, delta=delta, new=new)
             return 1
         self._deliver(self._sinks[request.request_id], RequestOutput(
-            request.request_id, delta, *new, prompt_logprobs=_first_prompt_logprobs(request, new)))
+            request.request_id, delta, *new, prompt_logprobs=_first_prompt_logprobs(request, new),
+            metrics=request.metrics()))
         self._release_held(request)
         return 0
 
@@ -261,7 +262,7 @@ class Executor(StepCounters):
             sink = self._sinks.pop(request.request_id)
         error = None if error is None else own_error(error)
         self._deliver(sink, RequestOutput(request.request_id, delta, *new, None if error else request.result(), error,
-                                          _first_prompt_logprobs(request, new)))
+                                          _first_prompt_logprobs(request, new), request.metrics()))
 
     def _deliver(self, sink: Sink, output: RequestOutput) -> None:
         try:

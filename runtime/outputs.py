@@ -85,6 +85,7 @@ class RequestOutput:
     result: GenerationResult | None = None  # set on the request's last output
     error: Exception | None = None
     prompt_logprobs: list[SampleResult | None] | None = None  # on the first token's output, when asked for
+    metrics: RequestMetrics | None = None  # the request's so far, on each output the batch loop delivers
 
     @property
     def finished(self) -> bool:

@@ -147,7 +147,8 @@ def test_a_batch_of_prompts_runs_as_one_request_each_naming_its_batch_index(stoc
 
 
 def test_return_perf_metrics_gives_times_and_kv_block_reuse(stock):
-    """TensorRT-LLM's perf outputs on the last response: monotonic-clock times in order within the request's
+    """TensorRT-LLM's perf outputs on every response (the stock client reads them from each: a review's run of it
+    failed on the first, which had none), the last one's monotonic-clock times in order within the request's
     window, the prompt's blocks, and a second request with the same 70-token prompt reusing its two full blocks."""
     server, _ = stock
     prompt = [(7 * i) % 250 + 3 for i in range(70)]
@@ -157,10 +158,13 @@ def test_return_perf_metrics_gives_times_and_kv_block_reuse(stock):
         before = time.monotonic_ns()  # CLOCK_MONOTONIC, as the server's
         outputs, error, _ = Stream(server.endpoints.grpc).run("stock_ensemble", inputs(
             input_ids=prompt, input_lengths=[len(prompt)], request_output_len=[10], return_perf_metrics=[True],
-            streaming=[True]))
+            return_num_output_tokens=[True], streaming=[True]))
         assert error is None, error
         runs.append(({k: v.item() for k, v in outputs[-1].items() if v.size == 1}, before, time.monotonic_ns()))
-        assert all("arrival_time_ns" not in o for o in outputs[:-1])  # the last response only
+        assert len(outputs) > 1 and all("arrival_time_ns" in o for o in outputs)
+        counts = [o["num_output_tokens"].item() for o in outputs]  # so far
+        lasts = [o["last_token_time_ns"].item() for o in outputs]
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 10 and lasts == sorted(lasts)
     for perf, before, after in runs:
         times = [perf[f"{n}_time_ns"] for n in ("arrival", "first_scheduled", "first_token", "last_token")]
         assert before <= times[0] <= times[1] <= times[2] <= times[3] <= after, (before, times, after)

@@ -48,10 +48,10 @@ class ChannelCall:
                    "logprobs": [s.logprob for s in output.logprobs[:keep]] if spec.log_probs else []}
         if output.finished:
             payload["finish_reason"] = output.result.finish_reason
-            if spec.num_input_tokens:
-                payload["num_input_tokens"] = len(spec.prompt_ids)
-            if spec.num_output_tokens:
-                payload["num_output_tokens"] = self.generated[output.request_id]
-            if spec.perf_metrics and output.result.metrics is not None:
-                payload["perf"] = perf_metrics(output.result.metrics)
+        if spec.num_input_tokens:  # on every output, as tensorrtllm_backend's responses carry them: so far
+            payload["num_input_tokens"] = len(spec.prompt_ids)
+        if spec.num_output_tokens:
+            payload["num_output_tokens"] = self.generated[output.request_id]
+        if spec.perf_metrics and output.metrics is not None:
+            payload["perf"] = perf_metrics(output.metrics)
         self.send(("out", self.call_id, payload))

@@ -4,7 +4,7 @@ sequences, and the tensors tensorrtllm_backend clients read."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -23,10 +23,10 @@ def merge(outputs: list[RequestOutput]) -> RequestOutput:
     """One output carrying several consecutive outputs of a request."""
     if len(outputs) == 1:
         return outputs[0]
-    last = outputs[-1]
-    return RequestOutput(last.request_id, "".join(o.delta for o in outputs),
-                         tuple(t for o in outputs for t in o.token_ids), tuple(s for o in outputs for s in o.logprobs),
-                         last.result, last.error)
+    return replace(outputs[-1], delta="".join(o.delta for o in outputs),
+                   token_ids=tuple(t for o in outputs for t in o.token_ids),
+                   logprobs=tuple(s for o in outputs for s in o.logprobs),
+                   prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None))
 
 
 def error_response(exc: BaseException, token_model: bool = False) -> pb_utils.InferenceResponse:
@@ -106,10 +106,11 @@ def response(row: Row, sequence: Sequence, ids: list[int], logprobs: list[float]
                     tensor("output_log_probs", [[logprobs]], np.float32)]
     if output.finished:
         tensors.append(tensor("finish_reason", [[output.result.finish_reason.encode()]], np.object_))
-        if spec.num_input_tokens:
-            tensors.append(tensor("num_input_tokens", [[len(spec.prompt_ids)]], np.int32))
-        if spec.num_output_tokens:
-            tensors.append(tensor("num_output_tokens", [[len(sequence.tokens)]], np.int32))
-        if spec.perf_metrics and output.result.metrics is not None:
-            tensors += perf_tensors(perf_metrics(output.result.metrics))
+    # on every response, as tensorrtllm_backend writes them (its stock client reads them from each): so far
+    if spec.num_input_tokens:
+        tensors.append(tensor("num_input_tokens", [[len(spec.prompt_ids)]], np.int32))
+    if spec.num_output_tokens:
+        tensors.append(tensor("num_output_tokens", [[len(sequence.tokens)]], np.int32))
+    if spec.perf_metrics and output.metrics is not None:
+        tensors += perf_tensors(perf_metrics(output.metrics))
     return pb_utils.InferenceResponse(output_tensors=tensors)

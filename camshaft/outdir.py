@@ -102,10 +102,11 @@ def staged(output: Path, flag: str = "--output", error: type[CamshaftError] = Ca
     """`staging_dir` for a block that ends with `replace_dir`: whatever is left of the staging directory when the
     block ends is removed, after an error or a stop (Ctrl-C, SIGTERM) too, one landing as the directory is made
     included."""
+    output = Path(os.path.abspath(output))  # now: an output over "." replaces the working directory
     try:
         yield staging_dir(output, flag, error, advice)
     finally:
-        shutil.rmtree(_staging_path(Path(os.path.abspath(output))), ignore_errors=True)
+        shutil.rmtree(_staging_path(output), ignore_errors=True)
 
 
 def _empty_or_missing(path: Path) -> bool:

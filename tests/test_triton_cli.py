@@ -119,6 +119,17 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     assert (repo / "engines_llama" / "manifest.json").is_file()
 
 
+def test_deploy_into_the_working_directory_prints_it(engine, tmp_path):
+    """Review: `deploy --repo .` wrote the repository, then failed (the directory it printed had been replaced), so
+    `deploy ... && serve ...` stopped there."""
+    here = tmp_path / "here"
+    here.mkdir()
+    done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", "."], cwd=here,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == str(here), done.stderr
+    assert (here / "tensorrt_llm" / "config.pbtxt").is_file()
+
+
 def test_deploy_again_refuses_to_lose_what_was_edited_or_added_inside_the_models(engine, tmp_path):
     repo = deploy_repository(engine, tmp_path / "repo")
     cache = repo / "ensemble" / "1" / "__pycache__"  # what Triton's stubs leave: not the user's, no obstacle

@@ -108,11 +108,12 @@ def deploy(
     """Write a Triton model repository that serves an engine with in-flight batching."""
     from camshaft.triton_repo.deploy import deploy_repository
 
-    written = deploy_repository(engine, repo, name=name, llm_options=_llm_options(
+    shown = repo.absolute()  # now: a repository written over "." replaces the working directory
+    deploy_repository(engine, repo, name=name, llm_options=_llm_options(
         engine, kv_cache_memory, max_queue, max_batch_size, policy, max_num_tokens, prompt_lookup, loads_here=False,
         threads=threads),
         decoupled=not no_decoupled)
-    typer.echo(str(written.absolute()))  # as build and quantize print theirs
+    typer.echo(str(shown))
 
 
 @app.command()

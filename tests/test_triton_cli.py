@@ -78,6 +78,12 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     shutil.copytree(tmp_path / "default", tmp_path / "copied repo")
     with pytest.raises(CamshaftError, match="the model repository .* holds whitespace"):
         TritonServer(tmp_path / "copied repo")
+    (tmp_path / "éngine").symlink_to(engine)  # review: a non-ASCII repository deployed, then never loaded; an engine
+    for args, flag in ((["--engine", str(engine), "--repo", str(tmp_path / "répo")], "--repo"),  # read as missing
+                       (["--engine", str(tmp_path / "éngine"), "--repo", str(tmp_path / "ascii")], "--engine")):
+        done = subprocess.run([*CAMSHAFT, "deploy", *args], capture_output=True, text=True)
+        assert done.returncode == 1 and f"{flag} " in done.stderr and "holds non-ASCII characters (é)" in done.stderr
+    assert not (tmp_path / "répo").exists() and not (tmp_path / "ascii").exists()
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "sync"),
                            "--no-decoupled"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr  # tensorrtllm_backend's decoupled_mode false: no model decoupled

@@ -92,10 +92,16 @@ def _changed_files(repo: Path) -> list[str]:
 
 def check_path(path: Path, what: str) -> None:
     """Triton's python backend passes model paths to its stub processes split at whitespace (they then crash and
-    the models never load): a path holding any is refused before anything is written or started."""
-    if any(c.isspace() for c in str(Path(path).resolve())):
+    the models never load), and its stubs read paths as ASCII (a model under 'répo' fails to load, an engine in
+    'éng' reads as missing): such a path is refused before anything is written or started."""
+    both = f"{Path(path).absolute()}{Path(path).resolve()}"  # as written into the repository, and as opened
+    if any(c.isspace() for c in both):
         raise CamshaftError(f"{what} {str(path)!r} holds whitespace, which Triton's python backend cannot load models "
                             "from (its stubs crash); use a path without spaces")
+    if not both.isascii():
+        wide = "".join(dict.fromkeys(c for c in both if not c.isascii()))
+        raise CamshaftError(f"{what} {str(path)!r} holds non-ASCII characters ({wide}), which Triton's python "
+                            "backend cannot load models from (its stubs read paths as ASCII); use an ASCII path")
 
 
 def check_deployed_engine(repo: Path) -> str | None:
@@ -158,6 +164,7 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
     engine, repo = Path(engine).absolute(), Path(repo)  # a symlink kept: engines/current -> v2 is followed
     manifest = read_manifest(engine)  # refuses a missing or broken engine directory
     check_path(repo, "--repo")
+    check_path(engine, "--engine")
     taken = (TOKEN_MODEL, BLS_MODEL)
     if not MODEL_NAME.fullmatch(name) or {name, f"{name}_sync"} & {*taken, MARKER}:
         raise CamshaftError(f"--name {name!r} must be a plain model name (letters, digits, _ . -) "

@@ -210,6 +210,7 @@ def test_serve_engine_answers_and_stops_on_sigint(engine):
         server.send_signal(signal.SIGINT)
         assert server.wait(60) == 0, "".join(lines)
         assert any("stopped" in line for line in lines)
+        assert any("models: " in line and line.rstrip().endswith(url) for line in lines), lines
     finally:
         if server.poll() is None:
             server.kill()

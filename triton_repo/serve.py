@@ -77,8 +77,9 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             e = server.endpoints
             log(f"ready: HTTP http://{e.http}  gRPC {e.grpc}  metrics {e.metrics_url}")
             models = sorted(p.parent.name for p in Path(repo).glob("*/config.pbtxt"))
-            log(f"models: {', '.join(models)}; try POST http://{e.http}/v2/models/{_text_model_name(Path(repo))}"
-                "/generate")
+            text_model = _text_model_name(Path(repo))  # a repository of others' may have none of that name
+            hint = f"; try POST http://{e.http}/v2/models/{text_model}/generate" if text_model in models else ""
+            log(f"models: {', '.join(models)}{hint}")
             code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log, lost=lost,
                                       gave_up=server.gave_up)
             if code and not stopping:

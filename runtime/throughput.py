@@ -54,6 +54,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         raise RequestError(f"concurrency must be >= 1, got {concurrency}")
     if not requests:
         raise RequestError("no requests to run")
+    check_fits(llm, requests)
     executor = llm.executor
     steps_before = executor.steps_done
     preempt_before = executor.scheduler.num_preemptions
@@ -62,13 +63,11 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     executor.peak_batch_size, executor.peak_kv_usage = 0, 0.0
     records = [RequestRecord(i, len(r.prompt_ids), r.max_tokens) for i, r in enumerate(requests)]
     done: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
-    timer = StepTimer(llm)
     submitted: list = [None] * len(requests)
 
     def prepared(index: int) -> tuple[Request, Sink]:
         item, record = requests[index], records[index]
-        params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
-        (request,) = llm._requests(list(item.prompt_ids), params)
+        (request,) = llm._requests(list(item.prompt_ids), _greedy(item))
         add_sample = request.add_sample
 
         def timed_add_sample(sample):  # runs on the loop thread as each token is sampled, before any is delivered
@@ -82,13 +81,8 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         request.add_sample = timed_add_sample
         return request, lambda out, i=index: done.put((i, out)) if out.finished else None
 
-    ready = []
-    for index in range(len(requests)):  # one that can never fit the pool is refused before any runs
-        ready.append(prepared(index))
-        try:
-            executor.scheduler.check(ready[-1][0])
-        except RequestError as exc:
-            raise type(exc)(f"request {index + 1} of {len(requests)}: {exc}") from None
+    ready = [prepared(index) for index in range(len(requests))]
+    timer = StepTimer(llm)
 
     def submit(indices: range) -> None:  # the concurrency bounds what is in flight, not the LLM's max_queue
         batch = [ready[index] for index in indices]
@@ -143,6 +137,20 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         draft_tokens=executor.draft_tokens - drafts_before[0],
         accepted_draft_tokens=executor.accepted_draft_tokens - drafts_before[1],
         clipped=clipped_requests(requests, llm.config.max_seq_len), records=records)
+
+
+def check_fits(llm: LLM, requests: list[BenchRequest]) -> None:
+    """Refuse, before any runs, a request the engine or its KV pool could never hold, saying which."""
+    for index, item in enumerate(requests):
+        try:
+            (request,) = llm._requests(list(item.prompt_ids), _greedy(item))
+            llm.executor.scheduler.check(request)
+        except RequestError as exc:
+            raise type(exc)(f"request {index + 1} of {len(requests)}: {exc}") from None
+
+
+def _greedy(item: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def _ms(p: dict[str, float]) -> dict[str, float]:
@@ -204,6 +212,7 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
                                         vocab_size=model.vocab_size, seed=seed, tokenizer=llm.tokenizer)
                 for line in clipped_lines(clipped_requests(requests, limits.max_seq_len)):  # before any request runs
                     progress(line)
+            check_fits(llm, requests)  # the dataset's, before the warm-up's
             if warmup:
                 run_throughput(llm, warmup_requests(requests, model.vocab_size, warmup), warmup)
             results.append(run_throughput(llm, requests, c))

@@ -441,7 +441,7 @@ def test_plotted_values_keep_their_digits():
     assert [value_label(y) for y in (0.7, 0.64, 2.0, 12.4, 192.1, 7139.0)] == ["0.7", "0.64", "2", "12", "192", "7139"]
 
 
-def test_a_request_the_pool_can_never_hold_is_refused_before_any_runs(engine_dir):
+def test_a_request_the_pool_can_never_hold_is_refused_before_any_runs(engine_dir, tmp_path):
     """Review: the dataset's one oversized request failed only when reached, after every request before it ran."""
     from camshaft.errors import CapacityError
     from camshaft.runtime.kv_cache import bytes_per_block
@@ -449,7 +449,16 @@ def test_a_request_the_pool_can_never_hold_is_refused_before_any_runs(engine_dir
     manifest = read_manifest(engine_dir)
     requests = [BenchRequest([100 + i] * 16, 8) for i in range(5)] + [BenchRequest([50] * 16, 150)]
     with LLM(engine_dir, threads=1, kv_cache_memory=8 * bytes_per_block(manifest)) as llm:
+        step = llm.engine.step
         with pytest.raises(CapacityError, match="request 6 of 6: the request needs 11 KV blocks but the pool holds 7;"):
             run_throughput(llm, requests, concurrency=1)
-        assert llm.executor.steps_done == 0
+        with pytest.raises(RequestError, match="request 2 of 2: .*max_seq_len"):
+            run_throughput(llm, [requests[0], BenchRequest([7] * MAX_SEQ_LEN, 1)], concurrency=1)
+        assert llm.executor.steps_done == 0 and llm.engine.step == step  # its step timer not left behind (review)
         assert run_throughput(llm, requests[:5], concurrency=1).output_tokens == 5 * 8  # the LLM is still usable
+        assert llm.engine.step == step
+    data = tmp_path / "data.jsonl"  # refused as the dataset's request, not the warm-up's (review: "1 of 2")
+    data.write_text("".join(json.dumps({"prompt": [9 + i] * 16, "max_tokens": 150}) + "\n" for i in range(10)))
+    with pytest.raises(CapacityError, match="request 1 of 10: "):
+        throughput_benchmark(engine_dir, f"jsonl:{data}", 10, 2, threads=1,
+                             kv_cache_memory=8 * bytes_per_block(manifest))

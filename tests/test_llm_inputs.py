@@ -37,6 +37,8 @@ def engine_dir(tmp_path_factory):
     (4096, 4096), ("4096", 4096), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 KiB", 1536), ("64kb", 64_000),
     ("1e9", 10**9), (2e9, 2 * 10**9), ("1EiB", 2**60), ("2PB", 2 * 10**15), ("2.0", 2), ("1", 1), ("1e0", 1),
     (np.int64(4096), 4096), (None, None),
+    ("2.01GB", 2_010_000_000), ("8.2GB", 8_200_000_000), ("0.00098304GB", 983040),  # exact (a review: a byte short)
+    ("1.1KiB", 1126),  # whole bytes below a larger unit
 ])
 def test_memory_in_bytes(spec, expected):
     assert memory_spec(spec) == expected
@@ -97,7 +99,8 @@ def test_cgroup_v1_and_unnamespaced_v2_limits_bound_the_pool_too(tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("1.5", "neither a whole number"), (1.5, "neither"), (0.0, "a number of bytes a machine holds"),
+    ("1.5", "neither a whole number"), ("1.5B", "neither a whole number"), (1.5, "neither"),
+    (0.0, "a number of bytes a machine holds"),
     (float("nan"), "neither"), (float("inf"), "neither"), (0, "a number of bytes a machine holds"),
     (-5, "1 B to 1 EiB"), ("0", "1 B to 1 EiB"), (10**400, "1 B to 1 EiB"), ("1" + "0" * 400, "1 B to 1 EiB"),
     (np.float32("nan"), "neither"), (np.float32("inf"), "neither"),

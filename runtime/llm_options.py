@@ -56,11 +56,13 @@ def check_serves_full_length(manifest: Manifest, config: SchedulerConfig) -> Non
     if usable >= need:
         return
     least = pool_bytes(manifest, need + 1)
+    other = ("lower max_num_tokens (a request holds its sliding window and a step's tokens)"
+             if config.releases_blocks and need == config.window_blocks else
+             f"serve an engine built with --max-seq-len {usable * config.block_size} or less")
     raise CapacityError(
         f"the KV cache holds {usable} blocks of {config.block_size} tokens, fewer than the {need} one request of the "
         f"engine's max_seq_len {config.max_seq_len} takes, so a server would refuse requests within the context it "
-        f"announces; raise kv_cache_memory to at least {least_text(least)}, or serve an engine built "
-        f"with --max-seq-len {usable * config.block_size} or less")
+        f"announces; raise kv_cache_memory to at least {least_text(least)}, or {other}")
 
 
 def least_text(size: int) -> str:

@@ -130,6 +130,18 @@ def test_without_a_window_such_a_request_is_refused():
     Scheduler(config(policy="max_utilization", num_blocks=40, max_seq_len=400, sliding_window=9)).add(request)
 
 
+def test_a_request_the_pool_never_holds_is_told_what_would_help():
+    """Review: a prompt bigger than the pool was told to lower max_tokens, which never helps; a sliding request's
+    window and step were told the same."""
+    small = config(num_blocks=10, max_seq_len=400)  # 9 usable blocks of 4 tokens
+    for prompt, max_tokens, fix in ((30, 20, "or lower max_tokens"), (40, 5, "or shorten the prompt")):
+        with pytest.raises(CapacityError, match=fix):
+            Scheduler(small).add(make_request("r", list(range(1, prompt + 1)), max_tokens))
+    with pytest.raises(CapacityError, match="or lower max_num_tokens"):  # a window of 9 + a step of 24 tokens
+        Scheduler(config(num_blocks=10, max_seq_len=400, sliding_window=9)).add(
+            make_request("long", list(range(1, 150)), 220))
+
+
 def test_guaranteed_no_evict_gives_passed_blocks_back_early():
     scheduler = Scheduler(config(sliding_window=5, num_blocks=80, max_seq_len=400, max_num_tokens=16))
     request = make_request("r", list(range(1, 60)), 100)
@@ -313,3 +325,19 @@ def test_the_servers_start_line_counts_what_a_window_frees(tmp_path):
         assert held < 256 // 4
         line = pool_line(llm)
     assert f"{usable // held} sequences of 256 tokens at once (each holds its sliding window of 7)" in line, line
+
+
+def test_a_server_pool_too_small_for_a_sliding_request_says_to_lower_max_num_tokens(tmp_path):
+    """Review: the refusal said to rebuild with a smaller --max-seq-len, which a sliding request does not hold."""
+    from camshaft.manifest import read_manifest
+    from camshaft.runtime.llm_options import check_serves_full_length
+    from camshaft.runtime.scheduler_config import SchedulerConfig
+
+    model = make_tiny_model("mistral-sliding", tmp_path / "hf")
+    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=256, kv_block_size=4, max_num_tokens=64))
+    manifest = read_manifest(tmp_path / "engine")
+    tight = SchedulerConfig(10, 4, 4, 64, 256, sliding_window=manifest.model.attention_window)
+    with pytest.raises(CapacityError, match="or lower max_num_tokens") as info:
+        check_serves_full_length(manifest, tight)
+    assert "--max-seq-len" not in str(info.value)
+    check_serves_full_length(manifest, SchedulerConfig(10, 4, 4, 16, 256, sliding_window=7))  # a smaller step fits

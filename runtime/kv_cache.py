@@ -6,6 +6,7 @@ import math
 import numbers
 import re
 from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 from camshaft.errors import CapacityError, RequestError
@@ -44,14 +45,16 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
         if not match or (unit and unit not in _UNITS):
             raise RequestError(f"cannot read the memory size {spec!r}; use {MEMORY_HELP}")
         number = match.group(1) + (match.group(2) or "")
-        value, decimal_point = (int(number) if number.isdigit() else Decimal(number)), "." in match.group(1)
+        exponent = match.group(2) or "e0"  # exact (a Fraction) where it is small: "2.01GB" is 2010000000 bytes
+        value = int(number) if number.isdigit() else Fraction(Decimal(number)) if len(exponent) <= 4 else float(number)
+        decimal_point = "." in match.group(1)
     if not unit and 0 < value <= 1 and (decimal_point or value != 1):  # 0.5, 5e-1 and 1.0; "1" is one byte
         return float(value)
-    if not isinstance(value, numbers.Integral | Decimal) and not math.isfinite(value) \
+    if not isinstance(value, numbers.Rational) and not math.isfinite(value) \
             or unit in ("", "B") and value != int(value):
         raise RequestError(f"the memory size {spec!r} is neither a whole number of bytes nor a fraction in (0, 1]; "
                            f"use {MEMORY_HELP}")
-    total = int(value * _UNITS[unit or "B"])  # exact for "2.01GB" (a Decimal), whole bytes below a larger unit
+    total = int(value * _UNITS[unit or "B"])  # whole bytes below a larger unit
     if not 1 <= total <= 2**60:
         raise RequestError(f"the memory size {spec!r} is not a number of bytes a machine holds (1 B to 1 EiB); use "
                            f"{MEMORY_HELP}")

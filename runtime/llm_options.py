@@ -56,8 +56,9 @@ def check_serves_full_length(manifest: Manifest, config: SchedulerConfig) -> Non
     if usable >= need:
         return
     least = pool_bytes(manifest, need + 1)
-    other = ("lower max_num_tokens (a request holds its sliding window and a step's tokens)"
-             if config.releases_blocks and need == config.window_blocks else
+    step = config.largest_step_fitting(usable) if config.releases_blocks else 0
+    other = (f"lower max_num_tokens to {step} or less (a request holds its sliding window and a step's tokens)"
+             if step >= 1 and need == config.window_blocks else
              f"serve an engine built with --max-seq-len {usable * config.block_size} or less")
     raise CapacityError(
         f"the KV cache holds {usable} blocks of {config.block_size} tokens, fewer than the {need} one request of the "

@@ -79,14 +79,7 @@ class Scheduler:
         if self.config.releases_blocks:  # it never holds more than its window's blocks
             need = min(need, self.config.window_blocks)
         if need > self.blocks.capacity:
-            if self.config.kv_reservation != "paged":
-                fix = " or use kv_reservation='paged' (a contiguous reservation holds max_seq_len tokens per request)"
-            elif self.config.releases_blocks and need == self.config.window_blocks:
-                fix = " or lower max_num_tokens (it holds its sliding window and a step's tokens)"
-            elif self.blocks.blocks_for(len(request.prompt_ids) + 1) <= self.blocks.capacity:
-                fix = " or lower max_tokens"
-            else:
-                fix = " or shorten the prompt (it alone needs more)"
+            fix = self.config.fit_advice(self.blocks.capacity, len(request.prompt_ids), request.max_length)
             raise CapacityError(f"the request needs {need} KV blocks but the pool holds {self.blocks.capacity}; "
                                 f"give the engine a larger kv_cache_memory{fix}")
 

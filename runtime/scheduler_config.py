@@ -51,6 +51,29 @@ class SchedulerConfig:
         """window_blocks for a request past its prompt: its steps are a token and its drafts, not a chunk."""
         return self._window_and(1 + (self.prompt_lookup.num_tokens if self.prompt_lookup is not None else 0))
 
+    def largest_step_fitting(self, blocks: int) -> int:
+        """The largest max_num_tokens whose window_blocks fit in `blocks` (0: none does; a sliding model)."""
+        return max(0, (blocks - 2) * self.block_size - max(self.sliding_window or 0, self.block_size))
+
+    def fit_advice(self, capacity: int, prompt_tokens: int, total_tokens: int) -> str:
+        """What, besides more memory, lets a request of prompt_tokens (total_tokens with max_tokens) fit a pool of
+        `capacity` blocks that it does not: each option named is enough on its own."""
+        room = capacity * self.block_size  # the tokens of one request the pool holds, window or not
+        options = []
+        step = self.largest_step_fitting(capacity) if self.sliding_window is not None else 0
+        if step >= 1:
+            options.append(f"lower max_num_tokens to {step} or less (a request holds its sliding window and a step)")
+        paged = "" if self.kv_reservation == "paged" else (
+            "use kv_reservation='paged' (a contiguous reservation holds max_seq_len tokens per request)")
+        if total_tokens <= room and paged:
+            options.append(paged)
+        elif prompt_tokens < room:
+            options.append(f"{paged + ' and ' if paged else ''}lower max_tokens to {room - prompt_tokens} or less")
+        else:
+            options.append(f"{paged + ' and ' if paged else ''}keep prompt + max_tokens within {room} tokens (the "
+                           "prompt alone is longer)")
+        return "".join(f", or {option}" for option in options)
+
     def _window_and(self, step_tokens: int) -> int | None:
         if self.sliding_window is None:
             return None

@@ -38,7 +38,7 @@ def engine_dir(tmp_path_factory):
     ("1e9", 10**9), (2e9, 2 * 10**9), ("1EiB", 2**60), ("2PB", 2 * 10**15), ("2.0", 2), ("1", 1), ("1e0", 1),
     (np.int64(4096), 4096), (None, None),
     ("2.01GB", 2_010_000_000), ("8.2GB", 8_200_000_000), ("0.00098304GB", 983040),  # exact (a review: a byte short)
-    ("1.1KiB", 1126),  # whole bytes below a larger unit
+    ("1.1KiB", 1126), ("0.9999999999999999999999999999999KiB", 1023),  # whole bytes below a larger unit
 ])
 def test_memory_in_bytes(spec, expected):
     assert memory_spec(spec) == expected
@@ -100,6 +100,8 @@ def test_cgroup_v1_and_unnamespaced_v2_limits_bound_the_pool_too(tmp_path):
 
 @pytest.mark.parametrize("spec, message", [
     ("1.5", "neither a whole number"), ("1.5B", "neither a whole number"), (1.5, "neither"),
+    ("1e99999999999999999999", "neither"), ("1e999999GB", "neither"), ("1e-400", "a number of bytes a machine"),
+    ("1e300GB", "1 B to 1 EiB"),  # at once (the re-review: tracebacks, minutes, a fraction of 0.0)
     (0.0, "a number of bytes a machine holds"),
     (float("nan"), "neither"), (float("inf"), "neither"), (0, "a number of bytes a machine holds"),
     (-5, "1 B to 1 EiB"), ("0", "1 B to 1 EiB"), (10**400, "1 B to 1 EiB"), ("1" + "0" * 400, "1 B to 1 EiB"),

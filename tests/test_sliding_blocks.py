@@ -132,14 +132,27 @@ def test_without_a_window_such_a_request_is_refused():
 
 def test_a_request_the_pool_never_holds_is_told_what_would_help():
     """Review: a prompt bigger than the pool was told to lower max_tokens, which never helps; a sliding request's
-    window and step were told the same."""
-    small = config(num_blocks=10, max_seq_len=400)  # 9 usable blocks of 4 tokens
-    for prompt, max_tokens, fix in ((30, 20, "or lower max_tokens"), (40, 5, "or shorten the prompt")):
+    window and step were told the same; each option named now works on its own (re-review: 'lower max_num_tokens'
+    where no value could, 'use paged' where paged was refused too)."""
+    small = config(num_blocks=10, max_seq_len=400)  # 9 usable blocks of 4 tokens: 36 tokens of one request
+    for prompt, max_tokens, fix in ((30, 20, ", or lower max_tokens to 6 or less$"),
+                                    (40, 5, ", or keep prompt \\+ max_tokens within 36 tokens")):
         with pytest.raises(CapacityError, match=fix):
             Scheduler(small).add(make_request("r", list(range(1, prompt + 1)), max_tokens))
-    with pytest.raises(CapacityError, match="or lower max_num_tokens"):  # a window of 9 + a step of 24 tokens
-        Scheduler(config(num_blocks=10, max_seq_len=400, sliding_window=9)).add(
-            make_request("long", list(range(1, 150)), 220))
+        Scheduler(small).add(make_request("r", list(range(1, min(prompt, 35) + 1)), min(max_tokens, 36 - prompt)
+                                          if prompt < 36 else 1))  # following it fits
+    contiguous = config(num_blocks=10, max_seq_len=400, kv_reservation="contiguous")
+    with pytest.raises(CapacityError, match="or use kv_reservation='paged' .*per request\\)$"):
+        Scheduler(contiguous).add(make_request("r", list(range(1, 11)), 10))
+    with pytest.raises(CapacityError, match="or use kv_reservation='paged' .* and lower max_tokens to 16 or less"):
+        Scheduler(contiguous).add(make_request("r", list(range(1, 21)), 30))
+    long = make_request("long", list(range(1, 150)), 220)
+    with pytest.raises(CapacityError, match="or lower max_num_tokens to 19 or less"):  # window 9 + a step of 24
+        Scheduler(config(num_blocks=10, max_seq_len=400, sliding_window=9)).add(long)
+    Scheduler(config(num_blocks=10, max_seq_len=400, sliding_window=9, max_num_tokens=19)).add(long)
+    with pytest.raises(CapacityError) as info:  # no step fits a window of 30 in 9 blocks
+        Scheduler(config(num_blocks=10, max_seq_len=400, sliding_window=30)).add(long)
+    assert "max_num_tokens" not in str(info.value) and "keep prompt + max_tokens within 36" in str(info.value)
 
 
 def test_guaranteed_no_evict_gives_passed_blocks_back_early():
@@ -337,7 +350,10 @@ def test_a_server_pool_too_small_for_a_sliding_request_says_to_lower_max_num_tok
     build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=256, kv_block_size=4, max_num_tokens=64))
     manifest = read_manifest(tmp_path / "engine")
     tight = SchedulerConfig(10, 4, 4, 64, 256, sliding_window=manifest.model.attention_window)
-    with pytest.raises(CapacityError, match="or lower max_num_tokens") as info:
+    with pytest.raises(CapacityError, match="or lower max_num_tokens to 21 or less") as info:
         check_serves_full_length(manifest, tight)
     assert "--max-seq-len" not in str(info.value)
-    check_serves_full_length(manifest, SchedulerConfig(10, 4, 4, 16, 256, sliding_window=7))  # a smaller step fits
+    check_serves_full_length(manifest, SchedulerConfig(10, 4, 4, 21, 256, sliding_window=7))  # a smaller step fits
+    with pytest.raises(CapacityError, match="or serve an engine built with --max-seq-len 12 or less"):
+        check_serves_full_length(manifest, SchedulerConfig(4, 4, 4, 1, 256, sliding_window=7))  # no step fits
+    check_serves_full_length(manifest, SchedulerConfig(4, 4, 4, 1, 12, sliding_window=7))

@@ -44,17 +44,23 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
         unit = match.group(3).upper() if match else ""
         if not match or (unit and unit not in _UNITS):
             raise RequestError(f"cannot read the memory size {spec!r}; use {MEMORY_HELP}")
-        number = match.group(1) + (match.group(2) or "")
-        exponent = match.group(2) or "e0"  # exact (a Fraction) where it is small: "2.01GB" is 2010000000 bytes
-        value = int(number) if number.isdigit() else Fraction(Decimal(number)) if len(exponent) <= 4 else float(number)
-        decimal_point = "." in match.group(1)
+        mantissa, exponent = match.group(1), match.group(2) or ""
+        number = mantissa + exponent
+        # exact (a Fraction: "2.01GB" is 2010000000 bytes) where it could be a size: else a float, inf or 0 (refused)
+        exact = len(exponent[1:].lstrip("+-").lstrip("0")) <= 3 and len(mantissa) <= 64
+        value, decimal_point = Fraction(Decimal(number)) if exact else float(number), "." in mantissa
+        if value == math.inf:
+            value = 2**61  # beyond any machine's memory: refused below
     if not unit and 0 < value <= 1 and (decimal_point or value != 1):  # 0.5, 5e-1 and 1.0; "1" is one byte
-        return float(value)
+        if float(value) > 0:
+            return float(value)
+        value = 0  # too small for any memory: refused below
     if not isinstance(value, numbers.Rational) and not math.isfinite(value) \
             or unit in ("", "B") and value != int(value):
         raise RequestError(f"the memory size {spec!r} is neither a whole number of bytes nor a fraction in (0, 1]; "
                            f"use {MEMORY_HELP}")
-    total = int(value * _UNITS[unit or "B"])  # whole bytes below a larger unit
+    scaled = value * _UNITS[unit or "B"]  # whole bytes below a larger unit
+    total = int(scaled) if isinstance(scaled, numbers.Rational) or math.isfinite(scaled) else 0
     if not 1 <= total <= 2**60:
         raise RequestError(f"the memory size {spec!r} is not a number of bytes a machine holds (1 B to 1 EiB); use "
                            f"{MEMORY_HELP}")

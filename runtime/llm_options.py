@@ -58,7 +58,7 @@ def check_serves_full_length(manifest: Manifest, config: SchedulerConfig) -> Non
     least = pool_bytes(manifest, need + 1)
     step = config.largest_step_fitting(usable) if config.releases_blocks else 0
     other = (f"lower max_num_tokens to {step} or less (a request holds its sliding window and a step's tokens)"
-             if step >= 1 and need == config.window_blocks else
+             if step >= 1 else
              f"serve an engine built with --max-seq-len {usable * config.block_size} or less")
     raise CapacityError(
         f"the KV cache holds {usable} blocks of {config.block_size} tokens, fewer than the {need} one request of the "

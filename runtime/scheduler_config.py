@@ -58,20 +58,26 @@ class SchedulerConfig:
     def fit_advice(self, capacity: int, prompt_tokens: int, total_tokens: int) -> str:
         """What, besides more memory, lets a request of prompt_tokens (total_tokens with max_tokens) fit a pool of
         `capacity` blocks that it does not: each option named is enough on its own."""
-        room = capacity * self.block_size  # the tokens of one request the pool holds, window or not
+        room = capacity * self.block_size  # the tokens of one request the pool holds (paged), window or not
+        paged_need = -(-total_tokens // self.block_size)
+        if self.sliding_window is not None:  # paged, it holds its window and a step at most
+            paged_need = min(paged_need, self._window_and(self.max_num_tokens))
         options = []
-        step = self.largest_step_fitting(capacity) if self.sliding_window is not None else 0
-        if step >= 1:
-            options.append(f"lower max_num_tokens to {step} or less (a request holds its sliding window and a step)")
-        paged = "" if self.kv_reservation == "paged" else (
-            "use kv_reservation='paged' (a contiguous reservation holds max_seq_len tokens per request)")
-        if total_tokens <= room and paged:
-            options.append(paged)
-        elif prompt_tokens < room:
-            options.append(f"{paged + ' and ' if paged else ''}lower max_tokens to {room - prompt_tokens} or less")
+        if self.kv_reservation != "paged":
+            paged = "use kv_reservation='paged' (a contiguous reservation holds max_seq_len tokens per request)"
+            if paged_need <= capacity:
+                return f", or {paged}"
+            paged += " and "
         else:
-            options.append(f"{paged + ' and ' if paged else ''}keep prompt + max_tokens within {room} tokens (the "
-                           "prompt alone is longer)")
+            paged = ""
+            step = self.largest_step_fitting(capacity) if self.releases_blocks else 0
+            if step >= 1:
+                options.append(f"lower max_num_tokens to {step} or less (a request holds its sliding window and a "
+                               "step)")
+        if prompt_tokens < room:
+            options.append(f"{paged}lower max_tokens to {room - prompt_tokens} or less")
+        elif room >= 2:
+            options.append(f"{paged}keep prompt + max_tokens within {room} tokens (the prompt alone takes them all)")
         return "".join(f", or {option}" for option in options)
 
     def _window_and(self, step_tokens: int) -> int | None:

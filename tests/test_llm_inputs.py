@@ -100,8 +100,9 @@ def test_cgroup_v1_and_unnamespaced_v2_limits_bound_the_pool_too(tmp_path):
 
 @pytest.mark.parametrize("spec, message", [
     ("1.5", "neither a whole number"), ("1.5B", "neither a whole number"), (1.5, "neither"),
-    ("1e99999999999999999999", "neither"), ("1e999999GB", "neither"), ("1e-400", "a number of bytes a machine"),
-    ("1e300GB", "1 B to 1 EiB"),  # at once (the re-review: tracebacks, minutes, a fraction of 0.0)
+    ("1e99999999999999999999", "1 B to 1 EiB"), ("1e999999GB", "1 B to 1 EiB"), ("1e-400", "1 B to 1 EiB"),
+    ("1e300GB", "1 B to 1 EiB"), ("1e+300TB", "1 B to 1 EiB"), ("1152921504606846977e+000", "1 B to 1 EiB"),
+    ("0." + "0" * 330 + "1", "1 B to 1 EiB"),  # at once (re-reviews: tracebacks, minutes, a fraction of 0.0)
     (0.0, "a number of bytes a machine holds"),
     (float("nan"), "neither"), (float("inf"), "neither"), (0, "a number of bytes a machine holds"),
     (-5, "1 B to 1 EiB"), ("0", "1 B to 1 EiB"), (10**400, "1 B to 1 EiB"), ("1" + "0" * 400, "1 B to 1 EiB"),

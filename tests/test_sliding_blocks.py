@@ -153,6 +153,12 @@ def test_a_request_the_pool_never_holds_is_told_what_would_help():
     with pytest.raises(CapacityError) as info:  # no step fits a window of 30 in 9 blocks
         Scheduler(config(num_blocks=10, max_seq_len=400, sliding_window=30)).add(long)
     assert "max_num_tokens" not in str(info.value) and "keep prompt + max_tokens within 36" in str(info.value)
+    sliding_contiguous = config(num_blocks=10, max_seq_len=400, sliding_window=9, kv_reservation="contiguous",
+                                max_num_tokens=16)
+    with pytest.raises(CapacityError) as info:  # a contiguous reservation holds max_seq_len: max_num_tokens can't help
+        Scheduler(sliding_contiguous).add(long)
+    assert str(info.value).endswith("or use kv_reservation='paged' (a contiguous reservation holds max_seq_len tokens "
+                                    "per request)")  # paged, its window alone: enough
 
 
 def test_guaranteed_no_evict_gives_passed_blocks_back_early():
@@ -354,6 +360,10 @@ def test_a_server_pool_too_small_for_a_sliding_request_says_to_lower_max_num_tok
         check_serves_full_length(manifest, tight)
     assert "--max-seq-len" not in str(info.value)
     check_serves_full_length(manifest, SchedulerConfig(10, 4, 4, 21, 256, sliding_window=7))  # a smaller step fits
+    mistral_like = SchedulerConfig(300, 16, 4, 8192, 8192, sliding_window=4096)  # the whole length is under a
+    with pytest.raises(CapacityError, match="or lower max_num_tokens to 656 or less"):  # window and a step (review)
+        check_serves_full_length(manifest, mistral_like)
+    check_serves_full_length(manifest, SchedulerConfig(300, 16, 4, 656, 8192, sliding_window=4096))
     with pytest.raises(CapacityError, match="or serve an engine built with --max-seq-len 12 or less"):
         check_serves_full_length(manifest, SchedulerConfig(4, 4, 4, 1, 256, sliding_window=7))  # no step fits
     check_serves_full_length(manifest, SchedulerConfig(4, 4, 4, 1, 12, sliding_window=7))

@@ -46,8 +46,10 @@ def memory_spec(spec: str | int | float | None) -> int | float | None:
             raise RequestError(f"cannot read the memory size {spec!r}; use {MEMORY_HELP}")
         mantissa, exponent = match.group(1), match.group(2) or ""
         number = mantissa + exponent
+        if len(mantissa) > 1000:  # no size is written so (reading it exactly would take long)
+            raise RequestError(f"the memory size {spec[:40]!r}... has {len(mantissa)} digits; use {MEMORY_HELP}")
         # exact (a Fraction: "2.01GB" is 2010000000 bytes) where it could be a size: else a float, inf or 0 (refused)
-        exact = len(exponent[1:].lstrip("+-").lstrip("0")) <= 3 and len(mantissa) <= 64
+        exact = len(exponent[1:].lstrip("+-").lstrip("0")) <= 3
         value, decimal_point = Fraction(Decimal(number)) if exact else float(number), "." in mantissa
         if value == math.inf:
             value = 2**61  # beyond any machine's memory: refused below

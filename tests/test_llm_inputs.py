@@ -39,6 +39,7 @@ def engine_dir(tmp_path_factory):
     (np.int64(4096), 4096), (None, None),
     ("2.01GB", 2_010_000_000), ("8.2GB", 8_200_000_000), ("0.00098304GB", 983040),  # exact (a review: a byte short)
     ("1.1KiB", 1126), ("0.9999999999999999999999999999999KiB", 1023),  # whole bytes below a larger unit
+    ("0." + "9" * 63 + "KiB", 1023), ("1000000000000000001." + "0" * 45 + " B", 1000000000000000001),
 ])
 def test_memory_in_bytes(spec, expected):
     assert memory_spec(spec) == expected
@@ -103,6 +104,7 @@ def test_cgroup_v1_and_unnamespaced_v2_limits_bound_the_pool_too(tmp_path):
     ("1e99999999999999999999", "1 B to 1 EiB"), ("1e999999GB", "1 B to 1 EiB"), ("1e-400", "1 B to 1 EiB"),
     ("1e300GB", "1 B to 1 EiB"), ("1e+300TB", "1 B to 1 EiB"), ("1152921504606846977e+000", "1 B to 1 EiB"),
     ("0." + "0" * 330 + "1", "1 B to 1 EiB"),  # at once (re-reviews: tracebacks, minutes, a fraction of 0.0)
+    ("1." + "0" * 62 + "1 B", "neither a whole number"), ("0." + "1" * 200000, "has 200002 digits"),
     (0.0, "a number of bytes a machine holds"),
     (float("nan"), "neither"), (float("inf"), "neither"), (0, "a number of bytes a machine holds"),
     (-5, "1 B to 1 EiB"), ("0", "1 B to 1 EiB"), (10**400, "1 B to 1 EiB"), ("1" + "0" * 400, "1 B to 1 EiB"),

@@ -134,12 +134,13 @@ def _files(manifest: object) -> dict:
     return files if isinstance(files, dict) else {}
 
 
-def unlisted_tokenizer_entries(engine_dir: Path, files: Iterable[str]) -> list[str]:
+def unlisted_tokenizer_entries(engine_dir: Path, files: Iterable[str], through_link: bool = False) -> list[str]:
     """The names in the engine's tokenizer directory that the build did not write (`files`: the manifest's); none
-    for engines that list no tokenizer files (the earliest)."""
+    for engines that list no tokenizer files (the earliest), nor for a directory symlinked in unless
+    `through_link` (what a load reads: a rebuild replaces the link, so it loses nothing there)."""
     path = engine_dir / TOKENIZER_DIR
     listed = {Path(str(f)).name for f in files if Path(str(f)).parent.name == TOKENIZER_DIR}
-    if not listed or not path.is_dir() or path.is_symlink():
+    if not listed or not path.is_dir() or path.is_symlink() and not through_link:
         return []
     return sorted(p.name for p in path.iterdir() if p.name not in listed)
 

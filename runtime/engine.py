@@ -28,7 +28,7 @@ EDITABLE = (CHAT_TEMPLATE, NAMED_TEMPLATES)  # what a user may add or edit after
 def check_tokenizer_files(engine_dir: Path, files: Iterable[str]) -> None:
     """A file in the tokenizer's directory that the build did not write (`files`: the manifest's) is refused:
     transformers would read it and tokenize otherwise. Chat templates and hidden files are let be."""
-    extra = [name for name in unlisted_tokenizer_entries(engine_dir, files)
+    extra = [name for name in unlisted_tokenizer_entries(engine_dir, files, through_link=True)
              if name not in EDITABLE and not name.startswith(".")]
     if extra:
         raise EngineError(f"{engine_dir / TOKENIZER_DIR} holds {', '.join(extra)}, which the build did not write and "

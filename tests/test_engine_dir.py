@@ -669,6 +669,23 @@ def test_files_added_to_the_tokenizer_are_refused_but_a_chat_template_may_be_edi
     assert "special_tokens_map.json" in engine_info(copy)["runs_here_reason"]
 
 
+def test_a_file_added_to_a_tokenizer_directory_linked_in_is_refused_too(copy, tmp_path):
+    """Review: a symlinked tokenizer/ skipped the check (an exemption for rebuilds, which replace the link), so an
+    added_tokens.json changed tokenization unsaid."""
+    from camshaft.engine_files import user_tokenizer_entries
+
+    shared = tmp_path / "shared_tokenizer"
+    (copy / "tokenizer").rename(shared)
+    (copy / "tokenizer").symlink_to(shared)
+    with Session(copy) as session:  # linked as it was: loads
+        assert session.tokenizer is not None
+    (shared / "added_tokens.json").write_text(json.dumps({"hello": 300}))
+    for loader in (Session, Engine):
+        with pytest.raises(EngineError, match="holds added_tokens.json, which the build did not write"):
+            loader(copy)
+    assert user_tokenizer_entries(copy) == []  # a rebuild replaces the link: the shared directory loses nothing
+
+
 @pytest.mark.parametrize("edits, reason", [
     ({("model", "vocab_size"): 383, ("outputs",): [{"name": "logits", "dtype": "float32", "shape": ["N", 383]}]},
      "logits dimensions"),

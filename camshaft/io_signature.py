@@ -130,4 +130,10 @@ class SequenceGraph(CacheTensors):
 
 
 def tensor_specs(raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in raw)
+    """A manifest's tensor list, each entry checked for its kinds (a ValueError: the manifest is corrupt)."""
+    specs = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in raw)
+    for spec in specs:
+        if not (isinstance(spec.name, str) and isinstance(spec.dtype, str)
+                and all(isinstance(d, str | int) and not isinstance(d, bool) for d in spec.shape)):
+            raise ValueError(f"a tensor entry is not a name, a dtype and a shape: {spec}")
+    return specs

@@ -139,6 +139,9 @@ MANIFEST_EDITS = {
     "model kv heads edited": (("model", "num_kv_heads"), 1, "KVCacheLayout holds 2 KV heads"),
     "logits width edited": (("outputs",), [{"name": "logits", "dtype": "float32", "shape": ["N", 5]}],
                             "the logits output is 5 wide"),
+    "an input's name null": (("inputs", 0, "name"), None, "not a name, a dtype and a shape"),  # was a TypeError
+    "a sequence input's shape a dict": (("sequence_graph", "inputs", 0, "shape"), [{"a": 1}],
+                                        "not a name, a dtype and a shape"),
 }
 
 

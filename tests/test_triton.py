@@ -325,7 +325,8 @@ def test_a_short_sync_request_is_answered_while_long_ones_run(stack):
         long = [pool.submit(infer, 480) for _ in range(8)]  # a batch of 8 runs ~1 s: seen in 0.2 s metrics
         stack.wait_metrics(lambda m: m["camshaft_num_requests_running"] >= 3, "three long requests running")
         assert pool.submit(infer, 1).result(timeout=120)
-        assert not any(f.done() for f in long)
+        # not held until every request batched with it ended (some long one may have: ~1 s of tiny-model steps)
+        assert not all(f.done() for f in long)
         assert all(f.result(timeout=300) for f in long)
 
 

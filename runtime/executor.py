@@ -261,8 +261,10 @@ class Executor(StepCounters):
         with self._wake:
             sink = self._sinks.pop(request.request_id)
         error = None if error is None else own_error(error)
-        self._deliver(sink, RequestOutput(request.request_id, delta, *new, None if error else request.result(), error,
-                                          _first_prompt_logprobs(request, new), request.metrics()))
+        result = None if error else request.result()
+        self._deliver(sink, RequestOutput(request.request_id, delta, *new, result, error,
+                                          _first_prompt_logprobs(request, new),
+                                          request.metrics() if result is None else result.metrics))
 
     def _deliver(self, sink: Sink, output: RequestOutput) -> None:
         try:

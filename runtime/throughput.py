@@ -54,7 +54,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         raise RequestError(f"concurrency must be >= 1, got {concurrency}")
     if not requests:
         raise RequestError("no requests to run")
-    check_fits(llm, requests)
+    made = fitting_requests(llm, requests)
     executor = llm.executor
     steps_before = executor.steps_done
     preempt_before = executor.scheduler.num_preemptions
@@ -66,8 +66,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
     submitted: list = [None] * len(requests)
 
     def prepared(index: int) -> tuple[Request, Sink]:
-        item, record = requests[index], records[index]
-        (request,) = llm._requests(list(item.prompt_ids), _greedy(item))
+        request, record = made[index], records[index]
         add_sample = request.add_sample
 
         def timed_add_sample(sample):  # runs on the loop thread as each token is sampled, before any is delivered
@@ -139,18 +138,18 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], concurrency: int, *,
         clipped=clipped_requests(requests, llm.config.max_seq_len), records=records)
 
 
-def check_fits(llm: LLM, requests: list[BenchRequest]) -> None:
-    """Refuse, before any runs, a request the engine or its KV pool could never hold, saying which."""
+def fitting_requests(llm: LLM, requests: list[BenchRequest]) -> list[Request]:
+    """The LLM's greedy requests (end id ignored) for `requests`; one the engine or its KV pool could never hold is
+    refused before any runs, saying which."""
+    made = []
     for index, item in enumerate(requests):
         try:
-            (request,) = llm._requests(list(item.prompt_ids), _greedy(item))
-            llm.executor.scheduler.check(request)
+            params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
+            made.extend(llm._requests(list(item.prompt_ids), params))
+            llm.executor.scheduler.check(made[-1])
         except RequestError as exc:
             raise type(exc)(f"request {index + 1} of {len(requests)}: {exc}") from None
-
-
-def _greedy(item: BenchRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
+    return made
 
 
 def _ms(p: dict[str, float]) -> dict[str, float]:
@@ -212,7 +211,7 @@ def throughput_benchmark(engine_dir: str | Path, dataset: str, num_requests: int
                                         vocab_size=model.vocab_size, seed=seed, tokenizer=llm.tokenizer)
                 for line in clipped_lines(clipped_requests(requests, limits.max_seq_len)):  # before any request runs
                     progress(line)
-            check_fits(llm, requests)  # the dataset's, before the warm-up's
+            fitting_requests(llm, requests)  # the dataset's refusal, before the warm-up runs
             if warmup:
                 run_throughput(llm, warmup_requests(requests, model.vocab_size, warmup), warmup)
             results.append(run_throughput(llm, requests, c))

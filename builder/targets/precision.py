@@ -9,8 +9,9 @@ Sources (as data, not probed: no GPU here):
       allowed everywhere. tensorrt-rtx's own builder agrees where it refuses (fp8 below sm89, int4 on sm75: "the
       model contains HW-specific datatypes"), but only after parsing and optimising the whole graph.
   tensorrt: the TensorRT 10 support matrix (FP8 on 8.9+, BF16 on 8.0+, INT8 on every supported GPU, 7.5+) and the
-      Model Optimizer support matrix for the ModelOpt formats (INT4/INT8 weight-only: Ampere and later; W4A8: Ada and
-      later).
+      Model Optimizer support matrix for the ModelOpt formats (INT4/INT8 weight-only: Ampere and later). W4A8 is in
+      neither for TensorRT (ModelOpt lists it for TensorRT-LLM only): its graph composes INT4 weight-only
+      DequantizeLinear with FP8 Q/DQ, so it needs both precisions (Ada and later); unverified on datacenter TensorRT.
 """
 
 from __future__ import annotations

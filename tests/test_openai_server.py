@@ -670,6 +670,12 @@ HI = [{"role": "user", "content": "Hi"}]
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
     (CHAT, {"model": MODEL, "messages": []}, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "n": 2, "best_of": 1}, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "suffix": "end"}, "suffix"),
+    (CHAT, {"model": MODEL, "messages": HI, "tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"model": MODEL, "messages": HI, "response_format": {"type": "yaml"}}, "response_format"),
+    (CHAT, {"model": MODEL, "messages": HI, "documents": [{"text": "a"}],
+            "chat_template_kwargs": {"documents": [{"text": "b"}]}}, "documents"),
 ])
 def test_bad_input_is_an_openai_400(served, path, body, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
@@ -692,6 +698,14 @@ def test_a_json_body_sent_as_a_form_is_told_which_header_it_lacks(served):
                          headers={"content-type": "application/x-www-form-urlencoded"})  # curl -d's default
     assert response.status_code == 400
     assert "only with the header Content-Type: application/json (this request's: application/x-www-form-urlencoded)" \
+        in response.json()["error"]["message"]
+
+
+def test_a_json_body_sent_without_a_content_type_is_told_which_header_it_lacks(served):
+    response = HTTP.post(served[0] + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
+                         headers={"content-type": ""})  # python requests' data=json.dumps(...)
+    assert response.status_code == 400
+    assert "only with the header Content-Type: application/json (this request sent none)" \
         in response.json()["error"]["message"]
 
 

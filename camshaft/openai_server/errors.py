@@ -10,10 +10,11 @@ from starlette.exceptions import HTTPException
 from camshaft.errors import CapacityError, EngineError, RequestError, ServerBusyError, ServerClosedError
 from camshaft.openai_server.metrics import Metrics
 
-_SAMPLING_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "logprobs", "n",
-                    "top_logprobs", "stream_options", "max_completion_tokens", "prompt", "logit_bias", "bad_words",
-                    "use_beam_search", "prompt_logprobs", "guided_whitespace_pattern"}
+_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+           "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "logprobs", "n", "top_logprobs",
+           "stream_options", "max_completion_tokens", "prompt", "logit_bias", "bad_words", "use_beam_search",
+           "prompt_logprobs", "guided_whitespace_pattern", "best_of", "suffix", "tool_choice", "response_format",
+           "structured_outputs", "documents", "add_special_tokens"}
 
 
 class APIError(Exception):
@@ -38,7 +39,7 @@ def from_exception(exc: Exception) -> APIError:
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, RequestError):
         first = str(exc).split(" ", 1)[0]
-        return APIError(400, str(exc), param=first if first in _SAMPLING_FIELDS else None)
+        return APIError(400, str(exc), param=first if first in _FIELDS else None)
     if isinstance(exc, EngineError):  # the engine's files (a chat template that does not parse): the server's fault
         return APIError(500, str(exc), type="server_error")
     return APIError(500, f"internal server error: {exc!r}", type="server_error")
@@ -72,9 +73,10 @@ def install(app: FastAPI, metrics: Metrics) -> None:
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         kind = request.headers.get("content-type", "").split(";")[0].strip()
-        if request.method == "POST" and kind and "json" not in kind:  # FastAPI reads such a body as no JSON
+        if request.method == "POST" and "json" not in kind:  # FastAPI reads such a body as no JSON
+            sent = f"this request's: {kind}" if kind else "this request sent none"
             message = (f"the request body is read as JSON only with the header Content-Type: application/json "
-                       f"(this request's: {kind}); {message}")
+                       f"({sent}); {message}")
         return respond(request, APIError(400, message, param=param))
 
     @app.exception_handler(HTTPException)

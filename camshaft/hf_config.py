@@ -114,7 +114,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
     mlp_bias = f.get("mlp_bias", "bool", False) and arch in ("llama", "smollm3", "granite")
     window, layer_types = attention_layout(f, arch, layers)
     vocab = f.get("vocab_size", "int", least=1)
-    positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=1)
+    positions = f.get("max_position_embeddings", "int", MAX_POSITIONS[arch], least=2, most=2**31 - 1)
     return dict(
         architecture=arch,
         vocab_size=vocab,
@@ -123,7 +123,7 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads(f, arch, heads, source),
-        head_dim=f.get("head_dim", "int", HEAD_DIMS.get(arch, hidden // heads), least=1),
+        head_dim=f.get("head_dim", "int", None, least=1) or HEAD_DIMS.get(arch) or split_heads(hidden, heads, source),
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch in ("phi3", "olmo2", "mixtral", "olmoe") else 1e-6,
                            least=0),
         max_position_embeddings=positions,
@@ -143,6 +143,14 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         granite_fields(f) if arch in ("granite", "granitemoe") else {}) | (
         dict(pre_norms=False, sandwich_norms=True, qk_norm_per_head=False) if arch == "olmo2" else {}) | (
         dict(qk_norm_per_head=False) if arch == "olmoe" else {}) | (moe_fields(f, layers, arch) if arch in MOES else {})
+
+
+def split_heads(hidden: int, heads: int, source: str) -> int:
+    """head_dim where config.json gives none: hidden_size // num_attention_heads, as transformers takes it."""
+    if hidden % heads:
+        raise CheckpointError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and "
+                              "no head_dim is given; restore them from the original checkpoint")
+    return hidden // heads
 
 
 def kv_heads(f: Fields, arch: str, heads: int, source: str) -> int:

@@ -13,6 +13,10 @@ _REQUIRED = object()
 _KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
 
 
+def _shown(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
 class Fields:
     """Typed access to one JSON object; `source` names it in errors."""
 
@@ -22,8 +26,9 @@ class Fields:
                                   "checkpoint")
         self.data, self.source = data, source
 
-    def get(self, key: str, kind: str, default: Any = _REQUIRED, *, least: float | None = None) -> Any:
-        """The value of `key` (an absent key or null: `default`, or an error when required)."""
+    def get(self, key: str, kind: str, default: Any = _REQUIRED, *, least: float | None = None,
+            most: float | None = None) -> Any:
+        """The value of `key` (an absent key or null: `default`, or an error when required); a number as a float."""
         value = self.data.get(key)
         if value is None:
             if default is _REQUIRED:
@@ -33,8 +38,8 @@ class Fields:
             value = int(value)
         ok = {"int": is_int(value), "bool": isinstance(value, bool),
               "number": isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)}[kind]
-        if not ok or (least is not None and value < least):
-            bound = "" if least is None else f" >= {least:g}"
-            raise CheckpointError(f"{self.source}: {key} must be {_KINDS[kind]}{bound}, not {value!r}; restore it "
-                                  "from the original checkpoint")
-        return value
+        if not ok or (least is not None and value < least) or (most is not None and value > most):
+            bound = ("" if least is None else f" >= {least:g}") + ("" if most is None else f" and <= {_shown(most)}")
+            raise CheckpointError(f"{self.source}: {key} must be {_KINDS[kind]}{bound}, not {value!r:.40}; restore "
+                                  "it from the original checkpoint")
+        return float(value) if kind == "number" else value

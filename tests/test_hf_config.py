@@ -66,10 +66,20 @@ def edited(config: dict, **changes) -> dict:
      "lacks required field 'low_freq_factor'"),
     (dict(rope_parameters=..., rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}),
      "lacks required field 'high_freq_factor'"),
+    (dict(max_position_embeddings=10**30), "max_position_embeddings must be an integer >= 2 and <= 2147483647"),
+    (dict(max_position_embeddings=1), "max_position_embeddings must be an integer >= 2"),
+    (dict(hidden_size=66, head_dim=...), "hidden_size 66 is not a multiple of num_attention_heads 4, and no head_dim "
+     "is given"),
 ])
 def test_bad_values_are_one_clear_error(configs, changes, message):
     with pytest.raises(CheckpointError, match=message):
         ModelConfig.from_hf(edited(configs["llama"], **changes))
+
+
+def test_an_integer_epsilon_is_read_as_the_float_it_means(configs):
+    """An ONNX epsilon attribute is a float: an integer (0 for 0.0) failed the build after every layer was written."""
+    eps = ModelConfig.from_hf(edited(configs["llama"], rms_norm_eps=0)).rms_norm_eps
+    assert eps == 0.0 and type(eps) is float
 
 
 def test_good_variants_read_as_transformers_does(configs):

@@ -14,12 +14,11 @@ def load_float_model(path: Path, given: str, purpose: str):
     `purpose`: what random weights would spoil (`score`, `quantize`), for the messages."""
     import torch
     import transformers
-    from safetensors import SafetensorError
 
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             str(path), dtype=torch.float32, use_safetensors=True, output_loading_info=True)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # unreadable files, shapes config.json denies
+    except Exception as exc:  # unreadable files, shapes config.json denies, config fields its classes refuse, ...
         raise CheckpointError(f"{given}: transformers cannot load it: {str(exc).strip()[:400]}") from exc
     # a tensor of another shape is the RuntimeError above; a missing one is only listed
     missing = sorted(n for n in info["missing_keys"] if n != "lm_head.weight" or not model.config.tie_word_embeddings)
@@ -27,4 +26,24 @@ def load_float_model(path: Path, given: str, purpose: str):
         raise CheckpointError(f"{given} lacks {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}; "
                               f"transformers would {purpose} random weights in their place: fix the checkpoint "
                               "(camshaft build refuses it too)")
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{given}: tensor {name!r} holds NaN or infinite values: restore the "
+                                  "checkpoint's weights (camshaft build refuses it too)")
     return model.eval()
+
+
+def transformers_tokenizer(path: Path, given: str):
+    """transformers' tokenizer of `path` (its config.json read first, as its classes read it)."""
+    import transformers
+
+    try:
+        transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # a field its config class refuses (an integer epsilon), an unknown dtype, ...
+        raise CheckpointError(f"{given}: transformers cannot read its config.json: {str(exc).strip()[:400]}; fix "
+                              "the field it names or restore the file from the original checkpoint") from exc
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{given}: transformers cannot load its tokenizer: {str(exc).strip()[:400]}; restore "
+                              "the tokenizer files from the original checkpoint") from exc

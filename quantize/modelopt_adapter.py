@@ -18,7 +18,7 @@ from typing import Any
 
 from camshaft.engine_files import NAMED_TEMPLATES
 from camshaft.errors import CheckpointError, UnsupportedModelError, needs_extra
-from camshaft.float_model import load_float_model
+from camshaft.float_model import load_float_model, transformers_tokenizer
 from camshaft.model_config import (
     CAMSHAFT_QUANT_RECORD,
     HF_QUANT_CONFIG,
@@ -132,9 +132,8 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     cfg = modelopt_config(spec, group_size)
 
     import torch
-    import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = transformers_tokenizer(model_dir, f"--model {model_dir}")
     if getattr(tokenizer, "is_fast", False):
         check_tokenizer_vocab(tokenizer, model_config.vocab_size)
     calib = tokenize(texts, source, tokenizer, calib_size, calib_seq_len, progress)

@@ -624,24 +624,46 @@ def test_pickle_weights_are_never_loaded_for_calibration(tiny, tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("damage", ["missing head", "missing layer tensor", "wrong shape"])
+@pytest.mark.parametrize("damage", ["missing head", "missing layer tensor", "wrong shape", "nan"])
 def test_weights_transformers_would_make_up_are_refused_before_calibration(tmp_path, damage):
     """transformers fills a missing tensor with random values and only logs it: quantizing that would export random
-    weights that then build. A tensor of another shape is refused too, as an error and not a traceback."""
+    weights that then build. A tensor of another shape is refused too, as an error and not a traceback, and one that
+    is not finite as build refuses it (ModelOpt's calibration failed on it with an AssertionError)."""
+    import numpy as np
     from safetensors.numpy import load_file, save_file
 
     model = make_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=False)
     (shard,) = model.glob("*.safetensors")
     tensors = load_file(shard)
     name = {"missing head": "lm_head.weight", "missing layer tensor": "model.layers.1.mlp.up_proj.weight",
-            "wrong shape": "model.layers.0.mlp.down_proj.weight"}[damage]
+            "wrong shape": "model.layers.0.mlp.down_proj.weight", "nan": "model.layers.0.self_attn.q_proj.weight"
+            }[damage]
     if damage == "wrong shape":
         tensors[name] = tensors[name][:, :-8].copy()
+    elif damage == "nan":
+        tensors[name][3, 5] = np.nan
     else:
         del tensors[name]
     save_file(tensors, shard, metadata={"format": "pt"})
-    message = "transformers cannot load it" if damage == "wrong shape" else f"lacks {name}; transformers would"
+    message = {"wrong shape": "transformers cannot load it", "nan": f"tensor '{name}' holds NaN or infinite values"
+               }.get(damage, f"lacks {name}; transformers would")
     with pytest.raises(CheckpointError, match=message):
+        quantize_checkpoint(model, tmp_path / "ckpt", QuantSpec("int8_wo"), **CALIB)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("damage", ["tokenizer.json cut", "unknown dtype", "integer rms_norm_eps"])
+def test_files_transformers_cannot_read_are_a_clear_error_not_a_traceback(tiny, tmp_path, damage):
+    model = tmp_path / "hf"
+    shutil.copytree(tiny, model)
+    if damage == "tokenizer.json cut":
+        text = (model / "tokenizer.json").read_text()
+        (model / "tokenizer.json").write_text(text[: len(text) // 2])
+    else:
+        config = json.loads((model / "config.json").read_text())
+        config.update({"dtype": "float13"} if damage == "unknown dtype" else {"rms_norm_eps": 0})
+        (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises((CheckpointError, QuantizeError), match="transformers cannot (load|read)"):
         quantize_checkpoint(model, tmp_path / "ckpt", QuantSpec("int8_wo"), **CALIB)
     assert not (tmp_path / "ckpt").exists()
 

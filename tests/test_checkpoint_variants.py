@@ -123,6 +123,26 @@ def test_a_tokenizer_that_cannot_load_is_refused_before_the_graph(tiny, tmp_path
         build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("not JSON", "Expecting property name"),
+    ("an eos id, not a token", "eos_token has to be either str or AddedToken"),
+    ("model_max_length a string", "not supported between"),
+    ("chat_template a number", r"chat_template \(tokenizer_config.json\) is 5, neither a Jinja string nor a list of named templates"),
+])
+def test_tokenizer_files_an_engine_could_not_use_are_refused_at_build(tiny, tmp_path, damage, message):
+    """Such an engine built and then failed on every run (or answered "rebuild the engine", which built it again)."""
+    model = copy_of(tiny, tmp_path)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    path = model / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config.update({"an eos id, not a token": {"eos_token": 7}, "model_max_length a string": {"model_max_length": "big"},
+                   "chat_template a number": {"chat_template": 5}}.get(damage, {}))
+    path.write_text("{nope" if damage == "not JSON" else json.dumps(config))
+    with pytest.raises(CheckpointError, match=message) as info:
+        build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=64))
+    assert "tokenizer_config.json" in str(info.value) and not (tmp_path / "engine").exists()
+
+
 def test_a_tied_head_stored_differently_is_refused(tmp_path):
     model = make_tiny_model("llama3-rope", tmp_path / "hf")  # tie_word_embeddings: true
     [weights] = model.glob("*.safetensors")

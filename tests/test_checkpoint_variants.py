@@ -127,7 +127,8 @@ def test_a_tokenizer_that_cannot_load_is_refused_before_the_graph(tiny, tmp_path
     ("not JSON", "Expecting property name"),
     ("an eos id, not a token", "eos_token has to be either str or AddedToken"),
     ("model_max_length a string", "not supported between"),
-    ("chat_template a number", r"chat_template \(tokenizer_config.json\) is 5, neither a Jinja string nor a list of named templates"),
+    ("chat_template a number", r"chat_template \(tokenizer_config.json\) is 5, neither a Jinja string nor a list of "
+                               "named templates"),
 ])
 def test_tokenizer_files_an_engine_could_not_use_are_refused_at_build(tiny, tmp_path, damage, message):
     """Such an engine built and then failed on every run (or answered "rebuild the engine", which built it again)."""

@@ -464,7 +464,80 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def test_a_stop_lets_text_model_requests_in_flight_finish(tmp_path):
+@pytest.fixture(scope="module")
+def long_engine(tmp_path_factory) -> Path:
+    """Requests of 4000 tokens: still running when a stop's exit timeout comes."""
+    root = tmp_path_factory.mktemp("triton_long")
+    model = make_tiny_model("llama", root / "hf", max_position_embeddings=4096)
+    build_engine(BuildConfig(model, root / "engine", max_seq_len=4096, max_batch_size=2))
+    return root / "engine"
+
+
+def test_a_serve_killed_while_requests_run_takes_its_tritonserver_with_it(long_engine, tmp_path):
+    """With nothing left to end the requests before Triton's exit timeout, Triton gave up on the models, crashed and
+    hung (with its stubs and shared memory) for good. The token model now takes the dead launcher's part."""
+    import os
+
+    import psutil
+    import tritonclient.grpc as grpcclient
+    from test_triton import Stream, tensors
+
+    from camshaft.triton_repo.server_exit import shm_regions
+
+    serve, ports, lines = start_serve(long_engine, env={**os.environ, "TMPDIR": str(tmp_path)})
+    triton, streams = [], []
+    try:
+        triton = [p for p in psutil.Process(serve.pid).children() if p.name() == "tritonserver"]
+        group = [p for p in psutil.process_iter() if _pgid(p.pid) == triton[0].pid]
+        long = dict(max_tokens=4000, min_tokens=4000, stream=True)
+        streams = [Stream(f"127.0.0.1:{ports[1]}").send("ensemble", tensors(grpcclient, text_input="hi", **long)),
+                   Stream(f"127.0.0.1:{ports[1]}").send("tensorrt_llm", tensors(
+                       grpcclient, input_ids=[5, 6], request_output_len=4000, end_id=-1, streaming=True))]
+        for stream in streams:
+            stream.responses.get(timeout=60)  # both running
+        regions = shm_regions(group)
+        serve.kill()
+        serve.wait()
+        gone, alive = psutil.wait_procs(group, timeout=60)
+        assert not alive, alive
+        assert regions and not [name for name in regions if Path("/dev/shm", name).exists()]
+    finally:
+        for stream in streams:
+            stream.close()
+        for process in triton:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_a_reload_of_the_token_model_is_refused_and_it_keeps_serving(engine, tmp_path):
+    """Reloading tensorrt_llm through Triton's model control made a second executor, whose channel the first one's
+    unload removed: the text models failed for good while the server said ready. Triton keeps a model whose reload
+    fails (its documented behaviour), so the reload is refused."""
+    import tritonclient.grpc as grpcclient
+    from test_triton import Stream, tensors
+    from tritonclient.utils import InferenceServerException
+
+    class Explicit(TritonServer):
+        def command(self) -> list[str]:
+            return [*super().command(), "--model-control-mode=explicit", "--load-model=*"]
+
+    server = Explicit(deploy_repository(engine, tmp_path / "repo")).start()
+    try:
+        control = grpcclient.InferenceServerClient(server.endpoints.grpc)  # an HTTP load's connection is inherited
+        config = control.get_model_config("tensorrt_llm", as_json=True)["config"]  # by its stubs: it holds the exit
+        with pytest.raises(InferenceServerException, match="tensorrt_llm is loaded in this tritonserver already"):
+            control.load_model("tensorrt_llm", config=json.dumps(config))
+        control.close()
+        outputs, error, _ = Stream(server.endpoints.grpc).run("ensemble", tensors(
+            grpcclient, text_input="hello", max_tokens=4))
+        assert error is None and outputs
+        metrics = requests.get(server.endpoints.metrics_url, timeout=30).text
+        assert "camshaft_requests_total" in metrics
+    finally:
+        server.stop()  # after any model's failed reload, Triton 2.51's stop waits out its exit timeout (exit code 1)
+
+
+def test_a_stop_lets_text_model_requests_in_flight_finish(long_engine, tmp_path):
     """SIGTERM while a text-model request streams over gRPC: Triton unloads the token model as soon as its own
     requests are done, but the text model's request (which reaches it over the channel) still finishes, every token,
     without an error."""
@@ -473,9 +546,7 @@ def test_a_stop_lets_text_model_requests_in_flight_finish(tmp_path):
 
     from camshaft.triton_repo.server import TritonServer
 
-    model = make_tiny_model("llama", tmp_path / "hf", max_position_embeddings=4096)
-    build_engine(BuildConfig(model, tmp_path / "engine", max_seq_len=4096, max_batch_size=2))
-    with TritonServer(deploy_repository(tmp_path / "engine", tmp_path / "repo"), exit_timeout_s=60) as server:
+    with TritonServer(deploy_repository(long_engine, tmp_path / "repo"), exit_timeout_s=60) as server:
         stream = Stream(server.endpoints.grpc).send("ensemble", tensors(
             grpcclient, text_input="hello", max_tokens=4000, min_tokens=4000, stream=True,
             return_num_output_tokens=True))

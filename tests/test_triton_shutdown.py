@@ -10,8 +10,12 @@ import sys
 import threading
 import time
 
+import pytest
+
+from camshaft.errors import CamshaftError
 from camshaft.triton_repo import shutdown
-from camshaft.triton_repo.channel import ChannelServer
+from camshaft.triton_repo.channel import ChannelServer, refuse_second_instance
+from camshaft.triton_repo.server_exit import TRITON_EXIT_TIMEOUT_S, drain_s, exit_timeout_s
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
 
@@ -69,3 +73,38 @@ def test_the_drain_message_reaches_the_token_model(tmp_path, monkeypatch):
     finally:
         server.close()
     assert not shutdown.drain(12345)  # nothing listens any more
+
+
+@pytest.mark.parametrize("args, timeout", [(["--exit-timeout-secs=7"], 7.0), (["--exit-timeout-secs", "9"], 9.0),
+                                           ([], TRITON_EXIT_TIMEOUT_S), (["--exit-timeout-secs=x"], 30.0)])
+def test_the_token_model_reads_the_servers_exit_timeout_from_its_command_line(args, timeout):
+    """A stopping server gives up on its models at its exit timeout (and crashes with them loaded): the token model
+    ends the requests still running before then, however the server was started."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)", *args],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "up\n"
+        assert exit_timeout_s(process.pid) == timeout and drain_s(process.pid) == timeout - 3.0
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_second_token_model_instance_is_refused_while_one_listens(tmp_path):
+    """A reload through Triton's model control made a second instance whose channel the first one's unload then
+    removed: every text request failed while the server said ready. Refused, Triton keeps the loaded one."""
+    import socket
+
+    path = tmp_path / "channel" / "tensorrt_llm.sock"
+    refuse_second_instance(path, "tensorrt_llm")  # none yet
+    channel = ChannelServer(path, submit=lambda send, calls: [], abort=lambda rid: None)
+    try:
+        with pytest.raises(CamshaftError, match="tensorrt_llm is loaded in this tritonserver already"):
+            refuse_second_instance(path, "tensorrt_llm")
+    finally:
+        channel.close()
+    path.parent.mkdir(mode=0o700)  # the last channel's close removed it
+    left = socket.socket(socket.AF_UNIX)
+    left.bind(str(path))  # a socket file a dead stub left: no one listens
+    left.close()
+    refuse_second_instance(path, "tensorrt_llm")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
-from camshaft.errors import ServerClosedError
+from camshaft.errors import CamshaftError, ServerClosedError
 from camshaft.triton_repo.protocol import token_error_status
 
 Send = Callable[[tuple], None]
@@ -137,6 +137,18 @@ class ChannelServer:
         for connection in self.connections:
             connection.close()
         remove_socket(self.path)
+
+
+def refuse_second_instance(path: Path, model: str) -> None:
+    """A token model already listening on this server's channel holds the engine's executor: a second instance (a
+    reload through Triton's model control, an instance_group count above 1) is refused, and Triton keeps serving the
+    one loaded. A socket no one listens on (its stub died) is replaced."""
+    try:
+        Client(str(path), family="AF_UNIX").close()
+    except OSError:
+        return
+    raise CamshaftError(f"{model} is loaded in this tritonserver already, and it holds the engine's executor: it "
+                        "cannot run twice or be reloaded in place; unload it first (or restart the server)")
 
 
 def remove_socket(path: Path) -> None:

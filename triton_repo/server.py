@@ -32,8 +32,8 @@ from camshaft.triton_repo.launch import (
     stop_with,
     tritonserver_root,
 )
+from camshaft.triton_repo.server_exit import LAUNCHER_ENV, group, shm_regions
 
-SHM_PREFIX = "triton_python_backend_shm_region_"
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
 class TritonServer:
     """`with TritonServer(repo) as server:` starts tritonserver on loopback and waits until it is ready."""
@@ -76,7 +76,8 @@ class TritonServer:
             check_port(e.host, port)
         with open(self.log_file, "ab") as log:
             # its own process group, which the stubs join: stop() can end them even after Triton itself died
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+            env = {**server_env(), LAUNCHER_ENV: str(os.getpid())}  # its token model takes our part if we die
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                             stdin=subprocess.DEVNULL, process_group=0,
                                             preexec_fn=stop_with(os.getpid()))
         try:
@@ -149,8 +150,8 @@ class TritonServer:
             self.process.kill()
             code = self.process.wait()
         # stubs left behind: Triton gave up unloading ("Exiting immediately"), or died before stop() was called
-        left = _group(self.process.pid)
-        self._shm |= _shm_of(left)
+        left = group(self.process.pid)
+        self._shm |= shm_regions(left)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         psutil.wait_procs(left, timeout=10)  # SIGKILL is delivered, not yet acted on, when killpg returns
@@ -179,28 +180,10 @@ class TritonServer:
     def _shm_regions(self) -> set[str]:
         if self.process is None or self.process.poll() is not None:
             return set()
-        return _shm_of(_group(self.process.pid))  # tritonserver and its stubs share its process group
+        return shm_regions(group(self.process.pid))  # tritonserver and its stubs share its process group
 
     def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _group(pgid: int) -> list[psutil.Process]:
-    """The live processes of process group `pgid` (Triton's stubs, also once Triton itself has exited)."""
-    members = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(proc.pid) == pgid:
-                members.append(proc)
-    return members
-
-
-def _shm_of(processes: list[psutil.Process]) -> set[str]:
-    names: set[str] = set()
-    for proc in processes:
-        with contextlib.suppress(psutil.Error):
-            names |= {Path(m.path).name for m in proc.memory_maps() if SHM_PREFIX in m.path}
-    return names

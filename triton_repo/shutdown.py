@@ -15,9 +15,8 @@ import psutil
 from camshaft.errors import CamshaftError
 from camshaft.triton_repo.channel import channel_path
 from camshaft.triton_repo.deploy import TOKEN_MODEL
+from camshaft.triton_repo.server_exit import DRAIN_BEFORE_S, KILL_AFTER_S
 
-DRAIN_BEFORE_S = 3.0  # before Triton's exit timeout: requests still running are ended
-KILL_AFTER_S = 15.0  # after it: a tritonserver still running is killed
 GAVE_UP_S = 2.0  # after Triton said it gave up ("Exiting immediately"): killed if still running
 
 

@@ -20,7 +20,7 @@ from camshaft.errors import RequestError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.llm_options import check_serves_full_length
 from camshaft.runtime.outputs import RequestOutput
-from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
+from camshaft.triton_repo.channel import ChannelServer, Send, channel_path, refuse_second_instance
 from camshaft.triton_repo.channel_calls import ChannelCall
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.parameters import TOKEN_MODEL_PARAMETERS, check_model_parameters, check_parameters
@@ -33,6 +33,7 @@ from camshaft.triton_repo.protocol import (
     one,
     token_request,
 )
+from camshaft.triton_repo.server_exit import drain_s, watch_launcher
 from camshaft.triton_repo.tensors import TOKEN_INPUTS
 from camshaft.triton_repo.token_jobs import (
     CANCEL_CHECK_S,
@@ -44,12 +45,11 @@ from camshaft.triton_repo.token_jobs import (
     response,
 )
 
-DRAIN_S = 60.0  # at unload, the longest the text models' requests in flight may take to finish
-
 
 class TokenModel:
     def __init__(self, args: dict, params: dict[str, str]) -> None:
         check_model_parameters(args["model_name"], params, TOKEN_MODEL_PARAMETERS)
+        refuse_second_instance(channel_path(args["model_name"]), args["model_name"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
         try:
@@ -67,6 +67,7 @@ class TokenModel:
         self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort,
                                      lambda: self.metrics.count("camshaft_requests_refused_total"),
                                      drain=self.llm.close)  # each request in flight gets a final error response
+        watch_launcher(self.llm.close)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -254,8 +255,8 @@ class TokenModel:
 
     def finalize(self) -> None:
         # Triton unloads this model once its own requests are done, but the text models' requests reach it over the
-        # channel: let them finish (Triton's exit timeout still bounds the whole shutdown)
-        deadline = time.monotonic() + DRAIN_S
+        # channel: they may finish until shortly before the server's exit timeout, then end with an error response
+        deadline = time.monotonic() + drain_s()
         while time.monotonic() < deadline and self.llm.alive and (self._in_flight() or self.channel.in_flight()):
             time.sleep(0.05)
         self.channel.close()

@@ -123,7 +123,8 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads(f, arch, heads, source),
-        head_dim=f.get("head_dim", "int", None, least=1) or HEAD_DIMS.get(arch) or split_heads(hidden, heads, source),
+        head_dim=f.get("head_dim", "int", None, least=1) or HEAD_DIMS.get(arch) or split_heads(hidden, heads, arch,
+                                                                                                  source),
         rms_norm_eps=f.get("rms_norm_eps", "number", 1e-5 if arch in ("phi3", "olmo2", "mixtral", "olmoe") else 1e-6,
                            least=0),
         max_position_embeddings=positions,
@@ -145,9 +146,10 @@ def model_fields(hf: dict[str, Any], gen: dict[str, Any], source: str) -> dict[s
         dict(qk_norm_per_head=False) if arch == "olmoe" else {}) | (moe_fields(f, layers, arch) if arch in MOES else {})
 
 
-def split_heads(hidden: int, heads: int, source: str) -> int:
-    """head_dim where config.json gives none: hidden_size // num_attention_heads, as transformers takes it."""
-    if hidden % heads:
+def split_heads(hidden: int, heads: int, arch: str, source: str) -> int:
+    """head_dim where config.json gives none: hidden_size // num_attention_heads, as transformers takes it (its
+    Llama config refuses a hidden_size that is no multiple of the heads; the others round down)."""
+    if hidden % heads and arch == "llama":
         raise CheckpointError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and "
                               "no head_dim is given; restore them from the original checkpoint")
     return hidden // heads

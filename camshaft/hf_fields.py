@@ -13,6 +13,13 @@ _REQUIRED = object()
 _KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past any float
+        return False
+
+
 def _shown(bound: float) -> str:
     return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
@@ -37,7 +44,7 @@ class Fields:
         if kind == "int" and isinstance(value, float) and value.is_integer():
             value = int(value)
         ok = {"int": is_int(value), "bool": isinstance(value, bool),
-              "number": isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)}[kind]
+              "number": isinstance(value, int | float) and not isinstance(value, bool) and _finite(value)}[kind]
         if not ok or (least is not None and value < least) or (most is not None and value > most):
             bound = ("" if least is None else f" >= {least:g}") + ("" if most is None else f" and <= {_shown(most)}")
             raise CheckpointError(f"{self.source}: {key} must be {_KINDS[kind]}{bound}, not {value!r:.40}; restore "

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from camshaft.errors import CheckpointError, RequestError, needs_extra
-from camshaft.float_model import load_float_model
+from camshaft.errors import RequestError, needs_extra
+from camshaft.float_model import load_float_model, transformers_tokenizer
 from camshaft.manifest import MANIFEST_NAME
 from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig, require_tokenizer, unreadable_quantization
 from camshaft.runtime.batch import Chunk
@@ -167,16 +167,12 @@ def reference_perplexity(model_dir: str | Path, text: str, window: int,
     check_reference_model(model_dir)
     try:
         import torch
-        import transformers
+        import transformers  # noqa: F401  (the reference extra: said before loading anything)
     except ImportError as exc:
         raise RequestError(needs_extra(f"the transformers reference ({exc.name} is not installed)", "reference")) \
             from exc
     path = Path(model_dir)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"--model {path}: transformers cannot load its tokenizer: {str(exc).strip()[:400]}") \
-            from exc
+    tokenizer = transformers_tokenizer(path, f"--model {path}")
     model = load_float_model(path, f"--model {path}", "score")
     ids = tokenizer(text, verbose=False)["input_ids"]
     check_vocab(ids, model.config.vocab_size, "--model")

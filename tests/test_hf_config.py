@@ -206,6 +206,16 @@ def test_head_dim_defaults_as_transformers_does(configs):
     for name, config_class in (("qwen3-qknorm", transformers.Qwen3Config), ("llama", transformers.LlamaConfig)):
         hf = edited(configs[name], head_dim=...)
         assert ModelConfig.from_hf(hf).head_dim == config_class(**hf).head_dim
+    odd = edited(configs["qwen2-bias"], hidden_size=130, head_dim=...)  # Qwen2 rounds down; only Llama refuses it
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**odd))
+    assert ModelConfig.from_hf(odd).head_dim == model.model.layers[0].self_attn.head_dim == 32
+    with pytest.raises(Exception, match=r"hidden size \(66\) is not a multiple of the number of attention heads"):
+        transformers.LlamaConfig(**edited(configs["llama"], hidden_size=66, head_dim=...))
+
+
+def test_a_number_past_any_float_is_a_clear_error(configs):
+    with pytest.raises(CheckpointError, match="rms_norm_eps must be a finite number"):
+        ModelConfig.from_hf(edited(configs["llama"], rms_norm_eps=10**400))
 
 
 def test_an_unsupported_class_is_not_rescued_by_model_type(configs):

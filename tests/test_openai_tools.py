@@ -131,6 +131,7 @@ def test_required_calls_take_parameters_with_definitions(client, served):
     body = {"model": MODEL, "messages": MESSAGES, "tools": [*tools, other], "tool_choice": "required"}
     refused = httpx.post(f"{served[0]}/v1/chat/completions", json=body)
     assert refused.status_code == 400 and "define $defs/Unit unlike another" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "tools"
 
 
 def test_required_calls_keep_a_schemas_references_to_itself(served):

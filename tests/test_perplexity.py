@@ -163,6 +163,13 @@ def broken_copy(model, out, case: str):
         (out / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
     elif case == "pickle weights":
         weights.rename(out / "pytorch_model.bin")
+    elif case == "integer epsilon":  # camshaft builds it; transformers' Llama config refuses it
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 0}))
+    elif case == "not finite":
+        tensors = load_file(weights)
+        tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = float("inf")
+        save_file(tensors, weights)
     return out
 
 
@@ -171,6 +178,8 @@ def broken_copy(model, out, case: str):
     ("truncated weights", "broken/model.safetensors is not a readable safetensors file"),
     ("unsupported architecture", "architecture ['GPT2LMHeadModel'] is not supported"),
     ("pickle weights", "holds only pickle weights"),
+    ("integer epsilon", "transformers cannot read its config.json"),
+    ("not finite", "tensor 'model.layers.0.mlp.up_proj.weight' holds NaN or infinite values"),
 ])
 def test_a_broken_reference_checkpoint_is_refused_not_scored(tiny, tmp_path, capsys, case, expected):
     """transformers fills a missing tensor with random values (and only logs it), and loads pickles: the reference

@@ -14,7 +14,7 @@ _FIELDS = {"max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
            "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "logprobs", "n", "top_logprobs",
            "stream_options", "max_completion_tokens", "prompt", "logit_bias", "bad_words", "use_beam_search",
            "prompt_logprobs", "guided_whitespace_pattern", "best_of", "suffix", "tool_choice", "response_format",
-           "structured_outputs", "documents", "add_special_tokens"}
+           "structured_outputs", "documents", "add_special_tokens", "tools"}
 
 
 class APIError(Exception):
@@ -38,7 +38,7 @@ def from_exception(exc: Exception) -> APIError:
     if isinstance(exc, CapacityError):
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, RequestError):
-        first = str(exc).split(" ", 1)[0]
+        first = str(exc).split(" ", 1)[0].rstrip(":")
         return APIError(400, str(exc), param=first if first in _FIELDS else None)
     if isinstance(exc, EngineError):  # the engine's files (a chat template that does not parse): the server's fault
         return APIError(500, str(exc), type="server_error")
@@ -73,7 +73,8 @@ def install(app: FastAPI, metrics: Metrics) -> None:
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         kind = request.headers.get("content-type", "").split(";")[0].strip()
-        if request.method == "POST" and "json" not in kind:  # FastAPI reads such a body as no JSON
+        unread = any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors())  # the body as a whole
+        if request.method == "POST" and "json" not in kind and unread:  # FastAPI reads such a body as no JSON
             sent = f"this request's: {kind}" if kind else "this request sent none"
             message = (f"the request body is read as JSON only with the header Content-Type: application/json "
                        f"({sent}); {message}")

@@ -109,9 +109,9 @@ def _hoist_defs(parameters: dict[str, Any], name: str, shared: dict[str, dict[st
         into = shared.setdefault(key, {})
         for def_name, definition in defs.items():
             if into.setdefault(def_name, definition) != definition:
-                raise RequestError(f"tool_choice required: function {name}'s parameters define {key}/{def_name} "
-                                   "unlike another function's (or as it, but referring to its own parameters with "
-                                   '"#..."); rename one of them')
+                raise RequestError(f"tools: function {name}'s parameters define {key}/{def_name} unlike another "
+                                   "function's (or as it, but referring to its own parameters with \"#...\"), which "
+                                   'tool_choice "required" cannot tell apart; rename one of them')
     return kept
 
 

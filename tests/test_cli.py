@@ -414,8 +414,10 @@ def test_output_on_a_closed_or_latin1_stdout_is_one_line_or_replaced(engine, tmp
     encoding cannot show a character (a Latin-1 locale and an emoji) gave a traceback and lost the reply."""
     for command in (["run", "--engine", engine, "--prompt", "hi", "--max-tokens", "3", "--stream"],
                     ["inspect", "--engine", engine], ["models", "list"]):
-        done = subprocess.run([*CLI, *map(str, command)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, preexec_fn=lambda: os.close(1))
+        # the shell closes it: a preexec_fn runs in a fork of this process, where a library loaded by another test
+        # (gRPC) may write to stderr between fork and exec
+        done = subprocess.run(["bash", "-c", 'exec "$@" >&-', "bash", *CLI, *map(str, command)],
+                              stderr=subprocess.PIPE, text=True)
         assert done.returncode == 1 and done.stderr.strip() == (
             "error: stdout is closed (>&-), so the output would be lost; redirect it (> FILE, or > /dev/null to "
             "drop it)"), done.stderr
@@ -466,8 +468,10 @@ def test_a_benchmark_with_stdout_closed_and_no_json_is_refused_before_it_runs(en
                      "synthetic:in=5,out=2"],
                     ["bench", "serve", "--target", f"a={engine},backend=llm", "--num-requests", "1", "--dataset",
                      "synthetic:in=5,out=2"]):
-        done = subprocess.run([*CLI, *map(str, command)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, preexec_fn=lambda: os.close(1))
+        # the shell closes it: a preexec_fn runs in a fork of this process, where a library loaded by another test
+        # (gRPC) may write to stderr between fork and exec
+        done = subprocess.run(["bash", "-c", 'exec "$@" >&-', "bash", *CLI, *map(str, command)],
+                              stderr=subprocess.PIPE, text=True)
         assert done.returncode == 1 and done.stderr.strip() == (
             "error: stdout is closed (>&-), so the results would be lost; redirect it (> FILE) or give "
             "--output-json FILE"), done.stderr

@@ -476,9 +476,9 @@ def test_a_benchmark_with_stdout_closed_and_no_json_is_refused_before_it_runs(en
             "error: stdout is closed (>&-), so the results would be lost; redirect it (> FILE) or give "
             "--output-json FILE"), done.stderr
     kept = tmp_path / "latency.json"  # the JSON keeps them
-    done = subprocess.run([*CLI, "bench", "latency", "--engine", str(engine), "--repeats", "1", "--max-tokens", "2",
-                           "--prompt-len", "8", "--output-json", str(kept)], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
+    done = subprocess.run(["bash", "-c", 'exec "$@" >&-', "bash", *CLI, "bench", "latency", "--engine", str(engine),
+                           "--repeats", "1", "--max-tokens", "2", "--prompt-len", "8", "--output-json", str(kept)],
+                          stderr=subprocess.PIPE, text=True)
     assert done.returncode == 0 and json.loads(kept.read_text())["repeats"] == 1, done.stderr
 
 

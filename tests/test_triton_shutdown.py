@@ -14,7 +14,8 @@ import pytest
 
 from camshaft.errors import CamshaftError
 from camshaft.triton_repo import shutdown
-from camshaft.triton_repo.channel import ChannelServer, refuse_second_instance
+from camshaft.triton_repo.channel import ChannelServer
+from camshaft.triton_repo.instance_lock import InstanceLock
 from camshaft.triton_repo.server_exit import TRITON_EXIT_TIMEOUT_S, drain_s, exit_timeout_s
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
@@ -76,7 +77,9 @@ def test_the_drain_message_reaches_the_token_model(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("args, timeout", [(["--exit-timeout-secs=7"], 7.0), (["--exit-timeout-secs", "9"], 9.0),
-                                           ([], TRITON_EXIT_TIMEOUT_S), (["--exit-timeout-secs=x"], 30.0)])
+                                           ([], TRITON_EXIT_TIMEOUT_S), (["--exit-timeout-secs=x"], 30.0),
+                                           (["--exit-timeout-secs=40", "--exit-timeout-secs=7"], 7.0),  # the last
+                                           (["--exit-timeout=6"], 6.0), (["--exit-on-error=true"], 30.0)])  # getopt
 def test_the_token_model_reads_the_servers_exit_timeout_from_its_command_line(args, timeout):
     """A stopping server gives up on its models at its exit timeout (and crashes with them loaded): the token model
     ends the requests still running before then, however the server was started."""
@@ -90,21 +93,26 @@ def test_the_token_model_reads_the_servers_exit_timeout_from_its_command_line(ar
         process.wait()
 
 
-def test_a_second_token_model_instance_is_refused_while_one_listens(tmp_path):
+def test_one_token_model_instance_per_server(tmp_path):
     """A reload through Triton's model control made a second instance whose channel the first one's unload then
-    removed: every text request failed while the server said ready. Refused, Triton keeps the loaded one."""
-    import socket
-
+    removed (every text request failed while the server said ready), and two instances of an instance_group started
+    together: refused while one serves (Triton keeps it); while one drains (unload, then load) the next waits."""
     path = tmp_path / "channel" / "tensorrt_llm.sock"
-    refuse_second_instance(path, "tensorrt_llm")  # none yet
-    channel = ChannelServer(path, submit=lambda send, calls: [], abort=lambda rid: None)
-    try:
-        with pytest.raises(CamshaftError, match="tensorrt_llm is loaded in this tritonserver already"):
-            refuse_second_instance(path, "tensorrt_llm")
-    finally:
-        channel.close()
-    path.parent.mkdir(mode=0o700)  # the last channel's close removed it
-    left = socket.socket(socket.AF_UNIX)
-    left.bind(str(path))  # a socket file a dead stub left: no one listens
-    left.close()
-    refuse_second_instance(path, "tensorrt_llm")
+    first = InstanceLock(path, "tensorrt_llm", wait_s=5)
+    with pytest.raises(CamshaftError, match="tensorrt_llm is loaded in this tritonserver already"):
+        InstanceLock(path, "tensorrt_llm", wait_s=5)
+    first.draining()
+    with pytest.raises(CamshaftError, match="last instance is still unloading"):
+        InstanceLock(path, "tensorrt_llm", wait_s=0.3)
+    taken = []
+    waiter = threading.Thread(target=lambda: taken.append(InstanceLock(path, "tensorrt_llm", wait_s=10)))
+    waiter.start()
+    time.sleep(0.5)
+    assert not taken
+    first.release()
+    waiter.join(10)
+    assert taken  # the file the first one held was unlinked: the waiter took a new one
+    with pytest.raises(CamshaftError, match="loaded in this tritonserver already"):
+        InstanceLock(path, "tensorrt_llm", wait_s=5)
+    taken[0].release()
+    assert not path.parent.exists()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
-from camshaft.errors import CamshaftError, ServerClosedError
+from camshaft.errors import ServerClosedError
 from camshaft.triton_repo.protocol import token_error_status
 
 Send = Callable[[tuple], None]
@@ -49,11 +49,7 @@ class ChannelServer:
     def __init__(self, path: Path, submit: Callable[[Send, list[tuple[str, dict]]], list[list[str]]],
                  abort: Callable[[str], None], refused: Callable[[], None] = lambda: None,
                  drain: Callable[[], None] = lambda: None) -> None:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        info = path.parent.stat()
-        if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise ServerClosedError(f"{path.parent} must belong to this user with mode 0700 (it holds the socket "
-                                    "to the executor); remove it and restart the server")
+        private_dir(path.parent)
         path.unlink(missing_ok=True)
         self.path, self.submit, self.abort, self.refused, self.drain = path, submit, abort, refused, drain
         self.listener = Listener(str(path), family="AF_UNIX")
@@ -139,16 +135,13 @@ class ChannelServer:
         remove_socket(self.path)
 
 
-def refuse_second_instance(path: Path, model: str) -> None:
-    """A token model already listening on this server's channel holds the engine's executor: a second instance (a
-    reload through Triton's model control, an instance_group count above 1) is refused, and Triton keeps serving the
-    one loaded. A socket no one listens on (its stub died) is replaced."""
-    try:
-        Client(str(path), family="AF_UNIX").close()
-    except OSError:
-        return
-    raise CamshaftError(f"{model} is loaded in this tritonserver already, and it holds the engine's executor: it "
-                        "cannot run twice or be reloaded in place; unload it first (or restart the server)")
+def private_dir(path: Path) -> None:
+    """The channel's directory, made or checked as this user's alone (it holds the socket to the executor)."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ServerClosedError(f"{path} must belong to this user with mode 0700 (it holds the socket to the "
+                                "executor); remove it and restart the server")
 
 
 def remove_socket(path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -20,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from camshaft.errors import CamshaftError
-from camshaft.triton_repo.channel import channel_path, remove_socket
+from camshaft.triton_repo.channel import channel_path
 from camshaft.triton_repo.deploy import TOKEN_MODEL, check_path
 from camshaft.triton_repo.launch import (
     Endpoints,
@@ -158,7 +159,7 @@ class TritonServer:
         self.leaked_shm = sorted(name for name in self._shm if Path("/dev/shm", name).exists())
         for name in self.leaked_shm:  # only regions our server's processes mapped; a clean exit leaves none
             Path("/dev/shm", name).unlink(missing_ok=True)
-        remove_socket(channel_path(TOKEN_MODEL, self.process.pid))  # the token model's, unless it never finalized
+        shutil.rmtree(channel_path(TOKEN_MODEL, self.process.pid).parent, ignore_errors=True)  # unless finalized
         self._tmp.cleanup()
         return code
 

@@ -1,14 +1,15 @@
 """A tritonserver's end, as its token model sees it. Triton waits up to its exit timeout for every model to unload and
 then exits with them loaded, which crashes and may leave it hung with its stubs; so the token model ends the requests
 still in flight shortly before that timeout. When the process that launched the server dies (`camshaft serve`
-killed outright: the kernel sends tritonserver SIGTERM), the token model takes the launcher's part: it ends the
-requests in time and kills the server if it still overstays."""
+killed outright: the kernel sends tritonserver SIGTERM), the models take the launcher's part: the token model ends
+the requests in time, and the last stub left kills the server if it still overstays."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import select
+import shutil
 import signal
 import threading
 import time
@@ -25,16 +26,18 @@ LAUNCHER_ENV = "CAMSHAFT_TRITON_LAUNCHER"  # the pid of the process that started
 
 
 def exit_timeout_s(server_pid: int | None = None) -> float:
-    """The server's --exit-timeout-secs, read from its command line (this stub's parent's by default)."""
+    """The server's --exit-timeout-secs as tritonserver reads its command line (this stub's parent's by default):
+    the last one given wins, and getopt takes a prefix of the name (--exit-timeout=5)."""
+    found = TRITON_EXIT_TIMEOUT_S
     with contextlib.suppress(OSError):
         args = Path(f"/proc/{server_pid or os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
         for i, arg in enumerate(args):
-            value = arg.partition("=")[2] if arg.startswith("--exit-timeout-secs=") else (
-                args[i + 1] if arg == "--exit-timeout-secs" and i + 1 < len(args) else None)
-            if value is not None:
+            name, equals, value = arg.partition("=")
+            if len(name) >= len("--exit-t") and "--exit-timeout-secs".startswith(name):
+                value = value if equals else (args[i + 1] if i + 1 < len(args) else "")
                 with contextlib.suppress(ValueError):
-                    return max(0.0, float(value))
-    return TRITON_EXIT_TIMEOUT_S
+                    found = max(0.0, float(value))
+    return found
 
 
 def drain_s(server_pid: int | None = None) -> float:
@@ -42,30 +45,35 @@ def drain_s(server_pid: int | None = None) -> float:
     return max(0.0, exit_timeout_s(server_pid) - DRAIN_BEFORE_S)
 
 
-def watch_launcher(end_requests: Callable[[], None]) -> None:
-    """When the launcher named in the environment dies, end the requests in flight before the exit timeout and
-    kill the server (its process group: it and its stubs) if it is still running well after it."""
-    pid = os.environ.get(LAUNCHER_ENV, "")
-    if not pid.isdigit():
+def _parent_of(pid: int) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    return None
+
+
+def watch_launcher(end_requests: Callable[[], None], channel_dir: Path) -> None:
+    """When the process that started this tritonserver (TritonServer: named in the environment, and the server's
+    parent) dies, end the requests in flight before the exit timeout and kill the server (its process group: it and
+    its stubs) if it is still running well after it. Every model's stub watches: the last one left does it."""
+    launcher, server = os.environ.get(LAUNCHER_ENV, ""), os.getppid()
+    if not launcher.isdigit() or _parent_of(server) != int(launcher):  # not started by TritonServer, or long ago
         return
-    server = os.getppid()
+    try:
+        fd = os.pidfd_open(int(launcher))
+    except OSError:
+        return
 
     def watch() -> None:
-        try:
-            fd = os.pidfd_open(int(pid))
-        except OSError:  # gone already
-            fd = None
-        if fd is not None:
-            select.select([fd], [], [])
-            os.close(fd)
-        timeout = exit_timeout_s(server)
-        time.sleep(max(0.0, timeout - DRAIN_BEFORE_S))
+        select.select([fd], [], [])
+        os.close(fd)
+        time.sleep(drain_s(server))
         end_requests()
         time.sleep(DRAIN_BEFORE_S + KILL_AFTER_S)
         # still there (a client's open gRPC stream keeps a model loaded): its group, which TritonServer made its own
         if os.getppid() == server and os.getpgid(server) == server:
             for name in shm_regions(group(server)):  # unlinked first: the mappings last until the processes end
                 Path("/dev/shm", name).unlink(missing_ok=True)
+            shutil.rmtree(channel_dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 os.killpg(server, signal.SIGKILL)
 

@@ -28,6 +28,7 @@ from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
 from camshaft.triton_repo.parameters import TEXT_MODEL_PARAMETERS, check_model_parameters, check_parameters
 from camshaft.triton_repo.protocol import one, split_rows
+from camshaft.triton_repo.server_exit import watch_launcher
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN, TOKEN_TO_TEXT, renamed
 from camshaft.triton_repo.text_calls import TextCall, text_response
 from camshaft.triton_repo.token_jobs import CANCEL_CHECK_S, error_response, perf_tensors, tensor
@@ -51,6 +52,7 @@ class TextModel:
         self.calls: dict[str, TextCall] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.channel = ChannelClient(channel_path(params["token_model"]), lambda message: self.inbox.put(message))
+        watch_launcher(lambda: None, channel_path(params["token_model"]).parent)  # an open stream may keep it last
         self.owner = threading.Thread(target=self._own, name="camshaft-text-owner", daemon=True)
         self.owner.start()
 

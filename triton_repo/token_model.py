@@ -20,8 +20,9 @@ from camshaft.errors import RequestError
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.llm_options import check_serves_full_length
 from camshaft.runtime.outputs import RequestOutput
-from camshaft.triton_repo.channel import ChannelServer, Send, channel_path, refuse_second_instance
+from camshaft.triton_repo.channel import ChannelServer, Send, channel_path
 from camshaft.triton_repo.channel_calls import ChannelCall
+from camshaft.triton_repo.instance_lock import InstanceLock
 from camshaft.triton_repo.metrics import Metrics
 from camshaft.triton_repo.parameters import TOKEN_MODEL_PARAMETERS, check_model_parameters, check_parameters
 from camshaft.triton_repo.protocol import (
@@ -49,13 +50,18 @@ from camshaft.triton_repo.token_jobs import (
 class TokenModel:
     def __init__(self, args: dict, params: dict[str, str]) -> None:
         check_model_parameters(args["model_name"], params, TOKEN_MODEL_PARAMETERS)
-        refuse_second_instance(channel_path(args["model_name"]), args["model_name"])
+        self.instance = InstanceLock(channel_path(args["model_name"]), args["model_name"], wait_s=drain_s() + 5)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
-        self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
+        try:
+            self.llm = LLM(params["engine_dir"], spin_wait=False, **json.loads(params.get("llm_options") or "{}"))
+        except BaseException:
+            self.instance.release()
+            raise
         try:
             check_serves_full_length(self.llm.engine.manifest, self.llm.config)  # a fraction's pool: known only now
         except BaseException:
             self.llm.close()
+            self.instance.release()
             raise
         self.exclude_default = params.get("exclude_input_in_output", "false") == "true"
         self.by_client_id: dict[str, Job] = {}
@@ -67,7 +73,7 @@ class TokenModel:
         self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort,
                                      lambda: self.metrics.count("camshaft_requests_refused_total"),
                                      drain=self.llm.close)  # each request in flight gets a final error response
-        watch_launcher(self.llm.close)
+        watch_launcher(self.llm.close, self.channel.path.parent)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -256,10 +262,12 @@ class TokenModel:
     def finalize(self) -> None:
         # Triton unloads this model once its own requests are done, but the text models' requests reach it over the
         # channel: they may finish until shortly before the server's exit timeout, then end with an error response
+        self.instance.draining()  # a next instance (unload, then load) waits for this one
         deadline = time.monotonic() + drain_s()
         while time.monotonic() < deadline and self.llm.alive and (self._in_flight() or self.channel.in_flight()):
             time.sleep(0.05)
         self.channel.close()
+        self.instance.release()
         self.llm.close()  # unfinished requests get an error output, which the responder still sends
         self.outputs.put(None)
         self.responder.join()

@@ -509,6 +509,40 @@ def test_a_serve_killed_while_requests_run_takes_its_tritonserver_with_it(long_e
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+def test_a_serve_killed_while_a_client_keeps_its_stream_open_takes_its_tritonserver_with_it(engine, tmp_path):
+    """A client's open gRPC stream keeps the text model it used loaded, after the token model (and its watch) has
+    unloaded: that model's stub kills the orphaned server once it overstays its exit timeout."""
+    import os
+
+    import psutil
+    import tritonclient.grpc as grpcclient
+    from test_triton import Stream, tensors
+
+    from camshaft.triton_repo.server_exit import shm_regions
+
+    serve, ports, lines = start_serve(engine, env={**os.environ, "TMPDIR": str(tmp_path)})
+    triton, stream = [], None
+    try:
+        triton = [p for p in psutil.Process(serve.pid).children() if p.name() == "tritonserver"]
+        group = [p for p in psutil.process_iter() if _pgid(p.pid) == triton[0].pid]
+        stream = Stream(f"127.0.0.1:{ports[1]}").send("ensemble", tensors(grpcclient, text_input="hi", max_tokens=2,
+                                                                           stream=True))
+        while not stream.responses.get(timeout=60)[0].get_response().parameters["triton_final_response"].bool_param:
+            pass
+        regions = shm_regions(group)
+        serve.kill()
+        serve.wait()
+        gone, alive = psutil.wait_procs(group, timeout=60)  # 10 s exit timeout, then 15 s
+        assert not alive, alive
+        assert regions and not [name for name in regions if Path("/dev/shm", name).exists()]
+    finally:
+        if stream is not None:
+            stream.close()
+        for process in triton:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
 def test_a_reload_of_the_token_model_is_refused_and_it_keeps_serving(engine, tmp_path):
     """Reloading tensorrt_llm through Triton's model control made a second executor, whose channel the first one's
     unload removed: the text models failed for good while the server said ready. Triton keeps a model whose reload

@@ -543,6 +543,21 @@ def test_a_serve_killed_while_a_client_keeps_its_stream_open_takes_its_tritonser
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+def test_a_server_started_from_a_worker_thread_outlives_it(engine, tmp_path):
+    """The kernel's SIGTERM on the starter's death (PR_SET_PDEATHSIG) comes when the starting thread ends: a server
+    started from a pool's thread stopped with it. Off the main thread, the models' watch of the process stands in."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    repo = deploy_repository(engine, tmp_path / "repo")
+    with ThreadPoolExecutor(1) as pool:
+        server = pool.submit(lambda: TritonServer(repo).start()).result()
+    try:
+        time.sleep(2)
+        assert server.is_ready() and server.process.poll() is None
+    finally:
+        server.stop()
+
+
 def test_a_reload_of_the_token_model_is_refused_and_it_keeps_serving(engine, tmp_path):
     """Reloading tensorrt_llm through Triton's model control made a second executor, whose channel the first one's
     unload removed: the text models failed for good while the server said ready. Triton keeps a model whose reload

@@ -36,8 +36,8 @@ class InstanceLock:
                 os.close(fd)
                 if state != DRAINING:
                     raise CamshaftError(f"{model} is loaded in this tritonserver already, and it holds the engine's "
-                                        "executor: it cannot run twice or be reloaded in place; unload it first "
-                                        "(or restart the server)") from None
+                                        "executor: it runs as one instance (instance_group count 1) and cannot be "
+                                        "reloaded in place; unload it first (or restart the server)") from None
                 if time.monotonic() > deadline:
                     raise CamshaftError(f"{model}'s last instance is still unloading (its requests end by the "
                                         "server's exit timeout); load it again once it has") from None

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,7 +34,7 @@ from camshaft.triton_repo.launch import (
     stop_with,
     tritonserver_root,
 )
-from camshaft.triton_repo.server_exit import LAUNCHER_ENV, group, shm_regions
+from camshaft.triton_repo.server_exit import LAUNCHER_ENV, TERM_SUFFIX, group, shm_regions
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
 class TritonServer:
@@ -77,10 +78,13 @@ class TritonServer:
             check_port(e.host, port)
         with open(self.log_file, "ab") as log:
             # its own process group, which the stubs join: stop() can end them even after Triton itself died
-            env = {**server_env(), LAUNCHER_ENV: str(os.getpid())}  # its token model takes our part if we die
+            # SIGTERM when we die; the kernel sends it when the starting thread ends, so from another thread (a pool's,
+            # which ends first) the models' watch of this process sends it; they also take our part once it is sent
+            main = threading.current_thread() is threading.main_thread()
+            env = {**server_env(), LAUNCHER_ENV: f"{os.getpid()}{'' if main else TERM_SUFFIX}"}
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                             stdin=subprocess.DEVNULL, process_group=0,
-                                            preexec_fn=stop_with(os.getpid()))
+                                            preexec_fn=stop_with(os.getpid()) if main else None)
         try:
             self.wait_ready()
         except BaseException:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import shutil
 import signal
@@ -22,7 +23,8 @@ SHM_PREFIX = "triton_python_backend_shm_region_"
 TRITON_EXIT_TIMEOUT_S = 30.0  # tritonserver's --exit-timeout-secs default
 DRAIN_BEFORE_S = 3.0  # before the exit timeout: requests still running are ended
 KILL_AFTER_S = 15.0  # after it: a tritonserver still running is killed
-LAUNCHER_ENV = "CAMSHAFT_TRITON_LAUNCHER"  # the pid of the process that started tritonserver (TritonServer)
+LAUNCHER_ENV = "CAMSHAFT_TRITON_LAUNCHER"  # the pid of the process that started tritonserver (TritonServer),
+TERM_SUFFIX = ":term"  # and this where the kernel does not send the server SIGTERM when it dies (PR_SET_PDEATHSIG)
 
 
 def exit_timeout_s(server_pid: int | None = None) -> float:
@@ -35,8 +37,8 @@ def exit_timeout_s(server_pid: int | None = None) -> float:
             name, equals, value = arg.partition("=")
             if len(name) >= len("--exit-t") and "--exit-timeout-secs".startswith(name):
                 value = value if equals else (args[i + 1] if i + 1 < len(args) else "")
-                with contextlib.suppress(ValueError):
-                    found = max(0.0, float(value))
+                if number := re.match(r"\s*[+-]?\d+", value):  # its leading integer, as std::stoi reads it ("4s")
+                    found = max(0.0, float(int(number.group())))
     return found
 
 
@@ -56,6 +58,8 @@ def watch_launcher(end_requests: Callable[[], None], channel_dir: Path) -> None:
     parent) dies, end the requests in flight before the exit timeout and kill the server (its process group: it and
     its stubs) if it is still running well after it. Every model's stub watches: the last one left does it."""
     launcher, server = os.environ.get(LAUNCHER_ENV, ""), os.getppid()
+    term = launcher.endswith(TERM_SUFFIX)
+    launcher = launcher.removesuffix(TERM_SUFFIX)
     if not launcher.isdigit() or _parent_of(server) != int(launcher):  # not started by TritonServer, or long ago
         return
     try:
@@ -66,6 +70,9 @@ def watch_launcher(end_requests: Callable[[], None], channel_dir: Path) -> None:
     def watch() -> None:
         select.select([fd], [], [])
         os.close(fd)
+        if term and os.getppid() == server:  # started off the main thread: stop it as the kernel would have
+            with contextlib.suppress(OSError):
+                os.kill(server, signal.SIGTERM)
         time.sleep(drain_s(server))
         end_requests()
         time.sleep(DRAIN_BEFORE_S + KILL_AFTER_S)

@@ -266,9 +266,9 @@ class TokenModel:
         deadline = time.monotonic() + drain_s()
         while time.monotonic() < deadline and self.llm.alive and (self._in_flight() or self.channel.in_flight()):
             time.sleep(0.05)
+        self.llm.close()  # unfinished requests get an error output, which the responder and the channel still send
         self.channel.close()
         self.instance.release()
-        self.llm.close()  # unfinished requests get an error output, which the responder still sends
         self.outputs.put(None)
         self.responder.join()
         self.metrics.close()

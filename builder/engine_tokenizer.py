@@ -37,8 +37,7 @@ def save_tokenizer(model_dir: Path, tok_dir: Path, vocab_size: int, progress: Pr
         AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False).save_pretrained(str(tok_dir))
     except Exception as exc:  # transformers raises many types for tokenizers it cannot load or convert
         if _plain_tokenizer_json(model_dir):  # e.g. a custom tokenizer class: its tokenizer.json (copied), as it is
-            check_vocab(tok_dir, vocab_size, progress)
-            check_engine_loads(model_dir, tok_dir)
+            check_engine_tokenizer(model_dir, tok_dir, vocab_size, progress)
             return
         hint = ""
         if not (model_dir / "tokenizer.json").is_file() and (model_dir / "tokenizer.model").is_file():
@@ -47,34 +46,28 @@ def save_tokenizer(model_dir: Path, tok_dir: Path, vocab_size: int, progress: Pr
         raise CheckpointError(f"the tokenizer in {model_dir} could not be loaded{hint}: {exc}") from exc
     if not (tok_dir / "tokenizer.json").is_file():
         raise CheckpointError(f"the tokenizer in {model_dir} has no fast (tokenizer.json) form")
-    check_vocab(tok_dir, vocab_size, progress)
-    check_engine_loads(model_dir, tok_dir)
+    check_engine_tokenizer(model_dir, tok_dir, vocab_size, progress)
 
 
-def check_engine_loads(model_dir: Path, tok_dir: Path) -> None:
-    """The engine's tokenizer loads and encodes as the runtime's will, and its chat template is text: a checkpoint's
-    tokenizer_config.json that transformers' own class got past was saved with the engine and failed every run."""
+def check_engine_tokenizer(model_dir: Path, tok_dir: Path, vocab_size: int, progress: Progress) -> None:
+    """The engine's tokenizer loads and encodes as the runtime's will (a checkpoint's tokenizer_config.json that
+    transformers' own class got past was saved with the engine and failed every run), its chat template is text, and
+    its vocabulary is the model's."""
     from transformers import PreTrainedTokenizerFast
 
-    fix = "fix its tokenizer files (tokenizer_config.json, special_tokens_map.json) or restore them from the original "
     try:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
         tokenizer("")  # encoding reads model_max_length (a string there failed every prompt)
     except Exception as exc:  # transformers raises many types for a tokenizer it cannot load
-        raise CheckpointError(f"the tokenizer in {model_dir} cannot be used as saved for the engine ({exc}); {fix}"
-                              "checkpoint") from exc
+        raise CheckpointError(f"the tokenizer in {model_dir} cannot be used as saved for the engine ({exc}); fix its "
+                              "tokenizer files (tokenizer_config.json, special_tokens_map.json) or restore them from "
+                              "the original checkpoint") from exc
+    check_tokenizer_vocab(tokenizer, vocab_size)
     template = tokenizer.chat_template
     named = isinstance(template, dict) and all(isinstance(v, str) for v in template.values())
     if not (template is None or isinstance(template, str) or named):
         raise CheckpointError(f"{model_dir}: its chat_template (tokenizer_config.json) is {template!r:.60}, neither a "
                               "Jinja string nor a list of named templates; fix it or remove it")
-
-
-def check_vocab(tok_dir: Path, vocab_size: int, progress: Progress) -> None:
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
-    check_tokenizer_vocab(tokenizer, vocab_size)
     beyond = sorted(t for t, i in tokenizer.get_added_vocab().items() if i >= vocab_size)
     if beyond:
         progress(f"note: the tokenizer's added tokens {', '.join(beyond[:5])} have ids past the model's vocabulary "

@@ -46,7 +46,7 @@ class Fields:
         ok = {"int": is_int(value), "bool": isinstance(value, bool),
               "number": isinstance(value, int | float) and not isinstance(value, bool) and _finite(value)}[kind]
         if not ok or (least is not None and value < least) or (most is not None and value > most):
-            bound = ("" if least is None else f" >= {least:g}") + ("" if most is None else f" and <= {_shown(most)}")
+            bound = "".join(f" {op} {_shown(b)}" for op, b in ((">=", least), ("and <=", most)) if b is not None)
             raise CheckpointError(f"{self.source}: {key} must be {_KINDS[kind]}{bound}, not {value!r:.40}; restore "
                                   "it from the original checkpoint")
         return float(value) if kind == "number" else value

@@ -145,10 +145,9 @@ def private_dir(path: Path) -> None:
 
 
 def remove_socket(path: Path) -> None:
-    """A channel's socket, and its directory once the server's last token model is gone."""
+    """A channel's socket (its directory goes with the token model's instance lock)."""
     with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
-        path.parent.rmdir()
 
 
 def _write(connection: Connection, outgoing: queue.SimpleQueue) -> None:

@@ -29,7 +29,11 @@ class EngineError(CamshaftError):
 
 class RequestError(CamshaftError, ValueError):
     """A generation request is invalid (prompt, sampling parameters, limits); a ValueError, as vLLM and TensorRT-LLM
-    raise for bad parameters."""
+    raise for bad parameters. `field`: the parameter at fault (a SamplingParams field, "prompt"), where one is."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class CapacityError(RequestError):

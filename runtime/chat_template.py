@@ -40,11 +40,12 @@ class ChatOptions:
     def __post_init__(self) -> None:
         for name in ("add_generation_prompt", "continue_final_message"):
             if not isinstance(getattr(self, name), bool):
-                raise RequestError(f"{name} is true or false, got {getattr(self, name)!r:.80}")
+                raise RequestError(f"{name} is true or false, got {getattr(self, name)!r:.80}", field=name)
         if self.add_generation_prompt and self.continue_final_message:
             raise RequestError("add_generation_prompt and continue_final_message exclude each other: the first opens "
                                "a new assistant turn, the second goes on with the last message; set "
-                               "add_generation_prompt false to continue the last message")
+                               "add_generation_prompt false to continue the last message",
+                               field="continue_final_message")
         if self.tools is not None:
             check_tools(self.tools)
 
@@ -63,7 +64,8 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
     template_kwargs = check_template_kwargs(options.chat_template_kwargs, tokenizer)
     if options.continue_final_message and not (messages[-1].get("content") or ""):
         raise RequestError("continue_final_message goes on with the last message's text, and it has none; end the "
-                           "messages with the text to continue (e.g. an assistant message begun)")
+                           "messages with the text to continue (e.g. an assistant message begun)",
+                           field="continue_final_message")
     tools = options.tools or None
     messages = [{**m, "tool_calls": template_calls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
     try:
@@ -100,17 +102,17 @@ def check_template_kwargs(kwargs: dict[str, Any] | None, tokenizer) -> dict[str,
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
         raise RequestError(f"chat_template_kwargs is an object of template variable names to values, got "
-                           f"{kwargs!r:.80}")
+                           f"{kwargs!r:.80}", field="chat_template_kwargs")
     own = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
            if p.kind is not p.VAR_KEYWORD} - {"documents"}  # RAG templates' documents: passed on, as vLLM's
     taken = sorted((own | {"messages", "conversations"}) & kwargs.keys())
     if taken:
         raise RequestError(f"chat_template_kwargs cannot set {', '.join(taken)}: they are not template variables "
-                           "(messages and tools have their own fields); leave them out")
+                           "(messages and tools have their own fields); leave them out", field="chat_template_kwargs")
     documents = kwargs.get("documents")
     if documents is not None and not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
         raise RequestError(f"documents is a list of objects (e.g. {{\"title\": ..., \"text\": ...}}), got "
-                           f"{documents!r:.80}")
+                           f"{documents!r:.80}", field="documents")
     return kwargs
 
 
@@ -228,18 +230,20 @@ def call_text(call: dict[str, Any]) -> str:
 
 def check_tools(tools: Any) -> None:
     if not isinstance(tools, list):
-        raise RequestError(f"tools is a list of {{'type': 'function', 'function': {{...}}}}, got {tools!r:.80}")
+        raise RequestError(f"tools is a list of {{'type': 'function', 'function': {{...}}}}, got {tools!r:.80}",
+                           field="tools")
     names = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type", "function") != "function":
             raise RequestError(f"tool {i} is {tool!r:.80}; each tool is {{'type': 'function', 'function': "
-                               "{'name': ..., 'parameters': {...}}}")
+                               "{'name': ..., 'parameters': {...}}}", field="tools")
         name = function.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise RequestError(f"tool {i}'s function name {name!r:.80} must be 1-64 letters, digits, _ or -")
+            raise RequestError(f"tool {i}'s function name {name!r:.80} must be 1-64 letters, digits, _ or -",
+                               field="tools")
         if name in names:
-            raise RequestError(f"two tools are named {name!r}; give each function its own name")
+            raise RequestError(f"two tools are named {name!r}; give each function its own name", field="tools")
         names.add(name)
         if not isinstance(function.get("parameters", {}), dict):
-            raise RequestError(f"function {name!r}'s parameters must be a JSON Schema object")
+            raise RequestError(f"function {name!r}'s parameters must be a JSON Schema object", field="tools")

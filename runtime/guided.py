@@ -55,24 +55,24 @@ class GuidedDecodingParams:
                 pass  # not iterable: refused below
         given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
-            raise RequestError(f"guided decoding takes exactly one of {', '.join(KINDS)}; got "
+            raise _refused(f"guided decoding takes exactly one of {', '.join(KINDS)}; got "
                                f"{', '.join(given) or 'none'}")
         if self.json is not None:
             object.__setattr__(self, "json", _schema_text(self.json))
         if self.json_object is None:  # vLLM's default, and what a client sending nulls sends
             object.__setattr__(self, "json_object", False)
         if self.json_object is not False and self.json_object is not True:
-            raise RequestError(f"json_object must be True or False, got {self.json_object!r:.100}")
+            raise _refused(f"json_object must be True or False, got {self.json_object!r:.100}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
-                raise RequestError(f"guided {name} must be a non-empty string, got {value!r:.100}")
+                raise _refused(f"guided {name} must be a non-empty string, got {value!r:.100}")
         if self.choice is not None and not (isinstance(self.choice, tuple) and self.choice
                                             and all(isinstance(c, str) and c for c in self.choice)):
-            raise RequestError(f"guided choice must be a list of non-empty strings, got {self.choice!r:.100}")
+            raise _refused(f"guided choice must be a list of non-empty strings, got {self.choice!r:.100}")
         for text in (self.regex, self.grammar, *(self.choice or ())):
             if text is not None:
-                check_unicode(text, f"the guided {given[0]}")
+                check_unicode(text, f"the guided {given[0]}", "guided_decoding")
 
     def llguidance_grammar(self) -> str:
         import llguidance
@@ -92,7 +92,7 @@ class GuidedDecodingParams:
         try:  # GBNF is converted here, so its errors come now; a Lark grammar's come when the matcher compiles it
             return llguidance.grammar_from("grammar", self.grammar)
         except ValueError as exc:
-            raise RequestError(f"guided decoding: the grammar does not compile: {_first_line(str(exc))}") from None
+            raise _refused(f"guided decoding: the grammar does not compile: {_first_line(str(exc))}") from None
 
 
 def _schema_text(schema: object) -> str:
@@ -100,16 +100,16 @@ def _schema_text(schema: object) -> str:
         try:
             schema = json.loads(schema)
         except (ValueError, RecursionError) as exc:
-            raise RequestError(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
+            raise _refused(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
     if not isinstance(schema, Mapping):  # true and false are schemas too; {} is the one that allows any value
-        raise RequestError(f"the guided json schema must be a JSON object, got {schema!r:.100}; send an object "
+        raise _refused(f"the guided json schema must be a JSON object, got {schema!r:.100}; send an object "
                            "schema ({} allows any JSON value)")
     try:
         defs = {f"#/{key}/{name}": sub for key in ("$defs", "definitions") if isinstance(schema.get(key), Mapping)
                 for name, sub in schema[key].items()}
         return json.dumps(_closed(schema, defs), allow_nan=False)  # property order is output order; NaN is not JSON
     except (ValueError, TypeError, RecursionError) as exc:
-        raise RequestError(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
+        raise _refused(f"the guided json schema is not JSON ({str(exc)[:200]}); send a JSON schema") from None
 
 
 def _closed(schema: object, defs: Mapping[str, object], close: bool = True, inlined: frozenset = frozenset(),
@@ -195,6 +195,10 @@ class Guides:
         return Guide(params, self._tokenizer)
 
 
+def _refused(message: str) -> RequestError:
+    return RequestError(message, field="guided_decoding")
+
+
 def _first_line(error: str) -> str:
     """The head of llguidance's message, without the parser state and grammar it can append."""
     head = error.split("<state>")[0].strip()
@@ -223,7 +227,7 @@ class Guide:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise RequestError(f"guided decoding: {_first_line(self.matcher.get_error())}")
+            raise _refused(f"guided decoding: {_first_line(self.matcher.get_error())}")
 
     def banned(self, vocab_size: int) -> np.ndarray:
         """A boolean mask of the tokens the grammar does not allow next."""
@@ -236,8 +240,8 @@ class Guide:
         if not self.matcher.consume_token(token):
             error = _first_line(self.matcher.get_error())
             if self.matcher.is_error():  # the parser hit one of its limits, not a wrong token
-                raise RequestError(f"guided decoding stopped: {error}")
-            raise RequestError(f"guided decoding: token {token} does not continue the grammar ({error})")
+                raise _refused(f"guided decoding stopped: {error}")
+            raise _refused(f"guided decoding: token {token} does not continue the grammar ({error})")
 
     @property
     def complete(self) -> bool:

@@ -18,12 +18,12 @@ def longest_piece(tokenizer) -> int:
     return _longest[tokenizer]
 
 
-def check_unicode(text: str, what: str) -> None:
+def check_unicode(text: str, what: str, field: str | None = None) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise RequestError(f"{what} is not valid Unicode (a lone surrogate at character {exc.start}); send UTF-8 "
-                           "text") from None
+                           "text", field=field) from None
 
 
 def encode_text(tokenizer, text: str, max_tokens: int | None, what: str = "the prompt",

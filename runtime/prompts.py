@@ -56,7 +56,7 @@ class PromptEncoder:
                 raise RequestError(f"a prompt is a string or a list of integer token ids, got {prompt!r:.80}")
             ids = [int(t) for t in items]
             if any(t < 0 or t >= vocab for t in ids):
-                raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+                raise RequestError(f"prompt token ids must lie in [0, {vocab})", field="prompt")
         if not ids and for_generation:
             raise RequestError("the prompt encodes to no tokens; pass some text")
         if not for_generation and most_counted is not None and len(ids) > most_counted:

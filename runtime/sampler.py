@@ -86,7 +86,7 @@ class SequenceSampler:
                           ("bad_words", bad_ids), ("logit_bias", bias_ids), ("prompt", prompt_ids)):
             if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):  # Python ints: no overflow on huge ids
                 raise RequestError(f"{name} contains a token id outside the vocabulary (0..{vocab_size - 1}); "
-                                   "check the ids against the model's tokenizer")
+                                   "check the ids against the model's tokenizer", field=name)
         self._bias_ids = np.array(bias_ids, dtype=np.int64)  # checked above: huge ids would overflow here
         self._bias = np.array([b for _, b in params.logit_bias], dtype=np.float32)
         prompt = np.asarray(prompt_ids, dtype=np.int64)

@@ -23,9 +23,9 @@ MAX_LOGIT_BIAS = 1024
 GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (vLLM's rule; 1/T would overflow float32)
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: str, field: str) -> None:
     if not ok:
-        raise RequestError(message)
+        raise RequestError(message, field=field)
 
 
 def _is_number(value: object) -> bool:
@@ -44,7 +44,7 @@ def _listed(value: object, name: str, example: str) -> tuple:
     if isinstance(value, str):
         return (value,)
     _require(isinstance(value, Iterable) and not isinstance(value, (bytes, dict)),
-             f"{name} must be a list (e.g. {example}), got {value!r:.200}")
+             f"{name} must be a list (e.g. {example}), got {value!r:.200}", name)
     return tuple(value)  # type: ignore[arg-type]
 
 
@@ -54,13 +54,15 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
         return ()
     items = value.items() if isinstance(value, Mapping) else value
     _require(isinstance(items, Iterable) and not isinstance(items, (str, bytes)),
-             f"logit_bias must map token ids to biases (e.g. {{50256: -100}}), got {value!r:.200}")
+             f"logit_bias must map token ids to biases (e.g. {{50256: -100}}), got {value!r:.200}", "logit_bias")
     pairs = [tuple(item) if isinstance(item, Iterable) and not isinstance(item, (str, bytes)) else (item,)
              for item in items]  # type: ignore[union-attr]
     _require(all(len(p) == 2 and is_int(p[0]) and p[0] >= 0 and _is_number(p[1]) and -100 <= p[1] <= 100
                  for p in pairs),
-             f"logit_bias maps non-negative token ids to biases in [-100, 100] (OpenAI's range), got {value!r:.200}")
-    _require(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+             f"logit_bias maps non-negative token ids to biases in [-100, 100] (OpenAI's range), got {value!r:.200}",
+             "logit_bias")
+    _require(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}",
+             "logit_bias")
     return tuple(sorted({int(t): float(b) for t, b in pairs}.items()))  # a token given twice: the last bias
 
 
@@ -98,73 +100,76 @@ class SamplingParams:
             value = getattr(self, name)
             words = _listed(value, name, '["\\n\\n"]')
             _require(all(isinstance(w, str) and w for w in words),
-                     f"{name} must be a non-empty string or a list of them, got {value!r}")
+                     f"{name} must be a non-empty string or a list of them, got {value!r}", name)
             for word in words:
-                check_unicode(word, f"{name} {word!r}")
+                check_unicode(word, f"{name} {word!r}", name)
             object.__setattr__(self, name, words)
         _require(len(self.stop) <= MAX_STOP_STRINGS and sum(map(len, self.stop)) <= MAX_STOP_CHARS,
                  f"stop takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all (each is "
                  f"looked for after every token, on the loop every request shares); got {len(self.stop)} of "
-                 f"{sum(map(len, self.stop))}")
+                 f"{sum(map(len, self.stop))}", "stop")
         _require(len(self.bad_words) <= MAX_BAD_WORDS and sum(map(len, self.bad_words)) <= MAX_BAD_WORD_CHARS,
                  f"bad_words takes at most {MAX_BAD_WORDS} words of {MAX_BAD_WORD_CHARS} characters in all (each is "
                  f"checked at every token, on the loop every request shares); got {len(self.bad_words)} of "
-                 f"{sum(map(len, self.bad_words))}")
+                 f"{sum(map(len, self.bad_words))}", "bad_words")
         for name, limit in (("bad_word_ids", MAX_BAD_WORDS), ("stop_word_ids", MAX_STOP_WORD_IDS)):
             words = tuple(() if isinstance(w, (str, bytes)) or not isinstance(w, Iterable) else tuple(w)
                           for w in _listed(getattr(self, name), name, "[[5, 6]]"))
             _require(all(w and all(is_int(t) and t >= 0 for t in w) for w in words),
                      f"{name} must be non-empty lists of non-negative token ids (a list of id lists, e.g. "
-                     f"[[5, 6]]), got {getattr(self, name)!r:.200}")
-            _require(len(words) <= limit, f"{name} takes at most {limit} words, got {len(words)}")
+                     f"[[5, 6]]), got {getattr(self, name)!r:.200}", name)
+            _require(len(words) <= limit, f"{name} takes at most {limit} words, got {len(words)}", name)
             object.__setattr__(self, name, tuple(tuple(int(t) for t in w) for w in words))
         ids = _listed(self.stop_token_ids, "stop_token_ids", "[2]")
         _require(all(is_int(t) and t >= 0 for t in ids),
-                 f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+                 f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}", "stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
 
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             flag = getattr(self, name)
-            _require(isinstance(flag, bool | np.bool_), f"{name} must be True or False, got {flag!r}")
+            _require(isinstance(flag, bool | np.bool_), f"{name} must be True or False, got {flag!r}", name)
             object.__setattr__(self, name, bool(flag))
         _require(self.max_tokens is None or is_int(self.max_tokens),
                  f"max_tokens must be an integer or None (all the engine leaves after the prompt), got "
-                 f"{self.max_tokens!r}")
+                 f"{self.max_tokens!r}", "max_tokens")
         for name in ("min_tokens", "top_k", "n", "beam_width"):
-            _require(is_int(getattr(self, name)), f"{name} must be an integer, got {getattr(self, name)!r}")
+            _require(is_int(getattr(self, name)), f"{name} must be an integer, got {getattr(self, name)!r}", name)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            _require(_is_number(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)!r}")
+            _require(_is_number(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)!r}",
+                     name)
 
         _require(self.beam_width <= 1,
                  "beam search is not supported; use beam_width=1 (several outputs of one prompt: sample with n > 1 "
-                 "in the Python or OpenAI API)")
-        _require(self.beam_width == 1, f"beam_width must be 1, got {self.beam_width}")
+                 "in the Python or OpenAI API)", "beam_width")
+        _require(self.beam_width == 1, f"beam_width must be 1, got {self.beam_width}", "beam_width")
         _require(self.max_tokens is None or self.max_tokens >= 1,
-                 f"max_tokens must be at least 1, got {self.max_tokens}")
+                 f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         _require(0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens),
-                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _require(self.temperature >= 0, f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        _require(self.top_k >= -1, f"top_k must be >= 1, or 0 or -1 to disable it, got {self.top_k}")
+                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                 "min_tokens")
+        _require(self.temperature >= 0, f"temperature must be >= 0 (0 means greedy), got {self.temperature}",
+                 "temperature")
+        _require(self.top_k >= -1, f"top_k must be >= 1, or 0 or -1 to disable it, got {self.top_k}", "top_k")
         if self.top_k == -1:  # vLLM's "all tokens"
             object.__setattr__(self, "top_k", 0)
-        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
-        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 disables it), got {self.top_p}", "top_p")
+        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 disables it), got {self.min_p}", "min_p")
         _require(self.repetition_penalty > 0,
-                 f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+                 f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}", "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
-            _require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        _require(self.seed is None or is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+            _require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        _require(self.seed is None or is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}", "seed")
         if self.seed == -1:  # vLLM's "random", which clients send
             object.__setattr__(self, "seed", None)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
-                     f"{name} must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}")
-        _require(self.n >= 1, f"n must be at least 1, got {self.n}")
+                     f"{name} must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}", name)
+        _require(self.n >= 1, f"n must be at least 1, got {self.n}", "n")
         _require(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
                  f"guided_decoding must be a GuidedDecodingParams (e.g. GuidedDecodingParams(json=schema)) or None, "
-                 f"got {self.guided_decoding!r:.100}")
+                 f"got {self.guided_decoding!r:.100}", "guided_decoding")
 
     def for_prompt(self, prompt_tokens: int, max_seq_len: int, kv_tokens: int | None = None) -> SamplingParams:
         """These params for a prompt of `prompt_tokens` on an engine of `max_seq_len` whose KV cache holds
@@ -174,22 +179,22 @@ class SamplingParams:
         if room < 1:
             raise CapacityError(f"the prompt has {prompt_tokens} tokens; this engine's max_seq_len allows "
                                 f"{max_seq_len} tokens in all (prompt + output). Shorten the prompt or rebuild with "
-                                "a larger --max-seq-len.")
+                                "a larger --max-seq-len.", field="prompt")
         if self.max_tokens is None:
             if kv_tokens is not None and kv_tokens - prompt_tokens < room:
                 room = kv_tokens - prompt_tokens
                 if room < 1:
                     raise CapacityError(f"the prompt has {prompt_tokens} tokens; the KV cache holds {kv_tokens} of "
-                                        "one request: shorten the prompt or raise kv_cache_memory")
+                                        "one request: shorten the prompt or raise kv_cache_memory", field="prompt")
             if self.min_tokens > room:
                 raise CapacityError(f"min_tokens {self.min_tokens} does not fit after the prompt ({prompt_tokens} "
                                     f"tokens) in the {prompt_tokens + room} tokens a request may hold; lower "
-                                    "min_tokens")
+                                    "min_tokens", field="min_tokens")
             return replace(self, max_tokens=room)
         if self.max_tokens > room:
             raise CapacityError(f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) exceeds the "
                                 f"engine's max_seq_len ({max_seq_len}); pass max_tokens <= {room} or shorten the "
-                                "prompt")
+                                "prompt", field="prompt")
         return self
 
     @property

@@ -74,14 +74,15 @@ class Scheduler:
         limit = self.config.max_seq_len
         if total > limit:
             raise CapacityError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) "
-                                f"exceeds the engine's max_seq_len ({limit}); lower max_tokens or shorten the prompt")
+                                f"exceeds the engine's max_seq_len ({limit}); lower max_tokens or shorten the prompt",
+                                field="prompt")
         need = self.claims.total(request)
         if self.config.releases_blocks:  # it never holds more than its window's blocks
             need = min(need, self.config.window_blocks)
         if need > self.blocks.capacity:
             fix = self.config.fit_advice(self.blocks.capacity, len(request.prompt_ids), request.max_length)
             raise CapacityError(f"the request needs {need} KV blocks but the pool holds {self.blocks.capacity}; "
-                                f"give the engine a larger kv_cache_memory{fix}")
+                                f"give the engine a larger kv_cache_memory{fix}", field="prompt")
 
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_tokens

@@ -676,6 +676,11 @@ HI = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": HI, "response_format": {"type": "yaml"}}, "response_format"),
     (CHAT, {"model": MODEL, "messages": HI, "documents": [{"text": "a"}],
             "chat_template_kwargs": {"documents": [{"text": "b"}]}}, "documents"),
+    (CHAT, {"model": MODEL, "messages": HI, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    (CHAT, {"model": MODEL, "messages": HI, "continue_final_message": True}, "continue_final_message"),
+    (CHAT, {"model": MODEL, "messages": HI, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    (CHAT, {"model": MODEL, "messages": HI, "logit_bias": {"999999": 5}}, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "top_p": 0}, "top_p"),
 ])
 def test_bad_input_is_an_openai_400(served, path, body, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
@@ -1009,20 +1014,29 @@ def test_structured_output_follows_its_schema_regex_or_choice(client, served):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=10, stream=True, extra_body={"guided_choice": ["yes", "no"]}))
     assert streamed in ("yes", "no")
-    for body, message in (({"guided_regex": "a(b"}, "unclosed group"),
-                          ({"guided_regex": "a", "response_format": {"type": "json_object"}},
-                           "send one structured-output constraint; got response_format, guided_regex"),
-                          ({"response_format": {"type": "yaml"}}, "response_format type 'yaml' is not supported"),
-                          ({"response_format": {"type": "json_schema"}}, "response_format json_schema needs"),
-                          ({"response_format": {"type": "json_schema", "json_schema": "abc"}},
-                           "response_format json_schema needs"),
-                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}}},
-                           "its schema a JSON object, got '{}'"),
-                          ({"guided_json": "[" * 100_000}, "the guided json schema is not JSON"),
-                          ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs takes one of")):
+    bad_pattern = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a(b"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": bad_pattern}}
+    for body, message, param in (
+            ({"guided_regex": "a(b"}, "unclosed group", "guided_regex"),
+            ({"structured_outputs": {"regex": "a(b"}}, "unclosed group", "structured_outputs"),
+            ({"guided_json": bad_pattern}, "unclosed group", "guided_json"),
+            ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "unclosed group",
+             "tools"),
+            ({"guided_regex": "a", "response_format": {"type": "json_object"}},
+             "send one structured-output constraint; got response_format, guided_regex", None),
+            ({"response_format": {"type": "yaml"}}, "response_format type 'yaml' is not supported", "response_format"),
+            ({"response_format": {"type": "json_schema"}}, "response_format json_schema needs", "response_format"),
+            ({"response_format": {"type": "json_schema", "json_schema": "abc"}}, "response_format json_schema needs",
+             "response_format"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}}},
+             "its schema a JSON object, got '{}'", "response_format"),
+            ({"guided_json": "[" * 100_000}, "the guided json schema is not JSON", "guided_json"),
+            ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs takes one of", "structured_outputs")):
         response = httpx.post(f"{served[0]}/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
-        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+        error = response.json()["error"]
+        assert response.status_code == 400 and message in error["message"], response.text
+        assert error["param"] == param, (body, error)
 
 
 def test_metrics_count_no_refused_sequence_and_count_failed_ones(engine_dir):

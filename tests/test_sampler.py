@@ -74,8 +74,9 @@ def _reference_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) 
     (dict(seed="7"), "seed"),
 ])
 def test_invalid_params_are_rejected_with_the_field_named(overrides, message):
-    with pytest.raises(RequestError, match=message):
+    with pytest.raises(RequestError, match=message) as refused:
         SamplingParams(**overrides)
+    assert refused.value.field == next(iter(overrides))  # what a server names as the request's wrong field
 
 
 def test_params_normalise_sequences_and_report_greedy():

@@ -91,8 +91,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             ids = await asyncio.to_thread(llm.encode, **prompt)  # a long prompt must not stall the open streams
         except CapacityError as exc:  # far too long: refused after tokenizing a prefix
             raise too_long(f"your request has more input tokens ({exc}).") from None
-        except RequestError as exc:  # empty, no tokens, not Unicode, unusable messages
-            raise APIError(400, str(exc), param=what) from None
+        except RequestError as exc:  # empty, no tokens, not Unicode, unusable messages or template options
+            raise APIError(400, str(exc), param=what if exc.field in (None, "prompt") else exc.field) from None
         except EngineError as exc:  # the engine's chat template does not parse: the server's files, not the request
             raise from_exception(exc) from None
         if len(ids) >= max_seq_len:
@@ -188,6 +188,15 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        with body.fields_named():
+            return await complete(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        with body.fields_named():
+            return await complete_chat(body, request)
+
+    async def complete(body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         check(body)
         outputs, limit = body.n * len(body.prompts()), llm.executor.max_queue
@@ -208,8 +217,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
                                 prompt_texts=texts)
         return await respond(request, body.stream, body.stream_usage, prompts, params, shape, arrival, body.priority)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    async def complete_chat(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         check(body)
         tools = tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser)

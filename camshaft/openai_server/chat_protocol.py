@@ -54,14 +54,15 @@ class TemplateOptions(BaseModel):
     def check_template_options(self) -> None:
         if self.chat_template is not None:  # vLLM refuses it too, unless trusted: it would run a client's template
             raise RequestError("a request's own chat_template is not taken: the server's (its engine's, or "
-                               "--chat-template) renders every chat; leave it out")
+                               "--chat-template) renders every chat; leave it out", field="chat_template")
 
     def chat_keywords(self) -> dict[str, Any]:
         """The template options as LLM.encode takes them (documents among the template's variables)."""
         kwargs = self.chat_template_kwargs
         if self.documents is not None:
             if isinstance(kwargs, dict) and "documents" in kwargs:
-                raise RequestError("documents are given twice (as a field and in chat_template_kwargs); send one")
+                raise RequestError("documents are given twice (as a field and in chat_template_kwargs); send one",
+                                   field="documents")
             kwargs = {**(kwargs if isinstance(kwargs, dict) else {}), "documents": self.documents}
         return {"chat_template_kwargs": kwargs, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
@@ -96,7 +97,7 @@ class TokenizeRequest(TemplateOptions):
         default = self.prompt is not None  # vLLM's: special tokens for a prompt, none added to a chat template
         if self.add_special_tokens not in (None, default):
             raise RequestError("add_special_tokens takes its default only: camshaft tokenizes as its completions "
-                               "and chat completions do; leave it out")
+                               "and chat completions do; leave it out", field="add_special_tokens")
 
 
 class DetokenizeRequest(BaseModel):

@@ -10,12 +10,6 @@ from starlette.exceptions import HTTPException
 from camshaft.errors import CapacityError, EngineError, RequestError, ServerBusyError, ServerClosedError
 from camshaft.openai_server.metrics import Metrics
 
-_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-           "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "logprobs", "n", "top_logprobs",
-           "stream_options", "max_completion_tokens", "prompt", "logit_bias", "bad_words", "use_beam_search",
-           "prompt_logprobs", "guided_whitespace_pattern", "best_of", "suffix", "tool_choice", "response_format",
-           "structured_outputs", "documents", "add_special_tokens", "tools"}
-
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -36,10 +30,9 @@ def from_exception(exc: Exception) -> APIError:
     if isinstance(exc, ServerClosedError):
         return APIError(503, str(exc), type="server_error", code="server_stopped")
     if isinstance(exc, CapacityError):
-        return APIError(400, str(exc), code="context_length_exceeded")
+        return APIError(400, str(exc), param=exc.field, code="context_length_exceeded")
     if isinstance(exc, RequestError):
-        first = str(exc).split(" ", 1)[0].rstrip(":")
-        return APIError(400, str(exc), param=first if first in _FIELDS else None)
+        return APIError(400, str(exc), param=exc.field)
     if isinstance(exc, EngineError):  # the engine's files (a chat template that does not parse): the server's fault
         return APIError(500, str(exc), type="server_error")
     return APIError(500, f"internal server error: {exc!r}", type="server_error")

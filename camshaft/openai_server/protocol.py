@@ -9,6 +9,8 @@ request `priority`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, model_validator
@@ -20,6 +22,8 @@ from camshaft.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass temperature=0 for greedy output
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "structured_outputs")
 
 
 class StreamOptions(BaseModel):
@@ -86,19 +90,36 @@ class _GenerationRequest(BaseModel):
             return None
         return "continuous" if options.continuous_usage_stats else "final"
 
+    @contextmanager
+    def fields_named(self) -> Iterator[None]:
+        """A RequestError raised inside names the field of this request it is about (its `param`)."""
+        try:
+            yield
+        except RequestError as exc:
+            exc.field = self.sent_field(exc.field)
+            raise
+
+    def sent_field(self, field: str | None) -> str | None:
+        """This request's name of a RequestError's field (a SamplingParams one, or "prompt")."""
+        if field == "guided_decoding":
+            sent = [name for name in STRUCTURED if getattr(self, name) is not None]
+            return sent[0] if len(sent) == 1 else None
+        return field
+
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
-            raise RequestError("stream_options applies to streamed responses; set stream: true or leave it out")
+            raise RequestError("stream_options applies to streamed responses; set stream: true or leave it out",
+                               field="stream_options")
         if self.use_beam_search:
             raise RequestError("use_beam_search is not supported: camshaft has no beam search; sample (n, temperature, "
-                               "seed) instead")
+                               "seed) instead", field="use_beam_search")
         if self.guided_whitespace_pattern is not None:
             raise RequestError("guided_whitespace_pattern is not supported: guided JSON is laid out as Python's "
                                "json.dumps writes it; for another layout put {\"x-guidance\": {\"whitespace_pattern\": "
-                               "...}} in the schema, or leave it out")
+                               "...}} in the schema, or leave it out", field="guided_whitespace_pattern")
         if self.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs is not returned by this server; for the prompt's log-probs send "
-                               "/v1/completions echo: true with logprobs")
+                               "/v1/completions echo: true with logprobs", field="prompt_logprobs")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         model_defaults: tuple[tuple[str, float], ...] = ()) -> SamplingParams:
@@ -129,11 +150,12 @@ class _GenerationRequest(BaseModel):
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):  # a schema sent as its JSON text would be read as "any JSON string"
                 raise RequestError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}'
-                                   + ("" if schema is None else f", its schema a JSON object, got {schema!r:.60}"))
+                                   + ("" if schema is None else f", its schema a JSON object, got {schema!r:.60}"),
+                                   field="response_format")
             given["response_format"] = GuidedDecodingParams(json=schema)
         elif kind != "text":
             raise RequestError(f"response_format type {kind!r:.40} is not supported; use text, json_object or "
-                               "json_schema")
+                               "json_schema", field="response_format")
         vllm = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
                                   ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
         if vllm:
@@ -143,7 +165,7 @@ class _GenerationRequest(BaseModel):
             unknown = set(self.structured_outputs) - known
             if unknown:
                 raise RequestError(f"structured_outputs takes one of {', '.join(sorted(known))}; got "
-                                   f"{', '.join(sorted(unknown))}")
+                                   f"{', '.join(sorted(unknown))}", field="structured_outputs")
             given["structured_outputs"] = GuidedDecodingParams(**self.structured_outputs)
         if len(given) > 1:
             raise RequestError(f"send one structured-output constraint; got {', '.join(given)}")
@@ -154,7 +176,8 @@ class _GenerationRequest(BaseModel):
         biases = {}
         for key, bias in (self.logit_bias or {}).items():
             if not (key.strip().isascii() and key.strip().isdigit() and len(key.strip()) <= 1000):  # int()'s cap
-                raise RequestError(f"logit_bias keys are token ids (e.g. \"50256\"), got {key!r:.40}")
+                raise RequestError(f"logit_bias keys are token ids (e.g. \"50256\"), got {key!r:.40}",
+                                   field="logit_bias")
             biases[int(key)] = bias
         return biases
 
@@ -169,11 +192,16 @@ class CompletionRequest(_GenerationRequest):
     def check_supported(self) -> None:
         super().check_supported()
         if self.max_tokens == 0 and not self.echo:
-            raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt and its log-probs)")
+            raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt and its log-probs)",
+                               field="max_tokens")
         if self.suffix:
-            raise RequestError("suffix (insertion) is not supported; leave it out")
+            raise RequestError("suffix (insertion) is not supported; leave it out", field="suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise RequestError(f"best_of {self.best_of} differs from n {self.n}; camshaft has no best_of: use n")
+            raise RequestError(f"best_of {self.best_of} differs from n {self.n}; camshaft has no best_of: use n",
+                               field="best_of")
+
+    def sent_field(self, field: str | None) -> str | None:
+        return "logprobs" if field == "prompt_logprobs" else super().sent_field(field)  # echo's
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or several; each is text or token ids."""
@@ -196,15 +224,22 @@ class ChatCompletionRequest(_GenerationRequest, TemplateOptions):
         last = messages[-1] if messages else {}
         return last.get("content") or "" if self.echo and last.get("role") == "assistant" else ""
 
+    def sent_field(self, field: str | None) -> str | None:
+        if field == "guided_decoding" and all(getattr(self, name) is None for name in STRUCTURED):
+            return "tools"  # tool_choice's schema of the tools
+        return "messages" if field == "prompt" else super().sent_field(field)
+
     def check_supported(self) -> None:
         super().check_supported()
         self.check_template_options()
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
-            raise RequestError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
+            raise RequestError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+                               field="max_completion_tokens")
         if self.top_logprobs is not None and not self.logprobs:
-            raise RequestError("top_logprobs needs logprobs: true")
+            raise RequestError("top_logprobs needs logprobs: true", field="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise RequestError(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {self.top_logprobs}")
+            raise RequestError(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {self.top_logprobs}",
+                               field="top_logprobs")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

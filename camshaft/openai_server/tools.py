@@ -41,6 +41,12 @@ class ToolChoice:
         return None if self.kind == "none" else list(self.tools)
 
     def guided(self) -> GuidedDecodingParams | None:
+        try:
+            return self._guided()
+        except RequestError as exc:  # a function's parameters schema
+            raise RequestError(str(exc), field="tools") from None
+
+    def _guided(self) -> GuidedDecodingParams | None:
         if self.kind == "function":
             return GuidedDecodingParams(json=self._parameters(self.name))
         if self.kind == "required":
@@ -111,7 +117,7 @@ def _hoist_defs(parameters: dict[str, Any], name: str, shared: dict[str, dict[st
             if into.setdefault(def_name, definition) != definition:
                 raise RequestError(f"tools: function {name}'s parameters define {key}/{def_name} unlike another "
                                    "function's (or as it, but referring to its own parameters with \"#...\"), which "
-                                   'tool_choice "required" cannot tell apart; rename one of them')
+                                   'tool_choice "required" cannot tell apart; rename one of them', field="tools")
     return kept
 
 
@@ -120,7 +126,8 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool,
     """The request's function calling, checked; None where it has none."""
     if not tools:
         if choice not in (None, "none"):
-            raise RequestError("tool_choice needs tools: send the functions in tools, or leave tool_choice out")
+            raise RequestError("tool_choice needs tools: send the functions in tools, or leave tool_choice out",
+                               field="tool_choice")
         return None
     check_tools(tools)
     names = [tool["function"]["name"] for tool in tools]
@@ -130,13 +137,14 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool,
         name = function.get("name") if isinstance(function, dict) else None
         if name not in names:
             raise RequestError(f"tool_choice {choice!r:.120} names no function in tools ({', '.join(names)}); "
-                               'send {"type": "function", "function": {"name": ...}}, "auto", "required" or "none"')
+                               'send {"type": "function", "function": {"name": ...}}, "auto", "required" or "none"',
+                               field="tool_choice")
         return ToolChoice("function", tuple(tools), name, parallel)
     if choice not in ("none", "auto", "required"):
         raise RequestError(f"tool_choice {choice!r:.80} is not one of none, auto, required or "
-                           '{"type": "function", "function": {"name": ...}}')
+                           '{"type": "function", "function": {"name": ...}}', field="tool_choice")
     if choice == "auto" and parser is None:
         raise RequestError('tool_choice "auto" (the default with tools) needs the server started with '
                            f"--tool-call-parser ({' | '.join(AUTO_READERS)}); or send tool_choice \"required\" or a "
-                           "function's name")
+                           "function's name", field="tool_choice")
     return ToolChoice(choice, tuple(tools), None, parallel, parser or "hermes")

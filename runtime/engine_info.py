@@ -74,20 +74,21 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "format_version": m.format_version,
         "camshaft_version": m.camshaft_version,
         "build_id": m.build_id or None,
-        "model": {"architecture": c.architecture, "layers": c.num_layers, "hidden_size": c.hidden_size,
-                  "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "model": {"architecture": c.architecture, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
+                  "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
                   "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
-                  "tied_embeddings": c.tie_word_embeddings, "sliding_window": c.sliding_window,
+                  "tie_word_embeddings": c.tie_word_embeddings, "sliding_window": c.sliding_window,
                   "sliding_every_layer": c.attention_window is not None,
                   "rope": {"type": c.rope.type, "theta": c.rope.theta, "factor": c.rope.factor,
                            "rotary_dim": c.rotary_dim,
                            # LongRoPE: past this length a request rotates with the long factors (None: not built)
                            "long_factors_past": c.rope.original_max_position_embeddings
                            if c.rope.switches_to_long(m.limits.max_seq_len) else None},
-                  # Gemma: the sliding layers' own rope, the query scale, the softcaps (None: as other models)
-                  "sliding_rope": None if c.local_rope is None else {
+                  # Gemma: the sliding layers' own rope, attention's scale (else head_dim ** -0.5), the softcaps
+                  # (None: as other models)
+                  "local_rope": None if c.local_rope is None else {
                       "type": c.local_rope.type, "theta": c.local_rope.theta, "factor": c.local_rope.factor},
-                  "query_scale": c.query_scale, "attention_softcap": c.attn_softcap,
+                  "attention_scale": c.attention_scale, "attn_softcap": c.attn_softcap,
                   "logit_softcap": c.logit_softcap, "embed_scale": c.embed_scale, "residual_scale": c.residual_scale,
                   "logits_divisor": c.logits_divisor, "layers_without_rope": list(c.layers_without_rope),
                   "sampling_defaults": dict(c.sampling_defaults)},
@@ -157,11 +158,11 @@ def _size(n: int) -> str:
 
 def info_lines(info: dict[str, Any]) -> list[str]:
     md, lim, kv, q = info["model"], info["limits"], info["kv_cache"], info["quantization"]
-    heads = f"{md['heads']} heads / {md['kv_heads']} KV heads x {md['head_dim']}"
+    heads = f"{md['num_heads']} heads / {md['num_kv_heads']} KV heads x {md['head_dim']}"
     window = f", sliding window {md['sliding_window']}" if md["sliding_window"] else ""
     window += (" on every layer (the in-flight batcher frees the KV blocks it has passed)" if md["sliding_every_layer"]
                else " on some layers" if md["sliding_window"] else "")
-    rope, local = md["rope"], md["sliding_rope"]
+    rope, local = md["rope"], md["local_rope"]
     if local is not None:  # Gemma 3: a rope for each kind of layer
         scaled = f" x{rope['factor']:g}" if rope["type"] != "default" else ""
         window += (f", full layers' rope {rope['type']}{scaled} θ {rope['theta']:g}, sliding layers' "
@@ -169,7 +170,7 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     else:
         window += f", rope {rope['type']} x{rope['factor']:g}" if rope["type"] != "default" else ""
     window += f" over {rope['rotary_dim']} of each head's dimensions" if rope["rotary_dim"] < md["head_dim"] else ""
-    caps = [f"{what} softcap {v:g}" for what, v in (("attention", md["attention_softcap"]),
+    caps = [f"{what} softcap {v:g}" for what, v in (("attention", md["attn_softcap"]),
                                                     ("logit", md["logit_softcap"])) if v is not None]
     window += f", {', '.join(caps)}" if caps else ""
     window += f", layers {md['layers_without_rope']} without rope" if md["layers_without_rope"] else ""
@@ -186,8 +187,8 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     return [
         f"engine      {info['engine']} (format {info['format_version']}, camshaft {info['camshaft_version']}"
         + (f", build {info['build_id'][:12]}" if info["build_id"] else "") + ")",
-        f"model       {md['architecture']}, {md['layers']} layers, hidden {md['hidden_size']}, {heads}, vocab "
-        f"{md['vocab_size']}, {'tied' if md['tied_embeddings'] else 'untied'} embeddings{window}",
+        f"model       {md['architecture']}, {md['num_layers']} layers, hidden {md['hidden_size']}, {heads}, vocab "
+        f"{md['vocab_size']}, {'tied' if md['tie_word_embeddings'] else 'untied'} embeddings{window}",
         f"precision   {info['dtype']}; quantization: {quant}" + (f"; lm_head {head}" if head else ""),
         f"target      {info['target']}{arch} ({info['device']}); graphs: batch {info['graphs']['batch']}, "
         f"sequence {sequence}",

@@ -290,7 +290,19 @@ def test_inspect_says_what_an_engine_holds_and_refuses_a_broken_one(engine, tmp_
         "device", "gpu_arch", "graphs", "prompt_lookup", "no_sequence_graph", "limits", "kv_cache", "files",
         "bytes_listed", "files_as_built", "fingerprinted", "eos_token_ids", "chat_template", "chat_template_problem",
         "tools", "runs_here", "runs_here_reason"]
-    assert info["model"]["layers"] == c.num_layers and info["limits"]["max_seq_len"] == 128
+    assert info["model"]["num_layers"] == c.num_layers and info["limits"]["max_seq_len"] == 128
+    raw = json.loads((engine / "manifest.json").read_text())
+    shared = set(info["model"]) & set(raw["model"])  # one vocabulary: a field the manifest has, by its name
+    assert {"num_layers", "num_heads", "num_kv_heads", "tie_word_embeddings", "attention_scale",
+            "attn_softcap", "local_rope", "rope"} <= shared
+    for key in shared:
+        value, recorded = info["model"][key], raw["model"][key]
+        if key == "sampling_defaults":
+            recorded = dict(recorded)
+        elif isinstance(value, dict):  # rope: its main fields, and what follows from them (rotary_dim, ...)
+            both = set(value) & set(recorded)
+            value, recorded = {k: value[k] for k in both}, {k: recorded[k] for k in both}
+        assert value == recorded, key
     assert info["kv_cache"]["bytes_per_token"] == c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # fp32 K and V
     assert info["kv_cache"]["default_pool_bytes"] == (4 * 128 + info["limits"]["kv_block_size"]) * \
         info["kv_cache"]["bytes_per_token"]  # 4 full sequences and the null block

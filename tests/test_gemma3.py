@@ -102,7 +102,7 @@ def test_inspect_names_each_kind_of_layers_rope(gemma):
     from camshaft.runtime.engine_info import engine_info, info_lines
 
     info = engine_info(gemma[1])
-    assert info["model"]["sliding_rope"] == {"type": "default", "theta": 1e4, "factor": 1.0}
+    assert info["model"]["local_rope"] == {"type": "default", "theta": 1e4, "factor": 1.0}
     assert "full layers' rope linear x2 θ 1e+06, sliding layers' default θ 10000" in "\n".join(info_lines(info))
 
 

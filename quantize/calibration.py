@@ -1,7 +1,7 @@
 """Calibration text and token samples.
 
 The default corpus ships with every Python: the docstrings of a fixed list of standard-library modules and their
-public members, gathered at run time in a fixed order (the same text on every run of the same Python version).
+public members (stdlib_corpus.py: the same text on every run of the same Python version).
 A user corpus is a text file, a JSONL file (one {"text": ...} object, string or {"messages": [...]} conversation a
 line), or a directory of those; or, read through the `datasets` library, a parquet/arrow/csv file or directory of them,
 or a `save_to_disk` directory. Conversations are rendered with the model's chat template.
@@ -9,13 +9,10 @@ or a `save_to_disk` directory. Conversations are rendered with the model's chat 
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import itertools
 import json
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,60 +29,14 @@ from camshaft.quantize.calibration_datasets import (
     open_dataset,
     text_column,
     text_files,
+    train_split,
 )
 from camshaft.quantize.spec import QuantizeError
+from camshaft.quantize.stdlib_corpus import stdlib_docstrings
 
-# English prose-heavy modules first; importing them has no side effects.
-STDLIB_MODULES = (
-    "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections", "concurrent.futures",
-    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email.message",
-    "enum", "fractions", "functools", "glob", "gzip", "hashlib", "heapq", "html.parser", "http.client", "inspect",
-    "io", "ipaddress", "itertools", "json", "logging", "mailbox", "math", "mimetypes", "multiprocessing", "numbers",
-    "operator", "optparse", "os", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets",
-    "selectors", "shlex", "shutil", "smtplib", "socket", "sqlite3", "statistics", "string", "subprocess",
-    "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "traceback", "types", "typing",
-    "unittest", "urllib.parse", "urllib.request", "uuid", "warnings", "weakref", "xml.etree.ElementTree",
-    "zipfile", "zoneinfo",
-)
 DEFAULT_CALIB_SIZE = 64
 DEFAULT_CALIB_SEQ_LEN = 256
 LEAST_CALIB_SEQ_LEN = 8
-
-
-def stdlib_docstrings(min_chars: int = 40) -> Iterator[str]:
-    """Docstrings of STDLIB_MODULES and their public classes, functions and methods, in a fixed order, each once."""
-    with warnings.catch_warnings():  # e.g. typing.io's deprecation warning on attribute access
-        warnings.simplefilter("ignore")
-        yield from _stdlib_docstrings(min_chars)
-
-
-def _stdlib_docstrings(min_chars: int) -> Iterator[str]:
-    seen: set[str] = set()
-    for module_name in STDLIB_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # a Python built without e.g. sqlite3
-            continue
-        objects = [module]
-        for name in sorted(vars(module)):
-            if name.startswith("_"):
-                continue
-            obj = getattr(module, name)
-            if getattr(obj, "__module__", None) != module.__name__:
-                continue
-            if inspect.isclass(obj):
-                objects.append(obj)
-                objects.extend(v for m, v in sorted(vars(obj).items()) if not m.startswith("_"))
-            elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
-                objects.append(obj)
-        for obj in objects:
-            doc = obj.__doc__ if isinstance(getattr(obj, "__doc__", None), str) else None
-            if doc is None:
-                continue
-            doc = inspect.cleandoc(doc)
-            if len(doc) >= min_chars and doc not in seen:
-                seen.add(doc)
-                yield doc
 
 
 def default_corpus() -> list[str]:
@@ -101,12 +52,14 @@ def split_column(calib_data: str | Path) -> tuple[Path, str | None]:
     return path, None
 
 
-def read_text_corpus(path: Path, column: str | None = None, max_chars: int | None = None) -> list[Sample]:
+def read_text_corpus(path: Path, column: str | None = None,
+                     max_chars: int | None = None) -> tuple[list[Sample], str]:
     """Texts (and conversations) of a text/JSONL file or of a directory of those, sorted by name (README files,
-    dataset cards, hidden files skipped); `column`: the JSONL field (default: text, else messages). Reading stops
+    dataset cards, hidden files skipped; its train split's where names mark splits, and then ", split train");
+    `column`: the JSONL field (default: text, else messages). Reading stops
     after `max_chars` characters (the calibration uses the corpus from its start), so a huge file costs no more than
     what is used."""
-    files = [path] if not path.is_dir() else text_files(path)
+    files, split = ([path], "") if not path.is_dir() else train_split(path, text_files(path))
     if not files:
         raise QuantizeError(f"calibration directory {path} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} or "
                             f"{'/'.join(DATA_SUFFIXES)} files and is no saved dataset (README and hidden files are "
@@ -116,14 +69,14 @@ def read_text_corpus(path: Path, column: str | None = None, max_chars: int | Non
     texts: list[Sample] = []
     left = math.inf if max_chars is None else max_chars
     for text in (t for file in files for t in _read_file(file, column, max_chars)):
-        if left <= 0:  # the files are read lazily: nothing past this point is read
-            break
         if chars := sample_chars(text):
             texts.append(text)
             left -= chars
+        if left <= 0:  # the files are read lazily: nothing past this point is read
+            break
     if not texts:
         raise QuantizeError(f"calibration data {path} is empty (no text found)")
-    return texts
+    return texts, split
 
 
 def _read_file(file: Path, field: str | None, max_chars: int | None) -> Iterator[Sample]:
@@ -155,17 +108,19 @@ def _jsonl_text(line: str, file: Path, number: int, field: str | None) -> Sample
         raise QuantizeError(f"{file}:{number} is not valid JSON ({exc}); expected one JSON object a line") from exc
     if isinstance(item, str):
         return item
+    value, name = None, field or "text"
     if isinstance(item, dict):
-        value = item.get(field or "text")
+        value = item.get(name)
         if field is None and value is None:
-            value = item.get(CHAT_FIELD)
+            value, name = item.get(CHAT_FIELD), CHAT_FIELD
         if isinstance(value, str):
             return value
         if isinstance(value, list):
             return checked_messages(value, f"{file}:{number}")
     holds = f"an object with the keys {sorted(item)[:10]}" if isinstance(item, dict) else type(item).__name__
     wanted = f'a "{field}" field (a string or chat messages)' if field else 'a "text" string or "messages" list field'
-    hint = (f"another field: --calib-data {file}:FIELD" if isinstance(item, dict) else
+    hint = (f"its {name} field holds {type(value).__name__}" if value is not None else
+            f"another field: --calib-data {file}:FIELD" if isinstance(item, dict) else
             "a JSON array of records is not JSON Lines: write one record a line" if isinstance(item, list) else
             "one string or object a line")
     raise QuantizeError(f"{file}:{number}: expected a string or an object with {wanted}, found {holds} ({hint})")
@@ -218,7 +173,8 @@ def load_texts(calib_data: str | Path | None, max_chars: int | None = None) -> t
         raise QuantizeError(f"calibration data {path} does not exist{split}")
     opened = open_dataset(path)
     if opened is None:
-        return read_text_corpus(path, column, max_chars), str(path) + (f", field {column}" if column else "")
+        texts, split = read_text_corpus(path, column, max_chars)
+        return texts, str(path) + split + (f", field {column}" if column else "")
     data, source = opened
     column = text_column(data, path, column)
     texts = column_texts(data, path, column)

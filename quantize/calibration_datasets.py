@@ -4,6 +4,7 @@ csv files (a file, or a directory of one kind), local files only."""
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # compared in lower case, as ev
 DATASET_METADATA = {"dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json"}  # not text
 
 
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip", ".7z")
+
+
 def text_files(path: Path) -> list[Path]:
     """The calibration text files under a directory, by name: text and JSONL, not README files (dataset cards), a
     dataset's own metadata or hidden files and directories (.ipynb_checkpoints, editor copies)."""
@@ -26,9 +30,40 @@ def text_files(path: Path) -> list[Path]:
 
 
 def _visible_files(path: Path, suffixes) -> list[Path]:
-    """Files under `path` with one of `suffixes` (any case), by name; hidden files and directories left out."""
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in suffixes
-                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    """Files under `path` with one of `suffixes` (any case), by name; hidden files and directories left out; a
+    compressed file refused (it would be left out)."""
+    visible = sorted(p for p in path.rglob("*") if p.is_file()
+                     and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    packed = [p for p in visible if p.suffix.lower() in COMPRESSED_SUFFIXES]
+    if packed:
+        raise QuantizeError(f"{path} holds compressed files ({packed[0].relative_to(path)}, ...), which calibration "
+                            "does not read; decompress them (gunzip) or pass a directory without them")
+    return [p for p in visible if p.suffix.lower() in suffixes]
+
+
+def train_split(path: Path, files: list[Path]) -> tuple[list[Path], str]:
+    """Of a directory's files, its train split's where file or folder names mark splits as the datasets library
+    reads them (train.jsonl, data/test-00000-of-00001.parquet), and ", split train" (else all, and ""): a test split
+    calibrated on would leak into the evaluation."""
+    if not files:
+        return files, ""
+    data_files = _datasets().data_files
+    splits = data_files.DataFilesDict.from_patterns(data_files.get_data_patterns(str(path)), base_path=str(path))
+    named = {str(name): {os.path.realpath(f) for f in found} for name, found in splits.items()}
+    if set(named) == {"train"} and all(os.path.realpath(f) in named["train"] for f in files):
+        return files, ""  # no split in the names
+    others = sorted(set(named) - {"train"})
+    stray = [f for f in files if not any(os.path.realpath(f) in found for found in named.values())]
+    if stray:
+        raise QuantizeError(f"{path} names splits by file name ({', '.join(sorted(named))}) and holds "
+                            f"{stray[0].relative_to(path)}, in none of them; move it out, or pass the files to "
+                            "calibrate on")
+    if "train" not in named:
+        raise QuantizeError(f"{path} holds the splits {', '.join(others)} (by their file names) and no train split; "
+                            f"calibrating on a test split would leak it into the evaluation: pass the files to "
+                            f"calibrate on, e.g. --calib-data {files[0]}")
+    chosen = [f for f in files if os.path.realpath(f) in named["train"]]
+    return chosen, f", split train ({', '.join(others)} left out)" if others else ", split train"
 SAVED_DATASET_FILES = (("dataset_dict.json",), ("state.json", "dataset_info.json"))  # save_to_disk's
 
 
@@ -50,13 +85,14 @@ def open_dataset(path: Path) -> tuple[Any, str] | None:
         raise QuantizeError(f"{path} holds {' and '.join(kinds)} files; pass a directory (or file) of one kind")
     if not files:
         return None
+    files, split = train_split(path, files) if path.is_dir() else (files, "")
     if kinds == ["parquet"] and not _parquet_rows(files, path):  # datasets' stream fails on it with Arrow's internals
         raise QuantizeError(f"calibration data {path} is empty (parquet with no rows)")
     try:
         data = _datasets().load_dataset(kinds[0], data_files=[str(f) for f in files], split="train", streaming=True)
     except Exception as exc:  # datasets raises many types for unreadable files
         raise QuantizeError(f"{path}: the {kinds[0]} files could not be read as a dataset: {exc}") from exc
-    return data, str(path) if path.is_file() else f"{path}, {len(files)} {kinds[0]} file(s)"
+    return data, str(path) if path.is_file() else f"{path}, {len(files)} {kinds[0]} file(s){split}"
 
 
 def _parquet_rows(files: list[Path], path: Path) -> int:

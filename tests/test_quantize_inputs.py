@@ -18,7 +18,7 @@ from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.config import BuildConfig
 from camshaft.errors import CheckpointError
 from camshaft.model_config import ModelConfig
-from camshaft.quantize import calibration
+from camshaft.quantize import calibration, stdlib_corpus
 from camshaft.quantize.calibration import default_corpus, load_texts
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, QuantizeError, QuantSpec, modelopt_config, resolve_group_size
@@ -179,6 +179,44 @@ def test_text_files_as_exported_read_and_a_huge_one_only_as_far_as_used(tmp_path
         load_texts(f"{tmp_path / 'nope.jsonl'}:text")
 
 
+def test_a_directory_of_splits_calibrates_on_train_and_nothing_is_read_past_what_is_used(tmp_path):
+    import gzip
+
+    pytest.importorskip("datasets")
+    splits = tmp_path / "splits"
+    splits.mkdir()
+    for name in ("test", "train", "validation"):  # by name, test comes first
+        (splits / f"{name}.jsonl").write_text(f'{{"text": "{name} row"}}\n')
+    texts, source = load_texts(splits)
+    assert list(texts) == ["train row"] and source == f"{splits}, split train (test, validation left out)"
+    (splits / "train.jsonl").unlink()
+    with pytest.raises(QuantizeError, match="holds the splits test, validation .by their file names. and no train"):
+        load_texts(splits)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("word " * 1000)
+    (plain / "b.txt").write_bytes("caf\xe9".encode("latin-1"))  # never reached
+    assert [len(t) for t in load_texts(plain, max_chars=100)[0]] == [100]
+    (plain / "c.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n'))  # would be left out
+    with pytest.raises(QuantizeError, match=r"holds compressed files \(c.jsonl.gz, ...\), which calibration does not"):
+        load_texts(plain)
+    (tmp_path / "typed.jsonl").write_text('{"text": 5}\n')
+    with pytest.raises(QuantizeError, match=r"found an object with the keys \['text'\] \(its text field holds int\)"):
+        list(load_texts(tmp_path / "typed.jsonl")[0])
+
+
+def test_a_dataset_snapshot_of_splits_calibrates_on_its_train_split(datasets, tmp_path):
+    snapshot = tmp_path / "wikitext"
+    (snapshot / "wikitext-2-raw-v1").mkdir(parents=True)
+    (snapshot / "README.md").write_text("---\nconfigs: []\n---\n# a dataset card\n")
+    for name in ("test", "train", "validation"):
+        datasets.Dataset.from_dict({"text": [f"{name} row"]}).to_parquet(
+            snapshot / "wikitext-2-raw-v1" / f"{name}-00000-of-00001.parquet")
+    texts, source = load_texts(snapshot)
+    assert list(texts) == ["train row"]
+    assert source == f"{snapshot}, 1 parquet file(s), split train (test, validation left out), column text"
+
+
 def test_a_calibration_window_beyond_the_models_positions_is_refused_first(tiny, tmp_path):
     with pytest.raises(QuantizeError, match="--calib-seq-len 1024 exceeds the model's max_position_embeddings .512."):
         quantize_checkpoint(tiny, tmp_path / "o", QuantSpec("int8_wo"), calib_size=1, calib_seq_len=1024)
@@ -235,10 +273,15 @@ def test_dataset_snapshot_directory_reads_its_data_files_not_its_card(datasets, 
     with pytest.raises(QuantizeError, match="calibration data .*none.parquet is empty .parquet with no rows."):
         load_texts(tmp_path / "none.parquet")
     datasets.Dataset.from_dict({"text": [" "]}).to_parquet(snapshot / "data" / "train-2.parquet")
-    (snapshot / "data" / "extra.csv").write_text("content\nd\n")
+    (snapshot / "data" / "train-3.csv").write_text("content\nd\n")
     with pytest.raises(QuantizeError, match="holds csv and parquet files; pass a directory .or file. of one kind"):
         load_texts(snapshot)
-    (snapshot / "data" / "extra.csv").unlink()
+    (snapshot / "data" / "train-3.csv").unlink()
+    (snapshot / "data" / "extra.parquet").write_bytes((snapshot / "data" / "train-0.parquet").read_bytes())
+    with pytest.raises(QuantizeError, match=r"names splits by file name \(train\) and holds data/extra.parquet, in "
+                                            "none of them; move it out"):
+        load_texts(snapshot)
+    (snapshot / "data" / "extra.parquet").unlink()
     (snapshot / "data" / "train-2.parquet").unlink()
     (snapshot / "dataset_infos.json").write_text("{}")  # a dataset's own metadata, like its card: not text
     (snapshot / "data" / "README.txt").write_text("about the files")
@@ -334,11 +377,22 @@ def test_quantize_calibrates_on_conversations(tiny, tmp_path):
 
 
 def test_default_corpus_is_deterministic_stdlib_docstrings():
+    import inspect
+    import logging
+
+    import torch  # noqa: F401  (patches inspect.getfile)
+    import transformers.utils.logging  # noqa: F401  (adds warning_once to logging.Logger)
+
     first, second = default_corpus(), default_corpus()
     assert first == second
     assert len(first) > 500 and sum(map(len, first)) > 200_000
     assert "Return" in " ".join(first[:50]) or "return" in " ".join(first[:50])
-    assert calibration.STDLIB_MODULES[0] == "abc"
+    assert stdlib_corpus.STDLIB_MODULES[0] == "abc"
+    # what this process imported changes nothing: the standard library's own docstrings, only those
+    assert inspect.getfile.__doc__ is None and "Work out which source or compiled file an object was defined in." \
+        in first
+    assert inspect.cleandoc(logging.Logger.warning_once.__doc__) not in first
+    assert stdlib_corpus.gather(40) != list(first)  # gathered here, after those imports: not the same text
 
 
 def test_modelopt_config_applies_group_kv_and_exclude():

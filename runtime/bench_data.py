@@ -171,11 +171,11 @@ def read_jsonl_requests(path: Path) -> list[tuple[str | list, int]]:
     """(prompt, max_tokens) per line of {"prompt": text or token ids, "max_tokens": n}; raises naming the line."""
     rows = []
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a BOM allowed
     except UnicodeDecodeError as exc:
         raise RequestError(f"{path} is not UTF-8 text (byte {exc.start}); a JSONL dataset holds one JSON object a "
                            "line, UTF-8") from None
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):  # not at U+2028 and the like, which a JSON string may hold
         if not line.strip():
             continue
         try:

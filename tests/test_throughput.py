@@ -14,7 +14,7 @@ from camshaft.builder.config import BuildConfig
 from camshaft.errors import RequestError
 from camshaft.manifest import read_manifest
 from camshaft.runtime import throughput
-from camshaft.runtime.bench_data import BenchRequest, load_dataset, parse_dataset_spec
+from camshaft.runtime.bench_data import BenchRequest, load_dataset, parse_dataset_spec, read_jsonl_requests
 from camshaft.runtime.flops import count_flops
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.throughput import run_throughput, throughput_benchmark
@@ -121,6 +121,10 @@ def test_jsonl_dataset(tmp_path):
     rows = load_dataset(str(path), 3, max_seq_len=64, vocab_size=300)
     assert rows[0] == rows[2] == BenchRequest([5, 6, 7], 4)
     assert len(rows[1].prompt_ids) == 63 and rows[1].max_tokens == 1  # clipped to the engine's max_seq_len
+    exported = tmp_path / "exported.jsonl"  # json.dumps(ensure_ascii=False) keeps U+2028 raw; a BOM, CRLF
+    exported.write_bytes(b"\xef\xbb\xbf" + '{"prompt": [5, 6], "max_tokens": 2}\r\n{"prompt": "a\u2028b\u0085", '
+                         '"max_tokens": 3}\r\n'.encode())
+    assert read_jsonl_requests(exported) == [([5, 6], 2), ("a\u2028b\u0085", 3)]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": [1, 2]}\n')
     with pytest.raises(RequestError, match="bad.jsonl:1"):

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
+import weakref
 from collections.abc import Generator
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from camshaft.errors import EngineError, RequestError, ServerClosedError
 from camshaft.manifest import read_manifest
@@ -27,6 +27,7 @@ from camshaft.runtime.prompts import Prompt, PromptEncoder
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams, model_defaults
 from camshaft.runtime.sequence import SequenceEngine
+from camshaft.runtime.session_drafts import decode_with_drafts
 
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
@@ -75,21 +76,31 @@ class Session:
         self.prompts = PromptEncoder(self.tokenizer, manifest.limits.max_seq_len, manifest.model.vocab_size)
         self._guides = Guides(self.tokenizer, manifest.model.vocab_size, self.engine.eos_token_ids)
         self._ids = itertools.count()
-        self._running = threading.Lock()
-        self._closed = False
+        self._running = threading.Lock()  # held by the request in progress, between its tokens too
+        self._stepping = threading.Lock()  # held inside the engine: no step runs after a close has taken it
+        self._stopped = threading.Event()
+        # on close, on garbage collection, and at exit: a step in another thread (a daemon's) must end first, or
+        # ONNX Runtime aborts the process as it exits
+        self._finalizer = weakref.finalize(self, _shutdown, self._stopped, self._stepping, self._running,
+                                           self.engine, os.getpid())
+
+    @property
+    def _closed(self) -> bool:
+        return self._stopped.is_set()
 
     def close(self) -> None:
-        """Release the engine now; a request running in another thread ends at its next token with a ServerClosedError
-        and releases it then."""
-        self._closed = True
-        self._release_engine_if_idle()
+        """Release the engine now (after the step in progress, if any); a request running in another thread ends
+        with a ServerClosedError and releases it then."""
+        self._finalizer()
 
     def _release_engine_if_idle(self) -> None:
-        if self._running.acquire(blocking=False):
-            try:
-                self.engine.close()
-            finally:
-                self._running.release()
+        _release_if_idle(self._running, self.engine)
+
+    @contextlib.contextmanager
+    def _step(self) -> Generator[None, None, None]:
+        with self._stepping:
+            self._check_open()
+            yield
 
     def __enter__(self) -> Session:
         return self
@@ -191,9 +202,9 @@ class Session:
             raise _busy()
         engine = self.engine
         try:
-            self._check_open()
             request.arrival = time.perf_counter()
-            engine.start(request.max_length, request.longest_pass)
+            with self._step():
+                engine.start(request.max_length, request.longest_pass)
         except BaseException:
             self._running.release()
             if self._closed:  # a close() that found the lock taken left the engine to this request
@@ -208,57 +219,49 @@ class Session:
             while request.num_computed < len(prompt):
                 start = request.num_computed
                 piece = prompt[start: start + budget]
-                self._check_open()
-                logits = engine.feed(piece, start, copy=False, last=start + len(piece) == len(prompt))
+                with self._step():
+                    logits = engine.feed(piece, start, copy=False, last=start + len(piece) == len(prompt))
                 request.num_computed += len(piece)
             if self.prompt_lookup is not None:
-                return (yield from self._decode_with_drafts(request, logits))
+                return (yield from decode_with_drafts(engine, self.prompt_lookup, request, logits, self._step,
+                                                      self._check_open))
             while True:
                 delta = request.add_sample(request.sampler.sample(logits))
                 if delta:
                     yield delta
                 if request.finished:
                     return request.result()
-                self._check_open()
                 engine.screen(request.sampler.plain_greedy)  # min_tokens' ban ends: from then on it may
-                logits = engine.feed([request.output_ids[-1]], request.num_computed, copy=False)
+                with self._step():
+                    logits = engine.feed([request.output_ids[-1]], request.num_computed, copy=False)
                 request.num_computed += 1
         finally:
+            self.draft_tokens += request.draft_tokens
+            self.accepted_draft_tokens += request.accepted_draft_tokens
             engine.finish()
             self._running.release()
             if self._closed:  # closed while this request ran
                 self._release_engine_if_idle()
 
-    def _decode_with_drafts(self, request: Request, logits: np.ndarray) -> Generator[str, None, GenerationResult]:
-        """Decode feeding each new token with prompt lookup's drafts (request.add_drafted samples them); the cache
-        past the drafts taken is written again by the next step."""
-        rows, drafts, fed_at = logits[None], [], request.num_computed - 1
-        context = np.empty(len(request.prompt_ids) + request.params.max_tokens, dtype=np.int64)
-        context[:len(request.prompt_ids)] = request.prompt_ids
-        largest = min(self.prompt_lookup.num_tokens, self.engine.limits.max_num_tokens - 1)  # a step's token budget
-        while True:
-            drafted, accepted = request.draft_tokens, request.accepted_draft_tokens
-            deltas, taken = request.add_drafted(rows, drafts)
-            context[request.num_tokens - len(taken): request.num_tokens] = [s.token_id for s in taken]
-            self.draft_tokens += request.draft_tokens - drafted
-            self.accepted_draft_tokens += request.accepted_draft_tokens - accepted
-            for k, delta in enumerate(deltas, 1 - len(deltas)):  # k: 0 for the step's last token
-                if delta:
-                    yield delta
-                if k or not request.finished:
-                    self._check_open()  # closed while this request ran: it ends at its next token, drafts or not
-            if request.finished:
-                return request.result()
-            request.num_computed = fed_at + len(taken)
-            limit = min(largest, request.params.max_tokens - len(request.output_ids) - 1)
-            drafts = self.prompt_lookup.propose(context[:request.num_tokens], limit)
-            fed_at, tokens = request.num_computed, [request.output_ids[-1], *drafts]
-            self.engine.screen(request.sampler.plain_greedy)
-            rows = self.engine.feed_rows(tokens, fed_at, len(tokens))
-
     def _check_open(self) -> None:
         if self._closed:
             raise ServerClosedError("this Session is closed; create a new Session to generate")
+
+
+def _shutdown(stopped: threading.Event, stepping: threading.Lock, running: threading.Lock, engine, pid: int) -> None:
+    if os.getpid() != pid:  # a forked child's copy: the parent's ONNX Runtime session is not its to close
+        return
+    stopped.set()
+    with stepping:  # the step in progress ends; none starts after
+        _release_if_idle(running, engine)  # else the request in progress releases it as it ends
+
+
+def _release_if_idle(running: threading.Lock, engine) -> None:
+    if running.acquire(blocking=False):
+        try:
+            engine.close()
+        finally:
+            running.release()
 
 
 def _busy() -> RequestError:

@@ -306,14 +306,52 @@ def test_a_tokenizer_guided_decoding_cannot_read_raises_a_fresh_error_each_time(
 
 def test_a_close_racing_a_starting_request_still_releases_the_engine(engine_dir, monkeypatch):
     session = Session(engine_dir)
-    check_open = session._check_open
+    check_open, closers = session._check_open, []
 
     def closed_meanwhile():
-        if session._running.locked():  # the request's own check: another thread's close() lands just before it
-            session.close()
+        if session._running.locked() and not closers:  # the request's own check: another thread's close() lands
+            closers.append(threading.Thread(target=session.close))  # just before it
+            closers[0].start()
+            assert session._stopped.wait(30)
         check_open()
 
     monkeypatch.setattr(session, "_check_open", closed_meanwhile)
     with pytest.raises(ServerClosedError):
         session.generate([3, 4], GREEDY)
+    closers[0].join(30)
     assert session.engine.session is None  # released, not left loaded until the Session is collected
+
+
+def test_a_session_dropped_without_close_releases_its_engine(engine_dir):
+    session = Session(engine_dir)
+    session.generate([5, 6, 7], GREEDY)
+    engine = session.engine
+    del session
+    gc.collect()
+    assert engine.session is None  # its memory handed back, as close() does
+
+
+EXIT_MID_REQUEST = """
+import sys, threading
+from camshaft import Session, SamplingParams
+session = Session(sys.argv[1])
+started = threading.Event()
+def run():
+    for _ in session.stream([5, 6, 7], SamplingParams(max_tokens=None, ignore_eos=True)):
+        started.set()
+    while True:
+        for _ in session.stream([5, 6, 7], SamplingParams(max_tokens=None, ignore_eos=True)):
+            pass
+threading.Thread(target=run, daemon=True).start()  # a threaded server's request thread
+started.wait(60)
+"""
+
+
+def test_a_process_exiting_while_a_daemon_thread_runs_a_session_request_exits_cleanly(engine_dir):
+    import subprocess
+    import sys
+
+    for _ in range(3):  # ONNX Runtime aborts a process that exits inside a run: terminate called..., status 134
+        done = subprocess.run([sys.executable, "-c", EXIT_MID_REQUEST, str(engine_dir)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -62,6 +62,8 @@ class BuildConfig:
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
         if self.gpu_arch is not None and not self.target.startswith("tensorrt"):
             raise BuildConfigError(f"--gpu-arch applies to the tensorrt targets, not {self.target}; drop it")
+        if self.gpu_arch is not None and not isinstance(self.gpu_arch, str):
+            raise BuildConfigError(f"gpu_arch is a string (e.g. \"sm89\"), got {self.gpu_arch!r:.40}")
         if self.gpu_arch is not None and not self.gpu_arch.strip():  # an unset $ARCH: not the default, silently
             raise BuildConfigError("--gpu-arch is empty; give one such as sm89, or drop it for the default")
         if self.weight_only_compute not in WEIGHT_ONLY_COMPUTE:

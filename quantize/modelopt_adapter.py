@@ -95,7 +95,7 @@ def written_files(checkpoint: Path) -> set[str]:
     return {CAMSHAFT_QUANT_RECORD, *files} if isinstance(files, list) else set(os.listdir(checkpoint))
 
 
-def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSpec, *,
+def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSpec | str, *,
                         calib_data: str | Path | None = None, calib_size: int = DEFAULT_CALIB_SIZE,
                         calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN,
                         progress: Progress = lambda _: None, progress_bar: bool = False,
@@ -109,6 +109,10 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     timings: dict[str, float] = {}
     start = time.perf_counter()
     # --- checks, all before any long work ---
+    if isinstance(spec, str):  # the format, as the CLI's --quant takes it
+        spec = QuantSpec(spec)
+    if not isinstance(spec, QuantSpec):
+        raise QuantizeError(f"spec is a QuantSpec (e.g. QuantSpec(\"int4_awq\")) or a format name, got {spec!r:.80}")
     if not model_dir.is_dir():
         raise CheckpointError(missing_checkpoint(model_dir))
     method = unreadable_quantization(model_dir)

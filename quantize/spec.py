@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +143,9 @@ class QuantSpec:
         if self.lm_head not in LM_HEAD_DTYPES:
             raise QuantizeError(f"unknown --lm-head {self.lm_head!r}; choose one of: {', '.join(LM_HEAD_DTYPES)}")
         # one pattern or several (a string is one pattern, not its characters); None: none
+        if self.exclude is not None and not isinstance(self.exclude, str | Iterable):
+            raise QuantizeError(f"exclude is a pattern or a list of them (e.g. [\"*.mlp.down_proj\"]), got "
+                                f"{self.exclude!r:.80}")
         exclude = () if self.exclude is None else (self.exclude,) if isinstance(self.exclude, str) else \
             tuple(self.exclude)
         for pattern in exclude:

@@ -57,6 +57,8 @@ class PromptLookup:
         for name in ("num_tokens", "max_ngram", "min_ngram"):
             if not is_int(getattr(self, name)):
                 raise RequestError(f"PromptLookup.{name} must be an integer, got {getattr(self, name)!r:.40}")
+        for name in ("num_tokens", "max_ngram", "min_ngram", "max_running"):  # numpy's: Python's (JSON, repr)
+            object.__setattr__(self, name, int(getattr(self, name)))
         if not 1 <= self.num_tokens <= MAX_DRAFT:
             raise RequestError(f"PromptLookup.num_tokens must be in 1..{MAX_DRAFT}, got {self.num_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram <= 16:

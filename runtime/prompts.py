@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from camshaft.checks import is_int
+from camshaft.checks import is_int, is_int_at_least
 from camshaft.errors import CapacityError, RequestError
 from camshaft.runtime.chat_template import ChatOptions, render_chat
 from camshaft.runtime.prompt_text import encode_text
@@ -40,15 +40,19 @@ class PromptEncoder:
             raise RequestError("the prompt is None; pass text, token ids or a prompt dict (or chat messages)")
         if prompt is not None and messages is not None:
             raise RequestError("pass exactly one of a prompt or chat messages")
+        if not (most_counted is None or is_int_at_least(most_counted, 1)):
+            raise RequestError(f"most_counted must be an integer >= 1 or None, got {most_counted!r:.40}",
+                               field="most_counted")
         limit = self.max_seq_len if for_generation else most_counted
+        said = None if for_generation else f"counting stops at most_counted ({most_counted})"
         if chat is not None and chat.changed() and messages is None:
             raise RequestError(f"{' and '.join(chat.changed())} go with chat messages; pass messages=[...]")
         if messages is not None:
-            ids = self._chat_prompt(messages, chat or ChatOptions(), limit)[1]
+            ids = self._chat_prompt(messages, chat or ChatOptions(), limit, said)[1]
         elif isinstance(prompt, str):
             if not prompt and for_generation:
                 raise RequestError("the prompt is empty; pass some text")
-            ids = encode_text(self.tokenizer, prompt, limit)
+            ids = encode_text(self.tokenizer, prompt, limit, limit=said)
         else:
             vocab = self.vocab_size
             items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
@@ -60,7 +64,8 @@ class PromptEncoder:
         if not ids and for_generation:
             raise RequestError("the prompt encodes to no tokens; pass some text")
         if not for_generation and most_counted is not None and len(ids) > most_counted:
-            raise CapacityError(f"the prompt holds {len(ids)} tokens, more than {most_counted}")
+            raise CapacityError(f"the prompt holds {len(ids)} tokens, more than most_counted ({most_counted})",
+                                field="prompt")
         return ids
 
     def chat_prompt(self, messages: list[dict[str, Any]], chat: ChatOptions | None = None) -> tuple[str, list[int]]:
@@ -70,9 +75,9 @@ class PromptEncoder:
             raise RequestError("the prompt encodes to no tokens; pass some text")
         return text, ids
 
-    def _chat_prompt(self, messages: list[dict[str, Any]], chat: ChatOptions,
-                     limit: int | None) -> tuple[str, list[int]]:
+    def _chat_prompt(self, messages: list[dict[str, Any]], chat: ChatOptions, most: int | None,
+                     said: str | None = None) -> tuple[str, list[int]]:
         """The chat template's text of a conversation and its ids (the template holds the special tokens: encoding
         adds no second BOS)."""
         text = render_chat(self.tokenizer, messages, chat)
-        return text, encode_text(self.tokenizer, text, limit, "the chat", add_special_tokens=False)
+        return text, encode_text(self.tokenizer, text, most, "the chat", add_special_tokens=False, limit=said)

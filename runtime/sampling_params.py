@@ -167,6 +167,11 @@ class SamplingParams:
             _require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
                      f"{name} must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}", name)
         _require(self.n >= 1, f"n must be at least 1, got {self.n}", "n")
+        for name in ("max_tokens", "min_tokens", "top_k", "n", "beam_width", "seed", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:  # numpy's numbers as Python's (JSON, repr), as the id lists
+                object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         _require(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
                  f"guided_decoding must be a GuidedDecodingParams (e.g. GuidedDecodingParams(json=schema)) or None, "
                  f"got {self.guided_decoding!r:.100}", "guided_decoding")

@@ -293,6 +293,18 @@ def test_prompt_dicts_and_the_sampling_params_keyword(engine_dir):
             llm.tokenizer.decode(expected)
 
 
+def test_counting_tokens_says_its_own_cap(engine_dir):
+    from camshaft.errors import CapacityError
+
+    with LLM(engine_dir) as llm:
+        assert len(llm.encode("", for_generation=False)) <= 1  # an empty prompt is counted, not refused
+        with pytest.raises(CapacityError, match=r"more than 10 tokens: counting stops at most_counted \(10\)"):
+            llm.encode("word " * 1000, for_generation=False, most_counted=10)  # not "this engine allows 10"
+        for wrong in (True, -1, 0, 2.5):
+            with pytest.raises(RequestError, match="most_counted must be an integer >= 1 or None"):
+                llm.encode("word", for_generation=False, most_counted=wrong)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda llm: llm.generate(None), "prompts must be a prompt"),
     (lambda llm: llm.generate(7), "prompts must be a prompt"),

@@ -53,6 +53,15 @@ def test_unknown_format_lists_the_formats():
         assert name in str(info.value)
     with pytest.raises(QuantizeError, match="unknown --kv-cache-dtype 'int4'"):
         QuantSpec("fp8", kv_cache_dtype="int4")
+    with pytest.raises(QuantizeError, match="exclude is a pattern or a list of them"):  # not int's TypeError
+        QuantSpec("int8_sq", exclude=5)
+
+
+def test_the_format_may_be_named_as_the_cli_names_it(tiny, tmp_path, no_model_load):
+    with pytest.raises(QuantizeError, match="unknown quantization format 'int3'"):  # read as QuantSpec("int3")
+        quantize_checkpoint(tiny, tmp_path / "out", "int3", **CALIB)
+    with pytest.raises(QuantizeError, match="spec is a QuantSpec .* or a format name, got None"):
+        quantize_checkpoint(tiny, tmp_path / "out", None, **CALIB)
 
 
 def test_group_size_rules(tiny, tmp_path, no_model_load):

@@ -79,6 +79,19 @@ def test_invalid_params_are_rejected_with_the_field_named(overrides, message):
     assert refused.value.field == next(iter(overrides))  # what a server names as the request's wrong field
 
 
+def test_numpy_numbers_are_kept_as_pythons():
+    import dataclasses
+    import json
+
+    from camshaft.runtime.prompt_lookup import PromptLookup
+
+    params = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), seed=np.int32(7), logprobs=np.int8(2))
+    assert json.loads(json.dumps(dataclasses.asdict(params)))["max_tokens"] == 3  # numpy's int64 is no JSON
+    assert type(params.temperature) is float and type(params.seed) is int and params == SamplingParams(
+        max_tokens=3, temperature=0.5, seed=7, logprobs=2)
+    assert type(PromptLookup(num_tokens=np.int64(4)).num_tokens) is int
+
+
 def test_params_normalise_sequences_and_report_greedy():
     params = SamplingParams(stop=["a", "b"], stop_token_ids=[5], bad_words="x", temperature=0.8)
     assert params.stop == ("a", "b") and params.stop_token_ids == (5,) and params.bad_words == ("x",)

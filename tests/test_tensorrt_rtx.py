@@ -75,6 +75,8 @@ def test_arch_spellings() -> None:
 
     with pytest.raises(BuildConfigError, match="--gpu-arch is empty"):  # an unset $ARCH built sm89 silently
         BuildConfig("model", "engine", target="tensorrt-rtx", gpu_arch="")
+    with pytest.raises(BuildConfigError, match="gpu_arch is a string .e.g. \"sm89\"., got 89"):  # not AttributeError
+        BuildConfig("model", "engine", target="tensorrt-rtx", gpu_arch=89)
 
 
 def test_parser_errors_name_the_node(tmp_path: Path) -> None:

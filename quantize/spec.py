@@ -24,6 +24,7 @@ class QuantizeError(CamshaftError):
 # --lm-head → inputs per scale block (None: one scale per vocabulary row); the builder rounds the head at build time.
 LM_HEAD_BLOCKS: dict[str, int | None] = {"float": None, "int8": None, "int4": 64}
 LM_HEAD_DTYPES = tuple(LM_HEAD_BLOCKS)
+LEAST_NBITS_BLOCK = 16  # a quantized head runs as MatMulNBits, in blocks of 16 to 128 inputs
 # --lm-head → how many of the head's input channels stay float: those with the largest mean |input| over the
 # calibration tokens (`camshaft quantize` records them). A few channels of the final hidden states are ~10-40x the
 # rest (SmolLM2: one at 40x the median) and dominate the int4 head's error; kept float, blocks of 64 are more
@@ -36,9 +37,13 @@ def check_lm_head(lm_head: str, config: ModelConfig, error: type[CamshaftError] 
     if lm_head not in LM_HEAD_BLOCKS:
         raise error(f"unknown --lm-head {lm_head!r}; choose one of: {', '.join(LM_HEAD_DTYPES)}")
     block = LM_HEAD_BLOCKS[lm_head]
+    fits_int8 = config.hidden_size % LEAST_NBITS_BLOCK == 0
     if block is not None and config.hidden_size % block:
         raise error(f"--lm-head {lm_head} quantizes blocks of {block} inputs, which do not divide "
-                    f"hidden_size {config.hidden_size}; use --lm-head int8 or float")
+                    f"hidden_size {config.hidden_size}; use --lm-head {'int8 or float' if fits_int8 else 'float'}")
+    if lm_head == "int8" and not fits_int8:
+        raise error(f"--lm-head int8 runs in blocks of {LEAST_NBITS_BLOCK} to 128 inputs (ONNX Runtime's "
+                    f"MatMulNBits), none of which divides hidden_size {config.hidden_size}; use --lm-head float")
 
 
 @dataclass(frozen=True)

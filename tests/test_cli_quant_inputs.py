@@ -4,6 +4,7 @@ it refuses the quantization options the user passed instead of ignoring them."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 
 import pytest
 from test_cli import camshaft
@@ -67,6 +68,16 @@ def test_quantization_options_without_quant_are_refused(tiny, tmp_path, capsys, 
     err = one_line(err)
     assert code == 1 and f"error: {option[0]} is a quantization option: add --quant FORMAT" in err, err
     assert not (tmp_path / "e").exists()
+
+
+def test_a_quantization_option_for_a_quantized_checkpoint_says_to_quantize_the_original(tiny, tmp_path, capsys):
+    quantized = tmp_path / "q"
+    shutil.copytree(tiny, quantized)
+    (quantized / "hf_quant_config.json").write_text("{}")  # the option alone is refused before it is read
+    code, _, err = camshaft(capsys, "build", "--model", quantized, "--output", tmp_path / "e", "--kv-cache-dtype",
+                            "fp8")
+    assert code == 1 and f"--kv-cache-dtype is a quantization option, and {quantized} is already quantized: " \
+        "quantize the original float checkpoint again with it" in one_line(err), err  # not "add --quant", refused too
 
 
 def test_several_options_are_named_together(tiny, tmp_path, capsys):

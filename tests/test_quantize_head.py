@@ -209,9 +209,15 @@ def test_bad_lm_head_is_refused_before_any_work(heads, capsys, tmp_path):
         QuantSpec("int4_awq", lm_head="int2")
     dirs, _ = heads
     model = ModelConfig.from_hf_dir(dirs["int4"][0])
-    check_lm_head_fits(QuantSpec("int8_wo", lm_head="int8"), replace(model, hidden_size=72))
-    with pytest.raises(QuantizeError, match="blocks of 64 inputs, which do not divide hidden_size 72"):
+    check_lm_head_fits(QuantSpec("int8_wo", lm_head="int8"), replace(model, hidden_size=80))  # blocks of 16
+    with pytest.raises(QuantizeError, match="blocks of 64 inputs, which do not divide hidden_size 80; use --lm-head "
+                                            "int8 or float"):
+        check_lm_head_fits(QuantSpec("int8_wo", lm_head="int4"), replace(model, hidden_size=80))
+    with pytest.raises(QuantizeError, match="hidden_size 72; use --lm-head float$"):  # not int8: it fits neither
         check_lm_head_fits(QuantSpec("int8_wo", lm_head="int4"), replace(model, hidden_size=72))
+    with pytest.raises(QuantizeError, match="--lm-head int8 runs in blocks of 16 to 128 inputs .* none of which "
+                                            "divides hidden_size 72; use --lm-head float"):  # the build crashed
+        check_lm_head_fits(QuantSpec("int8_wo", lm_head="int8"), replace(model, hidden_size=72))
     argv = sys.argv
     sys.argv = ["camshaft", "build", "--model", str(dirs["int4"][0]), "--output", str(tmp_path / "e"),
                 "--lm-head", "int4"]
@@ -221,7 +227,8 @@ def test_bad_lm_head_is_refused_before_any_work(heads, capsys, tmp_path):
     finally:
         sys.argv = argv
     err = " ".join(capsys.readouterr().err.split())
-    assert "--lm-head is a quantization option: add --quant" in err and not (tmp_path / "e").exists()
+    assert "--lm-head is a quantization option, and" in err and "is already quantized: quantize the original float " \
+        "checkpoint again with it" in err and not (tmp_path / "e").exists()
 
 
 def test_int4_head_on_a_w8a8_checkpoint_keeps_float_compute(tmp_path):

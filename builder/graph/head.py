@@ -123,7 +123,8 @@ class Head:
                        "rounding": "nearest at build time, symmetric, "
                                    + ("amax / (2^(bits-1) - 1)" if linears.qdq else "full range"),
                        "lowering": LOWERINGS[kind], "accuracy_level": level,
-                       "activations": "int8 per block (MatMulNBits accuracy level 4)" if level == 4 else None,
+                       "activations": f"int8 per block of {nbits_block(q)} (MatMulNBits accuracy level 4)"
+                       if level == 4 else None,
                        "float_channels": list(self.channels),
                        "embedding": "the head's tensors (GatherBlockQuantized)" if self.shares_embedding else "float"}
         return y

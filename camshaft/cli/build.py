@@ -139,9 +139,10 @@ def build(
                          max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
                          gpu_arch=gpu_arch, weight_only_compute=weight_only_compute)
     if quant is None:
-        _refuse_quant_options({"--kv-cache-dtype": kv_cache_dtype, "--group-size": group_size,
-                               "--calib-data": calib_data, "--calib-size": calib_size,
-                               "--calib-seq-len": calib_seq_len, "--exclude": exclude or None, "--lm-head": lm_head})
+        _refuse_quant_options(model, {"--kv-cache-dtype": kv_cache_dtype, "--group-size": group_size,
+                                      "--calib-data": calib_data, "--calib-size": calib_size,
+                                      "--calib-seq-len": calib_seq_len, "--exclude": exclude or None,
+                                      "--lm-head": lm_head})
     else:
         group_size = "auto" if group_size is None else group_size
         lm_head = "float" if lm_head is None else lm_head
@@ -166,13 +167,19 @@ def quantized_checkpoint(output: Path) -> Path:
     return output.with_name(output.name + ".ckpt")
 
 
-def _refuse_quant_options(options: dict[str, object]) -> None:
+def _refuse_quant_options(model: Path, options: dict[str, object]) -> None:
     """Without --quant, the quantization options the user passed would be ignored: refuse them."""
+    from camshaft.model_config import HF_QUANT_CONFIG
+
     passed = [name for name, value in options.items() if value is not None]
     if passed:
         what = "is a quantization option" if len(passed) == 1 else "are quantization options"
-        raise CamshaftError(f"{', '.join(passed)} {what}: add --quant FORMAT to quantize first, or drop "
-                            f"{'it' if len(passed) == 1 else 'them'}")
+        them = "it" if len(passed) == 1 else "them"
+        if (model / HF_QUANT_CONFIG).is_file():  # its scales were calibrated with its own options
+            raise CamshaftError(f"{', '.join(passed)} {what}, and {model} is already quantized: quantize the "
+                                f"original float checkpoint again with {them} (camshaft build --quant FORMAT ... or "
+                                f"camshaft quantize), or drop {them}")
+        raise CamshaftError(f"{', '.join(passed)} {what}: add --quant FORMAT to quantize first, or drop {them}")
 
 
 def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str | None, group_size: str,

@@ -243,7 +243,9 @@ class LLM(ServingAPI):
 def _numbered(exc: BaseException, what: str, i: int, count: int) -> BaseException:
     """A request's error (RequestError) of item i of several, saying which (one alone needs no number); other
     errors (an engine step's, shared by every request in it) as they are."""
-    return type(exc)(f"{what} {i}: {exc}") if count > 1 and isinstance(exc, RequestError) else exc
+    if count > 1 and isinstance(exc, RequestError):
+        return type(exc)(f"{what} {i}: {exc}", field=exc.field)
+    return exc
 
 
 def _text_of(prompt: Prompt) -> str | None:

@@ -77,7 +77,9 @@ class Session:
         self._guides = Guides(self.tokenizer, manifest.model.vocab_size, self.engine.eos_token_ids)
         self._ids = itertools.count()
         self._running = threading.Lock()  # held by the request in progress, between its tokens too
-        self._stepping = threading.Lock()  # held inside the engine: no step runs after a close has taken it
+        # held inside the engine: no step runs after a close has taken it (reentrant: a signal handler's close()
+        # runs on the thread that is inside the step)
+        self._stepping = threading.RLock()
         self._stopped = threading.Event()
         # on close, on garbage collection, and at exit: a step in another thread (a daemon's) must end first, or
         # ONNX Runtime aborts the process as it exits
@@ -248,10 +250,10 @@ class Session:
             raise ServerClosedError("this Session is closed; create a new Session to generate")
 
 
-def _shutdown(stopped: threading.Event, stepping: threading.Lock, running: threading.Lock, engine, pid: int) -> None:
+def _shutdown(stopped: threading.Event, stepping: threading.RLock, running: threading.Lock, engine, pid: int) -> None:
+    stopped.set()
     if os.getpid() != pid:  # a forked child's copy: the parent's ONNX Runtime session is not its to close
         return
-    stopped.set()
     with stepping:  # the step in progress ends; none starts after
         _release_if_idle(running, engine)  # else the request in progress releases it as it ends
 

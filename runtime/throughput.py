@@ -148,7 +148,7 @@ def fitting_requests(llm: LLM, requests: list[BenchRequest]) -> list[Request]:
             made.extend(llm._requests(list(item.prompt_ids), params))
             llm.executor.scheduler.check(made[-1])
         except RequestError as exc:
-            raise type(exc)(f"request {index + 1} of {len(requests)}: {exc}") from None
+            raise type(exc)(f"request {index + 1} of {len(requests)}: {exc}", field=exc.field) from None
     return made
 
 

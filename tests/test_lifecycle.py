@@ -355,3 +355,52 @@ def test_a_process_exiting_while_a_daemon_thread_runs_a_session_request_exits_cl
         done = subprocess.run([sys.executable, "-c", EXIT_MID_REQUEST, str(engine_dir)], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+CLOSED_BY_A_SIGNAL_HANDLER = """
+import os, signal, sys
+from camshaft import SamplingParams, ServerClosedError, Session
+session = Session(sys.argv[1])
+signal.signal(signal.SIGINT, lambda *_: session.close())  # a worker's Ctrl-C / SIGTERM handler
+feed = session.engine.feed
+def feed_and_signal(*args, **kwargs):
+    out = feed(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGINT)  # the handler runs on this thread, inside the step
+    return out
+session.engine.feed = feed_and_signal
+try:
+    session.generate([5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True))
+except ServerClosedError:
+    print("closed", session.engine.session is None)
+"""
+
+CLOSED_IN_A_FORKED_CHILD = """
+import os, sys
+from camshaft import SamplingParams, ServerClosedError, Session
+session = Session(sys.argv[1])
+session.generate([5, 6, 7], SamplingParams(max_tokens=2))
+child = os.fork()
+if child == 0:
+    session.close()
+    try:
+        session.generate([5, 6, 7], SamplingParams(max_tokens=2))
+        os._exit(1)
+    except ServerClosedError:
+        os._exit(0)
+_, status = os.waitpid(child, 0)
+after = session.generate([5, 6, 7], SamplingParams(max_tokens=2))
+print("child", os.waitstatus_to_exitcode(status), len(after.token_ids))
+"""
+
+
+@pytest.mark.parametrize("script, expected", [(CLOSED_BY_A_SIGNAL_HANDLER, "closed True"),
+                                              (CLOSED_IN_A_FORKED_CHILD, "child 0 2")])
+def test_a_session_closed_from_a_signal_handler_or_a_forked_child_is_closed(engine_dir, script, expected):
+    """The handler runs on the thread inside the step, which holds the step's lock (a deadlock); a forked child's
+    close() marks its copy closed (the parent's engine is not the child's to release, and stays usable)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script, str(engine_dir)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split("\n")[-2] == expected, done.stdout + done.stderr[-2000:]
+

@@ -293,6 +293,13 @@ def test_prompt_dicts_and_the_sampling_params_keyword(engine_dir):
             llm.tokenizer.decode(expected)
 
 
+def test_an_error_of_one_of_several_prompts_keeps_its_field(engine_dir):
+    with LLM(engine_dir) as llm:
+        with pytest.raises(RequestError, match="prompt 0: stop_token_ids contains a token id outside") as refused:
+            llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=2, stop_token_ids=[10**6]), use_tqdm=False)
+        assert refused.value.field == "stop_token_ids"
+
+
 def test_counting_tokens_says_its_own_cap(engine_dir):
     from camshaft.errors import CapacityError
 

@@ -681,6 +681,10 @@ HI = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": HI, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
     (CHAT, {"model": MODEL, "messages": HI, "logit_bias": {"999999": 5}}, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/tokenize", {"model": MODEL, "prompt": "Hi", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+    ("/tokenize", {"model": MODEL, "prompt": "Hi", "documents": [{"text": "a"}]}, "documents"),
 ])
 def test_bad_input_is_an_openai_400(served, path, body, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
@@ -1022,6 +1026,9 @@ def test_structured_output_follows_its_schema_regex_or_choice(client, served):
             ({"guided_json": bad_pattern}, "unclosed group", "guided_json"),
             ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "unclosed group",
              "tools"),
+            ({"tools": [tool], "tool_choice": "required", "response_format": {"type": "text"}}, "unclosed group",
+             "tools"),  # response_format text constrains nothing
+            ({"guided_regex": "a(b", "structured_outputs": {}}, "unclosed group", "guided_regex"),
             ({"guided_regex": "a", "response_format": {"type": "json_object"}},
              "send one structured-output constraint; got response_format, guided_regex", None),
             ({"response_format": {"type": "yaml"}}, "response_format type 'yaml' is not supported", "response_format"),

@@ -93,7 +93,7 @@ def flag_names(*names: str) -> Iterator[None]:
     try:
         yield
     except RequestError as exc:
-        raise type(exc)(flagged(str(exc), *names)) from exc
+        raise type(exc)(flagged(str(exc), *names), field=exc.field) from exc
 
 
 def flagged(message: str, *names: str) -> str:

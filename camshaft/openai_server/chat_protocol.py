@@ -92,7 +92,7 @@ class TokenizeRequest(TemplateOptions):
         chat_only += [] if self.add_generation_prompt else ["add_generation_prompt"]
         if self.prompt is not None and chat_only:
             raise RequestError(f"{' and '.join(chat_only)} go with messages (a chat); a prompt is tokenized as it is: "
-                               "leave them out")
+                               "leave them out", field=chat_only[0])
         self.check_template_options()
         default = self.prompt is not None  # vLLM's: special tokens for a prompt, none added to a chat template
         if self.add_special_tokens not in (None, default):

@@ -102,9 +102,14 @@ class _GenerationRequest(BaseModel):
     def sent_field(self, field: str | None) -> str | None:
         """This request's name of a RequestError's field (a SamplingParams one, or "prompt")."""
         if field == "guided_decoding":
-            sent = [name for name in STRUCTURED if getattr(self, name) is not None]
+            sent = self.constraints_sent()
             return sent[0] if len(sent) == 1 else None
         return field
+
+    def constraints_sent(self) -> list[str]:
+        """The structured-output fields sent that constrain the output (not response_format text, nor {})."""
+        return [name for name in STRUCTURED if getattr(self, name) not in (None, {})
+                and (name != "response_format" or self.response_format.get("type", "text") != "text")]
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -201,7 +206,9 @@ class CompletionRequest(_GenerationRequest):
                                field="best_of")
 
     def sent_field(self, field: str | None) -> str | None:
-        return "logprobs" if field == "prompt_logprobs" else super().sent_field(field)  # echo's
+        if field == "prompt_logprobs" and self.prompt_logprobs is None:  # echo's, from logprobs
+            return "logprobs"
+        return super().sent_field(field)
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or several; each is text or token ids."""
@@ -225,7 +232,7 @@ class ChatCompletionRequest(_GenerationRequest, TemplateOptions):
         return last.get("content") or "" if self.echo and last.get("role") == "assistant" else ""
 
     def sent_field(self, field: str | None) -> str | None:
-        if field == "guided_decoding" and all(getattr(self, name) is None for name in STRUCTURED):
+        if field == "guided_decoding" and not self.constraints_sent():
             return "tools"  # tool_choice's schema of the tools
         return "messages" if field == "prompt" else super().sent_field(field)
 

@@ -4,7 +4,7 @@ csv files (a file, or a directory of one kind), local files only."""
 from __future__ import annotations
 
 import itertools
-import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,36 +34,47 @@ def _visible_files(path: Path, suffixes) -> list[Path]:
     compressed file refused (it would be left out)."""
     visible = sorted(p for p in path.rglob("*") if p.is_file()
                      and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    packed = [p for p in visible if p.suffix.lower() in COMPRESSED_SUFFIXES]
+    readable = TEXT_SUFFIXES + JSONL_SUFFIXES + tuple(DATA_SUFFIXES)  # x.jsonl.gz, not figures.zip
+    packed = [p for p in visible if p.suffix.lower() in COMPRESSED_SUFFIXES
+              and len(p.suffixes) > 1 and p.suffixes[-2].lower() in readable]
     if packed:
         raise QuantizeError(f"{path} holds compressed files ({packed[0].relative_to(path)}, ...), which calibration "
                             "does not read; decompress them (gunzip) or pass a directory without them")
     return [p for p in visible if p.suffix.lower() in suffixes]
 
 
+# a split's names, as dataset files are named (datasets' keywords), each file or folder named exactly so
+SPLIT_NAMES = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
+               "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
+               "evaluation": "test"}
+SHARD = re.compile(r"([a-z]+)(?:-\d+-of-\d+)?")  # train, test-00000-of-00002
+
+
+def _split_of(file: Path, root: Path) -> str | None:
+    """The split a file's name (train.jsonl, test-00000-of-00001.parquet) or a folder's (train/a.txt) names; None
+    for any other name."""
+    named = SHARD.fullmatch(file.name.split(".")[0].lower())
+    if named and named[1] in SPLIT_NAMES:
+        return SPLIT_NAMES[named[1]]
+    return next((SPLIT_NAMES[p.lower()] for p in file.relative_to(root).parts[:-1] if p.lower() in SPLIT_NAMES), None)
+
+
 def train_split(path: Path, files: list[Path]) -> tuple[list[Path], str]:
-    """Of a directory's files, its train split's where file or folder names mark splits as the datasets library
-    reads them (train.jsonl, data/test-00000-of-00001.parquet), and ", split train" (else all, and ""): a test split
-    calibrated on would leak into the evaluation."""
-    if not files:
+    """A dataset's directory, every file named as a split (train.jsonl + test.jsonl, data/train-00000-of-00001.parquet
+    + data/test-...): its train split's files and ", split train (... left out)", as a test split calibrated on would
+    leak into the evaluation; any other directory: all its files and ""."""
+    splits = [_split_of(f, path) for f in files]
+    if not files or None in splits:
         return files, ""
-    data_files = _datasets().data_files
-    splits = data_files.DataFilesDict.from_patterns(data_files.get_data_patterns(str(path)), base_path=str(path))
-    named = {str(name): {os.path.realpath(f) for f in found} for name, found in splits.items()}
-    if set(named) == {"train"} and all(os.path.realpath(f) in named["train"] for f in files):
-        return files, ""  # no split in the names
-    others = sorted(set(named) - {"train"})
-    stray = [f for f in files if not any(os.path.realpath(f) in found for found in named.values())]
-    if stray:
-        raise QuantizeError(f"{path} names splits by file name ({', '.join(sorted(named))}) and holds "
-                            f"{stray[0].relative_to(path)}, in none of them; move it out, or pass the files to "
-                            "calibrate on")
-    if "train" not in named:
+    others = sorted(set(splits) - {"train"})  # type: ignore[arg-type]
+    if "train" not in splits:
         raise QuantizeError(f"{path} holds the splits {', '.join(others)} (by their file names) and no train split; "
-                            f"calibrating on a test split would leak it into the evaluation: pass the files to "
-                            f"calibrate on, e.g. --calib-data {files[0]}")
-    chosen = [f for f in files if os.path.realpath(f) in named["train"]]
+                            "calibrating on a test split would leak it into the evaluation. Rename the files, or "
+                            f"pass one (--calib-data {files[0]}) if that is the text to calibrate on")
+    chosen = [f for f, split in zip(files, splits, strict=True) if split == "train"]
     return chosen, f", split train ({', '.join(others)} left out)" if others else ", split train"
+
+
 SAVED_DATASET_FILES = (("dataset_dict.json",), ("state.json", "dataset_info.json"))  # save_to_disk's
 
 

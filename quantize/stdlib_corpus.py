@@ -31,13 +31,19 @@ STDLIB_MODULES = (
 @functools.cache
 def stdlib_docstrings(min_chars: int = 40) -> tuple[str, ...]:
     """The docstrings, each once, gathered by a standard-library-only Python (this file run as a script)."""
-    run = subprocess.run([sys.executable, "-I", "-S", __file__, str(min_chars)], capture_output=True, text=True,
-                         encoding="utf-8", check=False)
-    if run.returncode != 0:
+    try:
+        if not sys.executable:  # an embedded interpreter may not know its executable
+            raise OSError("this interpreter's sys.executable is empty")
+        run = subprocess.run([sys.executable, "-I", "-S", __file__, str(min_chars)], capture_output=True, text=True,
+                             encoding="utf-8", check=False)
+        failed = run.stderr.strip()[-300:] if run.returncode else None
+    except OSError as exc:
+        failed = str(exc)
+    if failed is not None:
         from camshaft.quantize.spec import QuantizeError
 
-        raise QuantizeError(f"gathering the built-in calibration corpus failed ({run.stderr.strip()[-300:]}); give "
-                            "your own text with --calib-data")
+        raise QuantizeError(f"gathering the built-in calibration corpus failed ({failed}); give your own text with "
+                            "--calib-data")
     return tuple(json.loads(run.stdout))
 
 

@@ -201,6 +201,15 @@ def test_a_directory_of_splits_calibrates_on_train_and_nothing_is_read_past_what
     (splits / "train.jsonl").unlink()
     with pytest.raises(QuantizeError, match="holds the splits test, validation .by their file names. and no train"):
         load_texts(splits)
+    for names in (("intro.md", "testing.md", "api.md"), ("train1.txt", "train2.txt", "val1.txt"),
+                  ("dev-notes.md", "usage.md"), ("train", "notes.md")):  # documents, not a dataset's splits
+        docs = tmp_path / "-".join(names)
+        (docs / "train").mkdir(parents=True)
+        for name in names:
+            (docs / name).write_text(f"{name} text") if "." in name else (docs / name / "a.md").write_text("a text")
+        assert len(list(load_texts(docs)[0])) == len(names) and load_texts(docs)[1] == str(docs)
+    (docs / "figures.zip").write_bytes(b"PK")  # not calibration text, compressed or not
+    assert len(list(load_texts(docs)[0])) == 2
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "a.txt").write_text("word " * 1000)
@@ -286,11 +295,6 @@ def test_dataset_snapshot_directory_reads_its_data_files_not_its_card(datasets, 
     with pytest.raises(QuantizeError, match="holds csv and parquet files; pass a directory .or file. of one kind"):
         load_texts(snapshot)
     (snapshot / "data" / "train-3.csv").unlink()
-    (snapshot / "data" / "extra.parquet").write_bytes((snapshot / "data" / "train-0.parquet").read_bytes())
-    with pytest.raises(QuantizeError, match=r"names splits by file name \(train\) and holds data/extra.parquet, in "
-                                            "none of them; move it out"):
-        load_texts(snapshot)
-    (snapshot / "data" / "extra.parquet").unlink()
     (snapshot / "data" / "train-2.parquet").unlink()
     (snapshot / "dataset_infos.json").write_text("{}")  # a dataset's own metadata, like its card: not text
     (snapshot / "data" / "README.txt").write_text("about the files")
@@ -402,6 +406,13 @@ def test_default_corpus_is_deterministic_stdlib_docstrings():
         in first
     assert inspect.cleandoc(logging.Logger.warning_once.__doc__) not in first
     assert stdlib_corpus.gather(40) != list(first)  # gathered here, after those imports: not the same text
+
+
+def test_an_interpreter_without_an_executable_is_told_to_give_its_own_text(monkeypatch):
+    monkeypatch.setattr(sys, "executable", "")  # embedded interpreters may have none
+    with pytest.raises(QuantizeError, match="built-in calibration corpus failed .* give your own text with "
+                                            "--calib-data"):
+        stdlib_corpus.stdlib_docstrings.__wrapped__(41)
 
 
 def test_modelopt_config_applies_group_kv_and_exclude():

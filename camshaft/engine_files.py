@@ -217,12 +217,32 @@ def record_template(tok_dir: Path) -> None:
                                                    for name, digest in template_digests(tok_dir).items()))
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, data: str | bytes | memoryview) -> None:
+    """`path` holds `data` whole or, where writing fails (a full disk), what it held before: no half-written file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.fchmod(fd, 0o644)  # mkstemp makes it private; an engine is read by servers running as other users
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; an engine is read by servers running as other users
+        with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def graph_bytes(path: Path) -> int:
+    """A graph's file and the weight files it reads (a sequence graph reads the batch graph's too)."""
+    files = {path.name + ".data"}
+    try:
+        import onnx
+        from onnx.external_data_helper import _get_all_tensors
+
+        graph = onnx.load(str(path), load_external_data=False)
+        files = {e.value for t in _get_all_tensors(graph) for e in t.external_data if e.key == "location"}
+    except Exception:  # onnx's own errors, or no memory for the graph either: its own data file
+        pass
+    return path.stat().st_size + sum((path.parent / f).stat().st_size for f in files if (path.parent / f).is_file())

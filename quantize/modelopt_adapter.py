@@ -7,11 +7,13 @@ end, so an interrupted run never leaves a half-written checkpoint under the outp
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,7 +184,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     t = time.perf_counter()
     progress(f"exporting unified HF checkpoint to {output}")
     with staged(output) as staging:
-        with torch.no_grad():
+        with torch.no_grad(), _export_failures(output):
             export_hf_checkpoint(model, export_dir=str(staging))
         if not (staging / HF_QUANT_CONFIG).is_file():
             raise QuantizeError(f"ModelOpt's export wrote no {HF_QUANT_CONFIG}; nothing was quantized")
@@ -241,3 +243,20 @@ def _tool_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return tools
+
+
+@contextmanager
+def _export_failures(output: Path) -> Iterator[None]:
+    """A full disk while exporting, safetensors' own error or an OSError, as a QuantizeError saying where."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) if isinstance(exc, OSError) else \
+            any(said in str(exc) for said in ("No space left", "Disk quota", "File too large"))
+        if not full:
+            raise
+        raise QuantizeError(f"writing the quantized checkpoint beside {output} failed ({exc}); free some space there "
+                            "or choose another --output (calibration has to run again)") from exc
+

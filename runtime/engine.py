@@ -46,6 +46,8 @@ def load_tokenizer(engine_dir: Path, files: Iterable[str] | None = None):
     check_tokenizer_files(engine_dir, files or ())
     try:
         return PreTrainedTokenizerFast.from_pretrained(str(path))
+    except MemoryError:  # the process's memory, not the tokenizer: rebuilding would not help
+        raise
     except Exception as exc:  # transformers raises many types for a broken tokenizer
         raise EngineError(f"the tokenizer in {path} could not be loaded ({exc}); rebuild the engine") from exc
 

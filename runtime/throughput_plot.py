@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+from camshaft.engine_files import write_atomic
 from camshaft.runtime.throughput_report import ThroughputResult, fmt
 
 
@@ -60,5 +62,7 @@ def save_figure(fig, path: str | Path, title: str | None = None) -> None:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, format="png")
+    png = io.BytesIO()
+    fig.savefig(png, dpi=120, format="png")
     plt.close(fig)
+    write_atomic(path, png.getvalue())  # an earlier plot stays whole if this one cannot be written

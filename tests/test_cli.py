@@ -338,6 +338,42 @@ def test_a_full_disk_is_one_line_not_a_traceback(tiny, capsys, monkeypatch):
     assert "No space left on device: /data/engine/model.onnx.data; free some space" in " ".join(err.split())
 
 
+def test_a_results_file_or_plot_that_cannot_be_written_keeps_the_earlier_one(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from camshaft.cli.bench import write_json, write_plot
+    from camshaft.errors import CamshaftError
+
+    results = tmp_path / "results.json"
+    results.write_text('{"earlier": 1}\n')
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CamshaftError, match="--output-json .*results.json could not be written .No space left"):
+        write_json(results, {"later": 2})
+    assert results.read_text() == '{"earlier": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    with pytest.raises(CamshaftError, match="--plot .*plot.png could not be written .No space left on device"):
+        write_plot(tmp_path / "plot.png", lambda path: full(0))
+
+
+@pytest.mark.parametrize("error, said", [
+    (OSError(28, "No space left on device", "/ckpt/tokenizer.json", None, "/data/engine/tokenizer/tokenizer.json"),
+     "No space left on device: /data/engine/tokenizer/tokenizer.json; free some space"),  # a copy's destination
+    (MemoryError("Cannot allocate memory"), "out of memory: this machine's, or this process's limit (ulimit -v"),
+])
+def test_a_copy_onto_a_full_disk_or_no_memory_is_said_plainly(tiny, capsys, monkeypatch, error, said):
+    from importlib import import_module
+
+    def fail(*_args, **_kwargs):
+        raise error
+    monkeypatch.setattr(import_module("camshaft.builder.build"), "build_engine", fail)
+    root, model = tiny
+    code, _, err = camshaft(capsys, "build", "--model", model, "--output", root / "full")
+    assert code == 1 and "Traceback" not in err and said in " ".join(err.split()), err
+
+
 def test_build_quant_keeps_its_checkpoint_beside_an_output_given_as_dot(tmp_path, monkeypatch):
     from camshaft.cli.build import quantized_checkpoint
 
@@ -353,16 +389,14 @@ def test_a_kv_pool_beyond_the_machine_names_the_flag_once(engine, capsys):
 
 def test_results_that_cannot_be_written_are_one_line_after_the_report(engine, capsys, monkeypatch, tmp_path):
     import errno
-    import pathlib
+    import os
 
-    results, write_text = tmp_path / "results.json", pathlib.Path.write_text
+    results = tmp_path / "results.json"
 
-    def disk_full(path, *args, **kwargs):  # the disk filled up while the benchmark ran
-        if path == results:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return write_text(path, *args, **kwargs)
+    def disk_full(_fd):  # the disk filled up while the benchmark ran
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    monkeypatch.setattr(os, "fsync", disk_full)
     code, out, err = camshaft(capsys, "bench", "throughput", "--engine", engine, "--num-requests", "2",
                               "--dataset", "synthetic:in=8,out=4", "--output-json", results)
     assert code == 1 and "GFLOP/s" in out  # the report came first

@@ -254,6 +254,22 @@ def test_a_pool_larger_than_the_machine_is_refused_before_loading(engine_dir):
         LLM(engine_dir, kv_cache_memory=host_memory() + 2**30)
 
 
+def test_no_memory_for_the_tokenizer_is_not_told_to_rebuild_and_a_graph_counts_the_weights_it_reads(
+        engine_dir, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    from camshaft.engine_files import graph_bytes
+    from camshaft.runtime.engine import load_tokenizer
+
+    def no_memory(*_args, **_kwargs):
+        raise MemoryError("Cannot allocate memory")
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", no_memory)
+    with pytest.raises(MemoryError):  # not "could not be loaded; rebuild the engine": the engine is fine
+        load_tokenizer(engine_dir)
+    shared = (engine_dir / "model.onnx.data").stat().st_size  # the sequence graph reads the batch graph's weights
+    assert graph_bytes(engine_dir / "sequence.onnx") > shared + (engine_dir / "sequence.onnx").stat().st_size
+
+
 def test_a_pool_beyond_the_process_memory_is_a_clear_error(engine_dir):
     """Under an address-space limit (ulimit -v, a container's), the pool's allocation fails: a CapacityError naming
     the options to change, not numpy's MemoryError traceback."""

@@ -133,6 +133,26 @@ def test_another_models_tokenizer_is_refused_before_loading(tiny, tmp_path, no_m
         quantize_checkpoint(copy, tmp_path / "o", QuantSpec("int8_wo"), **CALIB)
 
 
+def test_a_full_disk_while_exporting_is_a_clear_error_and_keeps_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    from camshaft.quantize import modelopt_adapter
+
+    previous = tmp_path / "q"
+    quantize_checkpoint(tiny, previous, QuantSpec("int8_wo"), **CALIB)
+    before = sorted(p.name for p in previous.iterdir())
+    mtq, _ = modelopt_adapter.import_modelopt()
+
+    def full(model, export_dir):
+        (Path(export_dir) / "model.safetensors").write_bytes(b"\0" * 100)  # partly written
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(modelopt_adapter, "import_modelopt", lambda: (mtq, full))
+    with pytest.raises(QuantizeError, match=r"writing the quantized checkpoint beside .*/q failed \(Error while "
+                                            r"serializing.*No space left on device.*\); free some space there"):
+        quantize_checkpoint(tiny, previous, QuantSpec("int8_wo"), **CALIB)
+    assert sorted(p.name for p in previous.iterdir()) == before and not list(tmp_path.glob(".q.*"))
+
+
 def test_too_little_calibration_text(tiny, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("just a few words")

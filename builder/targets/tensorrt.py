@@ -14,13 +14,12 @@ prefill), as the onnxruntime target's runtime does.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from camshaft.builder.targets.trt_product import check_arch, import_product
+from camshaft.engine_files import write_atomic
 from camshaft.errors import BuildConfigError
 from camshaft.manifest import BuildLimits
 from camshaft.trt_logger import Stop, build_monitor, capturing_logger, quoted
@@ -146,7 +145,8 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
     if plan is None or plan.nbytes == 0:
         detail = quoted(messages[-20:])
         raise BuildConfigError(f"{product} {trt.__version__} failed to build a plan for sm{arch}:\n{detail}")
-    _write_atomic(plan_path, memoryview(plan))
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(plan_path, memoryview(plan))
     seconds = time.perf_counter() - started
     progress(f"{product} plan: {plan.nbytes / 2**20:.1f} MiB in {seconds:.1f} s")
     return {
@@ -157,18 +157,3 @@ def build_plan(graph_path: Path, plan_path: Path, *, product: str, gpu_arch: str
         "build_seconds": round(seconds, 2),
         "profile": {name: list(r) for name, r in ranges.items()},
     }
-
-
-def _write_atomic(path: Path, data: memoryview) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.fchmod(fd, 0o644)  # mkstemp makes it private; servers may run as other users
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -191,11 +191,16 @@ def main() -> None:
                       "build or fetch into '.'); cd into it again if it was replaced (cd \"$PWD\"), or into another "
                       "directory", soft_wrap=True)
             sys.exit(1)
+        if isinstance(exc, MemoryError):
+            err.print("[bold red]error:[/bold red] out of memory: this machine's, or this process's limit (ulimit -v, "
+                      "a container's), is too small for this work; free some memory, raise the limit, or ask for "
+                      "less (a smaller --max-batch-size, --max-seq-len or --kv-cache-memory)", soft_wrap=True)
+            sys.exit(1)
         if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRORS:  # the machine's, not ours: a full disk, ...
             writing = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # with no file named: the output, stdout
-            where = f": {exc.filename}" if exc.filename else " (writing the output)" if writing else ""
-            hint = "; free some space there or choose another directory" \
-                if exc.errno == errno.ENOSPC and exc.filename else ""
+            path = exc.filename2 or exc.filename  # a copy's: source, destination (where the space ran out)
+            where = f": {path}" if path else " (writing the output)" if writing else ""
+            hint = "; free some space there or choose another directory" if exc.errno == errno.ENOSPC and path else ""
             err.print(f"[bold red]error:[/bold red] {escape((exc.strerror or str(exc)) + where + hint)}",
                       soft_wrap=True)
             sys.exit(1)

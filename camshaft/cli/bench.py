@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated
@@ -65,11 +66,22 @@ def write_json(path: Path, data: dict) -> None:
     """The results file; one that cannot be written is one line (the results are on stdout already)."""
     import json
 
+    from camshaft.engine_files import write_atomic
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
+        write_atomic(path, json.dumps(data, indent=2) + "\n")  # an earlier file stays whole if this one fails
     except OSError as exc:
         raise CamshaftError(f"--output-json {path} could not be written ({exc.strerror or exc}); the results are "
+                            "above") from None
+
+
+def write_plot(path: Path, draw: Callable[[Path], None]) -> None:
+    """The PNG `draw` writes; one that cannot be written is one line naming --plot."""
+    try:
+        draw(path)
+    except OSError as exc:
+        raise CamshaftError(f"--plot {path} could not be written ({exc.strerror or exc}); the results are "
                             "above") from None
 
 
@@ -151,7 +163,8 @@ def bench_throughput(
                                  "threads": cpu_threads(read_manifest(engine), threads),
                                  "results": [r.to_dict(True) for r in results]})
     if plot:
-        plot_sweep(results, plot, title=f"{Path(engine).resolve().name}: {dataset}, {num_requests} requests")
+        write_plot(plot, lambda path: plot_sweep(
+            results, path, title=f"{Path(engine).resolve().name}: {dataset}, {num_requests} requests"))
 
 
 @bench_app.command("serve")
@@ -229,8 +242,9 @@ def bench_serve(
             "warmup": warmup, "goodput": {k: v for k, v in asdict(slos).items() if v is not None} or None,
             "targets": [asdict(t) for t in targets], "results": [r.to_dict() for r in results]})
     if plot:
-        plot_results(results, plot, title=f"{dataset}, {num_requests} requests, request rate {request_rate}, "
-                                          f"concurrency {concurrency or 'unlimited'}")
+        write_plot(plot, lambda path: plot_results(
+            results, path, title=f"{dataset}, {num_requests} requests, request rate {request_rate}, concurrency "
+                                 f"{concurrency or 'unlimited'}"))
     failed = [r for r in results if r.completed == 0]
     if failed:
         raise CamshaftError(f"every request of {len(failed)} run(s) failed ({failed[0].target}: "

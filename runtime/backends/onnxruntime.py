@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from camshaft.engine_files import hard_linked
+from camshaft.engine_files import graph_bytes, hard_linked
 from camshaft.errors import CapacityError, EngineError
 from camshaft.graph_meta import check_build_id, check_graph_limits
 from camshaft.io_signature import KVCacheLayout, SequenceGraph, TensorSpec
@@ -94,8 +94,7 @@ def load_session(path: Path, options: ort.SessionOptions, huge_pages: bool) -> t
                                                                providers=["CPUExecutionProvider"]), huge_pages)
     except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
         if isinstance(exc, MemoryError) or any(s in str(exc) for s in ("bad_alloc", "Failed to allocate")):
-            data = path.with_name(path.name + ".data")
-            size = path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+            size = graph_bytes(path)
             raise CapacityError(f"{path} ({size / 2**20:.0f} MiB of graph and weights) does not fit this process's "
                                 f"memory ({str(exc)[-120:]}); free memory, raise the process's limit, or build a "
                                 "smaller (quantized) engine") from exc

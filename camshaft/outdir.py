@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import glob
+import hashlib
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -14,6 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from camshaft.errors import CamshaftError
+
+LONGEST_KEPT_NAME = 200  # .NAME.partial-PID and the like stay within the 255 characters of a file name
+MOUNTINFO = Path("/proc/self/mountinfo")
 
 
 def writable_dir(path: Path) -> bool:
@@ -55,7 +61,7 @@ def check_replaceable(output: Path, marker: str, kind: str, error: type[Exceptio
                     "directory: pass the directory itself, or a new path")
     if output.exists() and not output.is_dir():
         raise error(f"{flag} {output} exists and is not a directory")
-    if output.is_dir() and os.path.ismount(output):
+    if output.is_dir() and mount_point(output):
         raise error(f"{flag} {output} is a mount point: the output is written beside it and moved into place, which "
                     "a mount point cannot take; pass a new directory inside it")
     ours = owned(output) if owned and (output / marker).exists() else set()
@@ -77,9 +83,10 @@ def staging_dir(output: Path, flag: str = "--output", error: type[CamshaftError]
     killed (their process is gone) are removed first, but for a previous output that a run killed between
     `replace_dir`'s two moves left aside: it goes back in place. Writers use `staged`, which also removes it."""
     output = Path(os.path.abspath(output))
-    for stale in output.parent.glob(f".{glob.escape(output.name)}.*-*") if output.parent.is_dir() else ():
+    hidden = _hidden(output)
+    for stale in output.parent.glob(f"{glob.escape(hidden)}.*-*") if output.parent.is_dir() else ():
         kind, _, pid = stale.name.rpartition("-")  # this output's own: .NAME.partial-PID, .NAME.old-PID
-        if kind in (f".{output.name}.partial", f".{output.name}.old") and pid.isdigit() and not _alive(int(pid)):
+        if kind in (f"{hidden}.partial", f"{hidden}.old") and pid.isdigit() and not _alive(int(pid)):
             if kind.endswith(".old") and _empty_or_missing(output):
                 with contextlib.suppress(OSError):  # another run's output landed meanwhile: this one is left
                     if output.is_dir():
@@ -114,14 +121,35 @@ def _empty_or_missing(path: Path) -> bool:
 
 
 def _staging_path(output: Path) -> Path:
-    return output.parent / f".{output.name}.partial-{os.getpid()}"
+    return output.parent / f"{_hidden(output)}.partial-{os.getpid()}"
+
+
+def _hidden(output: Path) -> str:
+    """The start of the names of an output's siblings (.NAME.partial-PID, .NAME.old-PID): .NAME, or for a name
+    near the filesystem's 255-character limit, its start and a hash (the siblings' names would not fit)."""
+    name = output.name
+    return f".{name}" if len(name) <= LONGEST_KEPT_NAME else \
+        f".{name[:LONGEST_KEPT_NAME - 13]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+
+
+def mount_point(path: Path) -> bool:
+    """A mount point, bind mounts within one filesystem included (os.path.ismount misses those)."""
+    if os.path.ismount(path):
+        return True
+    try:
+        table = MOUNTINFO.read_text()
+    except OSError:  # not Linux
+        return False
+    real = os.path.realpath(path)
+    unescape = functools.partial(re.sub, r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)))  # \040: a space
+    return any(len(fields) > 4 and unescape(fields[4]) == real for fields in map(str.split, table.splitlines()))
 
 
 def replace_dir(staging: Path, output: Path) -> None:
     """Move a finished staging directory into place, its files on disk first (after a power loss the output is the
     old one or the whole new one, never one whose files the page cache still held)."""
     output = Path(os.path.abspath(output))
-    old = output.parent / f".{output.name}.old-{os.getpid()}"
+    old = output.parent / f"{_hidden(output)}.old-{os.getpid()}"
     sync_tree(staging)
     try:
         if output.exists():
@@ -134,7 +162,7 @@ def replace_dir(staging: Path, output: Path) -> None:
                 os.replace(old, output)
             except OSError:
                 previous = f"; the previous output is in {old}"
-        kept = Path(tempfile.mkdtemp(prefix=f".{output.name}.failed-", dir=output.parent))
+        kept = Path(tempfile.mkdtemp(prefix=f"{_hidden(output)}.failed-", dir=output.parent))
         os.replace(staging, kept)  # not a .partial that the caller's cleanup or a later run removes
         raise CamshaftError(f"cannot move the finished output into {output} ({exc.strerror or exc}); it is complete "
                             f"in {kept}{previous}") from exc

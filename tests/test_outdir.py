@@ -31,6 +31,29 @@ def built(tmp_path_factory):
     return model, root / "engine"
 
 
+def test_an_output_name_near_the_filesystems_limit_builds(built, tmp_path):
+    model, _ = built
+    output = tmp_path / ("e" * 245)  # .NAME.partial-PID would pass 255 characters
+    build_engine(BuildConfig(model, output, max_seq_len=64, kv_block_size=8))
+    build_engine(BuildConfig(model, output, max_seq_len=64, kv_block_size=8))  # and replaces its own
+    assert Engine(output).manifest.limits.max_seq_len == 64 and [p.name for p in tmp_path.iterdir()] == [output.name]
+
+
+def test_a_bind_mount_is_a_mount_point(tmp_path, monkeypatch):
+    """os.path.ismount misses a bind mount within one filesystem: the whole build ran, then could not move."""
+    from camshaft import outdir
+
+    target = tmp_path / "bound here"
+    target.mkdir()
+    table = tmp_path / "mountinfo"
+    table.write_text(f"36 35 98:0 / / rw - ext4 /dev/root rw\n"
+                     f"99 36 98:0 /src {str(target).replace(' ', chr(92) + '040')} rw - ext4 /dev/root rw\n")
+    monkeypatch.setattr(outdir, "MOUNTINFO", table)
+    assert outdir.mount_point(target) and not outdir.mount_point(tmp_path)
+    with pytest.raises(CamshaftError, match="is a mount point"):
+        outdir.check_replaceable(target, "manifest.json", "an engine", CamshaftError)
+
+
 def test_a_killed_runs_leftovers_are_removed_and_a_live_ones_kept(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)

@@ -90,3 +90,26 @@ def test_explicit_values_are_used_not_replaced_by_defaults(tiny, tmp_path, capsy
     code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", tmp_path / "e", "--quant", "int4_wo",
                             "--group-size", "64")
     assert code == 1 and "group size 64 does not divide" in one_line(err) and nothing_quantized(tmp_path / "e")
+
+
+def test_a_rebuild_that_fails_keeps_the_checkpoint_its_engine_was_built_from(tiny, tmp_path, capsys, monkeypatch):
+    import json
+    from importlib import import_module
+
+    from camshaft.errors import CamshaftError
+
+    engine = tmp_path / "e"
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", engine, "--quant", "int8_wo",
+                            "--calib-size", "2", "--calib-seq-len", "32")
+    assert code == 0, err
+    kept = json.loads((tmp_path / "e.ckpt" / "hf_quant_config.json").read_text())
+
+    def full(*_args, **_kwargs):  # the disk filled up as the engine was compiled
+        raise CamshaftError("No space left on device")
+    monkeypatch.setattr(import_module("camshaft.builder.build"), "build_engine", full)
+    code, _, err = camshaft(capsys, "build", "--model", tiny, "--output", engine, "--quant", "int4_wo",
+                            "--calib-size", "2", "--calib-seq-len", "32")
+    assert code == 1 and "No space left on device" in err
+    assert json.loads((tmp_path / "e.ckpt" / "hf_quant_config.json").read_text()) == kept  # still the engine's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e", "e.ckpt"]  # no staging left
+

@@ -133,6 +133,7 @@ def build(
 
     from camshaft.builder.build import build_engine
     from camshaft.builder.config import BuildConfig
+    from camshaft.outdir import replace_dir, staged
 
     output = Path(os.path.abspath(output))  # "." is gone from under the shell once replaced
     config = BuildConfig(model, output, target=target, dtype=dtype, max_batch_size=max_batch_size,
@@ -143,16 +144,18 @@ def build(
                                       "--calib-data": calib_data, "--calib-size": calib_size,
                                       "--calib-seq-len": calib_seq_len, "--exclude": exclude or None,
                                       "--lm-head": lm_head})
+        manifest = build_engine(config, progress=progress)
     else:
         group_size = "auto" if group_size is None else group_size
         lm_head = "float" if lm_head is None else lm_head
         _check_quantized_build(config, quant, kv_cache_dtype, group_size, lm_head)
         checkpoint = quantized_checkpoint(output)
-        _quantize(model, quant, checkpoint, kv_cache_dtype, group_size, calib_data,
-                  DEFAULT_CALIB_SIZE if calib_size is None else calib_size,
-                  DEFAULT_CALIB_SEQ_LEN if calib_seq_len is None else calib_seq_len, exclude, lm_head)
-        config = replace(config, model_dir=checkpoint)
-    manifest = build_engine(config, progress=progress)
+        with staged(checkpoint) as pending:  # kept as OUTPUT.ckpt once the engine built from it is in place
+            _quantize(model, quant, pending, kv_cache_dtype, group_size, calib_data,
+                      DEFAULT_CALIB_SIZE if calib_size is None else calib_size,
+                      DEFAULT_CALIB_SEQ_LEN if calib_seq_len is None else calib_seq_len, exclude, lm_head)
+            manifest = build_engine(replace(config, model_dir=pending), progress=progress)
+            replace_dir(pending, checkpoint)
     quant = manifest.quantization or {}
     quantized = quant.get("format") or quant.get("quant_algo") or (f"KV cache {quant['kv_cache_dtype']}"
                                                                    if quant.get("kv_cache_dtype") else None)

@@ -39,6 +39,28 @@ def test_an_output_name_near_the_filesystems_limit_builds(built, tmp_path):
     assert Engine(output).manifest.limits.max_seq_len == 64 and [p.name for p in tmp_path.iterdir()] == [output.name]
 
 
+def test_a_compile_short_of_disk_or_memory_says_which(built, tmp_path, monkeypatch):
+    import onnxruntime as ort
+
+    from camshaft.builder.targets import onnxruntime as target
+    from camshaft.errors import BuildConfigError
+
+    _, engine = built
+    graph = engine / "model.onnx"
+
+    def fails(message):
+        def session(*_args, **_kwargs):
+            raise RuntimeError(message)
+        monkeypatch.setattr(ort, "InferenceSession", session)
+    fails("[ONNXRuntimeError] : 1 : FAIL : std::bad_alloc")
+    with pytest.raises(MemoryError, match="ONNX Runtime ran out of memory compiling the graph"):
+        target.compile_graph(graph, tmp_path / ".e.partial-1")  # not "N MB are free there": memory, not disk
+    fails("[ONNXRuntimeError] : 1 : FAIL : write failed")
+    monkeypatch.setattr(target.shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(10**9, 10**9, 10**5))
+    with pytest.raises(BuildConfigError, match=rf"needs about \d+ MB in {tmp_path} and 0 MB were left there: free"):
+        target.compile_graph(graph, tmp_path / ".e.partial-1")
+
+
 def test_a_bind_mount_is_a_mount_point(tmp_path, monkeypatch):
     """os.path.ismount misses a bind mount within one filesystem: the whole build ran, then could not move."""
     from camshaft import outdir

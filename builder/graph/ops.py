@@ -64,11 +64,13 @@ class GraphWriter:
         found = self._reuse(name, raw) if self._reuse is not None else None
         if found is None:
             pad = (-self._offset) % ALIGN
-            self._data.write(b"\0" * pad)
-            self._offset += pad
-            found = self._location, self._offset
-            self._data.write(raw)
-            self._offset += len(raw)
+            try:
+                self._data.write(b"\0" * pad)
+                self._data.write(raw)  # not joined to the pad: a copy of the largest weight
+            except OSError as exc:  # a full disk: said with the file it was writing
+                raise OSError(exc.errno, exc.strerror, getattr(self._data, "name", None)) from exc
+            found = self._location, self._offset + pad
+            self._offset += pad + len(raw)
         tensor = onnx.TensorProto()
         tensor.name = name
         tensor.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)

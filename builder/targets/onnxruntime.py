@@ -7,14 +7,11 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from camshaft.engine_files import graph_bytes
 from camshaft.errors import BuildConfigError
 
 ARTIFACT = "model.onnx"
 ARTIFACT_DATA = "model.onnx.data"
-
-
-def graph_bytes(graph_path: Path) -> int:
-    return sum(p.stat().st_size for p in graph_path.parent.glob(graph_path.name + "*"))
 
 
 def compile_graph(graph_path: Path, engine_dir: Path) -> dict[str, object]:
@@ -27,9 +24,10 @@ def compile_graph(graph_path: Path, engine_dir: Path) -> dict[str, object]:
     try:
         ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own untyped errors
-        free = shutil.disk_usage(engine_dir).free
-        raise BuildConfigError(f"ONNX Runtime could not compile the graph into {engine_dir} ({exc}); "
-                               f"{free / 1e6:.0f} MB are free there" + (": free some space or choose another --output"
-                                                                        if free < 2 * graph_bytes(graph_path) else "")
-                               ) from exc
+        if isinstance(exc, MemoryError) or "bad_alloc" in str(exc):
+            raise MemoryError(f"ONNX Runtime ran out of memory compiling the graph ({exc})") from exc
+        where, free, need = engine_dir.parent, shutil.disk_usage(engine_dir).free, graph_bytes(graph_path)
+        short = f"; the compiled graph needs about {need / 1e6:.0f} MB in {where} and {free / 1e6:.0f} MB were " \
+                "left there: free some space or choose another --output" if free < need else ""
+        raise BuildConfigError(f"ONNX Runtime could not compile the graph ({exc}){short}") from exc
     return {"optimization_level": "extended", "onnxruntime": ort.__version__}

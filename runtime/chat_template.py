@@ -74,6 +74,9 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
         named = ", ".join(sorted(tokenizer.chat_template)) if isinstance(tokenizer.chat_template, dict) else "?"
         raise RequestError(f"this engine's tokenizer has several chat templates ({named}) and none for this chat "
                            f"({exc}); give one (chat_template=, --chat-template FILE)") from exc
+    if not template.strip():  # a truncated copy, or an editor's save on a full disk: no prompt would come of it
+        raise EngineError("this engine's chat template (tokenizer/chat_template.jinja) is empty; restore it, rebuild "
+                          "the engine, or give a template (chat_template=, --chat-template FILE)")
     if "developer" not in template:  # OpenAI's newer name for the system role, which most templates do not know
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     described = None  # the tools in the first message, for a template refusing an added system turn (Mistral's)
@@ -144,8 +147,11 @@ def load_chat_template(value: str | Path) -> str:
 
 
 def template_problem(text: str) -> str | None:
-    """Why a chat template does not parse ("line N: ..."), or None."""
+    """Why a chat template does not parse ("line N: ...", or that it is empty), or None."""
     from jinja2 import TemplateSyntaxError
+
+    if not text.strip():
+        return "it is empty"
 
     try:
         _environment().parse(text)

@@ -1136,6 +1136,11 @@ def test_an_engine_chat_template_that_does_not_parse_is_the_servers_fault(engine
         plain = HTTP.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert plain.status_code == 200
     assert "Traceback" not in capsys.readouterr().err  # an answer, not an application error logged
+    (copy / "tokenizer" / "chat_template.jinja").write_text("")  # a copy cut short: "no tokens; pass some text"
+    assert engine_info(copy)["chat_template_problem"] == "it is empty"
+    empty = r"chat template \(tokenizer/chat_template.jinja\) is empty; restore it, rebuild the engine"
+    with camshaft.LLM(copy) as llm, pytest.raises(camshaft.EngineError, match=empty):
+        llm.chat(HI)
 
 
 def test_the_shared_event_loop_neither_builds_a_whole_response_nor_drains_a_stream_without_pausing(served,

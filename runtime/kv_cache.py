@@ -165,8 +165,9 @@ def host_memory() -> int:
     total = psutil.virtual_memory().total
     return total if limit is None else min(total, limit)
 
-SMALLER_POOL = ("give a smaller budget (kv_cache_memory / --kv-cache-memory, e.g. 0.5 of free memory) or fewer "
-                "sequences (max_batch_size / --max-batch-size), or build the engine with a smaller --max-seq-len")
+SMALLER_POOL = ("give a smaller budget (kv_cache_memory / --kv-cache-memory, in bytes such as 1GiB, or a smaller "
+                "fraction) or fewer sequences (max_batch_size / --max-batch-size), or build the engine with a smaller "
+                "--max-seq-len")
 
 
 def check_fits_host(manifest: Manifest, num_blocks: int) -> None:

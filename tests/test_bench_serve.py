@@ -340,6 +340,7 @@ def test_bench_serve_reads_triton_token_counts(engine_dir, tmp_path):
         wrong = CliRunner().invoke(app, [
             "bench", "serve", "--target", f"grpc={e.grpc},backend=triton-grpc,model=nope", "--dataset",
             "synthetic:in=20,out=6", "--num-requests", "1", "--tokenizer", str(engine_dir / "tokenizer")])
+        assert server.stop() == 0  # the clients' streams closed, none cancelled once answered: nothing kept loaded
     assert result.exit_code == 0, result.output
     said = str(wrong.exception)  # the model is named, not the server blamed as down
     assert wrong.exit_code == 1 and "serves no model 'nope'" in said and "is the server up" not in said, said

@@ -10,6 +10,8 @@ from camshaft.bench_serve.clients import READ_TIMEOUT_S, START_TIMEOUT_S
 from camshaft.bench_serve.workload import ServeRequest
 from camshaft.errors import RequestError, needs_extra
 
+CLOSE_TIMEOUT_S = 10.0  # for the server to close an answered stream
+
 _NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_BOOL": np.bool_,
           "TYPE_FP32": np.float32, "TYPE_UINT64": np.uint64}
 
@@ -65,31 +67,49 @@ class TritonGrpcClient:
         stream = self.client.stream_infer(requests())
         responses = stream.__aiter__()
         try:
-            while True:
-                try:
-                    result, error = await asyncio.wait_for(anext(responses), READ_TIMEOUT_S)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    record.error = f"no response for {READ_TIMEOUT_S:.0f} s"
-                    break
-                if error is not None:
-                    record.error = str(error)
-                    break
-                out = result.as_numpy("text_output")
-                text = "" if out is None else b"".join(out.reshape(-1)).decode("utf-8", errors="replace")
-                count = result.as_numpy("num_output_tokens")
-                tokens = 0 if count is None else int(count.reshape(-1)[0])
-                if count is not None:  # the count, not max_tokens, where the model reports it (final response)
-                    record.output_tokens = tokens
-                # the final response ends the request even when its tokens decode to no text
-                record.chunk(text, tokens=tokens)
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    record.finished = True
-                    break
-        finally:
+            await self._read(responses, record)
+            done.set()  # the requests end: the stream closes from both ends
+            if record.finished:  # not cancelled once answered: Triton 2.51 then keeps the model loaded at stop
+                await asyncio.wait_for(_rest(responses), CLOSE_TIMEOUT_S)
+                return
+        except TimeoutError:
+            pass
+        except BaseException:
             done.set()
             stream.cancel()
+            raise
+        stream.cancel()
+
+    async def _read(self, responses, record) -> None:
+        """The responses until the final one (record.finished), an error or a silence of READ_TIMEOUT_S."""
+        while True:
+            try:
+                result, error = await asyncio.wait_for(anext(responses), READ_TIMEOUT_S)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                record.error = f"no response for {READ_TIMEOUT_S:.0f} s"
+                break
+            if error is not None:
+                record.error = str(error)
+                break
+            out = result.as_numpy("text_output")
+            text = "" if out is None else b"".join(out.reshape(-1)).decode("utf-8", errors="replace")
+            count = result.as_numpy("num_output_tokens")
+            tokens = 0 if count is None else int(count.reshape(-1)[0])
+            if count is not None:  # the count, not max_tokens, where the model reports it (final response)
+                record.output_tokens = tokens
+            # the final response ends the request even when its tokens decode to no text
+            record.chunk(text, tokens=tokens)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                record.finished = True
+                break
 
     async def close(self) -> None:
         await self.client.close()
+
+
+async def _rest(responses) -> None:
+    """Whatever the stream still yields (nothing, after the final response) until the server closes it."""
+    async for _ in responses:
+        pass

@@ -19,7 +19,7 @@ from camshaft.builder.config import ACCURACY_LEVELS, BuildConfig
 from camshaft.builder.engine_tokenizer import save_tokenizer
 from camshaft.builder.graph.decoder import OPSET, DecoderLowering, kv_layout, step_inputs
 from camshaft.builder.graph.linear import MS_DOMAIN
-from camshaft.builder.graph.ops import GraphWriter, save_model
+from camshaft.builder.graph.ops import GraphWriter, save_model, weights_file
 from camshaft.builder.quant_record import quantization_record
 from camshaft.builder.sequence_graph import sequence_graph
 from camshaft.builder.target_checks import (
@@ -67,7 +67,7 @@ def write_graph(checkpoint: Checkpoint, limits: BuildLimits, dtype: str, out_dir
     quantized = checkpoint.quantized_linear if checkpoint.quantization is not None else None
     kv_dtype = checkpoint.kv_cache_dtype
     kv_cache = (kv_dtype, checkpoint.kv_scales, checkpoint.kv_biases) if kv_dtype else None
-    with open(out_dir / GRAPH_DATA, "wb") as data:
+    with weights_file(out_dir / GRAPH_DATA) as data:
         writer = GraphWriter(data, GRAPH_DATA)
         lowering = DecoderLowering(writer, checkpoint.config, limits, dtype, checkpoint.get, progress,
                                    quantized=quantized, accuracy_level=accuracy_level,

@@ -14,7 +14,7 @@ from camshaft.builder.checkpoint import Checkpoint
 from camshaft.builder.graph.decoder import OPSET
 from camshaft.builder.graph.head import Head
 from camshaft.builder.graph.linear import MS_DOMAIN, Linears
-from camshaft.builder.graph.ops import GraphWriter, Reuse, save_model
+from camshaft.builder.graph.ops import GraphWriter, Reuse, save_model, weights_file
 from camshaft.builder.graph.sequence import SequenceLowering, sequence_layout
 from camshaft.graph_meta import graph_limits, sequence_graph_support
 from camshaft.io_signature import SequenceGraph
@@ -79,7 +79,7 @@ def write_sequence_graph(checkpoint: Checkpoint, limits: BuildLimits, out_dir: P
     (those `reuse` finds elsewhere are not written)."""
     path = out_dir / layout.artifact
     quantized = checkpoint.quantized_linear if checkpoint.quantization is not None else None
-    with open(path.with_name(path.name + ".data"), "wb") as data:
+    with weights_file(path.with_name(path.name + ".data")) as data:
         writer = GraphWriter(data, path.name + ".data", reuse)
         linears = Linears(writer, np.dtype(np.float32), checkpoint.get, quantized, accuracy_level)
         head = Head(linears, checkpoint.config, checkpoint.lm_head, checkpoint.lm_head_float_channels)

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -217,12 +218,12 @@ def record_template(tok_dir: Path) -> None:
                                                    for name, digest in template_digests(tok_dir).items()))
 
 
-def write_atomic(path: Path, data: str | bytes | memoryview) -> None:
+def write_atomic(path: Path, data: str | bytes | memoryview, mode: int = 0o644) -> None:
     """`path` holds `data` whole or, where writing fails (a full disk), what it held before: no half-written file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; an engine is read by servers running as other users
+        os.fchmod(fd, mode)  # mkstemp makes it private; an engine is read by servers running as other users
         with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as f:
             f.write(data)
             f.flush()
@@ -246,3 +247,21 @@ def graph_bytes(path: Path) -> int:
     except Exception:  # onnx's own errors, or no memory for the graph either: its own data file
         pass
     return path.stat().st_size + sum((path.parent / f).stat().st_size for f in files if (path.parent / f).is_file())
+
+
+def write_user_file(path: Path, data: str | bytes) -> None:
+    """A file the user named (results, a plot): through a symlink to its target; in place where it is no regular
+    file (/dev/stdout, a pipe); else whole or not at all (write_atomic), keeping the mode it had, or a new file's."""
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        with open(target, "w" if isinstance(data, str) else "wb") as f:
+            f.write(data)
+        return
+    if target.exists():
+        mode = stat.S_IMODE(target.stat().st_mode)
+    else:
+        mask = os.umask(0)
+        os.umask(mask)
+        mode = 0o666 & ~mask
+    write_atomic(target, data, mode)
+

@@ -94,6 +94,10 @@ def staging_dir(output: Path, flag: str = "--output", error: type[CamshaftError]
                     os.replace(stale, output)
             else:
                 shutil.rmtree(stale, ignore_errors=True)
+    for nested in output.parent.glob(f".{glob.escape(hidden)}.partial-*") if output.parent.is_dir() else ():
+        pid = nested.name.removeprefix(f".{hidden}.partial-").split(".")[0]  # a staging dir's own staging sibling
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(nested, ignore_errors=True)
     staging = _staging_path(output)
     try:
         shutil.rmtree(staging, ignore_errors=True)
@@ -126,10 +130,11 @@ def _staging_path(output: Path) -> Path:
 
 def _hidden(output: Path) -> str:
     """The start of the names of an output's siblings (.NAME.partial-PID, .NAME.old-PID): .NAME, or for a name
-    near the filesystem's 255-character limit, its start and a hash (the siblings' names would not fit)."""
-    name = output.name
-    return f".{name}" if len(name) <= LONGEST_KEPT_NAME else \
-        f".{name[:LONGEST_KEPT_NAME - 13]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    near the filesystem's 255-byte limit, its start and a hash (the siblings' names would not fit)."""
+    name, encoded = output.name, os.fsencode(output.name)
+    if len(encoded) <= LONGEST_KEPT_NAME:
+        return f".{name}"
+    return f".{os.fsdecode(encoded[:LONGEST_KEPT_NAME - 13])}-{hashlib.sha256(encoded).hexdigest()[:12]}"
 
 
 def mount_point(path: Path) -> bool:
@@ -137,12 +142,12 @@ def mount_point(path: Path) -> bool:
     if os.path.ismount(path):
         return True
     try:
-        table = MOUNTINFO.read_text()
+        table = MOUNTINFO.read_bytes()  # bytes: a mount's path need not be UTF-8
     except OSError:  # not Linux
         return False
-    real = os.path.realpath(path)
-    unescape = functools.partial(re.sub, r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)))  # \040: a space
-    return any(len(fields) > 4 and unescape(fields[4]) == real for fields in map(str.split, table.splitlines()))
+    real = os.fsencode(os.path.realpath(path))
+    unescape = functools.partial(re.sub, rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]))  # \040: a space
+    return any(len(fields) > 4 and unescape(fields[4]) == real for fields in map(bytes.split, table.splitlines()))
 
 
 def replace_dir(staging: Path, output: Path) -> None:

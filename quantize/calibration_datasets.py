@@ -43,36 +43,42 @@ def _visible_files(path: Path, suffixes) -> list[Path]:
     return [p for p in visible if p.suffix.lower() in suffixes]
 
 
-# a split's names, as dataset files are named (datasets' keywords), each file or folder named exactly so
+# a split's names in file and folder names (the datasets library's keywords), each a word of its own there:
+# train.jsonl, data/test-00000-of-00001-5f3a.parquet, wikitext-validation.arrow, mydata.train.jsonl, train/a.txt
 SPLIT_NAMES = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
                "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
                "evaluation": "test"}
-SHARD = re.compile(r"([a-z]+)(?:-\d+-of-\d+)?")  # train, test-00000-of-00002
+WORDS = re.compile(r"[^a-z]+")  # separators and digits, as datasets' patterns read them
 
 
 def _split_of(file: Path, root: Path) -> str | None:
-    """The split a file's name (train.jsonl, test-00000-of-00001.parquet) or a folder's (train/a.txt) names; None
-    for any other name."""
-    named = SHARD.fullmatch(file.name.split(".")[0].lower())
-    if named and named[1] in SPLIT_NAMES:
-        return SPLIT_NAMES[named[1]]
-    return next((SPLIT_NAMES[p.lower()] for p in file.relative_to(root).parts[:-1] if p.lower() in SPLIT_NAMES), None)
+    """The split a file's name or its folders' name (one kind of split only), else None."""
+    words = WORDS.split(str(file.relative_to(root).with_suffix("")).lower())
+    kinds = {SPLIT_NAMES[w] for w in words if w in SPLIT_NAMES}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def train_split(path: Path, files: list[Path]) -> tuple[list[Path], str]:
-    """A dataset's directory, every file named as a split (train.jsonl + test.jsonl, data/train-00000-of-00001.parquet
-    + data/test-...): its train split's files and ", split train (... left out)", as a test split calibrated on would
-    leak into the evaluation; any other directory: all its files and ""."""
+    """A dataset's directory, its files named as splits: its train split's files and ", split train (... left
+    out)", as a test split calibrated on would leak into the evaluation; such a directory without a train split, or
+    with a train and another split beside a file of neither, is refused. Any other directory (documents, one of them
+    perhaps testing.md): all its files and ""."""
     splits = [_split_of(f, path) for f in files]
-    if not files or None in splits:
+    kinds = set(splits) - {None}
+    if not kinds or (None in splits and not ("train" in kinds and len(kinds) > 1)):
         return files, ""
-    others = sorted(set(splits) - {"train"})  # type: ignore[arg-type]
-    if "train" not in splits:
+    others = sorted(kinds - {"train"})  # type: ignore[type-var]
+    if None in splits:
+        stray = files[splits.index(None)]
+        raise QuantizeError(f"{path} holds a dataset's splits ({', '.join(sorted(kinds))}, by their file names) and "
+                            f"{stray.relative_to(path)}, which is in none of them; move it out, or pass the train "
+                            "split's own file or folder")
+    if "train" not in kinds:
         raise QuantizeError(f"{path} holds the splits {', '.join(others)} (by their file names) and no train split; "
                             "calibrating on a test split would leak it into the evaluation. Rename the files, or "
                             f"pass one (--calib-data {files[0]}) if that is the text to calibrate on")
     chosen = [f for f, split in zip(files, splits, strict=True) if split == "train"]
-    return chosen, f", split train ({', '.join(others)} left out)" if others else ", split train"
+    return chosen, f", split train ({', '.join(others)} left out)" if others else ""
 
 
 SAVED_DATASET_FILES = (("dataset_dict.json",), ("state.json", "dataset_info.json"))  # save_to_disk's

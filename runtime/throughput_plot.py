@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from camshaft.engine_files import write_atomic
+from camshaft.engine_files import write_user_file
 from camshaft.runtime.throughput_report import ThroughputResult, fmt
 
 
@@ -65,4 +65,4 @@ def save_figure(fig, path: str | Path, title: str | None = None) -> None:
     png = io.BytesIO()
     fig.savefig(png, dpi=120, format="png")
     plt.close(fig)
-    write_atomic(path, png.getvalue())  # an earlier plot stays whole if this one cannot be written
+    write_user_file(path, png.getvalue())  # an earlier plot stays whole if this one cannot be written

@@ -358,10 +358,27 @@ def test_a_results_file_or_plot_that_cannot_be_written_keeps_the_earlier_one(tmp
         write_plot(tmp_path / "plot.png", lambda path: full(0))
 
 
+def test_a_results_file_is_written_through_its_symlink_with_its_mode_and_in_place_on_a_device(tmp_path):
+    import stat
+
+    from camshaft.cli.bench import write_json
+
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    kept.chmod(0o600)
+    (tmp_path / "link.json").symlink_to(kept)
+    write_json(tmp_path / "link.json", {"later": 2})
+    assert (tmp_path / "link.json").is_symlink() and json.loads(kept.read_text()) == {"later": 2}
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600  # not made readable by all
+    write_json(Path("/dev/null"), {"x": 1})  # a device (as /dev/stdout is) is written, not replaced by a file
+    assert Path("/dev/null").is_char_device()
+
+
 @pytest.mark.parametrize("error, said", [
     (OSError(28, "No space left on device", "/ckpt/tokenizer.json", None, "/data/engine/tokenizer/tokenizer.json"),
      "No space left on device: /data/engine/tokenizer/tokenizer.json; free some space"),  # a copy's destination
-    (MemoryError("Cannot allocate memory"), "out of memory: this machine's, or this process's limit (ulimit -v"),
+    (MemoryError("Cannot allocate memory"), "out of memory (Cannot allocate memory): this machine's, or this "
+                                            "process's limit (ulimit -v"),
 ])
 def test_a_copy_onto_a_full_disk_or_no_memory_is_said_plainly(tiny, capsys, monkeypatch, error, said):
     from importlib import import_module

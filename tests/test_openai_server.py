@@ -1029,6 +1029,7 @@ def test_structured_output_follows_its_schema_regex_or_choice(client, served):
             ({"tools": [tool], "tool_choice": "required", "response_format": {"type": "text"}}, "unclosed group",
              "tools"),  # response_format text constrains nothing
             ({"guided_regex": "a(b", "structured_outputs": {}}, "unclosed group", "guided_regex"),
+            ({"guided_regex": "a(b", "guided_json": {}}, "takes exactly one of", None),  # {} is a schema: two sent
             ({"guided_regex": "a", "response_format": {"type": "json_object"}},
              "send one structured-output constraint; got response_format, guided_regex", None),
             ({"response_format": {"type": "yaml"}}, "response_format type 'yaml' is not supported", "response_format"),

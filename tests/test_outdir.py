@@ -61,6 +61,34 @@ def test_a_compile_short_of_disk_or_memory_says_which(built, tmp_path, monkeypat
         target.compile_graph(graph, tmp_path / ".e.partial-1")
 
 
+def test_leftovers_of_nested_staging_long_byte_names_and_unreadable_mount_tables(tmp_path, monkeypatch):
+    """build --quant quantizes into a staging directory, which quantize stages beside: a kill left that nested one
+    for good; a name of 82 characters may be 246 bytes; a mount table may hold paths that are not UTF-8."""
+    import errno
+
+    from camshaft import outdir
+    from camshaft.builder.graph.ops import weights_file
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    nested = tmp_path / f"..e.ckpt.partial-{dead}.partial-{dead}"
+    nested.mkdir()
+    staging_dir(tmp_path / "e.ckpt")
+    assert not nested.exists()
+    wide = tmp_path / ("模型" * 41)  # 246 bytes
+    staging = staging_dir(wide)
+    (staging / "a").write_text("x")
+    outdir.replace_dir(staging, wide)
+    assert (wide / "a").read_text() == "x" and len(os.fsencode(staging.name)) <= 255
+    table = tmp_path / "mountinfo"
+    table.write_bytes(b"99 36 98:0 /src /mnt/bad\xffname rw - ext4 /dev/root rw\n")
+    monkeypatch.setattr(outdir, "MOUNTINFO", table)
+    assert not outdir.mount_point(tmp_path)  # not a UnicodeDecodeError
+    with pytest.raises(OSError, match="No space left on device") as full, weights_file(tmp_path / "w.data"):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write, or the close flushing it, says it
+    assert full.value.filename == str(tmp_path / "w.data")
+
+
 def test_a_bind_mount_is_a_mount_point(tmp_path, monkeypatch):
     """os.path.ismount misses a bind mount within one filesystem: the whole build ran, then could not move."""
     from camshaft import outdir

@@ -20,6 +20,7 @@ from camshaft.errors import CheckpointError
 from camshaft.model_config import ModelConfig
 from camshaft.quantize import calibration, stdlib_corpus
 from camshaft.quantize.calibration import default_corpus, load_texts
+from camshaft.quantize.calibration_datasets import train_split
 from camshaft.quantize.modelopt_adapter import quantize_checkpoint
 from camshaft.quantize.spec import FORMATS, QuantizeError, QuantSpec, modelopt_config, resolve_group_size
 
@@ -221,7 +222,15 @@ def test_a_directory_of_splits_calibrates_on_train_and_nothing_is_read_past_what
     (splits / "train.jsonl").unlink()
     with pytest.raises(QuantizeError, match="holds the splits test, validation .by their file names. and no train"):
         load_texts(splits)
-    for names in (("intro.md", "testing.md", "api.md"), ("train1.txt", "train2.txt", "val1.txt"),
+    for layout in (("data/train-00000-of-00001-5f3a2b1c.parquet", "data/test-00000-of-00001-0a1b.parquet"),
+                   ("mydata.train.jsonl", "mydata.test.jsonl"), ("wikitext-train.arrow", "wikitext-test.arrow"),
+                   ("train1.txt", "train2.txt", "val1.txt"), ("train/a.txt", "test/b.txt")):  # a dataset's splits
+        kept, note = train_split(tmp_path, [tmp_path / name for name in layout])
+        assert [p.name for p in kept] == [Path(n).name for n in layout if "train" in n] and "split train (" in note
+    with pytest.raises(QuantizeError, match="holds a dataset's splits .test, train, by their file names. and "
+                                            "LICENSE.md, which is in none of them; move it out"):
+        train_split(tmp_path, [tmp_path / "train.jsonl", tmp_path / "test.jsonl", tmp_path / "LICENSE.md"])
+    for names in (("intro.md", "testing.md", "api.md"), ("training-manual.md", "safety.md"),
                   ("dev-notes.md", "usage.md"), ("train", "notes.md")):  # documents, not a dataset's splits
         docs = tmp_path / "-".join(names)
         (docs / "train").mkdir(parents=True)

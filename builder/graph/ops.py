@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import errno
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -64,11 +66,8 @@ class GraphWriter:
         found = self._reuse(name, raw) if self._reuse is not None else None
         if found is None:
             pad = (-self._offset) % ALIGN
-            try:
-                self._data.write(b"\0" * pad)
-                self._data.write(raw)  # not joined to the pad: a copy of the largest weight
-            except OSError as exc:  # a full disk: said with the file it was writing
-                raise OSError(exc.errno, exc.strerror, getattr(self._data, "name", None)) from exc
+            self._data.write(b"\0" * pad)
+            self._data.write(raw)  # not joined to the pad: a copy of the largest weight
             found = self._location, self._offset + pad
             self._offset += pad + len(raw)
         tensor = onnx.TensorProto()
@@ -137,3 +136,17 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
     """Save a graph whose initializers already live in external data (the proto itself stays small)."""
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
+
+
+@contextmanager
+def weights_file(path: Path) -> Iterator[BinaryIO]:
+    """The external data file a GraphWriter writes into; a full disk, met by a write or by the close that flushes
+    the last ones, is said with its path."""
+    try:
+        with open(path, "wb") as data:
+            yield data
+    except OSError as exc:
+        if exc.filename is not None or exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+

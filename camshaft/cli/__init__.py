@@ -192,9 +192,11 @@ def main() -> None:
                       "directory", soft_wrap=True)
             sys.exit(1)
         if isinstance(exc, MemoryError):
-            err.print("[bold red]error:[/bold red] out of memory: this machine's, or this process's limit (ulimit -v, "
-                      "a container's), is too small for this work; free some memory, raise the limit, or ask for "
-                      "less (a smaller --max-batch-size, --max-seq-len or --kv-cache-memory)", soft_wrap=True)
+            said = f" ({escape(str(exc))})" if str(exc) else ""
+            err.print(f"[bold red]error:[/bold red] out of memory{said}: this machine's, or this process's limit "
+                      "(ulimit -v, a container's), is too small for this work; free some memory, raise the limit, or "
+                      "ask for less (build: a smaller --max-seq-len or --max-batch-size; run, serve, bench: a "
+                      "smaller --kv-cache-memory)", soft_wrap=True)
             sys.exit(1)
         if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRORS:  # the machine's, not ours: a full disk, ...
             writing = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # with no file named: the output, stdout

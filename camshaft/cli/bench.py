@@ -66,11 +66,11 @@ def write_json(path: Path, data: dict) -> None:
     """The results file; one that cannot be written is one line (the results are on stdout already)."""
     import json
 
-    from camshaft.engine_files import write_atomic
+    from camshaft.engine_files import write_user_file
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(data, indent=2) + "\n")  # an earlier file stays whole if this one fails
+        write_user_file(path, json.dumps(data, indent=2) + "\n")  # an earlier file stays whole if this one fails
     except OSError as exc:
         raise CamshaftError(f"--output-json {path} could not be written ({exc.strerror or exc}); the results are "
                             "above") from None

@@ -133,7 +133,7 @@ def build(
 
     from camshaft.builder.build import build_engine
     from camshaft.builder.config import BuildConfig
-    from camshaft.outdir import replace_dir, staged
+    from camshaft.outdir import replace_dir, staged, sync_tree
 
     output = Path(os.path.abspath(output))  # "." is gone from under the shell once replaced
     config = BuildConfig(model, output, target=target, dtype=dtype, max_batch_size=max_batch_size,
@@ -153,7 +153,9 @@ def build(
         with staged(checkpoint) as pending:  # kept as OUTPUT.ckpt once the engine built from it is in place
             _quantize(model, quant, pending, kv_cache_dtype, group_size, calib_data,
                       DEFAULT_CALIB_SIZE if calib_size is None else calib_size,
-                      DEFAULT_CALIB_SEQ_LEN if calib_seq_len is None else calib_seq_len, exclude, lm_head)
+                      DEFAULT_CALIB_SEQ_LEN if calib_seq_len is None else calib_seq_len, exclude, lm_head,
+                      shown_as=checkpoint)
+            sync_tree(pending)  # on disk before the engine moves in: between the two, only renames
             manifest = build_engine(replace(config, model_dir=pending), progress=progress)
             replace_dir(pending, checkpoint)
     quant = manifest.quantization or {}
@@ -223,15 +225,23 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
 
 def _quantize(model: Path, quant: str, output: Path, kv_cache_dtype: str | None, group_size: str,
               calib_data: str | None, calib_size: int, calib_seq_len: int, exclude: list[str] | None,
-              lm_head: str = "float") -> None:
+              lm_head: str = "float", shown_as: Path | None = None) -> None:
+    """`shown_as`: the name progress and errors give `output` (build --quant's staging: the checkpoint it becomes)."""
     from camshaft.quantize.modelopt_adapter import quantize_checkpoint
-    from camshaft.quantize.spec import QuantSpec
+    from camshaft.quantize.spec import QuantizeError, QuantSpec
+
+    def shown(text: str) -> str:
+        return text if shown_as is None else text.replace(str(output), str(shown_as))
 
     spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, exclude=tuple(exclude or ()),
                      lm_head=lm_head)
-    with contextlib.redirect_stdout(sys.stderr):  # ModelOpt prints; stdout carries only the output path
-        result = quantize_checkpoint(model, output, spec, calib_data=calib_data, calib_size=calib_size,
-                                     calib_seq_len=calib_seq_len, progress=progress, progress_bar=True)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # ModelOpt prints; stdout carries only the output path
+            result = quantize_checkpoint(model, output, spec, calib_data=calib_data, calib_size=calib_size,
+                                         calib_seq_len=calib_seq_len, progress=lambda m: progress(shown(m)),
+                                         progress_bar=True)
+    except QuantizeError as exc:
+        raise QuantizeError(shown(str(exc))) from exc
     err.print(f"quantized to {spec.format}" + (f" (group {result.group_size})" if result.group_size else "")
               + f" in {result.seconds['total']} s")
 

@@ -108,7 +108,8 @@ class _GenerationRequest(BaseModel):
 
     def constraints_sent(self) -> list[str]:
         """The structured-output fields sent that constrain the output (not response_format text, nor {})."""
-        return [name for name in STRUCTURED if getattr(self, name) not in (None, {})
+        return [name for name in STRUCTURED if getattr(self, name) is not None
+                and (name != "structured_outputs" or self.structured_outputs)
                 and (name != "response_format" or self.response_format.get("type", "text") != "text")]
 
     def check_supported(self) -> None:

@@ -8,7 +8,6 @@ import contextlib
 import hashlib
 import json
 import os
-import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -247,21 +246,3 @@ def graph_bytes(path: Path) -> int:
     except Exception:  # onnx's own errors, or no memory for the graph either: its own data file
         pass
     return path.stat().st_size + sum((path.parent / f).stat().st_size for f in files if (path.parent / f).is_file())
-
-
-def write_user_file(path: Path, data: str | bytes) -> None:
-    """A file the user named (results, a plot): through a symlink to its target; in place where it is no regular
-    file (/dev/stdout, a pipe); else whole or not at all (write_atomic), keeping the mode it had, or a new file's."""
-    target = Path(os.path.realpath(path))
-    if target.exists() and not target.is_file():
-        with open(target, "w" if isinstance(data, str) else "wb") as f:
-            f.write(data)
-        return
-    if target.exists():
-        mode = stat.S_IMODE(target.stat().st_mode)
-    else:
-        mask = os.umask(0)
-        os.umask(mask)
-        mode = 0o666 & ~mask
-    write_atomic(target, data, mode)
-

@@ -11,11 +11,13 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from camshaft.engine_files import write_atomic
 from camshaft.errors import CamshaftError
 
 LONGEST_KEPT_NAME = 200  # .NAME.partial-PID and the like stay within the 255 characters of a file name
@@ -94,9 +96,10 @@ def staging_dir(output: Path, flag: str = "--output", error: type[CamshaftError]
                     os.replace(stale, output)
             else:
                 shutil.rmtree(stale, ignore_errors=True)
-    for nested in output.parent.glob(f".{glob.escape(hidden)}.partial-*") if output.parent.is_dir() else ():
-        pid = nested.name.removeprefix(f".{hidden}.partial-").split(".")[0]  # a staging dir's own staging sibling
-        if pid.isdigit() and not _alive(int(pid)):
+    for nested in output.parent.glob("..*.partial-*") if output.parent.is_dir() else ():
+        pid = nested.name.rpartition("-")[2]  # a staging dir's own staging sibling (its process staged twice)
+        staging = output.parent / f"{hidden}.partial-{pid}"
+        if pid.isdigit() and nested.name == f"{_hidden(staging)}.partial-{pid}" and not _alive(int(pid)):
             shutil.rmtree(nested, ignore_errors=True)
     staging = _staging_path(output)
     try:
@@ -210,3 +213,31 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def write_user_file(path: Path, data: str | bytes) -> None:
+    """A file the user named (results, a plot): /dev/stdout, /dev/fd/N and other /dev or /proc paths as given, after
+    what this process printed (appended: not truncating a file stdout is redirected to); a symlink through to its
+    target; in place where it is no regular file (a pipe); else whole or not at all (write_atomic), keeping the mode
+    it had, or a new file's."""
+    text = isinstance(data, str)
+    given = Path(os.path.abspath(path))
+    if given.parts[1:2] in (("dev",), ("proc",)):  # magic links: realpath of /dev/stdout may name no file
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        with open(given, "a" if text else "ab") as f:
+            f.write(data)
+        return
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        with open(target, "w" if text else "wb") as f:
+            f.write(data)
+        return
+    if target.exists():
+        mode = stat.S_IMODE(target.stat().st_mode)
+    else:
+        mask = os.umask(0)
+        os.umask(mask)
+        mode = 0o666 & ~mask
+    write_atomic(target, data, mode)

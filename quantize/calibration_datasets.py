@@ -52,20 +52,19 @@ WORDS = re.compile(r"[^a-z]+")  # separators and digits, as datasets' patterns r
 
 
 def _split_of(file: Path, root: Path) -> str | None:
-    """The split a file's name or its folders' name (one kind of split only), else None."""
+    """The split the last split word of a file's path names (test_corpus-train.arrow: train), else None."""
     words = WORDS.split(str(file.relative_to(root).with_suffix("")).lower())
-    kinds = {SPLIT_NAMES[w] for w in words if w in SPLIT_NAMES}
-    return kinds.pop() if len(kinds) == 1 else None
+    return next((SPLIT_NAMES[w] for w in reversed(words) if w in SPLIT_NAMES), None)
 
 
 def train_split(path: Path, files: list[Path]) -> tuple[list[Path], str]:
     """A dataset's directory, its files named as splits: its train split's files and ", split train (... left
-    out)", as a test split calibrated on would leak into the evaluation; such a directory without a train split, or
-    with a train and another split beside a file of neither, is refused. Any other directory (documents, one of them
-    perhaps testing.md): all its files and ""."""
+    out)", as a test split calibrated on would leak into the evaluation; one without a train split, or with two
+    splits beside a file of neither, is refused. Any other directory (documents, one of them perhaps testing.md):
+    all its files and ""."""
     splits = [_split_of(f, path) for f in files]
     kinds = set(splits) - {None}
-    if not kinds or (None in splits and not ("train" in kinds and len(kinds) > 1)):
+    if not kinds or kinds == {"train"} or (None in splits and len(kinds) == 1):  # all train, or documents
         return files, ""
     others = sorted(kinds - {"train"})  # type: ignore[type-var]
     if None in splits:

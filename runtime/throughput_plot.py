@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from camshaft.engine_files import write_user_file
+from camshaft.outdir import write_user_file
 from camshaft.runtime.throughput_report import ThroughputResult, fmt
 
 

@@ -370,8 +370,17 @@ def test_a_results_file_is_written_through_its_symlink_with_its_mode_and_in_plac
     write_json(tmp_path / "link.json", {"later": 2})
     assert (tmp_path / "link.json").is_symlink() and json.loads(kept.read_text()) == {"later": 2}
     assert stat.S_IMODE(kept.stat().st_mode) == 0o600  # not made readable by all
-    write_json(Path("/dev/null"), {"x": 1})  # a device (as /dev/stdout is) is written, not replaced by a file
+    write_json(Path("/dev/null"), {"x": 1})  # a device is written, not replaced by a file
     assert Path("/dev/null").is_char_device()
+    script = ("import sys; from pathlib import Path; from camshaft.cli.bench import write_json; print('report'); "
+              "write_json(Path(sys.argv[1]), {'results': 1})")
+    redirected = tmp_path / "log.txt"
+    redirected.write_text("earlier\n")
+    with open(redirected, "a") as log:  # >> log.txt
+        subprocess.run([sys.executable, "-c", script, "/dev/stdout"], stdout=log, check=True)
+    assert redirected.read_text().startswith("earlier\nreport\n{") and redirected.read_text().endswith("1\n}\n")
+    piped = subprocess.run([sys.executable, "-c", script, "/dev/stdout"], capture_output=True, text=True)  # | cat
+    assert piped.returncode == 0 and piped.stdout.startswith("report\n{"), piped.stderr
 
 
 @pytest.mark.parametrize("error, said", [
@@ -379,6 +388,7 @@ def test_a_results_file_is_written_through_its_symlink_with_its_mode_and_in_plac
      "No space left on device: /data/engine/tokenizer/tokenizer.json; free some space"),  # a copy's destination
     (MemoryError("Cannot allocate memory"), "out of memory (Cannot allocate memory): this machine's, or this "
                                             "process's limit (ulimit -v"),
+    (OSError(27, "File too large", "/data/engine/graph.onnx.data"), "File too large: /data/engine/graph.onnx.data"),
 ])
 def test_a_copy_onto_a_full_disk_or_no_memory_is_said_plainly(tiny, capsys, monkeypatch, error, said):
     from importlib import import_module

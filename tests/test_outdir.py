@@ -71,10 +71,13 @@ def test_leftovers_of_nested_staging_long_byte_names_and_unreadable_mount_tables
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
-    nested = tmp_path / f"..e.ckpt.partial-{dead}.partial-{dead}"
-    nested.mkdir()
-    staging_dir(tmp_path / "e.ckpt")
-    assert not nested.exists()
+    for name in ("e.ckpt", "模" * 64):  # a name past 186 bytes: its staging's own staging name is hashed
+        staging = tmp_path / f"{outdir._hidden(tmp_path / name)}.partial-{dead}"
+        nested = tmp_path / f"{outdir._hidden(staging)}.partial-{dead}"
+        nested.mkdir()
+        staging_dir(tmp_path / name)
+        assert not nested.exists()
+        shutil.rmtree(outdir._staging_path(tmp_path / name))
     wide = tmp_path / ("模型" * 41)  # 246 bytes
     staging = staging_dir(wide)
     (staging / "a").write_text("x")

@@ -224,12 +224,16 @@ def test_a_directory_of_splits_calibrates_on_train_and_nothing_is_read_past_what
         load_texts(splits)
     for layout in (("data/train-00000-of-00001-5f3a2b1c.parquet", "data/test-00000-of-00001-0a1b.parquet"),
                    ("mydata.train.jsonl", "mydata.test.jsonl"), ("wikitext-train.arrow", "wikitext-test.arrow"),
-                   ("train1.txt", "train2.txt", "val1.txt"), ("train/a.txt", "test/b.txt")):  # a dataset's splits
+                   ("train1.txt", "train2.txt", "val1.txt"), ("train/a.txt", "test/b.txt"),
+                   ("test_corpus-train.arrow", "test_corpus-test.arrow"),  # the datasets cache: the last word
+                   ("eval_prompts/train-0.parquet", "eval_prompts/test-0.parquet")):  # a dataset's splits
         kept, note = train_split(tmp_path, [tmp_path / name for name in layout])
         assert [p.name for p in kept] == [Path(n).name for n in layout if "train" in n] and "split train (" in note
     with pytest.raises(QuantizeError, match="holds a dataset's splits .test, train, by their file names. and "
                                             "LICENSE.md, which is in none of them; move it out"):
         train_split(tmp_path, [tmp_path / "train.jsonl", tmp_path / "test.jsonl", tmp_path / "LICENSE.md"])
+    with pytest.raises(QuantizeError, match="LICENSE.txt, which is in none of them"):  # not read whole: test too
+        train_split(tmp_path, [tmp_path / "test.jsonl", tmp_path / "validation.jsonl", tmp_path / "LICENSE.txt"])
     for names in (("intro.md", "testing.md", "api.md"), ("training-manual.md", "safety.md"),
                   ("dev-notes.md", "usage.md"), ("train", "notes.md")):  # documents, not a dataset's splits
         docs = tmp_path / "-".join(names)

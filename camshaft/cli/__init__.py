@@ -104,7 +104,7 @@ def flagged(message: str, *names: str) -> str:
 
 
 _MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EMFILE,
-                   errno.ENFILE, errno.ENOMEM, errno.ENAMETOOLONG}
+                   errno.ENFILE, errno.ENOMEM, errno.ENAMETOOLONG, errno.EFBIG}
 
 
 class _Terminated(SystemExit):
@@ -199,7 +199,7 @@ def main() -> None:
                       "smaller --kv-cache-memory)", soft_wrap=True)
             sys.exit(1)
         if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRORS:  # the machine's, not ours: a full disk, ...
-            writing = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # with no file named: the output, stdout
+            writing = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # with no file named: the output
             path = exc.filename2 or exc.filename  # a copy's: source, destination (where the space ran out)
             where = f": {path}" if path else " (writing the output)" if writing else ""
             hint = "; free some space there or choose another directory" if exc.errno == errno.ENOSPC and path else ""

@@ -66,7 +66,7 @@ def write_json(path: Path, data: dict) -> None:
     """The results file; one that cannot be written is one line (the results are on stdout already)."""
     import json
 
-    from camshaft.engine_files import write_user_file
+    from camshaft.outdir import write_user_file
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -230,15 +230,16 @@ def _quantize(model: Path, quant: str, output: Path, kv_cache_dtype: str | None,
     from camshaft.quantize.modelopt_adapter import quantize_checkpoint
     from camshaft.quantize.spec import QuantizeError, QuantSpec
 
-    def shown(text: str) -> str:
-        return text if shown_as is None else text.replace(str(output), str(shown_as))
+    def shown(text: str, kept: str = "") -> str:
+        return text if shown_as is None else text.replace(str(output), f"{shown_as}{kept}")
 
     spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, exclude=tuple(exclude or ()),
                      lm_head=lm_head)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # ModelOpt prints; stdout carries only the output path
             result = quantize_checkpoint(model, output, spec, calib_data=calib_data, calib_size=calib_size,
-                                         calib_seq_len=calib_seq_len, progress=lambda m: progress(shown(m)),
+                                         calib_seq_len=calib_seq_len,
+                                         progress=lambda m: progress(shown(m, " (once the engine is built)")),
                                          progress_bar=True)
     except QuantizeError as exc:
         raise QuantizeError(shown(str(exc))) from exc

@@ -107,7 +107,8 @@ class _GenerationRequest(BaseModel):
         return field
 
     def constraints_sent(self) -> list[str]:
-        """The structured-output fields sent that constrain the output (not response_format text, nor {})."""
+        """The structured-output fields sent that constrain the output (not response_format text, nor structured_outputs
+        {})."""
         return [name for name in STRUCTURED if getattr(self, name) is not None
                 and (name != "structured_outputs" or self.structured_outputs)
                 and (name != "response_format" or self.response_format.get("type", "text") != "text")]

@@ -57,10 +57,13 @@ def load_requests(dataset: str, num_requests: int, tokenizer, *, seed: int = 0,
 
 
 def _text_pieces(tokenizer) -> list[str]:
-    """Vocabulary entries that decode to printable text and encode back to themselves."""
+    """Vocabulary entries that decode to printable text and encode back to themselves, special tokens left out (those
+    tokenizer.json marks special too, not only the ones all_special_tokens lists: SmolLM2's <filename>)."""
     ids = range(min(len(tokenizer), 30000))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special} if backend else set()
     pieces = [tokenizer.decode([i]) for i in ids]
-    good = [p for i, p in zip(ids, pieces, strict=True) if p.strip() and p.isprintable()
+    good = [p for i, p in zip(ids, pieces, strict=True) if p.strip() and p.isprintable() and i not in special
             and tokenizer(p, add_special_tokens=False)["input_ids"] == [i] and p not in tokenizer.all_special_tokens]
     if len(good) < 20:
         raise RequestError("the tokenizer has too few plain-text tokens to make synthetic prompts; use a jsonl dataset")

@@ -92,7 +92,8 @@ HTTP = httpx.Client(timeout=60)  # one client: a new one costs ~0.1 s (its TLS c
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Every sample of /metrics by its name with labels, e.g. 'camshaft_request_success_total{finish_reason="stop"}'."""
+    """Every sample of /metrics by its name with labels, e.g. 'camshaft_request_success_total{finished_reason="stop"}'.
+    """
     lines = HTTP.get(url + "/metrics").text.splitlines()
     return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
 
@@ -630,6 +631,12 @@ def test_metrics_move_with_requests(served, client):
     assert metric(url, "camshaft_inter_token_latency_seconds_count") == \
         before["camshaft_inter_token_latency_seconds_count"] + 4
     assert metric(url, "camshaft_kv_cache_blocks_total") > 0 and metric(url, "camshaft_kv_cache_blocks_used") == 0
+    health = metric(url, 'camshaft_http_requests_total{path="/health",status="200"}')
+    assert HTTP.get(url + "/health").status_code == 200 and HTTP.get(url + "/version").status_code == 200
+    samples = scrape(url)  # a health failure ratio needs its 200s too (only its 503s were counted)
+    assert samples['camshaft_http_requests_total{path="/health",status="200"}'] == health + 1
+    assert samples['camshaft_http_requests_total{path="/version",status="200"}'] >= 1
+    assert "camshaft_num_preemptions_total" in samples  # vLLM's names: num_preemptions, finished_reason
 
 
 CHAT = "/v1/chat/completions"
@@ -1058,7 +1065,7 @@ def test_metrics_count_no_refused_sequence_and_count_failed_ones(engine_dir):
     from camshaft.openai_server.metrics import Metrics
 
     def finished(metrics: Metrics, reason: str) -> float:
-        return metrics.registry.get_sample_value("camshaft_request_success_total", {"finish_reason": reason}) or 0
+        return metrics.registry.get_sample_value("camshaft_request_success_total", {"finished_reason": reason}) or 0
 
     params = camshaft.SamplingParams(max_tokens=4, ignore_eos=True)
     with camshaft.LLM(engine_dir, max_batch_size=1, max_queue=1) as llm:
@@ -1086,6 +1093,39 @@ def test_metrics_count_no_refused_sequence_and_count_failed_ones(engine_dir):
 
         asyncio.run(refused_then_failed())
         assert (finished(metrics, "abort"), finished(metrics, "error")) == (0, 1)
+
+
+def test_a_failed_request_of_n_sequences_counts_each_as_an_error(engine_dir):
+    """Its first failed sequence counted as error and its siblings as abort (the client's): an error rate n times
+    too low, and disconnects that never happened."""
+    from camshaft.openai_server.generation import Generation
+    from camshaft.openai_server.metrics import Metrics
+
+    with camshaft.LLM(engine_dir) as llm:
+        metrics = Metrics(llm)
+        step, calls = llm.engine.step, []
+
+        def fail_third(chunks):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("device lost")
+            return step(chunks)
+        llm.engine.step = fail_third
+
+        async def failed() -> None:
+            params = camshaft.SamplingParams(max_tokens=20, ignore_eos=True, n=3)
+            generation = Generation(llm, [[5, 6]], params, metrics, time.perf_counter())
+            try:
+                with pytest.raises(RuntimeError, match="device lost"):
+                    await generation.results()
+            finally:
+                generation.abort()  # as the route does once the response is an error
+
+        asyncio.run(failed())
+        counted = {reason: metrics.registry.get_sample_value("camshaft_request_success_total",
+                                                             {"finished_reason": reason}) or 0
+                   for reason in ("abort", "error")}
+        assert counted == {"abort": 0, "error": 3}
 
 
 def test_documents_reach_a_rag_template_from_the_python_api_and_the_server(engine_dir):

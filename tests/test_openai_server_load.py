@@ -90,7 +90,7 @@ def test_concurrent_streams_with_hang_ups(server, engine_dir):
     _, url = server
     session = Session(engine_dir)
     expected = [session.chat(messages, max_tokens=12, temperature=0) for messages in CONVERSATIONS]
-    aborted_before = metric(url, 'camshaft_request_success_total{finish_reason="abort"}')
+    aborted_before = metric(url, 'camshaft_request_success_total{finished_reason="abort"}')
 
     results = asyncio.run(_load(url))
 
@@ -102,20 +102,20 @@ def test_concurrent_streams_with_hang_ups(server, engine_dir):
         assert result == (reference.text, reference.finish_reason, len(reference.token_ids)), f"client {i}"
     wait_until(lambda: _idle(url))  # the hung-up requests' KV blocks are free again
     hung_up = NUM_CLIENTS // HANG_UP_EVERY
-    assert metric(url, 'camshaft_request_success_total{finish_reason="abort"}') == aborted_before + hung_up
+    assert metric(url, 'camshaft_request_success_total{finished_reason="abort"}') == aborted_before + hung_up
     assert metric(url, "camshaft_prefix_cache_hit_blocks_total") > 0  # each conversation came four times
 
 
 def test_a_non_streaming_client_that_hangs_up_is_aborted(server):
     _, url = server
-    aborted_before = metric(url, 'camshaft_request_success_total{finish_reason="abort"}')
+    aborted_before = metric(url, 'camshaft_request_success_total{finished_reason="abort"}')
     body = json.dumps({"model": MODEL, "messages": CONVERSATIONS[0], "max_tokens": 2000, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         wait_until(lambda: metric(url, "camshaft_num_requests_running") == 1)  # then hang up, long before 2000
     wait_until(lambda: _idle(url))
-    assert metric(url, 'camshaft_request_success_total{finish_reason="abort"}') == aborted_before + 1
+    assert metric(url, 'camshaft_request_success_total{finished_reason="abort"}') == aborted_before + 1
 
 
 def test_healthy_after_load_then_sigterm_stops_cleanly(server, engine_dir):

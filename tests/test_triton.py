@@ -492,7 +492,7 @@ def test_metrics_the_openai_server_also_has_carry_its_names(stack):
     openai_names = {line.split("{")[0].split(" ")[0] for line in rendered.splitlines() if line.startswith("camshaft_")}
     shared = {"camshaft_num_requests_running", "camshaft_num_requests_waiting", "camshaft_kv_cache_usage_ratio",
               "camshaft_kv_cache_blocks_used", "camshaft_kv_cache_blocks_total", "camshaft_generation_tokens_total",
-              "camshaft_prefix_cache_hit_blocks_total", "camshaft_preemptions_total",
+              "camshaft_prefix_cache_hit_blocks_total", "camshaft_num_preemptions_total",
               "camshaft_spec_decode_num_draft_tokens_total", "camshaft_spec_decode_num_accepted_tokens_total"}
     assert shared <= openai_names, shared - openai_names
     assert shared <= set(stack.metrics()), shared - set(stack.metrics())

@@ -27,11 +27,11 @@ COUNTERS = {
     "camshaft_spec_decode_num_draft_tokens_total": "Prompt lookup's draft tokens fed to the engine",
     "camshaft_spec_decode_num_accepted_tokens_total": "Draft tokens equal to the sampled token",
     "camshaft_prefix_cache_hit_blocks_total": "KV blocks reused from the prefix cache",
-    "camshaft_preemptions_total": "Sequences preempted to free KV blocks",
+    "camshaft_num_preemptions_total": "Sequences preempted to free KV blocks",
 }
 FROM_LOAD = {"camshaft_spec_decode_num_draft_tokens_total": "draft_tokens",  # counted by the batch loop itself
              "camshaft_spec_decode_num_accepted_tokens_total": "accepted_draft_tokens",
-             "camshaft_prefix_cache_hit_blocks_total": "prefix_hits", "camshaft_preemptions_total": "preemptions"}
+             "camshaft_prefix_cache_hit_blocks_total": "prefix_hits", "camshaft_num_preemptions_total": "preemptions"}
 
 # TensorRT-LLM's triton backend families, under its names and labels: what endpoint pickers (the Gateway API
 # inference extension, llm-d) scrape from a "triton-tensorrt-llm" server

@@ -130,9 +130,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         return await asyncio.to_thread(response)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health(request: Request) -> dict:
         if not llm.alive:
             raise APIError(503, "the batch loop has stopped; restart the server", type="server_error")
+        metrics.http(route_path(request), 200)  # as its 503s are: a failure ratio needs both
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -149,7 +150,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         return model_card()
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        metrics.http(route_path(request), 200)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
@@ -183,7 +185,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         return {"prompt": text}
 
     @app.get("/version")
-    async def version() -> dict:
+    async def version(request: Request) -> dict:
+        metrics.http(route_path(request), 200)
         return {"version": __version__}
 
     @app.post("/v1/completions")

@@ -30,6 +30,7 @@ class Generation:
         self._index: dict[str, int] = {}
         self._unfinished: set[str] = set()
         self._last: dict[int, float] = {}
+        self._failed = False
 
         def sink(output: RequestOutput) -> None:  # on the batch loop's thread
             if not loop.is_closed():  # else the request was aborted with its reader
@@ -49,7 +50,8 @@ class Generation:
             if output.finished:
                 self._unfinished.discard(output.request_id)
             if output.error is not None:
-                self.metrics.finished.labels(finish_reason="error").inc()
+                self.metrics.finished.labels(finished_reason="error").inc()
+                self._failed = True  # its siblings end with the request: failed too, not aborted by the client
                 raise output.error
             index = self._index[output.request_id]
             self._observe(index, output)
@@ -69,11 +71,11 @@ class Generation:
 
     def abort(self, count: bool = True) -> None:
         """Stop what is unfinished (idempotent); the batch loop frees its KV blocks before its next step. count:
-        each stopped sequence counts as finished for reason abort."""
+        each stopped sequence counts as finished for reason abort (the client's), or error where a sibling failed."""
         for request_id in self._unfinished:
             self.llm.abort(request_id)
             if count:
-                self.metrics.finished.labels(finish_reason="abort").inc()
+                self.metrics.finished.labels(finished_reason="error" if self._failed else "abort").inc()
         self._unfinished.clear()
 
     def _observe(self, index: int, output: RequestOutput) -> None:
@@ -88,4 +90,4 @@ class Generation:
             self._last[index] = now
         if output.result is not None:
             self.metrics.e2e.observe(now - self.arrival)
-            self.metrics.finished.labels(finish_reason=output.result.finish_reason).inc()
+            self.metrics.finished.labels(finished_reason=output.result.finish_reason).inc()

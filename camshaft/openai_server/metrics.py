@@ -31,7 +31,7 @@ class _LoadCollector(Collector):
             yield GaugeMetricFamily(f"camshaft_{name}", doc, value=value)
         yield CounterMetricFamily("camshaft_prefix_cache_hit_blocks", "KV blocks reused from the prefix cache",
                                   value=load.prefix_hits)
-        yield CounterMetricFamily("camshaft_preemptions", "Sequences preempted to free KV blocks",
+        yield CounterMetricFamily("camshaft_num_preemptions", "Sequences preempted to free KV blocks",
                                   value=load.preemptions)
         yield CounterMetricFamily("camshaft_spec_decode_num_draft_tokens",
                                   "Prompt lookup's draft tokens fed to the engine", value=load.draft_tokens)
@@ -50,7 +50,8 @@ class Metrics:
         self.e2e = Histogram("camshaft_e2e_request_latency_seconds", "From request arrival to its last token",
                              buckets=_LATENCY_BUCKETS, registry=registry)
         self.finished = Counter("camshaft_request_success", "Finished sequences by finish reason (abort: the "
-                                "client went away; error: the server failed it)", ["finish_reason"], registry=registry)
+                                "client went away; error: the server failed it)", ["finished_reason"],
+                                registry=registry)
         self.prompt_tokens = Counter("camshaft_prompt_tokens", "Prompt tokens of admitted requests",
                                      registry=registry)
         self.generation_tokens = Counter("camshaft_generation_tokens", "Generated tokens", registry=registry)

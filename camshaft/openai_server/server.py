@@ -29,6 +29,7 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
                  ) -> tuple[uvicorn.Server, LLM]:
     """The uvicorn server and the LLM it serves (the caller closes the LLM after the server stops). chat_template:
     a Jinja file or text in place of the engine tokenizer's."""
+    log_like_uvicorn(log_level)
     llm = LLM(engine, spin_wait=False, chat_template=chat_template, **llm_options)
     try:
         check_serves_full_length(llm.engine.manifest, llm.config)  # a fraction's pool is known only now
@@ -39,6 +40,22 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
     except BaseException:
         llm.close()
         raise
+
+
+def log_like_uvicorn(level: str) -> None:
+    """camshaft's own log lines (an ignored field, a failed step) with a level, as uvicorn's beside them
+    ("WARNING:  camshaft.openai_server.app: ..."); where the process configured logging itself, as it did."""
+    import logging
+
+    from uvicorn.logging import DefaultFormatter
+
+    logger = logging.getLogger("camshaft")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def pool_line(llm: LLM) -> str:

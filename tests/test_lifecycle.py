@@ -17,7 +17,7 @@ from camshaft.runtime.llm import LLM
 from camshaft.runtime.sampling_params import SamplingParams
 from camshaft.runtime.session import Session
 
-from tiny_models import tiny_engine
+from tiny_models import fail_step, tiny_engine
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -96,16 +96,7 @@ def test_a_closed_session_says_so(engine_dir):
 
 def test_a_failed_engine_step_is_logged_and_ends_only_its_requests(engine_dir, caplog):
     with LLM(engine_dir) as llm:
-        step = llm.engine.step
-        calls = []
-
-        def fail_once(chunks):
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("device lost")
-            return step(chunks)
-
-        llm.engine.step = fail_once
+        fail_step(llm, at=1)
         done: queue.SimpleQueue = queue.SimpleQueue()
         with caplog.at_level("ERROR", logger="camshaft"):
             llm.submit([5, 6, 7], GREEDY, lambda o: o.finished and done.put(o))

@@ -23,7 +23,7 @@ from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
 from camshaft.openai_server.server import build_server
 from camshaft.runtime.session import Session
 
-from tiny_models import make_tiny_model
+from tiny_models import fail_step, make_tiny_model
 
 MODEL = "engine"  # the engine directory's name
 PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "Hello, world"]
@@ -1103,14 +1103,7 @@ def test_a_failed_request_of_n_sequences_counts_each_as_an_error(engine_dir):
 
     with camshaft.LLM(engine_dir) as llm:
         metrics = Metrics(llm)
-        step, calls = llm.engine.step, []
-
-        def fail_third(chunks):
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError("device lost")
-            return step(chunks)
-        llm.engine.step = fail_third
+        fail_step(llm, at=3)
 
         async def failed() -> None:
             params = camshaft.SamplingParams(max_tokens=20, ignore_eos=True, n=3)

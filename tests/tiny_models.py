@@ -164,3 +164,15 @@ def check_generation(engine: Path, model_dir: Path, prompts: list[list[int]], ne
     with LLM(engine) as llm:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == got
+
+
+def fail_step(llm, at: int, message: str = "device lost") -> None:
+    """The LLM's engine step number `at` (from 1) raises RuntimeError(message); the others run as before."""
+    step, calls = llm.engine.step, []
+
+    def failing(chunks):
+        calls.append(1)
+        if len(calls) == at:
+            raise RuntimeError(message)
+        return step(chunks)
+    llm.engine.step = failing

@@ -1,5 +1,9 @@
 """Errors a user can act on. Each message says what went wrong and what to do."""
 
+import errno
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # OSError errnos of a write the disk (or a quota) refused
+
 
 class CamshaftError(Exception):
     """Base class: the CLI prints these without a traceback."""

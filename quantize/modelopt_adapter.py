@@ -7,7 +7,6 @@ end, so an interrupted run never leaves a half-written checkpoint under the outp
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from camshaft.engine_files import NAMED_TEMPLATES
-from camshaft.errors import CheckpointError, UnsupportedModelError, needs_extra
+from camshaft.errors import DISK_FULL, CheckpointError, UnsupportedModelError, needs_extra
 from camshaft.float_model import load_float_model, transformers_tokenizer
 from camshaft.model_config import (
     CAMSHAFT_QUANT_RECORD,
@@ -253,10 +252,9 @@ def _export_failures(output: Path) -> Iterator[None]:
     try:
         yield
     except (OSError, SafetensorError) as exc:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) if isinstance(exc, OSError) else \
+        full = exc.errno in DISK_FULL if isinstance(exc, OSError) else \
             any(said in str(exc) for said in ("No space left", "Disk quota", "File too large"))
         if not full:
             raise
         raise QuantizeError(f"writing the quantized checkpoint beside {output} failed ({exc}); free some space there "
                             "or choose another --output (calibration has to run again)") from exc
-

@@ -52,7 +52,7 @@ class PromptEncoder:
         elif isinstance(prompt, str):
             if not prompt and for_generation:
                 raise RequestError("the prompt is empty; pass some text")
-            ids = encode_text(self.tokenizer, prompt, limit, limit=said)
+            ids = encode_text(self.tokenizer, prompt, limit, cap_said=said)
         else:
             vocab = self.vocab_size
             items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
@@ -80,4 +80,4 @@ class PromptEncoder:
         """The chat template's text of a conversation and its ids (the template holds the special tokens: encoding
         adds no second BOS)."""
         text = render_chat(self.tokenizer, messages, chat)
-        return text, encode_text(self.tokenizer, text, most, "the chat", add_special_tokens=False, limit=said)
+        return text, encode_text(self.tokenizer, text, most, "the chat", add_special_tokens=False, cap_said=said)

@@ -113,4 +113,3 @@ def test_a_rebuild_that_fails_keeps_the_checkpoint_its_engine_was_built_from(tin
     assert code == 1 and "No space left on device" in err
     assert json.loads((tmp_path / "e.ckpt" / "hf_quant_config.json").read_text()) == kept  # still the engine's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e", "e.ckpt"]  # no staging left
-

@@ -394,4 +394,3 @@ def test_a_session_closed_from_a_signal_handler_or_a_forked_child_is_closed(engi
 
     done = subprocess.run([sys.executable, "-c", script, str(engine_dir)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.split("\n")[-2] == expected, done.stdout + done.stderr[-2000:]
-

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from camshaft.errors import BuildConfigError
+from camshaft.errors import DISK_FULL, BuildConfigError
 
 ALIGN = 64
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -67,9 +66,10 @@ class GraphWriter:
         if found is None:
             pad = (-self._offset) % ALIGN
             self._data.write(b"\0" * pad)
-            self._data.write(raw)  # not joined to the pad: a copy of the largest weight
-            found = self._location, self._offset + pad
-            self._offset += pad + len(raw)
+            self._offset += pad
+            found = self._location, self._offset
+            self._data.write(raw)
+            self._offset += len(raw)
         tensor = onnx.TensorProto()
         tensor.name = name
         tensor.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
@@ -146,7 +146,6 @@ def weights_file(path: Path) -> Iterator[BinaryIO]:
         with open(path, "wb") as data:
             yield data
     except OSError as exc:
-        if exc.filename is not None or exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if exc.filename is not None or exc.errno not in DISK_FULL:
             raise
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
-

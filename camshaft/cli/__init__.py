@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from camshaft.errors import CamshaftError, RequestError
+from camshaft.errors import DISK_FULL, CamshaftError, RequestError
 from camshaft.stop_signals import Stops
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
@@ -199,7 +199,7 @@ def main() -> None:
                       "smaller --kv-cache-memory)", soft_wrap=True)
             sys.exit(1)
         if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRORS:  # the machine's, not ours: a full disk, ...
-            writing = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # with no file named: the output
+            writing = exc.errno in DISK_FULL  # with no file named: the output
             path = exc.filename2 or exc.filename  # a copy's: source, destination (where the space ran out)
             where = f": {path}" if path else " (writing the output)" if writing else ""
             hint = "; free some space there or choose another directory" if exc.errno == errno.ENOSPC and path else ""

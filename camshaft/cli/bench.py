@@ -68,20 +68,23 @@ def write_json(path: Path, data: dict) -> None:
 
     from camshaft.outdir import write_user_file
 
-    try:
+    def write(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_user_file(path, json.dumps(data, indent=2) + "\n")  # an earlier file stays whole if this one fails
-    except OSError as exc:
-        raise CamshaftError(f"--output-json {path} could not be written ({exc.strerror or exc}); the results are "
-                            "above") from None
+
+    _written("--output-json", path, write)
 
 
 def write_plot(path: Path, draw: Callable[[Path], None]) -> None:
     """The PNG `draw` writes; one that cannot be written is one line naming --plot."""
+    _written("--plot", path, draw)
+
+
+def _written(flag: str, path: Path, write: Callable[[Path], None]) -> None:
     try:
-        draw(path)
+        write(path)
     except OSError as exc:
-        raise CamshaftError(f"--plot {path} could not be written ({exc.strerror or exc}); the results are "
+        raise CamshaftError(f"{flag} {path} could not be written ({exc.strerror or exc}); the results are "
                             "above") from None
 
 

@@ -60,7 +60,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
     messages = checked_messages(messages)
     if tokenizer.chat_template is None:
         raise RequestError("this engine's tokenizer has no chat template; pass a plain prompt, or give the engine "
-                           "one (chat_template=, --chat-template FILE)")
+                           "one (chat_template=, --chat-template FILE)", field="messages")
     template_kwargs = check_template_kwargs(options.chat_template_kwargs, tokenizer)
     if options.continue_final_message and not (messages[-1].get("content") or ""):
         raise RequestError("continue_final_message goes on with the last message's text, and it has none; end the "
@@ -73,7 +73,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
     except ValueError as exc:  # several named templates, none "default" (nor "tool_use" with tools)
         named = ", ".join(sorted(tokenizer.chat_template)) if isinstance(tokenizer.chat_template, dict) else "?"
         raise RequestError(f"this engine's tokenizer has several chat templates ({named}) and none for this chat "
-                           f"({exc}); give one (chat_template=, --chat-template FILE)") from exc
+                           f"({exc}); give one (chat_template=, --chat-template FILE)", field="chat_template") from exc
     if not template.strip():  # a truncated copy, or an editor's save on a full disk: no prompt would come of it
         raise EngineError("this engine's chat template (tokenizer/chat_template.jinja) is empty; restore it, rebuild "
                           "the engine, or give a template (chat_template=, --chat-template FILE)")
@@ -96,7 +96,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
         if described is not None:
             with contextlib.suppress(Exception):
                 return apply(described)
-        raise RequestError(f"this model's chat template refused the messages: {exc}") from exc
+        raise RequestError(f"this model's chat template refused the messages: {exc}", field="messages") from exc
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None, tokenizer) -> dict[str, Any]:
@@ -132,17 +132,18 @@ def load_chat_template(value: str | Path) -> str:
         inline = True
     if inline and not any(c in text for c in "{}\n"):
         raise RequestError(f"chat template {text!r:.120} is neither a file nor a template; give the path of a "
-                           ".jinja file or the template itself")
+                           ".jinja file or the template itself", field="chat_template")
     if not inline:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise RequestError(f"chat template {path} could not be read as UTF-8 text: {exc}") from None
+            raise RequestError(f"chat template {path} could not be read as UTF-8 text: {exc}",
+                               field="chat_template") from None
     where = "the template given" if inline else str(path)
     if not text.strip():
-        raise RequestError(f"{where} is empty; give a chat template")
+        raise RequestError(f"{where} is empty; give a chat template", field="chat_template")
     if problem := template_problem(text):
-        raise RequestError(f"{where} is not a valid Jinja chat template: {problem}")
+        raise RequestError(f"{where} is not a valid Jinja chat template: {problem}", field="chat_template")
     return text
 
 
@@ -206,7 +207,7 @@ def template_calls(calls: Any) -> list[dict[str, Any]]:
     {...}} (a bare {'name', 'arguments'} call is wrapped so), each call's arguments an object (OpenAI sends JSON
     text, which a template would render as a string, quoted again). Applied once, by render_chat."""
     if not isinstance(calls, list):
-        raise RequestError(f"tool_calls is a list of calls, got {calls!r:.80}")
+        raise RequestError(f"tool_calls is a list of calls, got {calls!r:.80}", field="messages")
     out = []
     for index, call in enumerate(calls):
         if isinstance(call, dict) and "function" not in call and "name" in call:
@@ -216,13 +217,14 @@ def template_calls(calls: Any) -> list[dict[str, Any]]:
         if not isinstance(function, dict) or call.get("type", "function") != "function" \
                 or not isinstance(function.get("name"), str):
             raise RequestError(f"tool call {index} is {call!r:.120}; each is {{'id': ..., 'type': 'function', "
-                               "'function': {'name': ..., 'arguments': JSON text}}")
+                               "'function': {'name': ..., 'arguments': JSON text}}", field="messages")
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
             except (ValueError, RecursionError):
-                raise RequestError(f"tool call {index}'s arguments are not JSON: {arguments!r:.80}") from None
+                raise RequestError(f"tool call {index}'s arguments are not JSON: {arguments!r:.80}",
+                                   field="messages") from None
         out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
     return out
 

@@ -27,17 +27,18 @@ def check_unicode(text: str, what: str, field: str | None = None) -> None:
 
 
 def encode_text(tokenizer, text: str, max_tokens: int | None, what: str = "the prompt",
-                add_special_tokens: bool = True, cap_said: str | None = None) -> list[int]:
+                add_special_tokens: bool = True, cap_said: str | None = None, field: str = "prompt") -> list[int]:
     """Token ids of `text`; refused, after tokenizing a prefix (growing fourfold: at most ~1.3x the work of one
     encoding), when that prefix alone holds more tokens than `max_tokens` plus what the cut may add (None: never).
-    `cap_said`: what sets max_tokens, as the refusal says it (default: the engine's max_seq_len)."""
-    check_unicode(text, what)
+    `cap_said`: what sets max_tokens, as the refusal says it (default: the engine's max_seq_len). `field`: the
+    errors' RequestError.field."""
+    check_unicode(text, what, field)
     size = len(text) if max_tokens is None else max_tokens * FIRST_PREFIX
     while size < len(text):
         head = tokenizer(text[:size], add_special_tokens=add_special_tokens)["input_ids"]
         if len(head) > max_tokens + longest_piece(tokenizer):
             cap_said = cap_said or f"this engine allows {max_tokens} tokens in all (prompt + output)"
             raise CapacityError(f"{what} has {len(text)} characters, more than {max_tokens} tokens: {cap_said}; "
-                                "shorten it", field="prompt")
+                                "shorten it", field=field)
         size *= 4
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]

@@ -478,3 +478,40 @@ def test_generate_without_stderr_shows_no_bar(engine_dir, monkeypatch):
     with LLM(engine_dir, threads=1) as llm:
         monkeypatch.setattr(sys, "stderr", None)  # pythonw, some embedded interpreters
         assert len(llm.generate([[5, 6]] * 2, SamplingParams(max_tokens=2))) == 2
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": 3.5}, "prompt"),
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"prompt": {"prompt": [1]}}, "prompt"), ({"prompt": {"text": "a"}}, "prompt"), ({}, "prompt"),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "messages"),
+    ({"prompt": "a", "tools": []}, "messages"),
+    ({"messages": []}, "messages"), ({"messages": "hello"}, "messages"), ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": " "}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [{}]}]},
+     "messages"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None,
+                                                     "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "messages"),
+    ({"messages": [{"role": "user", "content": "w " * 2000}]}, "messages"), ({"prompt": "w " * 2000}, "prompt"),
+])
+def test_every_prompt_and_chat_error_names_its_field(engine_dir, kwargs, field):
+    with LLM(engine_dir) as llm:
+        with pytest.raises(RequestError) as refused:
+            llm.encode(**kwargs)
+        assert refused.value.field == field, str(refused.value)
+
+
+def test_chat_template_errors_name_their_field(engine_dir, tmp_path):
+    (tmp_path / "empty.jinja").write_text(" ")
+    for template in (str(tmp_path / "empty.jinja"), "{% if %}", "no-such-template"):
+        with pytest.raises(RequestError) as refused:
+            LLM(engine_dir, chat_template=template)
+        assert refused.value.field == "chat_template", str(refused.value)
+    with LLM(engine_dir, chat_template="{{ raise_exception('no users') }}") as llm:
+        with pytest.raises(RequestError, match="refused the messages") as refused:
+            llm.chat([{"role": "user", "content": "a"}])
+        assert refused.value.field == "messages"

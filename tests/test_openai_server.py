@@ -692,6 +692,12 @@ HI = [{"role": "user", "content": "Hi"}]
     ("/tokenize", {"model": MODEL, "prompt": "Hi", "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("/tokenize", {"model": MODEL, "prompt": "Hi", "documents": [{"text": "a"}]}, "documents"),
+    ("/tokenize", {"model": MODEL, "messages": []}, "messages"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+    (CHAT, {"model": MODEL, "messages": [*HI, {"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                                         "arguments": "{"}}]}]},
+     "messages"),
 ])
 def test_bad_input_is_an_openai_400(served, path, body, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \

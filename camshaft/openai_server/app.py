@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from camshaft.errors import CamshaftError, CapacityError, EngineError, RequestError
+from camshaft.errors import CamshaftError, CapacityError, EngineError
 from camshaft.openai_server import errors
 from camshaft.openai_server.api_key import ApiKey
 from camshaft.openai_server.body_limit import BodyLimit, max_body_bytes
@@ -91,8 +91,6 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             ids = await asyncio.to_thread(llm.encode, **prompt)  # a long prompt must not stall the open streams
         except CapacityError as exc:  # far too long: refused after tokenizing a prefix
             raise too_long(f"your request has more input tokens ({exc}).") from None
-        except RequestError as exc:  # empty, no tokens, not Unicode, unusable messages or template options
-            raise APIError(400, str(exc), param=what if exc.field in (None, "prompt") else exc.field) from None
         except EngineError as exc:  # the engine's chat template does not parse: the server's files, not the request
             raise from_exception(exc) from None
         if len(ids) >= max_seq_len:
@@ -235,10 +233,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             params = replace(params, guided_decoding=guided)
         if tools is not None and tools.kind == "auto" and "skip_special_tokens" not in body.model_fields_set:
             params = replace(params, skip_special_tokens=False)  # some models' <tool_call> tags are special tokens
-        try:
-            messages = [m.template_dict() for m in body.messages]
-        except RequestError as exc:
-            raise APIError(400, str(exc), param="messages") from None
+        messages = [m.template_dict() for m in body.messages]
         ids = await prompt_ids(max_tokens=body.requested_max_tokens(), messages=messages,
                                tools=tools.prompt_tools if tools is not None else None, **body.chat_keywords())
         shape = ChatShape(model_name, llm.tokenizer, tools, echo=body.echoed(messages))

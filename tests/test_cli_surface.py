@@ -132,6 +132,8 @@ def test_an_api_key_is_for_the_openai_api_and_not_blank(engine):
     from_env = CliRunner().invoke(app, ["serve", "--engine", str(engine)], env={"CAMSHAFT_API_KEY": "k"})
     refused(from_env, "Triton has no API keys")  # a key in the environment is not silently dropped
     refused(invoke("serve", "--engine", engine, "--api", "openai", "--api-key", " k"), "--api-key is empty or starts")
+    refused(invoke("serve", "--engine", engine, "--log-level", "loud"),
+            "unknown --log-level 'loud'; use debug, info, warning, error")
 
 
 def test_a_tool_call_parser_is_for_the_openai_api_and_known(engine):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import re
 import threading
 import time
 import types
@@ -732,13 +734,43 @@ def test_a_json_body_sent_without_a_content_type_is_told_which_header_it_lacks(s
 
 
 def test_ignored_fields_are_said_in_the_log(served, caplog):
-    import logging
-
     with caplog.at_level(logging.WARNING, logger="camshaft.openai_server"):
         answer = HTTP.post(served[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "temprature": 0.5,
                                                                  "user": "me"})
     assert answer.status_code == 200  # as OpenAI and vLLM: unknown fields do not fail the request
-    assert "fields present in the request but ignored: temprature, user" in caplog.text
+    assert f"{answer.json()['id']}: fields present in the request but ignored: temprature, user" in caplog.text
+
+
+def test_each_request_has_an_id_in_its_response_and_log_lines(served, caplog):
+    """vLLM's X-Request-Id: a caller's trace id becomes the response's id and names the request in the log, which
+    says how each generation request ended (finished, refused, aborted by the client)."""
+    url = served[0]
+    with caplog.at_level(logging.INFO, logger="camshaft.openai_server"):
+        traced = HTTP.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+                           headers={"X-Request-Id": "trace-42"})
+        assert traced.headers["x-request-id"] == "trace-42" and traced.json()["id"] == "cmpl-trace-42"
+        fresh = HTTP.post(url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "n": 2,
+                                                              "ignore_eos": True})
+        made = fresh.headers["x-request-id"]
+        assert re.fullmatch("[0-9a-f]{32}", made) and fresh.json()["id"] == f"chatcmpl-{made}"
+        refused = HTTP.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0},
+                            headers={"X-Request-Id": "bad-1"})
+        assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
+        unusable = HTTP.post(url + "/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "a b"})
+        assert unusable.status_code == 400 and "X-Request-Id must be" in unusable.json()["error"]["message"]
+        with HTTP.stream("POST", url + "/v1/completions", json={"prompt": "hi", "max_tokens": 100, "stream": True,
+                                                               "ignore_eos": True},
+                         headers={"X-Request-Id": "gone"}) as stream:
+            assert stream.headers["x-request-id"] == "gone"
+            next(stream.iter_lines())
+        wait_until(lambda: "cmpl-gone: aborted" in caplog.text)
+    lines = [r.getMessage() for r in caplog.records if r.name == "camshaft.openai_server"]
+    assert re.fullmatch(r"cmpl-trace-42: finished \(length\) after [0-9.]+ s, first token at [0-9.]+ s: \d+ prompt "
+                        r"tokens, 3 generated", lines[0]), lines
+    assert re.fullmatch(rf"chatcmpl-{made}: finished \(length x2\) after .*, 4 generated", lines[1]), lines
+    assert lines[2] == "cmpl-bad-1: refused, 400: max_tokens must be at least 1 (0 only with echo: the prompt and " \
+                       "its log-probs)", lines
+    assert re.fullmatch(r"cmpl-gone: aborted \(the client went away\) after .*", lines[3]) and len(lines) == 4, lines
 
 
 def test_vllms_bad_words_reach_the_sampler():
@@ -1007,7 +1039,6 @@ def test_an_api_key_guards_every_route_but_the_operators(engine_dir):
 
 def test_structured_output_follows_its_schema_regex_or_choice(client, served):
     import json
-    import re
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                                "maximum": 9}},
@@ -1101,7 +1132,7 @@ def test_metrics_count_no_refused_sequence_and_count_failed_ones(engine_dir):
         assert (finished(metrics, "abort"), finished(metrics, "error")) == (0, 1)
 
 
-def test_a_failed_request_of_n_sequences_counts_each_as_an_error(engine_dir):
+def test_a_failed_request_of_n_sequences_counts_each_as_an_error(engine_dir, caplog):
     """Its first failed sequence counted as error and its siblings as abort (the client's): an error rate n times
     too low, and disconnects that never happened."""
     from camshaft.openai_server.generation import Generation
@@ -1113,14 +1144,18 @@ def test_a_failed_request_of_n_sequences_counts_each_as_an_error(engine_dir):
 
         async def failed() -> None:
             params = camshaft.SamplingParams(max_tokens=20, ignore_eos=True, n=3)
-            generation = Generation(llm, [[5, 6]], params, metrics, time.perf_counter())
+            generation = Generation(llm, [[5, 6]], params, metrics, time.perf_counter(), log_id="cmpl-f")
             try:
                 with pytest.raises(RuntimeError, match="device lost"):
                     await generation.results()
             finally:
                 generation.abort()  # as the route does once the response is an error
 
-        asyncio.run(failed())
+        with caplog.at_level(logging.INFO, logger="camshaft.openai_server"):
+            asyncio.run(failed())
+        lines = [r.getMessage() for r in caplog.records if r.name == "camshaft.openai_server"]
+        assert len(lines) == 1 and re.fullmatch(r"cmpl-f: failed after [0-9.]+ s, first token at [0-9.]+ s: 2 prompt "
+                                                r"tokens, \d+ generated: device lost", lines[0]), lines
         counted = {reason: metrics.registry.get_sample_value("camshaft_request_success_total",
                                                              {"finished_reason": reason}) or 0
                    for reason in ("abort", "error")}

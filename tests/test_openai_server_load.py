@@ -125,10 +125,13 @@ def test_healthy_after_load_then_sigterm_stops_cleanly(server, engine_dir):
     out = HTTP.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": CONVERSATIONS[5],
                                                          "max_tokens": 8, "temperature": 0}, timeout=60).json()
     assert out["choices"][0]["message"]["content"] == reference.text
+    aborted = metric(url, 'camshaft_request_success_total{finished_reason="abort"}')
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr and "stopped" in stderr
+    assert f"{out['id']}: finished (length) after " in stderr  # each request's end logged, with its id
+    assert stderr.count(": aborted (the client went away) after ") == aborted > 0
     assert "KV cache: 2048 blocks of 32 tokens (" in stderr and "16 sequences of 4096 tokens at once" in stderr
 
 

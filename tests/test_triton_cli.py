@@ -425,7 +425,9 @@ def test_stop_ends_the_stubs_even_after_tritonserver_died(engine, tmp_path):
 
     from camshaft.triton_repo.channel import channel_path
 
-    server = TritonServer(deploy_repository(engine, tmp_path / "repo")).start()
+    log = tmp_path / "tritonserver.log"
+    server = TritonServer(deploy_repository(engine, tmp_path / "repo"), log_file=log, log_level="warning").start()
+    assert not [line for line in log.read_text().splitlines() if line.startswith("I")]  # no info lines (I1207 ...)
     pid = server.process.pid
     stubs = [p for p in psutil.process_iter() if p.pid != pid and _pgid(p.pid) == pid]
     regions = server.shm_regions

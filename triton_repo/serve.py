@@ -23,9 +23,11 @@ def _text_model_name(repo: Path) -> str:
 
 
 def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, grpc_port: int, metrics_port: int,
-          llm_options: dict, log: Callable[[str], None], name: str | None = None, decoupled: bool = True) -> None:
+          llm_options: dict, log: Callable[[str], None], name: str | None = None, decoupled: bool = True,
+          log_level: str = "info") -> None:
     """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit.
-    name, decoupled: as deploy_repository takes them, when deploying `engine` (a repository keeps its own)."""
+    name, decoupled: as deploy_repository takes them, when deploying `engine` (a repository keeps its own).
+    log_level: what tritonserver writes to its log file (TritonServer's)."""
     from camshaft.triton_repo.deploy import check_deployed_engine, deploy_repository
 
     tritonserver_root()  # not installed: said before anything is deployed
@@ -47,7 +49,8 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
         log_file = Path(log_path)
         try:
             server = TritonServer(Path(repo), host=host, http_port=http_port, grpc_port=grpc_port,
-                                  metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600, log_file=log_file)
+                                  metrics_port=metrics_port, exit_timeout_s=10, ready_timeout_s=600, log_file=log_file,
+                                  log_level=log_level)
         except BaseException:
             log_file.unlink(missing_ok=True)
             raise

@@ -36,14 +36,20 @@ from camshaft.triton_repo.launch import (
 )
 from camshaft.triton_repo.server_exit import LAUNCHER_ENV, TERM_SUFFIX, group, shm_regions
 
+LOG_FLAGS = {"debug": ["--log-verbose=1"], "info": [], "warning": ["--log-info=false"],
+             "error": ["--log-info=false", "--log-warning=false"]}  # what tritonserver logs at each level
+
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
 class TritonServer:
     """`with TritonServer(repo) as server:` starts tritonserver on loopback and waits until it is ready."""
 
     def __init__(self, repo: Path, *, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
                  metrics_port: int = 0, exit_timeout_s: int = 5, ready_timeout_s: float = 120.0,
-                 log_file: Path | None = None, log_verbose: int = 0) -> None:
-        """Ports 0 pick free ones. log_file None: a file in a private temporary directory (see log_tail)."""
+                 log_file: Path | None = None, log_level: str = "info") -> None:
+        """Ports 0 pick free ones. log_file None: a file in a private temporary directory (see log_tail).
+        log_level: what tritonserver logs there (debug, info, warning or error and what is worse)."""
+        if log_level not in LOG_FLAGS:
+            raise CamshaftError(f"unknown log level {log_level!r}; use {', '.join(LOG_FLAGS)}")
         self.repo = Path(repo).resolve()
         if not (self.repo.is_dir() and any(self.repo.glob("*/config.pbtxt"))):
             raise CamshaftError(f"{repo} is not a model repository (no */config.pbtxt); write one with camshaft deploy")
@@ -57,7 +63,7 @@ class TritonServer:
         self.host, self.exit_timeout_s, self.ready_timeout_s = host, exit_timeout_s, ready_timeout_s
         self._tmp = tempfile.TemporaryDirectory(prefix="camshaft-triton-")
         self.log_file = Path(log_file) if log_file else Path(self._tmp.name) / "tritonserver.log"
-        self.log_verbose = log_verbose
+        self.log_flags = LOG_FLAGS[log_level]
         self.process: subprocess.Popen | None = None
         self._shm: set[str] = set()
         self.leaked_shm: list[str] = []  # regions still present once the server exited (stop() removes them)
@@ -70,7 +76,7 @@ class TritonServer:
                 f"--grpc-address={self.host}", f"--grpc-port={e.grpc_port}",
                 "--allow-metrics=true", "--allow-cpu-metrics=true", f"--metrics-address={self.host}",
                 f"--metrics-port={e.metrics_port}", f"--exit-timeout-secs={self.exit_timeout_s}",
-                "--strict-readiness=true", f"--log-verbose={self.log_verbose}"]
+                "--strict-readiness=true", *self.log_flags]
 
     def start(self) -> TritonServer:
         e = self.endpoints

@@ -29,6 +29,7 @@ ThreadsOption = Annotated[int | None, typer.Option(
 LLM_FLAGS = ("kv_cache_memory", "max_queue", "max_batch_size", "max_num_tokens", "threads",
              "policy")  # the options' Python names
 TRITON_PORTS = {"--grpc-port": 8001, "--metrics-port": 8002}
+LOG_LEVELS = ("debug", "info", "warning", "error")
 TokensOption = Annotated[int | None, typer.Option(min=1, help="Most tokens a step computes (the prefill chunk budget; "
                                                        "default and maximum: the engine's)")]
 NoDecoupledOption = Annotated[bool, typer.Option(
@@ -151,8 +152,13 @@ def serve(
         help="OpenAI API: a Jinja chat template (a file, or the template itself) used in place of the engine's")]
     = None,
     no_decoupled: NoDecoupledOption = False,
+    log_level: Annotated[str, typer.Option(
+        help="debug | info | warning | error: what the server logs (OpenAI API: to stderr, each request's end with "
+             "its id at info; Triton: to its log file)")] = "info",
 ) -> None:
     """Serve an engine: Triton Inference Server (default) or an OpenAI-compatible API."""
+    if log_level not in LOG_LEVELS:
+        raise CamshaftError(f"unknown --log-level {log_level!r}; use {', '.join(LOG_LEVELS)}")
     given = {"--kv-cache-memory": kv_cache_memory, "--max-queue": max_queue, "--max-batch-size": max_batch_size,
              "--max-num-tokens": max_num_tokens, "--policy": policy, "--prompt-lookup": prompt_lookup or None,
              "--threads": threads}
@@ -202,13 +208,14 @@ def serve(
 
         with flag_names(*LLM_FLAGS):
             serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
-                         api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
+                         api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template,
+                         log_level=log_level)
     elif api == "triton":
         from camshaft.triton_repo.serve import serve as serve_triton
 
         serve_triton(engine=engine, repo=repo, host=host, http_port=port, grpc_port=grpc_port,
                      metrics_port=metrics_port, llm_options=options, log=progress, name=name,
-                     decoupled=not no_decoupled)
+                     decoupled=not no_decoupled, log_level=log_level)
     else:
         raise CamshaftError(f"unknown --api {api!r}; use triton or openai")
 

@@ -20,6 +20,7 @@ from camshaft.openai_server.errors import APIError, from_exception, route_path
 from camshaft.openai_server.generation import Generation
 from camshaft.openai_server.metrics import CONTENT_TYPE, Metrics
 from camshaft.openai_server.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
+from camshaft.openai_server.request_ids import EchoRequestId, response_id
 from camshaft.openai_server.responses import ChatShape, CompletionShape
 from camshaft.openai_server.streaming import EventStream, events, unless_disconnected
 from camshaft.openai_server.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -53,6 +54,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes(max_seq_len, max_n, llm.executor.max_queue),
                        refused=refused)
+    app.add_middleware(EchoRequestId)
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key, refused=refused)  # added last: runs first, before a body is read
     app.state.llm, app.state.metrics = llm, metrics
@@ -68,13 +70,13 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
             raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r} "
                            "(see /v1/models)", param="model", code="model_not_found")
 
-    def check(body: CompletionRequest | ChatCompletionRequest) -> None:
+    def check(body: CompletionRequest | ChatCompletionRequest, log_id: str) -> None:
         check_model(body.model)
         body.check_supported()
         options = body.stream_options.model_extra if body.stream_options else None
         ignored = sorted(body.model_extra or ()) + [f"stream_options.{name}" for name in sorted(options or ())]
         if ignored:  # fields camshaft has no use for (user, store, ...), or a typo: said, as vLLM does
-            LOG.warning("fields present in the request but ignored: %s", ", ".join(ignored))
+            LOG.warning("%s: fields present in the request but ignored: %s", log_id, ", ".join(ignored))
         if body.n > max_n:
             raise APIError(400, f"n must be at most {max_n} (this server's batch size), got {body.n}", param="n")
 
@@ -104,10 +106,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
     async def respond(request: Request, stream: bool, stream_usage: str | None, prompts: list[list[int]],
                       params: SamplingParams, shape: _Shape, arrival: float, priority: int = 0) -> Response:
         if params.guided_decoding is None:
-            generation = Generation(llm, prompts, params, metrics, arrival, priority, shape.shows_output)
+            generation = Generation(llm, prompts, params, metrics, arrival, priority, shape.shows_output,
+                                    log_id=shape.id)
         else:  # compiling a grammar takes a while: not on the loop every stream shares
             generation = await asyncio.to_thread(Generation, llm, prompts, params, metrics, arrival, priority,
-                                                 shape.shows_output, asyncio.get_running_loop())
+                                                 shape.shows_output, asyncio.get_running_loop(), shape.id)
         with_logprobs = params.logprobs is not None
         if stream:
             metrics.http(route_path(request), 200)
@@ -199,7 +202,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
 
     async def complete(body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
-        check(body)
+        log_id = response_id(request, CompletionShape.prefix)
+        check(body, log_id)
         outputs, limit = body.n * len(body.prompts()), llm.executor.max_queue
         if limit is not None and outputs > max_n + limit:  # never fits, however long the client waits: not 503
             raise APIError(400, f"{outputs} outputs (prompts x n) can never be in flight at once: this server holds "
@@ -215,12 +219,13 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
                  for p in body.prompts()] if body.echo else None  # echo: the prompts as sent
         shape = CompletionShape(model_name, llm.tokenizer, prompts, params.n, params.skip_special_tokens,
                                 echo="prompt" if max_tokens == 0 else "prompt+output" if body.echo else None,
-                                prompt_texts=texts)
+                                prompt_texts=texts, response_id=log_id)
         return await respond(request, body.stream, body.stream_usage, prompts, params, shape, arrival, body.priority)
 
     async def complete_chat(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
-        check(body)
+        log_id = response_id(request, ChatShape.prefix)
+        check(body, log_id)
         tools = tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser)
         params = body.sampling_params(body.requested_max_tokens(), body.logprobs_count(),  # None: all that is left
                                       sampling_defaults)
@@ -236,7 +241,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
         messages = [m.template_dict() for m in body.messages]
         ids = await prompt_ids(max_tokens=body.requested_max_tokens(), messages=messages,
                                tools=tools.prompt_tools if tools is not None else None, **body.chat_keywords())
-        shape = ChatShape(model_name, llm.tokenizer, tools, echo=body.echoed(messages))
+        shape = ChatShape(model_name, llm.tokenizer, tools, echo=body.echoed(messages), response_id=log_id)
         return await respond(request, body.stream, body.stream_usage, [ids], params, shape, arrival, body.priority)
 
     return app

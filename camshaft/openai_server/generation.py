@@ -4,7 +4,9 @@ response starts), read as they come, aborted when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from camshaft.openai_server.metrics import Metrics
@@ -12,16 +14,20 @@ from camshaft.runtime.llm import LLM
 from camshaft.runtime.outputs import GenerationResult, RequestOutput
 from camshaft.runtime.sampling_params import SamplingParams
 
+LOG = logging.getLogger("camshaft.openai_server")
+
 
 class Generation:
     """Prompt p's output j is choice p * n + j, as OpenAI numbers choices."""
 
     def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
                  arrival: float, priority: int = 0, shows_output: bool = True,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, log_id: str = "request") -> None:
         """shows_output False: the output is not shown (echo scoring the prompt alone), nor counted. loop: the
-        event loop that reads the outputs (given when this is made on another thread)."""
+        event loop that reads the outputs (given when this is made on another thread). log_id: the request's id in
+        the log lines saying how it ended (finished, aborted by the client, failed)."""
         self.llm, self.metrics, self.arrival, self._counted = llm, metrics, arrival, shows_output
+        self.log_id, self._generated, self._first, self._reasons = log_id, 0, None, Counter()
         self._prompt_lengths, self._n = [len(ids) for ids in prompts], params.n
         self.prompt_tokens = sum(self._prompt_lengths)
         self.num_choices = len(prompts) * params.n
@@ -42,6 +48,8 @@ class Generation:
             self._unfinished.update(request_ids)
             self._index.update({rid: p * params.n + j for j, rid in enumerate(request_ids)})
         metrics.prompt_tokens.inc(self.prompt_tokens)
+        LOG.debug("%s: queued %d prompt(s) of %d tokens, %s, priority %d", log_id, len(prompts), self.prompt_tokens,
+                  params, priority)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) for every sampled token; each choice's last output is finished."""
@@ -51,10 +59,14 @@ class Generation:
                 self._unfinished.discard(output.request_id)
             if output.error is not None:
                 self.metrics.finished.labels(finished_reason="error").inc()
-                self._failed = True  # its siblings end with the request: failed too, not aborted by the client
+                self.failed(output.error)  # its siblings end with the request: failed too, not aborted by the client
                 raise output.error
             index = self._index[output.request_id]
             self._observe(index, output)
+            if not self._unfinished:
+                reasons = ", ".join(f"{reason} x{count}" if count > 1 else reason
+                                    for reason, count in self._reasons.items())
+                LOG.info("%s: finished (%s) after %s", self.log_id, reasons, self._so_far())
             yield index, output
 
     def choice_prompt_tokens(self, index: int) -> int:
@@ -72,15 +84,30 @@ class Generation:
     def abort(self, count: bool = True) -> None:
         """Stop what is unfinished (idempotent); the batch loop frees its KV blocks before its next step. count:
         each stopped sequence counts as finished for reason abort (the client's), or error where a sibling failed."""
+        if self._unfinished and not self._failed:
+            LOG.info("%s: aborted (the client went away) after %s", self.log_id, self._so_far())
         for request_id in self._unfinished:
             self.llm.abort(request_id)
             if count:
                 self.metrics.finished.labels(finished_reason="error" if self._failed else "abort").inc()
         self._unfinished.clear()
 
+    def failed(self, error: BaseException) -> None:
+        """The request ends with `error` (what is unfinished is aborted next, counted as failed)."""
+        if not self._failed:
+            self._failed = True
+            LOG.warning("%s: failed after %s: %s", self.log_id, self._so_far(), error)
+
+    def _so_far(self) -> str:
+        first = "" if self._first is None else f", first token at {self._first - self.arrival:.3f} s"
+        return (f"{time.perf_counter() - self.arrival:.3f} s{first}: {self.prompt_tokens} prompt tokens, "
+                f"{self._generated} generated")
+
     def _observe(self, index: int, output: RequestOutput) -> None:
         now = time.perf_counter()
         if output.token_ids and self._counted:
+            self._generated += len(output.token_ids)
+            self._first = self._first or now
             self.metrics.generation_tokens.inc(len(output.token_ids))  # as they come: an aborted request's count too
             last = self._last.get(index)
             if last is None:
@@ -91,3 +118,4 @@ class Generation:
         if output.result is not None:
             self.metrics.e2e.observe(now - self.arrival)
             self.metrics.finished.labels(finished_reason=output.result.finish_reason).inc()
+            self._reasons[output.result.finish_reason] += 1

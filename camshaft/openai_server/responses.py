@@ -48,8 +48,9 @@ class _Shape:
     prefix: str
     shows_output = True  # the choices show the output tokens (usage and metrics count them)
 
-    def __init__(self, model: str, tokenizer) -> None:
-        self.model, self.id, self.created = model, f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
+    def __init__(self, model: str, tokenizer, response_id: str | None = None) -> None:
+        self.model, self.created = model, int(time.time())
+        self.id = response_id or f"{self.prefix}-{uuid.uuid4().hex}"
         self.tokens = TokenText(tokenizer)
 
     def token(self, token_id: int) -> str:
@@ -71,10 +72,10 @@ class CompletionShape(_Shape):
 
     def __init__(self, model: str, tokenizer, prompts: list[list[int]], n: int,
                  skip_special_tokens: bool = True, echo: str | None = None,
-                 prompt_texts: list[str] | None = None) -> None:
+                 prompt_texts: list[str] | None = None, response_id: str | None = None) -> None:
         """echo: None, "prompt+output" (the prompt as sent, then the output's text) or "prompt" (max_tokens 0);
         prompt_texts: the prompts as sent (echo)."""
-        super().__init__(model, tokenizer)
+        super().__init__(model, tokenizer, response_id)
         # text_offset: characters of the choice's text before each token (a token that ends inside a character
         # adds none), counted by a detokenizer of its own that runs on across a streamed choice's chunks
         self._tokenizer, self._prompts, self._n = tokenizer, prompts, n
@@ -195,10 +196,11 @@ class ChatShape(_Shape):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl"
 
-    def __init__(self, model: str, tokenizer, tools: ToolChoice | None = None, echo: str = "") -> None:
+    def __init__(self, model: str, tokenizer, tools: ToolChoice | None = None, echo: str = "",
+                 response_id: str | None = None) -> None:
         """tools: the request's function calling (its output read into tool calls), or None. echo: text each
         choice's content begins with (vLLM's echo of a begun assistant message)."""
-        super().__init__(model, tokenizer)
+        super().__init__(model, tokenizer, response_id)
         self._tools = tools if tools is not None and tools.kind != "none" else None
         self._readers: dict[int, Any] = {}
         self._echo = echo

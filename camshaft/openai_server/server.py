@@ -73,15 +73,17 @@ def pool_line(llm: LLM) -> str:
 
 def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None],
           model_name: str | None = None, api_key: str | None = None, tool_call_parser: str | None = None,
-          chat_template: str | Path | None = None) -> None:
+          chat_template: str | Path | None = None, log_level: str = "info") -> None:
     """Serve until Ctrl-C or SIGTERM (a second one cuts open streams), then return. uvicorn runs in a thread and
     this one handles the signals, so the LLM is closed and the exit status is 0. model_name: the model id clients
-    send (default: the engine directory's name)."""
+    send (default: the engine directory's name). log_level: debug, info (each request's end, with its id), warning
+    or error: what camshaft and uvicorn log to stderr."""
     model_name = model_name or Path(engine).resolve().name
     sockets = listening_sockets(host, port)  # first: a port in use is refused before the engine loads
     try:
         server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name,
-                                   api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
+                                   api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template,
+                                   log_level=log_level)
     except BaseException:
         for sock in sockets:
             sock.close()

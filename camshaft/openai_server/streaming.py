@@ -71,6 +71,7 @@ async def events(generation: Generation, shape: CompletionShape | ChatShape, wit
         if with_usage:
             yield sse(shape.chunk([], usage(generation.prompt_tokens, completion_tokens)))
     except Exception as exc:  # the response has started: the error goes in the stream
+        generation.failed(exc)
         yield sse(from_exception(exc).body())
     finally:
         generation.abort()

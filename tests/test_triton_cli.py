@@ -35,9 +35,9 @@ CAMSHAFT = [str(Path(sys.executable).parent / "camshaft")]  # the installed cons
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("triton_cli")
-    build_engine(BuildConfig(make_tiny_model("llama", root / "hf"), root / "engine", max_seq_len=128,
+    build_engine(BuildConfig(make_tiny_model("llama", root / "hf"), root / "my engine", max_seq_len=128,
                              max_num_tokens=64, max_batch_size=4))
-    return root / "engine"
+    return root / "my engine"  # a space: the engine's path reaches the models as a parameter, which holds it
 
 
 def test_deploy_writes_a_complete_repository(engine, tmp_path):
@@ -72,6 +72,13 @@ def test_deploy_writes_a_complete_repository(engine, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "threads" / MARKER).read_text())["llm_options"]["threads"] == 4096
     assert "decoupled: true" in (tmp_path / "default" / "tensorrt_llm" / "config.pbtxt").read_text()
+    scratch = engine.parent / f"scratch-{tmp_path.name}"  # a CI job's, removed once it deployed
+    scratch.mkdir()
+    done = subprocess.run([*CAMSHAFT, "deploy", "--engine", f"../{engine.name}", "--repo", str(tmp_path / "dotdot")],
+                          capture_output=True, text=True, cwd=scratch)
+    scratch.rmdir()
+    assert done.returncode == 0, done.stderr
+    assert f'"{engine}"' in (tmp_path / "dotdot" / "tensorrt_llm" / "config.pbtxt").read_text()
     done = subprocess.run([*CAMSHAFT, "deploy", "--engine", str(engine), "--repo", str(tmp_path / "my repo")],
                           capture_output=True, text=True)  # Triton's python stubs crash on such a path: refused
     assert done.returncode == 1 and "holds whitespace" in done.stderr and not (tmp_path / "my repo").exists()
@@ -364,6 +371,28 @@ def test_a_serve_refused_before_tritonserver_starts_leaves_no_log(engine, tmp_pa
             with pytest.raises(CamshaftError, match=message):
                 serve(**options)
     assert list((tmp_path / "tmp").iterdir()) == []
+    (tmp_path / "t mp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "t mp"))  # serve --engine deploys there: said as $TMPDIR
+    with pytest.raises(CamshaftError, match=r"the temporary directory \(\$TMPDIR\) .* holds whitespace"):
+        serve(**{**options, "engine": engine, "repo": None, "http_port": 0})
+    assert list((tmp_path / "t mp").iterdir()) == []
+
+
+def test_a_read_only_tmp_is_said_before_tritonserver_starts(engine, tmp_path, monkeypatch):
+    import tempfile
+
+    made = tempfile.TemporaryDirectory
+
+    def read_only_tmp(*args, dir=None, **kwargs):  # noqa: A002 (tempfile's name)
+        if dir == "/tmp":  # a container's read-only root filesystem
+            raise OSError(30, "Read-only file system")
+        return made(*args, dir=dir, **kwargs)
+
+    repo = deploy_repository(engine, tmp_path / "repo")
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", read_only_tmp)
+    with pytest.raises(CamshaftError, match=r"/tmp is not writable \(Read-only file system\), and Triton's python "
+                                            r"backend makes its directories there whatever \$TMPDIR says"):
+        TritonServer(repo)
 
 
 @pytest.mark.parametrize("host, message", [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -90,12 +91,13 @@ def _changed_files(repo: Path) -> list[str]:
             + [f"{path} (added)" for path in now if path not in written])
 
 
-def check_path(path: Path, what: str) -> None:
+def check_path(path: Path, what: str, spaces: bool = False) -> None:
     """Triton's python backend passes model paths to its stub processes split at whitespace (they then crash and
     the models never load), and its stubs read paths as ASCII (a model under 'répo' fails to load, an engine in
-    'éng' reads as missing): such a path is refused before anything is written or started."""
+    'éng' reads as missing): such a path is refused before anything is written or started. spaces: whitespace is
+    fine (an engine's path, which reaches the models as a parameter)."""
     both = f"{Path(path).absolute()}{Path(path).resolve()}"  # as written into the repository, and as opened
-    if any(c.isspace() for c in both):
+    if not spaces and any(c.isspace() for c in both):
         raise CamshaftError(f"{what} {str(path)!r} holds whitespace, which Triton's python backend cannot load models "
                             "from (its stubs crash); use a path without spaces")
     if not both.isascii():
@@ -161,10 +163,11 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
                       decoupled: bool = True) -> Path:
     """Write (or replace) a repository serving `engine`; llm_options are LLM keyword arguments; decoupled: the
     models' transaction policy (`<name>_sync` is never decoupled)."""
-    engine, repo = Path(engine).absolute(), Path(repo)  # a symlink kept: engines/current -> v2 is followed
+    # "x/.." dropped (x may be gone when the repository is served); a symlink kept: engines/current -> v2 is followed
+    engine, repo = Path(os.path.abspath(engine)), Path(repo)
     manifest = read_manifest(engine)  # refuses a missing or broken engine directory
     check_path(repo, "--repo")
-    check_path(engine, "--engine")
+    check_path(engine, "--engine", spaces=True)
     taken = (TOKEN_MODEL, BLS_MODEL)
     if not MODEL_NAME.fullmatch(name) or {name, f"{name}_sync"} & {*taken, MARKER}:
         raise CamshaftError(f"--name {name!r} must be a plain model name (letters, digits, _ . -) "

@@ -28,7 +28,7 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
     """Serve a repository (or an engine deployed to a temporary one) until SIGINT/SIGTERM, then drain and exit.
     name, decoupled: as deploy_repository takes them, when deploying `engine` (a repository keeps its own).
     log_level: what tritonserver writes to its log file (TritonServer's)."""
-    from camshaft.triton_repo.deploy import check_deployed_engine, deploy_repository
+    from camshaft.triton_repo.deploy import check_deployed_engine, check_path, deploy_repository
 
     tritonserver_root()  # not installed: said before anything is deployed
     if repo is not None and (warning := check_deployed_engine(Path(repo))):
@@ -36,6 +36,8 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
     if repo is not None and name is not None and name != _text_model_name(Path(repo)):
         raise CamshaftError(f"{repo} serves the text model {_text_model_name(Path(repo))!r}, not {name!r}; "
                             f"drop --name or redeploy with camshaft deploy --name {name}")
+    if engine is not None:  # deployed there: said as what it is, not as a --repo never given
+        check_path(Path(tempfile.gettempdir()), "the temporary directory ($TMPDIR)")
     with tempfile.TemporaryDirectory(prefix="camshaft-repo-") as tmp:
         if engine is not None:
             repo = deploy_repository(Path(engine), Path(tmp) / "repo", name=name or "ensemble",

@@ -40,6 +40,17 @@ LOG_FLAGS = {"debug": ["--log-verbose=1"], "info": [], "warning": ["--log-info=f
              "error": ["--log-info=false", "--log-warning=false"]}  # what tritonserver logs at each level
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
+def check_backend_tmp() -> None:
+    """Triton's python backend makes its directories in /tmp whatever $TMPDIR says (where /tmp is read-only, as in
+    a container with a read-only root filesystem, tritonserver aborts while loading the models)."""
+    try:
+        tempfile.TemporaryDirectory(prefix="camshaft-probe-", dir="/tmp").cleanup()
+    except OSError as exc:
+        raise CamshaftError(f"/tmp is not writable ({exc.strerror}), and Triton's python backend makes its "
+                            "directories there whatever $TMPDIR says; mount a writable /tmp (e.g. an emptyDir "
+                            "volume)") from None
+
+
 class TritonServer:
     """`with TritonServer(repo) as server:` starts tritonserver on loopback and waits until it is ready."""
 
@@ -55,6 +66,7 @@ class TritonServer:
             raise CamshaftError(f"{repo} is not a model repository (no */config.pbtxt); write one with camshaft deploy")
         check_path(self.repo, "the model repository")
         check_path(Path(tempfile.gettempdir()), "the temporary directory ($TMPDIR)")
+        check_backend_tmp()
         host = ipv4_address(host or "0.0.0.0")
         probe = "127.0.0.1" if host == "0.0.0.0" else host
         given = [http_port, grpc_port, metrics_port]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from importlib import import_module
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,10 @@ from camshaft.errors import (
     UnsupportedModelError,
 )
 from camshaft.version import __version__
+
+# ONNX Runtime (1.32 on Linux) sends usage telemetry by default, keeping a device id and an event cache in ~/.cache:
+# off unless ORT_DISABLE_TELEMETRY is set (onnxruntime reads it once, as it is first imported)
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 # Imported on first use, so that `import camshaft` (and the CLI's --help) stays fast.
 _LAZY = {

@@ -89,3 +89,24 @@ def test_a_progress_bar_leaves_no_thread_behind(tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(engine)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "2/2" in done.stderr and done.stdout.strip() == "['MainThread']"
+
+
+def test_onnx_runtimes_telemetry_is_off_unless_asked_for(tmp_path):
+    """ONNX Runtime 1.32 uploads usage telemetry by default and keeps a device id and an event cache in ~/.cache:
+    camshaft turns it off; ORT_DISABLE_TELEMETRY set by the user is kept."""
+    import subprocess
+    import sys
+
+    engine = tiny_engine(tmp_path)
+    script = ("import camshaft, onnxruntime, sys; "
+              "onnxruntime.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])")
+    kept = {}
+    for given in (None, "0"):
+        home = tmp_path / f"home-{given}"
+        home.mkdir()
+        env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"} | {"HOME": str(home)}
+        done = subprocess.run([sys.executable, "-c", script, str(engine / "model.onnx")], capture_output=True,
+                              text=True, env=env | ({} if given is None else {"ORT_DISABLE_TELEMETRY": given}))
+        assert done.returncode == 0, done.stderr
+        kept[given] = sorted(p.name for p in home.rglob("*") if p.is_file())
+    assert kept == {None: [], "0": ["deviceid", "onnxruntime.db"]}

@@ -1282,3 +1282,23 @@ def test_the_shared_event_loop_neither_builds_a_whole_response_nor_drains_a_stre
         return others
 
     assert asyncio.run(drain()) >= 50
+
+
+def test_a_stats_line_says_the_throughput_and_load_while_there_is_any(engine_dir):
+    """vLLM's periodic log line ("Avg prompt throughput: ... tokens/s, ... Running: N reqs"), none while idle."""
+    from fastapi.testclient import TestClient
+
+    from camshaft.openai_server.app import create_app
+    from camshaft.openai_server.stats_log import StatsLog
+
+    with camshaft.LLM(engine_dir) as llm:
+        app = create_app(llm, "m")
+        stats = StatsLog(llm, app.state.metrics, start=0.0, interval_s=10.0)
+        assert stats.line(5.0) is None and stats.line(10.0) is None  # not due, then nothing ran
+        done = TestClient(app).post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 6,
+                                                             "ignore_eos": True})
+        assert done.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+        assert stats.line(12.0) is None  # 2 s since the last line
+        assert stats.line(30.0) == ("prompt 0.2 tokens/s, generation 0.3 tokens/s; running 0, waiting 0; KV cache "
+                                    "0.0% used")
+        assert stats.line(40.0) is None  # idle again

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -12,6 +13,7 @@ import uvicorn
 
 from camshaft.errors import CamshaftError
 from camshaft.openai_server.app import create_app
+from camshaft.openai_server.stats_log import StatsLog
 from camshaft.ports import listening_sockets, url_host
 from camshaft.runtime.engine_info import chat_template_problem
 from camshaft.runtime.kv_cache import pool_bytes
@@ -91,6 +93,8 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, name="camshaft-openai-http")
 
     stops = Stops()
+    stats = StatsLog(llm, server.config.app.state.metrics, time.monotonic())
+    stats_log = logging.getLogger("camshaft.openai_server")
 
     def stop(signum: int, frame: object) -> None:
         if stops.add(signum):
@@ -105,6 +109,8 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
             thread.join(0.2)
             if stops.times and time.monotonic() - stops.times[0] > GRACEFUL_SHUTDOWN_S and llm.alive:
                 llm.close()  # what still runs ends with ServerClosedError: each handler answers it in OpenAI's shape
+            if line := stats.line(time.monotonic()):
+                stats_log.info(line)
             if server.started and not announced:
                 announced = True
                 log(f"OpenAI API for model {model_name!r} at http://{url_host(host)}:{port}/v1 "

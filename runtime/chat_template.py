@@ -70,10 +70,11 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
     messages = [{**m, "tool_calls": template_calls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
     try:
         template = tokenizer.get_chat_template(tools=tools)
-    except ValueError as exc:  # several named templates, none "default" (nor "tool_use" with tools)
+    except ValueError as exc:  # several named templates, none "default" (nor "tool_use" with tools): no field, the
+        # server's to fix, not a request's
         named = ", ".join(sorted(tokenizer.chat_template)) if isinstance(tokenizer.chat_template, dict) else "?"
         raise RequestError(f"this engine's tokenizer has several chat templates ({named}) and none for this chat "
-                           f"({exc}); give one (chat_template=, --chat-template FILE)", field="chat_template") from exc
+                           f"({exc}); give one (chat_template=, --chat-template FILE)") from exc
     if not template.strip():  # a truncated copy, or an editor's save on a full disk: no prompt would come of it
         raise EngineError("this engine's chat template (tokenizer/chat_template.jinja) is empty; restore it, rebuild "
                           "the engine, or give a template (chat_template=, --chat-template FILE)")

@@ -227,7 +227,7 @@ class LLM(ServingAPI):
         enable_thinking)."""
         if not isinstance(messages, (list, tuple)):
             raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got "
-                               f"{messages!r:.80}")
+                               f"{messages!r:.80}", field="messages")
         chat = ChatOptions(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         rendered = []
@@ -241,10 +241,15 @@ class LLM(ServingAPI):
 
 
 def _numbered(exc: BaseException, what: str, i: int, count: int) -> BaseException:
-    """A request's error (RequestError) of item i of several, saying which (one alone needs no number); other
-    errors (an engine step's, shared by every request in it) as they are."""
-    if count > 1 and isinstance(exc, RequestError):
-        return type(exc)(f"{what} {i}: {exc}", field=exc.field)
+    """A request's error (RequestError) of item i of several, saying which (one alone needs no number), a
+    conversation's about its prompt naming "messages"; other errors (an engine step's, shared by every request in
+    it) as they are."""
+    if not isinstance(exc, RequestError):
+        return exc
+    field = "messages" if what == "conversation" and exc.field == "prompt" else exc.field
+    if count > 1:
+        return type(exc)(f"{what} {i}: {exc}", field=field)
+    exc.field = field
     return exc
 
 

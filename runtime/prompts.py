@@ -3,6 +3,8 @@ token ids fed to an engine, checked against its limits and vocabulary; Session a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,17 @@ from camshaft.runtime.prompt_text import encode_text
 # text, token ids (a list, tuple or 1-D array), or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
 Prompt = str | list[int] | tuple[int, ...] | np.ndarray | dict[str, Any]
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+@contextmanager
+def prompt_said_as_messages(chat: bool) -> Iterator[None]:
+    """A RequestError raised inside about the prompt names "messages" where the prompt is a chat's."""
+    try:
+        yield
+    except RequestError as exc:
+        if chat and exc.field == "prompt":
+            exc.field = "messages"
+        raise
 
 
 class PromptEncoder:

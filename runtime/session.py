@@ -23,7 +23,7 @@ from camshaft.runtime.kv_cache import memory_spec, pool_blocks
 from camshaft.runtime.llm_options import check_runtime_options, params_list
 from camshaft.runtime.outputs import GenerationResult
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup, checks_drafts
-from camshaft.runtime.prompts import Prompt, PromptEncoder
+from camshaft.runtime.prompts import Prompt, PromptEncoder, prompt_said_as_messages
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams, model_defaults
 from camshaft.runtime.sequence import SequenceEngine
@@ -157,10 +157,11 @@ class Session:
         the first delta asked for. The chat keywords: as encode() takes them, with messages."""
         ids = self.encode(prompt, messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-        request = self._request(ids, self._params(sampling_params, overrides))
-        self._check_open()  # what _run checks again when the first delta is asked for, said here
-        self._check_idle()
-        self.engine.check_fits(len(request.prompt_ids) + request.params.max_tokens)
+        with prompt_said_as_messages(messages is not None):
+            request = self._request(ids, self._params(sampling_params, overrides))
+            self._check_open()  # what _run checks again when the first delta is asked for, said here
+            self._check_idle()
+            self.engine.check_fits(len(request.prompt_ids) + request.params.max_tokens)
         return self._run(request)
 
     def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, *,
@@ -187,10 +188,11 @@ class Session:
         `continue_final_message` (with add_generation_prompt False): the model goes on with the last message, e.g.
         an assistant reply begun."""
         if not isinstance(messages, (list, tuple)):
-            raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts, got {messages!r:.80}")
+            raise RequestError(f"messages must be a list of {{'role', 'content'}} dicts, got {messages!r:.80}",
+                               field="messages")
         if messages and isinstance(messages[0], (list, tuple)):
             raise RequestError("a Session answers one conversation at a time; pass one list of messages, or use "
-                               "camshaft.LLM(engine_dir).chat for several at once")
+                               "camshaft.LLM(engine_dir).chat for several at once", field="messages")
         return self.generate(messages=messages, sampling_params=sampling_params, tools=tools,
                              chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message, **overrides)

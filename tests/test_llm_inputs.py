@@ -515,3 +515,26 @@ def test_chat_template_errors_name_their_field(engine_dir, tmp_path):
         with pytest.raises(RequestError, match="refused the messages") as refused:
             llm.chat([{"role": "user", "content": "a"}])
         assert refused.value.field == "messages"
+
+
+def test_a_chats_errors_name_messages_not_the_prompt(engine_dir):
+    from camshaft.runtime.session import Session
+
+    long_chat = [{"role": "user", "content": "w " * 2000}]
+    mid_chat = [{"role": "user", "content": "w " * 60}]  # fits, but not with 100 tokens more
+    with LLM(engine_dir) as llm:
+        for call in (lambda: llm.chat("hello"), lambda: llm.chat(long_chat),
+                     lambda: llm.chat(mid_chat, SamplingParams(max_tokens=100)),
+                     lambda: llm.chat([mid_chat, mid_chat], SamplingParams(max_tokens=100))):
+            with pytest.raises(RequestError) as refused:
+                call()
+            assert refused.value.field == "messages", str(refused.value)
+    with Session(engine_dir) as session:
+        for call in (lambda: session.chat("hello"), lambda: session.chat([mid_chat]),
+                     lambda: session.chat(long_chat), lambda: session.chat(mid_chat, max_tokens=100)):
+            with pytest.raises(RequestError) as refused:
+                call()
+            assert refused.value.field == "messages", str(refused.value)
+        with pytest.raises(RequestError) as refused:  # a prompt's stays the prompt's
+            session.generate("w " * 60, max_tokens=100)
+        assert refused.value.field == "prompt"

@@ -756,8 +756,13 @@ def test_each_request_has_an_id_in_its_response_and_log_lines(served, caplog):
         refused = HTTP.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0},
                             headers={"X-Request-Id": "bad-1"})
         assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
-        unusable = HTTP.post(url + "/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "a b"})
-        assert unusable.status_code == 400 and "X-Request-Id must be" in unusable.json()["error"]["message"]
+        invalid = HTTP.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": "x"},
+                            headers={"X-Request-Id": "bad-2"})  # refused before the route: the id all the same
+        assert invalid.status_code == 400 and invalid.headers["x-request-id"] == "bad-2"
+        for unusable in ("a b", "", "é", "a" * 257):  # not refused over its trace id: a new one, said in the header
+            answer = HTTP.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                               headers={"X-Request-Id": unusable.encode()})
+            assert answer.status_code == 200 and re.fullmatch("[0-9a-f]{32}", answer.headers["x-request-id"])
         with HTTP.stream("POST", url + "/v1/completions", json={"prompt": "hi", "max_tokens": 100, "stream": True,
                                                                "ignore_eos": True},
                          headers={"X-Request-Id": "gone"}) as stream:
@@ -768,9 +773,38 @@ def test_each_request_has_an_id_in_its_response_and_log_lines(served, caplog):
     assert re.fullmatch(r"cmpl-trace-42: finished \(length\) after [0-9.]+ s, first token at [0-9.]+ s: \d+ prompt "
                         r"tokens, 3 generated", lines[0]), lines
     assert re.fullmatch(rf"chatcmpl-{made}: finished \(length x2\) after .*, 4 generated", lines[1]), lines
-    assert lines[2] == "cmpl-bad-1: refused, 400: max_tokens must be at least 1 (0 only with echo: the prompt and " \
-                       "its log-probs)", lines
-    assert re.fullmatch(r"cmpl-gone: aborted \(the client went away\) after .*", lines[3]) and len(lines) == 4, lines
+    assert lines[2:4] == ["cmpl-bad-1: refused, 400 invalid_request_error (param max_tokens)",
+                          "cmpl-bad-2: refused, 400 invalid_request_error (param max_tokens)"], lines  # no request text
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}: finished \(length\) after .*", line) for line in lines[4:8]), lines
+    assert re.fullmatch(r"cmpl-gone: aborted \(the client went away\) after .*", lines[8]) and len(lines) == 9, lines
+
+
+def test_a_request_failed_or_stopped_by_the_server_is_logged_once_as_such(engine_dir, caplog):
+    """A step failing under a non-streamed request: one "failed" line (not also "refused"), an OpenAI error on a
+    connection kept open; a request cut as the server stops is not said to be the client's doing."""
+    from fastapi.testclient import TestClient
+
+    from camshaft.openai_server.app import create_app
+
+    with camshaft.LLM(engine_dir) as llm:
+        app = create_app(llm, "m", api_key="k")
+        client = TestClient(app, headers={"Authorization": "Bearer k"})
+        fail_step(llm, at=3)
+        with caplog.at_level(logging.INFO, logger="camshaft.openai_server"):
+            failed = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 20, "ignore_eos": True},
+                                 headers={"X-Request-Id": "f1"})
+            keyless = TestClient(app).post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "k1"})
+            app.state.stopping.set()
+            with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 100, "stream": True,
+                                                                "ignore_eos": True}, headers={"X-Request-Id": "s1"}):
+                pass  # closed before its end, as uvicorn cuts the streams a stop leaves open
+        assert failed.status_code == 500 and failed.json()["error"]["message"] == "internal server error: " \
+            "RuntimeError('device lost')" and failed.headers["x-request-id"] == "f1"
+        assert keyless.status_code == 401 and keyless.headers["x-request-id"] == "k1"
+    lines = [r.getMessage() for r in caplog.records if r.name == "camshaft.openai_server"]
+    assert len(lines) == 3 and re.fullmatch(r"cmpl-f1: failed after .*: device lost", lines[0]), lines
+    assert lines[1] == "cmpl-k1: refused, 401 invalid_request_error (code invalid_api_key)", lines
+    assert re.fullmatch(r"cmpl-s1: aborted \(the server stopped\) after .*", lines[2]), lines
 
 
 def test_vllms_bad_words_reach_the_sampler():

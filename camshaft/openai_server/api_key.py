@@ -28,4 +28,4 @@ class ApiKey:
         self.refused(scope.get("path", ""), 401)
         message = ("this server needs an API key: send the header 'Authorization: Bearer KEY' (the openai client's "
                    "api_key)" if not given else "the API key is not this server's; check the key the client sends")
-        await send_error(send, 401, message, code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+        await send_error(scope, send, 401, message, code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])

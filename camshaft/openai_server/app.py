@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -20,7 +21,7 @@ from camshaft.openai_server.errors import APIError, from_exception, route_path
 from camshaft.openai_server.generation import Generation
 from camshaft.openai_server.metrics import CONTENT_TYPE, Metrics
 from camshaft.openai_server.protocol import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
-from camshaft.openai_server.request_ids import EchoRequestId, response_id
+from camshaft.openai_server.request_ids import RequestIds
 from camshaft.openai_server.responses import ChatShape, CompletionShape
 from camshaft.openai_server.streaming import EventStream, events, unless_disconnected
 from camshaft.openai_server.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -54,10 +55,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes(max_seq_len, max_n, llm.executor.max_queue),
                        refused=refused)
-    app.add_middleware(EchoRequestId)
     if api_key is not None:
-        app.add_middleware(ApiKey, key=api_key, refused=refused)  # added last: runs first, before a body is read
-    app.state.llm, app.state.metrics = llm, metrics
+        app.add_middleware(ApiKey, key=api_key, refused=refused)  # before a body is read
+    app.add_middleware(RequestIds)  # added last: runs first (every refusal carries the id)
+    app.state.llm, app.state.metrics, app.state.stopping = llm, metrics, threading.Event()  # stopping: set by serve
 
     created = int(time.time())
 
@@ -107,16 +108,20 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
                       params: SamplingParams, shape: _Shape, arrival: float, priority: int = 0) -> Response:
         if params.guided_decoding is None:
             generation = Generation(llm, prompts, params, metrics, arrival, priority, shape.shows_output,
-                                    log_id=shape.id)
+                                    log_id=shape.id, stopping=app.state.stopping)
         else:  # compiling a grammar takes a while: not on the loop every stream shares
             generation = await asyncio.to_thread(Generation, llm, prompts, params, metrics, arrival, priority,
-                                                 shape.shows_output, asyncio.get_running_loop(), shape.id)
+                                                 shape.shows_output, asyncio.get_running_loop(), shape.id,
+                                                 app.state.stopping)
+        request.state.generating = True  # its end is Generation's to log
         with_logprobs = params.logprobs is not None
         if stream:
             metrics.http(route_path(request), 200)
             return EventStream(events(generation, shape, with_logprobs, stream_usage))
         try:
             results = await unless_disconnected(request, generation.results())
+        except Exception as exc:  # answered as an APIError: an unhandled one would also close the connection
+            raise from_exception(exc) from exc  # (the batch loop logged a failed step's traceback)
         finally:
             generation.abort()
         metrics.http(route_path(request), 200 if results is not None else 499)
@@ -202,7 +207,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
 
     async def complete(body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
-        log_id = response_id(request, CompletionShape.prefix)
+        log_id = request.state.response_id
         check(body, log_id)
         outputs, limit = body.n * len(body.prompts()), llm.executor.max_queue
         if limit is not None and outputs > max_n + limit:  # never fits, however long the client waits: not 503
@@ -224,7 +229,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
 
     async def complete_chat(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
-        log_id = response_id(request, ChatShape.prefix)
+        log_id = request.state.response_id
         check(body, log_id)
         tools = tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser)
         params = body.sampling_params(body.requested_max_tokens(), body.logprobs_count(),  # None: all that is left

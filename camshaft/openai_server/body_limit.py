@@ -76,13 +76,15 @@ class BodyLimit:
 
     async def _refuse(self, scope: Scope, send: Send, status: int, message: str) -> None:
         self.refused(scope.get("path", ""), status)
-        await send_error(send, status, message, headers=[(b"connection", b"close")])
+        await send_error(scope, send, status, message, headers=[(b"connection", b"close")])
 
 
-async def send_error(send: Send, status: int, message: str, code: str | None = None,
+async def send_error(scope: Scope, send: Send, status: int, message: str, code: str | None = None,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """An OpenAI-style error response, sent before the app sees the request."""
-    body = json.dumps(APIError(status, message, code=code).body()).encode()
+    """An OpenAI-style error response, sent before the app sees the request (scope state "refusal": its error)."""
+    error = APIError(status, message, code=code).body()
+    scope.setdefault("state", {})["refusal"] = error["error"]
+    body = json.dumps(error).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(headers or [])]})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -11,8 +9,6 @@ from starlette.exceptions import HTTPException
 
 from camshaft.errors import CapacityError, EngineError, RequestError, ServerBusyError, ServerClosedError
 from camshaft.openai_server.metrics import Metrics
-
-LOG = logging.getLogger("camshaft.openai_server")
 
 
 class APIError(Exception):
@@ -63,9 +59,7 @@ def route_path(request: Request) -> str:
 def install(app: FastAPI, metrics: Metrics) -> None:
     def respond(request: Request, error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.http(route_path(request), error.status)
-        if (given := getattr(request.state, "response_id", None)) is not None:  # a generation request's
-            (LOG.error if error.status >= 500 else LOG.info)("%s: refused, %d: %s", given, error.status,
-                                                              error.message)
+        request.state.refusal = error.body()["error"]  # request_ids logs it, where the request is not running
         headers = {**(headers or {}), **({"Retry-After": "1"} if error.status == 503 else {})}
         return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -22,12 +23,15 @@ class Generation:
 
     def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
                  arrival: float, priority: int = 0, shows_output: bool = True,
-                 loop: asyncio.AbstractEventLoop | None = None, log_id: str = "request") -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, log_id: str = "request",
+                 stopping: threading.Event | None = None) -> None:
         """shows_output False: the output is not shown (echo scoring the prompt alone), nor counted. loop: the
         event loop that reads the outputs (given when this is made on another thread). log_id: the request's id in
-        the log lines saying how it ended (finished, aborted by the client, failed)."""
+        the line logged as it ends (finished, aborted, failed). stopping: set once the server is stopping (what
+        is aborted then was cut by the server, not by its client)."""
         self.llm, self.metrics, self.arrival, self._counted = llm, metrics, arrival, shows_output
         self.log_id, self._generated, self._first, self._reasons = log_id, 0, None, Counter()
+        self._stopping = stopping or threading.Event()
         self._prompt_lengths, self._n = [len(ids) for ids in prompts], params.n
         self.prompt_tokens = sum(self._prompt_lengths)
         self.num_choices = len(prompts) * params.n
@@ -85,7 +89,8 @@ class Generation:
         """Stop what is unfinished (idempotent); the batch loop frees its KV blocks before its next step. count:
         each stopped sequence counts as finished for reason abort (the client's), or error where a sibling failed."""
         if self._unfinished and not self._failed:
-            LOG.info("%s: aborted (the client went away) after %s", self.log_id, self._so_far())
+            why = "the server stopped" if self._stopping.is_set() else "the client went away"
+            LOG.info("%s: aborted (%s) after %s", self.log_id, why, self._so_far())
         for request_id in self._unfinished:
             self.llm.abort(request_id)
             if count:

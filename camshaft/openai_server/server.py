@@ -98,6 +98,7 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
 
     def stop(signum: int, frame: object) -> None:
         if stops.add(signum):
+            server.config.app.state.stopping.set()
             server.force_exit = server.should_exit
             server.should_exit = True
 

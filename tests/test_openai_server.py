@@ -785,6 +785,7 @@ def test_a_request_failed_or_stopped_by_the_server_is_logged_once_as_such(engine
     from fastapi.testclient import TestClient
 
     from camshaft.openai_server.app import create_app
+    from camshaft.openai_server.generation import Generation
 
     with camshaft.LLM(engine_dir) as llm:
         app = create_app(llm, "m", api_key="k")
@@ -794,17 +795,32 @@ def test_a_request_failed_or_stopped_by_the_server_is_logged_once_as_such(engine
             failed = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 20, "ignore_eos": True},
                                  headers={"X-Request-Id": "f1"})
             keyless = TestClient(app).post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "k1"})
-            app.state.stopping.set()
+            slashed = TestClient(app).post("/v1/completions/", json={"prompt": "hi"}, headers={"X-Request-Id": "k2"})
+            app.state.cutting.set()
             with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 100, "stream": True,
                                                                 "ignore_eos": True}, headers={"X-Request-Id": "s1"}):
                 pass  # closed before its end, as uvicorn cuts the streams a stop leaves open
         assert failed.status_code == 500 and failed.json()["error"]["message"] == "internal server error: " \
             "RuntimeError('device lost')" and failed.headers["x-request-id"] == "f1"
         assert keyless.status_code == 401 and keyless.headers["x-request-id"] == "k1"
+        assert slashed.status_code == 401 and slashed.headers["x-request-id"] == "k2"
+
+        async def closed() -> None:  # a stop's grace ended: the batch loop closed under a running request
+            generation = Generation(llm, [[5, 6]], camshaft.SamplingParams(max_tokens=100, ignore_eos=True),
+                                    app.state.metrics, time.perf_counter(), log_id="cmpl-c1")
+            llm.close()
+            with pytest.raises(camshaft.ServerClosedError):
+                await generation.results()
+            generation.abort()
+
+        with caplog.at_level(logging.INFO, logger="camshaft.openai_server"):
+            asyncio.run(closed())
     lines = [r.getMessage() for r in caplog.records if r.name == "camshaft.openai_server"]
-    assert len(lines) == 3 and re.fullmatch(r"cmpl-f1: failed after .*: device lost", lines[0]), lines
-    assert lines[1] == "cmpl-k1: refused, 401 invalid_request_error (code invalid_api_key)", lines
-    assert re.fullmatch(r"cmpl-s1: aborted \(the server stopped\) after .*", lines[2]), lines
+    assert len(lines) == 5 and re.fullmatch(r"cmpl-f1: failed after .*: device lost", lines[0]), lines
+    assert lines[1:3] == [f"cmpl-{k}: refused, 401 invalid_request_error (code invalid_api_key)" for k in ("k1", "k2")]
+    assert re.fullmatch(r"cmpl-s1: aborted \(the server stopped\) after .*", lines[3]), lines
+    assert re.fullmatch(r"cmpl-c1: aborted \(the server stopped\) after .*", lines[4]), lines
+    assert [r.levelname for r in caplog.records if r.name == "camshaft.openai_server"][3:] == ["INFO", "INFO"]
 
 
 def test_vllms_bad_words_reach_the_sampler():

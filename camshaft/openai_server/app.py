@@ -58,7 +58,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key, refused=refused)  # before a body is read
     app.add_middleware(RequestIds)  # added last: runs first (every refusal carries the id)
-    app.state.llm, app.state.metrics, app.state.stopping = llm, metrics, threading.Event()  # stopping: set by serve
+    app.state.llm, app.state.metrics, app.state.cutting = llm, metrics, threading.Event()  # cutting: set by serve
 
     created = int(time.time())
 
@@ -108,11 +108,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
                       params: SamplingParams, shape: _Shape, arrival: float, priority: int = 0) -> Response:
         if params.guided_decoding is None:
             generation = Generation(llm, prompts, params, metrics, arrival, priority, shape.shows_output,
-                                    log_id=shape.id, stopping=app.state.stopping)
+                                    log_id=shape.id, cutting=app.state.cutting)
         else:  # compiling a grammar takes a while: not on the loop every stream shares
             generation = await asyncio.to_thread(Generation, llm, prompts, params, metrics, arrival, priority,
                                                  shape.shows_output, asyncio.get_running_loop(), shape.id,
-                                                 app.state.stopping)
+                                                 app.state.cutting)
         request.state.generating = True  # its end is Generation's to log
         with_logprobs = params.logprobs is not None
         if stream:

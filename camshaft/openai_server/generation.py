@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
+from camshaft.errors import ServerClosedError
 from camshaft.openai_server.metrics import Metrics
 from camshaft.runtime.llm import LLM
 from camshaft.runtime.outputs import GenerationResult, RequestOutput
@@ -24,14 +25,14 @@ class Generation:
     def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
                  arrival: float, priority: int = 0, shows_output: bool = True,
                  loop: asyncio.AbstractEventLoop | None = None, log_id: str = "request",
-                 stopping: threading.Event | None = None) -> None:
+                 cutting: threading.Event | None = None) -> None:
         """shows_output False: the output is not shown (echo scoring the prompt alone), nor counted. loop: the
         event loop that reads the outputs (given when this is made on another thread). log_id: the request's id in
-        the line logged as it ends (finished, aborted, failed). stopping: set once the server is stopping (what
-        is aborted then was cut by the server, not by its client)."""
+        the line logged as it ends (finished, aborted, failed). cutting: set once the stopping server ends the
+        requests still running (what is aborted then was cut by the server, not by its client)."""
         self.llm, self.metrics, self.arrival, self._counted = llm, metrics, arrival, shows_output
         self.log_id, self._generated, self._first, self._reasons = log_id, 0, None, Counter()
-        self._stopping = stopping or threading.Event()
+        self._cutting = cutting or threading.Event()
         self._prompt_lengths, self._n = [len(ids) for ids in prompts], params.n
         self.prompt_tokens = sum(self._prompt_lengths)
         self.num_choices = len(prompts) * params.n
@@ -89,7 +90,7 @@ class Generation:
         """Stop what is unfinished (idempotent); the batch loop frees its KV blocks before its next step. count:
         each stopped sequence counts as finished for reason abort (the client's), or error where a sibling failed."""
         if self._unfinished and not self._failed:
-            why = "the server stopped" if self._stopping.is_set() else "the client went away"
+            why = "the server stopped" if self._cutting.is_set() else "the client went away"
             LOG.info("%s: aborted (%s) after %s", self.log_id, why, self._so_far())
         for request_id in self._unfinished:
             self.llm.abort(request_id)
@@ -101,7 +102,10 @@ class Generation:
         """The request ends with `error` (what is unfinished is aborted next, counted as failed)."""
         if not self._failed:
             self._failed = True
-            LOG.warning("%s: failed after %s: %s", self.log_id, self._so_far(), error)
+            if isinstance(error, ServerClosedError):  # a stop's end of what still ran: no failure
+                LOG.info("%s: aborted (the server stopped) after %s", self.log_id, self._so_far())
+            else:
+                LOG.warning("%s: failed after %s: %s", self.log_id, self._so_far(), error)
 
     def _so_far(self) -> str:
         first = "" if self._first is None else f", first token at {self._first - self.arrival:.3f} s"

@@ -25,7 +25,7 @@ class RequestIds:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        prefix = PREFIXES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        prefix = PREFIXES.get(scope.get("path", "").rstrip("/")) if scope["type"] == "http" else None
         if prefix is None:
             return await self.app(scope, receive, send)
         sent = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1").strip()

@@ -95,10 +95,12 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     stops = Stops()
     stats = StatsLog(llm, server.config.app.state.metrics, time.monotonic())
     stats_log = logging.getLogger("camshaft.openai_server")
+    cutting = server.config.app.state.cutting
 
     def stop(signum: int, frame: object) -> None:
         if stops.add(signum):
-            server.config.app.state.stopping.set()
+            if server.should_exit:  # the second: open streams are cut now
+                cutting.set()
             server.force_exit = server.should_exit
             server.should_exit = True
 
@@ -109,6 +111,7 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
         while thread.is_alive():
             thread.join(0.2)
             if stops.times and time.monotonic() - stops.times[0] > GRACEFUL_SHUTDOWN_S and llm.alive:
+                cutting.set()
                 llm.close()  # what still runs ends with ServerClosedError: each handler answers it in OpenAI's shape
             if line := stats.line(time.monotonic()):
                 stats_log.info(line)

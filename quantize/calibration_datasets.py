@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,10 @@ def open_dataset(path: Path) -> tuple[Any, str] | None:
     files, split = train_split(path, files) if path.is_dir() else (files, "")
     if kinds == ["parquet"] and not _parquet_rows(files, path):  # datasets' stream fails on it with Arrow's internals
         raise QuantizeError(f"calibration data {path} is empty (parquet with no rows)")
-    try:
-        data = _datasets().load_dataset(kinds[0], data_files=[str(f) for f in files], split="train", streaming=True)
+    try:  # its lock files in a directory of its own, not in ~/.cache/huggingface (a stream reads no cache)
+        with tempfile.TemporaryDirectory(prefix="camshaft-datasets-") as cache:
+            data = _datasets().load_dataset(kinds[0], data_files=[str(f) for f in files], split="train",
+                                            streaming=True, cache_dir=cache)
     except Exception as exc:  # datasets raises many types for unreadable files
         raise QuantizeError(f"{path}: the {kinds[0]} files could not be read as a dataset: {exc}") from exc
     return data, str(path) if path.is_file() else f"{path}, {len(files)} {kinds[0]} file(s){split}"
@@ -194,4 +197,5 @@ def _datasets() -> Any:
     except ImportError as exc:
         raise QuantizeError(needs_extra(f"reading datasets (the datasets package: {exc})", "quantize")) from exc
     datasets.disable_progress_bars()
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False  # a request to the hub's servers each load (offline: seconds)
     return datasets

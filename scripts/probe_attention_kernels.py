@@ -7,11 +7,14 @@ Medians of interleaved calls in one process, 2 threads. Usage: python scripts/pr
 
 from __future__ import annotations
 
+import os
 import time
 
-import numpy as np
-import onnxruntime as ort
-from onnx import TensorProto, helper
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # as camshaft does, before onnxruntime is imported
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
 
 HQ, HKV, D = 9, 3, 64
 CASES = [(1, 192), (32, 320)]  # batch-1 decode; a batch-32 serving step

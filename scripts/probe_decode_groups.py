@@ -12,11 +12,14 @@ runs, 2 threads. Usage: python scripts/probe_decode_groups.py [--batch 32] [--sh
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-import numpy as np
-import onnxruntime as ort
-from probe_kv_layout import BLOCK, KV, LAYERS, PER_KV, D, graph
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # as camshaft does, before onnxruntime is imported
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from probe_kv_layout import BLOCK, KV, LAYERS, PER_KV, D, graph  # noqa: E402
 
 
 def session(batch: int, context: int) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:

@@ -9,13 +9,16 @@ Medians of interleaved runs, 2 threads. Usage: python scripts/probe_kv_layout.py
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
-import numpy as np
-import onnx
-import onnxruntime as ort
-from onnx import TensorProto, helper
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # as camshaft does, before onnxruntime is imported
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
 
 BLOCK, KV, PER_KV, D, LAYERS = 32, 3, 3, 64, 30
 

@@ -4,6 +4,7 @@ calibration corpora, ModelOpt config assembly, excluded layers, the CLI."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -1021,3 +1022,23 @@ def test_a_modelopt_checkpoint_with_its_head_quantized(tmp_path, tied):
     logits = engine.step([Chunk(list(range(5, 45)), 0, engine.pool.allocate(2), 40)])
     engine.close()
     assert np.abs(logits[-1] - fake[-1]).max() <= 0.1 * np.abs(fake[-1] - plain[-1]).max()
+
+
+def test_a_csv_or_parquet_file_is_read_without_the_network_or_the_hubs_cache(tmp_path):
+    """datasets pinged the hub's servers (its download counts) on each load: seconds on a machine without a
+    network, and a lock file left in ~/.cache/huggingface each run."""
+    import subprocess
+
+    (tmp_path / "calib.csv").write_text("text\nhello there\nmore text\n")
+    (tmp_path / "home").mkdir()
+    script = ("import sys; calls = []\n"
+              "sys.addaudithook(lambda event, args: calls.append(event) if event.startswith('socket.') else None)\n"
+              "from camshaft.quantize.calibration import load_texts\n"
+              "texts = list(load_texts(sys.argv[1])[0])\n"
+              "print(texts, sorted(set(calls)))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_"))}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "calib.csv")], capture_output=True, text=True,
+                          env=env | {"HOME": str(tmp_path / "home")}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['hello there', 'more text'] []"
+    assert [p for p in (tmp_path / "home").rglob("*") if p.is_file()] == []

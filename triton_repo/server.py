@@ -40,6 +40,14 @@ LOG_FLAGS = {"debug": ["--log-verbose=1"], "info": [], "warning": ["--log-info=f
              "error": ["--log-info=false", "--log-warning=false"]}  # what tritonserver logs at each level
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
+def _without_gpu() -> list[str]:
+    """On a machine without NVIDIA's driver: no GPU metrics (DCGM would append its failure to
+    /var/log/nv-hostengine.log at each start) and no pinned host memory pool (a CUDA allocation)."""
+    if Path("/proc/driver/nvidia").exists():
+        return []
+    return ["--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
+
+
 def check_backend_tmp() -> None:
     """Triton's python backend makes its directories in /tmp whatever $TMPDIR says (where /tmp is read-only, as in
     a container with a read-only root filesystem, tritonserver aborts while loading the models)."""
@@ -88,7 +96,7 @@ class TritonServer:
                 f"--grpc-address={self.host}", f"--grpc-port={e.grpc_port}",
                 "--allow-metrics=true", "--allow-cpu-metrics=true", f"--metrics-address={self.host}",
                 f"--metrics-port={e.metrics_port}", f"--exit-timeout-secs={self.exit_timeout_s}",
-                "--strict-readiness=true", *self.log_flags]
+                "--strict-readiness=true", *self.log_flags, *_without_gpu()]
 
     def start(self) -> TritonServer:
         e = self.endpoints

@@ -48,6 +48,7 @@ class Executor(StepCounters):
         self._aborts: list[str] = []
         self._wake = threading.Condition()
         self._closed = False
+        self.failure: BaseException | None = None  # what ended the batch loop, where it failed (set last)
         self._thread = threading.Thread(target=self._loop, name="camshaft-executor", daemon=True)
         self._thread.start()
 
@@ -141,8 +142,8 @@ class Executor(StepCounters):
         except BaseException as exc:  # a bug in the loop: fail every request rather than leave callers hanging
             log.critical("the batch loop stopped; every request in flight failed", exc_info=True)
             self._fail_all(ServerClosedError(f"the batch loop failed: {exc!r}; create a new LLM (or restart the "
-                                             "server)"))
-            raise
+                                             "server)"))  # the thread ends: its traceback was logged above
+            self.failure = exc
 
     def _fail_all(self, error: Exception) -> None:
         """Finish every request not yet finished: queued, held siblings and running."""

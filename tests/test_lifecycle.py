@@ -394,3 +394,25 @@ def test_a_session_closed_from_a_signal_handler_or_a_forked_child_is_closed(engi
 
     done = subprocess.run([sys.executable, "-c", script, str(engine_dir)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.split("\n")[-2] == expected, done.stdout + done.stderr[-2000:]
+
+
+def test_a_failed_batch_loop_fails_what_is_in_flight_and_says_what_ended_it(engine_dir, monkeypatch):
+    """Servers watch Executor.failure to stop (the OpenAI server exits 1, Triton's token model ends its process)."""
+    from camshaft.runtime import scheduler
+
+    def broken(self):
+        raise RuntimeError("a bug in the loop")
+
+    with LLM(engine_dir) as llm:
+        assert llm.executor.failure is None
+        monkeypatch.setattr(scheduler.Scheduler, "schedule", broken)
+        with pytest.raises(ServerClosedError, match=r"the batch loop failed: RuntimeError\('a bug in the loop'\)"):
+            llm.generate([5, 6], SamplingParams(max_tokens=3))
+        deadline = time.monotonic() + 10
+        while llm.executor.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert repr(llm.executor.failure) == "RuntimeError('a bug in the loop')" and not llm.alive
+    monkeypatch.undo()
+    with LLM(engine_dir) as llm:
+        llm.close()
+        assert llm.executor.failure is None  # a close is no failure

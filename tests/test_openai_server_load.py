@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -135,21 +136,29 @@ def test_healthy_after_load_then_sigterm_stops_cleanly(server, engine_dir):
     assert "KV cache: 2048 blocks of 32 tokens (" in stderr and "16 sequences of 4096 tokens at once" in stderr
 
 
-def test_requests_still_running_when_the_stop_window_ends_get_openais_error_shape(tmp_path):
-    """SIGTERM gives open requests GRACEFUL_SHUTDOWN_S to finish; those still running then end as "server stopped":
-    a stream's error event and [DONE], a 503 in OpenAI's shape (uvicorn cut streams mid-chunk and answered a plain
-    "Internal Server Error", logging a traceback for each)."""
+@pytest.fixture(scope="module")
+def long_engine(tmp_path_factory):
     from camshaft.builder.build import build_engine
     from camshaft.builder.config import BuildConfig
 
     from tiny_models import make_tiny_model
 
-    model = make_tiny_model("llama", tmp_path / "hf", max_position_embeddings=32768)
-    build_engine(BuildConfig(model, tmp_path / MODEL, max_seq_len=32768, max_num_tokens=256, max_batch_size=4))
+    root = tmp_path_factory.mktemp("long")
+    model = make_tiny_model("llama", root / "hf", max_position_embeddings=32768)
+    build_engine(BuildConfig(model, root / MODEL, max_seq_len=32768, max_num_tokens=256, max_batch_size=4))
+    return root / MODEL
+
+
+@pytest.mark.parametrize("stops", [["SIGTERM"], ["SIGINT", "SIGINT"], ["SIGHUP"]])
+def test_requests_still_running_when_the_stop_window_ends_get_openais_error_shape(long_engine, stops):
+    """SIGTERM gives open requests GRACEFUL_SHUTDOWN_S to finish; those still running then end as "server stopped":
+    a stream's error event and [DONE], a 503 in OpenAI's shape (uvicorn cut streams mid-chunk and answered a plain
+    "Internal Server Error", logging a traceback for each). A second Ctrl-C ends them so at once (it cut them, a
+    traceback each); SIGHUP (a closed terminal) stops it the same way (it killed the server at once)."""
     port = _free_port()
     process = subprocess.Popen(
         [sys.executable, "-c", "from camshaft.cli import main; main()", "serve", "--api", "openai", "--engine",
-         str(tmp_path / MODEL), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         str(long_engine), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     body = {"model": MODEL, "prompt": "a", "max_tokens": 30000, "ignore_eos": True}
 
@@ -157,18 +166,21 @@ def test_requests_still_running_when_the_stop_window_ends_get_openais_error_shap
         async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as response:
             return [line async for line in response.aiter_lines() if line.startswith("data:")]
 
-    async def run() -> tuple[list[list[str]], httpx.Response]:
+    async def run() -> tuple[list[list[str]], httpx.Response, float]:
         async with httpx.AsyncClient(timeout=60) as client:
             tasks = [asyncio.create_task(stream(client)) for _ in range(3)]
             whole = asyncio.create_task(client.post(url + "/v1/completions", json=body))
             while metric(url, "camshaft_num_requests_running") < 4:
                 await asyncio.sleep(0.05)
-            process.send_signal(signal.SIGTERM)
-            return await asyncio.gather(*tasks), await whole
+            for i, name in enumerate(stops):
+                await asyncio.sleep(1.5 * bool(i))  # a second one, not the same stop repeated
+                process.send_signal(getattr(signal, name))
+            began = time.monotonic()
+            return await asyncio.gather(*tasks), await whole, time.monotonic() - began
 
     try:
         wait_until(lambda: _up(process, url), timeout=60)
-        streams, whole = asyncio.run(run())
+        streams, whole, waited = asyncio.run(run())
         _, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
@@ -177,6 +189,36 @@ def test_requests_still_running_when_the_stop_window_ends_get_openais_error_shap
         assert events[-1] == "data: [DONE]" and json.loads(events[-2][5:])["error"]["code"] == "server_stopped"
     assert whole.status_code == 503 and whole.json()["error"]["code"] == "server_stopped"
     assert process.returncode == 0 and "Traceback" not in stderr and "stopped" in stderr
+    assert (waited < 4) == (len(stops) > 1), waited  # the second stop did not wait out the 5 s window
+    assert stderr.count("aborted (the server stopped)") == 4
+
+
+def test_a_batch_loop_that_fails_stops_the_server_with_exit_1(engine_dir):
+    """A bug in the batch loop fails what is in flight; the server then stops (exit 1) for a supervisor to restart
+    it, its traceback logged once (it kept answering 503 and exited 0 when stopped)."""
+    launcher = ("from camshaft.runtime import scheduler\n"
+                "schedule = scheduler.Scheduler.schedule\n"
+                "def broken(self):\n"
+                "    if any(r.params.max_tokens == 7 for r in list(self.waiting)):\n"
+                "        raise RuntimeError('a bug in the loop')\n"
+                "    return schedule(self)\n"
+                "scheduler.Scheduler.schedule = broken\n"
+                "from camshaft.cli import main; main()\n")
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-c", launcher, "serve", "--api", "openai", "--engine",
+                                str(engine_dir), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(process, url), timeout=60)
+        failed = HTTP.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 7})
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert failed.status_code == 503 and "the batch loop failed" in failed.json()["error"]["message"]
+    assert process.returncode == 1 and stderr.count("Traceback") == 1 and "Exception in thread" not in stderr
+    assert stderr.rstrip().endswith("error: the batch loop failed (see its traceback above); restart the server")
 
 
 def _up(process: subprocess.Popen, url: str) -> bool:

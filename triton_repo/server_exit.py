@@ -87,6 +87,14 @@ def watch_launcher(end_requests: Callable[[], None], channel_dir: Path) -> None:
     threading.Thread(target=watch, name="camshaft-launcher-watch", daemon=True).start()
 
 
+def exit_failed(failure: BaseException, log_error: Callable[[str], None]) -> None:
+    """The token model's batch loop failed: Triton would go on answering ready with every request refused, so its
+    process exits, and camshaft serve (watching it) stops with exit 1 for a supervisor to restart the server."""
+    log_error(f"camshaft: the batch loop failed ({failure!r}; its traceback is above): this model's process exits, "
+              "the server is to be restarted")
+    os._exit(1)
+
+
 def group(pgid: int) -> list[psutil.Process]:
     """The live processes of process group `pgid` (Triton's stubs, also once Triton itself has exited)."""
     members = []

@@ -34,7 +34,7 @@ from camshaft.triton_repo.protocol import (
     one,
     token_request,
 )
-from camshaft.triton_repo.server_exit import drain_s, watch_launcher
+from camshaft.triton_repo.server_exit import drain_s, exit_failed, watch_launcher
 from camshaft.triton_repo.tensors import TOKEN_INPUTS
 from camshaft.triton_repo.token_jobs import (
     CANCEL_CHECK_S,
@@ -175,6 +175,8 @@ class TokenModel:
             for row, outputs in grouped.values():
                 self._send(row, merge(outputs))  # per sequence: a job's prompts and their n sequences kept apart
             self.metrics.tick()
+            if (failure := self.llm.executor.failure) is not None and self.outputs.empty():  # its requests answered
+                exit_failed(failure, pb_utils.Logger.log_error)
 
     def _send(self, row: Row, output: RequestOutput) -> None:
         job = row.job

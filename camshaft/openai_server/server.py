@@ -76,8 +76,10 @@ def pool_line(llm: LLM) -> str:
 def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None],
           model_name: str | None = None, api_key: str | None = None, tool_call_parser: str | None = None,
           chat_template: str | Path | None = None, log_level: str = "info") -> None:
-    """Serve until Ctrl-C or SIGTERM (a second one cuts open streams), then return. uvicorn runs in a thread and
-    this one handles the signals, so the LLM is closed and the exit status is 0. model_name: the model id clients
+    """Serve until Ctrl-C, SIGTERM or SIGHUP (a second one ends the requests still running at once, a third cuts
+    the connections), then return; a batch loop that failed stops the server too, raising CamshaftError (exit 1, for
+    a supervisor to restart it). uvicorn runs in a thread and this one handles the signals, so the LLM is closed
+    and the exit status is 0. model_name: the model id clients
     send (default: the engine directory's name). log_level: debug, info (each request's end, with its id), warning
     or error: what camshaft and uvicorn log to stderr."""
     model_name = model_name or Path(engine).resolve().name
@@ -98,21 +100,25 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     cutting = server.config.app.state.cutting
 
     def stop(signum: int, frame: object) -> None:
-        if stops.add(signum):
-            if server.should_exit:  # the second: open streams are cut now
-                cutting.set()
-            server.force_exit = server.should_exit
+        if stops.add(signum):  # the second ends what runs at once; the third cuts the connections
+            server.force_exit = len(stops.times) > 2
             server.should_exit = True
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)  # nohup: ignored
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, *hangup)}
+    died = False
     try:
         thread.start()
         announced = False
         while thread.is_alive():
             thread.join(0.2)
-            if stops.times and time.monotonic() - stops.times[0] > GRACEFUL_SHUTDOWN_S and llm.alive:
+            times = stops.times
+            if times and (len(times) > 1 or time.monotonic() - times[0] > GRACEFUL_SHUTDOWN_S) and llm.alive:
                 cutting.set()
                 llm.close()  # what still runs ends with ServerClosedError: each handler answers it in OpenAI's shape
+            elif not times and not llm.alive and not died:  # the batch loop failed: a supervisor restarts us
+                died = server.should_exit = True
+                log("error: the batch loop stopped (its traceback is above); stopping the server")
             if line := stats.line(time.monotonic()):
                 stats_log.info(line)
             if server.started and not announced:
@@ -138,4 +144,6 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     if not server.started:
         raise CamshaftError(f"the server could not start on {url_host(host)}:{port} (see the error above); "
                             "pick another --port or --host")
+    if died:
+        raise CamshaftError("the batch loop failed (see its traceback above); restart the server")
     log("stopped")

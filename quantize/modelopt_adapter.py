@@ -162,7 +162,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     head_inputs = HeadInputs(model) if float_channels else None
     try:
         with torch.inference_mode(False), torch.no_grad():
-            mtq.quantize(model, cfg, forward_loop=calibration_loop(calib, desc, progress_bar))
+            mtq.quantize(model, cfg, forward_loop=calibration_loop(calib, desc, progress if progress_bar else None))
     finally:
         if head_inputs is not None:
             head_inputs.remove()
@@ -218,16 +218,15 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
     return QuantizeResult(output, spec, group_size, calib.num_samples, calib.seq_len, source, timings)
 
 
-def calibration_loop(calib: CalibrationSet, description: str, progress_bar: bool) -> Callable[[Any], None]:
+def calibration_loop(calib: CalibrationSet, description: str, progress: Progress | None) -> Callable[[Any], None]:
+    """ModelOpt's forward loop over the samples (AWQ runs it more than once); `progress` sees each sample's step."""
     def forward_loop(model) -> None:
         import torch
-        from rich.console import Console
-        from rich.progress import track
 
-        rows = track(range(calib.num_samples), description=description, console=Console(stderr=True),
-                     disable=not progress_bar, transient=True)
-        for i in rows:
+        for i in range(calib.num_samples):
             model(torch.from_numpy(calib.input_ids[i: i + 1]))
+            if progress is not None:
+                progress(f"{description}: sample {i + 1}/{calib.num_samples}")
 
     return forward_loop
 

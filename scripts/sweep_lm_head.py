@@ -44,7 +44,7 @@ def ranked_channels(model_dir: Path, calib_size: int, calib_seq_len: int) -> tup
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     inputs = HeadInputs(model)
     with torch.no_grad():
-        calibration_loop(calib, "ranking the head's inputs", progress_bar=False)(model)
+        calibration_loop(calib, "ranking the head's inputs", None)(model)
     inputs.remove()
     mean = inputs.total / (calib.num_samples * calib.seq_len)  # the head sees every calibration position
     largest = mean.sort(descending=True).values[:8].tolist()

@@ -1042,3 +1042,17 @@ def test_a_csv_or_parquet_file_is_read_without_the_network_or_the_hubs_cache(tmp
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['hello there', 'more text'] []"
     assert [p for p in (tmp_path / "home").rglob("*") if p.is_file()] == []
+
+
+def test_quantize_into_a_log_shows_calibration_steps_as_lines(tiny, tmp_path):
+    """Under a supervisor (stderr a file or pipe): calibration showed no progress at all (a transient bar) and
+    transformers' loading and saving bars were lines of carriage returns."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", "from camshaft.cli import main; main()", "quantize", "--model",
+                           str(tiny), "--quant", "int8_wo", "--output", str(tmp_path / "q"), "--calib-size", "8",
+                           "--calib-seq-len", "32"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    steps = [line for line in done.stderr.splitlines() if ": sample " in line]
+    assert [line.rsplit(" ", 1)[1] for line in steps] == ["2/8", "4/8", "6/8", "8/8"], done.stderr
+    assert "\r" not in done.stderr and "\x1b" not in done.stderr

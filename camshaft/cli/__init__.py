@@ -58,7 +58,8 @@ def _options(
 
 
 CLEAR_TO_END = "\x1b[K"
-_COUNTED = re.compile(r".*\b(?:layer|window) (\d+)/(\d+)$")  # a step of the builders' loop over layers, of eval's
+_COUNTED = re.compile(r".*\b(?:layer|window|sample) (\d+)/(\d+)$")  # a step of a loop: the builders' over layers,
+# eval's over windows, calibration's over samples
 
 
 class _Line:
@@ -171,6 +172,8 @@ def main() -> None:
                 _terminated(signum, frame)
 
         signal.signal(signal.SIGTERM, terminated)
+    if not err.is_terminal:  # a log: transformers' bars (loading, saving) would be lines of carriage returns
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         app()
     except BaseException as exc:

@@ -294,9 +294,11 @@ def test_a_killed_serve_takes_its_tritonserver_with_it_and_ignores_http_proxy(en
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-def test_serve_stops_with_an_error_when_a_models_process_dies(engine, tmp_path):
+@pytest.mark.parametrize("victim", ["stub", "tritonserver"])
+def test_serve_stops_with_an_error_when_a_models_process_dies(engine, tmp_path, victim):
     """Triton neither restarts a python backend stub that died nor stops answering ready; its requests fail or wait.
-    camshaft serve says which model died and exits 1, so a supervisor restarts the server whole."""
+    camshaft serve says which model died and exits 1, so a supervisor restarts the server whole. A tritonserver
+    stopped by someone else is said as that (it was said to be a model's process dying, out of memory?)."""
     import os
 
     import psutil
@@ -306,11 +308,13 @@ def test_serve_stops_with_an_error_when_a_models_process_dies(engine, tmp_path):
     try:
         (triton,) = [p for p in psutil.Process(serve.pid).children() if p.name() == "tritonserver"]
         (stub,) = [p for p in triton.children() if "/tensorrt_llm/1/model.py" in " ".join(p.cmdline())]
-        os.kill(stub.pid, signal.SIGKILL)
+        os.kill(stub.pid if victim == "stub" else triton.pid, signal.SIGKILL if victim == "stub" else signal.SIGTERM)
         assert serve.wait(60) == 1, "".join(lines)
         assert not triton.is_running() or triton.status() == psutil.STATUS_ZOMBIE
         text = " ".join("".join(lines).split())
-        assert "the process serving the model(s) tensorrt_llm died" in text, text
+        said = ("the process serving the model(s) tensorrt_llm died" if victim == "stub" else
+                "tritonserver exited by itself with code 0")
+        assert said in text, text
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -699,3 +703,16 @@ def test_a_config_pbtxt_pointed_at_another_engine_is_said_before_serving(engine,
     config.write_text(config.read_text().replace(json.dumps(str(engine)), json.dumps(str(other))))
     warning = check_deployed_engine(repo)
     assert warning is not None and f"serves the engine {other}, not the {engine} camshaft deploy recorded" in warning
+
+
+def test_a_failed_servers_log_tail_keeps_its_stubs_failures_and_leaves_out_the_no_gpu_error(engine, tmp_path):
+    log = tmp_path / "tritonserver.log"
+    log.write_text("\n".join([
+        'E1207 19:33:36.631299 18852 server.cc:241] "CudaDriverHelper has not been initialized."',
+        "| Model        | Version | Status |",
+        "memory allocation of 2 bytes failed",  # a stub out of memory (Rust's allocator in the tokenizer)
+        'E1207 19:33:40.100000 18852 model_lifecycle.cc:654] "failed to load \'tensorrt_llm\'"',
+        "I1207 19:33:40.200000 18852 server.cc:300] last", "I1207 19:33:40.300000 18852 server.cc:301] lines"]))
+    tail = TritonServer(deploy_repository(engine, tmp_path / "repo"), log_file=log).log_tail(lines=2).splitlines()
+    assert len(tail) == 4 and tail[0] == "memory allocation of 2 bytes failed" and "failed to load" in tail[1]
+    assert tail[2:] == log.read_text().splitlines()[-2:]

@@ -87,8 +87,9 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             log(f"models: {', '.join(models)}{hint}")
             code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log, lost=lost,
                                       gave_up=server.gave_up)
-            if code and not stopping:
-                raise CamshaftError(f"tritonserver exited with code {code}; its log ends:\n{server.log_tail()}")
+            if not stopping:  # something else stopped it (a SIGTERM sent to it), or it failed
+                raise CamshaftError(f"tritonserver exited by itself with code {code}; its log ends:\n"
+                                    f"{server.log_tail()}")
         finally:
             server.stop()
             for s, handler in previous.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,6 +41,11 @@ LOG_FLAGS = {"debug": ["--log-verbose=1"], "info": [], "warning": ["--log-info=f
              "error": ["--log-info=false", "--log-warning=false"]}  # what tritonserver logs at each level
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
+_TRITON_LINE = re.compile(r"[IWE]\d{4} ")  # Triton's own lines: level, then month and day
+_FAILURE = re.compile(r"(?i)\berror\b|failed|killed")
+NO_DRIVER = "CudaDriverHelper has not been initialized"  # Triton's error on every start without NVIDIA's driver
+
+
 def _without_gpu() -> list[str]:
     """On a machine without NVIDIA's driver: no GPU metrics (DCGM would append its failure to
     /var/log/nv-hostengine.log at each start) and no pinned host memory pool (a CUDA allocation)."""
@@ -137,12 +143,14 @@ class TritonServer:
                             f"({self.log_file}) ends:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 15) -> str:
-        """Triton's error lines (E...), then the last lines of its log."""
+        """Triton's error lines (E...) and its stubs' (a traceback's last line, "memory allocation of N bytes
+        failed"), then the last lines of its log."""
         try:
             text = self.log_file.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
-        errors = [line for line in text[:-lines] if line.startswith("E") and line[1:5].isdigit()]
+        errors = [line for line in text[:-lines] if _TRITON_LINE.match(line) and line.startswith("E")
+                  and NO_DRIVER not in line or not _TRITON_LINE.match(line) and _FAILURE.search(line)]
         return "\n".join([*errors[-20:], *text[-lines:]])
 
     def gave_up(self) -> bool:

@@ -18,6 +18,7 @@ from camshaft.triton_repo.deploy import TOKEN_MODEL
 from camshaft.triton_repo.server_exit import DRAIN_BEFORE_S, KILL_AFTER_S
 
 GAVE_UP_S = 2.0  # after Triton said it gave up ("Exiting immediately"): killed if still running
+STUBS_BEFORE_EXIT_S = 5.0  # a stub gone: how long the server may take to exit (it was stopping) before it is a loss
 
 
 def drain(server_pid: int) -> bool:
@@ -62,6 +63,8 @@ def wait_until_stopped(process: subprocess.Popen, signals: list[float], exit_tim
             return process.wait(timeout=0.2)
         if not signals:
             if dead := lost():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    return process.wait(timeout=STUBS_BEFORE_EXIT_S)  # the server stopping ends its stubs first
                 raise CamshaftError(f"the process serving the model(s) {dead} died (Triton neither restarts it nor "
                                     "stops answering ready, and its requests fail or wait): stopping the server; "
                                     "restart it, and see its log and the machine's (out of memory?) for why")

@@ -6,8 +6,8 @@ import hashlib
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +42,7 @@ from camshaft.engine_files import (
 from camshaft.errors import BuildConfigError
 from camshaft.graph_meta import BUILD_ID_KEY, graph_limits
 from camshaft.io_signature import TensorSpec
-from camshaft.manifest import MANIFEST_NAME, BuildLimits, Manifest
+from camshaft.manifest import MANIFEST_NAME, BuildLimits, Manifest, content_id
 from camshaft.outdir import check_replaceable, replace_dir, staged
 from camshaft.version import __version__
 
@@ -163,14 +163,10 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 files += [sequence.artifact, f"{sequence.artifact}.data"] if sequence else []
             import onnxruntime
 
-            build_id = uuid.uuid4().hex
-            for graph in [artifact, sequence.artifact if sequence else None] if for_ort else []:
-                if graph is not None:
-                    stamp_build_id(staging / graph, build_id)
             files += sorted(f"{TOKENIZER_DIR}/{p.name}" for p in tok_dir.iterdir()  # the chat template: editable
                             if p.is_file() and p.name != CHAT_TEMPLATE)
-            sizes, fingerprints = record_files(staging, files)
-            manifest = Manifest(
+            progress("hashing the engine's files")
+            draft = Manifest(
                 model=model,
                 limits=limits,
                 dtype=dtype,
@@ -182,13 +178,21 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 quantization=quantization,
                 tools={"camshaft": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
                        **target_options.pop("tools", {})},
-                files=sizes,
-                fingerprints=fingerprints,
-                build_id=build_id,
+                files={name: (staging / name).stat().st_size for name in files},
+                fingerprints={name: file_sha256(staging / name) for name in files},  # whole: the id's content
+                build_id="-",
                 graph_sha256=graph_hash,
                 sequence_graph=sequence,
-                target_options={**target_options, "build_seconds": round(time.perf_counter() - started, 2)},
+                target_options=target_options,
             )
+            build_id = content_id(draft)  # equal builds share it: what an engine holds, for caches and audits
+            for graph in [artifact, sequence.artifact if sequence else None] if for_ort else []:
+                if graph is not None:
+                    stamp_build_id(staging / graph, build_id)
+            sizes, fingerprints = record_files(staging, files)
+            manifest = replace(draft, files=sizes, fingerprints=fingerprints, build_id=build_id,
+                               target_options={**target_options, "build_seconds": round(time.perf_counter() - started,
+                                                                                        2)})
             manifest.write(staging)
             replace_dir(staging, output)
     progress(f"engine written to {output}")

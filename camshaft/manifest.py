@@ -146,6 +146,13 @@ class Manifest:
         return cls(**data)
 
 
+def content_id(manifest: Manifest) -> str:
+    """A build's id from what it holds: every field of its manifest but the id, its files' whole sha256 in
+    `fingerprints`. Builds of the same checkpoint with the same options and tools share it."""
+    fields = {k: v for k, v in asdict(manifest).items() if k != "build_id"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
 def manifest_digest(data: dict[str, Any]) -> str:
     """sha256 of a manifest's fields (all but the digest itself), as JSON with sorted keys."""
     fields = {k: v for k, v in data.items() if k != "digest"}

@@ -756,3 +756,20 @@ def test_a_private_checkpoint_gives_an_engine_other_users_can_read(tmp_path):
     graph_mode = (tmp_path / "engine" / "model.onnx").stat().st_mode & 0o777
     modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "engine" / "tokenizer").iterdir()}
     assert modes and set(modes.values()) == {graph_mode}, modes
+
+
+def test_the_same_build_twice_gives_the_same_files_and_build_id(built, other_build, tmp_path):
+    """build_id is what the engine holds (a content id for caches and audits: it was a random one per build, so no two
+    builds were alike); the files are byte-identical but for the manifest's build_seconds."""
+    model, engine = built
+    again = tmp_path / "elsewhere" / "engine"
+    build_engine(BuildConfig(model, again, max_seq_len=64, kv_block_size=8))
+    assert read_manifest(again).build_id == read_manifest(engine).build_id != read_manifest(other_build).build_id
+    names = sorted(str(p.relative_to(engine)) for p in engine.rglob("*") if p.is_file())
+    assert names == sorted(str(p.relative_to(again)) for p in again.rglob("*") if p.is_file())
+    differ = [name for name in names if (engine / name).read_bytes() != (again / name).read_bytes()]
+    assert differ == ["manifest.json"]
+    first, second = (json.loads((d / "manifest.json").read_text()) for d in (engine, again))
+    for raw in (first, second):
+        raw.pop("digest"), raw["target_options"].pop("build_seconds")
+    assert first == second

@@ -7,8 +7,10 @@ end, so an interrupted run never leaves a half-written checkpoint under the outp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -209,7 +211,8 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             "exclude": list(spec.exclude), "modelopt_config": spec.info.modelopt_config,
             "algorithm": cfg.get("algorithm"), "lm_head": spec.lm_head,
             **({"lm_head_float_channels": head_inputs.largest(float_channels)} if head_inputs else {}),
-            "calibration": {"source": source, "samples": calib.num_samples, "seq_len": calib.seq_len},
+            "calibration": {"source": source, "samples": calib.num_samples, "seq_len": calib.seq_len,
+                            "tokens_sha256": hashlib.sha256(calib.input_ids.tobytes()).hexdigest()},
             "seconds": timings, "tools": _tool_versions(), "files": sorted(os.listdir(staging)),
         }
         (staging / CAMSHAFT_QUANT_RECORD).write_text(json.dumps(record, indent=2))
@@ -234,7 +237,7 @@ def calibration_loop(calib: CalibrationSet, description: str, progress: Progress
 def _tool_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    tools = {}
+    tools = {"python": platform.python_version()}  # the built-in corpus is its standard library's docstrings
     for name in ("nvidia-modelopt", "torch", "transformers"):
         try:
             tools[name] = version(name)

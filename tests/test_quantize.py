@@ -181,6 +181,9 @@ def test_engine_logits_match_modelopt_fake_quant_model(quantized, prompt):
     manifest = engine.manifest.quantization
     record = json.loads((result.output / CAMSHAFT_QUANT_RECORD).read_text())
     assert manifest["algorithm"] == record["algorithm"] == modelopt_config(QuantSpec(fmt), None)["algorithm"]
+    import platform  # the built-in corpus is this Python's docstrings: the record says which, and the samples' hash
+    assert record["tools"]["python"] == platform.python_version()
+    assert len(record["calibration"]["tokens_sha256"]) == 64 and manifest["calibration"] == record["calibration"]
     if fmt.startswith("int8_sq"):
         alpha = SMOOTHQUANT_ALPHA if fmt == "int8_sq" else SMOOTHQUANT_PER_TOKEN_ALPHA
         assert record["algorithm"] == {"method": "smoothquant", "alpha": alpha}

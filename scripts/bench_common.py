@@ -5,13 +5,13 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import platform
 import re
 import shlex
 import statistics
 import sys
-from importlib import metadata
 from pathlib import Path
+
+from camshaft.machine_info import machine_info  # noqa: F401 (the scripts import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 MD_HEADER = ("# Benchmarks\n\nMeasured numbers, each section written by the script it names. The machine is shared "
@@ -42,43 +42,6 @@ def rel(path: Path) -> str:
         return str(path.resolve().relative_to(REPO))
     except ValueError:
         return str(path)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def machine_info() -> dict:
-    try:
-        import psutil
-
-        physical = psutil.cpu_count(logical=False)
-        memory_gb = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:
-        physical, memory_gb = None, None
-    return {
-        "cpu": cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "physical_cores": physical,
-        "available_cores": len(os.sched_getaffinity(0)),
-        "memory_gb": memory_gb,
-        "python": platform.python_version(),
-        "versions": {name: version(name) for name in
-                     ("camshaft", "onnxruntime", "onnxruntime-genai", "torch", "transformers", "numpy")},
-    }
 
 
 def stats(values: list[float], digits: int = 2) -> dict:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnxruntime
 import pytest
 
 from camshaft import cli
@@ -268,6 +269,9 @@ def test_bench_latency_reports_the_graph_it_ran(capsys, engine, tmp_path):
     assert int(report["huge_pages_mib"]) >= 0
     written = json.loads((tmp_path / "latency.json").read_text())
     assert written["repeats"] == 2 and str(written["decode_tok_s"]) == report["decode_tok_s"]
+    from camshaft.manifest import read_manifest  # which build, machine and software measured it: an A/B's sides
+    assert written["build_id"] == read_manifest(engine).build_id and written["machine"]["available_cores"] >= 1
+    assert written["machine"]["versions"]["onnxruntime"] == onnxruntime.__version__
 
 
 def test_bench_latency_refuses_zero_repeats_from_python_too(engine):

@@ -58,8 +58,18 @@ def bench_latency(
     for key, value in report.items():
         typer.echo(f"{key:>22}: {value}")
     if output_json:
-        write_json(output_json, {"engine": str(engine), "repeats": repeats, "warmup": warmup,
+        write_json(output_json, {**measured_with(engine), "repeats": repeats, "warmup": warmup,
                                  "threads": cpu_threads(read_manifest(engine), threads), **report})
+
+
+def measured_with(engine: Path | None) -> dict:
+    """What a report was measured with: the engine as given, its build (build_id: the same for the same build), this
+    machine and its software."""
+    from camshaft.machine_info import machine_info
+    from camshaft.manifest import read_manifest
+
+    built = {"engine": str(engine), "build_id": read_manifest(engine).build_id} if engine is not None else {}
+    return {**built, "machine": machine_info()}
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -160,7 +170,7 @@ def bench_throughput(
         else:
             typer.echo(line)
     if output_json:
-        write_json(output_json, {"engine": str(engine), "dataset": dataset,
+        write_json(output_json, {**measured_with(engine), "dataset": dataset,
                                  "dataset_spec": str(parse_dataset_spec(dataset)), "num_requests": num_requests,
                                  "seed": seed, "options": options, "warmup": THROUGHPUT_WARMUP,
                                  "threads": cpu_threads(read_manifest(engine), threads),
@@ -240,7 +250,8 @@ def bench_serve(
                         log=typer.echo, progress=progress, tokenizer=tok)
     if output_json:
         write_json(output_json, {
-            "dataset": dataset, "dataset_spec": str(spec), "num_requests": num_requests, "seed": seed,
+            **measured_with(None), "dataset": dataset, "dataset_spec": str(spec), "num_requests": num_requests,
+            "seed": seed,
             "concurrency": concurrencies, "request_rate": ["inf" if math.isinf(r) else r for r in rates],
             "warmup": warmup, "goodput": {k: v for k, v in asdict(slos).items() if v is not None} or None,
             "targets": [asdict(t) for t in targets], "results": [r.to_dict() for r in results]})

@@ -156,9 +156,10 @@ def test_requests_still_running_when_the_stop_window_ends_get_openais_error_shap
     "Internal Server Error", logging a traceback for each). A second Ctrl-C ends them so at once (it cut them, a
     traceback each); SIGHUP (a closed terminal) stops it the same way (it killed the server at once)."""
     port = _free_port()
-    process = subprocess.Popen(
+    process = subprocess.Popen(  # SIGHUP as a terminal's session has it (a suite run under nohup ignores it)
         [sys.executable, "-c", "from camshaft.cli import main; main()", "serve", "--api", "openai", "--engine",
-         str(long_engine), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         str(long_engine), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     url = f"http://127.0.0.1:{port}"
     body = {"model": MODEL, "prompt": "a", "max_tokens": 30000, "ignore_eos": True}
 

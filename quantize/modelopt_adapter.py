@@ -212,7 +212,7 @@ def quantize_checkpoint(model_dir: str | Path, output: str | Path, spec: QuantSp
             "algorithm": cfg.get("algorithm"), "lm_head": spec.lm_head,
             **({"lm_head_float_channels": head_inputs.largest(float_channels)} if head_inputs else {}),
             "calibration": {"source": source, "samples": calib.num_samples, "seq_len": calib.seq_len,
-                            "tokens_sha256": hashlib.sha256(calib.input_ids.tobytes()).hexdigest()},
+                            "tokens_sha256": samples_sha256(calib.input_ids)},
             "seconds": timings, "tools": _tool_versions(), "files": sorted(os.listdir(staging)),
         }
         (staging / CAMSHAFT_QUANT_RECORD).write_text(json.dumps(record, indent=2))
@@ -232,6 +232,13 @@ def calibration_loop(calib: CalibrationSet, description: str, progress: Progress
                 progress(f"{description}: sample {i + 1}/{calib.num_samples}")
 
     return forward_loop
+
+
+def samples_sha256(input_ids: Any) -> str:
+    """The calibration samples' hash: their shape (4 x 8 tokens is not 2 x 16), then their token ids."""
+    digest = hashlib.sha256(f"{input_ids.shape} {input_ids.dtype}:".encode())
+    digest.update(input_ids.tobytes())
+    return digest.hexdigest()
 
 
 def _tool_versions() -> dict[str, str]:

@@ -267,6 +267,9 @@ def test_bench_serve_runs_the_same_requests_through_each_target(engine_dir, tmp_
     assert settings["request_rate"] == [50.0, "inf"] and settings["warmup"] == 2 and settings["goodput"] is None
     assert [(t["name"], t["backend"], t["threads"]) for t in settings["targets"]] == [("first", "llm", 1),
                                                                                        ("second", "llm", 1)]
+    from camshaft.manifest import read_manifest  # the build each engine held as the run began
+    assert {t["build_id"] for t in settings["targets"]} == {read_manifest(engine_dir).build_id}
+    assert settings["machine"]["available_cores"] >= 1
     assert "first: 12 requests, rate 50/s, concurrency 2" in result.output  # progress as each run starts
     assert (tmp_path / "serve.png").stat().st_size > 10_000
     # one line per target and concurrency limit, through its request rates (not one line zigzagging through both)

@@ -1056,3 +1056,13 @@ def test_quantize_into_a_log_shows_calibration_steps_as_lines(tiny, tmp_path):
     steps = [line for line in done.stderr.splitlines() if ": sample " in line]
     assert [line.rsplit(" ", 1)[1] for line in steps] == ["2/8", "4/8", "6/8", "8/8"], done.stderr
     assert "\r" not in done.stderr and "\x1b" not in done.stderr
+
+
+def test_the_calibration_samples_hash_tells_their_shape_apart():
+    import numpy as np
+
+    from camshaft.quantize.modelopt_adapter import samples_sha256
+
+    ids = np.arange(32, dtype=np.int64)
+    hashes = {samples_sha256(ids.reshape(shape)) for shape in ((4, 8), (2, 16), (1, 32))}
+    assert len(hashes) == 3 and samples_sha256(ids.reshape(4, 8)) == samples_sha256(ids.copy().reshape(4, 8))

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -25,6 +25,9 @@ from camshaft.cli.serve import (
 from camshaft.errors import CamshaftError
 from camshaft.outdir import writable_dir
 from camshaft.runtime.bench_data import PRESETS, parse_dataset_spec, repeat_note
+
+if TYPE_CHECKING:
+    from camshaft.manifest import Manifest
 
 _PRESETS = "; ".join(f"{name}: prompts {spec.prompt_len} tokens, outputs {spec.output_len}"
                      for name, spec in ((n, parse_dataset_spec(n)) for n in PRESETS))
@@ -45,7 +48,6 @@ def bench_latency(
     output_json: Annotated[Path | None, typer.Option(help="Write the results as JSON")] = None,
 ) -> None:
     """Batch-1 latency: TTFT, prefill and decode tokens/s (medians over repeats)."""
-    from camshaft.manifest import read_manifest
     from camshaft.runtime.bench import latency_benchmark
     from camshaft.runtime.engine_info import cpu_threads
     from camshaft.runtime.session import Session
@@ -53,22 +55,22 @@ def bench_latency(
     require_outputs(None, output_json)
     with flag_names("prompt_len", "max_tokens", "repeats", "warmup", "threads"):
         session = Session(engine, threads=threads)
+        measured = measured_with(engine, session.engine.manifest)
         report = latency_benchmark(engine, prompt_len=prompt_len, max_tokens=max_tokens, repeats=repeats,
                                    warmup=warmup, session=session, progress=progress)
     for key, value in report.items():
         typer.echo(f"{key:>22}: {value}")
     if output_json:
-        write_json(output_json, {**measured_with(engine), "repeats": repeats, "warmup": warmup,
-                                 "threads": cpu_threads(read_manifest(engine), threads), **report})
+        write_json(output_json, {**measured, "repeats": repeats, "warmup": warmup,
+                                 "threads": cpu_threads(session.engine.manifest, threads), **report})
 
 
-def measured_with(engine: Path | None) -> dict:
-    """What a report was measured with: the engine as given, its build (build_id: the same for the same build), this
-    machine and its software."""
+def measured_with(engine: Path | None, manifest: Manifest | None) -> dict:
+    """What a report was measured with: the engine as given and the build it held as the run began (build_id: the
+    same for the same build), this machine and its software."""
     from camshaft.machine_info import machine_info
-    from camshaft.manifest import read_manifest
 
-    built = {"engine": str(engine), "build_id": read_manifest(engine).build_id} if engine is not None else {}
+    built = {"engine": str(engine), "build_id": manifest.build_id} if manifest is not None else {}
     return {**built, "machine": machine_info()}
 
 
@@ -161,6 +163,8 @@ def bench_throughput(
         raise RequestError(f"--concurrency takes positive integers, comma-separated to sweep; got {concurrency!r}")
     options = {"policy": policy, "kv_cache_memory": kv_cache_memory, "max_batch_size": max_batch_size,
                "max_num_tokens": max_num_tokens, "prompt_lookup": prompt_lookup}
+    manifest = read_manifest(engine)  # before the run: a rebuild meanwhile is not what was measured
+    measured = measured_with(engine, manifest)
     with flag_names(*LLM_FLAGS):
         results = throughput_benchmark(engine, dataset, num_requests, levels, seed=seed, threads=threads,
                                        progress=progress, **options)
@@ -170,10 +174,10 @@ def bench_throughput(
         else:
             typer.echo(line)
     if output_json:
-        write_json(output_json, {**measured_with(engine), "dataset": dataset,
+        write_json(output_json, {**measured, "dataset": dataset,
                                  "dataset_spec": str(parse_dataset_spec(dataset)), "num_requests": num_requests,
                                  "seed": seed, "options": options, "warmup": THROUGHPUT_WARMUP,
-                                 "threads": cpu_threads(read_manifest(engine), threads),
+                                 "threads": cpu_threads(manifest, threads),
                                  "results": [r.to_dict(True) for r in results]})
     if plot:
         write_plot(plot, lambda path: plot_sweep(
@@ -236,8 +240,9 @@ def bench_serve(
         targets = [replace(t, threads=threads) if t.backend == "llm" else t for t in targets]
     spec = parse_dataset_spec(dataset)
     note = repeat_note(spec, num_requests)
-    limits = {t.name: read_manifest(Path(t.url)).limits.max_seq_len  # a broken engine says so before anything loads
-              for t in targets if t.backend == "llm"}
+    manifests = {t.name: read_manifest(Path(t.url))  # a broken engine says so before anything loads
+                 for t in targets if t.backend == "llm"}
+    limits = {name: manifest.limits.max_seq_len for name, manifest in manifests.items()}
     source = tokenizer or next((Path(t.url) for t in targets if t.backend == "llm"), None)
     tok = load_tokenizer(source) if source else None
     requests = load_requests(dataset, num_requests, tok, seed=seed)
@@ -250,11 +255,12 @@ def bench_serve(
                         log=typer.echo, progress=progress, tokenizer=tok)
     if output_json:
         write_json(output_json, {
-            **measured_with(None), "dataset": dataset, "dataset_spec": str(spec), "num_requests": num_requests,
+            **measured_with(None, None), "dataset": dataset, "dataset_spec": str(spec), "num_requests": num_requests,
             "seed": seed,
             "concurrency": concurrencies, "request_rate": ["inf" if math.isinf(r) else r for r in rates],
             "warmup": warmup, "goodput": {k: v for k, v in asdict(slos).items() if v is not None} or None,
-            "targets": [asdict(t) for t in targets], "results": [r.to_dict() for r in results]})
+            "targets": [{**asdict(t), **({"build_id": manifests[t.name].build_id} if t.name in manifests else {})}
+                        for t in targets], "results": [r.to_dict() for r in results]})
     if plot:
         write_plot(plot, lambda path: plot_results(
             results, path, title=f"{dataset}, {num_requests} requests, request rate {request_rate}, concurrency "

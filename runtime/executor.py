@@ -48,7 +48,7 @@ class Executor(StepCounters):
         self._aborts: list[str] = []
         self._wake = threading.Condition()
         self._closed = False
-        self.failure: BaseException | None = None  # what ended the batch loop, where it failed (set last)
+        self.failure: BaseException | None = None  # what ended the batch loop, where it failed
         self._thread = threading.Thread(target=self._loop, name="camshaft-executor", daemon=True)
         self._thread.start()
 
@@ -122,6 +122,10 @@ class Executor(StepCounters):
         if threading.current_thread() is not self._thread:  # a sink may drop the last reference to its LLM
             self._thread.join()
 
+    def ended(self) -> bool:
+        """The batch loop's thread has returned (every request in flight got its final output)."""
+        return not self._thread.is_alive()
+
     @property
     def alive(self) -> bool:
         """The batch loop is running: False once closed or failed (health checks)."""
@@ -141,9 +145,9 @@ class Executor(StepCounters):
             self._run()
         except BaseException as exc:  # a bug in the loop: fail every request rather than leave callers hanging
             log.critical("the batch loop stopped; every request in flight failed", exc_info=True)
+            self.failure = exc  # first: what reads a request's error can tell a failure from a close
             self._fail_all(ServerClosedError(f"the batch loop failed: {exc!r}; create a new LLM (or restart the "
                                              "server)"))  # the thread ends: its traceback was logged above
-            self.failure = exc
 
     def _fail_all(self, error: Exception) -> None:
         """Finish every request not yet finished: queued, held siblings and running."""

@@ -220,6 +220,7 @@ def test_a_batch_loop_that_fails_stops_the_server_with_exit_1(engine_dir):
     assert failed.status_code == 503 and "the batch loop failed" in failed.json()["error"]["message"]
     assert process.returncode == 1 and stderr.count("Traceback") == 1 and "Exception in thread" not in stderr
     assert stderr.rstrip().endswith("error: the batch loop failed (see its traceback above); restart the server")
+    assert ": failed after " in stderr and "aborted" not in stderr  # a failure, not a stop's end of the request
 
 
 def _up(process: subprocess.Popen, url: str) -> bool:

@@ -711,8 +711,9 @@ def test_a_failed_servers_log_tail_keeps_its_stubs_failures_and_leaves_out_the_n
         'E1207 19:33:36.631299 18852 server.cc:241] "CudaDriverHelper has not been initialized."',
         "| Model        | Version | Status |",
         "memory allocation of 2 bytes failed",  # a stub out of memory (Rust's allocator in the tokenizer)
+        "RuntimeError: a bug in the loop",  # a traceback's last line
         'E1207 19:33:40.100000 18852 model_lifecycle.cc:654] "failed to load \'tensorrt_llm\'"',
         "I1207 19:33:40.200000 18852 server.cc:300] last", "I1207 19:33:40.300000 18852 server.cc:301] lines"]))
     tail = TritonServer(deploy_repository(engine, tmp_path / "repo"), log_file=log).log_tail(lines=2).splitlines()
-    assert len(tail) == 4 and tail[0] == "memory allocation of 2 bytes failed" and "failed to load" in tail[1]
-    assert tail[2:] == log.read_text().splitlines()[-2:]
+    assert len(tail) == 5 and tail[:2] == ["memory allocation of 2 bytes failed", "RuntimeError: a bug in the loop"]
+    assert "failed to load" in tail[2] and tail[3:] == log.read_text().splitlines()[-2:]

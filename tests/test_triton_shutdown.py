@@ -63,6 +63,29 @@ def test_a_second_signal_kills_at_once():
     assert time.monotonic() - started < 5 and "second signal" in logged[-1]
 
 
+def test_a_lost_model_process_stops_serving_at_once_unless_the_server_was_signalled():
+    """A stub gone while Triton runs on: said at once (Triton stays ready, every request fails); gone because
+    something else stopped the server: its exit is awaited, and the caller says how it exited."""
+    process = stubborn_process()
+    started = time.monotonic()
+    with pytest.raises(CamshaftError, match="the process serving the model.s. tensorrt_llm died"):
+        shutdown.wait_until_stopped(process, [], exit_timeout_s=30.0, log=print, lost=lambda: "tensorrt_llm")
+    assert time.monotonic() - started < 2
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    assert shutdown.wait_until_stopped(exiting, [], exit_timeout_s=30.0, log=print, lost=lambda: "tensorrt_llm",
+                                       signalled=lambda: True) == 0
+    process.kill()
+    process.wait()
+
+
+def test_a_terminal_hangups_second_sighup_is_the_same_stop():
+    from camshaft.stop_signals import Stops
+
+    stops = Stops()
+    assert stops.add(signal.SIGHUP) and not stops.add(signal.SIGHUP)  # a closed terminal may send two at once
+    assert stops.add(signal.SIGINT) and len(stops.times) == 2  # another signal is a second stop
+
+
 def test_the_drain_message_reaches_the_token_model(tmp_path, monkeypatch):
     drained = threading.Event()
     path = tmp_path / "sockets" / "tensorrt_llm.sock"

@@ -86,7 +86,7 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             hint = f"; try POST http://{e.http}/v2/models/{text_model}/generate" if text_model in models else ""
             log(f"models: {', '.join(models)}{hint}")
             code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log, lost=lost,
-                                      gave_up=server.gave_up)
+                                      gave_up=server.gave_up, signalled=server.signalled)
             if not stopping:  # something else stopped it (a SIGTERM sent to it), or it failed
                 raise CamshaftError(f"tritonserver exited by itself with code {code}; its log ends:\n"
                                     f"{server.log_tail()}")

@@ -42,7 +42,7 @@ LOG_FLAGS = {"debug": ["--log-verbose=1"], "info": [], "warning": ["--log-info=f
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own server: never through $http_proxy
 _TRITON_LINE = re.compile(r"[IWE]\d{4} ")  # Triton's own lines: level, then month and day
-_FAILURE = re.compile(r"(?i)\berror\b|failed|killed")
+_FAILURE = re.compile(r"(?i)error|exception|failed|killed")  # RuntimeError: ..., MemoryError
 NO_DRIVER = "CudaDriverHelper has not been initialized"  # Triton's error on every start without NVIDIA's driver
 
 
@@ -156,10 +156,17 @@ class TritonServer:
     def gave_up(self) -> bool:
         """Whether Triton said it gave up stopping at its exit timeout (it may then hang, e.g. on an open gRPC
         stream)."""
+        return self._logged(b"Exit timeout expired")
+
+    def signalled(self) -> bool:
+        """Whether Triton said it got a stop signal (at any log level)."""
+        return self._logged(b"Signal (")
+
+    def _logged(self, text: bytes, tail: int = 4096) -> bool:
         try:
             with open(self.log_file, "rb") as log:
-                log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
-                return b"Exit timeout expired" in log.read()
+                log.seek(max(0, log.seek(0, os.SEEK_END) - tail))
+                return text in log.read()
         except OSError:
             return False
 

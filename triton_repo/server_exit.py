@@ -92,6 +92,7 @@ def exit_failed(failure: BaseException, log_error: Callable[[str], None]) -> Non
     process exits, and camshaft serve (watching it) stops with exit 1 for a supervisor to restart the server."""
     log_error(f"camshaft: the batch loop failed ({failure!r}; its traceback is above): this model's process exits, "
               "the server is to be restarted")
+    time.sleep(1.0)  # the log message reaches Triton first (exiting at once left the model unable to unload: 16 s)
     os._exit(1)
 
 

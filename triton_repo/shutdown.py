@@ -18,7 +18,7 @@ from camshaft.triton_repo.deploy import TOKEN_MODEL
 from camshaft.triton_repo.server_exit import DRAIN_BEFORE_S, KILL_AFTER_S
 
 GAVE_UP_S = 2.0  # after Triton said it gave up ("Exiting immediately"): killed if still running
-STUBS_BEFORE_EXIT_S = 5.0  # a stub gone: how long the server may take to exit (it was stopping) before it is a loss
+STUBS_BEFORE_EXIT_S = 5.0  # a stub gone as a signalled server stops: how long it may take to exit
 
 
 def drain(server_pid: int) -> bool:
@@ -52,19 +52,22 @@ def stub_watch(stubs: dict[int, str]) -> Callable[[], str | None]:
 
 def wait_until_stopped(process: subprocess.Popen, signals: list[float], exit_timeout_s: float,
                        log: Callable[[str], None], lost: Callable[[], str | None] = lambda: None,
-                       gave_up: Callable[[], bool] = lambda: False) -> int:
+                       gave_up: Callable[[], bool] = lambda: False,
+                       signalled: Callable[[], bool] = lambda: False) -> int:
     """The server's exit code. `signals`: when each stop signal arrived (appended by the signal handler, which
     forwards the first as SIGTERM); a second one, or the server overstaying the exit timeout by KILL_AFTER_S (by
     GAVE_UP_S once `gave_up` says Triton gave up unloading), kills it. `lost`: names models whose process died
-    (stub_watch); the server is then no longer whole: CamshaftError, so a supervisor restarts it."""
+    (stub_watch); the server is then no longer whole: CamshaftError, so a supervisor restarts it, unless
+    `signalled` says something else stopped the server (which ends its stubs as it stops)."""
     drained, gave_up_at = False, None
     while True:
         with contextlib.suppress(subprocess.TimeoutExpired):
             return process.wait(timeout=0.2)
         if not signals:
             if dead := lost():
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    return process.wait(timeout=STUBS_BEFORE_EXIT_S)  # the server stopping ends its stubs first
+                if signalled():
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        return process.wait(timeout=STUBS_BEFORE_EXIT_S)
                 raise CamshaftError(f"the process serving the model(s) {dead} died (Triton neither restarts it nor "
                                     "stops answering ready, and its requests fail or wait): stopping the server; "
                                     "restart it, and see its log and the machine's (out of memory?) for why")

@@ -175,8 +175,9 @@ class TokenModel:
             for row, outputs in grouped.values():
                 self._send(row, merge(outputs))  # per sequence: a job's prompts and their n sequences kept apart
             self.metrics.tick()
-            if (failure := self.llm.executor.failure) is not None and self.outputs.empty():  # its requests answered
-                exit_failed(failure, pb_utils.Logger.log_error)
+            executor = self.llm.executor
+            if executor.failure is not None and executor.ended() and self.outputs.empty():  # its requests answered
+                exit_failed(executor.failure, pb_utils.Logger.log_error)
 
     def _send(self, row: Row, output: RequestOutput) -> None:
         job = row.job

@@ -116,7 +116,7 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
             if times and (len(times) > 1 or time.monotonic() - times[0] > GRACEFUL_SHUTDOWN_S) and llm.alive:
                 cutting.set()
                 llm.close()  # what still runs ends with ServerClosedError: each handler answers it in OpenAI's shape
-            elif not times and not llm.alive and not died:  # the batch loop failed: a supervisor restarts us
+            if llm.executor.failure is not None and not died:  # the batch loop failed: a supervisor restarts us
                 died = server.should_exit = True
                 log("error: the batch loop stopped (its traceback is above); stopping the server")
             if line := stats.line(time.monotonic()):

@@ -190,9 +190,9 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
                 if graph is not None:
                     stamp_build_id(staging / graph, build_id)
             sizes, fingerprints = record_files(staging, files)
+            seconds = round(time.perf_counter() - started, 2)
             manifest = replace(draft, files=sizes, fingerprints=fingerprints, build_id=build_id,
-                               target_options={**target_options, "build_seconds": round(time.perf_counter() - started,
-                                                                                        2)})
+                               target_options={**target_options, "build_seconds": seconds})
             manifest.write(staging)
             replace_dir(staging, output)
     progress(f"engine written to {output}")

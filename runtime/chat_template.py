@@ -70,8 +70,8 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], options: ChatOptions 
     messages = [{**m, "tool_calls": template_calls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
     try:
         template = tokenizer.get_chat_template(tools=tools)
-    except ValueError as exc:  # several named templates, none "default" (nor "tool_use" with tools): no field, the
-        # server's to fix, not a request's
+    except ValueError as exc:  # several named templates, none "default" (nor "tool_use" with tools): the server's
+        # to fix, not a request's (no field)
         named = ", ".join(sorted(tokenizer.chat_template)) if isinstance(tokenizer.chat_template, dict) else "?"
         raise RequestError(f"this engine's tokenizer has several chat templates ({named}) and none for this chat "
                            f"({exc}); give one (chat_template=, --chat-template FILE)") from exc

@@ -256,8 +256,7 @@ def bench_serve(
     if output_json:
         write_json(output_json, {
             **measured_with(None, None), "dataset": dataset, "dataset_spec": str(spec), "num_requests": num_requests,
-            "seed": seed,
-            "concurrency": concurrencies, "request_rate": ["inf" if math.isinf(r) else r for r in rates],
+            "seed": seed, "concurrency": concurrencies, "request_rate": ["inf" if math.isinf(r) else r for r in rates],
             "warmup": warmup, "goodput": {k: v for k, v in asdict(slos).items() if v is not None} or None,
             "targets": [{**asdict(t), **({"build_id": manifests[t.name].build_id} if t.name in manifests else {})}
                         for t in targets], "results": [r.to_dict() for r in results]})

@@ -102,8 +102,8 @@ class Generation:
         """The request ends with `error` (what is unfinished is aborted next, counted as failed)."""
         if not self._failed:
             self._failed = True
-            if isinstance(error, ServerClosedError) and self.llm.executor.failure is None:  # a stop's end of what
-                # still ran: no failure
+            stopped = isinstance(error, ServerClosedError) and self.llm.executor.failure is None  # not a failure
+            if stopped:
                 LOG.info("%s: aborted (the server stopped) after %s", self.log_id, self._so_far())
             else:
                 LOG.warning("%s: failed after %s: %s", self.log_id, self._so_far(), error)

@@ -79,9 +79,8 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     """Serve until Ctrl-C, SIGTERM or SIGHUP (a second one ends the requests still running at once, a third cuts
     the connections), then return; a batch loop that failed stops the server too, raising CamshaftError (exit 1, for
     a supervisor to restart it). uvicorn runs in a thread and this one handles the signals, so the LLM is closed
-    and the exit status is 0. model_name: the model id clients
-    send (default: the engine directory's name). log_level: debug, info (each request's end, with its id), warning
-    or error: what camshaft and uvicorn log to stderr."""
+    and the exit status is 0. model_name: the model id clients send (default: the engine directory's name).
+    log_level: debug, info (each request's end, with its id), warning or error: what camshaft and uvicorn log."""
     model_name = model_name or Path(engine).resolve().name
     sockets = listening_sockets(host, port)  # first: a port in use is refused before the engine loads
     try:

@@ -768,7 +768,7 @@ def test_the_same_build_twice_gives_the_same_files_and_build_id(built, other_bui
     names = sorted(str(p.relative_to(engine)) for p in engine.rglob("*") if p.is_file())
     assert names == sorted(str(p.relative_to(again)) for p in again.rglob("*") if p.is_file())
     differ = [name for name in names if (engine / name).read_bytes() != (again / name).read_bytes()]
-    assert differ == ["manifest.json"]
+    assert set(differ) <= {"manifest.json"}  # its build_seconds, when they differ
     first, second = (json.loads((d / "manifest.json").read_text()) for d in (engine, again))
     for raw in (first, second):
         raw.pop("digest"), raw["target_options"].pop("build_seconds")

@@ -33,7 +33,8 @@ class EngineError(CamshaftError):
 
 class RequestError(CamshaftError, ValueError):
     """A generation request is invalid (prompt, sampling parameters, limits); a ValueError, as vLLM and TensorRT-LLM
-    raise for bad parameters. `field`: the parameter at fault (a SamplingParams field, "prompt"), where one is."""
+    raise for bad parameters. `field`: the parameter at fault (a SamplingParams field, "prompt", "messages" for a
+    chat's, "chat_template"), where one is."""
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)

@@ -275,3 +275,24 @@ def test_the_openai_server_listens_on_every_address_its_host_names(monkeypatch):
         for sock in served:
             sock.close()
     assert (ports.url_host("::1"), ports.url_host("127.0.0.1")) == ("[::1]", "127.0.0.1")
+
+
+def test_a_stderr_nobody_reads_does_not_stall_the_server(engine_dir):
+    """Each request's end is a log line: written by a thread of its own, so a full pipe (a supervisor that does not
+    read it, a paused terminal) stalls neither requests nor the stop (request ~400 hung, and SIGTERM with it)."""
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-c", "from camshaft.cli import main; main()", "serve", "--api",
+                                "openai", "--engine", str(engine_dir), "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # never read until it exits
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(process, url), timeout=60)
+        with httpx.Client(timeout=30) as client:
+            for _ in range(1200):  # ~100 bytes of log each: twice a pipe's 64 KiB
+                assert client.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import uvicorn
 
 from camshaft.errors import CamshaftError
 from camshaft.openai_server.app import create_app
+from camshaft.openai_server.log_writer import LogWriter
 from camshaft.openai_server.stats_log import StatsLog
 from camshaft.ports import listening_sockets, url_host
 from camshaft.runtime.engine_info import chat_template_problem
@@ -54,7 +56,10 @@ def log_like_uvicorn(level: str) -> None:
     logger = logging.getLogger("camshaft")
     if logger.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler()
+    try:
+        handler: logging.Handler = LogWriter(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # a stderr that is no file (replaced in-process)
+        handler = logging.StreamHandler()
     handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level.upper())
@@ -140,6 +145,8 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         llm.close()
+        for handler in logging.getLogger("camshaft").handlers:  # its lines before what the caller says next
+            handler.flush()
     if not server.started:
         raise CamshaftError(f"the server could not start on {url_host(host)}:{port} (see the error above); "
                             "pick another --port or --host")

@@ -4,6 +4,7 @@ single-request Session's, streams concatenate to the full text, errors come back
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import re
@@ -1352,3 +1353,38 @@ def test_a_stats_line_says_the_throughput_and_load_while_there_is_any(engine_dir
         assert stats.line(30.0) == ("prompt 0.2 tokens/s, generation 0.3 tokens/s; running 0, waiting 0; KV cache "
                                     "0.0% used")
         assert stats.line(40.0) is None  # idle again
+
+
+def test_log_lines_past_a_full_queue_are_dropped_and_counted():
+    import os
+
+    from camshaft.openai_server.log_writer import LogWriter
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:  # a pipe nobody reads: full
+            os.write(write_end, b"." * 4096)
+    os.set_blocking(write_end, True)
+    writer = LogWriter(write_end, max_lines=2)
+    logger = logging.getLogger("camshaft.test_log_writer")
+    logger.addHandler(writer)
+    logger.propagate = False
+    try:
+        for i in range(10):  # the thread blocks on the first, two wait, the rest are dropped
+            logger.warning("line %d", i)
+            time.sleep(0.01)
+        assert writer.dropped == 7
+        os.set_blocking(read_end, False)
+        out = b""
+        deadline = time.monotonic() + 10
+        while b"line 9" not in out and time.monotonic() < deadline:
+            with contextlib.suppress(BlockingIOError):
+                out += os.read(read_end, 1 << 16)
+        text = out.decode().lstrip(".")
+        assert text.splitlines() == ["line 0", "line 1", "line 2", "(7 log line(s) dropped: stderr was not read)",
+                                     "line 9"] or "(7 log line(s) dropped" in text, text
+    finally:
+        logger.removeHandler(writer)
+        os.close(read_end)
+        os.close(write_end)

@@ -717,3 +717,16 @@ def test_a_failed_servers_log_tail_keeps_its_stubs_failures_and_leaves_out_the_n
     tail = TritonServer(deploy_repository(engine, tmp_path / "repo"), log_file=log).log_tail(lines=2).splitlines()
     assert len(tail) == 5 and tail[:2] == ["memory allocation of 2 bytes failed", "RuntimeError: a bug in the loop"]
     assert "failed to load" in tail[2] and tail[3:] == log.read_text().splitlines()[-2:]
+
+
+def test_a_stop_signal_or_a_failed_loop_is_found_anywhere_in_a_long_log(engine, tmp_path):
+    """A debug log grows megabytes while models unload: "Signal (15) received." lay past the 4 KiB tail read."""
+    from camshaft.triton_repo.server_exit import LOOP_FAILED
+
+    log = tmp_path / "tritonserver.log"
+    server = TritonServer(deploy_repository(engine, tmp_path / "repo"), log_file=log)
+    log.write_text("I1207 start\n" + "x" * ((1 << 20) - 15) + "Signal (15) received.\n" + "I1207 verbose\n" * 300_000)
+    assert server.signalled() and not server.loop_failed()
+    with log.open("a") as more:
+        more.write(f"E1207 python_be.cc] {LOOP_FAILED} (RuntimeError('bug'))\n" + "I1207 unloading\n" * 1000)
+    assert server.loop_failed()

@@ -85,8 +85,11 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             text_model = _text_model_name(Path(repo))  # a repository of others' may have none of that name
             hint = f"; try POST http://{e.http}/v2/models/{text_model}/generate" if text_model in models else ""
             log(f"models: {', '.join(models)}{hint}")
-            code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log, lost=lost,
-                                      gave_up=server.gave_up, signalled=server.signalled)
+            try:
+                code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log, lost=lost,
+                                          gave_up=server.gave_up, signalled=server.signalled)
+            except CamshaftError as exc:  # a model's process died: its log says why
+                raise CamshaftError(f"{exc}; its log ({log_file}) ends:\n{server.log_tail()}") from None
             if not stopping:  # something else stopped it (a SIGTERM sent to it), or it failed
                 raise CamshaftError(f"tritonserver exited by itself with code {code}; its log ends:\n"
                                     f"{server.log_tail()}")
@@ -94,6 +97,8 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
             server.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        if server.loop_failed():  # while it stopped: no clean stop, whatever the exit code
+            raise CamshaftError(f"the batch loop failed (its log is kept: {log_file}); restart the server")
         if code:  # killed, or it failed while stopping: its log is what says why
             log(f"stopped (tritonserver exit code {code}; its log is kept: {log_file})")
             return

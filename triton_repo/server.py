@@ -35,7 +35,7 @@ from camshaft.triton_repo.launch import (
     stop_with,
     tritonserver_root,
 )
-from camshaft.triton_repo.server_exit import LAUNCHER_ENV, TERM_SUFFIX, group, shm_regions
+from camshaft.triton_repo.server_exit import LAUNCHER_ENV, LOOP_FAILED, TERM_SUFFIX, group, shm_regions
 
 LOG_FLAGS = {"debug": ["--log-verbose=1"], "info": [], "warning": ["--log-info=false"],
              "error": ["--log-info=false", "--log-warning=false"]}  # what tritonserver logs at each level
@@ -159,14 +159,25 @@ class TritonServer:
         return self._logged(b"Exit timeout expired")
 
     def signalled(self) -> bool:
-        """Whether Triton said it got a stop signal (at any log level)."""
-        return self._logged(b"Signal (")
+        """Whether Triton said it got a stop signal (at any log level; anywhere in its log, which a debug level
+        fills fast)."""
+        return self._logged(b"Signal (", tail=None)
 
-    def _logged(self, text: bytes, tail: int = 4096) -> bool:
+    def loop_failed(self) -> bool:
+        """Whether the token model said its batch loop failed (server_exit.exit_failed)."""
+        return self._logged(LOOP_FAILED.encode(), tail=None)
+
+    def _logged(self, text: bytes, tail: int | None = 4096) -> bool:
+        """Whether the log's last `tail` bytes (None: all of it) hold `text`."""
         try:
             with open(self.log_file, "rb") as log:
-                log.seek(max(0, log.seek(0, os.SEEK_END) - tail))
-                return text in log.read()
+                log.seek(0 if tail is None else max(0, log.seek(0, os.SEEK_END) - tail))
+                kept = b""
+                while chunk := log.read(1 << 20):
+                    if text in kept + chunk:
+                        return True
+                    kept = chunk[-len(text):]
+                return False
         except OSError:
             return False
 

@@ -25,6 +25,7 @@ DRAIN_BEFORE_S = 3.0  # before the exit timeout: requests still running are ende
 KILL_AFTER_S = 15.0  # after it: a tritonserver still running is killed
 LAUNCHER_ENV = "CAMSHAFT_TRITON_LAUNCHER"  # the pid of the process that started tritonserver (TritonServer),
 TERM_SUFFIX = ":term"  # and this where the kernel does not send the server SIGTERM when it dies (PR_SET_PDEATHSIG)
+LOOP_FAILED = "camshaft: the batch loop failed"  # the token model's line in Triton's log (exit_failed)
 
 
 def exit_timeout_s(server_pid: int | None = None) -> float:
@@ -90,8 +91,8 @@ def watch_launcher(end_requests: Callable[[], None], channel_dir: Path) -> None:
 def exit_failed(failure: BaseException, log_error: Callable[[str], None]) -> None:
     """The token model's batch loop failed: Triton would go on answering ready with every request refused, so its
     process exits, and camshaft serve (watching it) stops with exit 1 for a supervisor to restart the server."""
-    log_error(f"camshaft: the batch loop failed ({failure!r}; its traceback is above): this model's process exits, "
-              "the server is to be restarted")
+    log_error(f"{LOOP_FAILED} ({failure!r}; its traceback is above): this model's process exits, the server is to "
+              "be restarted")
     time.sleep(1.0)  # the log message reaches Triton first (exiting at once left the model unable to unload: 16 s)
     os._exit(1)
 

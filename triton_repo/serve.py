@@ -14,7 +14,7 @@ from camshaft.errors import CamshaftError
 from camshaft.stop_signals import Stops
 from camshaft.triton_repo.launch import tritonserver_root
 from camshaft.triton_repo.server import TritonServer
-from camshaft.triton_repo.shutdown import stub_watch, wait_until_stopped
+from camshaft.triton_repo.shutdown import drain, stub_watch, wait_until_stopped
 
 
 def _text_model_name(repo: Path) -> str:
@@ -89,6 +89,7 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
                 code = wait_until_stopped(server.process, stopping, server.exit_timeout_s, log, lost=lost,
                                           gave_up=server.gave_up, signalled=server.signalled)
             except CamshaftError as exc:  # a model's process died: its log says why
+                drain(server.process.pid)  # the requests still running get their final error now, not at the cut
                 raise CamshaftError(f"{exc}; its log ({log_file}) ends:\n{server.log_tail()}") from None
             if not stopping:  # something else stopped it (a SIGTERM sent to it), or it failed
                 raise CamshaftError(f"tritonserver exited by itself with code {code}; its log ends:\n"

@@ -1,6 +1,6 @@
 """camshaft's server log lines, written by a thread of their own: a stderr nobody reads (a pipe left full, a
-terminal paused with Ctrl-S) must not stall the event loop, which logged each request's end, nor the stop. Lines
-past a bounded queue are dropped, and how many is said once writing goes on."""
+terminal paused with Ctrl-S) must not stall the event loop, which logged each request's end. Lines past a bounded
+queue are dropped, and how many is said before the next line queued."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ FLUSH_S = 1.0  # at exit: how long the lines still queued may take to be written
 class LogWriter(logging.Handler):
     def __init__(self, fd: int, max_lines: int = QUEUE_LINES) -> None:
         super().__init__()
-        self.fd, self.dropped = fd, 0
+        self.fd, self.dropped, self._said = fd, 0, 0
         self._lines: queue.Queue[str] = queue.Queue(max_lines)
         threading.Thread(target=self._write_lines, name="camshaft-log", daemon=True).start()
 
@@ -29,7 +29,11 @@ class LogWriter(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._lines.put_nowait(self.format(record) + "\n")
+            dropped, line = self.dropped, self.format(record) + "\n"
+            if dropped > self._said:  # before the first line queued after them
+                line = f"({dropped - self._said} log line(s) dropped: stderr was not read)\n{line}"
+            self._lines.put_nowait(line)
+            self._said = dropped
         except queue.Full:
             self.dropped += 1
         except Exception:  # a record that cannot be formatted: logging's own report
@@ -41,13 +45,8 @@ class LogWriter(logging.Handler):
             time.sleep(0.01)
 
     def _write_lines(self) -> None:
-        said = 0
         while True:
-            line = self._lines.get()
-            if self.dropped > said:  # written once stderr takes lines again
-                line = f"({self.dropped - said} log line(s) dropped: stderr was not read)\n{line}"
-                said = self.dropped
-            data = line.encode(errors="replace")
+            data = self._lines.get().encode(errors="replace")
             try:
                 while data:
                     data = data[os.write(self.fd, data):]  # blocks here, holding no lock

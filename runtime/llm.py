@@ -34,7 +34,7 @@ from camshaft.runtime.llm_options import (
 from camshaft.runtime.llm_streams import ServingAPI
 from camshaft.runtime.outputs import GenerationResult, IterationStats, Load, PromptOutput, RequestOutput
 from camshaft.runtime.prompt_lookup import PromptLookup, as_prompt_lookup
-from camshaft.runtime.prompts import Prompt, PromptEncoder
+from camshaft.runtime.prompts import Prompt, PromptEncoder, prompt_said_as_messages
 from camshaft.runtime.request import Request, new_requests
 from camshaft.runtime.sampling_params import SamplingParams, model_defaults
 from camshaft.runtime.scheduler_config import SchedulerConfig
@@ -231,25 +231,21 @@ class LLM(ServingAPI):
         chat = ChatOptions(tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         rendered = []
-        for i, conversation in enumerate(conversations):
-            try:
-                rendered.append(self.prompts.chat_prompt(list(conversation), chat))
-            except RequestError as exc:
-                raise _numbered(exc, "conversation", i, len(conversations)) from None
-        return self._generate([ids for _, ids in rendered], [text for text, _ in rendered], sampling_params,
-                              use_tqdm, priority, what="conversation")
+        with prompt_said_as_messages(True):
+            for i, conversation in enumerate(conversations):
+                try:
+                    rendered.append(self.prompts.chat_prompt(list(conversation), chat))
+                except RequestError as exc:
+                    raise _numbered(exc, "conversation", i, len(conversations)) from None
+            return self._generate([ids for _, ids in rendered], [text for text, _ in rendered], sampling_params,
+                                  use_tqdm, priority, what="conversation")
 
 
 def _numbered(exc: BaseException, what: str, i: int, count: int) -> BaseException:
-    """A request's error (RequestError) of item i of several, saying which (one alone needs no number), a
-    conversation's about its prompt naming "messages"; other errors (an engine step's, shared by every request in
-    it) as they are."""
-    if not isinstance(exc, RequestError):
-        return exc
-    field = "messages" if what == "conversation" and exc.field == "prompt" else exc.field
-    if count > 1:
-        return type(exc)(f"{what} {i}: {exc}", field=field)
-    exc.field = field
+    """A request's error (RequestError) of item i of several, saying which (one alone needs no number); other
+    errors (an engine step's, shared by every request in it) as they are."""
+    if count > 1 and isinstance(exc, RequestError):
+        return type(exc)(f"{what} {i}: {exc}", field=exc.field)
     return exc
 
 

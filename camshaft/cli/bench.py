@@ -65,13 +65,12 @@ def bench_latency(
                                  "threads": cpu_threads(session.engine.manifest, threads), **report})
 
 
-def measured_with(engine: Path | None, manifest: Manifest | None) -> dict:
+def measured_with(engine: Path, manifest: Manifest) -> dict:
     """What a report was measured with: the engine as given and the build it held as the run began (build_id: the
     same for the same build), this machine and its software."""
     from camshaft.machine_info import machine_info
 
-    built = {"engine": str(engine), "build_id": manifest.build_id} if manifest is not None else {}
-    return {**built, "machine": machine_info()}
+    return {"engine": str(engine), "build_id": manifest.build_id, "machine": machine_info()}
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -217,6 +216,7 @@ def bench_serve(
     from camshaft.bench_serve.run import bench_serve as run_bench
     from camshaft.bench_serve.run import check_fits
     from camshaft.bench_serve.workload import load_requests, load_tokenizer, parse_rates
+    from camshaft.machine_info import machine_info
     from camshaft.manifest import read_manifest
     from camshaft.runtime.llm_options import check_runtime_options
 
@@ -255,7 +255,7 @@ def bench_serve(
                         log=typer.echo, progress=progress, tokenizer=tok)
     if output_json:
         write_json(output_json, {
-            **measured_with(None, None), "dataset": dataset, "dataset_spec": str(spec), "num_requests": num_requests,
+            "machine": machine_info(), "dataset": dataset, "dataset_spec": str(spec), "num_requests": num_requests,
             "seed": seed, "concurrency": concurrencies, "request_rate": ["inf" if math.isinf(r) else r for r in rates],
             "warmup": warmup, "goodput": {k: v for k, v in asdict(slos).items() if v is not None} or None,
             "targets": [{**asdict(t), **({"build_id": manifests[t.name].build_id} if t.name in manifests else {})}

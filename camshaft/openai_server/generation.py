@@ -90,8 +90,7 @@ class Generation:
         """Stop what is unfinished (idempotent); the batch loop frees its KV blocks before its next step. count:
         each stopped sequence counts as finished for reason abort (the client's), or error where a sibling failed."""
         if self._unfinished and not self._failed:
-            why = "the server stopped" if self._cutting.is_set() else "the client went away"
-            LOG.info("%s: aborted (%s) after %s", self.log_id, why, self._so_far())
+            self._log_aborted("the server stopped" if self._cutting.is_set() else "the client went away")
         for request_id in self._unfinished:
             self.llm.abort(request_id)
             if count:
@@ -102,11 +101,13 @@ class Generation:
         """The request ends with `error` (what is unfinished is aborted next, counted as failed)."""
         if not self._failed:
             self._failed = True
-            stopped = isinstance(error, ServerClosedError) and self.llm.executor.failure is None  # not a failure
-            if stopped:
-                LOG.info("%s: aborted (the server stopped) after %s", self.log_id, self._so_far())
+            if isinstance(error, ServerClosedError) and self.llm.executor.failure is None:  # a stop, not a failure
+                self._log_aborted("the server stopped")
             else:
                 LOG.warning("%s: failed after %s: %s", self.log_id, self._so_far(), error)
+
+    def _log_aborted(self, why: str) -> None:
+        LOG.info("%s: aborted (%s) after %s", self.log_id, why, self._so_far())
 
     def _so_far(self) -> str:
         first = "" if self._first is None else f", first token at {self._first - self.arrival:.3f} s"

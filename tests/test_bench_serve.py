@@ -387,3 +387,15 @@ def test_a_concurrency_sweep_at_one_rate_plots_a_line_through_its_limits():
     assert lines[0][2](lines[0][1][0]) == "5/s"
     (only,) = series([run("a", None, 2.0, 1.0), run("a", None, 8.0, 3.0)])
     assert only[0] == "a" and [only[2](r) for r in only[1]] == ["2/s", "8/s"]
+
+
+def test_labels_of_points_close_together_are_drawn_once():
+    """Review of docs/bench/serve-decode-heavy.png: four lines through the same rates wrote '0.5/s' and 'inf/s' four
+    times each into one blot; a label is drawn once per cluster, above it, and still at each point far apart."""
+    from camshaft.bench_serve.report import labels_apart
+
+    cluster = [("inf/s", 193.0, 3060.0), ("inf/s", 198.0, 2950.0), ("0.5/s", 84.0, 390.0), ("0.5/s", 84.5, 350.0)]
+    assert labels_apart(cluster) == [("inf/s", 193.0, 3060.0), ("0.5/s", 84.0, 390.0)]
+    apart = [("C=1", 40.0, 250.0), ("C=1", 200.0, 3000.0), ("C=8", 40.5, 260.0)]
+    assert labels_apart(apart) == [("C=1", 200.0, 3000.0), ("C=8", 40.5, 260.0), ("C=1", 40.0, 250.0)]
+    assert labels_apart([]) == []

@@ -151,6 +151,19 @@ def series(results: list[ServeResult]) -> list[tuple[str, list[ServeResult], Cal
     return [(label, sorted(points, key=lambda r: r.output_tok_s), point) for label, points, point in lines]
 
 
+def labels_apart(points: list[tuple[str, float, float]], near: float = 0.06) -> list[tuple[str, float, float]]:
+    """The point labels worth drawing: where several lines pass the same rate or limit close together, its label
+    once, above them (written at each point, they piled into one blot); near is a share of the panel's spans."""
+    xs, ys = [x for _, x, _ in points], [y for _, _, y in points]
+    spans = [(max(v) - min(v)) or 1.0 for v in (xs, ys)] if points else [1.0, 1.0]
+    kept: list[tuple[str, float, float]] = []
+    for text, x, y in sorted(points, key=lambda p: -p[2]):
+        if not any(text == t and abs(x - kx) < near * spans[0] and abs(y - ky) < near * spans[1]
+                   for t, kx, ky in kept):
+            kept.append((text, x, y))
+    return kept
+
+
 def plot(results: list[ServeResult], path: str | Path, title: str | None = None) -> None:
     """p50 TTFT, p50 TPOT and p50 end-to-end latency against output tokens/s, a line per `series`."""
     import matplotlib
@@ -162,11 +175,13 @@ def plot(results: list[ServeResult], path: str | Path, title: str | None = None)
               ("p50 end-to-end latency, ms", "e2e_ms")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     for ax, (label, key) in zip(axes, panels, strict=True):
+        labelled: list[tuple[str, float, float]] = []
         for name, points, point_label in series(results):
             xs, ys = [r.output_tok_s for r in points], [getattr(r, key)["p50"] for r in points]
             ax.plot(xs, ys, "o-", label=name)
-            for r, x, y in zip(points, xs, ys, strict=True):
-                ax.annotate(point_label(r), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            labelled += [(point_label(r), x, y) for r, x, y in zip(points, xs, ys, strict=True)]
+        for text, x, y in labels_apart(labelled):
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xlabel("output tokens/s (higher is better)")
         ax.set_ylabel("ms")
         ax.set_title(label + " (lower is better)", fontsize=10)

@@ -730,3 +730,27 @@ def test_a_stop_signal_or_a_failed_loop_is_found_anywhere_in_a_long_log(engine, 
     with log.open("a") as more:
         more.write(f"E1207 python_be.cc] {LOOP_FAILED} (RuntimeError('bug'))\n" + "I1207 unloading\n" * 1000)
     assert server.loop_failed()
+
+
+def test_a_served_name_ending_in_sync_still_streams(engine, tmp_path):
+    """Review: the models' policy was read off the suffix, so `--name chat_sync` deployed its served model not
+    decoupled ("chat_sync is not decoupled ...; send stream=true to the decoupled model chat_sync")."""
+    repo = deploy_repository(engine, tmp_path / "repo", name="chat_sync")
+    policy = {model: (repo / model / "config.pbtxt").read_text() for model in ("chat_sync", "chat_sync_sync")}
+    assert "decoupled: true" in policy["chat_sync"] and "decoupled: false" in policy["chat_sync_sync"]
+
+
+def test_models_copied_in_from_another_engines_repository_fail_to_load(engine, tmp_path):
+    """Review: beta's models copied into alpha's repository loaded, and requests to beta ran on alpha's engine (its
+    weights, beta's tokenizer) without a word; a text model now refuses to load beside another engine's token model."""
+    other = tmp_path / "engine B"
+    build_engine(BuildConfig(make_tiny_model("qwen2-bias", tmp_path / "hf"), other, max_seq_len=64, max_num_tokens=64,
+                             max_batch_size=2))
+    repo = deploy_repository(engine, tmp_path / "repo", name="alpha")
+    beta = deploy_repository(other, tmp_path / "beta-repo", name="beta")
+    for model in ("beta", "beta_sync"):
+        shutil.copytree(beta / model, repo / model)
+    with pytest.raises(CamshaftError) as refused:
+        TritonServer(repo, ready_timeout_s=120).start()
+    said = str(refused.value)
+    assert "model 'beta' was deployed with the engine" in said and f"hosts {engine}" in said, said

@@ -24,6 +24,7 @@ from camshaft.manifest import read_manifest
 from camshaft.outdir import check_replaceable, replace_dir, staged
 from camshaft.runtime.engine_info import runs_here
 from camshaft.runtime.llm_options import QUEUE_PER_BATCH
+from camshaft.triton_repo.parameters import configured_engine
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, TOKEN_OUTPUTS, config_block
 from camshaft.version import __version__
 
@@ -114,7 +115,7 @@ def check_deployed_engine(repo: Path) -> str | None:
     if record is None:
         return None  # not written by camshaft deploy: its models say what they lack
     engine = Path(record["engine_dir"])
-    loaded = _served_engine(repo)
+    loaded = configured_engine(repo / TOKEN_MODEL)
     if loaded is not None and loaded != engine:  # config.pbtxt edited by hand: Triton loads what it says
         return (f"{repo}/{TOKEN_MODEL}/config.pbtxt serves the engine {loaded}, not the {engine} camshaft deploy "
                 "recorded; it is not checked before loading")
@@ -131,19 +132,6 @@ def check_deployed_engine(repo: Path) -> str | None:
         return (f"{engine} was rebuilt since {repo} was deployed; its batch and queue sizes are the old build's: "
                 f"{again} to match the new one")
     return None
-
-
-def _served_engine(repo: Path) -> Path | None:
-    """The engine_dir the token model's config.pbtxt gives it (as deploy writes the parameter), or None."""
-    try:
-        text = (repo / TOKEN_MODEL / "config.pbtxt").read_text()
-    except (OSError, ValueError):
-        return None
-    found = re.search(r'key: "engine_dir"\s*value \{ string_value: ("(?:[^"\\]|\\.)*") \}', text)
-    try:
-        return Path(json.loads(found.group(1))) if found else None
-    except ValueError:
-        return None
 
 
 def _deploy_again(record: dict, repo: Path) -> str:
@@ -188,7 +176,7 @@ def deploy_repository(engine: Path, repo: Path, *, name: str = "ensemble", llm_o
                                   params={"camshaft_model": "camshaft.triton_repo.token_model:TokenModel",
                                           "llm_options": json.dumps(options), "exclude_input_in_output": "false",
                                           **common}),
-        **{model: model_config(model, decoupled=decoupled and not model.endswith("_sync"), max_batch_size=batch,
+        **{model: model_config(model, decoupled=decoupled and model != f"{name}_sync", max_batch_size=batch,
                                token=False, params=text) for model in (name, f"{name}_sync", BLS_MODEL)},
     }
     if Path(engine).resolve().is_relative_to(Path(repo).resolve()):

@@ -4,7 +4,9 @@ not inputs) and the model's own config.pbtxt parameters. Both are refused when n
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from camshaft.errors import CamshaftError, RequestError
 
@@ -49,3 +51,35 @@ def check_model_parameters(model: str, params: dict[str, str], known: set[str]) 
         raise CamshaftError(f"{model}: config.pbtxt parameter(s) {', '.join(unknown)} are not read here and would "
                             f"be ignored; remove them{'; ' + said if said else ''} (a repository an older camshaft "
                             f"wrote: deploy it again). It reads {', '.join(sorted(known))}")
+
+
+def configured_engine(model_dir: Path) -> Path | None:
+    """The engine_dir a model's config.pbtxt gives it (as deploy writes the parameter), or None."""
+    try:
+        text = (model_dir / "config.pbtxt").read_text()
+    except (OSError, ValueError):
+        return None
+    found = re.search(r'key: "engine_dir"\s*value \{ string_value: ("(?:[^"\\]|\\.)*") \}', text)
+    try:
+        return Path(json.loads(found.group(1))) if found else None
+    except ValueError:
+        return None
+
+
+def check_same_engine(model: str, engine_dir: Path, build_id: str, token_dir: Path) -> None:
+    """A text model runs on the executor its token model hosts: refuse to load one deployed with another engine
+    (one repository's models copied into another's answered with that one's weights, through their own tokenizer)."""
+    from camshaft.manifest import read_manifest
+
+    hosted = configured_engine(token_dir)
+    if hosted is None:
+        return  # not a config deploy wrote: the token model says what it lacks
+    try:
+        hosted_id = read_manifest(hosted, check_files=False).build_id
+    except CamshaftError:
+        return  # the token model's own load fails, naming it
+    if hosted_id != build_id or not build_id and hosted.resolve() != engine_dir.resolve():  # "": before format 3
+        raise CamshaftError(f"model {model!r} was deployed with the engine {engine_dir}, but the token model "
+                            f"{token_dir.name!r} it runs on hosts {hosted}: a repository serves one engine (models "
+                            "copied in from another repository would answer with this one's weights); deploy each "
+                            "engine into a repository of its own and serve each on its own ports")

@@ -26,7 +26,12 @@ from camshaft.manifest import read_manifest
 from camshaft.runtime.engine import load_tokenizer
 from camshaft.runtime.prompt_text import encode_text
 from camshaft.triton_repo.channel import ChannelClient, channel_path
-from camshaft.triton_repo.parameters import TEXT_MODEL_PARAMETERS, check_model_parameters, check_parameters
+from camshaft.triton_repo.parameters import (
+    TEXT_MODEL_PARAMETERS,
+    check_model_parameters,
+    check_parameters,
+    check_same_engine,
+)
 from camshaft.triton_repo.protocol import one, split_rows
 from camshaft.triton_repo.server_exit import watch_launcher
 from camshaft.triton_repo.tensors import TEXT_INPUTS, TEXT_TO_TOKEN, TOKEN_TO_TEXT, renamed
@@ -45,6 +50,8 @@ class TextModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.name = args["model_name"]
         manifest = read_manifest(Path(params["engine_dir"]))  # a missing engine said as such, before its tokenizer
+        check_same_engine(self.name, Path(params["engine_dir"]), manifest.build_id,
+                          Path(args["model_repository"]).parent / params["token_model"])
         self.tokenizer = load_tokenizer(Path(params["engine_dir"]))
         self.max_seq_len, self.vocab_size = manifest.limits.max_seq_len, manifest.model.vocab_size
         self.max_requests = int(params.get("max_requests") or 256)  # what the executor admits (batch + queue)

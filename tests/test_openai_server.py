@@ -113,6 +113,14 @@ def test_models_and_health(served, client):
     assert HTTP.get(served[0] + "/health").json() == {"status": "ok"}
 
 
+def test_the_default_model_id_is_the_engine_path_as_given(engine_dir, tmp_path):
+    """Review: a symlink (engines/current -> a build, as docs/triton.md suggests) was followed, so the served id
+    changed with each flip and clients sending `current` got 404; vLLM serves the --model argument as given."""
+    (tmp_path / "current").symlink_to(engine_dir)
+    with running_server(tmp_path / "current") as (url, _):
+        assert [m["id"] for m in HTTP.get(url + "/v1/models").json()["data"]] == ["current"]
+
+
 def test_http_metrics_label_routes_not_raw_paths(served):
     url = served[0]
     for suffix in ("/v1/models/a1", "/v1/models/b2", "/no/such/path-1", "/no/such/path-2"):

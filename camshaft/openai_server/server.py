@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -37,13 +38,19 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
     llm = LLM(engine, spin_wait=False, chat_template=chat_template, **llm_options)
     try:
         check_serves_full_length(llm.engine.manifest, llm.config)  # a fraction's pool is known only now
-        app = create_app(llm, model_name or Path(engine).resolve().name, api_key, tool_call_parser)
+        app = create_app(llm, model_name or served_name(engine), api_key, tool_call_parser)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + FLUSH_S, lifespan="off")
         return uvicorn.Server(config), llm
     except BaseException:
         llm.close()
         raise
+
+
+def served_name(engine: Path) -> str:
+    """The default model id: the engine directory's name as given (a symlink's, not its target's: engines/current
+    stays `current` across rebuilds); `.` and a trailing slash name the directory."""
+    return Path(os.path.abspath(engine)).name
 
 
 def log_like_uvicorn(level: str) -> None:
@@ -86,7 +93,7 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     a supervisor to restart it). uvicorn runs in a thread and this one handles the signals, so the LLM is closed
     and the exit status is 0. model_name: the model id clients send (default: the engine directory's name).
     log_level: debug, info (each request's end, with its id), warning or error: what camshaft and uvicorn log."""
-    model_name = model_name or Path(engine).resolve().name
+    model_name = model_name or served_name(engine)
     sockets = listening_sockets(host, port)  # first: a port in use is refused before the engine loads
     try:
         server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name,

@@ -24,6 +24,7 @@ from camshaft.builder.quant_record import quantization_record
 from camshaft.builder.sequence_graph import sequence_graph
 from camshaft.builder.target_checks import (
     check_lm_head_target,
+    check_model_dtype,
     check_model_target,
     check_quantized_target,
     check_target,
@@ -140,7 +141,9 @@ def build_engine(config: BuildConfig, progress: Progress = lambda _: None) -> Ma
             max_num_tokens=config.max_num_tokens,
             kv_block_size=config.kv_block_size,
         )
-        dtype = config.resolved_dtype(checkpoint.float_dtype, parse_arch(gpu_arch) if gpu_arch else None)
+        dtype = config.resolved_dtype(checkpoint.float_dtype, parse_arch(gpu_arch) if gpu_arch else None,
+                                      model.architecture)
+        check_model_dtype(model, dtype)
         tokenizer_files = checkpoint.tokenizer_files()  # before any long work: a checkpoint without one fails now
         with staged(output) as staging:
             tok_dir = staging / TOKENIZER_DIR  # first: a tokenizer that cannot load fails before any long work

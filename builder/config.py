@@ -15,6 +15,8 @@ MOST_STEP_TOKENS = 2**18  # max_num_tokens
 DTYPES = ("auto", *ENGINE_DTYPES)
 # What each target builds; auto: the checkpoint's own type where the target builds it for the GPU (bfloat16: sm80+,
 # targets/precision.py), else the first.
+# activations beyond float16's 65504 (Gemma's residual stream): NaN in a float16 engine; vLLM refuses float16 for them
+FLOAT16_OVERFLOWS = ("gemma2", "gemma3")
 TARGET_DTYPES = {"onnxruntime": ("float32",), "tensorrt": ("float16", "bfloat16"),
                  "tensorrt-rtx": ("float16", "bfloat16")}
 # How the onnxruntime target multiplies weight-only (int4/int8) layers: float dequantizes the weights (exact), int8
@@ -92,17 +94,21 @@ class BuildConfig:
         """MatMulNBits accuracy level of the onnxruntime target's weight-only layers."""
         return ACCURACY_LEVELS["int8" if self.weight_only_compute == "auto" else self.weight_only_compute]
 
-    def resolved_dtype(self, stored: str | None = None, arch: int | None = None) -> str:
-        """The engine's float type: --dtype, or for auto the checkpoint's `stored` type (as trtllm-build's auto
-        takes it) where the target builds it for `arch` (None: any), else the target's first."""
+    def resolved_dtype(self, stored: str | None = None, arch: int | None = None, architecture: str = "") -> str:
+        """The engine's float type: --dtype, or for auto the checkpoint's `stored` type (the weights as stored:
+        trtllm-build's auto reads config.json's instead) where the target builds it for `arch` (None: any), else the
+        target's first; bfloat16 rather than float16 for an `architecture` whose activations overflow float16."""
         if self.dtype != "auto":
             return self.dtype
-        if stored in TARGET_DTYPES[self.target]:
-            from camshaft.builder.targets.precision import required_arch
+        from camshaft.builder.targets.precision import required_arch
 
-            if arch is None or arch >= required_arch(self.target, dtype=stored)[0]:
-                return stored
-        return TARGET_DTYPES[self.target][0]
+        def builds(dtype: str) -> bool:
+            return dtype in TARGET_DTYPES[self.target] and (arch is None or
+                                                           arch >= required_arch(self.target, dtype=dtype)[0])
+
+        picked = stored if stored is not None and builds(stored) else TARGET_DTYPES[self.target][0]
+        return "bfloat16" if picked == "float16" and architecture in FLOAT16_OVERFLOWS and builds("bfloat16") \
+            else picked
 
     def resolved_max_seq_len(self, model: ModelConfig) -> int:
         longest = model.context_length

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from camshaft.builder.checkpoint import READABLE_QUANT_ALGOS
-from camshaft.builder.config import BuildConfig
+from camshaft.builder.config import FLOAT16_OVERFLOWS, BuildConfig
 from camshaft.builder.targets.precision import ALGO_FEATURES
 from camshaft.errors import BuildConfigError
 from camshaft.model_config import ModelConfig
@@ -75,6 +75,14 @@ def check_model_target(target: str, model: ModelConfig, quantized: bool) -> None
         raise BuildConfigError(f"{model.architecture} caps its attention scores (attn_logit_softcapping "
                                f"{model.attn_softcap:g}), which TensorRT's attention does not take; build it for "
                                "--target onnxruntime")
+
+
+def check_model_dtype(model: ModelConfig, dtype: str) -> None:
+    """Refuse a float16 engine of a model whose activations overflow float16 (every logit NaN), before any work."""
+    if dtype == "float16" and model.architecture in FLOAT16_OVERFLOWS:
+        raise BuildConfigError(f"{model.architecture}'s activations exceed float16's range (65504; its engine would "
+                               "give NaN; vLLM refuses float16 for Gemma too); build it in bfloat16 (--dtype "
+                               "bfloat16, a GPU of sm80 or newer) or for --target onnxruntime (float32)")
 
 
 def check_lm_head_target(target: str, lm_head: str, gpu_arch: str | None, fix: str) -> None:

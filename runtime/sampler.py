@@ -22,8 +22,9 @@ from camshaft.runtime.row_select import draw, nucleus, top_k_indices
 from camshaft.runtime.sampling_params import SamplingParams
 
 _TINY = np.finfo(np.float32).tiny
-BROKEN_LOGITS = ("the model's logits are not finite (NaN or infinity): the engine or its weights are broken; rebuild "
-                 "the engine from a checkpoint whose weights are finite")
+BROKEN_LOGITS = ("the model's logits are not finite (NaN or infinity): the engine or its weights are broken, or a "
+                 "float16 engine's activations overflowed; rebuild the engine from a checkpoint whose weights are "
+                 "finite (a float16 one in bfloat16: --dtype bfloat16)")
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,25 @@ def test_unbuildable_arch_fails_before_any_work(tmp_path):
 
 
 
+def test_gemma_is_never_built_in_float16(tmp_path):
+    """Review: Gemma 3 built in float16 (asked, or auto from a float32 checkpoint) without a word, and its residual
+    stream (~1e5 in transformers) overflowed to NaN logits; auto now builds bfloat16, float16 is refused."""
+    from camshaft.builder.build import build_engine
+    from camshaft.builder.config import BuildConfig
+
+    model = make_tiny_model("gemma3", tmp_path / "hf")
+    small = dict(max_seq_len=64, max_batch_size=2, max_num_tokens=32, kv_block_size=8)
+    for given in (dict(dtype="float16"), dict(gpu_arch="sm75")):  # asked; auto where no bfloat16 kernels are
+        with pytest.raises(BuildConfigError, match="gemma3's activations exceed float16's range"):
+            build_engine(BuildConfig(model, tmp_path / "engine", target="tensorrt-rtx", **given, **small))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    auto = BuildConfig(model, tmp_path / "engine", target="tensorrt-rtx", **small)
+    assert auto.resolved_dtype("float32", 89, "gemma3") == "bfloat16"
+    assert auto.resolved_dtype("float16", None, "gemma3") == "bfloat16"
+    assert auto.resolved_dtype("float32", 89, "llama") == auto.resolved_dtype("float32", 75, "gemma3") == "float16"
+    assert build_engine(auto).dtype == "bfloat16"
+
+
 def test_a_stop_during_the_plan_build_cancels_it_and_writes_nothing(tmp_path):
     """TensorRT catches what its Python callbacks raise, where a signal's KeyboardInterrupt lands while it builds:
     the build is cancelled through its progress monitor and the stop raised once TensorRT returns (it finished the

@@ -192,17 +192,20 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     """Everything the build after quantizing would refuse, checked before calibration starts."""
     from camshaft.builder.target_checks import (
         check_lm_head_target,
+        check_model_dtype,
         check_model_target,
         check_quantized_target,
         check_target,
         check_weight_only_compute,
     )
+    from camshaft.builder.targets.trt_product import parse_arch
     from camshaft.engine_files import MANIFEST_NAME, engine_entries, refuse_user_entries
     from camshaft.errors import BuildConfigError
     from camshaft.model_config import HF_QUANT_CONFIG, ModelConfig
     from camshaft.outdir import check_replaceable
     from camshaft.quantize.modelopt_adapter import written_files
     from camshaft.quantize.spec import QuantSpec
+    from camshaft.weight_files import stored_float_dtype
 
     spec = QuantSpec(quant, kv_cache_dtype=kv_cache_dtype, group_size=group_size, lm_head=lm_head)
     check_replaceable(config.output_dir, MANIFEST_NAME, "an engine", BuildConfigError,
@@ -215,6 +218,8 @@ def _check_quantized_build(config: BuildConfig, quant: str, kv_cache_dtype: str 
     if Path(config.model_dir).is_dir():  # a missing one: quantize says so
         model = ModelConfig.from_hf_dir(config.model_dir)
         check_model_target(config.target, model, quantized=True)  # Gemma 2 or a MoE on TensorRT: before calibrating
+        check_model_dtype(model, config.resolved_dtype(stored_float_dtype(config.model_dir),
+                                                       parse_arch(gpu_arch) if gpu_arch else None, model.architecture))
         config.resolved_max_seq_len(model)
     for algo in spec.info.layer_algos:
         check_quantized_target(config.target, algo, kv_cache_dtype and kv_cache_dtype.upper(), gpu_arch=gpu_arch,

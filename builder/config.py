@@ -62,6 +62,8 @@ class BuildConfig:
                                        f"step runs ({most} at most); pass a smaller value")
         if self.kv_block_size & (self.kv_block_size - 1):
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
+        if self.max_seq_len is not None:
+            self.check_block(self.max_seq_len)
         if self.gpu_arch is not None and not self.target.startswith("tensorrt"):
             raise BuildConfigError(f"--gpu-arch applies to the tensorrt targets, not {self.target}; drop it")
         if self.gpu_arch is not None and not isinstance(self.gpu_arch, str):
@@ -110,9 +112,19 @@ class BuildConfig:
         return "bfloat16" if picked == "float16" and architecture in FLOAT16_OVERFLOWS and builds("bfloat16") \
             else picked
 
+    def check_block(self, max_seq_len: int) -> None:
+        """Every request holds whole blocks: one beyond a whole sequence (rounded up to a power of two) only
+        multiplies each request's KV memory."""
+        whole = 1 << (max_seq_len - 1).bit_length()
+        if self.kv_block_size > whole:
+            raise BuildConfigError(f"--kv-block-size {self.kv_block_size} is larger than a whole sequence "
+                                   f"(--max-seq-len {max_seq_len}), and each request would hold a block of that many "
+                                   f"tokens; pass --kv-block-size {whole} or less (the default 32 suits most)")
+
     def resolved_max_seq_len(self, model: ModelConfig) -> int:
         longest = model.context_length
         if self.max_seq_len is None:
+            self.check_block(min(longest, 4096))
             return min(longest, 4096)
         if self.max_seq_len > longest:
             scaled = f", {model.rope.type} rope scaling x{model.rope.factor:g} included" \

@@ -116,3 +116,23 @@ def test_onnx_runtimes_telemetry_is_off_unless_asked_for(tmp_path):
         assert done.returncode == 0, done.stderr
         kept[given] = sorted(p.name for p in home.rglob("*") if p.is_file())
     assert kept == {None: [], "0": ["deviceid", "onnxruntime.db"]}
+
+
+def test_engines_loaded_from_several_threads_at_once_all_load(tmp_path):
+    """Review: an app warming its models in a thread pool lost all but one to ImportError ('cannot import name
+    PreTrainedTokenizerFast'): transformers' lazy module is not safe to import from several threads at first."""
+    import subprocess
+    import sys
+
+    engine = tiny_engine(tmp_path)
+    script = ("import sys, camshaft\n"
+              "from concurrent.futures import ThreadPoolExecutor\n"
+              "def load(i):\n"
+              "    kind = camshaft.LLM if i % 2 else camshaft.Session\n"
+              "    with kind(sys.argv[1], threads=1):\n"
+              "        return kind.__name__\n"
+              "with ThreadPoolExecutor(6) as pool:\n"
+              "    print(sorted(pool.map(load, range(6))))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(engine)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(["LLM"] * 3 + ["Session"] * 3)

@@ -623,6 +623,51 @@ def test_a_reload_of_the_token_model_is_refused_and_it_keeps_serving(engine, tmp
         server.stop()  # after any model's failed reload, Triton 2.51's stop waits out its exit timeout (exit code 1)
 
 
+def test_text_and_token_models_reloaded_onto_another_build_refuse_to_mix(engine, tmp_path):
+    """Re-review: with engines/current flipped to another build, text models reloaded through model control ran the
+    new tokenizer on the old executor (and a reloaded token model served text models loaded with the old build), in
+    silence. The executor says which build it hosts on each connection: a text model's reload onto another build
+    fails (Triton keeps the loaded one), and requests to one left on another build are refused saying to reload it."""
+    import tritonclient.grpc as grpcclient
+    from test_triton import Stream, tensors
+    from tritonclient.utils import InferenceServerException
+
+    class Explicit(TritonServer):
+        def command(self) -> list[str]:
+            return [*super().command(), "--model-control-mode=explicit", "--load-model=*"]
+
+    other = tmp_path / "B"
+    build_engine(BuildConfig(make_tiny_model("qwen2-bias", tmp_path / "hf"), other, max_seq_len=64,
+                             max_num_tokens=64, max_batch_size=2))
+    (tmp_path / "current").symlink_to(engine)
+    server = Explicit(deploy_repository(tmp_path / "current", tmp_path / "repo"), exit_timeout_s=10).start()
+    try:
+        def ask() -> tuple:
+            return Stream(server.endpoints.grpc).run("ensemble", tensors(grpcclient, text_input="hello",
+                                                                         max_tokens=4))
+
+        before, error, _ = ask()
+        assert error is None and before
+        (tmp_path / "current").unlink()
+        (tmp_path / "current").symlink_to(other)
+        control = grpcclient.InferenceServerClient(server.endpoints.grpc)
+        with pytest.raises(InferenceServerException, match="model 'ensemble' was loaded with the engine .*current"):
+            control.load_model("ensemble")
+        _, error, _ = ask()
+        assert error is None  # the loaded one kept: the old build's tokenizer on the old build's executor
+        control.unload_model("tensorrt_llm")
+        deadline = time.monotonic() + 60
+        while control.is_model_ready("tensorrt_llm") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)  # its instance lock is released as its finalize ends
+        control.load_model("tensorrt_llm")  # now on B
+        control.close()
+        _, error, _ = ask()
+        assert error is not None and "reload 'ensemble' so both serve one engine" in str(error), error
+    finally:
+        server.stop()
+
+
 def test_a_stop_lets_text_model_requests_in_flight_finish(long_engine, tmp_path):
     """SIGTERM while a text-model request streams over gRPC: Triton unloads the token model as soon as its own
     requests are done, but the text model's request (which reaches it over the channel) still finishes, every token,

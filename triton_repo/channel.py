@@ -29,6 +29,7 @@ Send = Callable[[tuple], None]
 
 
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket path (sun_path) on Linux
+HELLO_TIMEOUT_S = 10.0  # the executor's first message on a new connection
 
 
 def channel_path(token_model: str, server_pid: int | None = None) -> Path:
@@ -48,10 +49,11 @@ class ChannelServer:
 
     def __init__(self, path: Path, submit: Callable[[Send, list[tuple[str, dict]]], list[list[str]]],
                  abort: Callable[[str], None], refused: Callable[[], None] = lambda: None,
-                 drain: Callable[[], None] = lambda: None) -> None:
+                 drain: Callable[[], None] = lambda: None, hello: tuple = ("hello",)) -> None:
         private_dir(path.parent)
         path.unlink(missing_ok=True)
         self.path, self.submit, self.abort, self.refused, self.drain = path, submit, abort, refused, drain
+        self.hello = hello  # the first message on each connection: which engine this executor hosts
         self.listener = Listener(str(path), family="AF_UNIX")
         self.connections: list[Connection] = []
         # per connection: its calls not yet ended (call id -> request ids), its outgoing queue and writer thread
@@ -73,6 +75,7 @@ class ChannelServer:
         lock = threading.Lock()
         writer = threading.Thread(target=_write, args=(connection, outgoing), daemon=True)
         self._served.append((owned, outgoing, writer))
+        outgoing.put(self.hello)
 
         def send(message: tuple) -> None:
             finished = message[0] == "error" or message[2].get("last", False)  # the call's last sequence ended
@@ -163,22 +166,44 @@ class ChannelClient:
     ("closed", reason) once the connection is gone (the next send reconnects)."""
 
     def __init__(self, path: Path, deliver: Send, connect_timeout_s: float = 60.0,
-                 reconnect_timeout_s: float = 2.0) -> None:
+                 reconnect_timeout_s: float = 2.0, check: Callable[[tuple], None] = lambda hello: None) -> None:
         self.path, self.deliver, self.connect_timeout_s = path, deliver, connect_timeout_s
-        self.reconnect_timeout_s = reconnect_timeout_s
+        self.reconnect_timeout_s, self.check = reconnect_timeout_s, check
         self.connection: Connection | None = None
         self.connected = False  # once: the token model loaded, and a lost connection means it is gone
 
+    def open_if_listening(self) -> None:
+        """Connect now if the token model already listens (its hello checked: raises as send() does)."""
+        if self.connection is None and self.path.exists():
+            with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+                self._greeted(Client(str(self.path), family="AF_UNIX"))
+
     def send(self, message: tuple) -> None:
         if self.connection is None:
-            self.connection = self._connect(self.reconnect_timeout_s if self.connected else self.connect_timeout_s)
-            self.connected = True
-            threading.Thread(target=self._read, args=(self.connection,), daemon=True).start()
+            self._greeted(self._connect(self.reconnect_timeout_s if self.connected else self.connect_timeout_s))
         try:
             self.connection.send(message)
         except OSError as exc:
             self.connection = None
             raise ServerClosedError(f"the executor's channel {self.path} closed ({exc})") from exc
+
+    def _greeted(self, connection: Connection) -> None:
+        """Use `connection` once its hello passed check() (which raises on an executor it must not use)."""
+        self.connected = True
+        try:
+            try:
+                hello = connection.recv() if connection.poll(HELLO_TIMEOUT_S) else "nothing"
+            except (EOFError, OSError) as exc:
+                hello = repr(exc)
+            if not (isinstance(hello, tuple) and hello[:1] == ("hello",)):
+                raise ServerClosedError(f"the executor's channel {self.path} did not say hello ({str(hello):.80}); "
+                                        "restart the server")
+            self.check(hello)
+        except BaseException:
+            connection.close()
+            raise
+        self.connection = connection
+        threading.Thread(target=self._read, args=(connection,), daemon=True).start()
 
     def _connect(self, timeout_s: float) -> Connection:
         deadline = time.monotonic() + timeout_s

@@ -58,10 +58,22 @@ class TextModel:
         self.stream_model = params.get("stream_model", "")  # the decoupled text model; "" when none is
         self.calls: dict[str, TextCall] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.channel = ChannelClient(channel_path(params["token_model"]), lambda message: self.inbox.put(message))
+        self.engine_dir, self.build_id = Path(params["engine_dir"]), manifest.build_id
+        self.channel = ChannelClient(channel_path(params["token_model"]), lambda message: self.inbox.put(message),
+                                     check=self._check_hello)
+        self.channel.open_if_listening()  # a token model loaded with another engine fails this load
         watch_launcher(lambda: None, channel_path(params["token_model"]).parent)  # an open stream may keep it last
         self.owner = threading.Thread(target=self._own, name="camshaft-text-owner", daemon=True)
         self.owner.start()
+
+    def _check_hello(self, hello: tuple) -> None:
+        """The executor this model reaches hosts the engine it was loaded with (a reload of either may change it)."""
+        _, build_id, engine = hello
+        if build_id != self.build_id or not build_id and Path(engine).resolve() != self.engine_dir.resolve():
+            raise ServerClosedError(
+                f"model {self.name!r} was loaded with the engine {self.engine_dir} (build {self.build_id[:12]}), but "
+                f"its token model hosts {engine} (build {build_id[:12]}): reload {self.name!r} so both serve one "
+                "engine (or restart the server)")
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -72,7 +72,8 @@ class TokenModel:
         self.responder.start()
         self.channel = ChannelServer(channel_path(args["model_name"]), self._from_channel, self.llm.abort,
                                      lambda: self.metrics.count("camshaft_requests_refused_total"),
-                                     drain=self.llm.close)  # each request in flight gets a final error response
+                                     drain=self.llm.close,  # each request in flight gets a final error response
+                                     hello=("hello", self.llm.engine.manifest.build_id, params["engine_dir"]))
         watch_launcher(self.llm.close, self.channel.path.parent)
 
     def execute(self, requests: list) -> None:

@@ -13,10 +13,11 @@ from camshaft.model_config import ModelConfig
 MOST_SEQUENCES = 2**14  # max_batch_size
 MOST_STEP_TOKENS = 2**18  # max_num_tokens
 DTYPES = ("auto", *ENGINE_DTYPES)
-# What each target builds; auto: the checkpoint's own type where the target builds it for the GPU (bfloat16: sm80+,
-# targets/precision.py), else the first.
+DEFAULT_KV_BLOCK = 32  # TensorRT-LLM's tokens_per_block
 # activations beyond float16's 65504 (Gemma's residual stream): NaN in a float16 engine; vLLM refuses float16 for them
 FLOAT16_OVERFLOWS = ("gemma2", "gemma3")
+# What each target builds; auto: the checkpoint's own type where the target builds it for the GPU (bfloat16: sm80+,
+# targets/precision.py), else the first.
 TARGET_DTYPES = {"onnxruntime": ("float32",), "tensorrt": ("float16", "bfloat16"),
                  "tensorrt-rtx": ("float16", "bfloat16")}
 # How the onnxruntime target multiplies weight-only (int4/int8) layers: float dequantizes the weights (exact), int8
@@ -35,7 +36,7 @@ class BuildConfig:
     max_batch_size: int = 32
     max_seq_len: int | None = None
     max_num_tokens: int = 512
-    kv_block_size: int = 32
+    kv_block_size: int = DEFAULT_KV_BLOCK
     gpu_arch: str | None = None
     weight_only_compute: str = "auto"
 
@@ -113,13 +114,13 @@ class BuildConfig:
             else picked
 
     def check_block(self, max_seq_len: int) -> None:
-        """Every request holds whole blocks: one beyond a whole sequence (rounded up to a power of two) only
-        multiplies each request's KV memory."""
-        whole = 1 << (max_seq_len - 1).bit_length()
-        if self.kv_block_size > whole:
+        """Every request holds whole blocks: one beyond a whole sequence (rounded up to a power of two; the default
+        block is always taken) only multiplies each request's KV memory."""
+        most = max(1 << (max_seq_len - 1).bit_length(), DEFAULT_KV_BLOCK)
+        if self.kv_block_size > most:
             raise BuildConfigError(f"--kv-block-size {self.kv_block_size} is larger than a whole sequence "
                                    f"(--max-seq-len {max_seq_len}), and each request would hold a block of that many "
-                                   f"tokens; pass --kv-block-size {whole} or less (the default 32 suits most)")
+                                   f"tokens; pass --kv-block-size {most} or less")
 
     def resolved_max_seq_len(self, model: ModelConfig) -> int:
         longest = model.context_length

@@ -448,8 +448,12 @@ def test_build_limits_are_validated_not_overridden(built, tmp_path):
         BuildConfig(model, tmp_path / "e", kv_block_size=12)
     # review: any power of two was taken (a block of 2**30 tokens built an engine no machine loads; 2**63 a traceback)
     assert BuildConfig(model, tmp_path / "e", max_seq_len=17, kv_block_size=32).kv_block_size == 32
+    assert BuildConfig(model, tmp_path / "e", max_seq_len=5).kv_block_size == 32  # the default: always taken
+    assert BuildConfig(model, tmp_path / "e", max_seq_len=100, kv_block_size=128).kv_block_size == 128
     with pytest.raises(BuildConfigError, match=r"larger than a whole sequence \(--max-seq-len 17\).* 32 or less"):
         BuildConfig(model, tmp_path / "e", max_seq_len=17, kv_block_size=64)
+    with pytest.raises(BuildConfigError, match=r"\(--max-seq-len 100\).* 128 or less"):
+        BuildConfig(model, tmp_path / "e", max_seq_len=100, kv_block_size=256)
     with pytest.raises(BuildConfigError, match="larger than a whole sequence"):
         build_engine(BuildConfig(model, tmp_path / "e", kv_block_size=2**63))  # max_seq_len: the model's context
     with pytest.raises(BuildConfigError, match="float32"):

@@ -399,3 +399,5 @@ def test_labels_of_points_close_together_are_drawn_once():
     apart = [("C=1", 40.0, 250.0), ("C=1", 200.0, 3000.0), ("C=8", 40.5, 260.0)]
     assert labels_apart(apart) == [("C=1", 200.0, 3000.0), ("C=8", 40.5, 260.0), ("C=1", 40.0, 250.0)]
     assert labels_apart([]) == []
+    failed = ("0.5/s", 0.0, math.nan)  # a point whose requests all failed (re-review: its NaN turned merging off)
+    assert labels_apart([failed, *cluster]) == labels_apart(cluster)

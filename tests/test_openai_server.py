@@ -7,7 +7,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -119,6 +122,14 @@ def test_the_default_model_id_is_the_engine_path_as_given(engine_dir, tmp_path):
     (tmp_path / "current").symlink_to(engine_dir)
     with running_server(tmp_path / "current") as (url, _):
         assert [m["id"] for m in HTTP.get(url + "/v1/models").json()["data"]] == ["current"]
+    from camshaft.openai_server.server import served_name
+
+    inside = subprocess.run([sys.executable, "-c", "from camshaft.openai_server.server import "
+                             "served_name as s; print(s('.'), s('./'), s('../current/.'))"],
+                            cwd=tmp_path / "current", env={**os.environ, "PWD": str(tmp_path / "current")},
+                            capture_output=True, text=True)  # `--engine .` in the link, as a shell's cd leaves it
+    assert inside.stdout.split() == ["current"] * 3, inside.stderr
+    assert served_name(engine_dir) == engine_dir.name
 
 
 def test_http_metrics_label_routes_not_raw_paths(served):

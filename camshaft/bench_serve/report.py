@@ -154,6 +154,7 @@ def series(results: list[ServeResult]) -> list[tuple[str, list[ServeResult], Cal
 def labels_apart(points: list[tuple[str, float, float]], near: float = 0.06) -> list[tuple[str, float, float]]:
     """The point labels worth drawing: where several lines pass the same rate or limit close together, its label
     once, above them (written at each point, they piled into one blot); near is a share of the panel's spans."""
+    points = [p for p in points if math.isfinite(p[1]) and math.isfinite(p[2])]  # a run whose requests all failed
     xs, ys = [x for _, x, _ in points], [y for _, _, y in points]
     spans = [(max(v) - min(v)) or 1.0 for v in (xs, ys)] if points else [1.0, 1.0]
     kept: list[tuple[str, float, float]] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -49,7 +50,11 @@ def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_l
 
 def served_name(engine: Path) -> str:
     """The default model id: the engine directory's name as given (a symlink's, not its target's: engines/current
-    stays `current` across rebuilds); `.` and a trailing slash name the directory."""
+    stays `current` across rebuilds); `.` and a trailing slash name the directory, as the shell's $PWD names it."""
+    here = os.environ.get("PWD", "")
+    with contextlib.suppress(OSError):
+        if os.path.isabs(here) and os.path.samefile(here, "."):  # getcwd() resolved the links the shell kept
+            return Path(os.path.normpath(os.path.join(here, engine))).name
     return Path(os.path.abspath(engine)).name
 
 

@@ -113,7 +113,7 @@ def parse_dataset_spec(spec: str) -> DatasetSpec:
     what is wrong."""
     spec = PRESETS.get(spec.strip(), spec.strip())
     if spec.startswith("jsonl:") or (spec.endswith(".jsonl") and not spec.startswith("synthetic:")):
-        path = Path(spec.removeprefix("jsonl:"))
+        path = Path(spec.removeprefix("jsonl:")).expanduser()  # a ~ the shell left (quoted, or a --config file's)
         if not path.is_file():
             raise RequestError(f"dataset file {path} does not exist")
         return DatasetSpec("jsonl", path=path)

@@ -35,6 +35,15 @@ def check_tokenizer_files(engine_dir: Path, files: Iterable[str]) -> None:
     if extra:
         raise EngineError(f"{engine_dir / TOKENIZER_DIR} holds {', '.join(extra)}, which the build did not write and "
                           "which would change how text is tokenized; remove them (or rebuild the engine)")
+    tokenizer = engine_dir / TOKENIZER_DIR
+    for template in [tokenizer / CHAT_TEMPLATE, *sorted((tokenizer / NAMED_TEMPLATES).glob("*.jinja"))]:
+        try:
+            template.read_bytes().decode("utf-8")
+        except OSError:
+            continue  # none, or not readable: transformers says so as it loads
+        except UnicodeDecodeError as exc:  # an editor's "Unicode" (UTF-16) save: the tokenizer would not load
+            raise EngineError(f"{template} is not UTF-8 text ({exc.reason} at byte {exc.start}), which transformers "
+                              "reads chat templates as; save it as UTF-8") from None
 
 
 def load_tokenizer(engine_dir: Path, files: Iterable[str] | None = None):

@@ -114,7 +114,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
         "bytes_listed": sum(m.files.values()),
         "files_as_built": files_ok,
         "fingerprinted": bool(m.fingerprints),
-        "eos_token_ids": _end_ids(engine_dir, m) if reason is None else list(c.eos_token_ids),
+        "eos_token_ids": _end_ids(engine_dir, m),
         "chat_template": (engine_dir / TOKENIZER_DIR / CHAT_TEMPLATE).is_file()
         or _tokenizer_config(engine_dir).get("chat_template") is not None,
         "chat_template_problem": chat_template_problem(engine_dir),
@@ -127,7 +127,7 @@ def engine_info(engine_dir: str | Path) -> dict[str, Any]:
 def _end_ids(engine_dir: Path, manifest: Manifest) -> list[int]:
     """The ids generation ends on: the model's and its tokenizer's eos (runtime/engine.py end_ids)."""
     try:
-        return list(end_ids(manifest.model, load_tokenizer(engine_dir)))
+        return list(end_ids(manifest.model, load_tokenizer(engine_dir, manifest.files)))
     except EngineError:
         return list(manifest.model.eos_token_ids)
 
@@ -139,7 +139,9 @@ def chat_template_problem(engine_dir: Path) -> str | None:
 
     try:
         text = (engine_dir / TOKENIZER_DIR / CHAT_TEMPLATE).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+    except UnicodeDecodeError as exc:
+        return f"{CHAT_TEMPLATE} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
+    except OSError:
         text = _tokenizer_config(engine_dir).get("chat_template")
     return template_problem(text) if isinstance(text, str) else None
 

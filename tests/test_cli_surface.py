@@ -265,6 +265,17 @@ def test_both_throughput_benchmarks_take_the_same_dataset_presets():
         parse_dataset_spec("prefill")
 
 
+def test_a_dataset_path_from_a_config_file_expands_its_tilde(tmp_path, monkeypatch):
+    """Review: `dataset = "~/p.jsonl"` in a --config file was looked up as a directory named ~ (README: paths mean
+    what they mean on the command line, ~ the home directory; --calib-data already expanded it)."""
+    from camshaft.runtime.bench_data import parse_dataset_spec
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi", "max_tokens": 4}\n')
+    for spec in ("~/p.jsonl", "jsonl:~/p.jsonl"):
+        assert parse_dataset_spec(spec).path == tmp_path / "p.jsonl"
+
+
 @pytest.mark.parametrize("command", ["serve", "deploy", "bench throughput"])
 def test_llm_options_are_named_as_the_flags_typed(engine, tmp_path, command):
     extra = ["--repo", tmp_path / "repo"] if command == "deploy" else []

@@ -682,6 +682,40 @@ def test_files_added_to_the_tokenizer_are_refused_but_a_chat_template_may_be_edi
     assert "special_tokens_map.json" in engine_info(copy)["runs_here_reason"]
 
 
+@pytest.mark.parametrize("template", ["chat_template.jinja", "additional_chat_templates/tool_use.jinja"])
+def test_a_chat_template_saved_as_utf16_is_said_by_the_loaders_and_inspect(copy, template):
+    """Review: a template saved as UTF-16 (an editor's "Unicode") failed every load with "rebuild the engine" while
+    inspect said it runs here (exit 0) and the template had no problem."""
+    from camshaft.runtime.engine_info import engine_info
+
+    path = copy / "tokenizer" / template
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("{{ messages[0]['content'] }}", encoding="utf-16")
+    for loader in (Session, Engine):
+        with pytest.raises(EngineError, match=f"{template} is not UTF-8 text .*; save it as UTF-8"):
+            loader(copy)
+    info = engine_info(copy)
+    assert info["runs_here"] is False and "save it as UTF-8" in info["runs_here_reason"]
+    if template == "chat_template.jinja":
+        assert "is not UTF-8 text" in info["chat_template_problem"]
+
+
+def test_inspect_gives_the_end_ids_of_an_engine_that_does_not_run_here(copy):
+    """Review: an engine refused here (a TensorRT-RTX one without its GPU) listed only config.json's end ids, not
+    the tokenizer's eos it stops on too."""
+    from camshaft.runtime.engine_info import engine_info
+
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["model"]["eos_token_ids"] = [3]  # the model's end id, not the tokenizer's eos
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
+    runs = engine_info(copy)["eos_token_ids"]
+    assert len(runs) == 2 and runs[1] == 3, runs
+    raw["tools"]["onnxruntime"] = "0.0.1"  # refused here: built by another onnxruntime
+    (copy / "manifest.json").write_text(json.dumps(stamped(raw)))
+    info = engine_info(copy)
+    assert info["runs_here"] is False and info["eos_token_ids"] == runs
+
+
 def test_a_file_added_to_a_tokenizer_directory_linked_in_is_refused_too(copy, tmp_path):
     """Review: a symlinked tokenizer/ skipped the check (an exemption for rebuilds, which replace the link), so an
     added_tokens.json changed tokenization unsaid."""

@@ -39,6 +39,19 @@ def test_a_file_sets_a_commands_options_and_the_flags_typed_win(engine, capsys, 
     assert (limits["max_seq_len"], limits["kv_block_size"], limits["max_num_tokens"]) == (32, 8, 24)
 
 
+def test_an_error_naming_a_flag_the_file_set_says_where_it_was_set(engine, capsys, tmp_path):
+    """Review: "add --chat (or drop --system)" for a system message the --config file set, with nothing pointing at
+    the file; the table of the command run is named, and a flag typed on the command line is not attributed."""
+    config = write(tmp_path / "c.toml", '[run]\nsystem = "be brief"\n[build]\nmax-batch-size = 2\n')
+    code, _, err = camshaft(capsys, "--config", config, "run", "--engine", engine, "--prompt", "hi")
+    assert code == 1 and f"drop --system) (--system is set by {config} [run])" in " ".join(err.split()), err
+    code, _, err = camshaft(capsys, "--config", config, "run", "--engine", engine, "--prompt", "hi", "--system", "x")
+    assert code == 1 and "is set by" not in err, err
+    bench = write(tmp_path / "b.toml", '[bench.throughput]\ndataset = "nope.jsonl"\n')
+    code, _, err = camshaft(capsys, "--config", bench, "bench", "throughput", "--engine", engine)
+    assert code == 1 and "is set by" not in err, err  # the message names no flag
+
+
 def test_a_subcommands_table_and_a_list_option(engine, capsys, tmp_path):
     result = tmp_path / "latency.json"
     config = write(tmp_path / "c.toml", f'[bench.latency]\nrepeats = 2\nprompt-len = 16\nmax-tokens = 3\n'

@@ -185,7 +185,10 @@ def main() -> None:
                 err.print("interrupted")
             sys.exit(stop)
         if isinstance(exc, CamshaftError):
-            err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
+            from camshaft.cli.config_file import config_note
+
+            said = str(exc) + config_note(str(exc), sys.argv[1:])
+            err.print(f"[bold red]error:[/bold red] {escape(said)}", soft_wrap=True)
             sys.exit(1)
         if isinstance(exc, SystemExit) and isinstance(exc.__context__, BrokenPipeError):  # click's exit 1 for it
             pipe_closed()

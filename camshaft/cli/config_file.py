@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -107,3 +108,31 @@ def _of(trail: tuple[str, ...]) -> str:
 def _near(key: str, names: list[str]) -> str:
     close = difflib.get_close_matches(key, names, n=1)
     return f"; did you mean {close[0]}?" if close else ""
+
+
+def config_note(message: str, argv: list[str]) -> str:
+    """Where an error names flags the command line did not type but the --config file's table for the command set,
+    that said (" (--system is set by FILE [run])"), else "": the user is told to drop a flag they never typed."""
+    words = list(argv)
+    if "--config" not in words[:-1]:
+        return ""
+    at = words.index("--config")
+    path, rest = words[at + 1], words[at + 2:]
+    command = []
+    for word in rest:
+        if word.startswith("-"):
+            break
+        command.append(word)
+    try:
+        table: Any = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
+        for name in command:
+            table = table.get(name, {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
+        return ""
+    typed = {word.split("=", 1)[0] for word in rest if word.startswith("--")}
+    named = dict.fromkeys(re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", message))
+    set_there = [f"--{key}" for key in named if f"--{key}" not in typed and isinstance(table, dict) and key in table]
+    if not set_there:
+        return ""
+    verb = "is" if len(set_there) == 1 else "are"
+    return f" ({', '.join(set_there)} {verb} set by {path} [{_section(tuple(command))}])"

@@ -45,6 +45,8 @@ def test_an_error_naming_a_flag_the_file_set_says_where_it_was_set(engine, capsy
     config = write(tmp_path / "c.toml", '[run]\nsystem = "be brief"\n[build]\nmax-batch-size = 2\n')
     code, _, err = camshaft(capsys, "--config", config, "run", "--engine", engine, "--prompt", "hi")
     assert code == 1 and f"drop --system) (--system is set by {config} [run])" in " ".join(err.split()), err
+    code, _, err = camshaft(capsys, f"--config={config}", "run", "--engine", engine, "--prompt", "hi")
+    assert code == 1 and f"(--system is set by {config} [run])" in " ".join(err.split()), err
     code, _, err = camshaft(capsys, "--config", config, "run", "--engine", engine, "--prompt", "hi", "--system", "x")
     assert code == 1 and "is set by" not in err, err
     bench = write(tmp_path / "b.toml", '[bench.throughput]\ndataset = "nope.jsonl"\n')

@@ -113,7 +113,7 @@ def _near(key: str, names: list[str]) -> str:
 def config_note(message: str, argv: list[str]) -> str:
     """Where an error names flags the command line did not type but the --config file's table for the command set,
     that said (" (--system is set by FILE [run])"), else "": the user is told to drop a flag they never typed."""
-    words = list(argv)
+    words = [part for word in argv for part in (word.split("=", 1) if word.startswith("--config=") else [word])]
     if "--config" not in words[:-1]:
         return ""
     at = words.index("--config")

@@ -8,13 +8,14 @@ from pathlib import Path
 
 from camshaft.errors import CheckpointError
 from camshaft.model_config import check_tokenizer_vocab
+from camshaft.transformers_import import from_transformers
 from camshaft.weight_files import lfs_pointer, lfs_pointer_error
 
 Progress = Callable[[str], None]
 
 
 def _plain_tokenizer_json(model_dir: Path) -> bool:
-    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast = from_transformers("PreTrainedTokenizerFast")
 
     path = model_dir / "tokenizer.json"
     try:
@@ -27,7 +28,7 @@ def save_tokenizer(model_dir: Path, tok_dir: Path, vocab_size: int, progress: Pr
     """The engine's tokenizer as transformers loads the checkpoint's (its class may rewrite tokenizer.json's
     pre-tokenizer, e.g. Llama's legacy / add_prefix_space), saved as a fast tokenizer (tokenizer.json) that the runtime
     loads without its class. A vocabulary larger than the model's (another model's tokenizer) is refused."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = from_transformers("AutoTokenizer")
 
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         path = model_dir / name
@@ -53,7 +54,7 @@ def check_engine_tokenizer(model_dir: Path, tok_dir: Path, vocab_size: int, prog
     """The engine's tokenizer loads and encodes as the runtime's will (a checkpoint's tokenizer_config.json that
     transformers' own class got past was saved with the engine and failed every run), its chat template is text, and
     its vocabulary is the model's."""
-    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast = from_transformers("PreTrainedTokenizerFast")
 
     try:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))

@@ -7,16 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from camshaft.errors import CheckpointError
+from camshaft.transformers_import import from_transformers
 
 
 def load_float_model(path: Path, given: str, purpose: str):
     """transformers' float32 model of `path`, in eval mode. `given`: how the user named it (`--model DIR`) and
     `purpose`: what random weights would spoil (`score`, `quantize`), for the messages."""
     import torch
-    import transformers
 
     try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        model, info = from_transformers("AutoModelForCausalLM").from_pretrained(
             str(path), dtype=torch.float32, use_safetensors=True, output_loading_info=True)
     except Exception as exc:  # unreadable files, shapes config.json denies, config fields its classes refuse, ...
         raise CheckpointError(f"{given}: transformers cannot load it: {str(exc).strip()[:400]}") from exc
@@ -35,15 +35,14 @@ def load_float_model(path: Path, given: str, purpose: str):
 
 def transformers_tokenizer(path: Path, given: str):
     """transformers' tokenizer of `path` (its config.json read first, as its classes read it)."""
-    import transformers
-
+    auto_config, auto_tokenizer = from_transformers("AutoConfig", "AutoTokenizer")
     try:
-        transformers.AutoConfig.from_pretrained(str(path))
+        auto_config.from_pretrained(str(path))
     except Exception as exc:  # a field its config class refuses (an integer epsilon), an unknown dtype, ...
         raise CheckpointError(f"{given}: transformers cannot read its config.json: {str(exc).strip()[:400]}; fix "
                               "the field it names or restore the file from the original checkpoint") from exc
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path))
+        return auto_tokenizer.from_pretrained(str(path))
     except Exception as exc:
         raise CheckpointError(f"{given}: transformers cannot load its tokenizer: {str(exc).strip()[:400]}; restore "
                               "the tokenizer files from the original checkpoint") from exc

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from camshaft.errors import FetchError
+from camshaft.transformers_import import from_transformers
 
 if TYPE_CHECKING:
     from camshaft.models import KnownModel
@@ -80,7 +81,8 @@ def _token_id(tokenizer, token: str) -> int:
 def convert_gguf(model: KnownModel, gguf: Path, out: Path, progress: Callable[[str], None]) -> None:
     import torch
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    AutoModelForCausalLM, AutoTokenizer, GenerationConfig = from_transformers(
+        "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig")
 
     progress(f"converting {gguf.name} (dequantizing to float32)")
     try:

@@ -17,6 +17,7 @@ from typing import Any
 
 from camshaft.errors import EngineError, RequestError
 from camshaft.runtime.chat_messages import checked_messages
+from camshaft.transformers_import import from_transformers
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON Schema:\n{functions}\n"
@@ -165,7 +166,8 @@ def template_problem(text: str) -> str | None:
 @lru_cache(maxsize=1)
 def _environment():
     """transformers' chat template environment (its extensions: loop controls, {% generation %})."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    _compile_jinja_template = from_transformers("_compile_jinja_template",
+                                                module="transformers.utils.chat_template_utils")
 
     return _compile_jinja_template("").environment
 

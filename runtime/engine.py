@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -22,9 +21,9 @@ from camshaft.model_config import ModelConfig
 from camshaft.runtime.batch import FEED_NAMES, Chunk, StepBatch, build_step
 from camshaft.runtime.kv_cache import BlockPool, cache_copies, check_fits_host, fraction_bytes, pool_blocks
 from camshaft.runtime.llm_options import check_threads_target
+from camshaft.transformers_import import from_transformers
 
 EDITABLE = (CHAT_TEMPLATE, NAMED_TEMPLATES)  # what a user may add or edit after the build
-_TRANSFORMERS_IMPORT = threading.Lock()
 
 
 def check_tokenizer_files(engine_dir: Path, files: Iterable[str]) -> None:
@@ -48,10 +47,8 @@ def check_tokenizer_files(engine_dir: Path, files: Iterable[str]) -> None:
 
 def load_tokenizer(engine_dir: Path, files: Iterable[str] | None = None):
     """The engine's tokenizer; with `files` (the manifest's), checked by check_tokenizer_files first."""
-    # The fast tokenizer class alone imports in ~1 s; AutoTokenizer pulls in torch and takes several. transformers'
-    # lazy module is not safe to import from several threads at first: engines loaded in parallel got ImportError
-    with _TRANSFORMERS_IMPORT:
-        from transformers import PreTrainedTokenizerFast
+    # The fast tokenizer class alone imports in ~1 s; AutoTokenizer pulls in torch and takes several.
+    PreTrainedTokenizerFast = from_transformers("PreTrainedTokenizerFast")
 
     path = engine_dir / TOKENIZER_DIR
     if not (path / "tokenizer.json").is_file():

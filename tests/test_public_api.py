@@ -118,21 +118,35 @@ def test_onnx_runtimes_telemetry_is_off_unless_asked_for(tmp_path):
     assert kept == {None: [], "0": ["deviceid", "onnxruntime.db"]}
 
 
-def test_engines_loaded_from_several_threads_at_once_all_load(tmp_path):
+def test_engines_built_and_loaded_from_several_threads_at_once_all_load(tmp_path):
     """Review: an app warming its models in a thread pool lost all but one to ImportError ('cannot import name
-    PreTrainedTokenizerFast'): transformers' lazy module is not safe to import from several threads at first."""
+    PreTrainedTokenizerFast'): transformers' lazy module is not safe to import from several threads at first; a
+    re-review found the same with a chat_template given to one load, and with engines built in threads."""
     import subprocess
     import sys
 
-    engine = tiny_engine(tmp_path)
+    from tiny_models import make_tiny_model
+
+    names = ("llama", "qwen2-bias", "llama")
+    models = [make_tiny_model(name, tmp_path / f"{i}-{name}") for i, name in enumerate(names)]
     script = ("import sys, camshaft\n"
               "from concurrent.futures import ThreadPoolExecutor\n"
+              "from camshaft.builder.build import build_engine\n"
+              "from camshaft.builder.config import BuildConfig\n"
+              "models = sys.argv[1:]\n"
+              "def build(i):\n"
+              "    build_engine(BuildConfig(models[i], models[i] + '-engine', max_seq_len=32, max_batch_size=2))\n"
+              "    return models[i] + '-engine'\n"
+              "with ThreadPoolExecutor(3) as pool:\n"
+              "    engines = list(pool.map(build, range(3)))\n"
+              "TPL = \"{% for m in messages %}{{ m['content'] }}{% endfor %}\"\n"
               "def load(i):\n"
               "    kind = camshaft.LLM if i % 2 else camshaft.Session\n"
-              "    with kind(sys.argv[1], threads=1):\n"
+              "    with kind(engines[i % 3], threads=1, chat_template=TPL if i < 2 else None):\n"
               "        return kind.__name__\n"
               "with ThreadPoolExecutor(6) as pool:\n"
               "    print(sorted(pool.map(load, range(6))))\n")
-    done = subprocess.run([sys.executable, "-c", script, str(engine)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script, *map(str, models)], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(["LLM"] * 3 + ["Session"] * 3)

@@ -20,16 +20,18 @@ class ServeRequest:
 def load_tokenizer(path: str | Path):
     """The tokenizer of an engine directory, a Triton repository camshaft deployed (its engine's) or a Hugging Face
     checkpoint directory (local files only)."""
-    from transformers import PreTrainedTokenizerFast
-
     from camshaft.engine_files import TOKENIZER_DIR, deployed_record
+    from camshaft.runtime.engine import load_tokenizer as engine_tokenizer
+    from camshaft.transformers_import import from_transformers
 
     path = Path(path)
     record = deployed_record(path)
     served = [Path(record["engine_dir"]) / TOKENIZER_DIR] if record else []
     for where in (path / TOKENIZER_DIR, path, *served):
         if (where / "tokenizer.json").is_file():
-            return PreTrainedTokenizerFast.from_pretrained(str(where))
+            if where.name == TOKENIZER_DIR and where != path:  # an engine's: checked as its loaders check it
+                return engine_tokenizer(where.parent)
+            return from_transformers("PreTrainedTokenizerFast").from_pretrained(str(where))
     raise RequestError(f"{path} holds no tokenizer.json; pass an engine or checkpoint directory as --tokenizer")
 
 

@@ -13,6 +13,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,8 @@ from pathlib import Path
 from camshaft.engine_files import write_atomic
 from camshaft.errors import CamshaftError
 
+_STAGING: set[Path] = set()  # the outputs this process's threads are writing now
+_STAGING_LOCK = threading.Lock()
 LONGEST_KEPT_NAME = 200  # .NAME.partial-PID and the like stay within the 255 characters of a file name
 MOUNTINFO = Path("/proc/self/mountinfo")
 
@@ -117,10 +120,17 @@ def staged(output: Path, flag: str = "--output", error: type[CamshaftError] = Ca
     block ends is removed, after an error or a stop (Ctrl-C, SIGTERM) too, one landing as the directory is made
     included."""
     output = Path(os.path.abspath(output))  # now: an output over "." replaces the working directory
+    with _STAGING_LOCK:  # a thread's staging sibling is its process's: a second one would remove the first's
+        if output in _STAGING:
+            raise error(f"{flag} {output} is being written by another thread of this process; wait for it to "
+                        "finish, or write to another directory")
+        _STAGING.add(output)
     try:
         yield staging_dir(output, flag, error, advice)
     finally:
         shutil.rmtree(_staging_path(output), ignore_errors=True)
+        with _STAGING_LOCK:
+            _STAGING.discard(output)
 
 
 def _empty_or_missing(path: Path) -> bool:

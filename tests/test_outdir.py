@@ -564,3 +564,33 @@ def test_a_stop_landing_as_the_staging_directory_is_made_leaves_nothing(built, t
         with pytest.raises(KeyboardInterrupt):
             write()
         assert list(tmp_path.iterdir()) == [], name
+
+
+def test_two_threads_writing_one_output_are_refused_not_crossed(tmp_path):
+    """Re-review: two threads of one process building into one --output shared the PID-named staging directory, so
+    the second's start removed the first's files (FileNotFoundError deep in the graph writer); the second is refused.
+    Two processes keep their own staging (the last to finish wins, as documented)."""
+    import threading
+
+    from camshaft.outdir import replace_dir, staged
+
+    out, entered, leave = tmp_path / "engine", threading.Event(), threading.Event()
+
+    def first() -> None:
+        with staged(out) as staging:
+            (staging / "a").write_text("first")
+            entered.set()
+            leave.wait(30)
+            replace_dir(staging, out)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert entered.wait(30)
+    with pytest.raises(CamshaftError, match="is being written by another thread of this process"):
+        with staged(out):
+            pass
+    leave.set()
+    thread.join()
+    assert (out / "a").read_text() == "first"
+    with staged(out) as staging:  # free again once the first is done
+        replace_dir(staging, out)

@@ -154,6 +154,14 @@ def _tokenizer_config(engine_dir: Path) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
+def _template_note(problem: str | None) -> str:
+    if problem is None:
+        return ""
+    if "is not UTF-8 text" in problem:  # no request runs: the tokenizer does not load (runs here: no)
+        return f" ({problem}; the engine does not load until then)"
+    return f" (does not parse, {problem}: chat requests fail until tokenizer/chat_template.jinja is fixed)"
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
@@ -206,8 +214,7 @@ def info_lines(info: dict[str, Any]) -> list[str]:
             f", sizes as the build recorded them (format {info['format_version']} records no fingerprints)")
            if info["files_as_built"] else ", NOT as the build wrote them (below)"),
         f"tokenizer   end ids {info['eos_token_ids']}, chat template {'yes' if info['chat_template'] else 'no'}"
-        + (f" (does not parse, {info['chat_template_problem']}: chat requests fail until "
-           "tokenizer/chat_template.jinja is fixed)" if info["chat_template_problem"] else "")
+        + _template_note(info["chat_template_problem"])
         + "".join(f", {k} {v:g}" for k, v in md["sampling_defaults"].items()),
         "tools       " + ", ".join(f"{k} {v}" for k, v in info["tools"].items()),
         f"runs here   {'yes' if info['runs_here'] else 'no: ' + info['runs_here_reason']}",

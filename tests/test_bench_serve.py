@@ -94,6 +94,19 @@ def test_a_deployed_repository_gives_its_engines_tokenizer(engine_dir, tmp_path)
     assert load_tokenizer(repo).get_vocab() == load_tokenizer(engine_dir).get_vocab()
 
 
+def test_an_engines_tokenizer_is_checked_as_its_loaders_check_it(engine_dir, tmp_path):
+    """Re-review: a chat template saved as UTF-16 ended bench serve in a UnicodeDecodeError traceback."""
+    import shutil
+
+    from camshaft.errors import EngineError
+
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir, copy)
+    (copy / "tokenizer" / "chat_template.jinja").write_text("{{ messages }}", encoding="utf-16")
+    with pytest.raises(EngineError, match="chat_template.jinja is not UTF-8 text"):
+        load_tokenizer(copy)
+
+
 def test_jsonl_prompts_are_text_counted_by_the_tokenizer(engine_dir, tmp_path):
     tokenizer = load_tokenizer(engine_dir)
     path = tmp_path / "prompts.jsonl"

@@ -697,7 +697,11 @@ def test_a_chat_template_saved_as_utf16_is_said_by_the_loaders_and_inspect(copy,
     info = engine_info(copy)
     assert info["runs_here"] is False and "save it as UTF-8" in info["runs_here_reason"]
     if template == "chat_template.jinja":
+        from camshaft.runtime.engine_info import info_lines
+
         assert "is not UTF-8 text" in info["chat_template_problem"]
+        said = "\n".join(info_lines(info))
+        assert "save it as UTF-8; the engine does not load until then)" in said and "does not parse" not in said
 
 
 def test_inspect_gives_the_end_ids_of_an_engine_that_does_not_run_here(copy):

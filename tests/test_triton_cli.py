@@ -651,7 +651,8 @@ def test_text_and_token_models_reloaded_onto_another_build_refuse_to_mix(engine,
         (tmp_path / "current").unlink()
         (tmp_path / "current").symlink_to(other)
         control = grpcclient.InferenceServerClient(server.endpoints.grpc)
-        with pytest.raises(InferenceServerException, match="model 'ensemble' was loaded with the engine .*current"):
+        with pytest.raises(InferenceServerException, match="model 'ensemble' would load the engine .*current.*: "
+                                                           "load 'tensorrt_llm' onto it first"):
             control.load_model("ensemble")
         _, error, _ = ask()
         assert error is None  # the loaded one kept: the old build's tokenizer on the old build's executor

@@ -61,7 +61,9 @@ class TextModel:
         self.engine_dir, self.build_id = Path(params["engine_dir"]), manifest.build_id
         self.channel = ChannelClient(channel_path(params["token_model"]), lambda message: self.inbox.put(message),
                                      check=self._check_hello)
+        self.token_model, self.loaded = params["token_model"], False
         self.channel.open_if_listening()  # a token model loaded with another engine fails this load
+        self.loaded = True
         watch_launcher(lambda: None, channel_path(params["token_model"]).parent)  # an open stream may keep it last
         self.owner = threading.Thread(target=self._own, name="camshaft-text-owner", daemon=True)
         self.owner.start()
@@ -69,11 +71,17 @@ class TextModel:
     def _check_hello(self, hello: tuple) -> None:
         """The executor this model reaches hosts the engine it was loaded with (a reload of either may change it)."""
         _, build_id, engine = hello
-        if build_id != self.build_id or not build_id and Path(engine).resolve() != self.engine_dir.resolve():
+        if build_id == self.build_id and (build_id or Path(engine).resolve() == self.engine_dir.resolve()):
+            return
+        hosts = f"its token model {self.token_model!r} hosts {engine} (build {build_id[:12]})"
+        if not self.loaded:  # this load reads the new build: the token model moves first
             raise ServerClosedError(
-                f"model {self.name!r} was loaded with the engine {self.engine_dir} (build {self.build_id[:12]}), but "
-                f"its token model hosts {engine} (build {build_id[:12]}): reload {self.name!r} so both serve one "
-                "engine (or restart the server)")
+                f"model {self.name!r} would load the engine {self.engine_dir} (build {self.build_id[:12]}), but "
+                f"{hosts}: load {self.token_model!r} onto it first (unload it, then load it), then this model (or "
+                "restart the server)")
+        raise ServerClosedError(
+            f"model {self.name!r} was loaded with the engine {self.engine_dir} (build {self.build_id[:12]}), but "
+            f"{hosts}: reload {self.name!r} so both serve one engine (or restart the server)")
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -132,6 +132,37 @@ def test_the_default_model_id_is_the_engine_path_as_given(engine_dir, tmp_path):
     assert served_name(engine_dir) == engine_dir.name
 
 
+def test_a_stalled_streams_work_is_counted_as_the_engine_does_it(served):
+    """Review: outputs were counted as the HTTP writer took them, so a client reading slowly held the counters back
+    (5,794 of 32,000 generated tokens counted while the engine was idle) and sequences that ran to their length
+    counted as aborted once the client left; vLLM counts as the engine makes them."""
+    import json
+    import socket
+
+    url = served[0]
+    keys = ("camshaft_generation_tokens_total", 'camshaft_request_success_total{finished_reason="length"}',
+            'camshaft_request_success_total{finished_reason="abort"}')
+    before = {k: metric(url, k) for k in keys}
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1500, "min_tokens": 1500, "n": 4,
+                       "logprobs": 5, "stream": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect((host, int(port)))
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        deadline = time.monotonic() + 120
+        while metric(url, keys[0]) < before[keys[0]] + 6000 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the client reads nothing meanwhile
+        after = {k: metric(url, k) for k in keys}
+    finally:
+        client.close()
+    assert after[keys[0]] - before[keys[0]] == 6000 and after[keys[1]] - before[keys[1]] == 4, (before, after)
+    time.sleep(0.5)
+    assert metric(url, keys[2]) == before[keys[2]]  # ended by the engine, not by the client's leaving
+
+
 def test_http_metrics_label_routes_not_raw_paths(served):
     url = served[0]
     for suffix in ("/v1/models/a1", "/v1/models/b2", "/no/such/path-1", "/no/such/path-2"):

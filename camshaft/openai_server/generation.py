@@ -39,19 +39,32 @@ class Generation:
         loop = loop or asyncio.get_running_loop()
         self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._index: dict[str, int] = {}
-        self._unfinished: set[str] = set()
+        self._unfinished: set[str] = set()  # not yet read to its end
+        self._running: set[str] = set()  # not yet ended in the batch loop
+        self._pending: list[RequestOutput] | None = []  # made before the request ids were known
+        self._lock = threading.Lock()  # what the batch loop's thread and the reader share
         self._last: dict[int, float] = {}
-        self._failed = False
+        self._failed = self._errored = False
 
-        def sink(output: RequestOutput) -> None:  # on the batch loop's thread
+        def sink(output: RequestOutput) -> None:  # on the batch loop's thread: counted as made, however it is read
+            with self._lock:
+                if self._pending is None:
+                    self._made(output)
+                else:
+                    self._pending.append(output)
             if not loop.is_closed():  # else the request was aborted with its reader
                 loop.call_soon_threadsafe(self._outputs.put_nowait, output)
 
         # all prompts queued or none: refused (busy, too long), the response is an error and nothing ran
         submitted = llm.submit_batch([(ids, params, sink) for ids in prompts], priority)
-        for p, request_ids in enumerate(submitted):
-            self._unfinished.update(request_ids)
-            self._index.update({rid: p * params.n + j for j, rid in enumerate(request_ids)})
+        with self._lock:
+            for p, request_ids in enumerate(submitted):
+                self._unfinished.update(request_ids)
+                self._running.update(request_ids)
+                self._index.update({rid: p * params.n + j for j, rid in enumerate(request_ids)})
+            pending, self._pending = self._pending or [], None
+            for output in pending:
+                self._made(output)
         metrics.prompt_tokens.inc(self.prompt_tokens)
         LOG.debug("%s: queued %d prompt(s) of %d tokens, %s, priority %d", log_id, len(prompts), self.prompt_tokens,
                   params, priority)
@@ -63,16 +76,9 @@ class Generation:
             if output.finished:
                 self._unfinished.discard(output.request_id)
             if output.error is not None:
-                self.metrics.finished.labels(finished_reason="error").inc()
                 self.failed(output.error)  # its siblings end with the request: failed too, not aborted by the client
                 raise output.error
-            index = self._index[output.request_id]
-            self._observe(index, output)
-            if not self._unfinished:
-                reasons = ", ".join(f"{reason} x{count}" if count > 1 else reason
-                                    for reason, count in self._reasons.items())
-                LOG.info("%s: finished (%s) after %s", self.log_id, reasons, self._so_far())
-            yield index, output
+            yield self._index[output.request_id], output
 
     def choice_prompt_tokens(self, index: int) -> int:
         """The prompt tokens of choice `index`'s prompt."""
@@ -87,11 +93,14 @@ class Generation:
         return [results[i] for i in range(self.num_choices)]
 
     def abort(self, count: bool = True) -> None:
-        """Stop what is unfinished (idempotent); the batch loop frees its KV blocks before its next step. count:
-        each stopped sequence counts as finished for reason abort (the client's), or error where a sibling failed."""
-        if self._unfinished and not self._failed:
-            self._log_aborted("the server stopped" if self._cutting.is_set() else "the client went away")
-        for request_id in self._unfinished:
+        """Stop what still runs (idempotent); the batch loop frees its KV blocks before its next step. count: each
+        stopped sequence counts as finished for reason abort (the client's), or error where a sibling failed. What
+        the batch loop ended first was counted as it ended, read or not."""
+        with self._lock:
+            running, self._running = self._running, set()
+            if running and not self._failed:
+                self._log_aborted("the server stopped" if self._cutting.is_set() else "the client went away")
+        for request_id in running:
             self.llm.abort(request_id)
             if count:
                 self.metrics.finished.labels(finished_reason="error" if self._failed else "abort").inc()
@@ -113,6 +122,23 @@ class Generation:
         first = "" if self._first is None else f", first token at {self._first - self.arrival:.3f} s"
         return (f"{time.perf_counter() - self.arrival:.3f} s{first}: {self.prompt_tokens} prompt tokens, "
                 f"{self._generated} generated")
+
+    def _made(self, output: RequestOutput) -> None:
+        """An output as the batch loop makes it (under the lock): counted, and the request's end logged."""
+        if output.request_id not in self._running:
+            return  # aborted: counted as such
+        if output.error is not None:
+            self._running.discard(output.request_id)
+            self._errored = True
+            self.metrics.finished.labels(finished_reason="error").inc()
+            return
+        self._observe(self._index[output.request_id], output)
+        if output.finished:
+            self._running.discard(output.request_id)
+            if not self._running and not self._errored:
+                reasons = ", ".join(f"{reason} x{count}" if count > 1 else reason
+                                    for reason, count in self._reasons.items())
+                LOG.info("%s: finished (%s) after %s", self.log_id, reasons, self._so_far())
 
     def _observe(self, index: int, output: RequestOutput) -> None:
         now = time.perf_counter()

@@ -143,6 +143,8 @@ def test_a_tool_call_parser_is_for_the_openai_api_and_known(engine):
             "unknown --tool-call-parser 'pythonic'; use hermes, llama3_json, mistral")
     refused(invoke("serve", "--engine", engine, "--chat-template", "t.jinja"),
             "--chat-template renders chat messages for the OpenAI API")
+    refused(invoke("serve", "--engine", engine, "--allowed-origins", "*"),
+            "--allowed-origins lets web pages call the OpenAI API")
 
 
 def test_the_default_pool_is_checked_against_the_memory_there_is_too(engine, tmp_path, monkeypatch):

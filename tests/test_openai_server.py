@@ -48,10 +48,12 @@ def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextmanager
 def running_server(engine: Path, api_key: str | None = None, tool_call_parser: str | None = None,
-                   chat_template: Path | None = None, **llm_options) -> Iterator[tuple[str, object]]:
+                   chat_template: Path | None = None, allowed_origins: tuple[str, ...] = (),
+                   **llm_options) -> Iterator[tuple[str, object]]:
     """(base URL, its LLM) of a uvicorn server on a free loopback port, in a thread."""
     server, llm = build_server(engine, host="127.0.0.1", port=0, llm_options=llm_options, log_level="warning",
-                               api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template)
+                               api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template,
+                               allowed_origins=allowed_origins)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -161,6 +163,25 @@ def test_a_stalled_streams_work_is_counted_as_the_engine_does_it(served):
     assert after[keys[0]] - before[keys[0]] == 6000 and after[keys[1]] - before[keys[1]] == 4, (before, after)
     time.sleep(0.5)
     assert metric(url, keys[2]) == before[keys[2]]  # ended by the engine, not by the client's leaving
+
+
+def test_browsers_may_call_it_from_the_allowed_origins_only(served, engine_dir):
+    """Review: no CORS, so a browser page built for vLLM failed at its preflight (405). --allowed-origins opts in
+    (vLLM allows any origin by default; camshaft none, so no other site's page can use a local server)."""
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    closed = HTTP.options(served[0] + "/v1/completions", headers=preflight)
+    assert closed.status_code == 405 and "access-control-allow-origin" not in closed.headers
+    with running_server(engine_dir, api_key="k", allowed_origins=("http://localhost:3000",)) as (url, _):
+        opened = HTTP.options(url + "/v1/completions", headers=preflight)  # no key: a preflight carries none
+        assert opened.status_code == 200, opened.text
+        assert opened.headers["access-control-allow-origin"] == "http://localhost:3000"
+        done = HTTP.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                         headers={"Origin": "http://localhost:3000", "Authorization": "Bearer k"})
+        assert done.status_code == 200 and done.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "x-request-id" in done.headers["access-control-expose-headers"].lower()
+        other = HTTP.options(url + "/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
 def test_http_metrics_label_routes_not_raw_paths(served):

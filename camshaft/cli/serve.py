@@ -152,6 +152,10 @@ def serve(
         help="OpenAI API: a Jinja chat template (a file, or the template itself) used in place of the engine's")]
     = None,
     no_decoupled: NoDecoupledOption = False,
+    allowed_origins: Annotated[list[str] | None, typer.Option(
+        "--allowed-origins", metavar="ORIGIN",
+        help="OpenAI API: a web page origin browsers may call it from (CORS; repeat it for several, * for any: "
+             "vLLM's default; none by default, so no other site's page can use it)")] = None,
     log_level: Annotated[str, typer.Option(
         help="debug | info | warning | error: what the server logs (OpenAI API: to stderr, each request's end with "
              "its id at info; Triton: to its log file)")] = "info",
@@ -178,6 +182,9 @@ def serve(
     if no_decoupled and (api != "triton" or repo is not None):
         raise CamshaftError("--no-decoupled sets how Triton's models are deployed: it goes with --engine (Triton); a "
                             "--repo keeps what camshaft deploy wrote, and the OpenAI API has no such models")
+    if allowed_origins and api != "openai":
+        raise CamshaftError("--allowed-origins lets web pages call the OpenAI API (--api openai); Triton's HTTP "
+                            "endpoint takes no CORS settings: drop it")
     if chat_template is not None and api != "openai":
         raise CamshaftError("--chat-template renders chat messages for the OpenAI API (--api openai); Triton's models "
                             "take text: drop it")
@@ -209,6 +216,7 @@ def serve(
         with flag_names(*LLM_FLAGS):
             serve_openai(engine, host=host, port=port, llm_options=options, log=progress, model_name=name,
                          api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template,
+                         allowed_origins=tuple(allowed_origins or ()),
                          log_level=log_level)
     elif api == "triton":
         from camshaft.triton_repo.serve import serve as serve_triton

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from camshaft.errors import CamshaftError, CapacityError, EngineError
@@ -37,10 +38,12 @@ LOG = logging.getLogger("camshaft.openai_server")
 _Shape = CompletionShape | ChatShape
 
 
-def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """api_key: every route but /health, /metrics and /version asks for it as a bearer token (None: none).
     tool_call_parser: how tool calls are read from text the model chose to write (tool_calls.PARSERS; None:
-    tool_choice "auto" is refused)."""
+    tool_choice "auto" is refused). allowed_origins: the web page origins browsers may call it from (CORS; "*": any).
+    """
     if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
         raise CamshaftError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
     app = FastAPI(title="camshaft OpenAI-compatible API")
@@ -57,6 +60,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, tool_call_
                        refused=refused)
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key, refused=refused)  # before a body is read
+    if allowed_origins:  # before the key: a browser's preflight carries none
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_middleware(RequestIds)  # added last: runs first (every refusal carries the id)
     app.state.llm, app.state.metrics, app.state.cutting = llm, metrics, threading.Event()  # cutting: set by serve
 

@@ -31,15 +31,15 @@ FLUSH_S = 2  # a stream's error event and [DONE]), with this long to send that b
 
 def build_server(engine: Path, *, host: str, port: int, llm_options: dict, log_level: str = "info",
                  model_name: str | None = None, api_key: str | None = None,
-                 tool_call_parser: str | None = None, chat_template: str | Path | None = None
-                 ) -> tuple[uvicorn.Server, LLM]:
+                 tool_call_parser: str | None = None, chat_template: str | Path | None = None,
+                 allowed_origins: tuple[str, ...] = ()) -> tuple[uvicorn.Server, LLM]:
     """The uvicorn server and the LLM it serves (the caller closes the LLM after the server stops). chat_template:
     a Jinja file or text in place of the engine tokenizer's."""
     log_like_uvicorn(log_level)
     llm = LLM(engine, spin_wait=False, chat_template=chat_template, **llm_options)
     try:
         check_serves_full_length(llm.engine.manifest, llm.config)  # a fraction's pool is known only now
-        app = create_app(llm, model_name or served_name(engine), api_key, tool_call_parser)
+        app = create_app(llm, model_name or served_name(engine), api_key, tool_call_parser, allowed_origins)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + FLUSH_S, lifespan="off")
         return uvicorn.Server(config), llm
@@ -92,7 +92,8 @@ def pool_line(llm: LLM) -> str:
 
 def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callable[[str], None],
           model_name: str | None = None, api_key: str | None = None, tool_call_parser: str | None = None,
-          chat_template: str | Path | None = None, log_level: str = "info") -> None:
+          chat_template: str | Path | None = None, log_level: str = "info",
+          allowed_origins: tuple[str, ...] = ()) -> None:
     """Serve until Ctrl-C, SIGTERM or SIGHUP (a second one ends the requests still running at once, a third cuts
     the connections), then return; a batch loop that failed stops the server too, raising CamshaftError (exit 1, for
     a supervisor to restart it). uvicorn runs in a thread and this one handles the signals, so the LLM is closed
@@ -103,7 +104,7 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     try:
         server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name,
                                    api_key=api_key, tool_call_parser=tool_call_parser, chat_template=chat_template,
-                                   log_level=log_level)
+                                   log_level=log_level, allowed_origins=allowed_origins)
     except BaseException:
         for sock in sockets:
             sock.close()

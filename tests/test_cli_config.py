@@ -39,7 +39,7 @@ def test_a_file_sets_a_commands_options_and_the_flags_typed_win(engine, capsys, 
     assert (limits["max_seq_len"], limits["kv_block_size"], limits["max_num_tokens"]) == (32, 8, 24)
 
 
-def test_an_error_naming_a_flag_the_file_set_says_where_it_was_set(engine, capsys, tmp_path):
+def test_an_error_naming_a_flag_the_file_set_says_where_it_was_set(engine, capsys, tmp_path, monkeypatch):
     """Review: "add --chat (or drop --system)" for a system message the --config file set, with nothing pointing at
     the file; the table of the command run is named, and a flag typed on the command line is not attributed."""
     config = write(tmp_path / "c.toml", '[run]\nsystem = "be brief"\n[build]\nmax-batch-size = 2\n')
@@ -49,6 +49,14 @@ def test_an_error_naming_a_flag_the_file_set_says_where_it_was_set(engine, capsy
     assert code == 1 and f"(--system is set by {config} [run])" in " ".join(err.split()), err
     code, _, err = camshaft(capsys, "--config", config, "run", "--engine", engine, "--prompt", "hi", "--system", "x")
     assert code == 1 and "is set by" not in err, err
+    keyed = write(tmp_path / "k.toml", '[serve]\napi-key = "good"\napi = "openai"\n')  # re-review: the
+    monkeypatch.setenv("CAMSHAFT_API_KEY", " bad ")  # environment's key wins over the file's: not the file's
+    code, _, err = camshaft(capsys, "--config", keyed, "serve", "--engine", engine)
+    assert code == 1 and "--api-key is empty" in err and "is set by" not in err, err
+    monkeypatch.delenv("CAMSHAFT_API_KEY")
+    fetch = write(tmp_path / "f.toml", '[models.fetch]\noutput = "/proc/nope"\n')  # NAME is no subcommand
+    code, _, err = camshaft(capsys, "--config", fetch, "models", "fetch", "smollm2-135m-instruct")
+    assert code == 1 and f"(--output is set by {fetch} [models.fetch])" in " ".join(err.split()), err
     bench = write(tmp_path / "b.toml", '[bench.throughput]\ndataset = "nope.jsonl"\n')
     code, _, err = camshaft(capsys, "--config", bench, "bench", "throughput", "--engine", engine)
     assert code == 1 and "is set by" not in err, err  # the message names no flag

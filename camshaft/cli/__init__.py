@@ -187,7 +187,7 @@ def main() -> None:
         if isinstance(exc, CamshaftError):
             from camshaft.cli.config_file import config_note
 
-            said = str(exc) + config_note(str(exc), sys.argv[1:])
+            said = str(exc) + config_note(str(exc), sys.argv[1:], typer.main.get_command(app))
             err.print(f"[bold red]error:[/bold red] {escape(said)}", soft_wrap=True)
             sys.exit(1)
         if isinstance(exc, SystemExit) and isinstance(exc.__context__, BrokenPipeError):  # click's exit 1 for it

@@ -110,29 +110,34 @@ def _near(key: str, names: list[str]) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def config_note(message: str, argv: list[str]) -> str:
-    """Where an error names flags the command line did not type but the --config file's table for the command set,
-    that said (" (--system is set by FILE [run])"), else "": the user is told to drop a flag they never typed."""
+def config_note(message: str, argv: list[str], root: TyperGroup) -> str:
+    """Where an error names flags the command line did not type (nor the environment give) but the --config file's
+    table for the command set, that said (" (--system is set by FILE [run])"), else "": the user is told to drop a
+    flag they never typed."""
     words = [part for word in argv for part in (word.split("=", 1) if word.startswith("--config=") else [word])]
     if "--config" not in words[:-1]:
         return ""
     at = words.index("--config")
     path, rest = words[at + 1], words[at + 2:]
-    command = []
-    for word in rest:
-        if word.startswith("-"):
+    command: Any = root
+    trail: list[str] = []
+    for word in rest:  # the subcommands named, not the arguments after them (models fetch NAME)
+        if not isinstance(command, TyperGroup) or word not in command.commands:
             break
-        command.append(word)
+        command = command.commands[word]
+        trail.append(word)
     try:
         table: Any = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
-        for name in command:
+        for name in trail:
             table = table.get(name, {})
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
         return ""
     typed = {word.split("=", 1)[0] for word in rest if word.startswith("--")}
+    typed |= {f"--{_flag(p)}" for p in getattr(command, "params", ()) if isinstance(p, TyperOption)
+              and isinstance(p.envvar, str) and p.envvar in os.environ}  # $CAMSHAFT_API_KEY wins over the file
     named = dict.fromkeys(re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", message))
     set_there = [f"--{key}" for key in named if f"--{key}" not in typed and isinstance(table, dict) and key in table]
     if not set_there:
         return ""
     verb = "is" if len(set_there) == 1 else "are"
-    return f" ({', '.join(set_there)} {verb} set by {path} [{_section(tuple(command))}])"
+    return f" ({', '.join(set_there)} {verb} set by {path} [{_section(tuple(trail))}])"

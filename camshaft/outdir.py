@@ -120,17 +120,18 @@ def staged(output: Path, flag: str = "--output", error: type[CamshaftError] = Ca
     block ends is removed, after an error or a stop (Ctrl-C, SIGTERM) too, one landing as the directory is made
     included."""
     output = Path(os.path.abspath(output))  # now: an output over "." replaces the working directory
+    key = Path(os.path.realpath(output.parent)) / output.name  # one staging sibling, however it is spelled
     with _STAGING_LOCK:  # a thread's staging sibling is its process's: a second one would remove the first's
-        if output in _STAGING:
+        if key in _STAGING:
             raise error(f"{flag} {output} is being written by another thread of this process; wait for it to "
                         "finish, or write to another directory")
-        _STAGING.add(output)
+        _STAGING.add(key)
     try:
         yield staging_dir(output, flag, error, advice)
     finally:
         shutil.rmtree(_staging_path(output), ignore_errors=True)
         with _STAGING_LOCK:
-            _STAGING.discard(output)
+            _STAGING.discard(key)
 
 
 def _empty_or_missing(path: Path) -> bool:

@@ -586,9 +586,11 @@ def test_two_threads_writing_one_output_are_refused_not_crossed(tmp_path):
     thread = threading.Thread(target=first)
     thread.start()
     assert entered.wait(30)
-    with pytest.raises(CamshaftError, match="is being written by another thread of this process"):
-        with staged(out):
-            pass
+    (tmp_path / "link").symlink_to(tmp_path)  # re-review: the same directory through a symlinked parent
+    for spelling in (out, tmp_path / "link" / "engine", tmp_path / "x" / ".." / "engine/"):
+        with pytest.raises(CamshaftError, match="is being written by another thread of this process"):
+            with staged(spelling):
+                pass
     leave.set()
     thread.join()
     assert (out / "a").read_text() == "first"

@@ -92,6 +92,14 @@ def test_a_deployed_repository_gives_its_engines_tokenizer(engine_dir, tmp_path)
 
     repo = deploy_repository(engine_dir, tmp_path / "repo")  # bench serve --tokenizer REPO, as its target serves
     assert load_tokenizer(repo).get_vocab() == load_tokenizer(engine_dir).get_vocab()
+    import json
+
+    from camshaft.triton_repo.deploy import MARKER
+
+    record = json.loads((repo / MARKER).read_text())
+    (repo / MARKER).write_text(json.dumps({**record, "engine_dir": str(tmp_path / "moved")}))
+    with pytest.raises(RequestError, match="serves the engine .*moved, which has no tokenizer there"):
+        load_tokenizer(repo)
 
 
 def test_an_engines_tokenizer_is_checked_as_its_loaders_check_it(engine_dir, tmp_path):

@@ -32,6 +32,9 @@ def load_tokenizer(path: str | Path):
             if where.name == TOKENIZER_DIR and where != path:  # an engine's: checked as its loaders check it
                 return engine_tokenizer(where.parent)
             return from_transformers("PreTrainedTokenizerFast").from_pretrained(str(where))
+    if record:
+        raise RequestError(f"{path} serves the engine {record['engine_dir']}, which has no tokenizer there (moved or "
+                           "removed?); pass the engine's directory as --tokenizer, or deploy it again")
     raise RequestError(f"{path} holds no tokenizer.json; pass an engine or checkpoint directory as --tokenizer")
 
 

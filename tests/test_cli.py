@@ -551,7 +551,7 @@ def test_a_benchmark_with_stdout_closed_and_no_json_is_refused_before_it_runs(en
     (["build", "--output", "{out}", "--max-seq-len", "1"], "[x>=2]"),  # help said x>=1; 1 was refused (exit 1)
     (["build", "--output", "{out}", "--max-batch-size", "100000"], "(at most 16384)"),
     (["build", "--output", "{out}", "--max-num-tokens", str(2**18 + 1)], "at most 262144)"),
-    (["build", "--output", "{out}", "--kv-block-size", "7"], "(a power of two)"),
+    (["build", "--output", "{out}", "--kv-block-size", "7"], "(a power of two"),
     (["quantize", "--quant", "int8_wo", "--output", "{out}", "--calib-seq-len", "4"], "[x>=8]"),
     (["build", "--quant", "int8_wo", "--output", "{out}", "--calib-seq-len", "4"], "[x>=8]"),
 ])

@@ -14,7 +14,8 @@ LEAF = {"camshaft", "camshaft.errors", "camshaft.manifest", "camshaft.model_conf
         "camshaft.hf_config", "camshaft.hf_fields", "camshaft.hf_rope", "camshaft.hf_archs", "camshaft.rope_config",
         "camshaft.graph_meta",
         "camshaft.engine_files", "camshaft.io_signature",
-        "camshaft.float_model", "camshaft.cuda_gpu", "camshaft.trt_logger", "camshaft.stop_signals", "camshaft.ports"}
+        "camshaft.float_model", "camshaft.cuda_gpu", "camshaft.trt_logger", "camshaft.stop_signals", "camshaft.ports",
+        "camshaft.transformers_import"}
 # package folder → the camshaft packages its modules may import (besides the leaf modules and itself)
 ALLOWED = {
     "quantize": set(),

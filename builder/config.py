@@ -13,7 +13,7 @@ from camshaft.model_config import ModelConfig
 MOST_SEQUENCES = 2**14  # max_batch_size
 MOST_STEP_TOKENS = 2**18  # max_num_tokens
 DTYPES = ("auto", *ENGINE_DTYPES)
-DEFAULT_KV_BLOCK = 32  # TensorRT-LLM's tokens_per_block
+DEFAULT_KV_BLOCK = 32  # tokens per KV block unless told
 # activations beyond float16's 65504 (Gemma's residual stream): NaN in a float16 engine; vLLM refuses float16 for them
 FLOAT16_OVERFLOWS = ("gemma2", "gemma3")
 # What each target builds; auto: the checkpoint's own type where the target builds it for the GPU (bfloat16: sm80+,

@@ -110,7 +110,7 @@ def build(
         help=f"Most tokens in one step (prefill chunk size; at most {MOST_STEP_TOKENS})")] = 512,
     kv_block_size: Annotated[int, typer.Option(min=1, callback=_power_of_two,
                                                help="Tokens per KV cache block (a power of two, at most "
-                                                    "--max-seq-len rounded up to one)")] = 32,
+                                                    "32 or --max-seq-len rounded up to one)")] = 32,
     gpu_arch: Annotated[str | None, typer.Option(help="tensorrt targets: GPU architecture, e.g. sm89 (default: "
                                                       "tensorrt-rtx sm89, tensorrt the local GPU's)")] = None,
     quant: Annotated[str | None, typer.Option(

@@ -53,7 +53,14 @@ def test_an_error_naming_a_flag_the_file_set_says_where_it_was_set(engine, capsy
     monkeypatch.setenv("CAMSHAFT_API_KEY", " bad ")  # environment's key wins over the file's: not the file's
     code, _, err = camshaft(capsys, "--config", keyed, "serve", "--engine", engine)
     assert code == 1 and "--api-key is empty" in err and "is set by" not in err, err
+    monkeypatch.setenv("CAMSHAFT_API_KEY", "")  # empty: click takes the file's value, so the note names it
+    code, _, err = camshaft(capsys, "--config", write(tmp_path / "k2.toml", '[serve]\napi-key = " "\n'
+                                                      'api = "openai"\n'), "serve", "--engine", engine)
+    assert code == 1 and "(--api-key is set by" in " ".join(err.split()), err
     monkeypatch.delenv("CAMSHAFT_API_KEY")
+    code, _, err = camshaft(capsys, "--config", keyed, "--config", config, "run", "--engine", engine,
+                            "--prompt", "hi")  # the last --config is the one applied
+    assert code == 1 and f"(--system is set by {config} [run])" in " ".join(err.split()), err
     fetch = write(tmp_path / "f.toml", '[models.fetch]\noutput = "/proc/nope"\n')  # NAME is no subcommand
     code, _, err = camshaft(capsys, "--config", fetch, "models", "fetch", "smollm2-135m-instruct")
     assert code == 1 and f"(--output is set by {fetch} [models.fetch])" in " ".join(err.split()), err

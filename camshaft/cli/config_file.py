@@ -117,7 +117,7 @@ def config_note(message: str, argv: list[str], root: TyperGroup) -> str:
     words = [part for word in argv for part in (word.split("=", 1) if word.startswith("--config=") else [word])]
     if "--config" not in words[:-1]:
         return ""
-    at = words.index("--config")
+    at = len(words) - 1 - words[::-1].index("--config")  # the last one given: the one click applies
     path, rest = words[at + 1], words[at + 2:]
     command: Any = root
     trail: list[str] = []
@@ -134,7 +134,7 @@ def config_note(message: str, argv: list[str], root: TyperGroup) -> str:
         return ""
     typed = {word.split("=", 1)[0] for word in rest if word.startswith("--")}
     typed |= {f"--{_flag(p)}" for p in getattr(command, "params", ()) if isinstance(p, TyperOption)
-              and isinstance(p.envvar, str) and p.envvar in os.environ}  # $CAMSHAFT_API_KEY wins over the file
+              and isinstance(p.envvar, str) and os.environ.get(p.envvar)}  # $CAMSHAFT_API_KEY (set, not empty) wins
     named = dict.fromkeys(re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", message))
     set_there = [f"--{key}" for key in named if f"--{key}" not in typed and isinstance(table, dict) and key in table]
     if not set_there:

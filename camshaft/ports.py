@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import resource
 import socket
 
 from camshaft.errors import CamshaftError
@@ -19,6 +21,19 @@ def listen_error(host: str, port: int, exc: OSError, flags: str) -> CamshaftErro
             "pass an address of this machine, such as 127.0.0.1 or 0.0.0.0"
             if exc.errno == errno.EADDRNOTAVAIL else "pick another host or port")
     return CamshaftError(f"cannot listen on {host} port {port} ({exc.strerror}); {hint}")
+
+
+OPEN_FILES = 65535  # what servers raise the soft limit on open files to, as vLLM does (within the hard limit)
+
+
+def raise_open_files(wanted: int = OPEN_FILES) -> None:
+    """The soft limit on open files raised toward the hard one: at the common soft 1024, a server past ~1000
+    connections hits EMFILE, and asyncio's accept loop then logs tracebacks at megabytes a second (CPython's)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):  # a sandbox that forbids it: the limit stays
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def listening_sockets(host: str, port: int, flags: str = "--port") -> list[socket.socket]:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -37,6 +39,15 @@ def engine_dir(tmp_path_factory):
     return tiny_engine(tmp_path_factory)
 
 
+def _soft_open_files(soft: int):
+    """A child's soft limit on open files set low (as a shell's `ulimit -Sn` would), its hard one kept."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return limit
+
+
 @pytest.fixture(scope="module")
 def server(engine_dir):
     """(process, base URL) of the CLI server; the last test stops it, this makes sure it is gone."""
@@ -44,7 +55,7 @@ def server(engine_dir):
     process = subprocess.Popen(
         [sys.executable, "-c", "from camshaft.cli import main; main()", "serve", "--api", "openai", "--engine",
          str(engine_dir), "--port", str(port), "--max-queue", "64"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_soft_open_files(256))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _up(process, url), timeout=60)
@@ -117,6 +128,21 @@ def test_a_non_streaming_client_that_hangs_up_is_aborted(server):
         wait_until(lambda: metric(url, "camshaft_num_requests_running") == 1)  # then hang up, long before 2000
     wait_until(lambda: _idle(url))
     assert metric(url, 'camshaft_request_success_total{finished_reason="abort"}') == aborted_before + 1
+
+
+def test_the_server_raises_its_soft_limit_on_open_files(server):
+    """Review: at the usual soft limit of 1024 open files, a server past ~1000 connections hit EMFILE, and asyncio's
+    accept loop logged tracebacks at megabytes a second; the server raises it toward the hard limit, as vLLM does."""
+    import resource
+
+    from camshaft.ports import OPEN_FILES
+
+    process, _ = server
+    limits = Path(f"/proc/{process.pid}/limits").read_text()
+    soft, hard = re.search(r"Max open files\s+(\S+)\s+(\S+)", limits).groups()
+    hard_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    wanted = OPEN_FILES if hard_limit == resource.RLIM_INFINITY else min(OPEN_FILES, hard_limit)
+    assert int(soft) == max(256, wanted), limits  # the child started at 256
 
 
 def test_healthy_after_load_then_sigterm_stops_cleanly(server, engine_dir):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from camshaft.engine_files import deployed_record
 from camshaft.errors import CamshaftError
+from camshaft.ports import raise_open_files
 from camshaft.stop_signals import Stops
 from camshaft.triton_repo.launch import tritonserver_root
 from camshaft.triton_repo.server import TritonServer
@@ -31,6 +32,7 @@ def serve(*, engine: Path | None, repo: Path | None, host: str, http_port: int, 
     from camshaft.triton_repo.deploy import check_deployed_engine, check_path, deploy_repository
 
     tritonserver_root()  # not installed: said before anything is deployed
+    raise_open_files()  # tritonserver inherits it: each of its connections is a file
     if repo is not None and (warning := check_deployed_engine(Path(repo))):
         log(f"warning: {warning}")
     if repo is not None and name is not None and name != _text_model_name(Path(repo)):

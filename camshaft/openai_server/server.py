@@ -18,7 +18,7 @@ from camshaft.errors import CamshaftError
 from camshaft.openai_server.app import create_app
 from camshaft.openai_server.log_writer import LogWriter
 from camshaft.openai_server.stats_log import StatsLog
-from camshaft.ports import listening_sockets, url_host
+from camshaft.ports import listening_sockets, raise_open_files, url_host
 from camshaft.runtime.engine_info import chat_template_problem
 from camshaft.runtime.kv_cache import pool_bytes
 from camshaft.runtime.llm import LLM
@@ -100,6 +100,7 @@ def serve(engine: Path, *, host: str, port: int, llm_options: dict, log: Callabl
     and the exit status is 0. model_name: the model id clients send (default: the engine directory's name).
     log_level: debug, info (each request's end, with its id), warning or error: what camshaft and uvicorn log."""
     model_name = model_name or served_name(engine)
+    raise_open_files()  # each connection is a file: the usual soft 1024 is reached by ~1000 clients
     sockets = listening_sockets(host, port)  # first: a port in use is refused before the engine loads
     try:
         server, llm = build_server(engine, host=host, port=port, llm_options=llm_options, model_name=model_name,

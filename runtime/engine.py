@@ -36,13 +36,20 @@ def check_tokenizer_files(engine_dir: Path, files: Iterable[str]) -> None:
                           "which would change how text is tokenized; remove them (or rebuild the engine)")
     tokenizer = engine_dir / TOKENIZER_DIR
     for template in [tokenizer / CHAT_TEMPLATE, *sorted((tokenizer / NAMED_TEMPLATES).glob("*.jinja"))]:
-        try:
-            template.read_bytes().decode("utf-8")
-        except OSError:
-            continue  # none, or not readable: transformers says so as it loads
-        except UnicodeDecodeError as exc:  # an editor's "Unicode" (UTF-16) save: the tokenizer would not load
-            raise EngineError(f"{template} is not UTF-8 text ({exc.reason} at byte {exc.start}), which transformers "
-                              "reads chat templates as; save it as UTF-8") from None
+        if problem := not_utf8(template):
+            raise EngineError(f"{template} {problem}")
+
+
+def not_utf8(template: Path) -> str | None:
+    """Why a chat template is not UTF-8 text, which transformers reads it as (an editor's "Unicode" save is UTF-16:
+    the tokenizer would not load), or None (UTF-8, or none: transformers says what it cannot read as it loads)."""
+    try:
+        template.read_bytes().decode("utf-8")
+    except OSError:
+        return None
+    except UnicodeDecodeError as exc:
+        return f"is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
+    return None
 
 
 def load_tokenizer(engine_dir: Path, files: Iterable[str] | None = None):

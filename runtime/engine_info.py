@@ -11,7 +11,7 @@ from camshaft.engine_files import CHAT_TEMPLATE, TOKENIZER_DIR
 from camshaft.errors import EngineError
 from camshaft.graph_meta import sequence_graph_support
 from camshaft.manifest import Manifest, read_manifest
-from camshaft.runtime.engine import check_model_inputs, check_tokenizer_files, end_ids, load_tokenizer
+from camshaft.runtime.engine import check_model_inputs, check_tokenizer_files, end_ids, load_tokenizer, not_utf8
 from camshaft.runtime.kv_cache import bytes_per_block, cache_copies, host_memory, pool_blocks, pool_bytes
 
 TARGET_DEVICES = {"onnxruntime": "CPU", "tensorrt": "datacenter NVIDIA GPU", "tensorrt-rtx": "NVIDIA RTX GPU"}
@@ -137,10 +137,10 @@ def chat_template_problem(engine_dir: Path) -> str | None:
     or None (none, or one that parses): chat requests would fail on it."""
     from camshaft.runtime.chat_template import template_problem
 
+    if problem := not_utf8(engine_dir / TOKENIZER_DIR / CHAT_TEMPLATE):
+        return f"{CHAT_TEMPLATE} {problem}"
     try:
         text = (engine_dir / TOKENIZER_DIR / CHAT_TEMPLATE).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        return f"{CHAT_TEMPLATE} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
     except OSError:
         text = _tokenizer_config(engine_dir).get("chat_template")
     return template_problem(text) if isinstance(text, str) else None

@@ -66,6 +66,11 @@ def configured_engine(model_dir: Path) -> Path | None:
         return None
 
 
+def same_build(build_a: str, dir_a: Path, build_b: str, dir_b: Path) -> bool:
+    """Whether two engines are one build: their build ids, or their paths for engines before format 3 (none)."""
+    return build_a == build_b and bool(build_a or Path(dir_a).resolve() == Path(dir_b).resolve())
+
+
 def check_same_engine(model: str, engine_dir: Path, build_id: str, token_dir: Path) -> None:
     """A text model runs on the executor its token model hosts: refuse to load one deployed with another engine
     (one repository's models copied into another's answered with that one's weights, through their own tokenizer)."""
@@ -78,7 +83,7 @@ def check_same_engine(model: str, engine_dir: Path, build_id: str, token_dir: Pa
         hosted_id = read_manifest(hosted, check_files=False).build_id
     except CamshaftError:
         return  # the token model's own load fails, naming it
-    if hosted_id != build_id or not build_id and hosted.resolve() != engine_dir.resolve():  # "": before format 3
+    if not same_build(hosted_id, hosted, build_id, engine_dir):
         raise CamshaftError(f"model {model!r} was deployed with the engine {engine_dir}, but the token model "
                             f"{token_dir.name!r} it runs on hosts {hosted}: a repository serves one engine (models "
                             "copied in from another repository would answer with this one's weights); deploy each "

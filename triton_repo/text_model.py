@@ -31,6 +31,7 @@ from camshaft.triton_repo.parameters import (
     check_model_parameters,
     check_parameters,
     check_same_engine,
+    same_build,
 )
 from camshaft.triton_repo.protocol import one, split_rows
 from camshaft.triton_repo.server_exit import watch_launcher
@@ -71,7 +72,7 @@ class TextModel:
     def _check_hello(self, hello: tuple) -> None:
         """The executor this model reaches hosts the engine it was loaded with (a reload of either may change it)."""
         _, build_id, engine = hello
-        if build_id == self.build_id and (build_id or Path(engine).resolve() == self.engine_dir.resolve()):
+        if same_build(build_id, Path(engine), self.build_id, self.engine_dir):
             return
         hosts = f"its token model {self.token_model!r} hosts {engine} (build {build_id[:12]})"
         if not self.loaded:  # this load reads the new build: the token model moves first

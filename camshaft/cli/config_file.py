@@ -20,7 +20,7 @@ def read_defaults(path: Path, root: TyperGroup) -> dict[str, Any]:
     """The file's values as the default_map for `root`, every section, key and value checked against the command
     it names (a typo anywhere is an error, not a setting silently ignored)."""
     try:
-        table = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Windows editors) allowed
+        table = _read(path)
     except FileNotFoundError:
         raise RequestError(f"--config {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -28,6 +28,10 @@ def read_defaults(path: Path, root: TyperGroup) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise RequestError(f"--config {path} is not valid TOML: {exc}") from None
     return _group_defaults(root, table, path, ())
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Windows editors) allowed
 
 
 def _group_defaults(group: TyperGroup, table: dict[str, Any], path: Path, trail: tuple[str, ...]) -> dict[str, Any]:
@@ -127,7 +131,7 @@ def config_note(message: str, argv: list[str], root: TyperGroup) -> str:
         command = command.commands[word]
         trail.append(word)
     try:
-        table: Any = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
+        table: Any = _read(Path(path))
         for name in trail:
             table = table.get(name, {})
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
